@@ -1,0 +1,99 @@
+"""The `prfaas` command. Thin: parses arguments, calls package entry points, prints."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from prfaas.engine.errors import EngineError
+
+app = typer.Typer(help="prfaas: cross-region Prefill-as-a-Service.", no_args_is_help=True, pretty_exceptions_show_locals=False)
+model_app = typer.Typer(help="Prepare and list the offline model catalog.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+console = Console()
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+@model_app.command("list")
+def model_list() -> None:
+    """List catalog models and whether they are prepared."""
+    from prfaas.engine.models import list_models, models_root
+
+    table = Table("name", "prepared", "sha256", "description", "source")
+    for status in list_models():
+        prepared = "yes" if status.prepared else "no"
+        table.add_row(status.name, prepared, (status.checksum or "-")[:12], status.description, status.source)
+    console.print(table)
+    console.print(f"model cache: {models_root()}")
+
+
+@model_app.command("prepare")
+def model_prepare(
+    names: list[str] = typer.Argument(..., help="catalog model names (see `prfaas model list`)"),
+    force: bool = typer.Option(False, help="rebuild even if an intact copy exists"),
+) -> None:
+    """Build models into $PRFAAS_HOME/models from local sources (idempotent)."""
+    from prfaas.engine.models import prepare_model
+
+    _quiet_transformers()
+    for name in names:
+        try:
+            prepared = prepare_model(name, force=force)
+        except EngineError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from None
+        verb = "kept" if prepared.reused else "prepared"
+        console.print(f"{verb} {prepared.name} at {prepared.path} (sha256 {prepared.checksum[:16]}...)")
+
+
+@app.command()
+def demo(
+    model: str = typer.Option("smollm2-135m", help="catalog name or HF model folder"),
+    prompt: str | None = typer.Option(None, help="user message (default: a built-in question)"),
+    max_new_tokens: int = typer.Option(48, min=1),
+) -> None:
+    """Generate split (prefill and decode in two processes) and colocated; compare."""
+    from prfaas.engine.demo import DEFAULT_PROMPT, run_demo
+
+    _quiet_transformers()
+    try:
+        report = run_demo(model, prompt or DEFAULT_PROMPT, max_new_tokens)
+    except EngineError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"[bold]model[/bold] {report.model}, prompt {report.prompt_tokens} tokens, fp32 greedy")
+    console.print(f"[bold]colocated[/bold] (one process):\n{report.colocated_text}\n")
+    console.print(
+        f"[bold]split[/bold] (prefill pid {report.prefill_pid} -> {report.kv_bytes:,} KV bytes -> "
+        f"decode pid {report.decode_pid}):\n{report.split_text}\n"
+    )
+    table = Table("", "prefill s", "decode ms/token")
+    table.add_row("colocated", f"{report.colocated_prefill_s:.3f}", f"{report.colocated_decode_ms_per_token:.1f}")
+    table.add_row("split", f"{report.split_prefill_s:.3f}", f"{report.split_decode_ms_per_token:.1f}")
+    console.print(table)
+    console.print(f"KV bytes/token: {report.kv_bytes_per_token:,}")
+    if report.identical:
+        console.print("[green]split output is identical to colocated[/green]")
+    else:
+        console.print("[red]split output DIFFERS from colocated[/red]")
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

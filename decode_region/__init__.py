@@ -1,0 +1,1 @@
+"""prfaas.decode_region"""

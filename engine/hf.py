@@ -1,0 +1,161 @@
+"""The embedded backend: HF transformers on CPU or GPU, batch size one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from prfaas.engine.base import DecodeStep, PrefillResult
+from prfaas.engine.errors import (
+    InvalidPrompt,
+    KVDtypeMismatch,
+    KVShapeMismatch,
+    ModelMismatch,
+    PromptTooLong,
+)
+from prfaas.engine.kv import DTYPES, KVCache, LayerKV, hash_token_ids
+from prfaas.engine.models import model_fingerprint, resolve_model
+from prfaas.engine.sampling import SamplingParams, sample_next
+
+
+class HFEngine:
+    """A model folder loaded with transformers.
+
+    model: a catalog name (prepared) or a path to an HF model folder.
+    dtype: "float32", "bfloat16" or "float16"; KV caches carry it and must match on decode.
+    """
+
+    def __init__(self, model: str | Path, *, dtype: str = "float32", device: str = "cpu") -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.path = resolve_model(model)
+        self._fingerprint = model_fingerprint(self.path)
+        self._dtype = dtype
+        self.device = torch.device(device)
+        self.model: Any = AutoModelForCausalLM.from_pretrained(
+            self.path, dtype=DTYPES[dtype], local_files_only=True
+        ).to(self.device).eval()
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self._max_context = int(config.max_position_embeddings)
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        self.eos_token_ids = frozenset(int(t) for t in eos_ids)
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=DTYPES[self._dtype]).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def _check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        if len(token_ids) == 0:
+            raise InvalidPrompt("prompt is empty; at least one token is required")
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidPrompt(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) + params.max_new_tokens > self._max_context:
+            raise PromptTooLong(
+                f"prompt of {len(token_ids)} tokens plus max_new_tokens {params.max_new_tokens} exceeds "
+                f"the model's context of {self._max_context} tokens"
+            )
+
+    def _check_kv(self, kv: KVCache, params: SamplingParams) -> None:
+        if kv.model_fingerprint != self._fingerprint:
+            raise ModelMismatch(
+                f"KV cache was produced by model {kv.model_fingerprint[:16]}..., "
+                f"this engine runs {self._fingerprint[:16]}... ({self.path.name})"
+            )
+        if kv.dtype != self._dtype:
+            raise KVDtypeMismatch(f"KV cache dtype {kv.dtype} does not match engine dtype {self._dtype}")
+        expected = (self.num_kv_heads, kv.num_tokens, self.head_dim)
+        if kv.num_layers != self.num_layers or any(tuple(layer.k.shape) != expected for layer in kv.layers):
+            raise KVShapeMismatch(
+                f"KV cache has {kv.num_layers} layers, expected {self.num_layers} of shape {list(expected)}"
+            )
+        if kv.num_tokens == 0:
+            raise InvalidPrompt("KV cache covers no tokens")
+        if kv.num_tokens + params.max_new_tokens > self._max_context:
+            raise PromptTooLong(
+                f"KV cache of {kv.num_tokens} tokens plus max_new_tokens {params.max_new_tokens} exceeds "
+                f"the model's context of {self._max_context} tokens"
+            )
+
+    def _forward(self, input_ids: list[int], cache: DynamicCache) -> torch.Tensor:
+        """Run tokens through the model, appending to `cache`; last position's logits [vocab]."""
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float().cpu()
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
+        self._check_prompt(token_ids, params)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(list(token_ids), cache)
+        # cache layers hold k, v: [1, kv_heads, tokens, head_dim]; drop the batch dim.
+        layers = tuple(LayerKV(k=layer.keys[0].contiguous(), v=layer.values[0].contiguous()) for layer in cache.layers)
+        kv = KVCache(
+            model_fingerprint=self._fingerprint,
+            dtype=self._dtype,
+            layers=layers,
+            num_tokens=len(token_ids),
+            token_ids_hash=hash_token_ids(token_ids),
+        )
+        return PrefillResult(kv=kv, first_token=sample_next(logits, params, step=0), logits=logits)
+
+    def decode_steps(self, kv: KVCache, first_token: int, params: SamplingParams) -> Iterator[DecodeStep]:
+        """Like `decode`, with the logits each token was chosen from (for quality checks)."""
+        self._check_kv(kv, params)
+        if not 0 <= first_token < self.vocab_size:
+            raise InvalidPrompt(f"first token {first_token} is outside the vocabulary [0, {self.vocab_size})")
+        return self._decode_steps(kv, first_token, params)
+
+    @torch.inference_mode()
+    def _decode_steps(self, kv: KVCache, first_token: int, params: SamplingParams) -> Iterator[DecodeStep]:
+        cache = DynamicCache(config=self.model.config)
+        for index, layer in enumerate(kv.layers):
+            cache.update(layer.k.unsqueeze(0).to(self.device), layer.v.unsqueeze(0).to(self.device), index)
+        token = first_token
+        for step in range(1, params.max_new_tokens):
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return
+            logits = self._forward([token], cache)
+            token = sample_next(logits, params, step)
+            yield DecodeStep(token=token, logits=logits)
+
+    def decode(self, kv: KVCache, first_token: int, params: SamplingParams) -> Iterator[int]:
+        return (step.token for step in self.decode_steps(kv, first_token, params))
+
+    def generate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """Colocated generation: prefill and decode in this process."""
+        result = self.prefill(token_ids, params)
+        return [result.first_token, *self.decode(result.kv, result.first_token, params)]
+
+    def encode(self, text: str, *, chat: bool = False) -> list[int]:
+        if chat:
+            messages = [{"role": "user", "content": text}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
