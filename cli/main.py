@@ -10,7 +10,9 @@ from rich.table import Table
 
 from prfaas.engine.errors import EngineError
 
-app = typer.Typer(help="prfaas: cross-region Prefill-as-a-Service.", no_args_is_help=True, pretty_exceptions_show_locals=False)
+app = typer.Typer(
+    help="prfaas: cross-region Prefill-as-a-Service.", no_args_is_help=True, pretty_exceptions_show_locals=False
+)
 model_app = typer.Typer(help="Prepare and list the offline model catalog.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 console = Console()

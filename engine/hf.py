@@ -36,9 +36,8 @@ class HFEngine:
         self._fingerprint = model_fingerprint(self.path)
         self._dtype = dtype
         self.device = torch.device(device)
-        self.model: Any = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=DTYPES[dtype], local_files_only=True
-        ).to(self.device).eval()
+        loaded: Any = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype], local_files_only=True)
+        self.model: Any = loaded.to(self.device).eval()
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
@@ -104,7 +103,8 @@ class HFEngine:
         """Run tokens through the model, appending to `cache`; last position's logits [vocab]."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float().cpu()
+        logits: torch.Tensor = out.logits[0, -1].float().cpu()
+        return logits
 
     @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
@@ -112,7 +112,8 @@ class HFEngine:
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(list(token_ids), cache)
         # cache layers hold k, v: [1, kv_heads, tokens, head_dim]; drop the batch dim.
-        layers = tuple(LayerKV(k=layer.keys[0].contiguous(), v=layer.values[0].contiguous()) for layer in cache.layers)
+        cache_layers: list[Any] = list(cache.layers)
+        layers = tuple(LayerKV(k=layer.keys[0].contiguous(), v=layer.values[0].contiguous()) for layer in cache_layers)
         kv = KVCache(
             model_fingerprint=self._fingerprint,
             dtype=self._dtype,

@@ -143,6 +143,7 @@ def prepare_model(name: str, root: Path | None = None, *, force: bool = False) -
             return PreparedModel(name, target, checksum, reused=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
+            scratch.chmod(0o755)  # mkdtemp makes it private; the model is not secret
             catalog[name].build(scratch)
             files = _folder_digest(scratch)
             checksum = _checksum(files)

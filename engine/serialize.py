@@ -10,12 +10,13 @@ Layout (all integers little-endian):
     4       2     version (1)
     6       2     flags (0; a reader refuses unknown flags)
     8       4     header_len: bytes of the JSON header that follows (<= 1 MiB)
-    12      n     header: UTF-8 JSON object (see `_header`)
-    12+n    m     payload: for each layer, K then V, each [num_kv_heads, num_tokens, head_dim]
+    12      8     checksum: xxh3-64 of header + payload
+    20      n     header: UTF-8 JSON object (see `_header`)
+    20+n    m     payload: for each layer, K then V, each [num_kv_heads, num_tokens, head_dim]
                   in C order, in the header's dtype
 
-The header's `payload_xxh3` (xxh3-64, hex) covers the payload. A reader that sees another
-version raises `KVFormatError` naming both versions rather than guess.
+Any altered byte after the prefix fails the checksum. A reader that sees another version
+raises `KVFormatError` naming both versions rather than guess.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from prfaas.engine.kv import DTYPES, KVCache, LayerKV
 
 MAGIC = b"PFKV"
 VERSION = 1
-_PREFIX = struct.Struct("<4sHHI")
+_PREFIX = struct.Struct("<4sHHIQ")
 _MAX_HEADER_BYTES = 1 << 20
 
 
-def _header(kv: KVCache, payload_len: int, checksum: str) -> dict[str, Any]:
+def _header(kv: KVCache, payload_len: int) -> dict[str, Any]:
     return {
         "model_fingerprint": kv.model_fingerprint,
         "dtype": kv.dtype,
@@ -44,23 +45,23 @@ def _header(kv: KVCache, payload_len: int, checksum: str) -> dict[str, Any]:
         "token_ids_hash": kv.token_ids_hash,
         "layer_shapes": [list(layer.k.shape) for layer in kv.layers],
         "payload_bytes": payload_len,
-        "payload_xxh3": checksum,
     }
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy()).cast("B")
+    if t.numel() == 0:
+        return memoryview(b"")
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().data.cast("B")
 
 
 def kv_to_bytes(kv: KVCache) -> bytes:
     """Serialize `kv` into one self-describing, checksummed blob."""
     parts = [_tensor_bytes(t) for layer in kv.layers for t in (layer.k, layer.v)]
-    hasher = xxhash.xxh3_64()
+    header = json.dumps(_header(kv, sum(len(p) for p in parts)), sort_keys=True).encode()
+    hasher = xxhash.xxh3_64(header)
     for part in parts:
         hasher.update(part)
-    payload_len = sum(len(p) for p in parts)
-    header = json.dumps(_header(kv, payload_len, hasher.hexdigest()), sort_keys=True).encode()
-    out = bytearray(_PREFIX.pack(MAGIC, VERSION, 0, len(header)))
+    out = bytearray(_PREFIX.pack(MAGIC, VERSION, 0, len(header), hasher.intdigest()))
     out += header
     for part in parts:
         out += part
@@ -81,7 +82,6 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
         "token_ids_hash": str,
         "layer_shapes": list,
         "payload_bytes": int,
-        "payload_xxh3": str,
     }
     for name, kind in fields.items():
         if not isinstance(header.get(name), kind) or isinstance(header.get(name), bool):
@@ -102,13 +102,13 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
 def kv_from_bytes(data: bytes | bytearray | memoryview) -> KVCache:
     """Parse bytes from `kv_to_bytes`.
 
-    Raises `KVTruncated` if the data ends early, `KVChecksumMismatch` if the payload was
-    altered, and `KVFormatError` for anything else that is not this format.
+    Raises `KVTruncated` if the data ends early, `KVChecksumMismatch` if any byte after the
+    prefix was altered, and `KVFormatError` for anything else that is not this format.
     """
     buf = memoryview(data).cast("B")
     if len(buf) < _PREFIX.size:
         raise KVTruncated(f"KV data truncated: {len(buf)} bytes, the fixed prefix alone is {_PREFIX.size}")
-    magic, version, flags, header_len = _PREFIX.unpack_from(buf)
+    magic, version, flags, header_len, checksum = _PREFIX.unpack_from(buf)
     if magic != MAGIC:
         raise KVFormatError(f"not prfaas KV data: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != VERSION:
@@ -120,6 +120,8 @@ def kv_from_bytes(data: bytes | bytearray | memoryview) -> KVCache:
     start = _PREFIX.size + header_len
     if len(buf) < start:
         raise KVTruncated(f"KV data truncated inside the header: {len(buf)} of at least {start} bytes")
+    # Lengths come from the header, so check it before trusting any of them; the payload
+    # is covered by the same checksum once its length is known.
     header = _parse_header(bytes(buf[_PREFIX.size : start]))
     dtype = DTYPES[header["dtype"]]
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -131,9 +133,9 @@ def kv_from_bytes(data: bytes | bytearray | memoryview) -> KVCache:
         raise KVTruncated(f"KV data truncated: {len(buf)} bytes, header announces {start + expected}")
     if len(buf) > start + expected:
         raise KVFormatError(f"KV data has {len(buf) - start - expected} trailing bytes after the payload")
+    if xxhash.xxh3_64_intdigest(buf[_PREFIX.size :]) != checksum:
+        raise KVChecksumMismatch("KV data checksum mismatch: the data was altered in transit or storage")
     payload = buf[start:]
-    if xxhash.xxh3_64_hexdigest(payload) != header["payload_xxh3"]:
-        raise KVChecksumMismatch("KV payload checksum mismatch: the data was altered in transit or storage")
     # One copy out of the caller's buffer; tensors then own their memory.
     owned = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
     layers, offset = [], 0

