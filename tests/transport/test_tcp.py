@@ -1,0 +1,252 @@
+"""Multi-stream TCP on loopback: real sockets, real threads, faults injected on the wire."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from transport_kit import KEY, Kit, fill, layers_for
+
+from prfaas.transport.api import Shipment, TransferStatus
+from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferTimeout
+from prfaas.transport.framing import HEADER_SIZE, FrameType, parse_header, read_exact
+from prfaas.transport.tcp import TcpChannel
+from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.tickets import TicketSigner
+
+
+@pytest.fixture
+def receiver(kit: Kit) -> Iterator[TcpReceiver]:
+    with TcpReceiver(kit.verifier) as rx:
+        yield rx
+
+
+def ship(channel: TcpChannel, receiver: TcpReceiver, kit: Kit, **spec_kw: object) -> tuple[object, object, list]:
+    spec = kit.spec(**spec_kw)  # type: ignore[arg-type]
+    inbound = receiver.expect(spec.job_id, spec.attempt, timeout_s=spec.timeout_s)
+    layers = layers_for(spec)
+    shipment = Shipment(spec)
+    transfer = channel.submit(shipment)
+    fill(shipment, layers)
+    return transfer, inbound, layers
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless"])
+def test_shipment_over_four_streams_reassembles_bit_exactly(kit: Kit, receiver: TcpReceiver, codec: str) -> None:
+    with TcpChannel(receiver.address, num_streams=4) as channel:
+        transfer, inbound, layers = ship(channel, receiver, kit, codec=codec)
+        assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
+        assert inbound.wait(5) is TransferStatus.COMPLETED
+        for index, pair in enumerate(layers):
+            assert inbound.layer(index, 1) == pair
+        assert transfer.stats.raw_bytes == transfer.spec.raw_bytes
+        assert channel.num_connected == 4
+        assert channel.queue.inflight_bytes == 0
+
+
+def test_concurrent_jobs_share_the_pool(kit: Kit, receiver: TcpReceiver) -> None:
+    with TcpChannel(receiver.address, num_streams=3) as channel:
+        shipped = [ship(channel, receiver, kit, num_layers=3) for _ in range(5)]
+        for transfer, inbound, layers in shipped:
+            assert transfer.wait(15) is TransferStatus.COMPLETED  # type: ignore[attr-defined]
+            assert inbound.layer(2, 1) == layers[2]  # type: ignore[attr-defined]
+        assert receiver.num_connections == 3  # no connection per job
+
+
+def test_killing_a_stream_mid_shipment_still_completes(kit: Kit, receiver: TcpReceiver) -> None:
+    with TcpChannel(receiver.address, num_streams=4, max_inflight_bytes=256 << 10) as channel:
+        spec = kit.spec(num_layers=8, shape=(4, 1024, 64))
+        inbound = receiver.expect(spec.job_id, spec.attempt, timeout_s=20)
+        layers = layers_for(spec)
+        shipment = Shipment(spec)
+        transfer = channel.submit(shipment)
+        for index in range(4):
+            shipment.add_layer(index, *layers[index])
+        deadline = time.monotonic() + 5
+        while transfer.stats.wire_bytes < 512 << 10 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        channel.streams[1].kill()
+        channel.streams[2].kill()
+        for index in range(4, 8):
+            shipment.add_layer(index, *layers[index])
+        assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
+        assert [inbound.layer(i, 1) for i in range(8)] == layers
+
+
+class CorruptingProxy:
+    """Forwards a TCP connection and flips one payload byte in the first DATA frame."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.flipped = 0
+        self.threads: list[threading.Thread] = []
+        self.sockets: list[socket.socket] = []
+        self._spawn(self._accept)
+
+    def _spawn(self, fn: object, *args: object) -> None:
+        thread = threading.Thread(target=fn, args=args, daemon=True)  # type: ignore[arg-type]
+        self.threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.sockets += [client, upstream]
+            self._spawn(self._frames, client, upstream)
+            self._spawn(self._bytes, upstream, client)
+
+    def _frames(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                head = read_exact(src, HEADER_SIZE)
+                header = parse_header(bytes(head))
+                payload = read_exact(src, header.payload_len)
+                if header.type is FrameType.DATA and self.flipped == 0 and payload:
+                    payload[len(payload) // 2] ^= 0xFF
+                    self.flipped += 1
+                dst.sendall(bytes(head) + bytes(payload))
+        except (OSError, ConnectionError):
+            pass
+
+    def _bytes(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_flipped_byte_is_detected_and_resent(kit: Kit, receiver: TcpReceiver) -> None:
+    proxy = CorruptingProxy(receiver.address)
+    try:
+        with TcpChannel(proxy.address, num_streams=1) as channel:
+            transfer, inbound, layers = ship(channel, receiver, kit, num_layers=3)
+            assert transfer.wait(10) is TransferStatus.COMPLETED  # type: ignore[attr-defined]
+            assert proxy.flipped == 1
+            assert transfer.stats.resent_chunks >= 1  # type: ignore[attr-defined]
+            assert [inbound.layer(i, 1) for i in range(3)] == layers  # type: ignore[attr-defined]
+    finally:
+        proxy.close()
+
+
+def test_forged_ticket_is_refused_before_any_kv_is_stored(kit: Kit, receiver: TcpReceiver) -> None:
+    base = kit.spec()
+    forged = TicketSigner({"k1": b"f" * 32}, "k1").issue(base.job_id, 1, "acme", base.raw_bytes, 60)
+    with TcpChannel(receiver.address, num_streams=2) as channel:
+        transfer, inbound, _ = ship(channel, receiver, kit, job_id=base.job_id, ticket=forged)
+        assert transfer.wait(5) is TransferStatus.FAILED  # type: ignore[attr-defined]
+        assert isinstance(transfer.error, TicketRejected)  # type: ignore[attr-defined]
+        assert inbound.info is None  # type: ignore[attr-defined]
+        assert inbound.wire_bytes == 0  # type: ignore[attr-defined]
+
+
+def test_expired_and_over_budget_tickets_are_refused(kit: Kit, receiver: TcpReceiver) -> None:
+    base = kit.spec()
+    expired = kit.signer.issue(base.job_id, 1, "acme", base.raw_bytes, ttl_s=-1)
+    with TcpChannel(receiver.address, num_streams=1) as channel:
+        transfer, _inbound, _ = ship(channel, receiver, kit, job_id=base.job_id, ticket=expired)
+        assert transfer.wait(5) is TransferStatus.FAILED  # type: ignore[attr-defined]
+        assert "expired" in str(transfer.error)  # type: ignore[attr-defined]
+        small = kit.spec(budget=1000)
+        transfer, inbound, _ = ship(channel, receiver, kit, job_id=small.job_id, ticket=small.ticket)
+        assert transfer.wait(5) is TransferStatus.FAILED  # type: ignore[attr-defined]
+        assert "budget" in str(transfer.error)  # type: ignore[attr-defined]
+        assert inbound.wire_bytes == 0  # type: ignore[attr-defined]
+
+
+def test_replayed_ticket_is_refused(kit: Kit, receiver: TcpReceiver) -> None:
+    with TcpChannel(receiver.address, num_streams=2) as channel:
+        transfer, _, _ = ship(channel, receiver, kit, num_layers=2)
+        assert transfer.wait(5) is TransferStatus.COMPLETED  # type: ignore[attr-defined]
+        spec = transfer.spec  # type: ignore[attr-defined]
+        again = receiver.expect(spec.job_id, spec.attempt, timeout_s=5)  # even with a reservation
+        replay = channel.submit(Shipment(spec))
+        assert replay.wait(5) is TransferStatus.FAILED
+        assert isinstance(replay.error, TicketRejected)
+        assert "replayed" in str(replay.error)
+        assert again.wire_bytes == 0
+
+
+def test_shipment_without_reservation_is_refused(kit: Kit, receiver: TcpReceiver) -> None:
+    with TcpChannel(receiver.address, num_streams=1) as channel:
+        transfer = channel.submit(Shipment(kit.spec()))
+        assert transfer.wait(5) is TransferStatus.FAILED
+        assert "no reservation" in str(transfer.error)
+
+
+RECEIVER_PROCESS = """
+import sys, time
+from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.tickets import TicketVerifier
+rx = TcpReceiver(TicketVerifier({"k1": bytes.fromhex(sys.argv[1])}))
+rx.expect(sys.argv[2], 1, timeout_s=60)
+print(rx.address[1], flush=True)
+time.sleep(60)
+"""
+
+
+def test_peer_killed_mid_shipment_fails_within_the_deadline_and_leaks_no_threads(kit: Kit) -> None:
+    spec = kit.spec(num_layers=8, shape=(4, 1024, 64), timeout_s=4.0)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER_PROCESS, KEY.hex(), spec.job_id], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert peer.stdout is not None
+        port = int(peer.stdout.readline())
+        before = threading.active_count()
+        channel = TcpChannel(("127.0.0.1", port), num_streams=4, unavailable_after_s=1.0, connect_timeout_s=0.5)
+        shipment = Shipment(spec)
+        transfer = channel.submit(shipment)
+        layers = layers_for(spec)
+        shipment.add_layer(0, *layers[0])
+        deadline = time.monotonic() + 3
+        while transfer.stats.wire_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        peer.kill()  # kill -9: the decode region vanishes mid-shipment, no goodbye
+        for index in range(1, 8):
+            shipment.add_layer(index, *layers[index])
+        start = time.monotonic()
+        status = transfer.wait(10)
+        assert status in (TransferStatus.FAILED, TransferStatus.TIMEOUT)
+        assert isinstance(transfer.error, PeerUnavailable | TransferTimeout)
+        assert time.monotonic() - start < 4.0
+        channel.close()
+        assert channel.queue.inflight_bytes == 0
+        deadline = time.monotonic() + 5
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+    finally:
+        peer.kill()
+        peer.wait(5)
+
+
+def test_silent_peer_times_out_at_the_deadline(kit: Kit) -> None:
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers HELLO
+    try:
+        with TcpChannel(silent.getsockname()[:2], num_streams=2, connect_timeout_s=0.3, unavailable_after_s=30) as ch:
+            spec = kit.spec(timeout_s=1.0)
+            shipment = Shipment(spec)
+            transfer = ch.submit(shipment)
+            fill(shipment, layers_for(spec))
+            start = time.monotonic()
+            assert transfer.wait(5) is TransferStatus.TIMEOUT
+            assert time.monotonic() - start < 1.5
+    finally:
+        silent.close()

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+from prfaas.transport.api import Shipment, ShipmentSpec
+from prfaas.transport.tickets import TicketSigner, TicketVerifier
+
+KEY = os.urandom(32)
+
+
+@dataclass
+class Kit:
+    signer: TicketSigner
+    verifier: TicketVerifier
+
+    def spec(
+        self,
+        *,
+        num_layers: int = 6,
+        shape: tuple[int, int, int] = (3, 512, 64),
+        codec: str = "raw",
+        timeout_s: float = 20.0,
+        chunk_bytes: int = 64 << 10,
+        attempt: int = 1,
+        ticket: str | None = None,
+        budget: int | None = None,
+        job_id: str | None = None,
+    ) -> ShipmentSpec:
+        job_id = job_id or str(uuid.uuid4())
+        raw = num_layers * 2 * shape[0] * shape[1] * shape[2] * 2
+        if ticket is None:
+            ticket = self.signer.issue(job_id, attempt, "acme", budget or raw, ttl_s=60)
+        return ShipmentSpec(job_id, attempt, ticket, "bfloat16", (shape,) * num_layers, codec, timeout_s, chunk_bytes)
+
+
+def layers_for(spec: ShipmentSpec, seed: int = 0) -> list[tuple[bytes, bytes]]:
+    """Random bf16-sized bytes per layer (the transport never looks inside raw parts)."""
+    rng = __import__("random").Random(seed)
+    return [(rng.randbytes(spec.part_bytes(i)), rng.randbytes(spec.part_bytes(i))) for i in range(spec.num_layers)]
+
+
+def fill(shipment: Shipment, layers: list[tuple[bytes, bytes]]) -> None:
+    for index, (k, v) in enumerate(layers):
+        shipment.add_layer(index, k, v)

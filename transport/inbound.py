@@ -1,0 +1,181 @@
+"""Receiver-side assembly of one shipment: chunks in, decoded layers out.
+
+Shared by every receiver (TCP, in-process): it does no I/O. Chunks may arrive in any
+order and more than once; a layer is exposed as soon as both its parts are complete and
+decoded, so the decoding engine can start on layer 0 while later layers are in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prfaas.transport.api import DTYPE_SIZES, Shape, StatusCell, TransferStatus
+from prfaas.transport.codecs import CodecId, TensorMeta, get_codec
+from prfaas.transport.errors import CodecError, FrameError, TicketRejected, TransferTimeout, TransportError
+from prfaas.transport.tickets import Ticket
+
+
+@dataclass(frozen=True)
+class OpenInfo:
+    """What an OPEN frame announces about a shipment (docs/wire-format.md)."""
+
+    dtype: str
+    layer_shapes: tuple[Shape, ...]
+    codec: int
+    chunk_bytes: int
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(2 * h * t * d * DTYPE_SIZES[self.dtype] for h, t, d in self.layer_shapes)
+
+    def to_json(self, ticket: str) -> dict[str, object]:
+        return {
+            "ticket": ticket, "num_layers": len(self.layer_shapes), "dtype": self.dtype,
+            "layer_shapes": [list(s) for s in self.layer_shapes], "codec": self.codec, "chunk_bytes": self.chunk_bytes,
+        }  # fmt: skip
+
+    @staticmethod
+    def from_json(value: object) -> tuple[OpenInfo, str]:
+        """Parse and validate an OPEN payload: (info, ticket)."""
+        if not isinstance(value, dict):
+            raise FrameError("OPEN payload is not a JSON object")
+        try:
+            ticket, dtype, codec, chunk_bytes = value["ticket"], value["dtype"], value["codec"], value["chunk_bytes"]
+            shapes = tuple(tuple(int(d) for d in s) for s in value["layer_shapes"])
+            num_layers = value["num_layers"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FrameError(f"OPEN payload is missing or mistyping a field: {exc}") from None
+        if not isinstance(ticket, str) or dtype not in DTYPE_SIZES:
+            raise FrameError(f"OPEN payload has a bad ticket or dtype {dtype!r}")
+        if num_layers != len(shapes) or not shapes or any(len(s) != 3 or min(s) < 0 for s in shapes):
+            raise FrameError("OPEN layer_shapes must be num_layers lists of [heads, tokens, head_dim]")
+        if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= 16 << 20:
+            raise FrameError(f"OPEN chunk_bytes {chunk_bytes!r} outside [4 KiB, 16 MiB]")
+        try:
+            get_codec(CodecId(codec))
+        except (ValueError, CodecError):
+            raise FrameError(f"OPEN names unknown codec id {codec!r}") from None
+        return OpenInfo(dtype, shapes, int(codec), chunk_bytes), ticket  # type: ignore[arg-type]
+
+
+class _Part:
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.chunks: dict[int, bytes] = {}
+
+
+class Inbound:
+    """One expected shipment on a receiver. Thread-safe."""
+
+    def __init__(self, job_id: str, attempt: int, timeout_s: float) -> None:
+        self.job_id = job_id
+        self.attempt = attempt
+        self.cell = StatusCell(timeout_s)
+        self.info: OpenInfo | None = None
+        self.ticket: Ticket | None = None
+        self.wire_bytes = 0
+        self._lock = threading.Condition()
+        self._parts: dict[tuple[int, int], _Part] = {}
+        self._decoded: dict[tuple[int, int], bytes] = {}
+        self._layers: dict[int, tuple[bytes, bytes]] = {}
+        self.cell.on_terminal(self._on_terminal)
+
+    # -- receiver side -------------------------------------------------------------------
+
+    def open(self, info: OpenInfo, ticket: Ticket) -> bool:
+        """Accept an OPEN (one per connection that carries the shipment). True on the first."""
+        if info.raw_bytes > ticket.budget:
+            raise TicketRejected(f"shipment of {info.raw_bytes} raw bytes exceeds the ticket budget {ticket.budget}")
+        with self._lock:
+            if self.cell.status().terminal:
+                raise TicketRejected(f"shipment already {self.cell.status().value}")
+            if self.info is not None:
+                if info != self.info or ticket != self.ticket:
+                    raise FrameError("OPEN disagrees with the shipment's first OPEN")
+                return False
+            self.info, self.ticket = info, ticket
+        self.cell.start()
+        return True
+
+    def accept(self, layer: int, part: int, chunk: int, count: int, codec: int, raw_len: int, payload: bytes) -> bool:
+        """Store one verified chunk; False if it is a duplicate. Raises TransportError if it
+        contradicts the OPEN (the shipment then fails)."""
+        info = self.info
+        if info is None:
+            raise FrameError("DATA before OPEN")
+        if not 0 <= layer < len(info.layer_shapes) or codec != info.codec:
+            raise FrameError(f"DATA for layer {layer} codec {codec} does not match the OPEN")
+        heads, tokens, head_dim = info.layer_shapes[layer]
+        meta = TensorMeta(info.dtype, (heads, tokens, head_dim))
+        if raw_len != heads * tokens * head_dim * DTYPE_SIZES[info.dtype]:
+            raise FrameError(f"DATA raw_len {raw_len} does not match layer {layer}'s shape")
+        with self._lock:
+            if self.cell.status().terminal:
+                return False
+            entry = self._parts.setdefault((layer, part), _Part(count))
+            if (layer, part) in self._decoded or chunk in entry.chunks:
+                return False
+            if entry.count != count:
+                raise FrameError(f"chunk_count {count} disagrees with {entry.count} for layer {layer} part {part}")
+            entry.chunks[chunk] = payload
+            self.wire_bytes += len(payload)
+            if len(entry.chunks) < entry.count:
+                return True
+            blob = b"".join(entry.chunks[i] for i in range(entry.count))
+            del self._parts[(layer, part)]
+        decoded = get_codec(CodecId(codec)).decode(blob, meta)  # outside the lock: runs in parallel
+        if len(decoded) != raw_len:
+            raise CodecError(f"layer {layer} part {part} decoded to {len(decoded)} bytes, expected {raw_len}")
+        with self._lock:
+            self._decoded[(layer, part)] = decoded
+            if (layer, 1 - part) in self._decoded:
+                k, v = self._decoded.pop((layer, 0)), self._decoded.pop((layer, 1))
+                self._layers[layer] = (k, v)
+                self._lock.notify_all()
+            complete = len(self._layers) == len(info.layer_shapes)
+        if complete:
+            self.cell.finish(TransferStatus.COMPLETED)
+        return True
+
+    def fail(self, error: TransportError) -> None:
+        self.cell.finish(TransferStatus.FAILED, error)
+
+    def _on_terminal(self, status: TransferStatus) -> None:
+        with self._lock:
+            self._parts.clear()
+            self._decoded.clear()
+            if status is not TransferStatus.COMPLETED:
+                self._layers.clear()  # a failed shipment's KV must not be used, nor kept
+            self._lock.notify_all()
+
+    # -- consumer side -------------------------------------------------------------------
+
+    def status(self) -> TransferStatus:
+        return self.cell.status()
+
+    @property
+    def error(self) -> TransportError | None:
+        return self.cell.error
+
+    def wait(self, timeout_s: float | None = None) -> TransferStatus:
+        return self.cell.wait(timeout_s)
+
+    def layer(self, index: int, timeout_s: float) -> tuple[bytes, bytes]:
+        """Layer `index`'s decoded (K, V) bytes, waiting for them at most `timeout_s`.
+        Raises the shipment's error if it ended without them, TransferTimeout on timeout."""
+        with self._lock:
+            self._lock.wait_for(lambda: index in self._layers or self.cell.status().terminal, timeout_s)
+            if index in self._layers:
+                return self._layers[index]
+        self.cell.expire_if_due()
+        error = self.cell.error
+        raise error if error is not None else TransferTimeout(f"layer {index} did not arrive within {timeout_s} s")
+
+    def cancel(self, reason: str = "canceled by the receiver") -> None:
+        self.cell.cancel(reason)
+
+    def release(self) -> None:
+        """Drop the received KV (after the engine copied it)."""
+        with self._lock:
+            self._layers.clear()

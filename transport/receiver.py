@@ -1,0 +1,179 @@
+"""The receiving half of the wire protocol, independent of how frames travel.
+
+`ReceiverCore.handle(frame, ok, session)` applies docs/wire-format.md's receiver rules
+and returns the frames to send back on that session. The TCP server and the in-process
+channel both drive it, so both enforce the same tickets, budgets and checksums.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from prfaas.transport.api import TransferStatus
+from prfaas.transport.errors import (
+    FrameError,
+    TicketRejected,
+    TransferCanceled,
+    TransferTimeout,
+    TransportError,
+)
+from prfaas.transport.framing import SUPPORTED_VERSIONS, ErrorCode, Frame, FrameType, error_frame, json_payload
+from prfaas.transport.framing import ack_payload as _ack_payload
+from prfaas.transport.inbound import Inbound, OpenInfo
+from prfaas.transport.tickets import ReplayGuard, TicketVerifier
+
+log = logging.getLogger(__name__)
+Key = tuple[bytes, int]  # (job_id bytes, attempt)
+
+
+class Session:
+    """One connection's state on the receiver. `send` delivers frames back to the sender."""
+
+    def __init__(self, send: Callable[[Frame], None]) -> None:
+        self.send = send
+        self.hello = False
+        self.version = 0
+
+
+class ReceiverCore:
+    """Expected shipments and the protocol rules for the frames that fill them."""
+
+    def __init__(self, verifier: TicketVerifier, node: str = "receiver") -> None:
+        self.node = node
+        self._verifier = verifier
+        self._replay = ReplayGuard()
+        self._lock = threading.Lock()
+        self._inbounds: dict[Key, Inbound] = {}
+        self._sessions: dict[Key, set[Session]] = {}
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
+        """Register a shipment this receiver holds room for; KV for anything else is refused."""
+        key = (uuid.UUID(job_id).bytes, attempt)
+        inbound = Inbound(job_id, attempt, timeout_s)
+        with self._lock:
+            if key in self._inbounds:
+                raise ValueError(f"job {job_id} attempt {attempt} is already expected")
+            self._inbounds[key] = inbound
+            self._sessions[key] = set()
+        inbound.cell.on_terminal(lambda status: self._ended(key, inbound, status))
+        return inbound
+
+    def expire_due(self) -> None:
+        """End shipments past their deadline (called periodically by the server)."""
+        with self._lock:
+            inbounds = list(self._inbounds.values())
+        now = time.monotonic()
+        for inbound in inbounds:
+            inbound.cell.expire_if_due(now)
+
+    def cancel_all(self, reason: str) -> None:
+        """End every expected shipment (the receiver is shutting down): frees their buffers."""
+        with self._lock:
+            inbounds = list(self._inbounds.values())
+        for inbound in inbounds:
+            inbound.cancel(reason)
+
+    @property
+    def num_expected(self) -> int:
+        with self._lock:
+            return len(self._inbounds)
+
+    def _ended(self, key: Key, inbound: Inbound, status: TransferStatus) -> None:
+        with self._lock:
+            self._inbounds.pop(key, None)
+            sessions = self._sessions.pop(key, set())
+        if inbound.ticket is not None:
+            self._replay.retire(inbound.ticket)
+        job, attempt = key
+        reply: Frame | None = None
+        if status is TransferStatus.COMPLETED:
+            reply = Frame(FrameType.DONE, job, attempt)
+        elif isinstance(inbound.error, TransferCanceled):
+            reply = Frame(FrameType.CANCEL, job, attempt, payload=str(inbound.error).encode())
+        elif isinstance(inbound.error, TransferTimeout):
+            reply = error_frame(ErrorCode.DEADLINE, str(inbound.error), job, attempt)
+        elif inbound.error is not None:
+            reply = error_frame(ErrorCode.INTERNAL, str(inbound.error), job, attempt)
+        if reply is not None:
+            for session in sessions:  # every connection that carried it: one may be broken
+                session.send(reply)
+
+    def handle(self, frame: Frame, payload_ok: bool, session: Session) -> list[Frame]:
+        """Apply one frame from `session`; return the replies. Raises FrameError when the
+        connection must be closed (it has lost framing or broken the handshake)."""
+        if not session.hello:
+            return self._hello(frame, session)
+        key = (frame.job_id, frame.attempt)
+        if frame.type is FrameType.OPEN:
+            return self._open(frame, key, session)
+        if frame.type is FrameType.DATA:
+            return self._data(frame, payload_ok, key)
+        if frame.type is FrameType.CANCEL:
+            with self._lock:
+                inbound = self._inbounds.get(key)
+            if inbound is not None:
+                inbound.cell.cancel(f"canceled by the sender: {bytes(frame.payload).decode(errors='replace')}")
+            return []
+        if frame.type is FrameType.PING:
+            return [Frame(FrameType.PONG, payload=frame.payload)]
+        if frame.type is FrameType.ERROR:
+            log.warning("sender reported an error: %s", bytes(frame.payload)[:200])
+            return []
+        raise FrameError(f"a receiver does not accept {frame.type.name} frames")
+
+    def _hello(self, frame: Frame, session: Session) -> list[Frame]:
+        if frame.type is not FrameType.HELLO:
+            raise FrameError(f"first frame must be HELLO, got {frame.type.name}")
+        hello = frame.json()
+        versions = hello.get("versions") if isinstance(hello, dict) else None
+        common = set(versions or []) & set(SUPPORTED_VERSIONS)
+        if not common:
+            session.send(
+                error_frame(ErrorCode.UNSUPPORTED_VERSION, f"receiver speaks versions {list(SUPPORTED_VERSIONS)}")
+            )
+            raise FrameError(f"no common wire version: sender offers {versions}")
+        session.hello, session.version = True, max(common)
+        return [Frame(FrameType.HELLO_OK, payload=json_payload({"version": session.version, "node": self.node}))]
+
+    def _open(self, frame: Frame, key: Key, session: Session) -> list[Frame]:
+        job, attempt = key
+        with self._lock:
+            inbound = self._inbounds.get(key)
+        if inbound is None:
+            return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, "no reservation for this job attempt", job, attempt)]
+        try:
+            info, token = OpenInfo.from_json(frame.json())
+            ticket = self._verifier.verify(token, job=str(uuid.UUID(bytes=job)), attempt=attempt)
+            self._replay.check(ticket)
+            inbound.open(info, ticket)
+        except TicketRejected as exc:
+            code = ErrorCode.OVER_BUDGET if "budget" in str(exc) else ErrorCode.TICKET_REJECTED
+            return [error_frame(code, str(exc), job, attempt)]
+        except FrameError as exc:
+            return [error_frame(ErrorCode.BAD_FRAME, str(exc), job, attempt)]
+        with self._lock:
+            if key in self._sessions:
+                self._sessions[key].add(session)
+        return [Frame(FrameType.OPEN_OK, job, attempt)]
+
+    def _data(self, frame: Frame, payload_ok: bool, key: Key) -> list[Frame]:
+        job, attempt = key
+        with self._lock:
+            inbound = self._inbounds.get(key)
+        if inbound is None or inbound.info is None:
+            return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, "DATA for a shipment that is not open", job, attempt)]
+        if not payload_ok:
+            return [Frame(FrameType.NACK, job, attempt, frame.layer, frame.part, chunk=frame.chunk)]
+        try:
+            inbound.accept(
+                frame.layer, frame.part, frame.chunk, frame.chunk_count, frame.codec, frame.raw_len,
+                bytes(frame.payload),
+            )  # fmt: skip
+        except TransportError as exc:
+            inbound.fail(exc)
+            return []  # _ended tells the sender
+        return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([frame.key]))]

@@ -1,0 +1,245 @@
+"""The sending half of the wire protocol for one transfer, independent of how frames travel.
+
+An `OutboundTransfer` turns layers into encoded, checksummed DATA frames (once; resends
+reuse the bytes), tracks which chunks the receiver acknowledged, and settles the
+transfer's status from the receiver's DONE / ERROR / CANCEL. Channels own the sockets
+and call `ack`, `nack`, `done`, `remote_error`, `remote_cancel` as frames arrive.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from prfaas.transport.api import Buffer, Shipment, ShipmentSpec, StatusCell, TransferStats, TransferStatus
+from prfaas.transport.codecs import TensorMeta, get_codec
+from prfaas.transport.errors import (
+    PeerUnavailable,
+    TicketRejected,
+    TransferCanceled,
+    TransferTimeout,
+    TransportError,
+)
+from prfaas.transport.framing import ChunkKey, ErrorCode, Frame, FrameType, encode, job_bytes, json_payload, parse_ack
+from prfaas.transport.inbound import OpenInfo
+
+_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class Chunk:
+    transfer: OutboundTransfer
+    key: ChunkKey
+    data: bytes  # the whole DATA frame, header included
+    raw_share: int  # raw KV bytes this chunk stands for (stats)
+    seq: int = field(default_factory=lambda: next(_seq))
+    stream: int | None = None  # stream it was last sent on (-1: its stream broke)
+    queued: bool = False  # waiting in a channel's send queue (never twice)
+    inflight: bool = False  # counted against the channel's in-flight byte budget
+
+    @property
+    def order(self) -> tuple[float, int]:
+        """Earliest deadline first; within a transfer, layer order."""
+        return (self.transfer.cell.deadline, self.seq)
+
+
+class OutboundTransfer:
+    """One shipment in flight on a channel. Implements `Transfer`."""
+
+    def __init__(
+        self,
+        shipment: Shipment,
+        enqueue: Callable[[list[Chunk]], None],
+        executor: Executor | None = None,
+    ) -> None:
+        spec: ShipmentSpec = shipment.spec
+        self.spec = spec
+        self.job = job_bytes(spec.job_id)
+        self.stats = TransferStats()
+        self.cell = StatusCell(spec.timeout_s)
+        self._codec = get_codec(spec.codec)
+        self._enqueue = enqueue
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._unacked: dict[ChunkKey, Chunk] = {}
+        self._parts_encoded = 0
+        info = OpenInfo(spec.dtype, spec.layer_shapes, int(self._codec.codec_id), spec.chunk_bytes)
+        self.open_frame = encode(
+            Frame(FrameType.OPEN, self.job, spec.attempt, payload=json_payload(info.to_json(spec.ticket)))
+        )
+        self.remote_ended = False  # the receiver ended it: no CANCEL needs to go back
+        self.accepted = False  # the receiver answered an OPEN of this transfer with OPEN_OK
+        self._shipment = shipment
+
+    def start(self) -> None:
+        """Begin encoding layers (the channel calls this after its OPEN is on the way)."""
+        self.cell.start()
+        self._shipment.bind(self._on_layer)
+
+    @property
+    def key(self) -> tuple[bytes, int]:
+        return (self.job, self.spec.attempt)
+
+    # -- Transfer ------------------------------------------------------------------------
+
+    def status(self) -> TransferStatus:
+        return self.cell.status()
+
+    def wait(self, timeout_s: float | None = None) -> TransferStatus:
+        return self.cell.wait(timeout_s)
+
+    def cancel(self) -> None:
+        self.cell.cancel("canceled by the sender")
+
+    @property
+    def error(self) -> TransportError | None:
+        return self.cell.error
+
+    # -- producer side -------------------------------------------------------------------
+
+    def _on_layer(self, index: int, k: Buffer, v: Buffer) -> None:
+        if self._executor is None:
+            self._encode_layer(index, k, v)
+        else:
+            self._executor.submit(self._encode_layer, index, k, v)
+
+    def _encode_layer(self, index: int, k: Buffer, v: Buffer) -> None:
+        if self.cell.status().terminal:
+            return
+        meta = TensorMeta(self.spec.dtype, self.spec.layer_shapes[index])
+        chunks: list[Chunk] = []
+        try:
+            for part, data in enumerate((k, v)):
+                payload = self._codec.encode(memoryview(data), meta)
+                size = self.spec.chunk_bytes
+                count = max(1, -(-len(payload) // size))
+                raw_len = self.spec.part_bytes(index)
+                for i in range(count):
+                    body = payload[i * size : (i + 1) * size]
+                    frame = Frame(FrameType.DATA, self.job, self.spec.attempt, index, part, int(self._codec.codec_id),
+                                  i, count, raw_len, body)  # fmt: skip
+                    share = raw_len // count + (raw_len % count if i == count - 1 else 0)
+                    chunks.append(Chunk(self, (index, part, i), encode(frame), share))
+        except TransportError as exc:
+            self.cell.finish(TransferStatus.FAILED, exc)
+            return
+        with self._lock:
+            for chunk in chunks:
+                self._unacked[chunk.key] = chunk
+            self._parts_encoded += 2
+        self._enqueue(chunks)
+
+    # -- frames from the receiver ----------------------------------------------------------
+
+    def sent(self, chunk: Chunk, stream: int, resend: bool) -> None:
+        with self._lock:
+            chunk.stream = stream
+            self.stats.wire_bytes += len(chunk.data)
+            self.stats.resent_chunks += int(resend)
+
+    def ack(self, keys: list[ChunkKey]) -> list[Chunk]:
+        """Mark chunks acknowledged; returns those that were outstanding."""
+        acked = []
+        with self._lock:
+            for key in keys:
+                chunk = self._unacked.pop(key, None)
+                if chunk is not None:
+                    self.stats.raw_bytes += chunk.raw_share
+                    acked.append(chunk)
+        return acked
+
+    def nack(self, key: ChunkKey) -> Chunk | None:
+        with self._lock:
+            return self._unacked.get(key)
+
+    def unacked_on(self, stream: int) -> list[Chunk]:
+        with self._lock:
+            return [c for c in self._unacked.values() if c.stream == stream]
+
+    def drop_unacked(self) -> list[Chunk]:
+        """Forget every outstanding chunk (the transfer ended); returns them."""
+        with self._lock:
+            chunks = list(self._unacked.values())
+            self._unacked.clear()
+        return chunks
+
+    def done(self) -> None:
+        self.stats.finished_s = time.monotonic()
+        self.stats.raw_bytes = self.spec.raw_bytes  # DONE: all of it arrived (last ACKs may trail)
+        self.cell.finish(TransferStatus.COMPLETED)
+
+    def remote_error(self, code: str, message: str) -> None:
+        self.remote_ended = True
+        error: TransportError
+        if code in (ErrorCode.TICKET_REJECTED, ErrorCode.OVER_BUDGET):
+            error = TicketRejected(f"receiver refused the ticket: {message}")
+        elif code == ErrorCode.DEADLINE:
+            error = TransferTimeout(f"receiver: {message}")
+        elif code == ErrorCode.UNKNOWN_SHIPMENT:
+            error = PeerUnavailable(f"receiver has no reservation for this shipment: {message}")
+        else:
+            error = TransportError(f"receiver error {code}: {message}")
+        status = TransferStatus.TIMEOUT if isinstance(error, TransferTimeout) else TransferStatus.FAILED
+        self.stats.finished_s = time.monotonic()
+        self.cell.finish(status, error)
+
+    def remote_cancel(self, reason: str) -> None:
+        self.remote_ended = True
+        self.cell.finish(TransferStatus.CANCELED, TransferCanceled(f"receiver canceled: {reason}"))
+
+
+class TransferTable:
+    """A channel's live transfers, and what each reply frame from the receiver means."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._transfers: dict[tuple[bytes, int], OutboundTransfer] = {}
+
+    def add(self, transfer: OutboundTransfer) -> None:
+        with self._lock:
+            if transfer.key in self._transfers:
+                raise ValueError(f"job {transfer.spec.job_id} attempt {transfer.spec.attempt} is already in flight")
+            self._transfers[transfer.key] = transfer
+        transfer.cell.on_terminal(lambda _status: self._remove(transfer))
+
+    def _remove(self, transfer: OutboundTransfer) -> None:
+        with self._lock:
+            if self._transfers.get(transfer.key) is transfer:
+                del self._transfers[transfer.key]
+
+    def live(self) -> list[OutboundTransfer]:
+        with self._lock:
+            return list(self._transfers.values())
+
+    def get(self, key: tuple[bytes, int]) -> OutboundTransfer | None:
+        with self._lock:
+            return self._transfers.get(key)
+
+    def on_reply(self, frame: Frame) -> tuple[list[Chunk], list[Chunk]]:
+        """Apply one receiver frame: (chunks now acknowledged, chunks to send again)."""
+        transfer = self.get((frame.job_id, frame.attempt))
+        if transfer is None:
+            return [], []  # a transfer that already ended; stale replies are ignored
+        if frame.type is FrameType.ACK:
+            return transfer.ack(parse_ack(frame.payload)), []
+        if frame.type is FrameType.NACK:
+            chunk = transfer.nack(frame.key)
+            return [], [chunk] if chunk is not None else []
+        if frame.type is FrameType.OPEN_OK:
+            transfer.accepted = True
+        elif frame.type is FrameType.DONE:
+            # Only after an OPEN_OK: on one connection OPEN_OK always precedes DONE, so a
+            # DONE left over from an earlier shipment of the same job attempt is ignored.
+            if transfer.accepted:
+                transfer.done()
+        elif frame.type is FrameType.ERROR:
+            body = frame.json()
+            code, message = (body.get("code", "?"), body.get("message", "")) if isinstance(body, dict) else ("?", "")
+            transfer.remote_error(str(code), str(message))
+        elif frame.type is FrameType.CANCEL:
+            transfer.remote_cancel(bytes(frame.payload).decode(errors="replace"))
+        return [], []

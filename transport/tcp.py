@@ -1,0 +1,343 @@
+"""The TCP sender: a pool of persistent connections to one receiver, shared by all jobs.
+
+Chunks of every live transfer wait in one queue, earliest deadline first; each stream
+thread takes the next chunk, sends the shipment's OPEN first if this connection has not
+carried it yet, then the DATA frame. A reader thread per stream applies ACK / NACK / DONE
+/ ERROR / CANCEL. When a connection breaks, its unacknowledged chunks go back into the
+queue for the other streams, and the stream reconnects with exponential backoff.
+At most `max_inflight_bytes` are unacknowledged at a time (backpressure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import socket
+import ssl
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from prfaas.transport.api import Shipment, TransferStatus
+from prfaas.transport.errors import FrameError, PeerUnavailable
+from prfaas.transport.framing import Frame, FrameType, encode, json_payload, read_frame
+from prfaas.transport.sender import Chunk, OutboundTransfer, TransferTable
+
+log = logging.getLogger(__name__)
+
+
+class _Queue:
+    """Chunks waiting to be sent, earliest deadline first, with an in-flight byte budget."""
+
+    def __init__(self, max_inflight_bytes: int) -> None:
+        self._heap: list[tuple[tuple[float, int], Chunk]] = []
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._max_inflight = max_inflight_bytes
+        self.closed = False
+
+    def put(self, chunks: list[Chunk]) -> None:
+        with self._cond:
+            for chunk in chunks:
+                if not chunk.queued:
+                    chunk.queued = True
+                    heapq.heappush(self._heap, (chunk.order, chunk))
+            self._cond.notify_all()
+
+    def get(self, timeout_s: float) -> Chunk | None:
+        """The next chunk of a live transfer, once the in-flight budget allows; None on timeout."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while not self.closed:
+                while self._heap and self._heap[0][1].transfer.cell.status().terminal:
+                    heapq.heappop(self._heap)[1].queued = False  # dropped with its transfer
+                if self._heap and (self._inflight < self._max_inflight or self._inflight == 0):
+                    chunk = heapq.heappop(self._heap)[1]
+                    chunk.queued = False
+                    if not chunk.inflight:
+                        chunk.inflight = True
+                        self._inflight += len(chunk.data)
+                    return chunk
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            return None
+
+    def release(self, chunks: list[Chunk]) -> None:
+        """Chunks no longer in flight (acknowledged, lost with a connection, or abandoned)."""
+        with self._cond:
+            for chunk in chunks:
+                if chunk.inflight:
+                    chunk.inflight = False
+                    self._inflight -= len(chunk.data)
+            self._cond.notify_all()
+
+    @property
+    def inflight_bytes(self) -> int:
+        with self._cond:
+            return self._inflight
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class _Stream:
+    """One connection of the pool: a sender thread and, while connected, a reader thread."""
+
+    def __init__(self, channel: TcpChannel, index: int) -> None:
+        self.channel = channel
+        self.index = index
+        self.sock: socket.socket | None = None
+        self.opened: set[tuple[bytes, int]] = set()
+        self.connected = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"prfaas-kv-stream-{index}", daemon=True)
+        self.reader: threading.Thread | None = None
+        self._write_lock = threading.Lock()
+
+    def _connect(self) -> socket.socket:
+        ch = self.channel
+        sock = socket.create_connection(ch.address, timeout=ch.connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ch.sock_buf_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ch.sock_buf_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, ch.sock_buf_bytes)
+        if ch.congestion_control:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, ch.congestion_control.encode())
+        if ch.ssl_context is not None:
+            sock = ch.ssl_context.wrap_socket(sock, server_hostname=ch.address[0])
+        sock.sendall(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": ch.node}))))
+        reply, _ok = read_frame(sock)  # bounded by the connect timeout still set on the socket
+        if reply.type is not FrameType.HELLO_OK:
+            raise FrameError(f"receiver answered HELLO with {reply.type.name}: {bytes(reply.payload)[:200]!r}")
+        sock.settimeout(None)
+        return sock
+
+    def _run(self) -> None:
+        ch = self.channel
+        backoff_s = 0.05
+        while not ch.closed.is_set():
+            try:
+                self.sock = self._connect()
+            except (OSError, FrameError, ssl.SSLError) as exc:
+                ch.connect_failed(self, exc)
+                if ch.closed.wait(backoff_s):
+                    return
+                backoff_s = min(backoff_s * 2, 2.0)
+                continue
+            backoff_s = 0.05
+            ch.connect_ok(self)
+            self.connected.set()
+            for transfer in ch.table.live():  # submitted while no stream was up: open them now
+                if not any(transfer.key in s.opened for s in ch.streams):
+                    self.send_open(transfer)
+            self.reader = threading.Thread(target=self._read, name=f"prfaas-kv-reader-{self.index}", daemon=True)
+            self.reader.start()
+            self._send_loop()
+            self._drop()
+
+    def _send_loop(self) -> None:
+        ch = self.channel
+        while self.connected.is_set() and not ch.closed.is_set():
+            chunk = ch.queue.get(timeout_s=0.1)
+            if chunk is None:
+                continue
+            transfer = chunk.transfer
+            try:
+                with self._write_lock:
+                    assert self.sock is not None
+                    if transfer.key not in self.opened:
+                        self.opened.add(transfer.key)
+                        self.sock.sendall(transfer.open_frame)
+                    resend = chunk.stream is not None
+                    transfer.sent(chunk, self.index, resend)
+                    self.sock.sendall(chunk.data)
+            except OSError:
+                ch.queue.release([chunk])
+                ch.queue.put([chunk])
+                return
+
+    def send_open(self, transfer: OutboundTransfer) -> bool:
+        """Send the transfer's OPEN now if connected (so a bad ticket fails before any KV exists)."""
+        try:
+            with self._write_lock:
+                if self.sock is None or not self.connected.is_set():
+                    return False
+                if transfer.key not in self.opened:
+                    self.opened.add(transfer.key)
+                    self.sock.sendall(transfer.open_frame)
+            return True
+        except OSError:
+            return False
+
+    def send_control(self, frame: Frame) -> bool:
+        try:
+            with self._write_lock:
+                if self.sock is None or not self.connected.is_set():
+                    return False
+                self.sock.sendall(encode(frame))
+            return True
+        except OSError:
+            return False
+
+    def _read(self) -> None:
+        ch = self.channel
+        sock = self.sock
+        assert sock is not None
+        try:
+            while True:
+                frame, _ok = read_frame(sock)
+                if frame.type is FrameType.PING:
+                    self.send_control(Frame(FrameType.PONG, payload=frame.payload))
+                    continue
+                acked, resend = ch.table.on_reply(frame)
+                ch.queue.release(acked + resend)
+                if resend:
+                    ch.queue.put(resend)
+        except (OSError, ConnectionError, FrameError):
+            pass
+        finally:
+            self.connected.clear()
+
+    def _drop(self) -> None:
+        """Connection lost: close it and put its unacknowledged chunks back in the queue."""
+        self.connected.clear()
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        if self.reader is not None:
+            self.reader.join(5.0)
+        self.opened.clear()
+        lost = [c for t in self.channel.table.live() for c in t.unacked_on(self.index)]
+        for chunk in lost:
+            chunk.stream = -1  # its next send counts as a resend
+        self.channel.queue.release(lost)
+        self.channel.queue.put(lost)
+
+    def kill(self) -> None:
+        """Break the connection now (tests, and `close`)."""
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class TcpChannel:
+    """A pool of `num_streams` TCP connections to the receiver at `address`. Implements `Channel`.
+
+    A transfer that cannot reach the receiver fails with `PeerUnavailable` once every
+    stream has failed to connect for `unavailable_after_s`, or times out at its deadline,
+    whichever comes first.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        num_streams: int = 4,
+        max_inflight_bytes: int = 64 << 20,
+        connect_timeout_s: float = 3.0,
+        unavailable_after_s: float = 5.0,
+        sock_buf_bytes: int | None = None,
+        congestion_control: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        encode_threads: int = 2,
+        node: str = "sender",
+    ) -> None:
+        if not 1 <= num_streams <= 256:
+            raise ValueError(f"num_streams must be in [1, 256], got {num_streams}")
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.unavailable_after_s = unavailable_after_s
+        self.sock_buf_bytes = sock_buf_bytes
+        self.congestion_control = congestion_control
+        self.ssl_context = ssl_context
+        self.node = node
+        self.closed = threading.Event()
+        self.queue = _Queue(max_inflight_bytes)
+        self.table = TransferTable()
+        self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="prfaas-kv-encode")
+        self._down_since: float | None = None
+        self._lock = threading.Lock()
+        self.streams = [_Stream(self, i) for i in range(num_streams)]
+        self._reaper = threading.Thread(target=self._reap_loop, name="prfaas-kv-sender-reaper", daemon=True)
+        for stream in self.streams:
+            stream.thread.start()
+        self._reaper.start()
+
+    def submit(self, shipment: Shipment) -> OutboundTransfer:
+        if self.closed.is_set():
+            raise PeerUnavailable("channel is closed")
+        transfer = OutboundTransfer(shipment, self.queue.put, self._encoder)
+        self.table.add(transfer)
+        transfer.cell.on_terminal(lambda status: self._ended(transfer, status))
+        any(stream.send_open(transfer) for stream in self.streams)  # first connected stream
+        transfer.start()
+        return transfer
+
+    def _ended(self, transfer: OutboundTransfer, status: TransferStatus) -> None:
+        if status is not TransferStatus.COMPLETED and not transfer.remote_ended:
+            job, attempt = transfer.key
+            cancel = Frame(FrameType.CANCEL, job, attempt, payload=str(transfer.error).encode()[:1000])
+            for stream in self.streams:
+                if transfer.key in stream.opened:
+                    stream.send_control(cancel)
+        for stream in self.streams:
+            stream.opened.discard(transfer.key)
+        # Whatever the outcome, its bytes no longer count against the in-flight budget.
+        self.queue.release(transfer.drop_unacked())
+
+    def connect_ok(self, _stream: _Stream) -> None:
+        with self._lock:
+            self._down_since = None
+
+    def connect_failed(self, stream: _Stream, exc: Exception) -> None:
+        log.debug("stream %d to %s failed to connect: %s", stream.index, self.address, exc)
+        with self._lock:
+            if any(s.connected.is_set() for s in self.streams):
+                return
+            now = time.monotonic()
+            self._down_since = self._down_since or now
+            down_for = now - self._down_since
+        if down_for >= self.unavailable_after_s:
+            for transfer in self.table.live():
+                transfer.cell.finish(
+                    TransferStatus.FAILED,
+                    PeerUnavailable(
+                        f"cannot connect to {self.address[0]}:{self.address[1]} for {down_for:.1f} s: {exc}"
+                    ),
+                )
+
+    def _reap_loop(self) -> None:
+        while not self.closed.wait(0.05):
+            now = time.monotonic()
+            for transfer in self.table.live():
+                transfer.cell.expire_if_due(now)
+
+    @property
+    def num_connected(self) -> int:
+        return sum(1 for s in self.streams if s.connected.is_set())
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel live transfers, close every connection, join every thread."""
+        for transfer in self.table.live():
+            transfer.cancel()
+        self.closed.set()
+        self.queue.close()
+        for stream in self.streams:
+            stream.kill()
+        for stream in self.streams:
+            stream.thread.join(timeout_s)
+        self._reaper.join(timeout_s)
+        self._encoder.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> TcpChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

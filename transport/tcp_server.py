@@ -1,0 +1,148 @@
+"""The TCP receiver: a decode region's KV port.
+
+One thread accepts, one thread per connection reads frames and hands them to
+`ReceiverCore`; replies are written under a per-connection lock. A reaper thread ends
+shipments at their deadline. `close()` stops and joins every thread it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+
+from prfaas.transport.errors import FrameError
+from prfaas.transport.framing import ErrorCode, Frame, encode, error_frame, read_frame
+from prfaas.transport.inbound import Inbound
+from prfaas.transport.receiver import ReceiverCore, Session
+from prfaas.transport.tickets import TicketVerifier
+
+log = logging.getLogger(__name__)
+
+
+class _Connection:
+    def __init__(self, sock: socket.socket, core: ReceiverCore) -> None:
+        self.sock = sock
+        self.core = core
+        self._write_lock = threading.Lock()
+        self.session = Session(self.send)
+        self.thread = threading.Thread(target=self._run, name="prfaas-kv-conn", daemon=True)
+
+    def send(self, frame: Frame) -> None:
+        data = encode(frame)
+        try:
+            with self._write_lock:
+                self.sock.sendall(data)
+        except OSError:
+            pass  # the reader notices the broken connection and ends it
+
+    def _run(self) -> None:
+        try:
+            while True:
+                frame, ok = read_frame(self.sock)
+                for reply in self.core.handle(frame, ok, self.session):
+                    self.send(reply)
+        except FrameError as exc:
+            self.send(error_frame(ErrorCode.BAD_FRAME, str(exc)))
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+class TcpReceiver:
+    """Listens on (host, port); port 0 picks a free one (see `address`)."""
+
+    def __init__(
+        self,
+        verifier: TicketVerifier,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        node: str = "receiver",
+        ssl_context: ssl.SSLContext | None = None,
+        sock_buf_bytes: int | None = None,
+        reap_interval_s: float = 0.05,
+    ) -> None:
+        self.core = ReceiverCore(verifier, node)
+        self._ssl = ssl_context
+        self._buf = sock_buf_bytes
+        self._reap_interval_s = reap_interval_s
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._connections: set[_Connection] = set()
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="prfaas-kv-accept", daemon=True),
+            threading.Thread(target=self._reap_loop, name="prfaas-kv-reaper", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
+        return self.core.expect(job_id, attempt, timeout_s)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _peer = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._buf:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._buf)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._buf)
+            if self._ssl is not None:
+                try:
+                    sock.settimeout(10.0)  # a handshake must not hold the acceptor forever
+                    sock = self._ssl.wrap_socket(sock, server_side=True)
+                    sock.settimeout(None)
+                except (OSError, ssl.SSLError) as exc:
+                    log.warning("TLS handshake failed: %s", exc)
+                    sock.close()
+                    continue
+            connection = _Connection(sock, self.core)
+            with self._lock:
+                if self._closed.is_set():
+                    connection.close()
+                    return
+                self._connections = {c for c in self._connections if c.thread.is_alive()} | {connection}
+            connection.thread.start()
+
+    def _reap_loop(self) -> None:
+        while not self._closed.wait(self._reap_interval_s):
+            self.core.expire_due()
+
+    @property
+    def num_connections(self) -> int:
+        with self._lock:
+            return sum(1 for c in self._connections if c.thread.is_alive())
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel expected shipments, stop accepting, close connections, join threads."""
+        self.core.cancel_all("receiver shutting down")
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            connection.close()
+        for thread in [*self._threads, *(c.thread for c in connections)]:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout_s)
+
+    def __enter__(self) -> TcpReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
