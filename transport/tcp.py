@@ -11,78 +11,22 @@ At most `max_inflight_bytes` are unacknowledged at a time (backpressure).
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from prfaas.transport.adaptive import StreamController
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import FrameError, PeerUnavailable
 from prfaas.transport.framing import Frame, FrameType, encode, json_payload, read_frame
-from prfaas.transport.sender import Chunk, OutboundTransfer, TransferTable
+from prfaas.transport.sender import OutboundTransfer, TransferTable
+from prfaas.transport.sendqueue import SendQueue
 
 log = logging.getLogger(__name__)
-
-
-class _Queue:
-    """Chunks waiting to be sent, earliest deadline first, with an in-flight byte budget."""
-
-    def __init__(self, max_inflight_bytes: int) -> None:
-        self._heap: list[tuple[tuple[float, int], Chunk]] = []
-        self._cond = threading.Condition()
-        self._inflight = 0
-        self._max_inflight = max_inflight_bytes
-        self.closed = False
-
-    def put(self, chunks: list[Chunk]) -> None:
-        with self._cond:
-            for chunk in chunks:
-                if not chunk.queued:
-                    chunk.queued = True
-                    heapq.heappush(self._heap, (chunk.order, chunk))
-            self._cond.notify_all()
-
-    def get(self, timeout_s: float) -> Chunk | None:
-        """The next chunk of a live transfer, once the in-flight budget allows; None on timeout."""
-        end = time.monotonic() + timeout_s
-        with self._cond:
-            while not self.closed:
-                while self._heap and self._heap[0][1].transfer.cell.status().terminal:
-                    heapq.heappop(self._heap)[1].queued = False  # dropped with its transfer
-                if self._heap and (self._inflight < self._max_inflight or self._inflight == 0):
-                    chunk = heapq.heappop(self._heap)[1]
-                    chunk.queued = False
-                    if not chunk.inflight:
-                        chunk.inflight = True
-                        self._inflight += len(chunk.data)
-                    return chunk
-                remaining = end - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._cond.wait(remaining)
-            return None
-
-    def release(self, chunks: list[Chunk]) -> None:
-        """Chunks no longer in flight (acknowledged, lost with a connection, or abandoned)."""
-        with self._cond:
-            for chunk in chunks:
-                if chunk.inflight:
-                    chunk.inflight = False
-                    self._inflight -= len(chunk.data)
-            self._cond.notify_all()
-
-    @property
-    def inflight_bytes(self) -> int:
-        with self._cond:
-            return self._inflight
-
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
 
 
 class _Stream:
@@ -96,6 +40,7 @@ class _Stream:
         self.connected = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"prfaas-kv-stream-{index}", daemon=True)
         self.reader: threading.Thread | None = None
+        self.retired = False  # the channel shrank: finish, don't reconnect
         self._write_lock = threading.Lock()
 
     def _connect(self) -> socket.socket:
@@ -119,7 +64,7 @@ class _Stream:
     def _run(self) -> None:
         ch = self.channel
         backoff_s = 0.05
-        while not ch.closed.is_set():
+        while not ch.closed.is_set() and not self.retired:
             try:
                 self.sock = self._connect()
             except (OSError, FrameError, ssl.SSLError) as exc:
@@ -141,7 +86,7 @@ class _Stream:
 
     def _send_loop(self) -> None:
         ch = self.channel
-        while self.connected.is_set() and not ch.closed.is_set():
+        while self.connected.is_set() and not ch.closed.is_set() and not self.retired:
             chunk = ch.queue.get(timeout_s=0.1)
             if chunk is None:
                 continue
@@ -195,6 +140,7 @@ class _Stream:
                     continue
                 acked, resend = ch.table.on_reply(frame)
                 ch.queue.release(acked + resend)
+                ch.count_acked(sum(len(c.data) for c in acked))
                 if resend:
                     ch.queue.put(resend)
         except (OSError, ConnectionError, FrameError):
@@ -219,6 +165,17 @@ class _Stream:
         self.channel.queue.release(lost)
         self.channel.queue.put(lost)
 
+    def rtt_s(self) -> float | None:
+        """Smoothed RTT of this connection from the kernel (TCP_INFO), if connected."""
+        sock = self.sock
+        if sock is None or not hasattr(socket, "TCP_INFO"):
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        except OSError:
+            return None
+        return struct.unpack_from("<I", info, 68)[0] / 1e6 if len(info) >= 72 else None  # tcpi_rtt, us
+
     def kill(self) -> None:
         """Break the connection now (tests, and `close`)."""
         sock = self.sock
@@ -228,7 +185,11 @@ class _Stream:
 
 
 class TcpChannel:
-    """A pool of `num_streams` TCP connections to the receiver at `address`. Implements `Channel`.
+    """A pool of TCP connections to the receiver at `address`. Implements `Channel`.
+
+    num_streams: a fixed count, or None (the default) to let a `StreamController` choose it
+    from the measured goodput, between 1 and `max_streams` (see transport/adaptive.py);
+    `num_streams` (the property) and `controller.history` show the choice.
 
     A transfer that cannot reach the receiver fails with `PeerUnavailable` once every
     stream has failed to connect for `unavailable_after_s`, or times out at its deadline,
@@ -239,7 +200,8 @@ class TcpChannel:
         self,
         address: tuple[str, int],
         *,
-        num_streams: int = 4,
+        num_streams: int | None = None,
+        max_streams: int = 64,
         max_inflight_bytes: int = 64 << 20,
         connect_timeout_s: float = 3.0,
         unavailable_after_s: float = 5.0,
@@ -249,8 +211,9 @@ class TcpChannel:
         encode_threads: int = 2,
         node: str = "sender",
     ) -> None:
-        if not 1 <= num_streams <= 256:
+        if num_streams is not None and not 1 <= num_streams <= 256:
             raise ValueError(f"num_streams must be in [1, 256], got {num_streams}")
+        self.controller = None if num_streams is not None else StreamController(max_streams=max_streams)
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.unavailable_after_s = unavailable_after_s
@@ -259,16 +222,45 @@ class TcpChannel:
         self.ssl_context = ssl_context
         self.node = node
         self.closed = threading.Event()
-        self.queue = _Queue(max_inflight_bytes)
+        self.queue = SendQueue(max_inflight_bytes)
         self.table = TransferTable()
         self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="prfaas-kv-encode")
         self._down_since: float | None = None
         self._lock = threading.Lock()
-        self.streams = [_Stream(self, i) for i in range(num_streams)]
+        self._acked_bytes = 0
+        self._next_index = 0
+        self.streams: list[_Stream] = []
+        self.resize(num_streams or (self.controller.current if self.controller else 4))
         self._reaper = threading.Thread(target=self._reap_loop, name="prfaas-kv-sender-reaper", daemon=True)
-        for stream in self.streams:
-            stream.thread.start()
         self._reaper.start()
+
+    @property
+    def num_streams(self) -> int:
+        with self._lock:
+            return sum(1 for s in self.streams if not s.retired)
+
+    def resize(self, count: int) -> None:
+        """Use `count` connections: open new ones, or retire the newest (their unacknowledged
+        chunks go back to the queue)."""
+        with self._lock:
+            self.streams = [s for s in self.streams if not (s.retired and not s.thread.is_alive())]
+            active = [s for s in self.streams if not s.retired]
+            added = []
+            for _ in range(count - len(active)):
+                added.append(_Stream(self, self._next_index))
+                self._next_index += 1
+            retiring = active[count:] if count < len(active) else []
+            for stream in retiring:
+                stream.retired = True
+            self.streams += added
+        for stream in added:
+            stream.thread.start()
+        for stream in retiring:
+            stream.kill()
+
+    def count_acked(self, nbytes: int) -> None:
+        with self._lock:
+            self._acked_bytes += nbytes
 
     def submit(self, shipment: Shipment) -> OutboundTransfer:
         if self.closed.is_set():
@@ -314,10 +306,27 @@ class TcpChannel:
                 )
 
     def _reap_loop(self) -> None:
+        """Deadlines every 50 ms; every measurement window, the stream count."""
+        window_start, acked_start, samples, backlogged = time.monotonic(), 0, 0, 0
         while not self.closed.wait(0.05):
             now = time.monotonic()
             for transfer in self.table.live():
                 transfer.cell.expire_if_due(now)
+            if self.controller is None:
+                continue
+            samples += 1
+            backlogged += int(self.queue.backlogged())
+            rtts = [r for s in self.streams if (r := s.rtt_s()) is not None]
+            if now - window_start < self.controller.window_s(min(rtts) if rtts else None):
+                continue
+            with self._lock:
+                acked = self._acked_bytes
+            rate = (acked - acked_start) / (now - window_start)
+            count = self.controller.update(now, rate, backlogged=backlogged >= 0.8 * samples)
+            if count != self.num_streams:
+                log.info("streams to %s: %d -> %d (%.1f MB/s)", self.address, self.num_streams, count, rate / 1e6)
+                self.resize(count)
+            window_start, acked_start, samples, backlogged = now, acked, 0, 0
 
     @property
     def num_connected(self) -> int:
@@ -329,9 +338,11 @@ class TcpChannel:
             transfer.cancel()
         self.closed.set()
         self.queue.close()
-        for stream in self.streams:
+        with self._lock:
+            streams = list(self.streams)
+        for stream in streams:
             stream.kill()
-        for stream in self.streams:
+        for stream in streams:
             stream.thread.join(timeout_s)
         self._reaper.join(timeout_s)
         self._encoder.shutdown(wait=True, cancel_futures=True)

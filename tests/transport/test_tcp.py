@@ -250,3 +250,31 @@ def test_silent_peer_times_out_at_the_deadline(kit: Kit) -> None:
             assert time.monotonic() - start < 1.5
     finally:
         silent.close()
+
+
+def test_streams_can_be_added_and_retired_mid_shipment(kit: Kit, receiver: TcpReceiver) -> None:
+    with TcpChannel(receiver.address, num_streams=2, max_inflight_bytes=256 << 10) as channel:
+        spec = kit.spec(num_layers=8, shape=(4, 1024, 64))
+        inbound = receiver.expect(spec.job_id, spec.attempt, timeout_s=20)
+        layers = layers_for(spec)
+        shipment = Shipment(spec)
+        transfer = channel.submit(shipment)
+        for index in range(3):
+            shipment.add_layer(index, *layers[index])
+        channel.resize(6)
+        for index in range(3, 6):
+            shipment.add_layer(index, *layers[index])
+        channel.resize(1)
+        for index in range(6, 8):
+            shipment.add_layer(index, *layers[index])
+        assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
+        assert [inbound.layer(i, 1) for i in range(8)] == layers
+        assert channel.num_streams == 1
+
+
+def test_default_channel_adapts_its_stream_count(kit: Kit, receiver: TcpReceiver) -> None:
+    with TcpChannel(receiver.address) as channel:
+        assert channel.controller is not None
+        assert channel.num_streams == channel.controller.initial
+        transfer, _inbound, _ = ship(channel, receiver, kit)
+        assert transfer.wait(15) is TransferStatus.COMPLETED  # type: ignore[attr-defined]

@@ -1,0 +1,72 @@
+"""The sender's queue of chunks: earliest deadline first, bounded bytes in flight."""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+
+from prfaas.transport.sender import Chunk
+
+
+class SendQueue:
+    """Chunks waiting to be sent, earliest deadline first, with an in-flight byte budget."""
+
+    def __init__(self, max_inflight_bytes: int) -> None:
+        self._heap: list[tuple[tuple[float, int], Chunk]] = []
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._max_inflight = max_inflight_bytes
+        self.closed = False
+
+    def put(self, chunks: list[Chunk]) -> None:
+        with self._cond:
+            for chunk in chunks:
+                if not chunk.queued:
+                    chunk.queued = True
+                    heapq.heappush(self._heap, (chunk.order, chunk))
+            self._cond.notify_all()
+
+    def get(self, timeout_s: float) -> Chunk | None:
+        """The next chunk of a live transfer, once the in-flight budget allows; None on timeout."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while not self.closed:
+                while self._heap and self._heap[0][1].transfer.cell.status().terminal:
+                    heapq.heappop(self._heap)[1].queued = False  # dropped with its transfer
+                if self._heap and (self._inflight < self._max_inflight or self._inflight == 0):
+                    chunk = heapq.heappop(self._heap)[1]
+                    chunk.queued = False
+                    if not chunk.inflight:
+                        chunk.inflight = True
+                        self._inflight += len(chunk.data)
+                    return chunk
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            return None
+
+    def release(self, chunks: list[Chunk]) -> None:
+        """Chunks no longer in flight (acknowledged, lost with a connection, or abandoned)."""
+        with self._cond:
+            for chunk in chunks:
+                if chunk.inflight:
+                    chunk.inflight = False
+                    self._inflight -= len(chunk.data)
+            self._cond.notify_all()
+
+    def backlogged(self) -> bool:
+        """Chunks are waiting for a connection (the path, not the producer, is the limit)."""
+        with self._cond:
+            return any(not entry[1].transfer.cell.status().terminal for entry in self._heap[:8])
+
+    @property
+    def inflight_bytes(self) -> int:
+        with self._cond:
+            return self._inflight
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
