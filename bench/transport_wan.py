@@ -1,0 +1,240 @@
+"""KV transport over an emulated WAN: goodput vs link rate for stream counts x codecs.
+
+    python bench/transport_wan.py --profile continental --profile intercontinental --json out.json
+
+Two network namespaces joined by the userspace link emulator (bench/wan_netns.py); a
+receiver process (TcpReceiver) in one, a sender process (TcpChannel) in the other, both
+driven by this process over pipes. The payload is real SmolLM2-135M KV (bf16, 2048
+tokens), repeated to --size-mb. For each congestion control, each fixed stream count and
+the adaptive default, and each codec, it prints and records:
+
+    wire_ratio       wire bytes/s / link rate  (how full the link is)
+    effective_ratio  raw KV bytes/s / link rate (what compression adds)
+    cpu_s_per_gb     sender + receiver CPU seconds per GB of raw KV
+
+Needs root (namespaces, TUN). Every run is bounded by --run-timeout-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+KEY = os.urandom(32)
+PROFILES = {"continental": (40.0, 300.0, 0.01), "intercontinental": (80.0, 300.0, 0.1)}
+BIG_BUF = 32 << 20
+
+
+def real_kv(path: Path) -> None:
+    """Write SmolLM2 bf16 KV of 2048 real tokens: one .npy per layer part."""
+    import argparse as text_source
+    import inspect
+
+    import numpy as np
+    import torch
+
+    from prfaas.engine.hf import HFEngine
+    from prfaas.engine.sampling import SamplingParams
+
+    engine = HFEngine("smollm2-135m", dtype="bfloat16")
+    kv = engine.prefill(engine.encode(inspect.getsource(text_source))[:2048], SamplingParams(max_new_tokens=1)).kv
+    arrays = {f"{i}_{p}": t.contiguous().view(torch.int16).numpy() for i, layer in enumerate(kv.layers)
+              for p, t in enumerate((layer.k, layer.v))}  # fmt: skip
+    np.savez(path, **arrays)
+
+
+# ------------------------------------------------------------------ processes in the namespaces
+
+
+def _reply(value: dict[str, Any]) -> None:
+    print(json.dumps(value), flush=True)
+
+
+def role_receiver(host: str, buf: int) -> None:
+    from prfaas.transport.tcp_server import TcpReceiver
+    from prfaas.transport.tickets import TicketVerifier
+
+    rx = TcpReceiver(TicketVerifier({"k": bytes.fromhex(os.environ["PRFAAS_BENCH_KEY"])}), host, 7400,
+                     sock_buf_bytes=buf or None)  # fmt: skip
+    _reply({"ready": True})
+    inbounds = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "expect":
+            inbounds[cmd["job"]] = rx.expect(cmd["job"], 1, cmd["timeout_s"])
+            _reply({"ok": True, "cpu_s": time.process_time()})
+        elif cmd["op"] == "cpu":
+            _reply({"cpu_s": time.process_time()})
+        elif cmd["op"] == "collect":
+            inbound = inbounds.pop(cmd["job"])
+            status = inbound.wait(cmd["timeout_s"])
+            inbound.release()
+            _reply({"status": status.value, "cpu_s": time.process_time()})
+    rx.close()
+
+
+def role_sender(host: str, kv_path: str) -> None:
+    import numpy as np
+
+    from prfaas.transport.api import Shipment, ShipmentSpec
+    from prfaas.transport.tcp import TcpChannel
+
+    arrays = np.load(kv_path)
+    num_real = len(arrays.files) // 2
+    parts = [(arrays[f"{i}_0"].tobytes(), arrays[f"{i}_1"].tobytes()) for i in range(num_real)]
+    shape = tuple(int(d) for d in arrays["0_0"].shape)
+    channel: TcpChannel | None = None
+    _reply({"ready": True, "layer_bytes": 2 * len(parts[0][0])})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "channel":
+            if channel is not None:
+                channel.close()
+            channel = TcpChannel((host, 7400), num_streams=cmd["streams"], congestion_control=cmd["cc"],
+                                 sock_buf_bytes=cmd["buf"] or None)  # fmt: skip
+            _reply({"ok": True})
+        elif cmd["op"] == "ship":
+            assert channel is not None
+            spec = ShipmentSpec(cmd["job"], 1, cmd["ticket"], "bfloat16", (shape,) * cmd["layers"], cmd["codec"],  # type: ignore[arg-type]
+                                cmd["timeout_s"])  # fmt: skip
+            cpu0, start = time.process_time(), time.perf_counter()
+            shipment = Shipment(spec)
+            transfer = channel.submit(shipment)
+            for i in range(cmd["layers"]):
+                shipment.add_layer(i, *parts[i % num_real])
+            status = transfer.wait(cmd["timeout_s"] + 1)
+            elapsed = (transfer.stats.finished_s or time.monotonic()) - transfer.stats.started_s
+            _reply({"status": status.value, "seconds": elapsed, "wall_s": time.perf_counter() - start,
+                    "raw_bytes": transfer.stats.raw_bytes, "wire_bytes": transfer.stats.wire_bytes,
+                    "cpu_s": time.process_time() - cpu0, "streams": channel.num_streams,
+                    "resent": transfer.stats.resent_chunks})  # fmt: skip
+    if channel is not None:
+        channel.close()
+
+
+# ------------------------------------------------------------------ orchestration
+
+
+class Proc:
+    def __init__(self, popen: subprocess.Popen[str]) -> None:
+        self.p = popen
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def read(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench process exited with {self.p.wait()}")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+
+def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[dict[str, Any]]) -> None:
+    from prfaas.bench.wan_netns import wan_link
+    from prfaas.transport.tickets import TicketSigner
+
+    rtt_ms, rate_mbit, loss_pct = PROFILES[name]
+    signer = TicketSigner({"k": KEY}, "k")
+    env = {**os.environ, "PRFAAS_BENCH_KEY": KEY.hex()}
+    me = [sys.executable, str(Path(__file__).resolve())]
+    buf = BIG_BUF if args.big_buffers else 0
+    with wan_link(rtt_ms=rtt_ms, rate_mbit=rate_mbit, loss_pct=loss_pct) as link:
+        pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
+        rx = Proc(link.run_in("b", [*me, "--_role", "receiver", "--_host", link.addr_b, "--_buf", str(buf)], **pipes))
+        rx.read()
+        tx = Proc(link.run_in("a", [*me, "--_role", "sender", "--_host", link.addr_b, "--_kv", str(kv_path)], **pipes))
+        layer_bytes = tx.read()["layer_bytes"]
+        layers = max(1, int(args.size_mb * 2**20 / layer_bytes))
+        link_bps = rate_mbit * 1e6 / 8
+
+        def ship(codec: str, layers: int) -> dict[str, Any]:
+            job = str(uuid.uuid4())
+            rx.ask(op="expect", job=job, timeout_s=args.run_timeout_s + 5)
+            ticket = signer.issue(job, 1, "bench", 1 << 40, ttl_s=600)
+            result = tx.ask(op="ship", job=job, ticket=ticket, codec=codec, layers=layers, timeout_s=args.run_timeout_s)
+            result["rx_cpu_s"] = rx.ask(op="collect", job=job, timeout_s=5)["cpu_s"]
+            return result
+
+        for cc in args.cc:
+            for streams in [*args.streams, None]:
+                tx.ask(op="channel", streams=streams, cc=cc, buf=buf)
+                # warm the pool (connections open, windows grown; the adaptive count settles)
+                warm_until = time.monotonic() + (args.adaptive_warmup_s if streams is None else 0)
+                ship("raw", max(1, layers // 8))
+                while time.monotonic() < warm_until:
+                    ship("raw", layers // 2)
+                for codec in args.codec:
+                    rx_cpu0 = rx.ask(op="cpu")["cpu_s"]
+                    r = ship(codec, layers)
+                    seconds = max(r["seconds"], 1e-9)
+                    row = {
+                        "profile": name, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "loss_pct": loss_pct, "cc": cc,
+                        "streams": r["streams"] if streams is None else streams, "adaptive": streams is None,
+                        "codec": codec, "status": r["status"], "raw_mb": r["raw_bytes"] / 1e6,
+                        "wire_ratio": r["wire_bytes"] / seconds / link_bps,
+                        "effective_ratio": r["raw_bytes"] / seconds / link_bps,
+                        "cpu_s_per_gb": (r["cpu_s"] + r["rx_cpu_s"] - rx_cpu0) / max(r["raw_bytes"] / 1e9, 1e-9),
+                        "resent_chunks": r["resent"], "seconds": seconds, "big_buffers": bool(buf),
+                    }  # fmt: skip
+                    rows.append(row)
+                    label = f"adaptive({row['streams']})" if streams is None else str(streams)
+                    print(f"{name:16} {cc:5} {label:>12} {codec:9} {row['status']:9} wire {row['wire_ratio']:5.2f}  "
+                          f"effective {row['effective_ratio']:5.2f}  cpu {row['cpu_s_per_gb']:5.1f} s/GB  "
+                          f"resent {row['resent_chunks']}", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", action="append", choices=sorted(PROFILES), help="default: both")
+    parser.add_argument("--rtt-ms", type=float, help="custom link instead of a profile")
+    parser.add_argument("--rate-mbit", type=float, default=300.0)
+    parser.add_argument("--loss-pct", type=float, default=0.0)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--codec", nargs="+", default=["raw", "lossless", "fp8"])
+    parser.add_argument("--cc", nargs="+", default=["cubic", "bbr"], choices=["cubic", "bbr", "reno"])
+    parser.add_argument("--size-mb", type=float, default=96.0, help="raw KV per measured shipment")
+    parser.add_argument("--run-timeout-s", type=float, default=20.0)
+    parser.add_argument("--adaptive-warmup-s", type=float, default=8.0)
+    parser.add_argument("--big-buffers", action="store_true", help="32 MiB socket buffers (default: kernel's)")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--_role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
+    parser.add_argument("--_host", help=argparse.SUPPRESS)
+    parser.add_argument("--_buf", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--_kv", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._role == "receiver":
+        return role_receiver(args._host, args._buf)
+    if args._role == "sender":
+        return role_sender(args._host, args._kv)
+
+    if args.rtt_ms is not None:
+        PROFILES["custom"] = (args.rtt_ms, args.rate_mbit, args.loss_pct)
+        profiles = ["custom"]
+    else:
+        profiles = args.profile or ["continental", "intercontinental"]
+    kv_path = Path(os.environ.get("PRFAAS_HOME", Path.home() / ".cache" / "prfaas")) / "bench" / "smollm2-kv-2048.npz"
+    if not kv_path.exists():
+        kv_path.parent.mkdir(parents=True, exist_ok=True)
+        real_kv(kv_path)
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in profiles:
+            run_profile(name, args, kv_path, rows)
+    finally:
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
