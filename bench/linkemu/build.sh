@@ -1,0 +1,10 @@
+#!/bin/sh
+# Build bench/linkemu/build/linkemu (idempotent: rebuilds only when linkemu.c is newer).
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$here/build"
+if [ ! -x "$here/build/linkemu" ] || [ "$here/linkemu.c" -nt "$here/build/linkemu" ]; then
+    ${CC:-cc} -O2 -Wall -Wextra -o "$here/build/linkemu.tmp" "$here/linkemu.c" -lpthread
+    mv "$here/build/linkemu.tmp" "$here/build/linkemu"
+fi
+echo "$here/build/linkemu"

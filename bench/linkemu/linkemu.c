@@ -1,0 +1,236 @@
+/* linkemu: userspace WAN link emulator joining two TUN devices (IFF_TUN|IFF_NO_PI).
+ *
+ * Each direction (a->b, b->a) runs in its own thread and emulates, in this order:
+ *   random loss (seeded xorshift64*), drop-tail queue (bytes and/or packets waiting
+ *   for serialization), rate limit (serialization delay: a packet of L bytes
+ *   occupies the link for L*8/rate seconds), then a fixed one-way propagation delay.
+ * Packets wait in a FIFO delay line (byte arena + descriptor ring) and are written
+ * to the other TUN when due (CLOCK_MONOTONIC, ppoll with ns timeouts).
+ * Rate and queue count IP bytes (what TUN carries; no L2 framing).
+ *
+ * Prints "ready tun_a=... tun_b=..." on stdout once both devices exist, the counters
+ * on SIGUSR1 (keeps running) and on SIGINT/SIGTERM (then exits). Flags apply to both directions; append -ab or -ba to
+ * a flag (e.g. --rate-mbit-ba 50) to set one direction only.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/if.h>
+#include <linux/if_tun.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAXPKT 65536
+#define BATCH 64
+
+typedef struct { uint64_t off, len, due; } desc_t;
+
+typedef struct {
+    const char *name;                /* "a->b" */
+    int in_fd, out_fd;
+    double delay_ms, rate_mbit, loss_pct;
+    long long queue_bytes, queue_pkts; /* <0: default */
+    uint64_t rng;
+    /* delay line */
+    uint8_t *arena; uint64_t arena_sz, a_head, a_tail; /* byte offsets, monotonically growing */
+    desc_t *ring; uint64_t ring_sz, r_head, r_tail;
+    uint64_t delay_ns, link_free_ns; /* link_free_ns: serializer done with last accepted packet */
+    uint64_t qpkts_tail;             /* ring index of first packet still being serialized */
+    /* counters */
+    uint64_t rx_pkts, rx_bytes, tx_pkts, tx_bytes, drop_loss, drop_queue, drop_buf, tx_err;
+    uint64_t late_sum_ns, late_max_ns, late_1ms; /* release time minus due time */
+} dir_t;
+
+static volatile sig_atomic_t stop;
+static uint64_t arena_mb = 64, ring_slots = 1 << 18;
+
+static uint64_t now_ns(void) {
+    struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+static double rnd(uint64_t *s) {  /* xorshift64*, uniform in [0,1) */
+    *s ^= *s >> 12; *s ^= *s << 25; *s ^= *s >> 27;
+    return ((*s * 2685821657736338717ull) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static int tun_open(const char *name) {
+    struct ifreq ifr; int fd = open("/dev/net/tun", O_RDWR | O_CLOEXEC);
+    if (fd < 0) { perror("open /dev/net/tun"); exit(1); }
+    memset(&ifr, 0, sizeof ifr);
+    ifr.ifr_flags = IFF_TUN | IFF_NO_PI;
+    snprintf(ifr.ifr_name, IFNAMSIZ, "%s", name);
+    if (ioctl(fd, TUNSETIFF, &ifr) < 0) { fprintf(stderr, "TUNSETIFF %s: %s\n", name, strerror(errno)); exit(1); }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    return fd;
+}
+
+/* Accept one packet of len bytes (already in buf) at time t. */
+static void enqueue(dir_t *d, const uint8_t *buf, uint64_t len, uint64_t t) {
+    d->rx_pkts++; d->rx_bytes += len;
+    if (d->loss_pct > 0 && rnd(&d->rng) * 100.0 < d->loss_pct) { d->drop_loss++; return; }
+    uint64_t start = d->link_free_ns > t ? d->link_free_ns : t;
+    if (d->rate_mbit > 0) {
+        /* backlog = bytes still waiting for (or in) serialization */
+        uint64_t backlog = (uint64_t)((start - t) * d->rate_mbit / 8000.0);
+        if (d->qpkts_tail < d->r_tail) d->qpkts_tail = d->r_tail;
+        while (d->qpkts_tail < d->r_head && d->ring[d->qpkts_tail % d->ring_sz].due
+               - d->delay_ns <= t) d->qpkts_tail++;
+        uint64_t qp = d->r_head - d->qpkts_tail;
+        if ((d->queue_bytes > 0 && backlog + len > (uint64_t)d->queue_bytes) ||
+            (d->queue_pkts > 0 && qp + 1 > (uint64_t)d->queue_pkts)) { d->drop_queue++; return; }
+        start += (uint64_t)(len * 8000.0 / d->rate_mbit);
+    }
+    /* reserve contiguous arena space; skip the end of the arena if the packet won't fit */
+    uint64_t pos = d->a_head % d->arena_sz, skip = (pos + len > d->arena_sz) ? d->arena_sz - pos : 0;
+    if (d->r_head - d->r_tail >= d->ring_sz || d->a_head + skip + len - d->a_tail > d->arena_sz) {
+        d->drop_buf++; return;
+    }
+    d->a_head += skip; pos = d->a_head % d->arena_sz;
+    memcpy(d->arena + pos, buf, len);
+    desc_t *e = &d->ring[d->r_head % d->ring_sz];
+    e->off = d->a_head; e->len = len; e->due = start + d->delay_ns;
+    d->a_head += len; d->r_head++;
+    d->link_free_ns = start;
+}
+
+static void *run_dir(void *arg) {
+    dir_t *d = arg;
+    static __thread uint8_t buf[MAXPKT];
+    struct pollfd pfd = { .fd = d->in_fd, .events = POLLIN };
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    while (!stop) {
+        uint64_t t = now_ns();
+        while (d->r_tail < d->r_head) {            /* release due packets */
+            desc_t *e = &d->ring[d->r_tail % d->ring_sz];
+            if (e->due > t) break;
+            uint64_t late = t - e->due;
+            d->late_sum_ns += late; d->late_1ms += late > 1000000;
+            if (late > d->late_max_ns) d->late_max_ns = late;
+            if (write(d->out_fd, d->arena + e->off % d->arena_sz, e->len) < 0) d->tx_err++;
+            else { d->tx_pkts++; d->tx_bytes += e->len; }
+            d->a_tail = e->off + e->len; d->r_tail++;
+        }
+        uint64_t wait = 50000000;                  /* 50 ms max so that stop is noticed */
+        if (d->r_tail < d->r_head) {
+            uint64_t due = d->ring[d->r_tail % d->ring_sz].due;
+            wait = due > t ? due - t : 0;
+            if (wait > 50000000) wait = 50000000;
+        }
+        struct timespec ts = { wait / 1000000000ull, wait % 1000000000ull };
+        int r = ppoll(&pfd, 1, &ts, NULL);
+        if (r <= 0) continue;
+        for (int i = 0; i < BATCH; i++) {          /* drain a batch of incoming packets */
+            ssize_t n = read(d->in_fd, buf, sizeof buf);
+            if (n <= 0) break;
+            enqueue(d, buf, (uint64_t)n, now_ns());
+        }
+    }
+    return NULL;
+}
+
+static void usage(void) {
+    fprintf(stderr,
+        "usage: linkemu --tun-a NAME --tun-b NAME [--delay-ms D] [--rate-mbit R] [--loss-pct P]\n"
+        "               [--queue-bytes N] [--queue-pkts N] [--seed S] [--arena-mb M] [--ring-slots N]\n"
+        "               [--nice N] [--rt-prio N]\n"
+        "  delay is one-way; rate 0 = unlimited; default queue = 1.5 x BDP (rate x (delay_ab+delay_ba)),\n"
+        "  at least 64 KiB; append -ab / -ba to delay/rate/loss/queue flags for one direction only\n");
+    exit(2);
+}
+
+static void print_dir(FILE *f, dir_t *d) {
+    fprintf(f, "%s t_ns=%llu rx_pkts=%llu rx_bytes=%llu tx_pkts=%llu tx_bytes=%llu drop_loss=%llu "
+            "drop_queue=%llu drop_buf=%llu tx_err=%llu late_sum_ns=%llu late_max_ns=%llu late_1ms=%llu "
+            "queue_bytes=%lld\n", d->name, (unsigned long long)now_ns(),
+            (unsigned long long)d->rx_pkts, (unsigned long long)d->rx_bytes,
+            (unsigned long long)d->tx_pkts, (unsigned long long)d->tx_bytes,
+            (unsigned long long)d->drop_loss, (unsigned long long)d->drop_queue,
+            (unsigned long long)d->drop_buf, (unsigned long long)d->tx_err,
+            (unsigned long long)d->late_sum_ns, (unsigned long long)d->late_max_ns,
+            (unsigned long long)d->late_1ms, d->queue_bytes);
+}
+
+int main(int argc, char **argv) {
+    const char *tun[2] = { NULL, NULL };
+    dir_t d[2]; memset(d, 0, sizeof d);
+    uint64_t seed = 1;
+    for (int k = 0; k < 2; k++) { d[k].queue_bytes = -1; d[k].queue_pkts = -1; }
+    for (int i = 1; i < argc; i++) {
+        if (i + 1 >= argc) usage();
+        char key[64]; snprintf(key, sizeof key, "%s", argv[i]);
+        const char *v = argv[++i];
+        int mask = 3; size_t kl = strlen(key);
+        if (kl > 3 && !strcmp(key + kl - 3, "-ab")) { mask = 1; key[kl - 3] = 0; }
+        else if (kl > 3 && !strcmp(key + kl - 3, "-ba")) { mask = 2; key[kl - 3] = 0; }
+        if (!strcmp(key, "--tun-a")) tun[0] = v;
+        else if (!strcmp(key, "--tun-b")) tun[1] = v;
+        else if (!strcmp(key, "--seed")) seed = strtoull(v, NULL, 0);
+        else if (!strcmp(key, "--arena-mb")) arena_mb = strtoull(v, NULL, 0);
+        else if (!strcmp(key, "--ring-slots")) ring_slots = strtoull(v, NULL, 0);
+        else if (!strcmp(key, "--rt-prio")) {         /* SCHED_FIFO; threads inherit it */
+            struct sched_param sp = { .sched_priority = atoi(v) };
+            if (sched_setscheduler(0, SCHED_FIFO, &sp) < 0) perror("sched_setscheduler");
+        }
+        else if (!strcmp(key, "--nice")) {            /* before the threads exist: they inherit it */
+            if (setpriority(PRIO_PROCESS, 0, atoi(v)) < 0) perror("setpriority");
+        }
+        else for (int k = 0; k < 2; k++) {
+            if (!(mask & (1 << k))) continue;
+            if (!strcmp(key, "--delay-ms")) d[k].delay_ms = atof(v);
+            else if (!strcmp(key, "--rate-mbit")) d[k].rate_mbit = atof(v);
+            else if (!strcmp(key, "--loss-pct")) d[k].loss_pct = atof(v);
+            else if (!strcmp(key, "--queue-bytes")) d[k].queue_bytes = atoll(v);
+            else if (!strcmp(key, "--queue-pkts")) d[k].queue_pkts = atoll(v);
+            else usage();
+        }
+    }
+    if (!tun[0] || !tun[1] || !arena_mb || !ring_slots) usage();
+
+    sigset_t ss; sigemptyset(&ss); sigaddset(&ss, SIGINT); sigaddset(&ss, SIGTERM); sigaddset(&ss, SIGUSR1);
+    pthread_sigmask(SIG_BLOCK, &ss, NULL);     /* worker threads inherit the mask */
+    int fa = tun_open(tun[0]), fb = tun_open(tun[1]);
+    double rtt_ms = d[0].delay_ms + d[1].delay_ms;
+    for (int k = 0; k < 2; k++) {
+        d[k].name = k ? "b->a" : "a->b";
+        d[k].in_fd = k ? fb : fa; d[k].out_fd = k ? fa : fb;
+        d[k].rng = (seed + 1) * 0x9E3779B97F4A7C15ull + (uint64_t)k * 0xD1B54A32D192ED03ull;
+        if (!d[k].rng) d[k].rng = 1;
+        if (d[k].queue_bytes < 0 && d[k].queue_pkts < 0 && d[k].rate_mbit > 0) {
+            long long bdp = (long long)(d[k].rate_mbit * 1e6 / 8 * rtt_ms / 1000 * 1.5);
+            d[k].queue_bytes = bdp < 65536 ? 65536 : bdp;
+        }
+        d[k].delay_ns = (uint64_t)(d[k].delay_ms * 1e6);
+        d[k].arena_sz = arena_mb << 20; d[k].ring_sz = ring_slots;
+        d[k].arena = malloc(d[k].arena_sz); d[k].ring = calloc(ring_slots, sizeof(desc_t));
+        if (!d[k].arena || !d[k].ring) { perror("malloc"); return 1; }
+    }
+    printf("ready tun_a=%s tun_b=%s\n", tun[0], tun[1]); fflush(stdout);
+    pthread_t th[2];
+    for (int k = 0; k < 2; k++) pthread_create(&th[k], NULL, run_dir, &d[k]);
+    int sig;
+    for (;;) {                                 /* SIGUSR1: dump counters and keep running */
+        sigwait(&ss, &sig);
+        if (sig != SIGUSR1) break;
+        fprintf(stdout, "stats\n");
+        for (int k = 0; k < 2; k++) { print_dir(stdout, &d[k]); d[k].late_max_ns = 0; }
+        fflush(stdout);                        /* late_max_ns: max since the last report */
+    }
+    stop = 1;
+    for (int k = 0; k < 2; k++) pthread_join(th[k], NULL);
+    fprintf(stdout, "linkemu stopped by signal %d\n", sig);
+    for (int k = 0; k < 2; k++) print_dir(stdout, &d[k]);
+    fflush(stdout);
+    return 0;
+}

@@ -1,0 +1,617 @@
+"""Emulated WAN link between two network namespaces (stdlib only; needs root).
+
+    from bench.wan_netns import wan_link
+    with wan_link(rtt_ms=40, rate_mbit=300, loss_pct=0.01) as link:
+        srv = link.run_in(link.ns_b, ["python3", "server.py", "--host", link.addr_b])
+        link.run_in(link.ns_a, ["python3", "client.py", link.addr_b]).wait()
+
+Two namespaces are joined by bench/linkemu/build/linkemu (a userspace emulator over two
+TUN devices: one-way delay, rate limit, random loss, drop-tail queue, per direction).
+The emulator creates both TUN devices in the root namespace; each is then moved into its
+namespace (the emulator's open descriptors keep working) and renamed to `wan0`.
+
+CLI: python bench/wan_netns.py --profile continental --selftest
+     python bench/wan_netns.py --rtt-ms 40 --rate-mbit 300 --loss-pct 0.01 --selftest
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LINKEMU_DIR = HERE / "linkemu"
+LINKEMU_BIN = LINKEMU_DIR / "build" / "linkemu"
+PROFILES = {  # name: (rtt_ms, rate_mbit, loss_pct)
+    "continental": (40.0, 300.0, 0.01),
+    "intercontinental": (80.0, 300.0, 0.1),
+    "ceiling": (0.0, 0.0, 0.0),  # no delay, no rate limit, no loss: emulator CPU ceiling
+}
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)  # Linux values; need CAP_NET_ADMIN
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+_seq = itertools.count()
+
+
+def build_linkemu() -> Path:
+    """Compile the emulator if needed (bench/linkemu/build.sh is idempotent)."""
+    subprocess.run(["sh", str(LINKEMU_DIR / "build.sh")], check=True, stdout=subprocess.DEVNULL)
+    return LINKEMU_BIN
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def _parse_counters(lines: list[str]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for line in lines:
+        parts = line.split()
+        if parts and parts[0] in ("a->b", "b->a"):
+            out[parts[0]] = {k: int(v) for k, v in (p.split("=", 1) for p in parts[1:])}
+    return out
+
+
+@dataclass
+class WanLink:
+    ns_a: str
+    ns_b: str
+    addr_a: str
+    addr_b: str
+    dev: str
+    rtt_ms: float
+    rate_mbit: float
+    loss_pct: float
+    mtu: int
+    queue_bytes: int | None
+    emulator: subprocess.Popen[str]
+    final_counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    _procs: list[subprocess.Popen[Any]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _ns(self, ns: str) -> str:
+        return {"a": self.ns_a, "b": self.ns_b}.get(ns, ns)
+
+    def run_in(self, ns: str, argv: list[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+        """Start argv inside namespace ns ("a", "b" or a full name); killed on link exit."""
+        p = subprocess.Popen(["ip", "netns", "exec", self._ns(ns), *argv], **popen_kwargs)
+        self._procs.append(p)
+        return p
+
+    def check_in(self, ns: str, argv: list[str], timeout: float | None = None) -> str:
+        """Run argv inside ns to completion; return stdout (raises on failure)."""
+        return subprocess.run(
+            ["ip", "netns", "exec", self._ns(ns), *argv], check=True, capture_output=True, text=True, timeout=timeout
+        ).stdout
+
+    def sysctl(self, key: str, value: str, ns: str | None = None) -> None:
+        """Set a per-namespace sysctl in ns, or in both namespaces when ns is None."""
+        for n in [self._ns(ns)] if ns else [self.ns_a, self.ns_b]:
+            self.check_in(n, ["sysctl", "-q", "-w", f"{key}={value}"])
+
+    def read_sysctl(self, key: str, ns: str = "a") -> str:
+        return self.check_in(ns, ["sysctl", "-n", key]).strip().replace("\t", " ")
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Live emulator counters per direction (SIGUSR1 makes linkemu print them)."""
+        with self._lock:
+            self.emulator.send_signal(signal.SIGUSR1)
+            assert self.emulator.stdout is not None
+            lines = [self.emulator.stdout.readline() for _ in range(3)]  # "stats", a->b, b->a
+            return _parse_counters(lines)
+
+
+def _stop(p: subprocess.Popen[Any], sig: int = signal.SIGTERM, wait: float = 3.0) -> None:
+    if p.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        p.send_signal(sig)
+    try:
+        p.wait(wait)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            p.kill()
+        p.wait()
+
+
+@contextlib.contextmanager
+def wan_link(
+    rtt_ms: float,
+    rate_mbit: float,
+    loss_pct: float,
+    mtu: int = 1500,
+    queue_bytes: int | None = None,
+    name_prefix: str = "pfw",
+    seed: int = 1,
+    addr_a: str = "10.77.0.1",
+    addr_b: str = "10.77.0.2",
+    txqueuelen: int = 5000,
+    emulator_nice: int = -10,
+    emulator_rt_prio: int | None = None,
+    emulator_args: tuple[str, ...] = (),
+) -> Iterator[WanLink]:
+    """Two namespaces joined by linkemu; rtt_ms is split evenly between directions.
+
+    rate_mbit=0 means unlimited; queue_bytes=None uses the emulator default (1.5 x BDP).
+    txqueuelen sizes the TUN devices' own packet ring in front of the emulator: the default
+    500 overflows when the emulator thread is briefly descheduled (seen on 2 cores).
+    emulator_nice: the emulator plays the network, so it should not queue behind the endpoints;
+    emulator_rt_prio runs it SCHED_FIFO instead (tighter timing on a busy host).
+    emulator_args go to linkemu as is, e.g. ("--rate-mbit-ba", "50") for an asymmetric link.
+    Everything (processes from run_in, emulator, namespaces) is removed on exit, also on
+    exceptions and KeyboardInterrupt.
+    """
+    if os.geteuid() != 0:
+        raise PermissionError("wan_link needs root (netns, TUN devices)")
+    binary = build_linkemu()
+    n = next(_seq)
+    tag = f"{os.getpid()}-{n}"
+    ns_a, ns_b = f"{name_prefix}-{tag}-a", f"{name_prefix}-{tag}-b"
+    tun_a, tun_b = (f"{name_prefix[:3]}{os.getpid()}x{n}{s}"[-15:] for s in "ab")
+    created: list[str] = []
+    emu: subprocess.Popen[str] | None = None
+    link: WanLink | None = None
+    try:
+        for ns in (ns_a, ns_b):
+            _ip("netns", "add", ns)
+            created.append(ns)
+        cmd = [
+            str(binary),
+            "--tun-a",
+            tun_a,
+            "--tun-b",
+            tun_b,
+            "--delay-ms",
+            str(rtt_ms / 2),
+            "--rate-mbit",
+            str(rate_mbit),
+            "--loss-pct",
+            str(loss_pct),
+            "--seed",
+            str(seed),
+        ]
+        if queue_bytes is not None:
+            cmd += ["--queue-bytes", str(queue_bytes)]
+        if emulator_nice:
+            cmd += ["--nice", str(emulator_nice)]
+        if emulator_rt_prio:
+            cmd += ["--rt-prio", str(emulator_rt_prio)]
+        cmd += list(emulator_args)
+        # own session: a terminal Ctrl-C reaches only us, and we stop the emulator in order
+        emu = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        assert emu.stdout is not None and emu.stderr is not None
+        r, _, _ = select.select([emu.stdout], [], [], 10)
+        line = emu.stdout.readline() if r else ""
+        if not line.startswith("ready"):
+            _stop(emu)
+            raise RuntimeError(f"linkemu failed to start: {line!r} {emu.stderr.read()!r}")
+        for ns, tun, addr in ((ns_a, tun_a, addr_a), (ns_b, tun_b, addr_b)):
+            _ip("link", "set", tun, "netns", ns)
+            _ip("-n", ns, "link", "set", tun, "name", "wan0")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", "wan0")
+            _ip("-n", ns, "link", "set", "wan0", "mtu", str(mtu), "txqueuelen", str(txqueuelen), "up")
+        link = WanLink(ns_a, ns_b, addr_a, addr_b, "wan0", rtt_ms, rate_mbit, loss_pct, mtu, queue_bytes, emu)
+        yield link
+    finally:
+        if link is not None:
+            for p in link._procs:
+                _stop(p, wait=2.0)
+        if emu is not None:
+            _stop(emu)
+            if link is not None and emu.stdout is not None:
+                link.final_counters = _parse_counters(emu.stdout.read().splitlines())
+        for ns in created:  # anything else still running inside our namespaces
+            pids = _ip("netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", ns, check=False)
+
+
+# ---------------------------------------------------------------- selftest helpers
+# These run inside a namespace as `python3 wan_netns.py --_role ...`.
+
+
+def _set_opts(s: socket.socket, cc: str, buf: int) -> None:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+    if buf:
+        s.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, buf)
+        s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, buf)
+
+
+def _role_recv(a: argparse.Namespace) -> None:
+    import selectors
+
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    _set_opts(ls, a.cc, a.buf)  # inherited by accepted sockets (window scale needs it early)
+    ls.bind((a.host, a.port))
+    ls.listen(64)
+    print("listening", flush=True)
+    ls.settimeout(a.duration + 10)
+    conns = [ls.accept()[0] for _ in range(a.streams)]
+    sel = selectors.DefaultSelector()
+    for c in conns:
+        c.setblocking(False)
+        sel.register(c, selectors.EVENT_READ)
+
+    buf = bytearray(1 << 20)
+    total, open_n = 0, len(conns)
+    t_first: float | None = None
+    t_last: float | None = None
+    give_up = time.monotonic() + a.duration + 10
+    while open_n:
+        now = time.monotonic()
+        if (t_first is not None and now - t_first >= a.duration) or now > give_up or total >= a.bytes:
+            break
+        for key, _ in sel.select(0.05):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            try:
+                n = sock.recv_into(buf)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                n = 0
+            if n == 0:
+                sel.unregister(sock)
+                open_n -= 1
+                continue
+            t_last = time.monotonic()
+            if t_first is None:
+                t_first = t_last
+            total += n
+    end = t_last if total >= a.bytes and t_last else time.monotonic()
+    el = (end - t_first) if t_first else 0.0
+    for c in conns:
+        with contextlib.suppress(OSError):
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.close()
+    # CLOCK_MONOTONIC is shared by all namespaces: t0/t1 line up with linkemu's t_ns
+    result = {
+        "bytes": total,
+        "seconds": el,
+        "mbit": total * 8 / el / 1e6 if el else 0.0,
+        "t0": t_first or 0.0,
+        "t1": end,
+    }
+    print(json.dumps(result), flush=True)
+
+
+def _tcp_info(s: socket.socket) -> tuple[int, int]:
+    """(srtt_us, total_retrans) from struct tcp_info."""
+    raw = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    if len(raw) < 104:
+        return 0, 0
+    return struct.unpack_from("I", raw, 68)[0], struct.unpack_from("I", raw, 100)[0]
+
+
+def _role_send(a: argparse.Namespace) -> None:
+    socks = []
+    for _ in range(a.streams):
+        s = socket.socket()
+        _set_opts(s, a.cc, a.buf)
+        s.connect((a.host, a.port))
+        socks.append(s)
+    payload = memoryview(bytearray(os.urandom(1 << 16)) * 16)  # 1 MiB
+    deadline = time.monotonic() + a.duration + 5
+    info: list[tuple[int, int]] = [(0, 0)] * len(socks)
+
+    def pump(i: int, s: socket.socket) -> None:
+        s.settimeout(1.0)
+        try:  # send until the receiver has its bytes (or time) and resets the connection
+            next_info = 0.0
+            while (now := time.monotonic()) < deadline:
+                if now >= next_info:  # sample: counters are gone once the receiver resets us
+                    info[i], next_info = _tcp_info(s), now + 0.1
+                try:
+                    s.send(payload)
+                except TimeoutError:
+                    continue
+            info[i] = _tcp_info(s)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:  # receiver closed at its deadline
+            pass
+
+    threads = [threading.Thread(target=pump, args=(i, s)) for i, s in enumerate(socks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in socks:
+        with contextlib.suppress(OSError):
+            s.recv(1)  # wait for the receiver's close
+        s.close()
+    print(json.dumps({"srtt_ms": max(i[0] for i in info) / 1000, "retrans": sum(i[1] for i in info)}), flush=True)
+
+
+def _role_ping(a: argparse.Namespace) -> None:
+    """ICMP echo over a raw socket (no ping binary needed); prints RTTs in ms."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    s.settimeout(2.0)
+    ident, rtts = os.getpid() & 0xFFFF, []
+    for seq in range(a.count + 1):  # seq 0 warms up (first packet pays one-time costs), not reported
+        body = struct.pack("!HH", ident, seq) + b"x" * 56
+        hdr = struct.pack("!BBH", 8, 0, 0) + body
+        csum = sum(struct.unpack(f"!{len(hdr) // 2}H", hdr))
+        csum = (csum >> 16) + (csum & 0xFFFF)
+        csum = ~(csum + (csum >> 16)) & 0xFFFF
+        pkt = struct.pack("!BBH", 8, 0, csum) + body
+        t0 = time.perf_counter()
+        s.sendto(pkt, (a.host, 0))
+        while True:
+            try:
+                data = s.recv(2048)
+            except TimeoutError:
+                break
+            ihl = (data[0] & 0xF) * 4
+            typ, _, _, rid, rseq = struct.unpack_from("!BBHHH", data, ihl)
+            if typ == 0 and rid == ident and rseq == seq:
+                if seq:
+                    rtts.append((time.perf_counter() - t0) * 1000)
+                break
+        time.sleep(0.2)
+    print(json.dumps({"rtts_ms": rtts}), flush=True)
+
+
+# ---------------------------------------------------------------- selftest driver
+
+
+def ping(link: WanLink, count: int = 5) -> list[float]:
+    out = link.check_in(
+        "a",
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--_role",
+            "ping",
+            "--host",
+            link.addr_b,
+            "--count",
+            str(count),
+        ],
+        timeout=30,
+    )
+    rtts: list[float] = json.loads(out.splitlines()[-1])["rtts_ms"]
+    return rtts
+
+
+_port = itertools.count(5201)
+
+
+def _link_rates(samples: list[tuple[float, int]], t0: float, t1: float) -> tuple[float, float]:
+    """(Mbit/s over the 2nd half of [t0, t1], max Mbit/s over any >=1 s window) of IP bytes."""
+    inside = [(t, b) for t, b in samples if t0 <= t <= t1]
+    half = [(t, b) for t, b in inside if t >= (t0 + t1) / 2]
+    second = 0.0
+    if len(half) > 1 and half[-1][0] > half[0][0]:
+        second = (half[-1][1] - half[0][1]) * 8 / (half[-1][0] - half[0][0]) / 1e6
+    peak = 0.0
+    for i, (ti, bi) in enumerate(inside):
+        for tj, bj in inside[i + 1 :]:
+            if tj - ti >= 1.0:
+                peak = max(peak, (bj - bi) * 8 / (tj - ti) / 1e6)
+                break
+    return second, peak
+
+
+def bulk_tcp(
+    link: WanLink, streams: int = 1, cc: str = "cubic", buf: int = 0, duration: float = 10.0, nbytes: int = 200 * 10**6
+) -> dict[str, Any]:
+    """Bulk TCP a -> b. Goodput is timed on the receiver (first byte -> nbytes or duration);
+    link_* figures come from the emulator's a->b counters (IP bytes, retransmissions included).
+    buf > 0 forces SO_SNDBUF/SO_RCVBUF to that size (autotuning off)."""
+    me = [sys.executable, str(Path(__file__).resolve())]
+    common = [
+        "--host",
+        link.addr_b,
+        "--port",
+        str(next(_port)),
+        "--streams",
+        str(streams),
+        "--cc",
+        cc,
+        "--buf",
+        str(buf),
+        "--duration",
+        str(duration),
+        "--bytes",
+        str(nbytes),
+    ]
+    samples: list[tuple[float, int]] = []
+    late_max = [0]
+    done = threading.Event()
+
+    def poll() -> None:  # emulator counters every 0.1 s, stamped by the emulator itself
+        while not done.wait(0.1):
+            c = link.counters().get("a->b")
+            if c:
+                samples.append((c["t_ns"] / 1e9, c["tx_bytes"]))
+                late_max[0] = max(late_max[0], c["late_max_ns"])
+
+    before = link.counters()
+    rx = link.run_in("b", [*me, "--_role", "recv", *common], stdout=subprocess.PIPE, text=True)
+    assert rx.stdout is not None
+    if rx.stdout.readline().strip() != "listening":
+        raise RuntimeError("receiver failed to start")
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        tx = link.run_in("a", [*me, "--_role", "send", *common], stdout=subprocess.PIPE, text=True)
+        r_out, _ = rx.communicate(timeout=duration + 30)
+        s_out, _ = tx.communicate(timeout=30)
+    finally:
+        done.set()
+        poller.join()
+    after = link.counters()
+    res: dict[str, Any] = json.loads(r_out.splitlines()[-1])
+    res.update(json.loads(s_out.splitlines()[-1]) if s_out.strip() else {})
+    ab, ab0 = after.get("a->b", {}), before.get("a->b", {})
+    for k in ("drop_loss", "drop_queue", "drop_buf", "tx_pkts", "late_sum_ns", "late_1ms"):
+        res[f"emu_{k}"] = ab.get(k, 0) - ab0.get(k, 0)
+    late_max[0] = max(late_max[0], ab.get("late_max_ns", 0))
+    pk = max(res["emu_tx_pkts"], 1)
+    # how late the emulator released a->b packets vs their schedule (delay accuracy)
+    res["late_avg_us"], res["late_max_ms"] = res["emu_late_sum_ns"] / pk / 1e3, late_max[0] / 1e6
+    res["late_1ms_pct"] = 100 * res["emu_late_1ms"] / pk
+    res["link_mbit_2nd_half"], res["link_mbit_max_1s"] = _link_rates(samples, res["t0"], res["t1"])
+    time.sleep(0.5)  # let the delay line drain before the next run
+    return res
+
+
+def bbr_available() -> bool:
+    avail = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+    if "bbr" in avail.read_text().split():
+        return True
+    subprocess.run(["modprobe", "tcp_bbr"], capture_output=True, check=False)
+    return "bbr" in avail.read_text().split()
+
+
+BUF_MODES = {  # name: (tcp_rmem/tcp_wmem max set in both namespaces or None, forced SO_*BUF)
+    "default": (None, 0),
+    "sysctl64m": (64 << 20, 0),
+    "sockopt32m": (None, 32 << 20),
+}
+
+
+def selftest(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    ccs = [c for c in args.cc.split(",") if c]
+    if "bbr" in ccs and not bbr_available():
+        print("# bbr unavailable (not in tcp_available_congestion_control, modprobe tcp_bbr failed); skipped")
+        ccs.remove("bbr")
+    with wan_link(
+        args.rtt_ms,
+        args.rate_mbit,
+        args.loss_pct,
+        mtu=args.mtu,
+        queue_bytes=args.queue_bytes,
+        emulator_rt_prio=args.rt_prio,
+    ) as link:
+        rtts = ping(link, 5)
+        ping_med = sorted(rtts)[len(rtts) // 2] if rtts else float("nan")
+        print("# host loadavg at start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        print(
+            f"# link rtt={args.rtt_ms} ms rate={args.rate_mbit or 'unlimited'} Mbit/s "
+            f"loss={args.loss_pct}% mtu={args.mtu} ns={link.ns_a},{link.ns_b}"
+        )
+        print(f"# ping {link.addr_a} -> {link.addr_b}: " + " ".join(f"{r:.2f}" for r in rtts) + " ms")
+        orig = {k: link.read_sysctl(k) for k in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")}
+        print(f"# namespace defaults: tcp_rmem='{orig['net.ipv4.tcp_rmem']}' tcp_wmem='{orig['net.ipv4.tcp_wmem']}'")
+        hdr = (
+            f"{'bufs':<10} {'cc':<5} {'str':>3} {'ping_ms':>7} {'srtt_ms':>7} {'goodput':>8} {'ratio':>6} "
+            f"{'link2nd':>7} {'linkmax':>7} {'retrans':>7} {'q_drop':>6} {'l_drop':>6} {'late_us':>7} {'late_mx':>7} "
+            f"{'secs':>5}"
+        )
+        print(hdr, flush=True)
+        for mode in args.bufs.split(","):
+            sysmax, force = BUF_MODES[mode]
+            for k, v in orig.items():
+                lo, mid, _ = v.split()
+                link.sysctl(k, f"{lo} {mid} {sysmax}" if sysmax else v)
+            for cc in ccs:
+                for n in [int(x) for x in args.streams.split(",")]:
+                    r = bulk_tcp(link, n, cc, force, args.duration, args.bytes)
+                    ratio = r["mbit"] / args.rate_mbit if args.rate_mbit else float("nan")
+                    row = {
+                        "profile": args.profile,
+                        "rtt_ms": args.rtt_ms,
+                        "rate_mbit": args.rate_mbit,
+                        "loss_pct": args.loss_pct,
+                        "mtu": args.mtu,
+                        "bufs": mode,
+                        "cc": cc,
+                        "streams": n,
+                        "ping_ms": ping_med,
+                        "ratio": ratio,
+                        **r,
+                    }
+                    rows.append(row)
+                    print(
+                        f"{mode:<10} {cc:<5} {n:>3} {row['ping_ms']:>7.2f} {r.get('srtt_ms', 0):>7.1f} "
+                        f"{r['mbit']:>8.1f} {ratio:>6.3f} {r['link_mbit_2nd_half']:>7.1f} "
+                        f"{r['link_mbit_max_1s']:>7.1f} {r.get('retrans', 0):>7} {r['emu_drop_queue']:>6} "
+                        f"{r['emu_drop_loss']:>6} {r['late_avg_us']:>7.0f} {r['late_max_ms']:>7.2f} "
+                        f"{r['seconds']:>5.1f}",
+                        flush=True,
+                    )
+    print("# host loadavg at end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print(f"# emulator totals: {json.dumps(link.final_counters)}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", choices=sorted(PROFILES))
+    p.add_argument("--rtt-ms", type=float)
+    p.add_argument("--rate-mbit", type=float)
+    p.add_argument("--loss-pct", type=float)
+    p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument("--queue-bytes", type=int)
+    p.add_argument("--selftest", action="store_true")
+    p.add_argument("--streams", default="1,4", help="comma list (selftest)")
+    p.add_argument("--cc", default="cubic,bbr", help="comma list (selftest)")
+    p.add_argument("--bufs", default="default,sysctl64m", help=f"comma list of {','.join(BUF_MODES)}")
+    p.add_argument("--duration", type=float, default=10.0, help="max seconds per transfer")
+    p.add_argument("--bytes", type=int, default=200 * 10**6, help="max bytes per transfer")
+    p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--rt-prio", type=int, help="run the emulator SCHED_FIFO at this priority")
+    # internal roles (run inside a namespace)
+    p.add_argument("--_role", choices=["recv", "send", "ping"], help=argparse.SUPPRESS)
+    p.add_argument("--host", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--buf", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, default=5, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a._role:
+        if a._role in ("recv", "send"):
+            a.streams = int(a.streams)
+        {"recv": _role_recv, "send": _role_send, "ping": _role_ping}[a._role](a)
+        return 0
+    prof = PROFILES.get(a.profile, (0.0, 0.0, 0.0))
+    a.rtt_ms = prof[0] if a.rtt_ms is None else a.rtt_ms
+    a.rate_mbit = prof[1] if a.rate_mbit is None else a.rate_mbit
+    a.loss_pct = prof[2] if a.loss_pct is None else a.loss_pct
+
+    def on_term(signum: int, frame: object) -> None:  # make SIGTERM unwind like Ctrl-C so cleanup runs
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+    if not a.selftest:
+        with wan_link(
+            a.rtt_ms, a.rate_mbit, a.loss_pct, mtu=a.mtu, queue_bytes=a.queue_bytes, emulator_rt_prio=a.rt_prio
+        ) as link:
+            print(f"link up: {link.ns_a} {link.addr_a} <-> {link.ns_b} {link.addr_b}; Ctrl-C to stop", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+        print(f"emulator counters: {json.dumps(link.final_counters)}")
+        return 0
+    try:
+        rows = selftest(a)
+    except KeyboardInterrupt:
+        print("interrupted; link removed", file=sys.stderr)
+        return 130
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
