@@ -187,6 +187,9 @@ class _Stream:
 class TcpChannel:
     """A pool of TCP connections to the receiver at `address`. Implements `Channel`.
 
+    sock_buf_bytes: fixed SO_SNDBUF/SO_RCVBUF. Leave it None: a fixed size turns off the
+    kernel's autotuning and is capped by net.core.wmem_max/rmem_max; raise
+    net.ipv4.tcp_wmem/tcp_rmem instead for long fat paths.
     num_streams: a fixed count, or None (the default) to let a `StreamController` choose it
     from the measured goodput, between 1 and `max_streams` (see transport/adaptive.py);
     `num_streams` (the property) and `controller.history` show the choice.
