@@ -47,7 +47,7 @@ def real_kv(path: Path) -> None:
     kv = engine.prefill(engine.encode(inspect.getsource(text_source))[:2048], SamplingParams(max_new_tokens=1)).kv
     arrays = {f"{i}_{p}": t.contiguous().view(torch.int16).numpy() for i, layer in enumerate(kv.layers)
               for p, t in enumerate((layer.k, layer.v))}  # fmt: skip
-    np.savez(path, **arrays)
+    np.savez(path, **arrays)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ processes in the namespaces
@@ -102,7 +102,7 @@ def role_sender(host: str, kv_path: str) -> None:
             _reply({"ok": True})
         elif cmd["op"] == "ship":
             assert channel is not None
-            spec = ShipmentSpec(cmd["job"], 1, cmd["ticket"], "bfloat16", (shape,) * cmd["layers"], cmd["codec"],  # type: ignore[arg-type]
+            spec = ShipmentSpec(cmd["job"], 1, cmd["ticket"], "bfloat16", (shape,) * cmd["layers"], cmd["codec"],
                                 cmd["timeout_s"])  # fmt: skip
             cpu0, start = time.process_time(), time.perf_counter()
             shipment = Shipment(spec)
@@ -137,7 +137,7 @@ class Proc:
         line = self.p.stdout.readline()
         if not line:
             raise RuntimeError(f"bench process exited with {self.p.wait()}")
-        return json.loads(line)  # type: ignore[no-any-return]
+        return json.loads(line)
 
 
 def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[dict[str, Any]]) -> None:

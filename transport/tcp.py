@@ -82,6 +82,8 @@ class _Stream:
             self.reader = threading.Thread(target=self._read, name=f"prfaas-kv-reader-{self.index}", daemon=True)
             self.reader.start()
             self._send_loop()
+            if self.retired:
+                self._drain()
             self._drop()
 
     def _send_loop(self) -> None:
@@ -104,6 +106,15 @@ class _Stream:
                 ch.queue.release([chunk])
                 ch.queue.put([chunk])
                 return
+
+    def _drain(self, timeout_s: float = 2.0) -> None:
+        """Retiring: wait (bounded) for this connection's chunks to be acknowledged, so
+        shrinking the pool does not resend what was already on the wire."""
+        end = time.monotonic() + timeout_s
+        while self.connected.is_set() and time.monotonic() < end:
+            if not any(t.unacked_on(self.index) for t in self.channel.table.live()):
+                return
+            time.sleep(0.02)
 
     def send_open(self, transfer: OutboundTransfer) -> bool:
         """Send the transfer's OPEN now if connected (so a bad ticket fails before any KV exists)."""
@@ -243,8 +254,8 @@ class TcpChannel:
             return sum(1 for s in self.streams if not s.retired)
 
     def resize(self, count: int) -> None:
-        """Use `count` connections: open new ones, or retire the newest (their unacknowledged
-        chunks go back to the queue)."""
+        """Use `count` connections: open new ones, or retire the newest (they finish what they
+        have on the wire, within 2 s; what is still unacknowledged then is resent elsewhere)."""
         with self._lock:
             self.streams = [s for s in self.streams if not (s.retired and not s.thread.is_alive())]
             active = [s for s in self.streams if not s.retired]
@@ -258,8 +269,7 @@ class TcpChannel:
             self.streams += added
         for stream in added:
             stream.thread.start()
-        for stream in retiring:
-            stream.kill()
+        # retiring streams stop taking chunks, drain their acknowledgements, then close
 
     def count_acked(self, nbytes: int) -> None:
         with self._lock:
