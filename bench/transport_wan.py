@@ -150,6 +150,10 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
     me = [sys.executable, str(Path(__file__).resolve())]
     buf = 0  # sockets keep kernel autotuning; --big-buffers raises its ceiling instead
     with wan_link(rtt_ms=rtt_ms, rate_mbit=rate_mbit, loss_pct=loss_pct) as link:
+        if not args.slow_start_after_idle:
+            # A pooled transport wants its connections' windows kept between jobs: the
+            # recommended operator setting (docs/operations), applied in both namespaces.
+            link.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
         if args.big_buffers:
             link.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {BIG_BUF}")
             link.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {BIG_BUF}")
@@ -189,6 +193,7 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
                         "effective_ratio": r["raw_bytes"] / seconds / link_bps,
                         "cpu_s_per_gb": (r["cpu_s"] + r["rx_cpu_s"] - rx_cpu0) / max(r["raw_bytes"] / 1e9, 1e-9),
                         "resent_chunks": r["resent"], "seconds": seconds, "big_buffers": bool(args.big_buffers),
+                        "slow_start_after_idle": bool(args.slow_start_after_idle),
                     }  # fmt: skip
                     rows.append(row)
                     label = f"adaptive({row['streams']})" if streams is None else str(streams)
@@ -210,6 +215,11 @@ def main() -> None:
     parser.add_argument("--run-timeout-s", type=float, default=20.0)
     parser.add_argument("--adaptive-warmup-s", type=float, default=8.0)
     parser.add_argument("--big-buffers", action="store_true", help="64 MiB TCP autotuning ceiling (default 4 MiB)")
+    parser.add_argument(
+        "--slow-start-after-idle",
+        action="store_true",
+        help="keep the kernel default (1): idle pooled connections restart in slow start",
+    )
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--_role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--_host", help=argparse.SUPPRESS)

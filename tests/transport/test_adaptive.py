@@ -20,9 +20,9 @@ def drive(controller: StreamController, path_rate: object, windows: int = 40) ->
         # clean short path: 4 streams already fill 37.5 MB/s; doubling to 8 gains nothing -> back to 4
         (20e6, 37.5e6, 4),
         # lossy long path: each CUBIC stream gets ~0.9 MB/s; the pipe fills near 42 streams, so the
-        # climb goes 4 -> 8 -> 16 -> 32 (each +100 %) -> 64 (+17 %, above the 10 % bar) -> settles at 64
+        # climb goes 4 -> 8 -> 16 -> 32 (each +100 %) -> 64 (+17 %, above the 5 % bar) -> settles at 64
         (0.9e6, 37.5e6, 64),
-        # medium: 3 MB/s each fills at 12.5; 16 gains +33 % over 8 (>=10 %), 32 gains 0 -> 16
+        # medium: 3 MB/s each fills at 12.5; 16 gains +33 % over 8 (>= 5 %), 32 gains 0 -> 16
         (3e6, 37.5e6, 16),
     ],
 )
