@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from prfaas.transport.codecs import get_codec
+from prfaas.transport.codecs import DTYPE_SIZES, get_codec
 from prfaas.transport.errors import TransferCanceled, TransferTimeout, TransportError
 
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 Shape = tuple[int, int, int]  # [num_kv_heads, num_tokens, head_dim]

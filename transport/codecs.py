@@ -67,6 +67,7 @@ class CodecId(IntEnum):
 
 # name -> (dtype code on the wire, bytes per element)
 _DTYPES: dict[str, tuple[int, int]] = {"float32": (0, 4), "float16": (1, 2), "bfloat16": (2, 2)}
+DTYPE_SIZES: dict[str, int] = {name: size for name, (_code, size) in _DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from prfaas.transport.api import DTYPE_SIZES, Shape, StatusCell, TransferStatus
-from prfaas.transport.codecs import CodecId, TensorMeta, get_codec
+from prfaas.transport.api import Shape, StatusCell, TransferStatus
+from prfaas.transport.codecs import DTYPE_SIZES, CodecId, TensorMeta, get_codec
 from prfaas.transport.errors import CodecError, FrameError, TicketRejected, TransferTimeout, TransportError
 from prfaas.transport.tickets import Ticket
 
