@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from prfaas.transport import sockets
 from prfaas.transport.adaptive import StreamController
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import FrameError, PeerUnavailable
@@ -46,10 +47,7 @@ class _Stream:
     def _connect(self) -> socket.socket:
         ch = self.channel
         sock = socket.create_connection(ch.address, timeout=ch.connect_timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if ch.sock_buf_bytes:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ch.sock_buf_bytes)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, ch.sock_buf_bytes)
+        sockets.configure(sock, ch.sock_buf_bytes)
         if ch.congestion_control:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, ch.congestion_control.encode())
         if ch.ssl_context is not None:

@@ -13,6 +13,7 @@ import socket
 import ssl
 import threading
 
+from prfaas.transport import sockets
 from prfaas.transport.errors import FrameError
 from prfaas.transport.framing import ErrorCode, Frame, encode, error_frame, read_frame
 from prfaas.transport.inbound import Inbound
@@ -96,10 +97,7 @@ class TcpReceiver:
                 sock, _peer = self._listener.accept()
             except OSError:
                 return  # listener closed
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._buf:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._buf)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._buf)
+            sockets.configure(sock, self._buf)
             if self._ssl is not None:
                 try:
                     sock.settimeout(10.0)  # a handshake must not hold the acceptor forever
