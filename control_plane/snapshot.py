@@ -1,0 +1,151 @@
+"""`ClusterSnapshot`: the frozen picture of the fleet the scheduler decides on.
+
+Built by the control plane from region heartbeats and link probes (or by the simulator from its
+models), then handed to `GlobalScheduler.decide` as is. Every figure is a measurement or a
+price; the scheduler never reaches out for more. JSON documents of this shape are what
+`prfaas sched explain --snapshot` reads (docs/scheduler.md, "Snapshot schema").
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Self
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class Role(StrEnum):
+    """What a region's workers do. Every region can prefill (a decode region prefills short or
+    cache-warm prompts itself); only `decode` and `both` regions decode."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class Region(BaseModel):
+    """One region's capacity, prices and load, as of its last heartbeat."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    role: Role
+    gpu_type: str = Field(min_length=1)
+    num_gpus: int = Field(ge=1)
+    num_workers: int = Field(ge=1, description="model replicas; each holds num_gpus / num_workers GPUs")
+    usd_per_gpu_hour: NonNegFloat = Field(description="on-demand price, $ per GPU-hour")
+    spot_usd_per_gpu_hour: NonNegFloat | None = Field(default=None, description="spot price, if the region has one")
+    queue_depth: int = Field(default=0, ge=0, description="prefill jobs waiting for a worker")
+    queue_capacity: int | None = Field(default=None, ge=1, description="admission limit of the queue; None: unbounded")
+    num_busy_workers: int = Field(default=0, ge=0)
+    mean_prefill_s: NonNegFloat = Field(default=0.0, description="mean duration of recent prefill jobs, s")
+    kv_buffer_free_bytes: int = Field(ge=0, description="KV buffer a decode reservation can still take, bytes")
+    prefill_tokens_per_s: PosFloat = Field(description="measured prefill throughput of one worker, tokens/s")
+    decode_tokens_per_s: PosFloat = Field(description="measured decode throughput of one worker, all sequences, tok/s")
+    tpot_ms: PosFloat = Field(description="measured time per output token of one sequence at current load, ms")
+    healthy: bool = True
+    heartbeat_age_s: NonNegFloat = Field(default=0.0, description="seconds since the last heartbeat")
+    cached_prefix_hashes: frozenset[str] = Field(
+        default=frozenset(), description="chained hashes of the prompt blocks in this region's prefix cache"
+    )
+
+    @model_validator(mode="after")
+    def _busy_within_workers(self) -> Self:
+        if self.num_busy_workers > self.num_workers:
+            raise ValueError(f"num_busy_workers ({self.num_busy_workers}) exceeds num_workers ({self.num_workers})")
+        return self
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role is not Role.PREFILL
+
+    @property
+    def can_serve_split_prefill(self) -> bool:
+        return self.role is not Role.DECODE
+
+    @property
+    def gpus_per_worker(self) -> float:
+        return self.num_gpus / self.num_workers
+
+    @property
+    def queue_full(self) -> bool:
+        return self.queue_capacity is not None and self.queue_depth >= self.queue_capacity
+
+
+class Link(BaseModel):
+    """A measured, directed path from a prefill region (`src`) to a decode region (`dst`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    src: str = Field(min_length=1)
+    dst: str = Field(min_length=1)
+    rtt_ms: NonNegFloat
+    bandwidth_gbps: NonNegFloat = Field(description="measured goodput the transport reaches on this path, Gbit/s")
+    utilization: float = Field(default=0.0, ge=0, le=1, description="share of bandwidth_gbps in use by other transfers")
+    egress_usd_per_gb: NonNegFloat = Field(default=0.0, description="$ per GB (10^9 bytes) leaving src toward dst")
+
+    @model_validator(mode="after")
+    def _not_a_loop(self) -> Self:
+        if self.src == self.dst:
+            raise ValueError(f"link from {self.src!r} to itself")
+        return self
+
+    @property
+    def free_bytes_per_s(self) -> float:
+        """Bandwidth left for a new shipment, bytes/s."""
+        return self.bandwidth_gbps * 1e9 / 8 * (1.0 - self.utilization)
+
+
+class ModelShape(BaseModel):
+    """The served model's KV geometry (one model per snapshot)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    num_layers: int = Field(ge=1)
+    kv_bytes_per_token: int = Field(ge=1, description="K and V of one token over all layers, bytes, as decoded")
+
+
+class ClusterSnapshot(BaseModel):
+    """Regions, links and the model, frozen at `taken_at_s`. Indexes are built once, here."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    taken_at_s: NonNegFloat = Field(default=0.0, description="when the snapshot was assembled, s since the epoch")
+    model: ModelShape
+    regions: tuple[Region, ...]
+    links: tuple[Link, ...] = ()
+
+    _by_name: dict[str, Region] = PrivateAttr(default_factory=dict)
+    _links_into: dict[str, tuple[Link, ...]] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        by_name: dict[str, Region] = {}
+        for region in self.regions:
+            if region.name in by_name:
+                raise ValueError(f"duplicate region name {region.name!r}")
+            by_name[region.name] = region
+        into: dict[str, list[Link]] = {}
+        seen: set[tuple[str, str]] = set()
+        for link in self.links:
+            for end in (link.src, link.dst):
+                if end not in by_name:
+                    raise ValueError(f"link {link.src}->{link.dst} names unknown region {end!r}")
+            if (link.src, link.dst) in seen:
+                raise ValueError(f"duplicate link {link.src}->{link.dst}")
+            seen.add((link.src, link.dst))
+            into.setdefault(link.dst, []).append(link)
+        self._by_name = by_name
+        self._links_into = {dst: tuple(links) for dst, links in into.items()}
+        return self
+
+    def region(self, name: str) -> Region:
+        return self._by_name[name]
+
+    def links_into(self, dst: str) -> tuple[Link, ...]:
+        """Every link whose destination is `dst`, in snapshot order."""
+        return self._links_into.get(dst, ())
