@@ -201,6 +201,26 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
                           f"effective {row['effective_ratio']:5.2f}  cpu {row['cpu_s_per_gb']:5.1f} s/GB  "
                           f"resent {row['resent_chunks']}", flush=True)  # fmt: skip
 
+        # --peers: Mooncake (TCP) and NIXL (UCX/TCP) over this same link; see bench/peers/wan.py
+        if args.peers:
+            from prfaas.bench.peers.wan import run_peers
+
+            for row in rows:
+                row.setdefault("system", "prfaas")
+            rows.extend(
+                run_peers(
+                    link,
+                    name,
+                    ccs=args.cc,
+                    size_bytes=layers * layer_bytes,
+                    data=kv_path,
+                    rounds=args.peer_rounds,
+                    run_timeout_s=args.run_timeout_s,
+                    big_buffers=args.big_buffers,
+                    slow_start_after_idle=args.slow_start_after_idle,
+                )
+            )
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -221,6 +241,8 @@ def main() -> None:
         help="keep the kernel default (1): idle pooled connections restart in slow start",
     )
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--peers", action="store_true", help="also Mooncake and NIXL (bash bench/peers/setup.sh)")
+    parser.add_argument("--peer-rounds", type=int, default=1, help="timed transfers per peer and cc (--peers)")
     parser.add_argument("--_role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--_host", help=argparse.SUPPRESS)
     parser.add_argument("--_buf", type=int, default=0, help=argparse.SUPPRESS)

@@ -1,0 +1,314 @@
+"""KV transport on plain loopback: prfaas beside Mooncake's transfer engine (TCP) and NIXL (UCX/TCP).
+
+    python bench/transport_loopback.py --size-mb 256 --rounds 3 --json out.json
+
+One run, interleaved rounds (each round moves one payload with every system, in an order
+rotated per round), best and median per system. Every system runs as two processes
+(sender, receiver) on 127.0.0.1 and every transfer is checked byte for byte (xxh3-64):
+
+    prfaas-N         TcpChannel -> TcpReceiver, raw codec, N fixed streams (--streams)
+    prfaas-adaptive  the same with the channel's own stream count (warmed --adaptive-warmup-s)
+    mooncake         TransferEngine, P2PHANDSHAKE, "tcp" protocol, transfer_sync_write
+    nixl             nixl_agent, UCX backend with UCX_TLS=tcp, one WRITE + notification
+
+The peers run under .venv-peers (bash bench/peers/setup.sh); without it only prfaas runs.
+Peer pairs are started afresh every round (an idle NIXL agent's progress thread burns
+~0.65 core per process, which would tax whatever runs beside it on 2 cores); each pair's
+handshake and a warm-up transfer come before the timed one and are reported as setup.
+The payload is the SmolLM2 KV of bench/transport_wan.py when it exists, else random bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+KEY = os.urandom(32)
+HERE = Path(__file__).resolve().parent
+KV_PATH = Path(os.environ.get("PRFAAS_HOME", Path.home() / ".cache" / "prfaas")) / "bench" / "smollm2-kv-2048.npz"
+SYNTH_SHAPE = (3, 2048, 64)  # SmolLM2-135M's per-layer K (or V) shape, bf16
+SYNTH_LAYERS = 30
+
+
+def _reply(value: dict[str, Any]) -> None:
+    print(json.dumps(value), flush=True)
+
+
+def _hasher() -> Any:
+    import xxhash
+
+    return xxhash.xxh3_64()
+
+
+# ------------------------------------------------------------------ prfaas processes
+
+
+def role_receiver() -> None:
+    from prfaas.transport.tcp_server import TcpReceiver
+    from prfaas.transport.tickets import TicketVerifier
+
+    rx = TcpReceiver(TicketVerifier({"k": bytes.fromhex(os.environ["PRFAAS_BENCH_KEY"])}), "127.0.0.1", 0)
+    _reply({"ready": True, "port": rx.address[1]})
+    inbounds = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "expect":
+            inbounds[cmd["job"]] = rx.expect(cmd["job"], 1, cmd["timeout_s"])
+            _reply({"ok": True, "cpu_s": time.process_time()})
+        elif cmd["op"] == "collect":
+            inbound = inbounds.pop(cmd["job"])
+            status = inbound.wait(cmd["timeout_s"])
+            cpu = time.process_time()
+            digest = ""
+            if cmd.get("layers") and status.value == "completed":
+                h = _hasher()
+                for i in range(cmd["layers"]):
+                    k, v = inbound.layer(i, 1.0)
+                    h.update(k)
+                    h.update(v)
+                digest = h.hexdigest()
+            inbound.release()
+            _reply({"status": status.value, "cpu_s": cpu, "digest": digest})
+    rx.close()
+
+
+def load_parts(kv_path: Path | None) -> tuple[list[tuple[bytes, bytes]], tuple[int, ...]]:
+    import numpy as np
+
+    if kv_path is not None and kv_path.exists():
+        arrays = np.load(kv_path)
+        parts = [(arrays[f"{i}_0"].tobytes(), arrays[f"{i}_1"].tobytes()) for i in range(len(arrays.files) // 2)]
+        return parts, tuple(int(d) for d in arrays["0_0"].shape)
+    rng = np.random.default_rng(1)
+    n = int(np.prod(SYNTH_SHAPE)) * 2
+    return [(rng.bytes(n), rng.bytes(n)) for _ in range(SYNTH_LAYERS)], SYNTH_SHAPE
+
+
+def role_sender(port: int, kv: str) -> None:
+    from prfaas.transport.api import Shipment, ShipmentSpec
+    from prfaas.transport.tcp import TcpChannel
+
+    parts, shape = load_parts(Path(kv) if kv else None)
+    channels: dict[str, TcpChannel] = {}
+    _reply({"ready": True, "layer_bytes": 2 * len(parts[0][0])})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "channel":
+            t0 = time.perf_counter()
+            channels[cmd["label"]] = TcpChannel(("127.0.0.1", port), num_streams=cmd["streams"])
+            _reply({"ok": True, "setup_s": time.perf_counter() - t0})
+        elif cmd["op"] == "digest":
+            h = _hasher()
+            for i in range(cmd["layers"]):
+                h.update(parts[i % len(parts)][0])
+                h.update(parts[i % len(parts)][1])
+            _reply({"digest": h.hexdigest()})
+        elif cmd["op"] == "ship":
+            channel = channels[cmd["label"]]
+            spec = ShipmentSpec(cmd["job"], 1, cmd["ticket"], "bfloat16", (shape,) * cmd["layers"], "raw",
+                                cmd["timeout_s"])  # fmt: skip
+            cpu0 = time.process_time()
+            shipment = Shipment(spec)
+            transfer = channel.submit(shipment)
+            for i in range(cmd["layers"]):
+                shipment.add_layer(i, *parts[i % len(parts)])
+            status = transfer.wait(cmd["timeout_s"] + 1)
+            elapsed = (transfer.stats.finished_s or time.monotonic()) - transfer.stats.started_s
+            _reply({"status": status.value, "seconds": elapsed, "raw_bytes": transfer.stats.raw_bytes,
+                    "cpu_s": time.process_time() - cpu0, "streams": channel.num_streams})  # fmt: skip
+    for channel in channels.values():
+        channel.close()
+
+
+class Proc:
+    """A bench process over pipes; every read has a deadline, past which the process is killed."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        import queue
+        import threading
+
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:
+            assert self.p.stdout is not None
+            for line in self.p.stdout:
+                self.lines.put(line)
+            self.lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def read(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        import queue
+
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            self.p.kill()
+            raise RuntimeError(f"bench process silent for {timeout_s} s; killed") from None
+        if line is None:
+            raise RuntimeError(f"bench process exited with {self.p.wait()}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ask(self, wait_s: float = 60.0, **cmd: Any) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self.read(wait_s)
+
+    def close(self) -> None:
+        if self.p.stdin is not None:
+            self.p.stdin.close()
+        try:
+            self.p.wait(10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+class Prfaas:
+    def __init__(self, kv_path: Path | None, run_timeout_s: float) -> None:
+        from prfaas.transport.tickets import TicketSigner
+
+        self.signer = TicketSigner({"k": KEY}, "k")
+        self.timeout_s = run_timeout_s
+        env = {**os.environ, "PRFAAS_BENCH_KEY": KEY.hex()}
+        me = [sys.executable, str(Path(__file__).resolve())]
+        self.rx = Proc([*me, "--_role", "receiver"], env)
+        port = self.rx.read()["port"]
+        self.tx = Proc([*me, "--_role", "sender", "--_port", str(port), "--_kv", str(kv_path or "")], env)
+        self.layer_bytes: int = self.tx.read()["layer_bytes"]
+        self.setup: dict[str, float] = {}
+        self.digests: dict[int, str] = {}
+
+    def channel(self, label: str, streams: int | None) -> None:
+        self.setup[label] = self.tx.ask(op="channel", label=label, streams=streams)["setup_s"]
+
+    def ship(self, label: str, layers: int, verify: bool = True) -> dict[str, Any]:
+        job = str(uuid.uuid4())
+        wait = self.timeout_s + 10
+        self.rx.ask(wait, op="expect", job=job, timeout_s=self.timeout_s + 5)
+        ticket = self.signer.issue(job, 1, "bench", 1 << 40, ttl_s=600)
+        r = self.tx.ask(wait, op="ship", label=label, job=job, ticket=ticket, layers=layers, timeout_s=self.timeout_s)
+        got = self.rx.ask(wait, op="collect", job=job, timeout_s=5, layers=layers if verify else 0)
+        if verify:
+            if layers not in self.digests:
+                self.digests[layers] = self.tx.ask(op="digest", layers=layers)["digest"]
+            r["verified"] = got["digest"] == self.digests[layers]
+        return r
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+
+# ------------------------------------------------------------------ orchestration
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from prfaas.bench.peers.driver import PeerError, PeerPair, peers_python
+
+    kv_path = args.kv if args.kv and args.kv.exists() else None
+    print(f"# payload: {kv_path or 'random bytes (no SmolLM2 KV at ' + str(args.kv) + ')'}", flush=True)
+    peers = [s for s in ("mooncake", "nixl") if s in args.systems]
+    py = peers_python()
+    if peers and py is None:
+        print("# .venv-peers is missing (bash bench/peers/setup.sh): running prfaas only", flush=True)
+        peers = []
+    pr = Prfaas(kv_path, args.run_timeout_s)
+    layers = max(1, int(args.size_mb * 2**20 / pr.layer_bytes))
+    size = layers * pr.layer_bytes  # the peers move exactly as many bytes as prfaas
+    labels: list[tuple[str, int | None]] = []
+    if "prfaas" in args.systems:
+        labels = [(f"prfaas-{n}", n) for n in args.streams] + [("prfaas-adaptive", None)]
+    for label, streams in labels:
+        pr.channel(label, streams)
+        pr.ship(label, max(1, layers // 8), verify=False)  # connections open, windows grown
+        warm_until = time.monotonic() + (args.adaptive_warmup_s if streams is None else 0)
+        while time.monotonic() < warm_until:
+            pr.ship(label, max(1, layers // 2), verify=False)
+    print(f"# {size / 2**20:.0f} MiB per transfer, {args.rounds} rounds, host loadavg "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)  # fmt: skip
+    systems = [label for label, _ in labels] + peers
+    rows: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
+        for name in order:
+            row: dict[str, Any] = {"system": name.split("-")[0], "label": name, "size_bytes": size, "round": rnd}
+            if name.startswith("prfaas"):
+                r = pr.ship(name, layers)
+                ok = r["status"] == "completed" and r["verified"]
+                row.update(streams=r["streams"], adaptive=name.endswith("adaptive"), seconds=r["seconds"], ok=ok,
+                           cpu_s_send=r["cpu_s"], setup_s=pr.setup[name],
+                           error="" if ok else f"status {r['status']}, verified {r['verified']}")  # fmt: skip
+            else:
+                assert py is not None
+                try:
+                    with PeerPair(name, size, python=py, data=kv_path, timeout_s=60) as pair:
+                        pair.transfer(max(4096, size // 8), timeout_s=args.run_timeout_s)  # warm-up
+                        p = pair.transfer(size, timeout_s=args.run_timeout_s)
+                        setup_s = pair.setup["total_wall_s"]
+                except PeerError as exc:
+                    p, setup_s = {"ok": False, "error": str(exc)[:400], "seconds": 0.0, "tcp_conns": 0}, 0.0
+                row.update(streams=p["tcp_conns"], adaptive=False, seconds=p["seconds"], ok=p["ok"],
+                           cpu_s_send=p.get("cpu_s_send"), cpu_s_recv=p.get("cpu_s_recv"), setup_s=setup_s,
+                           error=p["error"])  # fmt: skip
+            row["gb_per_s"] = size / row["seconds"] / 1e9 if row["ok"] and row["seconds"] > 0 else 0.0
+            rows.append(row)
+            print(f"  round {rnd}  {name:18} {row['gb_per_s']:6.2f} GB/s  streams {row['streams']:>3}  "
+                  f"{'ok' if row['ok'] else 'FAILED ' + row['error'][:200]}", flush=True)  # fmt: skip
+    pr.close()
+    print("# host loadavg at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'system':18} {'streams':>7} {'best GB/s':>9} {'median':>7} {'ok/runs':>7} {'setup s':>7}")
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    best_peer = max((r["gb_per_s"] for r in rows if r["system"] != "prfaas"), default=0.0)
+    for label in labels:
+        mine = [r for r in rows if r["label"] == label]
+        rates = [r["gb_per_s"] for r in mine if r["ok"]]
+        streams = "/".join(str(s) for s in sorted({r["streams"] for r in mine}))
+        best, med = (max(rates), statistics.median(rates)) if rates else (0.0, 0.0)
+        vs = f"  {best / best_peer:4.2f}x best peer" if label.startswith("prfaas") and best_peer else ""
+        print(f"{label:18} {streams:>7} {best:9.2f} {med:7.2f} {len(rates):>3}/{len(mine):<3} "
+              f"{statistics.median(r['setup_s'] for r in mine):7.2f}{vs}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=float, default=256.0, help="payload per transfer")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8], help="prfaas fixed stream counts")
+    parser.add_argument("--systems", nargs="+", default=["prfaas", "mooncake", "nixl"],
+                        choices=["prfaas", "mooncake", "nixl"])  # fmt: skip
+    parser.add_argument("--adaptive-warmup-s", type=float, default=3.0)
+    parser.add_argument("--run-timeout-s", type=float, default=60.0, help="deadline of one transfer")
+    parser.add_argument("--kv", type=Path, default=KV_PATH, help="SmolLM2 KV .npz (default: transport_wan's)")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--_role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
+    parser.add_argument("--_port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--_kv", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._role == "receiver":
+        return role_receiver()
+    if args._role == "sender":
+        return role_sender(args._port, args._kv)
+    rows = run(args)
+    table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
