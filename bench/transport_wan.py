@@ -228,7 +228,9 @@ def main() -> None:
     parser.add_argument("--rtt-ms", type=float, help="custom link instead of a profile")
     parser.add_argument("--rate-mbit", type=float, default=300.0)
     parser.add_argument("--loss-pct", type=float, default=0.0)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument(
+        "--streams", type=int, nargs="*", default=[1, 4, 8, 16, 32, 64], help="fixed counts; none: adaptive only"
+    )
     parser.add_argument("--codec", nargs="+", default=["raw", "lossless", "fp8"])
     parser.add_argument("--cc", nargs="+", default=["cubic", "bbr"], choices=["cubic", "bbr", "reno"])
     parser.add_argument("--size-mb", type=float, default=96.0, help="raw KV per measured shipment")

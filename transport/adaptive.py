@@ -4,10 +4,27 @@ One TCP stream cannot fill a long, lossy path: CUBIC's window collapses at each 
 grows back in RTT steps, so its rate falls with RTT and loss. More streams share the
 loss and fill the pipe, but past the point where the link is full they only add
 queueing and CPU. The operator should not have to know where that point is, so the
-channel climbs to it: while data is waiting (the sender is path-limited, not
-producer-limited), double the streams as long as goodput grows; when a step brings no
-gain, go back to the best count and hold it; probe again after a while, since paths
-change. PrfaaS (arXiv 2604.15039) adapts its transfer to congestion the same way.
+channel climbs to it while data is waiting (the sender is path-limited, not
+producer-limited), using two signals:
+
+- goodput, per measurement window (bytes acknowledged / s);
+- queueing delay: the kernel's smoothed RTT of the streams (median) minus the path's
+  minimum RTT (TCP_INFO). A full bottleneck builds a queue, so RTT rises above its
+  minimum; a path that is not full (loss-limited streams, or too few of them) shows
+  none. PrfaaS (arXiv 2604.15039) watches congestion the same way.
+
+Goodput alone misleads on lossy paths: CUBIC's sawtooth makes one window's rate swing by
+tens of percent, so a doubling that will pay off often measures as no gain and a pure
+hill-climb stops early. The delay tells apart "no gain because the link is full" (queue:
+stop) from "no gain measured yet" (no queue: keep climbing, unless goodput clearly fell).
+
+Rules, per window, while backlogged:
+- no queue → double the count, unless this step's goodput fell more than `drop` below the
+  best seen (more streams hurt: go back to the best count and hold);
+- queue → the link is full: keep the current count if its goodput is within `gain` of the
+  best, else go back to the best; hold.
+- without delay samples (no TCP_INFO): plain hill-climb, a step must gain `gain`.
+After `hold_intervals` windows, probe upward again if the path shows no queue (paths change).
 
 Pure policy: `StreamController` sees measurements and returns a count; no sockets here.
 """
@@ -17,12 +34,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class PathSample:
+    """Delay of the path over one window, from the kernel's per-connection TCP_INFO."""
+
+    srtt_s: float  # median smoothed RTT of the streams
+    min_rtt_s: float  # lowest RTT any stream has seen
+
+    def queued(self, threshold: float) -> bool:
+        """Whether the RTT rose above the path's minimum by more than `threshold` of it (2 ms at least)."""
+        return self.srtt_s - self.min_rtt_s > max(0.002, threshold * self.min_rtt_s)
+
+
 @dataclass
 class StreamController:
-    """Hill-climbing on goodput.
+    """Goodput and delay driven stream count.
 
     initial / min_streams / max_streams: stream counts.
-    gain: relative goodput increase that justifies the last step up (0.05 = +5 %).
+    gain: relative goodput increase that justifies a step up when delay cannot tell (0.05 = +5 %).
+    drop: relative goodput loss after a step that means more streams hurt (0.15 = -15 %).
+    queue_threshold: queueing delay, as a share of the minimum RTT, that means the link is full.
     interval_s: shortest measurement window; the channel stretches it to >= 8 RTTs.
     hold_intervals: windows to stay at a settled count before probing upward again.
     """
@@ -31,58 +62,75 @@ class StreamController:
     min_streams: int = 1
     max_streams: int = 64
     gain: float = 0.05
+    drop: float = 0.15
+    queue_threshold: float = 0.2
     interval_s: float = 1.0
     hold_intervals: int = 20
     current: int = field(init=False)
-    best: int = field(init=False)
-    best_rate: float = field(init=False, default=0.0)
+    _rates: dict[int, float] = field(init=False, default_factory=dict)  # this probe's best rate per count
     _held: int = field(init=False, default=0)
     _probing: bool = field(init=False, default=True)
     _skip: int = field(init=False, default=0)
-    history: list[tuple[float, int, float]] = field(init=False, default_factory=list)  # (t_s, streams, bytes/s)
+    # (t_s, streams, bytes/s, queueing delay s or None)
+    history: list[tuple[float, int, float, float | None]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_streams <= self.initial <= self.max_streams:
             raise ValueError("need 1 <= min_streams <= initial <= max_streams")
-        self.current = self.best = self.initial
+        self.current = self.initial
 
     def window_s(self, rtt_s: float | None) -> float:
         # CUBIC's sawtooth on a lossy long path spans many RTTs: shorter windows measure noise.
         return max(self.interval_s, 8 * rtt_s) if rtt_s else self.interval_s
 
-    def update(self, now_s: float, rate_bps: float, backlogged: bool) -> int:
-        """Feed one window's goodput (bytes/s acknowledged) and whether data waited through
-        the whole window; returns the stream count to use next."""
-        self.history.append((now_s, self.current, rate_bps))
+    def update(self, now_s: float, rate_bps: float, backlogged: bool, path: PathSample | None = None) -> int:
+        """Feed one window's goodput (bytes/s acknowledged), whether data waited through the
+        whole window, and the path's delay if known; returns the stream count to use next."""
+        self.history.append((now_s, self.current, rate_bps, path.srtt_s - path.min_rtt_s if path else None))
         if not backlogged:
             return self.current  # producer-limited: the window says nothing about the path
         if self._skip:
             self._skip -= 1  # new connections are still in slow start
             return self.current
+        queued = path.queued(self.queue_threshold) if path is not None else None
         if not self._probing:
             self._held += 1
-            if self._held < self.hold_intervals or self.current >= self.max_streams:
+            if self._held < self.hold_intervals or self.current >= self.max_streams or queued:
                 return self.current
             self._probing = True  # paths change: probe upward again from here
-            self.best, self.best_rate = self.current, rate_bps
+            self._rates = {self.current: rate_bps}
             return self._step_up()
-        if self.current == self.best:  # first window of a probe: the baseline
-            self.best_rate = rate_bps
-            return self._step_up()
-        if rate_bps >= self.best_rate * (1 + self.gain):
-            self.best, self.best_rate = self.current, rate_bps
-            return self._step_up()
-        return self._settle()  # the step brought less than `gain`: back to the best count
+        self._rates[self.current] = max(rate_bps, self._rates.get(self.current, 0.0))
+        best_rate = max(self._rates.values())
+        if queued is None:  # no delay signal: a step must pay for itself
+            previous = self._rates.get(self.current // 2)
+            if previous is None or rate_bps >= previous * (1 + self.gain):
+                return self._step_up()
+            return self._settle(self._top())
+        if rate_bps < best_rate * (1 - self.drop):
+            return self._settle(self._top())  # more streams clearly hurt
+        if queued:  # the link is full: this count (or the best, if clearly better) is enough
+            return self._settle(self.current if rate_bps >= best_rate * (1 - self.gain) else self._top())
+        return self._step_up()
+
+    def _top(self) -> int:
+        return max(self._rates, key=self._rates.__getitem__)
+
+    def _best(self) -> int:
+        """The largest count of this probe whose goodput is within `drop` of the best: while the
+        link is not full, more streams cost nothing and one window's rate is noisy."""
+        top = max(self._rates.values())
+        return max(n for n, rate in self._rates.items() if rate >= top * (1 - self.drop))
 
     def _step_up(self) -> int:
         if self.current >= self.max_streams:
-            return self._settle()
+            return self._settle(self._best())
         self.current = min(self.max_streams, self.current * 2)
         self._skip = 1
         return self.current
 
-    def _settle(self) -> int:
-        if self.current != self.best:
+    def _settle(self, count: int) -> int:
+        if count != self.current:
             self._skip = 1
-        self.current, self._probing, self._held = self.best, False, 0
+        self.current, self._probing, self._held = count, False, 0
         return self.current

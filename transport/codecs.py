@@ -109,14 +109,15 @@ _HEADER = struct.Struct("<4sBBBBQQ")
 _MAX_CHUNK_BYTES = 2**31 - 1 - 32
 
 
-def _bytes_view(name: str, data: bytes | memoryview) -> memoryview:
+def _bytes_view(name: str, data: bytes | bytearray | memoryview) -> memoryview:
     try:
         return memoryview(data).cast("B")
     except TypeError as exc:
         raise CodecError(f"{name}: data must be a C-contiguous bytes-like object: {exc}") from exc
 
 
-def _checked_data(name: str, data: bytes | memoryview, meta: TensorMeta) -> memoryview:
+def checked_view(name: str, data: bytes | bytearray | memoryview, meta: TensorMeta) -> memoryview:
+    """`data` as a flat byte view, checked to hold exactly `meta`'s tensor (CodecError if not)."""
     view = _bytes_view(name, data)
     if view.nbytes != meta.nbytes:
         raise CodecError(
@@ -249,10 +250,10 @@ class RawCodec:
     lossless = True
 
     def encode(self, data: bytes | memoryview, meta: TensorMeta) -> bytes:
-        return bytes(_checked_data(self.name, data, meta))
+        return bytes(checked_view(self.name, data, meta))
 
     def decode(self, payload: bytes | memoryview, meta: TensorMeta) -> bytes:
-        return bytes(_checked_data(self.name, payload, meta))
+        return bytes(checked_view(self.name, payload, meta))
 
 
 class LosslessCodec:
@@ -263,7 +264,7 @@ class LosslessCodec:
     lossless = True
 
     def encode(self, data: bytes | memoryview, meta: TensorMeta) -> bytes:
-        view = _checked_data(self.name, data, meta)
+        view = checked_view(self.name, data, meta)
         return _pack(self.codec_id, meta, b"", _compress(view, _DTYPES[meta.dtype][1]))
 
     def decode(self, payload: bytes | memoryview, meta: TensorMeta) -> bytes:
@@ -285,7 +286,7 @@ class QuantizedCodec:
         return quantizer
 
     def encode(self, data: bytes | memoryview, meta: TensorMeta) -> bytes:
-        view = _checked_data(self.name, data, meta)
+        view = checked_view(self.name, data, meta)
         scales, codes = self._quantizer().quantize(view, meta.dtype, _shape3(self.name, meta))
         return _pack(self.codec_id, meta, scales, _compress(codes, 1))
 

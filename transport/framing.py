@@ -172,14 +172,18 @@ class Readable(Protocol):
 
 def read_exact(sock: Readable, size: int) -> bytearray:
     buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
+    read_into(sock, memoryview(buf))
+    return buf
+
+
+def read_into(sock: Readable, view: memoryview) -> None:
+    """Fill `view` from the socket (ConnectionError if the peer closes first)."""
+    size, got = len(view), 0
     while got < size:
         n = sock.recv_into(view[got:], size - got)
         if n == 0:
             raise ConnectionError(f"connection closed after {got} of {size} bytes")
         got += n
-    return buf
 
 
 def read_frame(sock: Readable) -> tuple[Frame, bool]:

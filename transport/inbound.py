@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from enum import Enum
 
 from prfaas.transport.api import Shape, StatusCell, TransferStatus
 from prfaas.transport.codecs import DTYPE_SIZES, CodecId, TensorMeta, get_codec
@@ -60,9 +61,22 @@ class OpenInfo:
 
 
 class _Part:
-    def __init__(self, count: int) -> None:
+    """One layer part being assembled: chunk i lands at i * chunk_bytes of one buffer."""
+
+    def __init__(self, count: int, size: int) -> None:
         self.count = count
-        self.chunks: dict[int, bytes] = {}
+        self.buf = bytearray(size)
+        self.claimed: set[int] = set()  # being read into the buffer now
+        self.done: set[int] = set()  # verified and in place
+        self.length = 0  # payload bytes once the last chunk is in
+
+
+class Slot(Enum):
+    """Why `Inbound.slot` gave no buffer to read a chunk into."""
+
+    DUPLICATE = "duplicate"  # already in place: acknowledge it again
+    PENDING = "pending"  # another connection is reading the same chunk: no reply (its copy decides)
+    ENDED = "ended"  # the shipment ended: drop it
 
 
 class Inbound:
@@ -77,8 +91,9 @@ class Inbound:
         self.wire_bytes = 0
         self._lock = threading.Condition()
         self._parts: dict[tuple[int, int], _Part] = {}
-        self._decoded: dict[tuple[int, int], bytes] = {}
-        self._layers: dict[int, tuple[bytes, bytes]] = {}
+        self._done_parts: set[tuple[int, int]] = set()  # assembled (then decoded): later copies are duplicates
+        self._decoded: dict[tuple[int, int], bytes | bytearray] = {}
+        self._layers: dict[int, tuple[bytes | bytearray, bytes | bytearray]] = {}
         self.cell.on_terminal(self._on_terminal)
 
     # -- receiver side -------------------------------------------------------------------
@@ -98,36 +113,88 @@ class Inbound:
         self.cell.start()
         return True
 
-    def accept(self, layer: int, part: int, chunk: int, count: int, codec: int, raw_len: int, payload: bytes) -> bool:
-        """Store one verified chunk; False if it is a duplicate. Raises TransportError if it
-        contradicts the OPEN (the shipment then fails)."""
+    def slot(
+        self, layer: int, part: int, chunk: int, count: int, codec: int, raw_len: int, payload_len: int
+    ) -> memoryview | Slot:
+        """Where a verified chunk's payload goes: a view of the part's buffer, claimed until
+        `commit`, so a receiver reads it from the socket straight into place. Raises
+        TransportError if the chunk contradicts the OPEN (the shipment then fails)."""
         info = self.info
         if info is None:
             raise FrameError("DATA before OPEN")
         if not 0 <= layer < len(info.layer_shapes) or codec != info.codec:
             raise FrameError(f"DATA for layer {layer} codec {codec} does not match the OPEN")
         heads, tokens, head_dim = info.layer_shapes[layer]
-        meta = TensorMeta(info.dtype, (heads, tokens, head_dim))
         if raw_len != heads * tokens * head_dim * DTYPE_SIZES[info.dtype]:
             raise FrameError(f"DATA raw_len {raw_len} does not match layer {layer}'s shape")
+        size = info.chunk_bytes
+        if codec == CodecId.RAW:  # the payload is the tensor: its chunking is fixed
+            if count != max(1, -(-raw_len // size)):
+                raise FrameError(f"chunk_count {count} does not fit {raw_len} raw bytes in {size}-byte chunks")
+            last = raw_len - (count - 1) * size
+        else:  # encoded size varies, but no codec more than doubles a tensor
+            if count > max(1, -(-(2 * raw_len + 65536) // size)):
+                raise FrameError(f"chunk_count {count} is too large for a {raw_len}-byte tensor")
+            last = payload_len if 0 < payload_len <= size else -1
+        if payload_len != (last if chunk == count - 1 else size):
+            raise FrameError(f"chunk {chunk} of {count} has {payload_len} payload bytes, expected chunks of {size}")
         with self._lock:
             if self.cell.status().terminal:
-                return False
-            entry = self._parts.setdefault((layer, part), _Part(count))
-            if (layer, part) in self._decoded or chunk in entry.chunks:
-                return False
+                return Slot.ENDED
+            if (layer, part) in self._decoded or (layer, part) in self._done_parts:
+                return Slot.DUPLICATE
+            entry = self._parts.get((layer, part))
+            if entry is None:
+                entry = self._parts[(layer, part)] = _Part(count, raw_len if codec == CodecId.RAW else count * size)
             if entry.count != count:
                 raise FrameError(f"chunk_count {count} disagrees with {entry.count} for layer {layer} part {part}")
-            entry.chunks[chunk] = payload
-            self.wire_bytes += len(payload)
-            if len(entry.chunks) < entry.count:
-                return True
-            blob = b"".join(entry.chunks[i] for i in range(entry.count))
-            del self._parts[(layer, part)]
-        decoded = get_codec(CodecId(codec)).decode(blob, meta)  # outside the lock: runs in parallel
-        if len(decoded) != raw_len:
-            raise CodecError(f"layer {layer} part {part} decoded to {len(decoded)} bytes, expected {raw_len}")
+            if chunk in entry.done:
+                return Slot.DUPLICATE
+            if chunk in entry.claimed:
+                return Slot.PENDING
+            entry.claimed.add(chunk)
+            offset = chunk * size
+            return memoryview(entry.buf)[offset : offset + payload_len]
+
+    def commit(self, layer: int, part: int, chunk: int, payload_len: int, ok: bool) -> None:
+        """The chunk read into `slot`'s view is verified (`ok`) or not (the claim is dropped and
+        the sender resends it). Decodes the part once it is whole; exposes the layer once K
+        and V are."""
+        info = self.info
+        assert info is not None
         with self._lock:
+            entry = self._parts.get((layer, part))
+            if entry is None:  # the shipment ended meanwhile
+                return
+            entry.claimed.discard(chunk)
+            if not ok or self.cell.status().terminal:
+                return
+            entry.done.add(chunk)
+            self.wire_bytes += payload_len
+            if chunk == entry.count - 1:
+                entry.length = chunk * info.chunk_bytes + payload_len
+            if len(entry.done) < entry.count:
+                return
+            del self._parts[(layer, part)]
+            self._done_parts.add((layer, part))
+        heads, tokens, head_dim = info.layer_shapes[layer]
+        raw_len = heads * tokens * head_dim * DTYPE_SIZES[info.dtype]
+        decoded: bytes | bytearray
+        if info.codec == CodecId.RAW:
+            decoded = entry.buf
+        else:  # outside the lock: parts decode in parallel
+            try:
+                meta = TensorMeta(info.dtype, (heads, tokens, head_dim))
+                decoded = get_codec(CodecId(info.codec)).decode(memoryview(entry.buf)[: entry.length], meta)
+            except TransportError as exc:
+                self.fail(exc)
+                return
+            if len(decoded) != raw_len:
+                self.fail(CodecError(f"layer {layer} part {part} decoded to {len(decoded)} bytes, expected {raw_len}"))
+                return
+        with self._lock:
+            if self.cell.status().terminal:
+                return
             self._decoded[(layer, part)] = decoded
             if (layer, 1 - part) in self._decoded:
                 k, v = self._decoded.pop((layer, 0)), self._decoded.pop((layer, 1))
@@ -136,7 +203,25 @@ class Inbound:
             complete = len(self._layers) == len(info.layer_shapes)
         if complete:
             self.cell.finish(TransferStatus.COMPLETED)
-        return True
+
+    def accept(
+        self,
+        layer: int,
+        part: int,
+        chunk: int,
+        count: int,
+        codec: int,
+        raw_len: int,
+        payload: bytes | bytearray | memoryview,
+    ) -> Slot | None:
+        """Store one verified chunk (copying it into place): None when stored, else why not.
+        Raises TransportError if it contradicts the OPEN (the shipment then fails)."""
+        view = self.slot(layer, part, chunk, count, codec, raw_len, len(payload))
+        if isinstance(view, Slot):
+            return view
+        view[:] = payload
+        self.commit(layer, part, chunk, len(payload), True)
+        return None
 
     def fail(self, error: TransportError) -> None:
         self.cell.finish(TransferStatus.FAILED, error)
@@ -161,7 +246,7 @@ class Inbound:
     def wait(self, timeout_s: float | None = None) -> TransferStatus:
         return self.cell.wait(timeout_s)
 
-    def layer(self, index: int, timeout_s: float) -> tuple[bytes, bytes]:
+    def layer(self, index: int, timeout_s: float) -> tuple[bytes | bytearray, bytes | bytearray]:
         """Layer `index`'s decoded (K, V) bytes, waiting for them at most `timeout_s`.
         Raises the shipment's error if it ended without them, TransferTimeout on timeout."""
         with self._lock:

@@ -48,14 +48,14 @@ class InProcessChannel:
         _acked, resend = self._table.on_reply(frame)
         for chunk in resend:
             chunk.transfer.sent(chunk, 0, resend=True)
-            self._send(chunk.data)
+            self._send(chunk.frame_bytes())
 
     def _enqueue(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:
             if chunk.transfer.cell.status().terminal:
                 return
             chunk.transfer.sent(chunk, 0, resend=False)
-            self._send(chunk.data)
+            self._send(chunk.frame_bytes())
 
     def submit(self, shipment: Shipment) -> OutboundTransfer:
         if self._closed:

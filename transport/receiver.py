@@ -21,9 +21,9 @@ from prfaas.transport.errors import (
     TransferTimeout,
     TransportError,
 )
-from prfaas.transport.framing import SUPPORTED_VERSIONS, ErrorCode, Frame, FrameType, error_frame, json_payload
+from prfaas.transport.framing import SUPPORTED_VERSIONS, ErrorCode, Frame, FrameType, Header, error_frame, json_payload
 from prfaas.transport.framing import ack_payload as _ack_payload
-from prfaas.transport.inbound import Inbound, OpenInfo
+from prfaas.transport.inbound import Inbound, OpenInfo, Slot
 from prfaas.transport.tickets import ReplayGuard, TicketVerifier
 
 log = logging.getLogger(__name__)
@@ -169,11 +169,42 @@ class ReceiverCore:
         if not payload_ok:
             return [Frame(FrameType.NACK, job, attempt, frame.layer, frame.part, chunk=frame.chunk)]
         try:
-            inbound.accept(
-                frame.layer, frame.part, frame.chunk, frame.chunk_count, frame.codec, frame.raw_len,
-                bytes(frame.payload),
-            )  # fmt: skip
+            result = inbound.accept(
+                frame.layer, frame.part, frame.chunk, frame.chunk_count, frame.codec, frame.raw_len, frame.payload
+            )
         except TransportError as exc:
             inbound.fail(exc)
             return []  # _ended tells the sender
+        if result is Slot.PENDING:
+            return []  # the copy another connection is reading answers for this chunk
         return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([frame.key]))]
+
+    def data_slot(self, header: Header, session: Session) -> memoryview | None:
+        """For a DATA frame whose header was read: the buffer its payload belongs in, claimed
+        (read the payload into it, then call `data_commit`), or None to read the payload
+        into memory of its own and pass the whole frame to `handle` (errors, duplicates)."""
+        if not session.hello or header.type is not FrameType.DATA:
+            return None
+        with self._lock:
+            inbound = self._inbounds.get((header.job_id, header.attempt))
+        if inbound is None or inbound.info is None:
+            return None
+        try:
+            view = inbound.slot(
+                header.layer, header.part, header.chunk, header.chunk_count, header.codec, header.raw_len,
+                header.payload_len,
+            )  # fmt: skip
+        except TransportError:
+            return None  # `handle` fails the shipment with the same error
+        return view if isinstance(view, memoryview) else None
+
+    def data_commit(self, header: Header, payload_ok: bool) -> list[Frame]:
+        """The payload of a `data_slot` frame is in place: ACK it, or NACK a bad checksum."""
+        job, attempt = header.job_id, header.attempt
+        with self._lock:
+            inbound = self._inbounds.get((job, attempt))
+        if inbound is not None:
+            inbound.commit(header.layer, header.part, header.chunk, header.payload_len, payload_ok)
+        if not payload_ok:
+            return [Frame(FrameType.NACK, job, attempt, header.layer, header.part, chunk=header.chunk)]
+        return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([(header.layer, header.part, header.chunk)]))]

@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from prfaas.transport.api import Buffer, Shipment, ShipmentSpec, StatusCell, TransferStats, TransferStatus
-from prfaas.transport.codecs import TensorMeta, get_codec
+from prfaas.transport.codecs import CodecId, TensorMeta, checked_view, get_codec
 from prfaas.transport.errors import (
     PeerUnavailable,
     TicketRejected,
@@ -24,7 +24,17 @@ from prfaas.transport.errors import (
     TransferTimeout,
     TransportError,
 )
-from prfaas.transport.framing import ChunkKey, ErrorCode, Frame, FrameType, encode, job_bytes, json_payload, parse_ack
+from prfaas.transport.framing import (
+    ChunkKey,
+    ErrorCode,
+    Frame,
+    FrameType,
+    encode,
+    encode_header,
+    job_bytes,
+    json_payload,
+    parse_ack,
+)
 from prfaas.transport.inbound import OpenInfo
 
 _seq = itertools.count()
@@ -34,12 +44,21 @@ _seq = itertools.count()
 class Chunk:
     transfer: OutboundTransfer
     key: ChunkKey
-    data: bytes  # the whole DATA frame, header included
+    header: bytes  # the DATA frame's 64-byte header
+    payload: bytes | memoryview  # its payload: a view into the encoded part (raw: the producer's buffer)
     raw_share: int  # raw KV bytes this chunk stands for (stats)
     seq: int = field(default_factory=lambda: next(_seq))
     stream: int | None = None  # stream it was last sent on (-1: its stream broke)
     queued: bool = False  # waiting in a channel's send queue (never twice)
     inflight: bool = False  # counted against the channel's in-flight byte budget
+
+    @property
+    def size(self) -> int:
+        """Bytes on the wire."""
+        return len(self.header) + len(self.payload)
+
+    def frame_bytes(self) -> bytes:
+        return self.header + bytes(self.payload)
 
     @property
     def order(self) -> tuple[float, int]:
@@ -114,7 +133,10 @@ class OutboundTransfer:
         chunks: list[Chunk] = []
         try:
             for part, data in enumerate((k, v)):
-                payload = self._codec.encode(memoryview(data), meta)
+                if self._codec.codec_id is CodecId.RAW:  # no copy: chunks are views of the producer's buffer
+                    payload = checked_view(self._codec.name, data, meta)
+                else:
+                    payload = memoryview(self._codec.encode(memoryview(data), meta))
                 size = self.spec.chunk_bytes
                 count = max(1, -(-len(payload) // size))
                 raw_len = self.spec.part_bytes(index)
@@ -123,7 +145,7 @@ class OutboundTransfer:
                     frame = Frame(FrameType.DATA, self.job, self.spec.attempt, index, part, int(self._codec.codec_id),
                                   i, count, raw_len, body)  # fmt: skip
                     share = raw_len // count + (raw_len % count if i == count - 1 else 0)
-                    chunks.append(Chunk(self, (index, part, i), encode(frame), share))
+                    chunks.append(Chunk(self, (index, part, i), encode_header(frame), body, share))
         except TransportError as exc:
             self.cell.finish(TransferStatus.FAILED, exc)
             return
@@ -138,7 +160,7 @@ class OutboundTransfer:
     def sent(self, chunk: Chunk, stream: int, resend: bool) -> None:
         with self._lock:
             chunk.stream = stream
-            self.stats.wire_bytes += len(chunk.data)
+            self.stats.wire_bytes += chunk.size
             self.stats.resent_chunks += int(resend)
 
     def ack(self, keys: list[ChunkKey]) -> list[Chunk]:

@@ -39,7 +39,7 @@ class SendQueue:
                     chunk.queued = False
                     if not chunk.inflight:
                         chunk.inflight = True
-                        self._inflight += len(chunk.data)
+                        self._inflight += chunk.size
                     return chunk
                 remaining = end - time.monotonic()
                 if remaining <= 0:
@@ -53,7 +53,7 @@ class SendQueue:
             for chunk in chunks:
                 if chunk.inflight:
                     chunk.inflight = False
-                    self._inflight -= len(chunk.data)
+                    self._inflight -= chunk.size
             self._cond.notify_all()
 
     def backlogged(self) -> bool:

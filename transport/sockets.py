@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 
 # Pooled connections sit idle between jobs and their readers block without a timeout, so a
 # peer that vanished without a FIN is found by keepalive: 30 s idle + 3 probes 10 s apart.
@@ -22,3 +23,18 @@ def configure(sock: socket.socket, buf_bytes: int | None = None) -> None:
     if buf_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf_bytes)
+
+
+def send_frame(sock: socket.socket, header: bytes, payload: bytes | memoryview) -> None:
+    """Send a frame's header and payload with one gathering syscall where the kernel takes it
+    all (no copy into a joined buffer); the rest goes out with `sendall`."""
+    if not hasattr(sock, "sendmsg") or isinstance(sock, ssl.SSLSocket):  # TLS has no scatter-gather
+        sock.sendall(header)
+        sock.sendall(payload)
+        return
+    sent = sock.sendmsg([header, payload])
+    if sent < len(header):
+        sock.sendall(memoryview(header)[sent:])
+        sent = len(header)
+    if sent - len(header) < len(payload):
+        sock.sendall(memoryview(payload)[sent - len(header) :])

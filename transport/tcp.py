@@ -14,13 +14,14 @@ import contextlib
 import logging
 import socket
 import ssl
+import statistics
 import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from prfaas.transport import sockets
-from prfaas.transport.adaptive import StreamController
+from prfaas.transport.adaptive import PathSample, StreamController
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import FrameError, PeerUnavailable
 from prfaas.transport.framing import Frame, FrameType, encode, json_payload, read_frame
@@ -99,7 +100,7 @@ class _Stream:
                         self.sock.sendall(transfer.open_frame)
                     resend = chunk.stream is not None
                     transfer.sent(chunk, self.index, resend)
-                    self.sock.sendall(chunk.data)
+                    sockets.send_frame(self.sock, chunk.header, chunk.payload)
             except OSError:
                 ch.queue.release([chunk])
                 ch.queue.put([chunk])
@@ -149,7 +150,7 @@ class _Stream:
                     continue
                 acked, resend = ch.table.on_reply(frame)
                 ch.queue.release(acked + resend)
-                ch.count_acked(sum(len(c.data) for c in acked))
+                ch.count_acked(sum(c.size for c in acked))
                 if resend:
                     ch.queue.put(resend)
         except (OSError, ConnectionError, FrameError):
@@ -174,16 +175,19 @@ class _Stream:
         self.channel.queue.release(lost)
         self.channel.queue.put(lost)
 
-    def rtt_s(self) -> float | None:
-        """Smoothed RTT of this connection from the kernel (TCP_INFO), if connected."""
+    def rtt_s(self) -> tuple[float, float] | None:
+        """(smoothed RTT, minimum RTT) of this connection in seconds, from the kernel's TCP_INFO."""
         sock = self.sock
         if sock is None or not hasattr(socket, "TCP_INFO"):
             return None
         try:
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 152)
         except OSError:
             return None
-        return struct.unpack_from("<I", info, 68)[0] / 1e6 if len(info) >= 72 else None  # tcpi_rtt, us
+        if len(info) < 152:
+            return None
+        srtt_us, min_rtt_us = struct.unpack_from("<I", info, 68)[0], struct.unpack_from("<I", info, 148)[0]
+        return (srtt_us / 1e6, min_rtt_us / 1e6) if srtt_us and min_rtt_us else None  # tcpi_rtt, tcpi_min_rtt
 
     def kill(self) -> None:
         """Break the connection now (tests, and `close`)."""
@@ -319,6 +323,8 @@ class TcpChannel:
     def _reap_loop(self) -> None:
         """Deadlines every 50 ms; every measurement window, the stream count."""
         window_start, acked_start, samples, backlogged = time.monotonic(), 0, 0, 0
+        srtts: list[float] = []
+        min_rtt: float | None = None
         while not self.closed.wait(0.05):
             now = time.monotonic()
             for transfer in self.table.live():
@@ -328,16 +334,22 @@ class TcpChannel:
             samples += 1
             backlogged += int(self.queue.backlogged())
             rtts = [r for s in self.streams if (r := s.rtt_s()) is not None]
-            if now - window_start < self.controller.window_s(min(rtts) if rtts else None):
+            srtts += [r[0] for r in rtts]  # every 50 ms: CUBIC's queue swings within a window
+            min_rtt = min((r[1] for r in rtts), default=min_rtt)
+            if now - window_start < self.controller.window_s(min_rtt):
                 continue
             with self._lock:
                 acked = self._acked_bytes
             rate = (acked - acked_start) / (now - window_start)
-            count = self.controller.update(now, rate, backlogged=backlogged >= 0.8 * samples)
+            path = PathSample(statistics.median(srtts), min_rtt) if srtts and min_rtt is not None else None
+            count = self.controller.update(now, rate, backlogged=backlogged >= 0.8 * samples, path=path)
             if count != self.num_streams:
-                log.info("streams to %s: %d -> %d (%.1f MB/s)", self.address, self.num_streams, count, rate / 1e6)
+                log.info(
+                    "streams to %s: %d -> %d (%.1f MB/s, queueing %s)", self.address, self.num_streams, count,
+                    rate / 1e6, f"{1e3 * (path.srtt_s - path.min_rtt_s):.1f} ms" if path else "unknown",
+                )  # fmt: skip
                 self.resize(count)
-            window_start, acked_start, samples, backlogged = now, acked, 0, 0
+            window_start, acked_start, samples, backlogged, srtts = now, acked, 0, 0, []
 
     @property
     def num_connected(self) -> int:

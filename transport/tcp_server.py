@@ -15,7 +15,18 @@ import threading
 
 from prfaas.transport import sockets
 from prfaas.transport.errors import FrameError
-from prfaas.transport.framing import ErrorCode, Frame, encode, error_frame, read_frame
+from prfaas.transport.framing import (
+    HEADER_SIZE,
+    ErrorCode,
+    Frame,
+    encode,
+    error_frame,
+    parse_header,
+    payload_ok,
+    read_exact,
+    read_into,
+    to_frame,
+)
 from prfaas.transport.inbound import Inbound
 from prfaas.transport.receiver import ReceiverCore, Session
 from prfaas.transport.tickets import TicketVerifier
@@ -42,8 +53,19 @@ class _Connection:
     def _run(self) -> None:
         try:
             while True:
-                frame, ok = read_frame(self.sock)
-                for reply in self.core.handle(frame, ok, self.session):
+                header = parse_header(read_exact(self.sock, HEADER_SIZE))
+                view = self.core.data_slot(header, self.session) if header.payload_len else None
+                if view is not None:  # KV goes from the socket straight into its layer buffer
+                    try:
+                        read_into(self.sock, view)
+                    except BaseException:
+                        self.core.data_commit(header, payload_ok=False)  # release the claim
+                        raise
+                    replies = self.core.data_commit(header, payload_ok(header, view))
+                else:
+                    payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
+                    replies = self.core.handle(to_frame(header, payload), payload_ok(header, payload), self.session)
+                for reply in replies:
                     self.send(reply)
         except FrameError as exc:
             self.send(error_frame(ErrorCode.BAD_FRAME, str(exc)))

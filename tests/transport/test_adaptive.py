@@ -1,15 +1,31 @@
 """The stream-count policy against modelled paths (pure: no sockets)."""
 
+import random
+from collections.abc import Callable
+
 import pytest
 
-from prfaas.transport.adaptive import StreamController
+from prfaas.transport.adaptive import PathSample, StreamController
+
+MIN_RTT = 0.08
 
 
-def drive(controller: StreamController, path_rate: object, windows: int = 40) -> list[int]:
+def drive(
+    controller: StreamController,
+    path_rate: Callable[[int], float],
+    windows: int = 40,
+    capacity: float | None = None,
+) -> list[int]:
+    """Feed `windows` windows; with `capacity`, also the delay a drop-tail queue shows once
+    the streams' demand reaches it (0.75 of a 1.5-BDP queue, as CUBIC keeps it half full)."""
     counts = []
     for t in range(windows):
         n = controller.current
-        controller.update(float(t), path_rate(n), backlogged=True)  # type: ignore[operator]
+        path = None
+        if capacity is not None:
+            full = n * path_rate(n) >= capacity
+            path = PathSample(srtt_s=MIN_RTT * (1.75 if full else 1.01), min_rtt_s=MIN_RTT)
+        controller.update(float(t), min(n * path_rate(n), capacity or float("inf")), backlogged=True, path=path)
         counts.append(controller.current)
     return counts
 
@@ -26,26 +42,74 @@ def drive(controller: StreamController, path_rate: object, windows: int = 40) ->
         (3e6, 37.5e6, 16),
     ],
 )
-def test_climbs_to_the_count_that_fills_the_path(per_stream: float, capacity: float, expected: int) -> None:
-    counts = drive(StreamController(hold_intervals=1000), lambda n: min(n * per_stream, capacity))
+def test_without_delay_climbs_while_each_step_pays(per_stream: float, capacity: float, expected: int) -> None:
+    counts = drive(StreamController(hold_intervals=1000), lambda n: min(per_stream, capacity / n))
     assert counts[-1] == expected
+
+
+@pytest.mark.parametrize(
+    ("per_stream", "expected"),
+    [
+        (20e6, 4),  # 4 streams fill the link: a queue at once, no probe at all
+        (0.9e6, 64),  # fills near 42 streams: climbs to 64, the first count that queues
+        (3e6, 16),  # fills at 12.5 streams: 16 queues
+    ],
+)
+def test_with_delay_stops_where_the_queue_starts(per_stream: float, expected: int) -> None:
+    counts = drive(StreamController(hold_intervals=1000), lambda n: per_stream, capacity=37.5e6)
+    assert counts[-1] == expected
+
+
+def test_noisy_goodput_does_not_stop_the_climb_on_a_lossy_path() -> None:
+    """CUBIC under 0.1 % loss: one window's goodput swings +-40 %, so a doubling often measures as
+    no gain; the path shows no queue, so the climb goes on where a goodput-only policy stops."""
+    rng = random.Random(7)
+
+    def noisy(n: int) -> float:
+        return 0.9e6 * rng.uniform(0.6, 1.4)
+
+    settled_with_delay, settled_without = [], []
+    for _ in range(30):
+        settled_with_delay.append(drive(StreamController(hold_intervals=1000), noisy, 12, capacity=1e12)[-1])
+        settled_without.append(drive(StreamController(hold_intervals=1000), noisy, 12)[-1])
+    assert min(settled_with_delay) >= 32  # the largest counts within the noise band of the best
+    assert sum(settled_without) < sum(settled_with_delay)
+
+
+def test_more_streams_that_hurt_are_undone() -> None:
+    """No queue, but goodput falls as streams are added (e.g. the receiver's CPU): back to the best."""
+    rates = {4: 30e6, 8: 20e6, 16: 10e6}
+    counts = drive(StreamController(hold_intervals=1000), lambda n: rates[n] / n, 10, capacity=1e12)
+    assert counts[-1] == 4
 
 
 def test_producer_limited_windows_do_not_move_the_count() -> None:
     controller = StreamController()
     for t in range(10):
-        controller.update(float(t), 1e3, backlogged=False)
+        controller.update(float(t), 1e3, backlogged=False, path=PathSample(0.08, 0.08))
     assert controller.current == 4
 
 
 def test_probes_again_after_holding_and_follows_a_path_that_improved() -> None:
     controller = StreamController(hold_intervals=5)
     capacity = [37.5e6]
-    assert drive(controller, lambda n: min(n * 20e6, capacity[0]), windows=6)[-1] == 4
+    assert drive(controller, lambda n: min(20e6, capacity[0] / n), windows=6)[-1] == 4
     capacity[0] = 150e6  # the link got faster
-    counts = drive(controller, lambda n: min(n * 20e6, capacity[0]), windows=30)
+    counts = drive(controller, lambda n: min(20e6, capacity[0] / n), windows=30)
     settled = max(set(counts[-20:]), key=counts[-20:].count)  # brief re-probes aside
     assert settled == 8
+
+
+def test_a_queued_path_is_not_reprobed() -> None:
+    controller = StreamController(hold_intervals=2)
+    counts = drive(controller, lambda n: 20e6, windows=20, capacity=37.5e6)
+    assert set(counts) == {4}
+
+
+def test_queue_threshold() -> None:
+    assert PathSample(0.050, 0.040).queued(0.2)  # 10 ms over 40: 25 %
+    assert not PathSample(0.047, 0.040).queued(0.2)
+    assert not PathSample(0.0015, 0.0001).queued(0.2)  # 1.4 ms of jitter on loopback is below the 2 ms floor
 
 
 def test_bounds_are_validated() -> None:

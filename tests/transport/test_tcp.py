@@ -45,6 +45,10 @@ def test_shipment_over_four_streams_reassembles_bit_exactly(kit: Kit, receiver: 
         for index, pair in enumerate(layers):
             assert inbound.layer(index, 1) == pair
         assert transfer.stats.raw_bytes == transfer.spec.raw_bytes
+        # no connection broke (the small shipment may finish before the last one's handshake)
+        deadline = time.monotonic() + 5
+        while channel.num_connected < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert channel.num_connected == 4
         assert channel.queue.inflight_bytes == 0
 

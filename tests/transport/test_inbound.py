@@ -1,0 +1,72 @@
+"""Receiver-side assembly: chunks read straight into a part's buffer, claimed until verified."""
+
+import os
+import time
+import uuid
+
+import pytest
+
+from prfaas.transport.api import TransferStatus
+from prfaas.transport.codecs import CodecId
+from prfaas.transport.errors import FrameError
+from prfaas.transport.inbound import Inbound, OpenInfo, Slot
+from prfaas.transport.tickets import Ticket
+
+SHAPE = (2, 64, 64)  # 16 KiB per bf16 part
+PART = 2 * 64 * 64 * 2
+CHUNK = 4096  # 4 chunks per part
+
+
+def open_inbound() -> Inbound:
+    job = str(uuid.uuid4())
+    inbound = Inbound(job, 1, timeout_s=10)
+    ticket = Ticket(job, 1, "acme", 1 << 30, time.time() + 60, "n", "k")
+    inbound.open(OpenInfo("bfloat16", (SHAPE,), int(CodecId.RAW), CHUNK), ticket)
+    return inbound
+
+
+def test_raw_chunks_land_in_place_and_the_layer_is_the_buffer() -> None:
+    inbound = open_inbound()
+    k, v = os.urandom(PART), os.urandom(PART)
+    for part, data in enumerate((k, v)):
+        for chunk in reversed(range(4)):  # any order
+            assert (
+                inbound.accept(0, part, chunk, 4, int(CodecId.RAW), PART, data[chunk * CHUNK : (chunk + 1) * CHUNK])
+                is None
+            )
+    assert inbound.wait(1) is TransferStatus.COMPLETED
+    assert inbound.layer(0, 1) == (k, v)
+    assert inbound.wire_bytes == 2 * PART
+
+
+def test_a_claimed_chunk_is_pending_for_other_connections_until_verified() -> None:
+    inbound = open_inbound()
+    view = inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK)
+    assert isinstance(view, memoryview) and len(view) == CHUNK
+    assert inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK) is Slot.PENDING  # no ACK for the twin
+    inbound.commit(0, 0, 1, CHUNK, ok=False)  # bad checksum: the claim is dropped, the sender resends
+    view = inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK)
+    assert isinstance(view, memoryview)
+    view[:] = bytes(CHUNK)
+    inbound.commit(0, 0, 1, CHUNK, ok=True)
+    assert inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK) is Slot.DUPLICATE  # ACK it again
+
+
+@pytest.mark.parametrize(
+    ("chunk", "count", "payload_len", "message"),
+    [
+        (0, 4, CHUNK - 1, "payload bytes"),  # a middle chunk shorter than chunk_bytes
+        (3, 4, CHUNK + 1, "payload bytes"),  # a last chunk past the tensor's end
+        (0, 5, CHUNK, "does not fit"),  # raw chunking is fixed by the shape
+    ],
+)
+def test_chunks_that_do_not_fit_the_open_are_refused(chunk: int, count: int, payload_len: int, message: str) -> None:
+    inbound = open_inbound()
+    with pytest.raises(FrameError, match=message):
+        inbound.slot(0, 0, chunk, count, int(CodecId.RAW), PART, payload_len)
+
+
+def test_an_ended_shipment_takes_no_more_chunks() -> None:
+    inbound = open_inbound()
+    inbound.cancel("test")
+    assert inbound.slot(0, 0, 0, 4, int(CodecId.RAW), PART, CHUNK) is Slot.ENDED
