@@ -238,18 +238,19 @@ class GlobalScheduler:
             return None, f"nothing fits ({note}): filter {filtered.emptied_by_name!r} cut the last candidate"
         split = best_split.estimate
         if not local_ok:
-            return best_split, f"split to {best_split.label}: local was cut"
+            cutter = next(name for name, labels in filtered.cut.items() if local.label in labels)
+            return best_split, f"split via {best_split.label}: local was cut by filter {cutter!r}"
         here = local.estimate
         cost_gain = 1.0 - split.total_usd / here.total_usd if here.total_usd > 0 else 0.0
         ttft_gain = 1.0 - split.ttft_s / here.ttft_s if here.ttft_s > 0 else 0.0
         figures = (
-            f"split via {best_split.label} costs ${split.total_usd:.6f} vs local ${here.total_usd:.6f} "
-            f"({cost_gain:+.1%}), TTFT {split.ttft_s * 1000:.0f} ms vs {here.ttft_s * 1000:.0f} ms ({ttft_gain:+.1%})"
+            f"${split.total_usd:.6f} vs ${here.total_usd:.6f} local ({cost_gain:+.1%} cheaper), "
+            f"TTFT {split.ttft_s * 1000:.0f} ms vs {here.ttft_s * 1000:.0f} ms local ({ttft_gain:+.1%} faster)"
         )
         if cost_gain >= self.rule.min_cost_gain or ttft_gain >= self.rule.min_ttft_gain:
-            return best_split, f"split: {figures}"
-        margins = f"needs {self.rule.min_cost_gain:.0%} cheaper or {self.rule.min_ttft_gain:.0%} faster"
-        return local, f"local: {figures}; {margins}"
+            return best_split, f"split via {best_split.label}: {figures}"
+        margins = f"split needs {self.rule.min_cost_gain:.0%} cheaper or {self.rule.min_ttft_gain:.0%} faster"
+        return local, f"local: split via {best_split.label} would be {figures}; {margins}"
 
 
 def _decision(chosen: Candidate, local: Candidate, explanation: Explanation) -> Decision:
