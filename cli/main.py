@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -15,6 +16,8 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Prepare and list the offline model catalog.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+certs_app = typer.Typer(help="Certificates for mutual TLS on KV connections.", no_args_is_help=True)
+app.add_typer(certs_app, name="certs")
 console = Console()
 
 
@@ -58,6 +61,33 @@ def model_prepare(
             raise typer.Exit(2) from None
         verb = "kept" if prepared.reused else "prepared"
         console.print(f"{verb} {prepared.name} at {prepared.path} (sha256 {prepared.checksum[:16]}...)")
+
+
+@certs_app.command("init")
+def certs_init(
+    directory: Path = typer.Option(None, "--dir", help="where to write them (default $PRFAAS_HOME/certs)"),
+    names: list[str] = typer.Option(["node"], "--name", help="node certificates to issue (repeatable)"),
+    sans: list[str] = typer.Option(
+        ["localhost", "127.0.0.1"], "--san", help="DNS name or IP peers dial this node at (repeatable)"
+    ),
+    days: int = typer.Option(825, help="validity of node certificates"),
+    force: bool = typer.Option(False, help="replace the CA too (every node needs new certificates then)"),
+) -> None:
+    """Create the deployment's CA (kept if present) and a certificate + key per node name.
+    A receiver and a sender each load their node files and the CA (transport/tls.py)."""
+    from prfaas.engine.models import prfaas_home
+    from prfaas.transport.tls import init_certs
+
+    target = directory or prfaas_home() / "certs"
+    existed = (target / "ca.pem").exists() and not force
+    try:
+        ca, nodes = init_certs(target, names, sans, days=days, force=force)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"CA {'kept' if existed else 'created'}: {ca}")
+    for node in nodes:
+        console.print(f"issued {node.cert} (key {node.key}, 0600) for {', '.join(sans)}")
 
 
 @app.command()

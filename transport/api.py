@@ -113,6 +113,8 @@ class Shipment:
         self._listener: LayerListener | None = None
 
     def add_layer(self, index: int, k: Buffer, v: Buffer) -> None:
+        """Hand over layer `index`'s K and V. The raw codec sends views of these buffers
+        (no copy), so they must not change until the transfer has ended."""
         if not 0 <= index < self.spec.num_layers:
             raise ValueError(f"layer {index} out of range for a {self.spec.num_layers}-layer shipment")
         expected = self.spec.part_bytes(index)

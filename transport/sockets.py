@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import socket
 import ssl
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prfaas.transport.tls import TlsSocket
 
 # Pooled connections sit idle between jobs and their readers block without a timeout, so a
 # peer that vanished without a FIN is found by keepalive: 30 s idle + 3 probes 10 s apart.
@@ -25,10 +29,10 @@ def configure(sock: socket.socket, buf_bytes: int | None = None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf_bytes)
 
 
-def send_frame(sock: socket.socket, header: bytes, payload: bytes | memoryview) -> None:
+def send_frame(sock: socket.socket | TlsSocket, header: bytes, payload: bytes | memoryview) -> None:
     """Send a frame's header and payload with one gathering syscall where the kernel takes it
     all (no copy into a joined buffer); the rest goes out with `sendall`."""
-    if not hasattr(sock, "sendmsg") or isinstance(sock, ssl.SSLSocket):  # TLS has no scatter-gather
+    if not isinstance(sock, socket.socket) or isinstance(sock, ssl.SSLSocket):  # TLS: no scatter-gather
         sock.sendall(header)
         sock.sendall(payload)
         return

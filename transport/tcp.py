@@ -27,6 +27,7 @@ from prfaas.transport.errors import FrameError, PeerUnavailable
 from prfaas.transport.framing import Frame, FrameType, encode, json_payload, read_frame
 from prfaas.transport.sender import OutboundTransfer, TransferTable
 from prfaas.transport.sendqueue import SendQueue
+from prfaas.transport.tls import TlsSocket
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class _Stream:
     def __init__(self, channel: TcpChannel, index: int) -> None:
         self.channel = channel
         self.index = index
-        self.sock: socket.socket | None = None
+        self.sock: socket.socket | TlsSocket | None = None
         self.opened: set[tuple[bytes, int]] = set()
         self.connected = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"prfaas-kv-stream-{index}", daemon=True)
@@ -45,14 +46,25 @@ class _Stream:
         self.retired = False  # the channel shrank: finish, don't reconnect
         self._write_lock = threading.Lock()
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> socket.socket | TlsSocket:
         ch = self.channel
         sock = socket.create_connection(ch.address, timeout=ch.connect_timeout_s)
         sockets.configure(sock, ch.sock_buf_bytes)
         if ch.congestion_control:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, ch.congestion_control.encode())
+        conn: socket.socket | TlsSocket = sock
         if ch.ssl_context is not None:
-            sock = ch.ssl_context.wrap_socket(sock, server_hostname=ch.address[0])
+            try:
+                conn = TlsSocket.wrap(sock, ch.ssl_context, server_side=False, server_hostname=ch.address[0],
+                                      timeout_s=ch.connect_timeout_s)  # fmt: skip
+            except BaseException:
+                sock.close()
+                raise
+            conn.settimeout(ch.connect_timeout_s)
+        return self._hello(conn)
+
+    def _hello(self, sock: socket.socket | TlsSocket) -> socket.socket | TlsSocket:
+        ch = self.channel
         sock.sendall(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": ch.node}))))
         reply, _ok = read_frame(sock)  # bounded by the connect timeout still set on the socket
         if reply.type is not FrameType.HELLO_OK:

@@ -30,13 +30,17 @@ from prfaas.transport.framing import (
 from prfaas.transport.inbound import Inbound
 from prfaas.transport.receiver import ReceiverCore, Session
 from prfaas.transport.tickets import TicketVerifier
+from prfaas.transport.tls import TlsSocket
 
 log = logging.getLogger(__name__)
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class _Connection:
-    def __init__(self, sock: socket.socket, core: ReceiverCore) -> None:
-        self.sock = sock
+    def __init__(self, sock: socket.socket, core: ReceiverCore, tls: ssl.SSLContext | None = None) -> None:
+        self.raw = sock
+        self.sock: socket.socket | TlsSocket = sock
+        self.tls = tls
         self.core = core
         self._write_lock = threading.Lock()
         self.session = Session(self.send)
@@ -51,6 +55,13 @@ class _Connection:
             pass  # the reader notices the broken connection and ends it
 
     def _run(self) -> None:
+        if self.tls is not None:  # in this connection's thread: a slow handshake holds up no one else
+            try:
+                self.sock = TlsSocket.wrap(self.raw, self.tls, server_side=True, timeout_s=TLS_HANDSHAKE_TIMEOUT_S)
+            except (OSError, ssl.SSLError, ConnectionError) as exc:
+                log.warning("TLS handshake from %s failed: %s", _peer(self.raw), exc)
+                self.close()
+                return
         try:
             while True:
                 header = parse_header(read_exact(self.sock, HEADER_SIZE))
@@ -76,8 +87,16 @@ class _Connection:
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+            self.raw.shutdown(socket.SHUT_RDWR)
+        self.raw.close()
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
 
 
 class TcpReceiver:
@@ -120,16 +139,7 @@ class TcpReceiver:
             except OSError:
                 return  # listener closed
             sockets.configure(sock, self._buf)
-            if self._ssl is not None:
-                try:
-                    sock.settimeout(10.0)  # a handshake must not hold the acceptor forever
-                    sock = self._ssl.wrap_socket(sock, server_side=True)
-                    sock.settimeout(None)
-                except (OSError, ssl.SSLError) as exc:
-                    log.warning("TLS handshake failed: %s", exc)
-                    sock.close()
-                    continue
-            connection = _Connection(sock, self.core)
+            connection = _Connection(sock, self.core, self._ssl)
             with self._lock:
                 if self._closed.is_set():
                     connection.close()

@@ -1,0 +1,264 @@
+"""Mutual TLS for KV connections: certificates (`prfaas certs init`) and a thread-safe socket.
+
+Both ends present a certificate signed by the deployment's CA and check the other's
+(`server_context`, `client_context`; TLS 1.3 only). The sender also checks that the
+receiver's certificate names the address it dialled (a DNS name or IP in its SAN).
+
+Each KV connection has a writer thread and a reader thread. An `ssl.SSLSocket` must not
+be read and written from two threads at once (one OpenSSL `SSL` object is not safe for
+concurrent use), so `TlsSocket` runs the TLS state machine over memory BIOs under a lock
+that is never held across socket I/O: writes encrypt under the lock, then send; reads
+receive, then decrypt under the lock. Records leave in the order they were made.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar, cast
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+T = TypeVar("T")
+RECV_BYTES = 256 << 10
+WRITE_SLICE = 256 << 10  # plaintext encrypted per lock hold: large writes interleave with reads
+
+
+# ------------------------------------------------------------------ certificates
+
+
+@dataclass(frozen=True)
+class NodeCert:
+    """Files a node loads: its certificate and key, and the CA that signs its peers."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    pem, pkcs8 = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
+    return key.private_bytes(pem, pkcs8, serialization.NoEncryption())
+
+
+def _san(names: list[str]) -> x509.SubjectAlternativeName:
+    entries: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            entries.append(x509.DNSName(name))
+    return x509.SubjectAlternativeName(entries)
+
+
+def init_certs(
+    directory: Path, names: list[str], sans: list[str], *, days: int = 825, force: bool = False
+) -> tuple[Path, list[NodeCert]]:
+    """Create the CA in `directory` (kept if present, unless `force`) and a certificate for
+    each node name, valid for client and server use, with `sans` (DNS names or IPs) as the
+    names peers may dial. Keys are written 0600. Returns (CA path, node certificates)."""
+    if not names:
+        raise ValueError("name at least one node")
+    if not sans:
+        raise ValueError("give at least one DNS name or IP address the node is reached at")
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_path, ca_key_path = directory / "ca.pem", directory / "ca-key.pem"
+    now = datetime.datetime.now(datetime.UTC)
+    if force or not ca_path.exists() or not ca_key_path.exists():
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "prfaas KV CA")])
+        ca_cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+            )  # key_cert_sign, crl_sign
+            .sign(ca_key, hashes.SHA256())
+        )
+        _write_private(ca_key_path, _key_pem(ca_key))
+        ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    else:
+        loaded = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+        if not isinstance(loaded, ec.EllipticCurvePrivateKey):
+            raise ValueError(f"{ca_key_path} is not an EC private key")
+        ca_key = loaded
+        ca_cert = x509.load_pem_x509_certificate(ca_path.read_bytes())
+    nodes = []
+    for name in names:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"bad node name {name!r}")
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(_san(sans), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        node = NodeCert(directory / f"{name}.pem", directory / f"{name}-key.pem", ca_path)
+        _write_private(node.key, _key_pem(key))
+        node.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        nodes.append(node)
+    return ca_path, nodes
+
+
+def _context(purpose: ssl._SSLMethod, node: NodeCert) -> ssl.SSLContext:
+    context = ssl.SSLContext(purpose)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cafile=str(node.ca))
+    context.load_cert_chain(certfile=str(node.cert), keyfile=str(node.key))
+    return context
+
+
+def server_context(node: NodeCert) -> ssl.SSLContext:
+    """A receiver's context: requires a client certificate from the CA."""
+    return _context(ssl.PROTOCOL_TLS_SERVER, node)
+
+
+def client_context(node: NodeCert) -> ssl.SSLContext:
+    """A sender's context: presents its certificate, checks the receiver's chain and name."""
+    context = _context(ssl.PROTOCOL_TLS_CLIENT, node)
+    context.check_hostname = True
+    return context
+
+
+# ------------------------------------------------------------------ the socket
+
+
+class TlsSocket:
+    """TLS over a connected socket, safe for one reading and one writing thread at a time.
+
+    Offers what the KV transport uses of a socket: `sendall`, `recv_into`, `settimeout`,
+    `getsockopt`, `setsockopt`, `shutdown`, `close`. Blocking, bounded by the socket's timeout.
+    """
+
+    def __init__(self, sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO):
+        self._sock = sock
+        self._tls = tls
+        self._in = incoming
+        self._out = outgoing
+        self._tls_lock = threading.Lock()  # the SSLObject and its BIOs
+        self._send_lock = threading.Lock()  # the order of records on the socket
+
+    @classmethod
+    def wrap(
+        cls,
+        sock: socket.socket,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool,
+        server_hostname: str | None = None,
+        timeout_s: float,
+    ) -> TlsSocket:
+        """Run the handshake within `timeout_s` (socket.timeout / ssl.SSLError / ConnectionError
+        on failure; the caller closes `sock`). The socket is left blocking without a timeout."""
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = context.wrap_bio(incoming, outgoing, server_side=server_side, server_hostname=server_hostname)
+        self = cls(sock, tls, incoming, outgoing)
+        sock.settimeout(timeout_s)
+        while True:
+            try:
+                self._locked(tls.do_handshake)
+                break
+            except ssl.SSLWantReadError:
+                if not self._receive():
+                    raise ConnectionError("peer closed the connection during the TLS handshake") from None
+        sock.settimeout(None)
+        return self
+
+    def _locked(self, operation: Callable[[], T]) -> T:
+        """Run a TLS operation under the lock, then send whatever records it made, in order.
+        The send lock is taken before the TLS lock is let go, so records leave in the order
+        they were made; no lock is held while waiting to receive."""
+        error: BaseException | None = None
+        result: T | None = None
+        with self._tls_lock:
+            try:
+                result = operation()
+            except BaseException as exc:  # WantRead during a handshake still has records to send
+                error = exc
+            data = self._out.read()
+            if data:
+                self._send_lock.acquire()
+        if data:
+            try:
+                self._sock.sendall(data)
+            finally:
+                self._send_lock.release()
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]
+
+    def _receive(self) -> bool:
+        data = self._sock.recv(RECV_BYTES)
+        if not data:
+            return False
+        with self._tls_lock:
+            self._in.write(data)
+        return True
+
+    def sendall(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        for offset in range(0, len(view), WRITE_SLICE):
+            piece = view[offset : offset + WRITE_SLICE]
+            self._locked(lambda piece=piece: self._tls.write(piece))  # type: ignore[misc]
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
+        """Up to `nbytes` (or len(buffer)) decrypted bytes into `buffer`; 0 when the peer closed."""
+        nbytes = nbytes or len(buffer)
+        read_into = cast(Callable[[int, memoryview], int], self._tls.read)  # with a buffer: a count
+        while True:
+            try:
+                return self._locked(lambda: read_into(nbytes, buffer))
+            except ssl.SSLWantReadError:
+                if not self._receive():
+                    return 0
+            except ssl.SSLZeroReturnError:
+                return 0
+
+    def settimeout(self, timeout_s: float | None) -> None:
+        self._sock.settimeout(timeout_s)
+
+    def getsockopt(self, level: int, option: int, buflen: int) -> bytes:
+        return self._sock.getsockopt(level, option, buflen)
+
+    def setsockopt(self, level: int, option: int, value: int | bytes) -> None:
+        self._sock.setsockopt(level, option, value)
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)
+
+    def close(self) -> None:
+        self._sock.close()
