@@ -20,7 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from prfaas.transport import sockets
+from prfaas.transport import metrics, sockets
 from prfaas.transport.adaptive import PathSample, StreamController
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import FrameError, PeerUnavailable
@@ -249,6 +249,7 @@ class TcpChannel:
         self.congestion_control = congestion_control
         self.ssl_context = ssl_context
         self.node = node
+        self.peer = f"{address[0]}:{address[1]}"
         self.closed = threading.Event()
         self.queue = SendQueue(max_inflight_bytes)
         self.table = TransferTable()
@@ -281,6 +282,7 @@ class TcpChannel:
             for stream in retiring:
                 stream.retired = True
             self.streams += added
+        metrics.STREAMS.labels(self.peer).set(count)
         for stream in added:
             stream.thread.start()
         # retiring streams stop taking chunks, drain their acknowledgements, then close
@@ -300,6 +302,11 @@ class TcpChannel:
         return transfer
 
     def _ended(self, transfer: OutboundTransfer, status: TransferStatus) -> None:
+        metrics.TRANSFERS.labels(self.peer, status.value).inc()
+        metrics.WIRE_BYTES.labels(self.peer).inc(transfer.stats.wire_bytes)
+        metrics.RESENT_CHUNKS.labels(self.peer).inc(transfer.stats.resent_chunks)
+        if status is TransferStatus.COMPLETED:
+            metrics.RAW_BYTES.labels(self.peer, transfer.spec.codec).inc(transfer.spec.raw_bytes)
         if status is not TransferStatus.COMPLETED and not transfer.remote_ended:
             job, attempt = transfer.key
             cancel = Frame(FrameType.CANCEL, job, attempt, payload=str(transfer.error).encode()[:1000])
@@ -341,6 +348,7 @@ class TcpChannel:
             now = time.monotonic()
             for transfer in self.table.live():
                 transfer.cell.expire_if_due(now)
+            metrics.STREAMS_CONNECTED.labels(self.peer).set(self.num_connected)
             if self.controller is None:
                 continue
             samples += 1
@@ -354,6 +362,8 @@ class TcpChannel:
                 acked = self._acked_bytes
             rate = (acked - acked_start) / (now - window_start)
             path = PathSample(statistics.median(srtts), min_rtt) if srtts and min_rtt is not None else None
+            if path is not None:
+                metrics.QUEUEING_DELAY.labels(self.peer).set(max(0.0, path.srtt_s - path.min_rtt_s))
             count = self.controller.update(now, rate, backlogged=backlogged >= 0.8 * samples, path=path)
             if count != self.num_streams:
                 log.info(

@@ -282,3 +282,24 @@ def test_default_channel_adapts_its_stream_count(kit: Kit, receiver: TcpReceiver
         assert channel.num_streams == channel.controller.initial
         transfer, _inbound, _ = ship(channel, receiver, kit)
         assert transfer.wait(15) is TransferStatus.COMPLETED  # type: ignore[attr-defined]
+
+
+def test_the_stream_count_and_transfer_outcomes_are_in_the_metrics(kit: Kit, receiver: TcpReceiver) -> None:
+    from prometheus_client import REGISTRY
+
+    peer = f"{receiver.address[0]}:{receiver.address[1]}"
+
+    def value(name: str, **labels: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"peer": peer, **labels})
+
+    with TcpChannel(receiver.address) as channel:  # adaptive: the default
+        transfer, _inbound, _layers = ship(channel, receiver, kit, codec="lossless")
+        assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
+        assert value("prfaas_kv_streams") == channel.num_streams == 4  # starts at 4
+        assert value("prfaas_kv_transfers_total", status="completed") == 1
+        assert value("prfaas_kv_raw_bytes_total", codec="lossless") == transfer.spec.raw_bytes
+        assert value("prfaas_kv_wire_bytes_total") == transfer.stats.wire_bytes
+        deadline = time.monotonic() + 2
+        while value("prfaas_kv_streams_connected") != 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert value("prfaas_kv_streams_connected") == 4
