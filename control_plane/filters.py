@@ -62,7 +62,10 @@ class SloFilter(_Plugin):
         slo = ctx.request.slo
         if candidate.decode.tpot_ms > slo.tpot_ms * (1.0 - self.tpot_margin):  # TPOT is the decode region's
             return False
-        return ctx.stage is Stage.DECODE or candidate.estimate.ttft_s * 1000.0 <= slo.ttft_ms * (1.0 - self.ttft_margin)
+        if ctx.stage is Stage.DECODE:
+            return True
+        limit_s = slo.ttft_ms / 1000.0 * (1.0 - self.ttft_margin)
+        return candidate.ttft_floor_s <= limit_s and candidate.estimate.ttft_s <= limit_s
 
 
 class LinkHeadroomFilter(_Plugin):

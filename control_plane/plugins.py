@@ -86,6 +86,17 @@ class Candidate:
         return self.link is None
 
     @property
+    def ttft_floor_s(self) -> float:
+        """Queue wait plus prefill in the prefilling region: TTFT without any transfer, a lower
+        bound of `estimate.ttft_s` that is cheap to compute (filters test it first)."""
+        if self._estimate is not None:
+            return self._estimate.queue_wait_s + self._estimate.prefill_s
+        ctx = self.ctx
+        region = self.region
+        wait_s = ctx.cost_model.queue_wait_s(region, ctx.request.priority)
+        return wait_s + ctx.uncached(region) / region.prefill_tokens_per_s
+
+    @property
     def estimate(self) -> Estimate:
         """Predicted latency and cost, computed once on first use."""
         if self._estimate is None:

@@ -196,8 +196,9 @@ class GlobalScheduler:
         uncached = ctx.uncached(decode)
         threshold = self.rule.min_uncached_tokens
         if uncached >= threshold:
+            by_name = snapshot.regions_by_name()
             for link in snapshot.links_into(decode.name):
-                source = snapshot.region(link.src)
+                source = by_name[link.src]
                 if source.can_serve_split_prefill:
                     candidates.append(Candidate(ctx, source, decode, link, source.name))
             note = f"uncached {uncached} >= {threshold}: {len(candidates) - 1} split candidates"

@@ -8,6 +8,7 @@ price; the scheduler never reaches out for more. JSON documents of this shape ar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Self
 
@@ -145,6 +146,10 @@ class ClusterSnapshot(BaseModel):
 
     def region(self, name: str) -> Region:
         return self._by_name[name]
+
+    def regions_by_name(self) -> Mapping[str, Region]:
+        """Name -> region (read-only use; one lookup of the index for many regions)."""
+        return self._by_name
 
     def links_into(self, dst: str) -> tuple[Link, ...]:
         """Every link whose destination is `dst`, in snapshot order."""

@@ -154,3 +154,23 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     rank = min(len(ordered), max(1, math.ceil(q / 100.0 * len(ordered))))
     return ordered[rank - 1]
+
+
+def latency_rows(
+    scheduler: GlobalScheduler,
+    region_counts: Sequence[int] = (10, 100, 1_000),
+    *,
+    num_workers: int = 1_000,
+    num_requests: int = 2_000,
+    seed: int = 0,
+) -> list[dict[str, float]]:
+    """Decision latency per fleet size: rows of `regions`, `p50_ms`, `p99_ms` (what
+    `bench/scheduler.py --json` writes). A warm-up pass over the first tenth comes first."""
+    rows: list[dict[str, float]] = []
+    for count in region_counts:
+        snapshot = synthetic_snapshot(count, num_workers, seed=seed)
+        requests = synthetic_requests(snapshot, num_requests, seed=seed + 1)
+        decision_latencies_ms(scheduler, snapshot, requests[: max(1, num_requests // 10)])
+        latencies = decision_latencies_ms(scheduler, snapshot, requests)
+        rows.append({"regions": count, "p50_ms": percentile(latencies, 50), "p99_ms": percentile(latencies, 99)})
+    return rows

@@ -5,7 +5,13 @@ wide headroom so a busy CI machine does not trip it; a quadratic pass over links
 from __future__ import annotations
 
 from prfaas.control_plane import build_scheduler
-from prfaas.control_plane.synthetic import decision_latencies_ms, percentile, synthetic_requests, synthetic_snapshot
+from prfaas.control_plane.synthetic import (
+    decision_latencies_ms,
+    latency_rows,
+    percentile,
+    synthetic_requests,
+    synthetic_snapshot,
+)
 
 
 def test_median_decision_at_100_regions_is_under_a_millisecond() -> None:
@@ -26,3 +32,9 @@ def test_synthetic_fleet_is_deterministic_and_sized_as_asked() -> None:
     assert len(first.regions) == 10
     assert all(first.region(link.dst).can_decode for link in first.links)
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and percentile([3.0, 1.0, 2.0, 4.0], 99) == 4.0
+
+
+def test_latency_rows_have_the_bench_columns() -> None:
+    rows = latency_rows(build_scheduler(), (3, 5), num_workers=20, num_requests=10)
+    assert [row["regions"] for row in rows] == [3, 5]
+    assert all(0.0 < row["p50_ms"] <= row["p99_ms"] for row in rows)

@@ -7,6 +7,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from sched_kit import GiB, hashes
@@ -267,7 +268,9 @@ def test_framework_clamps_scores_to_unit_interval_before_weighting(values: list[
 
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
-def test_builtin_scorers_stay_in_unit_interval_by_themselves(scenario: tuple[ClusterSnapshot, Request]) -> None:
+def test_builtin_scorers_stay_in_unit_interval_and_ttft_floor_is_a_lower_bound(
+    scenario: tuple[ClusterSnapshot, Request],
+) -> None:
     snapshot, request = scenario
     registry = default_registry()
     scorers = [registry.make_scorer(t, {}) for t in registry.scorer_types()]
@@ -284,6 +287,10 @@ def test_builtin_scorers_stay_in_unit_interval_by_themselves(scenario: tuple[Clu
     for group_ctx, candidates in groups:
         if not candidates:
             continue
+        if group_ctx.stage is Stage.PREFILL:  # the SLO filter's shortcut is a true lower bound
+            for c in candidates:
+                floor = c.ttft_floor_s  # before the estimate exists
+                assert floor <= c.estimate.ttft_s and floor == pytest.approx(c.ttft_floor_s)
         for scorer in scorers:
             for value in scorer.score(group_ctx, candidates):
                 assert 0.0 <= value <= 1.0, (scorer, value)
