@@ -54,6 +54,8 @@ class StreamController:
     gain: relative goodput increase that justifies a step up when delay cannot tell (0.05 = +5 %).
     drop: relative goodput loss after a step that means more streams hurt (0.15 = -15 %).
     queue_threshold: queueing delay, as a share of the minimum RTT, that means the link is full.
+    lan_rtt_s: below this minimum RTT (same host, same region) a queue is too small to see and one
+        stream's window covers the path: start from `min_streams` and climb on goodput alone.
     interval_s: shortest measurement window; the channel stretches it to >= 8 RTTs.
     hold_intervals: windows to stay at a settled count before probing upward again.
     """
@@ -64,10 +66,12 @@ class StreamController:
     gain: float = 0.05
     drop: float = 0.15
     queue_threshold: float = 0.2
+    lan_rtt_s: float = 0.001
     interval_s: float = 1.0
     hold_intervals: int = 20
     current: int = field(init=False)
     _rates: dict[int, float] = field(init=False, default_factory=dict)  # this probe's best rate per count
+    _lan: bool = field(init=False, default=False)
     _held: int = field(init=False, default=0)
     _probing: bool = field(init=False, default=True)
     _skip: int = field(init=False, default=0)
@@ -87,6 +91,13 @@ class StreamController:
         """Feed one window's goodput (bytes/s acknowledged), whether data waited through the
         whole window, and the path's delay if known; returns the stream count to use next."""
         self.history.append((now_s, self.current, rate_bps, path.srtt_s - path.min_rtt_s if path else None))
+        if path is not None and path.min_rtt_s < self.lan_rtt_s:
+            path = None  # too short a path for delay to tell anything
+            if not self._lan:  # first sight of a LAN path: more streams only add CPU and locks
+                self._lan = True
+                if self.current != self.min_streams:
+                    self._rates = {}
+                    return self._restart(self.min_streams)
         if not backlogged:
             return self.current  # producer-limited: the window says nothing about the path
         if self._skip:
@@ -112,6 +123,11 @@ class StreamController:
         if queued:  # the link is full: this count (or the best, if clearly better) is enough
             return self._settle(self.current if rate_bps >= best_rate * (1 - self.gain) else self._top())
         return self._step_up()
+
+    def _restart(self, count: int) -> int:
+        """Probe again from `count`."""
+        self.current, self._probing, self._skip = count, True, 1
+        return count
 
     def _top(self) -> int:
         return max(self._rates, key=self._rates.__getitem__)

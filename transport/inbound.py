@@ -60,12 +60,50 @@ class OpenInfo:
         return OpenInfo(dtype, shapes, int(codec), chunk_bytes), ticket  # type: ignore[arg-type]
 
 
+class BufferPool:
+    """Part buffers kept for reuse, by exact size (a model's KV parts come in few sizes).
+
+    A fresh multi-megabyte buffer costs a page fault per 4 KiB page when first written; on
+    loopback that was most of the receiver's CPU. Bounded by `max_bytes`; thread-safe.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._free: dict[int, list[bytearray]] = {}
+        self._bytes = 0
+
+    def get(self, size: int) -> bytearray:
+        """A buffer of `size` bytes, reused (stale content) or new."""
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._bytes -= size
+                return free.pop()
+        return bytearray(size)
+
+    def put(self, buf: bytearray) -> None:
+        with self._lock:
+            if not buf or self._bytes + len(buf) > self.max_bytes:
+                return
+            self._free.setdefault(len(buf), []).append(buf)
+            self._bytes += len(buf)
+
+    @property
+    def pooled_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+
+POOL = BufferPool()
+
+
 class _Part:
     """One layer part being assembled: chunk i lands at i * chunk_bytes of one buffer."""
 
     def __init__(self, count: int, size: int) -> None:
         self.count = count
-        self.buf = bytearray(size)
+        self.buf = POOL.get(size)  # every byte that is read back gets written by a chunk first
         self.claimed: set[int] = set()  # being read into the buffer now
         self.done: set[int] = set()  # verified and in place
         self.length = 0  # payload bytes once the last chunk is in
@@ -189,6 +227,8 @@ class Inbound:
             except TransportError as exc:
                 self.fail(exc)
                 return
+            finally:
+                POOL.put(entry.buf)  # whole, so no connection holds a claim on it
             if len(decoded) != raw_len:
                 self.fail(CodecError(f"layer {layer} part {part} decoded to {len(decoded)} bytes, expected {raw_len}"))
                 return
@@ -261,6 +301,12 @@ class Inbound:
         self.cell.cancel(reason)
 
     def release(self) -> None:
-        """Drop the received KV (after the engine copied it)."""
+        """Drop the received KV once the engine has copied it: the buffers `layer` returned
+        are reused for later shipments, so nothing may read them after this."""
         with self._lock:
+            layers = list(self._layers.values())
             self._layers.clear()
+        for k, v in layers:
+            for buf in (k, v):
+                if isinstance(buf, bytearray):
+                    POOL.put(buf)

@@ -115,3 +115,16 @@ def test_queue_threshold() -> None:
 def test_bounds_are_validated() -> None:
     with pytest.raises(ValueError, match="min_streams <= initial <= max_streams"):
         StreamController(initial=128, max_streams=64)
+
+
+def test_a_lan_path_starts_from_one_stream_and_climbs_only_on_goodput() -> None:
+    """Same host or region (min RTT under 1 ms): no queue worth measuring, one stream's window
+    covers the path. Goes to 1 at first sight (even while producer-limited), then a step up
+    must pay +5 %: here two streams gain nothing (the CPU is the limit), so it stays at 1."""
+    controller = StreamController(hold_intervals=1000)
+    lan = PathSample(srtt_s=0.0002, min_rtt_s=0.00005)
+    assert controller.update(0.0, 1e9, backlogged=False, path=lan) == 1
+    for t in range(1, 10):
+        controller.update(float(t), 2e9, backlogged=True, path=lan)
+    assert controller.current == 1
+    assert max(n for _t, n, _rate, _delay in controller.history[1:]) == 2  # one probe of 2, undone

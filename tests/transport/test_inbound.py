@@ -70,3 +70,29 @@ def test_an_ended_shipment_takes_no_more_chunks() -> None:
     inbound = open_inbound()
     inbound.cancel("test")
     assert inbound.slot(0, 0, 0, 4, int(CodecId.RAW), PART, CHUNK) is Slot.ENDED
+
+
+def test_released_raw_layers_are_reused_and_the_pool_is_bounded() -> None:
+    from prfaas.transport.inbound import POOL, BufferPool
+
+    pool = BufferPool(max_bytes=3 * CHUNK)
+    a, b = pool.get(CHUNK), pool.get(CHUNK)
+    pool.put(a)
+    pool.put(b)
+    pool.put(bytearray(2 * CHUNK))  # over the bound: dropped
+    assert pool.pooled_bytes == 2 * CHUNK
+    assert pool.get(CHUNK) is b and pool.get(CHUNK) is a
+    fresh = pool.get(CHUNK)
+    assert fresh is not a and fresh is not b
+
+    inbound = open_inbound()
+    k, v = os.urandom(PART), os.urandom(PART)
+    for part, data in enumerate((k, v)):
+        for chunk in range(4):
+            inbound.accept(0, part, chunk, 4, int(CodecId.RAW), PART, data[chunk * CHUNK : (chunk + 1) * CHUNK])
+    got_k, _got_v = inbound.layer(0, 1)
+    inbound.release()
+    again = open_inbound()
+    view = again.slot(0, 0, 0, 4, int(CodecId.RAW), PART, CHUNK)
+    assert isinstance(view, memoryview) and any(view.obj is buf for buf in (got_k, _got_v))  # reused
+    assert POOL.pooled_bytes <= POOL.max_bytes
