@@ -28,6 +28,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -95,16 +96,77 @@ class Bf16Rounding:
         return bytes(payload)
 
 
-def codec_named(name: str) -> Codec:
-    return Bf16Rounding() if name == Bf16Rounding.name else get_codec(name)
+F8 = torch.float8_e4m3fn
+
+
+def _fp8(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """e4m3 roundtrip with one scale per slice over `dims` (amax / 448)."""
+    scale = (x.abs().amax(dim=dims, keepdim=True) / 448.0).clamp_min(1e-30)
+    return (x / scale).clamp(-448.0, 448.0).to(F8).float() * scale
+
+
+def _int8(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    scale = (x.abs().amax(dim=dims, keepdim=True) / 127.0).clamp_min(1e-30)
+    return (x / scale).round().clamp(-127.0, 127.0) * scale
+
+
+def _companded_fp8(x: torch.Tensor, power: float, dims: tuple[int, ...]) -> torch.Tensor:
+    """fp8 of sign(x)|x|^power: finer steps for large values, coarser for small ones."""
+    y = _fp8(x.sign() * x.abs().pow(power), dims)
+    return y.sign() * y.abs().pow(1.0 / power)
+
+
+Quantize = Callable[[torch.Tensor], torch.Tensor]
+HEAD, CHANNEL = (1, 2), (1,)  # amax over (tokens, head_dim) per head; over tokens per (head, channel)
+
+
+class Ablation:
+    """Not a codec: a quantizer variant applied to K and V separately ([heads, tokens, head_dim],
+    float32 math), to find where the lossy codecs' error comes from."""
+
+    codec_id = CodecId.RAW  # never on the wire
+    lossless = False
+
+    def __init__(self, name: str, k: Quantize, v: Quantize) -> None:
+        self.name, self.k, self.v = name, k, v
+
+
+def _exact(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+ABLATIONS = {
+    a.name: a
+    for a in (
+        Ablation("fp8-k-only", lambda x: _fp8(x, HEAD), _exact),
+        Ablation("fp8-v-only", _exact, lambda x: _fp8(x, HEAD)),
+        Ablation("fp8-per-channel", lambda x: _fp8(x, CHANNEL), lambda x: _fp8(x, CHANNEL)),
+        Ablation("fp8-pow1.5", lambda x: _companded_fp8(x, 1.5, CHANNEL), lambda x: _companded_fp8(x, 1.5, CHANNEL)),
+        Ablation("int8-k+fp8-v", lambda x: _int8(x, CHANNEL), lambda x: _fp8(x, HEAD)),
+    )
+}
+
+
+def codec_named(name: str) -> Codec | Ablation:
+    if name == Bf16Rounding.name:
+        return Bf16Rounding()
+    return ABLATIONS[name] if name in ABLATIONS else get_codec(name)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def roundtrip(kv: KVCache, codec: Codec) -> KVCache:
-    """`kv` after every layer's K and V went through `codec.encode` and `codec.decode`."""
+def roundtrip(kv: KVCache, codec: Codec | Ablation) -> KVCache:
+    """`kv` after every layer's K and V went through `codec.encode` and `codec.decode`
+    (or an ablation's quantizers)."""
+    if isinstance(codec, Ablation):
+        ablation = codec
+        layers = tuple(
+            LayerKV(k=ablation.k(layer.k.float()).to(layer.k.dtype), v=ablation.v(layer.v.float()).to(layer.v.dtype))
+            for layer in kv.layers
+        )
+        return KVCache(kv.model_fingerprint, kv.dtype, layers, kv.num_tokens, kv.token_ids_hash)
 
     def through(t: torch.Tensor) -> torch.Tensor:
         meta = TensorMeta(kv.dtype, tuple(t.shape))
@@ -160,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=50, help="prompts to run, at most 50 (default 50)")
     parser.add_argument(
-        "--codecs", default="fp8,int8", help="comma-separated codec names, or bf16-round (a control); default fp8,int8"
+        "--codecs",
+        default="fp8,int8",
+        help=f"comma-separated codecs, bf16-round (a control) or ablations ({', '.join(ABLATIONS)}); default fp8,int8",
     )
     parser.add_argument("--dtype", default="float32", help="engine and KV dtype (default float32)")
     parser.add_argument("--json", metavar="PATH", help="also write the summary and per-prompt results as JSON")

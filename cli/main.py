@@ -16,6 +16,8 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Prepare and list the offline model catalog.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+sched_app = typer.Typer(help="The global scheduler: explain a placement.", no_args_is_help=True)
+app.add_typer(sched_app, name="sched")
 certs_app = typer.Typer(help="Certificates for mutual TLS on KV connections.", no_args_is_help=True)
 app.add_typer(certs_app, name="certs")
 console = Console()
@@ -61,6 +63,20 @@ def model_prepare(
             raise typer.Exit(2) from None
         verb = "kept" if prepared.reused else "prepared"
         console.print(f"{verb} {prepared.name} at {prepared.path} (sha256 {prepared.checksum[:16]}...)")
+
+
+@sched_app.command(
+    "explain",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def sched_explain(ctx: typer.Context) -> None:
+    """Decide one request on one snapshot and print the Decision (or rejection) as JSON:
+    --snapshot FILE --request FILE [--config POLICY.yaml]; --help for all options.
+    Exit 0 placed, 3 rejected, 2 bad input."""
+    from prfaas.control_plane.explain import main as explain_main
+
+    raise typer.Exit(explain_main(ctx.args))
 
 
 @certs_app.command("init")
