@@ -122,16 +122,18 @@ def test_explain_prints_schemas_and_the_default_policy(capsys: pytest.CaptureFix
     assert capsys.readouterr().out == DEFAULT_POLICY_YAML
 
 
-def test_explain_runs_as_a_module(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "prfaas.control_plane.explain", *_write(tmp_path, fleet(), request(2_000))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["mode"] == "local"
+@pytest.mark.parametrize("command", [["prfaas.cli.main", "sched", "explain"], ["prfaas.control_plane.explain"]])
+def test_prfaas_sched_explain_runs_as_a_command(tmp_path: Path, command: list[str]) -> None:
+    def run(req: Request) -> subprocess.CompletedProcess[str]:
+        args = [sys.executable, "-m", *command, *_write(tmp_path, fleet(), req)]
+        return subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
+
+    placed = run(request(2_000))
+    assert placed.returncode == 0, placed.stderr
+    assert json.loads(placed.stdout)["mode"] == "local"
+    rejected = run(request(allowed_regions=frozenset({"pre-cheap"})))
+    assert rejected.returncode == EXIT_REJECTED
+    assert json.loads(rejected.stdout)["rejected"]["reason"] == "residency"
 
 
 @pytest.mark.parametrize("model", [ClusterSnapshot, ModelShape, Region, Link, Request, Slo])
