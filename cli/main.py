@@ -139,6 +139,47 @@ def demo(
         raise typer.Exit(1)
 
 
+@app.command()
+def region(
+    config: Path = typer.Option(..., "--config", help="the region's YAML file (docs/regions.md)"),
+    log_level: str = typer.Option("INFO", help="logging level"),
+) -> None:
+    """Start one region (prefill, decode or both) from its config; SIGTERM drains it."""
+    import logging
+    import signal
+    import threading
+
+    from rich.markup import escape
+
+    from prfaas.protos.region_config import ConfigError, load_config
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_config(config)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    _quiet_transformers()
+    from prfaas.cli.region import build_region
+
+    try:
+        server, registration = build_region(settings)
+    except (EngineError, OSError, ValueError) as exc:
+        console.print(f"[red]error:[/red] cannot start region {settings.name}: {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    heartbeat = None
+    if settings.control_plane_url:
+        heartbeat = (settings.control_plane_url, registration, settings.heartbeat_interval_s)
+    server.start(heartbeat)
+    signal.signal(
+        signal.SIGTERM, lambda *_: threading.Thread(target=server.drain, args=(settings.drain_timeout_s,)).start()
+    )
+    signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=server.stop).start())
+    print(f"ready region={settings.name} role={settings.role} grpc={server.grpc_address} "
+          f"kv={registration.kv_endpoint or '-'} metrics={server.metrics_address or '-'}", flush=True)  # fmt: skip
+    server.wait()
+
+
 def main() -> None:
     app()
 

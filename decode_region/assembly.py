@@ -1,0 +1,82 @@
+"""Copy a shipment's layers into engine tensors as they arrive (layer-wise), so the KV is
+assembled when its last layer lands, not after.
+
+The transport reuses its receive buffers after `Inbound.release()`, so every layer is
+copied out first (one copy, straight into a tensor of the engine's dtype).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from prfaas.engine.kv import DTYPES, LayerKV
+from prfaas.protos.rpc import DeadlineExceeded, PermissionDenied, PreconditionFailed
+from prfaas.transport.errors import TransferTimeout
+from prfaas.transport.inbound import Inbound
+
+Shape = tuple[int, int, int]
+
+
+def _tensor(buf: bytes | bytearray, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype)  # [kv_heads, tokens, head_dim]
+    target = out.view(-1).view(torch.uint8).numpy()
+    target[:] = np.frombuffer(buf, dtype=np.uint8)
+    return out
+
+
+class LayoutCheck:
+    """What this decode engine accepts: its dtype and per-layer head layout."""
+
+    def __init__(self, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        self.dtype = dtype
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def check(self, inbound: Inbound, max_bytes: int, tenant: str) -> tuple[Shape, ...]:
+        info, ticket = inbound.info, inbound.ticket
+        assert info is not None and ticket is not None  # a layer arrived, so the shipment is open
+        if ticket.tenant != tenant:
+            raise PermissionDenied(f"shipment ticket is for tenant {ticket.tenant!r}, the reservation for {tenant!r}")
+        if info.dtype != self.dtype:
+            raise PreconditionFailed(f"shipment dtype {info.dtype} does not match the engine's {self.dtype}")
+        shapes = info.layer_shapes
+        ok = all(s[0] == self.num_kv_heads and s[2] == self.head_dim and s[1] == shapes[0][1] for s in shapes)
+        if len(shapes) != self.num_layers or not ok:
+            raise PreconditionFailed(
+                f"shipment has {len(shapes)} layers of {list(shapes[0])}, the engine needs {self.num_layers} "
+                f"of [{self.num_kv_heads}, tokens, {self.head_dim}]"
+            )
+        if info.raw_bytes > max_bytes:
+            raise PermissionDenied(f"shipment of {info.raw_bytes} bytes exceeds the reservation of {max_bytes}")
+        return shapes
+
+
+def assemble(inbound: Inbound, layout: LayoutCheck, max_bytes: int, tenant: str, deadline: float) -> list[LayerKV]:
+    """Every layer of `inbound` as engine tensors, copied as each arrives; releases the
+    transport's buffers. Raises the shipment's error (TransportError), or a RegionError
+    when the shipment does not fit this engine or the reservation."""
+    layers: list[LayerKV] = []
+    torch_dtype = DTYPES[layout.dtype]
+    shapes: tuple[Shape, ...] = ()
+    try:
+        for index in range(layout.num_layers):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(f"KV shipment incomplete at the reservation deadline ({index} layers in)")
+            try:
+                k, v = inbound.layer(index, timeout_s=remaining)
+            except TransferTimeout as exc:
+                raise DeadlineExceeded(f"KV shipment incomplete at the reservation deadline: {exc}") from None
+            if index == 0:
+                shapes = layout.check(inbound, max_bytes, tenant)
+            layers.append(LayerKV(k=_tensor(k, shapes[index], torch_dtype), v=_tensor(v, shapes[index], torch_dtype)))
+    except BaseException:
+        inbound.cancel("the decode region gave up on this shipment")
+        raise
+    finally:
+        inbound.release()
+    return layers

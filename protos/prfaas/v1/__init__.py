@@ -1,0 +1,1 @@
+"""prfaas.v1 protocol buffers (generated stubs beside their .proto files)."""

@@ -1,0 +1,153 @@
+"""A region's configuration: one YAML file per region process (`prfaas region --config FILE`).
+
+Shared by both agents (regions never import each other) and by the CLI that starts them.
+Validated at load; every error names the field (`listen.kv: ...`). Any field can also be
+set from the environment, `PRFAAS_` + the field path joined by `__` (e.g.
+`PRFAAS_TICKET_KEY`, `PRFAAS_LISTEN__GRPC`); the YAML file wins over the environment.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDER_KEYS = {"changeme", "change-me", "secret", "dev", "placeholder"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A region config that cannot be used; the message names the file and the field."""
+
+
+def parse_bytes(value: object) -> int:
+    """`1073741824`, `"1GiB"`, `"512 MB"` -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a byte count like 1073741824 or '1GiB'")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if match is None:
+        raise ValueError(f"{value!r} is not a byte count like 1073741824 or '1GiB'")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not host:port (port 0-65535; 0 picks a free one)")
+    return host.strip("[]"), int(port)
+
+
+class Listen(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grpc: str = "127.0.0.1:50051"  # host:port of the gRPC services
+    kv: str = "127.0.0.1:7400"  # host:port of the KV port (decode role)
+    metrics: str | None = None  # host:port of Prometheus /metrics; None = off
+
+    @field_validator("grpc", "kv", "metrics")
+    @classmethod
+    def _hostport(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_hostport(value)
+        return value
+
+
+class RegionConfig(BaseSettings):
+    """Everything one region process needs. Units: bytes, seconds, USD."""
+
+    model_config = SettingsConfigDict(env_prefix="PRFAAS_", env_nested_delimiter="__", extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    role: Literal["prefill", "decode", "both"]
+    gpu_type: str = "cpu"
+    workers: int = Field(default=1, ge=1, le=256)
+    usd_per_gpu_hour: float = Field(default=0.0, ge=0.0)
+    listen: Listen = Field(default_factory=Listen)
+    control_plane_url: str | None = None  # gRPC target of the registry (host:port); None = no heartbeats
+    engine: Literal["hf"] = "hf"  # vllm lands with the vLLM issue
+    model: str = "smollm2-135m"  # catalog name or HF model folder
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    kv_buffer_bytes: int = Field(default=4 << 30, gt=0)
+    ticket_key: str = Field(min_length=32, repr=False)  # HMAC key the control plane signs tickets with
+    ticket_key_id: str = "k1"
+    dev: bool = False  # allows placeholder secrets
+    queue_depth: int = Field(default=8, ge=0, le=10_000)  # prefill jobs waiting beyond `workers`
+    codec: Literal["raw", "lossless", "fp8", "int8"] = "lossless"  # default when a request names none
+    kv_lease_s: float = Field(default=30.0, gt=0)  # finished KV kept for Reship
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
+    max_reservation_s: float = Field(default=600.0, gt=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+
+    @field_validator("kv_buffer_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> int:
+        return parse_bytes(value)
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine(cls, value: object) -> object:
+        if value == "vllm":
+            raise ValueError("engine 'vllm' is not available yet (it lands with the vLLM issue); use 'hf'")
+        return value
+
+    @field_validator("control_plane_url")
+    @classmethod
+    def _target(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        target = value.removeprefix("grpc://")
+        parse_hostport(target)
+        return target
+
+    @model_validator(mode="after")
+    def _secrets(self) -> RegionConfig:
+        if not self.dev and self.ticket_key.strip().lower().strip("x-_ ") in PLACEHOLDER_KEYS | {""}:
+            raise ValueError("ticket_key is a placeholder; set a real secret (or dev: true for development)")
+        if not self.dev and len(set(self.ticket_key)) < 8:
+            raise ValueError("ticket_key looks like a placeholder (fewer than 8 distinct characters)")
+        return self
+
+    @property
+    def serves_prefill(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def serves_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def config_from_mapping(data: dict[str, Any], source: str = "config") -> RegionConfig:
+    try:
+        return RegionConfig(**data)
+    except ValidationError as exc:
+        lines = [f"{_field_path(e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError(f"{source}: invalid region config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path) -> RegionConfig:
+    """Read and validate a region YAML file; ConfigError names the file and each bad field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the region config: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a region config is a YAML mapping of fields (name, role, ...)")
+    return config_from_mapping(data, str(path))

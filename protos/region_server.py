@@ -1,0 +1,125 @@
+"""One region process: a gRPC server hosting the region's agents (prefill, decode or both)
+with gRPC health checking, Prometheus /metrics, and heartbeats to the registry.
+
+Agents take plain values (prefill_region.agent, decode_region.agent); `prfaas region`
+builds them from a `RegionConfig` and hands them here. Drain (SIGTERM or `drain()`):
+health turns NOT_SERVING, heartbeats say draining, new jobs are refused with UNAVAILABLE,
+running ones get `drain_timeout_s` to finish, then everything stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from prfaas.protos.prfaas.v1 import registry_pb2
+from prfaas.protos.region_config import parse_hostport
+from prfaas.protos.registry_client import Heartbeater
+from prfaas.protos.rpc import SERVER_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+class Agent(Protocol):
+    draining: bool
+
+    def load(self) -> dict[str, float]: ...
+
+    def idle(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class RegionServer:
+    """`agents` maps a gRPC service name (prfaas.v1.PrefillRegion, ...) to the agent and the
+    function that adds it to a server (the generated `add_*Servicer_to_server`)."""
+
+    def __init__(
+        self,
+        grpc_address: str,
+        agents: dict[str, tuple[Agent, Callable[[Any, grpc.Server], None]]],
+        *,
+        metrics_address: str | None = None,
+        max_rpc_threads: int = 64,
+    ) -> None:
+        self.agents = agents
+        self.server = grpc.server(
+            ThreadPoolExecutor(max_rpc_threads, thread_name_prefix="prfaas-rpc"), options=SERVER_OPTIONS
+        )
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for agent, add in agents.values():
+            add(agent, self.server)
+        host, port = parse_hostport(grpc_address)
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen for gRPC on {grpc_address}")
+        self.grpc_address = f"{host}:{bound}"
+        self.metrics_address: str | None = None
+        self._metrics: Any = None
+        if metrics_address is not None:
+            mhost, mport = parse_hostport(metrics_address)
+            self._metrics, _thread = start_http_server(mport, addr=mhost)
+            self.metrics_address = f"{mhost}:{self._metrics.server_port}"
+        self.heartbeater: Heartbeater | None = None
+        self._stopped = threading.Event()
+
+    def load(self) -> registry_pb2.Load:
+        total: dict[str, float] = {}
+        for agent, _add in self.agents.values():
+            for key, value in agent.load().items():
+                total[key] = total.get(key, 0.0) + value
+        return registry_pb2.Load(
+            queue_depth=int(total.get("queue_depth", 0)), busy_workers=int(total.get("busy_workers", 0)),
+            kv_used_bytes=int(total.get("kv_used_bytes", 0)), kv_free_bytes=int(total.get("kv_free_bytes", 0)),
+            prefill_tokens_per_s=total.get("prefill_tokens_per_s", 0.0),
+            decode_tokens_per_s=total.get("decode_tokens_per_s", 0.0), draining=self.draining,
+        )  # fmt: skip
+
+    @property
+    def draining(self) -> bool:
+        return any(agent.draining for agent, _add in self.agents.values())
+
+    def start(self, heartbeat: tuple[str, registry_pb2.RegisterRequest, float] | None = None) -> None:
+        self.server.start()
+        for name in ("", *self.agents):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if heartbeat is not None:
+            target, registration, interval_s = heartbeat
+            self.heartbeater = Heartbeater(target, registration, self.load, interval_s)
+            self.heartbeater.start()
+        log.info("region serving gRPC on %s (metrics %s)", self.grpc_address, self.metrics_address or "off")
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new work, let running work finish within `timeout_s`, then stop."""
+        for agent, _add in self.agents.values():
+            agent.draining = True
+        for name in ("", *self.agents):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not all(agent.idle() for agent, _add in self.agents.values()):
+            time.sleep(0.1)
+        self.stop()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self.heartbeater is not None:
+            self.heartbeater.stop()
+        for agent, _add in self.agents.values():
+            agent.close()
+        self.server.stop(grace_s).wait(grace_s + 1.0)
+        if self._metrics is not None:
+            self._metrics.shutdown()
+
+    def wait(self) -> None:
+        self._stopped.wait()

@@ -1,0 +1,75 @@
+"""Region -> control plane: `Register` once (again when the registry asks), then a
+`Heartbeat` with the region's load every interval. A registry that is down costs a log
+line per interval, never a stalled region; every call has a deadline of one interval."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
+from prfaas.protos.rpc import keepalive_options
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeater:
+    def __init__(
+        self,
+        target: str,
+        registration: registry_pb2.RegisterRequest,
+        load: Callable[[], registry_pb2.Load],
+        interval_s: float = 1.0,
+    ) -> None:
+        self.target = target
+        self.registration = registration
+        self.interval_s = interval_s
+        self._load = load
+        self._channel = grpc.insecure_channel(target, options=keepalive_options(interval_s))
+        self._stub = registry_pb2_grpc.RegistryStub(self._channel)
+        self.region_id = ""
+        self.seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="prfaas-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def beat(self) -> None:
+        """One round: register if needed, then heartbeat. Raises grpc.RpcError."""
+        if not self.region_id:
+            reply = self._stub.Register(self.registration, timeout=self.interval_s)
+            self.region_id = reply.region_id or self.registration.name
+            log.info("registered with %s as %s", self.target, self.region_id)
+        self.seq += 1
+        request = registry_pb2.HeartbeatRequest(
+            name=self.registration.name, region_id=self.region_id, seq=self.seq, load=self._load()
+        )
+        if self._stub.Heartbeat(request, timeout=self.interval_s).reregister:
+            self.region_id = ""
+
+    def _loop(self) -> None:
+        failures = 0
+        while True:
+            try:
+                self.beat()
+                failures = 0
+            except grpc.RpcError as exc:
+                failures += 1
+                if failures in (1, 10) or failures % 60 == 0:
+                    log.warning("heartbeat to %s failed (%d in a row): %s", self.target, failures, exc.code().name)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def stop(self) -> None:
+        """Stop after one last heartbeat (it carries `draining` if the region drains)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2 * self.interval_s)
+        with contextlib.suppress(grpc.RpcError):
+            self.beat()
+        self._channel.close()
