@@ -1,0 +1,323 @@
+"""Helpers for the region tests: regions in this process (real gRPC servers and KV
+sockets on loopback) or as real `prfaas region` processes, tickets, and a caller that
+drives a split job the way the control plane will (Reserve -> Prefill -> Decode)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from prfaas.decode_region.agent import DecodeAgent
+from prfaas.engine.hf import HFEngine
+from prfaas.engine.sampling import SamplingParams
+from prfaas.prefill_region.agent import PrefillAgent
+from prfaas.protos.prfaas.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from prfaas.protos.region_server import RegionServer
+from prfaas.protos.rpc import sampling_to_proto
+from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.tickets import TicketSigner, TicketVerifier
+
+KEY = b"region-tests-ticket-key-0123456789abcdef"
+SIGNER = TicketSigner({"k1": KEY}, "k1")
+FORGER = TicketSigner({"k1": b"not-the-region-key-0123456789abcdef!!"}, "k1")
+
+
+def new_job() -> str:
+    return str(uuid.uuid4())
+
+
+def ticket(
+    job_id: str, attempt: int = 1, tenant: str = "acme", budget: int = 1 << 34, signer: TicketSigner = SIGNER
+) -> str:
+    return signer.issue(job_id, attempt, tenant, budget, ttl_s=60)
+
+
+@dataclass
+class Region:
+    """A region served from this process."""
+
+    server: RegionServer
+    prefill: PrefillAgent | None = None
+    decode: DecodeAgent | None = None
+    receiver: TcpReceiver | None = None
+    channel: grpc.Channel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.insecure_channel(self.server.grpc_address)
+
+    @property
+    def prefill_stub(self) -> prefill_pb2_grpc.PrefillRegionStub:
+        return prefill_pb2_grpc.PrefillRegionStub(self.channel)
+
+    @property
+    def decode_stub(self) -> decode_pb2_grpc.DecodeRegionStub:
+        return decode_pb2_grpc.DecodeRegionStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(0.2)
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+def local_region(
+    engine: HFEngine,
+    *,
+    prefill: bool = True,
+    decode: bool = True,
+    kv_buffer_bytes: int = 1 << 30,
+    workers: int = 1,
+    queue_depth: int = 4,
+    codec: str = "raw",
+    metrics: bool = False,
+    heartbeat_s: float = 0.5,
+) -> Region:
+    agents: dict[str, tuple[Any, Any]] = {}
+    p = d = None
+    receiver = None
+    if prefill:
+        p = PrefillAgent(engine, num_workers=workers, queue_depth=queue_depth, codec=codec, node="p-test")
+        agents["prfaas.v1.PrefillRegion"] = (p, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)
+    if decode:
+        receiver = TcpReceiver(TicketVerifier({"k1": KEY}), "127.0.0.1", 0, node="d-test")
+        d = DecodeAgent(
+            engine,
+            receiver,
+            kv_endpoint=f"127.0.0.1:{receiver.address[1]}",
+            kv_buffer_bytes=kv_buffer_bytes,
+            num_workers=workers,
+            heartbeat_interval_s=heartbeat_s,
+        )
+        agents["prfaas.v1.DecodeRegion"] = (d, decode_pb2_grpc.add_DecodeRegionServicer_to_server)
+    server = RegionServer("127.0.0.1:0", agents, metrics_address="127.0.0.1:0" if metrics else None)
+    server.start()
+    return Region(server, p, d, receiver)
+
+
+@dataclass
+class SplitRun:
+    job_id: str
+    tokens: list[int]
+    events: list[prefill_pb2.PrefillEvent]
+    token_events: list[decode_pb2.TokenEvent]
+    ttft_s: float  # from the start of Prefill to token 0 out of the decode region
+
+
+def reserve(
+    decode: decode_pb2_grpc.DecodeRegionStub,
+    job_id: str,
+    kv_bytes: int,
+    *,
+    attempt: int = 1,
+    ttl_s: float = 60,
+    prefill_grpc: str = "",
+) -> decode_pb2.ReserveReply:
+    request = decode_pb2.ReserveRequest(
+        job_id=job_id, attempt=attempt, tenant="acme", kv_bytes=kv_bytes, ttl_s=ttl_s, prefill_grpc=prefill_grpc
+    )
+    reply: decode_pb2.ReserveReply = decode.Reserve(request, timeout=10)
+    return reply
+
+
+def prefill_request(
+    job_id: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    kv_endpoint: str,
+    *,
+    attempt: int = 1,
+    codec: str = "raw",
+    whole: bool = False,
+    signer: TicketSigner = SIGNER,
+    timeout_s: float = 60,
+) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(
+        job_id=job_id,
+        attempt=attempt,
+        tenant="acme",
+        token_ids=token_ids,
+        sampling=sampling_to_proto(params),
+        destination=prefill_pb2.Destination(
+            kv_endpoint=kv_endpoint, ticket=ticket(job_id, attempt, signer=signer), codec=codec
+        ),
+        timeout_s=timeout_s,
+        ship_whole=whole,
+    )
+
+
+def split_generate(
+    prefill: prefill_pb2_grpc.PrefillRegionStub,
+    decode: decode_pb2_grpc.DecodeRegionStub,
+    token_ids: list[int],
+    params: SamplingParams,
+    kv_bytes: int,
+    *,
+    codec: str = "raw",
+    whole: bool = False,
+    prefill_grpc: str = "",
+) -> SplitRun:
+    """What the control plane does for a split job."""
+    job_id = new_job()
+    reply = reserve(decode, job_id, kv_bytes, prefill_grpc=prefill_grpc)
+    start = time.perf_counter()
+    events: list[prefill_pb2.PrefillEvent] = []
+    done: prefill_pb2.PrefillDone | None = None
+    stream = prefill.Prefill(
+        prefill_request(job_id, token_ids, params, reply.kv_endpoint, codec=codec, whole=whole), timeout=120
+    )
+    token_events: list[decode_pb2.TokenEvent] = []
+    ttft = 0.0
+    decoder: threading.Thread | None = None
+    errors: list[BaseException] = []
+
+    def run_decode(first: prefill_pb2.PrefillDone) -> None:
+        nonlocal ttft
+        try:
+            request = decode_pb2.DecodeRequest(
+                job_id=job_id,
+                attempt=1,
+                first_token=first.first_token,
+                kv=first.kv,
+                sampling=sampling_to_proto(params),
+                timeout_s=120,
+            )
+            for event in decode.Decode(request, timeout=120):
+                if event.index == 0:
+                    ttft = time.perf_counter() - start
+                token_events.append(event)
+        except BaseException as exc:
+            errors.append(exc)
+
+    for event in stream:
+        events.append(event)
+        if event.HasField("prefill_done"):
+            done = event.prefill_done
+            decoder = threading.Thread(target=run_decode, args=(done,))
+            decoder.start()
+    assert decoder is not None
+    decoder.join(120)
+    if errors:
+        raise errors[0]
+    return SplitRun(job_id, [e.token for e in token_events], events, token_events, ttft)
+
+
+def generate_tokens(
+    decode: decode_pb2_grpc.DecodeRegionStub, token_ids: list[int], params: SamplingParams
+) -> list[int]:
+    request = decode_pb2.GenerateRequest(
+        job_id=new_job(), token_ids=token_ids, sampling=sampling_to_proto(params), timeout_s=120
+    )
+    return [event.token for event in decode.Generate(request, timeout=120)]
+
+
+def cancel(stub: Any, job_id: str) -> bool:
+    return bool(stub.Cancel(common_pb2.CancelRequest(job_id=job_id, reason="test"), timeout=5).found)
+
+
+# -- regions as real processes -------------------------------------------------------------
+
+
+@dataclass
+class RegionProcess:
+    proc: subprocess.Popen[str]
+    grpc: str
+    kv: str
+    metrics: str
+    lines: list[str]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def write_config(folder: Path, **fields: Any) -> Path:
+    config = {
+        "role": "both",
+        "model": "tiny-llama",
+        "ticket_key": KEY.decode(),
+        "ticket_key_id": "k1",
+        "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0"},
+        "codec": "raw",
+        "heartbeat_interval_s": 0.5,
+    } | fields
+    path = folder / f"{config['name']}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def spawn_region(config: Path, timeout_s: float = 120) -> RegionProcess:
+    """Start `prfaas region --config` and wait for its ready line."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(config), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+    ready: dict[str, str] = {}
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("ready "):
+                ready.update(part.split("=", 1) for part in line.split()[1:])
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not ready:
+        proc.kill()
+        raise RuntimeError(f"region {config.name} did not start:\n" + "\n".join(lines[-30:]))
+    return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines)
+
+
+def wait_until(predicate: Any, timeout_s: float, interval_s: float = 0.02) -> float:
+    """Seconds until `predicate()` held; raises AssertionError after `timeout_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def metric(metrics_address: str, name: str) -> float:
+    """A sample's value from a region's /metrics (0 when absent)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def events_kinds(events: list[prefill_pb2.PrefillEvent]) -> Iterator[str]:
+    for event in events:
+        yield str(event.WhichOneof("event"))

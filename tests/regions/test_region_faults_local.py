@@ -1,0 +1,367 @@
+"""Admission, tickets, cancel, deadlines and bad input on agents in this process
+(tiny-llama, real gRPC servers and KV sockets on loopback)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import grpc
+import pytest
+from region_kit import (
+    FORGER,
+    Region,
+    cancel,
+    generate_tokens,
+    local_region,
+    new_job,
+    prefill_request,
+    reserve,
+    split_generate,
+    ticket,
+)
+
+from prfaas.decode_region import metrics as decode_metrics
+from prfaas.engine.hf import HFEngine
+from prfaas.engine.sampling import SamplingParams
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, prefill_pb2
+from prfaas.protos.rpc import sampling_to_proto
+
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
+CAPACITY = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def region(tiny_engine: HFEngine) -> Iterator[Region]:
+    region = local_region(tiny_engine, kv_buffer_bytes=CAPACITY, workers=2)
+    yield region
+    region.close()
+
+
+def _code(call: Callable[[], object]) -> grpc.StatusCode:
+    """The status `call` fails with (a streaming call is read to its end)."""
+    try:
+        result = call()
+        if isinstance(result, Iterable):
+            list(result)
+    except grpc.RpcError as exc:
+        return exc.code()  # type: ignore[no-any-return, attr-defined]
+    raise AssertionError("the call succeeded")
+
+
+def test_buffer_full_is_resource_exhausted_and_frees_on_release(region: Region) -> None:
+    stub = region.decode_stub
+    assert _code(lambda: reserve(stub, new_job(), CAPACITY + 1)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    first = new_job()
+    reserve(stub, first, CAPACITY - 1000)
+    with pytest.raises(grpc.RpcError) as info:
+        reserve(stub, new_job(), 2000)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV buffer full: job needs 2000 bytes, 1000 of" in info.value.details()
+    assert stub.Release(decode_pb2.ReleaseRequest(job_id=first), timeout=5).found
+    assert not stub.Release(decode_pb2.ReleaseRequest(job_id=first), timeout=5).found  # idempotent
+    reserve(stub, second := new_job(), 2000)
+    cancel(stub, second)
+    assert region.decode is not None and region.decode.book.used_bytes == 0
+
+
+def test_forged_ticket_stores_no_kv(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
+    ids = tiny_engine.encode(long_text)[:64]
+    job_id = new_job()
+    reply = reserve(region.decode_stub, job_id, len(ids) * tiny_engine.kv_bytes_per_token)
+    received = decode_metrics.KV_RECEIVED._value.get()
+
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            region.prefill_stub.Prefill(
+                prefill_request(job_id, ids, GREEDY, reply.kv_endpoint, signer=FORGER), timeout=30
+            )
+        )
+
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "ticket" in info.value.details()
+    assert region.decode is not None
+    held = region.decode._reservations[job_id]
+    assert held.layers is None and held.inbound is not None and held.inbound.info is None  # never opened
+    assert decode_metrics.KV_RECEIVED._value.get() == received
+    cancel(region.decode_stub, job_id)
+
+
+def test_cancel_mid_decode_frees_buffer_at_once(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
+    ids = tiny_engine.encode(long_text)[:64]
+    params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
+    job_id = new_job()
+    kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+    reply = reserve(region.decode_stub, job_id, kv_bytes)
+    done = None
+    for event in region.prefill_stub.Prefill(prefill_request(job_id, ids, params, reply.kv_endpoint), timeout=30):
+        done = event.prefill_done if event.HasField("prefill_done") else done
+    assert done is not None
+    request = decode_pb2.DecodeRequest(
+        job_id=job_id,
+        attempt=1,
+        first_token=done.first_token,
+        kv=done.kv,
+        sampling=sampling_to_proto(params),
+        timeout_s=60,
+    )
+    stream = region.decode_stub.Decode(request, timeout=60)
+    seen = [next(stream) for _ in range(5)]
+    assert region.decode is not None and region.decode.book.used_bytes == kv_bytes
+
+    assert cancel(region.decode_stub, job_id)
+
+    assert region.decode.book.used_bytes == 0  # at once: before the decode loop even noticed
+    with pytest.raises(grpc.RpcError) as info:
+        seen += list(stream)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert len(seen) < params.max_new_tokens
+
+
+def test_client_disconnect_frees_reservation(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
+    ids = tiny_engine.encode(long_text)[:32]
+    params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
+    job_id = new_job()
+    reply = reserve(region.decode_stub, job_id, len(ids) * tiny_engine.kv_bytes_per_token)
+    events = region.prefill_stub.Prefill(prefill_request(job_id, ids, params, reply.kv_endpoint), timeout=30)
+    done = next(e for e in events if e.HasField("prefill_done")).prefill_done
+    stream = region.decode_stub.Decode(
+        decode_pb2.DecodeRequest(
+            job_id=job_id,
+            attempt=1,
+            first_token=done.first_token,
+            kv=done.kv,
+            sampling=sampling_to_proto(params),
+            timeout_s=60,
+        ),
+        timeout=60,
+    )
+    next(stream)
+    stream.cancel()
+    assert region.decode is not None
+    decode = region.decode
+    elapsed = _wait(lambda: decode.book.used_bytes == 0, 2.0)
+    assert elapsed < 1.0
+
+
+def test_reservation_expires_and_decode_gets_deadline(region: Region, tiny_engine: HFEngine) -> None:
+    job_id = new_job()
+    reserve(region.decode_stub, job_id, 1000, ttl_s=0.3)
+    assert region.decode is not None
+    decode = region.decode
+    _wait(lambda: decode.book.used_bytes == 0, 3.0)
+    request = decode_pb2.DecodeRequest(
+        job_id=job_id,
+        attempt=1,
+        first_token=1,
+        sampling=sampling_to_proto(GREEDY),
+        kv=common_pb2.KVDescriptor(model_fingerprint=tiny_engine.fingerprint, dtype="float32", num_tokens=4),
+    )
+    assert _code(lambda: region.decode_stub.Decode(request, timeout=5)) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize(
+    ("make", "code", "detail"),
+    [
+        (
+            lambda s, e: s.decode_stub.Reserve(decode_pb2.ReserveRequest(job_id="job-1", kv_bytes=1), timeout=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job_id must be a UUID",
+        ),
+        (
+            lambda s, e: s.decode_stub.Reserve(decode_pb2.ReserveRequest(job_id=new_job(), kv_bytes=0), timeout=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "kv_bytes must be > 0",
+        ),
+        (
+            lambda s, e: s.decode_stub.Reserve(
+                decode_pb2.ReserveRequest(job_id=new_job(), kv_bytes=1, ttl_s=-1), timeout=5
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "ttl_s must be in",
+        ),
+        (
+            lambda s, e: list(
+                s.decode_stub.Generate(
+                    decode_pb2.GenerateRequest(
+                        job_id=new_job(), token_ids=[e.vocab_size + 5], sampling=sampling_to_proto(GREEDY)
+                    ),
+                    timeout=5,
+                )
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "outside the vocabulary",
+        ),
+        (
+            lambda s, e: list(
+                s.decode_stub.Generate(
+                    decode_pb2.GenerateRequest(
+                        job_id=new_job(),
+                        token_ids=[1],
+                        sampling=common_pb2.SamplingParams(max_new_tokens=2, temperature=0.5),
+                    ),
+                    timeout=5,
+                )
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "seed is required",
+        ),
+        (
+            lambda s, e: list(
+                s.decode_stub.Decode(
+                    decode_pb2.DecodeRequest(
+                        job_id=new_job(),
+                        attempt=1,
+                        sampling=sampling_to_proto(GREEDY),
+                        kv=common_pb2.KVDescriptor(model_fingerprint=e.fingerprint, dtype="float32"),
+                    ),
+                    timeout=5,
+                )
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "no reservation for job",
+        ),
+        (
+            lambda s, e: list(
+                s.decode_stub.Decode(
+                    decode_pb2.DecodeRequest(
+                        job_id=new_job(),
+                        attempt=1,
+                        sampling=sampling_to_proto(GREEDY),
+                        kv=common_pb2.KVDescriptor(model_fingerprint="f" * 64, dtype="float32"),
+                    ),
+                    timeout=5,
+                )
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "cannot be decoded by this region",
+        ),
+        (
+            lambda s, e: list(s.prefill_stub.Prefill(prefill_request(new_job(), [], GREEDY, "127.0.0.1:1"), timeout=5)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "token_ids is empty",
+        ),
+        (
+            lambda s, e: list(s.prefill_stub.Prefill(prefill_request(new_job(), [1, 2], GREEDY, "nowhere"), timeout=5)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "destination.kv_endpoint",
+        ),
+        (
+            lambda s, e: list(
+                s.prefill_stub.Prefill(
+                    prefill_request(new_job(), [1, 2], GREEDY, "127.0.0.1:1", codec="zip"), timeout=5
+                )
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "destination.codec 'zip'",
+        ),
+        (
+            lambda s, e: list(
+                s.prefill_stub.Prefill(prefill_request(new_job(), [1] * 5000, GREEDY, "127.0.0.1:1"), timeout=5)
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "exceeds the model",
+        ),
+        (
+            lambda s, e: s.prefill_stub.Reship(
+                prefill_pb2.ReshipRequest(
+                    job_id=new_job(),
+                    attempt=2,
+                    destination=prefill_pb2.Destination(kv_endpoint="127.0.0.1:1", ticket="t"),
+                ),
+                timeout=5,
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "no KV lease for job",
+        ),
+    ],
+)
+def test_bad_input_gets_a_status_with_a_stable_message(
+    region: Region, tiny_engine: HFEngine, make: object, code: grpc.StatusCode, detail: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        make(region, tiny_engine)  # type: ignore[operator]
+    assert info.value.code() == code
+    assert detail in info.value.details()
+
+
+def test_region_still_serves_after_bad_input(region: Region, tiny_engine: HFEngine) -> None:
+    assert generate_tokens(region.decode_stub, [1, 2, 3], GREEDY) == tiny_engine.generate([1, 2, 3], GREEDY)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_full_prefill_queue_is_resource_exhausted_and_cancel_stops_the_job(tiny_engine: HFEngine) -> None:
+    region = local_region(tiny_engine, decode=False, workers=1, queue_depth=0)
+    try:
+        dead = f"127.0.0.1:{_free_port()}"  # nothing listens: the transfer retries until PeerUnavailable (5 s)
+        job_id = new_job()
+        stream = region.prefill_stub.Prefill(prefill_request(job_id, [1, 2, 3] * 20, GREEDY, dead), timeout=30)
+        assert next(stream).HasField("started")
+
+        with pytest.raises(grpc.RpcError) as info:
+            list(region.prefill_stub.Prefill(prefill_request(new_job(), [1, 2, 3], GREEDY, dead), timeout=5))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "prefill queue full" in info.value.details()
+
+        start = time.monotonic()
+        assert cancel(region.prefill_stub, job_id)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert time.monotonic() - start < 1.0
+        assert region.prefill is not None
+        prefill = region.prefill
+        _wait(prefill.idle, 2.0)
+    finally:
+        region.close()
+
+
+def test_reship_from_lease_to_another_decode_region(tiny_engine: HFEngine, long_text: str) -> None:
+    a = local_region(tiny_engine)
+    b = local_region(tiny_engine, prefill=False)
+    try:
+        ids = tiny_engine.encode(long_text)[:100]
+        kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+        first = split_generate(a.prefill_stub, a.decode_stub, ids, GREEDY, kv_bytes)
+        job_id = first.job_id  # its KV stays leased in region a after the first decode
+
+        reply = reserve(b.decode_stub, job_id, kv_bytes, attempt=2)
+        shipped = a.prefill_stub.Reship(
+            prefill_pb2.ReshipRequest(
+                job_id=job_id,
+                attempt=2,
+                destination=prefill_pb2.Destination(
+                    kv_endpoint=reply.kv_endpoint, ticket=ticket(job_id, 2), codec="raw"
+                ),
+                timeout_s=30,
+            ),
+            timeout=30,
+        )
+        assert shipped.shipment.raw_bytes == kv_bytes
+        request = decode_pb2.DecodeRequest(
+            job_id=job_id,
+            attempt=2,
+            first_token=shipped.first_token,
+            kv=shipped.kv,
+            sampling=sampling_to_proto(GREEDY),
+            timeout_s=30,
+        )
+        assert [e.token for e in b.decode_stub.Decode(request, timeout=30)] == first.tokens
+    finally:
+        a.close()
+        b.close()
+
+
+def _wait(predicate: object, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():  # type: ignore[operator]
+            return time.monotonic() - start
+        time.sleep(0.01)
+    raise AssertionError(f"not within {timeout_s} s")

@@ -1,0 +1,57 @@
+"""Prefill and decode agents in this process on tiny-llama, over real gRPC and a real KV
+socket on loopback: the split path gives the colocated tokens, layer by layer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from region_kit import Region, events_kinds, generate_tokens, local_region, split_generate
+
+from prfaas.engine.hf import HFEngine
+from prfaas.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def region(tiny_engine: HFEngine) -> Iterator[Region]:
+    region = local_region(tiny_engine, metrics=True)
+    yield region
+    region.close()
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless"])
+def test_split_tokens_equal_colocated_generate(
+    region: Region, tiny_engine: HFEngine, long_text: str, codec: str
+) -> None:
+    ids = tiny_engine.encode(long_text)[:300]
+    kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+
+    run = split_generate(region.prefill_stub, region.decode_stub, ids, GREEDY, kv_bytes, codec=codec)
+
+    assert run.tokens == tiny_engine.generate(ids, GREEDY)
+    assert [e.index for e in run.token_events] == list(range(GREEDY.max_new_tokens))
+    assert run.token_events[-1].last and run.token_events[-1].finish_reason == "length"
+    kinds = list(events_kinds(run.events))
+    num_layers = tiny_engine.num_layers
+    # layer-wise: every layer is handed to the transport before prefill is done
+    assert kinds == ["started"] + ["layer_shipped"] * num_layers + ["prefill_done", "shipment_complete"]
+    complete = run.events[-1].shipment_complete
+    assert complete.raw_bytes == kv_bytes
+    assert region.decode is not None and region.decode.book.used_bytes == 0  # freed after the decode
+
+
+def test_generate_local_path_equals_engine(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
+    ids = tiny_engine.encode(long_text)[:50]
+    assert generate_tokens(region.decode_stub, ids, GREEDY) == tiny_engine.generate(ids, GREEDY)
+
+
+def test_whole_cache_variant_gives_same_tokens(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
+    ids = tiny_engine.encode(long_text)[:200]
+    run = split_generate(
+        region.prefill_stub, region.decode_stub, ids, GREEDY, len(ids) * tiny_engine.kv_bytes_per_token, whole=True
+    )
+    assert run.tokens == tiny_engine.generate(ids, GREEDY)
+    kinds = list(events_kinds(run.events))
+    assert kinds.count("layer_shipped") == tiny_engine.num_layers
