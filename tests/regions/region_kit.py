@@ -28,6 +28,7 @@ from prfaas.protos.prfaas.v1 import (
     decode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
+    registry_pb2,
 )
 from prfaas.protos.region_server import RegionServer
 from prfaas.protos.rpc import sampling_to_proto
@@ -88,6 +89,7 @@ def local_region(
     codec: str = "raw",
     metrics: bool = False,
     heartbeat_s: float = 0.5,
+    registry: tuple[str, registry_pb2.RegisterRequest, float] | None = None,
 ) -> Region:
     agents: dict[str, tuple[Any, Any]] = {}
     p = d = None
@@ -107,7 +109,7 @@ def local_region(
         )
         agents["prfaas.v1.DecodeRegion"] = (d, decode_pb2_grpc.add_DecodeRegionServicer_to_server)
     server = RegionServer("127.0.0.1:0", agents, metrics_address="127.0.0.1:0" if metrics else None)
-    server.start()
+    server.start(registry)
     return Region(server, p, d, receiver)
 
 

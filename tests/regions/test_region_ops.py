@@ -1,0 +1,170 @@
+"""Operations: Register and heartbeats to a test double of the registry (a real gRPC
+server), /metrics, health and drain, config validation, generated stubs up to date."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from region_kit import KEY, generate_tokens, local_region, new_job, reserve, split_generate, wait_until
+
+from prfaas.engine.hf import HFEngine
+from prfaas.engine.sampling import SamplingParams
+from prfaas.protos.prfaas.v1 import decode_pb2, registry_pb2, registry_pb2_grpc
+from prfaas.protos.region_config import ConfigError, config_from_mapping, load_config
+
+GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+
+class FakeRegistry(registry_pb2_grpc.RegistryServicer):
+    """Stands in for the control plane's registry (Control plane issue): records calls."""
+
+    def __init__(self) -> None:
+        self.registrations: list[registry_pb2.RegisterRequest] = []
+        self.heartbeats: list[registry_pb2.HeartbeatRequest] = []
+        self.forget = False  # answer the next heartbeat with reregister (a restarted registry)
+        self.lock = threading.Lock()
+
+    def Register(self, request: registry_pb2.RegisterRequest, context: object) -> registry_pb2.RegisterReply:
+        with self.lock:
+            self.registrations.append(request)
+            return registry_pb2.RegisterReply(region_id=f"{request.name}-{len(self.registrations)}")
+
+    def Heartbeat(self, request: registry_pb2.HeartbeatRequest, context: object) -> registry_pb2.HeartbeatReply:
+        with self.lock:
+            self.heartbeats.append(request)
+            forget, self.forget = self.forget, False
+        return registry_pb2.HeartbeatReply(reregister=forget)
+
+
+def test_register_heartbeats_with_load_metrics_and_drain(tiny_engine: HFEngine) -> None:
+    fake = FakeRegistry()
+    registry = grpc.server(ThreadPoolExecutor(4))
+    registry_pb2_grpc.add_RegistryServicer_to_server(fake, registry)
+    port = registry.add_insecure_port("127.0.0.1:0")
+    registry.start()
+    registration = registry_pb2.RegisterRequest(name="both-a", role="both", kv_buffer_bytes=1 << 20)
+    registered = (f"127.0.0.1:{port}", registration, 0.2)
+    region = local_region(tiny_engine, metrics=True, kv_buffer_bytes=1 << 20, registry=registered)
+    try:
+        wait_until(lambda: len(fake.heartbeats) >= 3, 3.0)
+        assert fake.registrations[0].name == "both-a"
+        beat = fake.heartbeats[-1]
+        assert beat.region_id == "both-a-1" and beat.load.kv_free_bytes == 1 << 20 and not beat.load.draining
+        assert [b.seq for b in fake.heartbeats[:3]] == [1, 2, 3]
+
+        reserve(region.decode_stub, held := new_job(), 4096)
+        wait_until(lambda: fake.heartbeats[-1].load.kv_used_bytes == 4096, 2.0)
+        fake.forget = True
+        wait_until(lambda: len(fake.registrations) == 2, 2.0)  # asked to, it registers again
+
+        ids = list(range(1, 40))
+        split_generate(region.prefill_stub, region.decode_stub, ids, GREEDY, len(ids) * tiny_engine.kv_bytes_per_token)
+        generate_tokens(region.decode_stub, ids, GREEDY)
+        assert region.server.metrics_address is not None
+        with urllib.request.urlopen(f"http://{region.server.metrics_address}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        for name in (
+            "prfaas_prefill_queue_depth", "prfaas_prefill_busy_workers", "prfaas_region_shipments_total",
+            "prfaas_region_shipped_raw_bytes_total", "prfaas_region_shipped_wire_bytes_total",
+            "prfaas_region_transfer_seconds_bucket", "prfaas_prefill_tokens_per_second",
+            "prfaas_decode_tokens_per_second", "prfaas_decode_kv_used_bytes", "prfaas_decode_kv_free_bytes",
+            "prfaas_kv_transfers_total",
+        ):  # fmt: skip
+            assert f"\n{name}" in text, name
+        assert 'prfaas_region_shipments_total{kind="prefill",status="completed"}' in text
+
+        health = health_pb2_grpc.HealthStub(region.channel)
+        service = health_pb2.HealthCheckRequest(service="prfaas.v1.DecodeRegion")
+        assert health.Check(service, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        drain = threading.Thread(target=region.server.drain, args=(5.0,))
+        drain.start()
+        wait_until(lambda: health.Check(service, timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING, 2)
+        with pytest.raises(grpc.RpcError) as info:
+            reserve(region.decode_stub, new_job(), 10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        wait_until(lambda: fake.heartbeats[-1].load.draining, 2.0)
+        region.decode_stub.Release(decode_pb2.ReleaseRequest(job_id=held), timeout=5)
+        drain.join(10)  # idle now: the drain ends and stops the server
+        assert not drain.is_alive()
+    finally:
+        region.close()
+        registry.stop(0)
+
+
+def test_heartbeats_survive_a_registry_that_is_down(tiny_engine: HFEngine) -> None:
+    start = time.monotonic()
+    region = local_region(tiny_engine, prefill=False, registry=("127.0.0.1:1", registry_pb2.RegisterRequest(), 0.1))
+    try:
+        time.sleep(0.4)
+        assert region.server.heartbeater is not None and region.server.heartbeater.region_id == ""
+        assert generate_tokens(region.decode_stub, [1, 2, 3], GREEDY)  # serving regardless
+        assert time.monotonic() - start < 5
+    finally:
+        region.close()
+
+
+VALID = {"name": "dec-a", "role": "decode", "ticket_key": KEY.decode()}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"role": "prefil"}, "role"),
+        ({"workers": 0}, "workers"),
+        ({"kv_buffer_bytes": "lots"}, "kv_buffer_bytes"),
+        ({"listen": {"kv": "7400"}}, "listen.kv"),
+        ({"listen": {"grpc": "host:99999"}}, "listen.grpc"),
+        ({"ticket_key": "short"}, "ticket_key"),
+        ({"usd_per_gpu_hour": -1}, "usd_per_gpu_hour"),
+        ({"engine": "vllm"}, "engine"),
+        ({"name": "Bad Name"}, "name"),
+        ({"colour": "blue"}, "colour"),
+        ({"control_plane_url": "grpc://nowhere"}, "control_plane_url"),
+        ({"ticket_key": "x" * 40}, "(top level)"),  # a placeholder secret outside dev
+    ],
+)
+def test_malformed_config_error_names_the_field(change: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(VALID | change, "region.yaml")
+    assert f"\n  {field}: " in str(info.value)
+
+
+def test_config_sizes_env_and_roles(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = config_from_mapping(VALID | {"kv_buffer_bytes": "2GiB", "control_plane_url": "grpc://cp:7000"})
+    assert config.kv_buffer_bytes == 2 << 30 and config.control_plane_url == "cp:7000"
+    assert config.serves_decode and not config.serves_prefill
+    monkeypatch.setenv("PRFAAS_LISTEN__GRPC", "0.0.0.0:9000")
+    assert config_from_mapping(VALID).listen.grpc == "0.0.0.0:9000"
+
+
+def test_prfaas_region_with_malformed_config_exits_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "region.yaml"
+    path.write_text(f"name: dec-a\nrole: decode\nticket_key: {KEY.decode()}\nlisten:\n  kv: nowhere\n")
+    with pytest.raises(ConfigError, match=r"listen\.kv"):
+        load_config(path)
+    result = subprocess.run(
+        [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "listen.kv: Value error, 'nowhere' is not host:port" in result.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(tmp_path / "absent.yaml")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "cannot read the region config" in missing.stdout
+
+
+def test_generated_stubs_match_the_protos() -> None:
+    result = subprocess.run([sys.executable, "-m", "prfaas.protos.generate", "--check"], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
