@@ -114,7 +114,8 @@ def role_sender(host: str, kv_path: str) -> None:
             _reply({"status": status.value, "seconds": elapsed, "wall_s": time.perf_counter() - start,
                     "raw_bytes": transfer.stats.raw_bytes, "wire_bytes": transfer.stats.wire_bytes,
                     "cpu_s": time.process_time() - cpu0, "streams": channel.num_streams,
-                    "resent": transfer.stats.resent_chunks})  # fmt: skip
+                    "resent": transfer.stats.resent_chunks,
+                    "history": channel.controller.history[-40:] if channel.controller else None})  # fmt: skip
     if channel is not None:
         channel.close()
 
@@ -177,7 +178,7 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
             for streams in [*args.streams, None]:
                 tx.ask(op="channel", streams=streams, cc=cc, buf=buf)
                 # warm the pool (connections open, windows grown; the adaptive count settles)
-                warm_until = time.monotonic() + (args.adaptive_warmup_s if streams is None else 0)
+                warm_until = time.monotonic() + (args.adaptive_warmup_s if streams is None else args.fixed_warmup_s)
                 ship("raw", max(1, layers // 8))
                 while time.monotonic() < warm_until:
                     ship("raw", layers // 2)
@@ -193,6 +194,7 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
                         "effective_ratio": r["raw_bytes"] / seconds / link_bps,
                         "cpu_s_per_gb": (r["cpu_s"] + r["rx_cpu_s"] - rx_cpu0) / max(r["raw_bytes"] / 1e9, 1e-9),
                         "resent_chunks": r["resent"], "seconds": seconds, "big_buffers": bool(args.big_buffers),
+                        "controller_history": r.get("history"),
                         "slow_start_after_idle": bool(args.slow_start_after_idle),
                     }  # fmt: skip
                     rows.append(row)
@@ -236,6 +238,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=96.0, help="raw KV per measured shipment")
     parser.add_argument("--run-timeout-s", type=float, default=20.0)
     parser.add_argument("--adaptive-warmup-s", type=float, default=8.0)
+    parser.add_argument("--fixed-warmup-s", type=float, default=0.0, help="the same warm-up for fixed counts")
     parser.add_argument("--big-buffers", action="store_true", help="64 MiB TCP autotuning ceiling (default 4 MiB)")
     parser.add_argument(
         "--slow-start-after-idle",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 from typing import TYPE_CHECKING
@@ -27,6 +28,19 @@ def configure(sock: socket.socket, buf_bytes: int | None = None) -> None:
     if buf_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf_bytes)
+
+
+# A sender socket takes more data only while less than this is waiting unsent in it, so
+# chunks stay in the channel's queue, where any stream can take them, instead of piling
+# up behind one stream that a loss has stalled (TCP_NOTSENT_LOWAT, Linux >= 3.12).
+NOTSENT_LOWAT_BYTES = 1 << 20
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+
+
+def limit_unsent(sock: socket.socket | TlsSocket, lowat: int = NOTSENT_LOWAT_BYTES) -> None:
+    """Only for WAN paths: on loopback the extra wake-ups halved throughput (measured)."""
+    with contextlib.suppress(OSError):  # not Linux: the socket buffer bounds it instead
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, lowat)
 
 
 def send_frame(sock: socket.socket | TlsSocket, header: bytes, payload: bytes | memoryview) -> None:

@@ -19,6 +19,7 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from prfaas.transport import metrics, sockets
 from prfaas.transport.adaptive import PathSample, StreamController
@@ -30,6 +31,15 @@ from prfaas.transport.sendqueue import SendQueue
 from prfaas.transport.tls import TlsSocket
 
 log = logging.getLogger(__name__)
+LAN_RTT_S = 0.001  # below: same host or region (see StreamController.lan_rtt_s)
+
+
+@dataclass(frozen=True)
+class TcpInfo:
+    srtt_s: float  # tcpi_rtt: smoothed RTT
+    min_rtt_s: float  # tcpi_min_rtt: lowest RTT seen (windowed by the kernel)
+    bytes_acked: int  # tcpi_bytes_acked: payload bytes the peer's TCP acknowledged
+    notsent_bytes: int  # tcpi_notsent_bytes: in the socket buffer, not yet sent (the path is the limit)
 
 
 class _Stream:
@@ -70,6 +80,10 @@ class _Stream:
         if reply.type is not FrameType.HELLO_OK:
             raise FrameError(f"receiver answered HELLO with {reply.type.name}: {bytes(reply.payload)[:200]!r}")
         sock.settimeout(None)
+        self.sock = sock
+        info = self.tcp_info()  # the handshake gave an RTT sample
+        if info is not None and info.min_rtt_s >= LAN_RTT_S:
+            sockets.limit_unsent(sock)
         return sock
 
     def _run(self) -> None:
@@ -162,7 +176,6 @@ class _Stream:
                     continue
                 acked, resend = ch.table.on_reply(frame)
                 ch.queue.release(acked + resend)
-                ch.count_acked(sum(c.size for c in acked))
                 if resend:
                     ch.queue.put(resend)
         except (OSError, ConnectionError, FrameError):
@@ -187,8 +200,8 @@ class _Stream:
         self.channel.queue.release(lost)
         self.channel.queue.put(lost)
 
-    def rtt_s(self) -> tuple[float, float] | None:
-        """(smoothed RTT, minimum RTT) of this connection in seconds, from the kernel's TCP_INFO."""
+    def tcp_info(self) -> TcpInfo | None:
+        """The kernel's view of this connection (TCP_INFO), if connected and measured."""
         sock = self.sock
         if sock is None or not hasattr(socket, "TCP_INFO"):
             return None
@@ -199,7 +212,10 @@ class _Stream:
         if len(info) < 152:
             return None
         srtt_us, min_rtt_us = struct.unpack_from("<I", info, 68)[0], struct.unpack_from("<I", info, 148)[0]
-        return (srtt_us / 1e6, min_rtt_us / 1e6) if srtt_us and min_rtt_us else None  # tcpi_rtt, tcpi_min_rtt
+        if not srtt_us or not min_rtt_us or min_rtt_us == 0xFFFFFFFF:  # no RTT sample yet
+            return None
+        bytes_acked, notsent = struct.unpack_from("<Q", info, 120)[0], struct.unpack_from("<I", info, 144)[0]
+        return TcpInfo(srtt_us / 1e6, min_rtt_us / 1e6, bytes_acked, notsent)
 
     def kill(self) -> None:
         """Break the connection now (tests, and `close`)."""
@@ -230,7 +246,7 @@ class TcpChannel:
         *,
         num_streams: int | None = None,
         max_streams: int = 64,
-        max_inflight_bytes: int = 64 << 20,
+        max_inflight_bytes: int = 256 << 20,
         connect_timeout_s: float = 3.0,
         unavailable_after_s: float = 5.0,
         sock_buf_bytes: int | None = None,
@@ -256,7 +272,6 @@ class TcpChannel:
         self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="prfaas-kv-encode")
         self._down_since: float | None = None
         self._lock = threading.Lock()
-        self._acked_bytes = 0
         self._next_index = 0
         self.streams: list[_Stream] = []
         self.resize(num_streams or (self.controller.current if self.controller else 4))
@@ -286,10 +301,6 @@ class TcpChannel:
         for stream in added:
             stream.thread.start()
         # retiring streams stop taking chunks, drain their acknowledgements, then close
-
-    def count_acked(self, nbytes: int) -> None:
-        with self._lock:
-            self._acked_bytes += nbytes
 
     def submit(self, shipment: Shipment) -> OutboundTransfer:
         if self.closed.is_set():
@@ -341,9 +352,14 @@ class TcpChannel:
 
     def _reap_loop(self) -> None:
         """Deadlines every 50 ms; every measurement window, the stream count."""
-        window_start, acked_start, samples, backlogged = time.monotonic(), 0, 0, 0
+        window_start, samples, backlogged = time.monotonic(), 0, 0
         srtts: list[float] = []
         min_rtt: float | None = None
+        # Goodput from the kernel's per-connection byte counts, not from chunk ACKs: on a slow
+        # lossy path a stream completes a 1 MiB chunk every few seconds, so chunk ACKs per
+        # window are a handful of bursts, not a rate.
+        acked_at_start: dict[int, int] = {}
+        acked_now: dict[int, int] = {}
         while not self.closed.wait(0.05):
             now = time.monotonic()
             for transfer in self.table.live():
@@ -352,15 +368,18 @@ class TcpChannel:
             if self.controller is None:
                 continue
             samples += 1
-            backlogged += int(self.queue.backlogged())
-            rtts = [r for s in self.streams if (r := s.rtt_s()) is not None]
-            srtts += [r[0] for r in rtts]  # every 50 ms: CUBIC's queue swings within a window
-            min_rtt = min((r[1] for r in rtts), default=min_rtt)
+            infos = {s.index: i for s in self.streams if (i := s.tcp_info()) is not None}
+            # data waits for the path: chunks queued for a stream, or bytes in the socket buffers
+            backlogged += int(self.queue.backlogged() or sum(i.notsent_bytes for i in infos.values()) > 0)
+            srtts += [i.srtt_s for i in infos.values()]  # every 50 ms: CUBIC's queue swings within a window
+            min_rtt = min((i.min_rtt_s for i in infos.values()), default=min_rtt)
+            for index, info in infos.items():
+                if acked_now.get(index, 0) > info.bytes_acked:  # a reconnected stream: a new count
+                    acked_at_start[index] = 0
+                acked_now[index] = info.bytes_acked
             if now - window_start < self.controller.window_s(min_rtt):
                 continue
-            with self._lock:
-                acked = self._acked_bytes
-            rate = (acked - acked_start) / (now - window_start)
+            rate = sum(n - acked_at_start.get(i, 0) for i, n in acked_now.items()) / (now - window_start)
             path = PathSample(statistics.median(srtts), min_rtt) if srtts and min_rtt is not None else None
             if path is not None:
                 metrics.QUEUEING_DELAY.labels(self.peer).set(max(0.0, path.srtt_s - path.min_rtt_s))
@@ -371,7 +390,10 @@ class TcpChannel:
                     rate / 1e6, f"{1e3 * (path.srtt_s - path.min_rtt_s):.1f} ms" if path else "unknown",
                 )  # fmt: skip
                 self.resize(count)
-            window_start, acked_start, samples, backlogged, srtts = now, acked, 0, 0, []
+            live = {s.index for s in self.streams}
+            acked_at_start = {i: n for i, n in acked_now.items() if i in live}
+            acked_now = dict(acked_at_start)
+            window_start, samples, backlogged, srtts = now, 0, 0, []
 
     @property
     def num_connected(self) -> int:

@@ -76,11 +76,20 @@ def test_noisy_goodput_does_not_stop_the_climb_on_a_lossy_path() -> None:
     assert sum(settled_without) < sum(settled_with_delay)
 
 
-def test_more_streams_that_hurt_are_undone() -> None:
-    """No queue, but goodput falls as streams are added (e.g. the receiver's CPU): back to the best."""
+def test_more_streams_that_hurt_are_undone_where_delay_cannot_tell() -> None:
+    """No delay signal (LAN, or no TCP_INFO), goodput falls as streams are added (the CPU is
+    the limit): the step up does not pay, so it is undone."""
     rates = {4: 30e6, 8: 20e6, 16: 10e6}
-    counts = drive(StreamController(hold_intervals=1000), lambda n: rates[n] / n, 10, capacity=1e12)
+    counts = drive(StreamController(hold_intervals=1000), lambda n: rates[n] / n, 10)
     assert counts[-1] == 4
+
+
+def test_with_delay_goodput_swings_do_not_undo_a_climb() -> None:
+    """On a WAN path without a queue, a window whose goodput collapsed (a loss burst) or one
+    inflated by new streams' slow start must not decide: only the queue stops the climb."""
+    swings = iter([37e6, 0.5e6, 6e6, 0.7e6, 13e6, 2e6, 9e6, 1e6, 5e6, 3e6] * 3)
+    counts = drive(StreamController(hold_intervals=1000), lambda n: next(swings) / n, 12, capacity=1e12)
+    assert counts[-1] == 64
 
 
 def test_producer_limited_windows_do_not_move_the_count() -> None:
@@ -127,4 +136,17 @@ def test_a_lan_path_starts_from_one_stream_and_climbs_only_on_goodput() -> None:
     for t in range(1, 10):
         controller.update(float(t), 2e9, backlogged=True, path=lan)
     assert controller.current == 1
-    assert max(n for _t, n, _rate, _delay in controller.history[1:]) == 2  # one probe of 2, undone
+    assert max(n for _t, n, _rate, _delay, _backlogged in controller.history[1:]) == 2  # one probe of 2, undone
+
+
+def test_a_transient_queue_does_not_hold_the_count_down() -> None:
+    """Slow start overshoots the link and queues at first; once the streams settle and the path
+    shows no queue for a few windows, the climb resumes without waiting out the hold."""
+    controller = StreamController(hold_intervals=1000, reprobe_clear=3)
+    queued, clear = PathSample(0.072, 0.040), PathSample(0.041, 0.040)
+    counts = []
+    for t in range(20):
+        path = queued if t < 3 else clear  # windows 0-2: the startup overshoot
+        counts.append(controller.update(float(t), 10e6, backlogged=True, path=path))
+    assert counts[2] == 4  # settled on the overshoot
+    assert counts[-1] > 4  # climbing again
