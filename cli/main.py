@@ -160,6 +160,11 @@ def region(
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
     _quiet_transformers()
+    import sys
+
+    # KV transport threads share the GIL with the forward: a short switch interval keeps the
+    # layer-wise shipment from stalling the prefill (measured in bench/split_ttft.py).
+    sys.setswitchinterval(float(os.environ.get("PRFAAS_GIL_SWITCH_S", "0.0005")))
     from prfaas.cli.region import build_region
 
     try:
