@@ -3,7 +3,9 @@ socket on loopback: the split path gives the colocated tokens, layer by layer.""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from region_kit import Region, events_kinds, generate_tokens, local_region, split_generate
@@ -55,3 +57,27 @@ def test_whole_cache_variant_gives_same_tokens(region: Region, tiny_engine: HFEn
     assert run.tokens == tiny_engine.generate(ids, GREEDY)
     kinds = list(events_kinds(run.events))
     assert kinds.count("layer_shipped") == tiny_engine.num_layers
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_concurrent_requests_share_the_configured_engine_workers(tiny_engine: HFEngine, workers: int) -> None:
+    region = local_region(tiny_engine, prefill=False, workers=workers)
+    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    assert region.decode is not None
+    decode = region.decode
+    peak = {"busy_workers": 0.0, "queue_depth": 0.0}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(generate_tokens, region.decode_stub, [1, 2, 3 + i], params) for i in range(2)]
+            while not all(f.done() for f in futures):
+                load = decode.load()
+                for key in peak:
+                    peak[key] = max(peak[key], load[key])
+                time.sleep(0.002)
+            outputs = [f.result() for f in futures]
+        assert outputs == [tiny_engine.generate([1, 2, 3 + i], params) for i in range(2)]
+        assert peak["busy_workers"] == workers  # never more than configured
+        if workers == 1:
+            assert peak["queue_depth"] == 1  # the second request waited for the worker
+    finally:
+        region.close()
