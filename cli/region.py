@@ -23,7 +23,7 @@ def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.Regis
     if config.serves_prefill:
         prefill = PrefillAgent(
             engine, num_workers=config.workers, queue_depth=config.queue_depth, codec=config.codec,
-            kv_lease_s=config.kv_lease_s, node=config.name,
+            kv_lease_s=config.kv_lease_s, kv_lease_bytes=config.kv_lease_bytes, node=config.name,
         )  # fmt: skip
         agents["prfaas.v1.PrefillRegion"] = (prefill, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)
     if config.serves_decode:

@@ -96,6 +96,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         queue_depth: int = 8,
         codec: str = "lossless",
         kv_lease_s: float = 30.0,
+        kv_lease_bytes: int = 2 << 30,
         node: str = "prefill",
     ) -> None:
         self.engine = engine
@@ -103,6 +104,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         self.queue_depth = queue_depth
         self.codec = codec
         self.kv_lease_s = kv_lease_s
+        self.kv_lease_bytes = kv_lease_bytes  # leases past this are dropped, oldest first
         self.tap = LayerTap(engine.model)
         self.channels = ChannelPool(node)
         self.draining = False
@@ -239,9 +241,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
             raise
         prefill_s = time.monotonic() - t0
         self._count_tokens(len(job.token_ids), prefill_s)
-        with self._lock:
-            self._leases[job.job_id] = _Lease(result, time.monotonic() + self.kv_lease_s)
-        metrics.LEASES.set(len(self._leases))
+        self._lease(job.job_id, result)
         if whole:
             for index, layer in enumerate(result.kv.layers):
                 shipment.add_layer(index, byte_view(layer.k), byte_view(layer.v))
@@ -261,6 +261,20 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         elif job.error is None:
             job.cancel(error or Canceled("KV transfer ended early"))
         transfer.cancel()
+
+    def _lease(self, job_id: str, result: PrefillResult) -> None:
+        """Keep `result` for Reship; the oldest idle leases go when their bytes pass the cap."""
+        with self._lock:
+            self._leases[job_id] = _Lease(result, time.monotonic() + self.kv_lease_s)
+            total = sum(lease.result.kv.nbytes for lease in self._leases.values())
+            for old_id, old in list(self._leases.items()):  # insertion order: oldest first
+                if total <= self.kv_lease_bytes:
+                    break
+                if old_id != job_id and not old.shipping:
+                    del self._leases[old_id]
+                    total -= old.result.kv.nbytes
+            num_leases = len(self._leases)
+        metrics.LEASES.set(num_leases)
 
     def _count_tokens(self, num_tokens: int, seconds: float) -> None:
         metrics.TOKENS.inc(num_tokens)

@@ -83,11 +83,12 @@ class RegionConfig(BaseSettings):
     queue_depth: int = Field(default=8, ge=0, le=10_000)  # prefill jobs waiting beyond `workers`
     codec: Literal["raw", "lossless", "fp8", "int8"] = "lossless"  # default when a request names none
     kv_lease_s: float = Field(default=30.0, gt=0)  # finished KV kept for Reship
+    kv_lease_bytes: int = Field(default=2 << 30, ge=0)  # most leased KV bytes; oldest leases go first
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_reservation_s: float = Field(default=600.0, gt=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 
-    @field_validator("kv_buffer_bytes", mode="before")
+    @field_validator("kv_buffer_bytes", "kv_lease_bytes", mode="before")
     @classmethod
     def _size(cls, value: object) -> int:
         return parse_bytes(value)

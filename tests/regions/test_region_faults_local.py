@@ -365,3 +365,18 @@ def _wait(predicate: object, timeout_s: float) -> float:
             return time.monotonic() - start
         time.sleep(0.01)
     raise AssertionError(f"not within {timeout_s} s")
+
+
+def test_leases_past_their_byte_cap_are_dropped_oldest_first(tiny_engine: HFEngine) -> None:
+    region = local_region(tiny_engine, decode=False)
+    try:
+        assert region.prefill is not None
+        prefill = region.prefill
+        one = tiny_engine.prefill(list(range(1, 33)), GREEDY)
+        prefill.kv_lease_bytes = 2 * one.kv.nbytes
+        jobs = [new_job() for _ in range(3)]
+        for job_id in jobs:
+            prefill._lease(job_id, one)
+        assert list(prefill._leases) == jobs[1:]
+    finally:
+        region.close()
