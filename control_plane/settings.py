@@ -1,0 +1,59 @@
+"""`Settings`: the control plane's configuration (pydantic-settings, env prefix `PRFAAS_`),
+validated at start. Secrets that look like placeholders are refused unless `dev` is set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Self
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDERS = ("change-me", "changeme", "placeholder", "secret", "example", "xxx")
+MIN_SECRET_CHARS = 32
+
+
+class Settings(BaseSettings):
+    """One per control-plane deployable (API process, Celery worker, registry)."""
+
+    model_config = SettingsConfigDict(env_prefix="PRFAAS_", extra="ignore", frozen=True)
+
+    dev: bool = Field(default=False, description="allow placeholder secrets (never in production)")
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="job store, tenants, registry, broker")
+    key_prefix: str = Field(default="prfaas", min_length=1, description="prefix of every Redis key")
+    admin_key: SecretStr = Field(description="bearer key of the admin routes")
+    ticket_key: SecretStr = Field(description="HMAC key of KV transfer tickets (shared with decode regions)")
+    ticket_key_id: str = "k1"
+    model: str = Field(default="tiny-llama", description="the served model: catalog name or HF folder")
+    policy_path: Path | None = Field(default=None, description="scheduler policy YAML; None: the default policy")
+    registry_listen: str | None = Field(
+        default=None, description="host:port of the region registry gRPC service; None: not served by this process"
+    )
+    heartbeat_misses: int = Field(default=3, ge=1, description="missed heartbeats before a region is dead")
+    job_ttl_s: int = Field(default=7 * 86400, ge=1, description="finished jobs are kept this long in Redis")
+    max_attempts: int = Field(default=3, ge=1, description="dispatch attempts before a job is FAILED")
+    backoff_s: float = Field(default=0.2, ge=0, description="first retry backoff; doubles each attempt, +-50% jitter")
+    dispatch_timeout_s: float = Field(default=120.0, gt=0, description="deadline of one attempt's prefill")
+    job_timeout_s: float = Field(default=300.0, gt=0, description="deadline of a whole job, as the API waits")
+    default_rps: float = Field(default=50.0, gt=0, description="tenant default: requests per second")
+    default_concurrency: int = Field(default=16, ge=1, description="tenant default: concurrent jobs")
+    default_budget_usd: float = Field(default=100.0, ge=0, description="tenant default: monthly $ budget")
+    default_max_tokens: int = Field(default=16, ge=1)
+    max_new_tokens_limit: int = Field(default=4096, ge=1)
+    ttft_slo_ms: float = Field(default=600_000.0, gt=0, description="SLO given to the scheduler")
+    tpot_slo_ms: float = Field(default=60_000.0, gt=0)
+
+    @model_validator(mode="after")
+    def _real_secrets(self) -> Self:
+        if self.dev:
+            return self
+        for name in ("admin_key", "ticket_key"):
+            value = getattr(self, name).get_secret_value()
+            if len(value) < MIN_SECRET_CHARS or any(p in value.lower() for p in PLACEHOLDERS):
+                raise ValueError(
+                    f"{name} looks like a placeholder (< {MIN_SECRET_CHARS} chars or a stock word); dev=true allows it"
+                )
+        return self
+
+    def key(self, *parts: str) -> str:
+        return ":".join((self.key_prefix, *parts))

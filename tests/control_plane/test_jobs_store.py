@@ -1,0 +1,151 @@
+"""The Redis job store on the real Redis: atomic, legal-only transitions, stale attempts
+refused, timeline, idempotency, admission, billing once, TTL on finished jobs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+from cp_kit import settings_fixture
+
+from prfaas.control_plane.jobs import (
+    AdmissionRefused,
+    IllegalTransition,
+    JobNotFound,
+    JobState,
+    JobStore,
+    Quota,
+    StaleAttempt,
+)
+from prfaas.control_plane.settings import Settings
+
+ROOMY = Quota(rps=1000, concurrency=1000, budget_usd=1000)
+
+
+@pytest.fixture
+def settings() -> Iterator[Settings]:
+    yield from settings_fixture(job_ttl_s=60)
+
+
+@pytest.fixture
+def store(settings: Settings) -> Iterator[JobStore]:
+    client = redis.Redis.from_url(settings.redis_url)
+    yield JobStore(client, settings)
+    client.close()
+
+
+def test_split_path_records_every_transition_in_order(store: JobStore) -> None:
+    job = store.create("acme", {"model": "tiny-llama"}, ROOMY).job_id
+    for state in (JobState.PREFILLING, JobState.TRANSFERRING, JobState.DECODING):
+        store.transition(job, state, 1)
+    store.transition(job, JobState.DONE, 1, cost_usd=0.25, completion_tokens=4)
+
+    record = store.get(job)
+    assert record["state"] == "DONE" and record["completion_tokens"] == "4"
+    assert [e["state"] for e in store.timeline(job)] == ["QUEUED", "PREFILLING", "TRANSFERRING", "DECODING", "DONE"]
+    assert store.spend("acme") == pytest.approx(0.25)
+    assert store.active_count("acme") == 0
+    assert 0 < store.redis.ttl(store.settings.key("job", job)) <= 60  # finished: TTL set
+
+
+def test_illegal_moves_are_refused_and_change_nothing(store: JobStore) -> None:
+    job = store.create("acme", {}, ROOMY).job_id
+    with pytest.raises(IllegalTransition):
+        store.transition(job, JobState.DECODING, 1)  # QUEUED -> DECODING skips prefill
+    store.transition(job, JobState.LOCAL, 1)
+    store.transition(job, JobState.DONE, 1)
+    for target in (JobState.CANCELED, JobState.DONE, JobState.FAILED, JobState.QUEUED):
+        with pytest.raises(IllegalTransition):
+            store.transition(job, target, 1 if target is not JobState.QUEUED else 2)
+    assert store.get(job)["state"] == "DONE"
+    assert len(store.timeline(job)) == 3
+    assert store.redis.ttl(store.settings.key("job", job)) > 0
+
+
+def test_stale_attempt_is_ignored_after_a_retry(store: JobStore) -> None:
+    job = store.create("acme", {}, ROOMY).job_id
+    store.transition(job, JobState.PREFILLING, 1)
+    assert store.transition(job, JobState.QUEUED, 2, note="prefill region lost") == 2
+    with pytest.raises(StaleAttempt) as info:
+        store.transition(job, JobState.TRANSFERRING, 1)  # the old attempt's late message
+    assert info.value.current == 2
+    with pytest.raises(StaleAttempt):
+        store.transition(job, JobState.QUEUED, 2)  # a retry must be attempt + 1
+    assert not store.update(job, 1, bytes_raw=5)
+    assert store.update(job, 2, bytes_raw=5)
+    store.transition(job, JobState.PREFILLING, 2)
+    assert store.get(job)["bytes_raw"] == "5"
+    assert [(e["state"], e["attempt"]) for e in store.timeline(job)] == [
+        ("QUEUED", 1), ("PREFILLING", 1), ("QUEUED", 2), ("PREFILLING", 2),
+    ]  # fmt: skip
+
+
+def test_concurrent_racers_only_one_wins(store: JobStore) -> None:
+    job = store.create("acme", {}, ROOMY).job_id
+    store.transition(job, JobState.LOCAL, 1)
+
+    def finish(_: int) -> bool:
+        try:
+            store.transition(job, JobState.DONE, 1, cost_usd=1.0)
+            return True
+        except IllegalTransition:
+            return False
+
+    with ThreadPoolExecutor(8) as pool:
+        wins = list(pool.map(finish, range(32)))
+    assert wins.count(True) == 1
+    assert store.spend("acme") == pytest.approx(1.0)  # billed exactly once
+
+
+def test_tenant_cancel_takes_any_attempt(store: JobStore) -> None:
+    job = store.create("acme", {}, ROOMY).job_id
+    store.transition(job, JobState.PREFILLING, 1)
+    store.transition(job, JobState.QUEUED, 2)
+    store.transition(job, JobState.CANCELED, 0, note="tenant")
+    assert store.get(job)["state"] == "CANCELED"
+    assert store.active_count("acme") == 0
+
+
+def test_idempotency_key_returns_the_same_job(store: JobStore) -> None:
+    first = store.create("acme", {}, ROOMY, idempotency_key="k-1")
+    again = store.create("acme", {}, ROOMY, idempotency_key="k-1")
+    other_tenant = store.create("globex", {}, ROOMY, idempotency_key="k-1")
+    assert (again.job_id, again.existing, first.existing) == (first.job_id, True, False)
+    assert other_tenant.job_id != first.job_id
+    assert [j["id"] for j in store.list_for("acme")] == [first.job_id]
+
+
+def test_admission_concurrency_rate_and_budget(store: JobStore) -> None:
+    store.create("a", {}, Quota(rps=100, concurrency=1, budget_usd=10))
+    with pytest.raises(AdmissionRefused, match="concurrency"):
+        store.create("a", {}, Quota(rps=100, concurrency=1, budget_usd=10))
+    refused = []
+    for _ in range(10):  # 10 creates within at most two 1 s windows of 3: at least 4 refused
+        try:
+            store.create("b", {}, Quota(rps=3, concurrency=100, budget_usd=10))
+        except AdmissionRefused as exc:
+            refused.append(exc.reason)
+    assert len(refused) >= 4 and set(refused) == {"rate"}
+    job = store.create("c", {}, Quota(rps=100, concurrency=100, budget_usd=1)).job_id
+    store.transition(job, JobState.LOCAL, 1)
+    store.transition(job, JobState.DONE, 1, cost_usd=1.5)
+    with pytest.raises(AdmissionRefused, match="budget"):
+        store.create("c", {}, Quota(rps=100, concurrency=100, budget_usd=1))
+
+
+def test_unknown_job_and_other_tenant_are_not_found(store: JobStore) -> None:
+    job = store.create("acme", {}, ROOMY).job_id
+    with pytest.raises(JobNotFound):
+        store.get_for("globex", job)
+    with pytest.raises(JobNotFound):
+        store.transition("00000000-0000-0000-0000-000000000000", JobState.DONE, 1)
+
+
+def test_ready_hand_off_waits_with_a_deadline(store: JobStore) -> None:
+    job = store.create("acme", {}, ROOMY).job_id
+    assert store.wait_ready(job, 0, timeout_s=0.05) is None
+    store.post_ready(job, 1, {"mode": "local"})
+    assert store.wait_ready(job, 0, timeout_s=1) == {"attempt": 1, "mode": "local"}
+    assert store.wait_ready(job, 1, timeout_s=0.05) is None
