@@ -1,0 +1,176 @@
+"""Tenants and API keys in Redis. A key is `pfk-<key id>-<secret>`; only its SHA-256 is
+stored (keys are 192-bit random, so a fast hash is enough), and the full key is returned
+once, at issue. Revoking marks the key; a revoked or unknown key authenticates nobody.
+
+Keys (prefix `p`): `p:tenant:{id}` hash, `p:tenants` set, `p:tenant:{id}:keys` set of key
+ids, `p:key:{key id}` hash (digest, tenant, revoked, created_at), `p:keyhash:{digest}` -> key id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+
+import redis
+
+from prfaas.control_plane.jobs import Quota
+from prfaas.control_plane.settings import Settings
+
+KEY_PREFIX = "pfk-"
+
+
+class TenantStatus(StrEnum):
+    ACTIVE = "active"
+    SUSPENDED = "suspended"
+
+
+class TenantNotFound(Exception):
+    pass
+
+
+class KeyNotFound(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    name: str
+    status: TenantStatus
+    quota: Quota
+    allow_placement: bool  # may requests ask for their placement (local / split)
+    created_at: float
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    tenant: str
+    revoked: bool
+    created_at: float
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class TenantStore:
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.redis = client
+        self.settings = settings
+
+    def create(
+        self,
+        name: str,
+        *,
+        rps: float | None = None,
+        concurrency: int | None = None,
+        budget_usd: float | None = None,
+        allow_placement: bool = False,
+    ) -> Tenant:
+        s = self.settings
+        tenant_id = "t-" + uuid.uuid4().hex[:16]
+        fields = {
+            "id": tenant_id,
+            "name": name,
+            "status": TenantStatus.ACTIVE.value,
+            "rps": s.default_rps if rps is None else rps,
+            "concurrency": s.default_concurrency if concurrency is None else concurrency,
+            "budget_usd": s.default_budget_usd if budget_usd is None else budget_usd,
+            "allow_placement": int(allow_placement),
+            "created_at": time.time(),
+        }
+        with self.redis.pipeline() as pipe:
+            pipe.hset(s.key("tenant", tenant_id), mapping=fields)
+            pipe.sadd(s.key("tenants"), tenant_id)
+            pipe.execute()
+        return self.get(tenant_id)
+
+    def get(self, tenant_id: str) -> Tenant:
+        raw = self.redis.hgetall(self.settings.key("tenant", tenant_id))
+        if not raw:
+            raise TenantNotFound(tenant_id)
+        f = {k.decode(): v.decode() for k, v in raw.items()}
+        quota = Quota(rps=float(f["rps"]), concurrency=int(f["concurrency"]), budget_usd=float(f["budget_usd"]))
+        return Tenant(
+            f["id"], f["name"], TenantStatus(f["status"]), quota, f["allow_placement"] == "1", float(f["created_at"])
+        )
+
+    def list(self) -> list[Tenant]:
+        ids = sorted(m.decode() for m in self.redis.smembers(self.settings.key("tenants")))
+        return [self.get(tenant_id) for tenant_id in ids]
+
+    def update(
+        self,
+        tenant_id: str,
+        *,
+        status: TenantStatus | None = None,
+        rps: float | None = None,
+        concurrency: int | None = None,
+        budget_usd: float | None = None,
+        allow_placement: bool | None = None,
+    ) -> Tenant:
+        self.get(tenant_id)
+        fields: dict[str, str | float | int] = {}
+        if status is not None:
+            fields["status"] = status.value
+        if rps is not None:
+            fields["rps"] = rps
+        if concurrency is not None:
+            fields["concurrency"] = concurrency
+        if budget_usd is not None:
+            fields["budget_usd"] = budget_usd
+        if allow_placement is not None:
+            fields["allow_placement"] = int(allow_placement)
+        if fields:
+            self.redis.hset(self.settings.key("tenant", tenant_id), mapping=fields)
+        return self.get(tenant_id)
+
+    def issue_key(self, tenant_id: str) -> tuple[ApiKey, str]:
+        """A new key for `tenant_id`: the record and the full key (shown once, never stored)."""
+        self.get(tenant_id)
+        key_id = uuid.uuid4().hex[:12]
+        full = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(24)}"
+        s = self.settings
+        record = {"id": key_id, "tenant": tenant_id, "digest": digest(full), "revoked": 0, "created_at": time.time()}
+        with self.redis.pipeline() as pipe:
+            pipe.hset(s.key("key", key_id), mapping=record)
+            pipe.set(s.key("keyhash", digest(full)), key_id)
+            pipe.sadd(s.key("tenant", tenant_id, "keys"), key_id)
+            pipe.execute()
+        return self.get_key(key_id), full
+
+    def get_key(self, key_id: str) -> ApiKey:
+        raw = self.redis.hgetall(self.settings.key("key", key_id))
+        if not raw:
+            raise KeyNotFound(key_id)
+        f = {k.decode(): v.decode() for k, v in raw.items()}
+        return ApiKey(f["id"], f["tenant"], f["revoked"] == "1", float(f["created_at"]))
+
+    def list_keys(self, tenant_id: str) -> list[ApiKey]:
+        self.get(tenant_id)
+        ids = sorted(m.decode() for m in self.redis.smembers(self.settings.key("tenant", tenant_id, "keys")))
+        return [self.get_key(key_id) for key_id in ids]
+
+    def revoke_key(self, tenant_id: str, key_id: str) -> ApiKey:
+        key = self.get_key(key_id)
+        if key.tenant != tenant_id:
+            raise KeyNotFound(key_id)
+        self.redis.hset(self.settings.key("key", key_id), "revoked", 1)
+        return self.get_key(key_id)
+
+    def authenticate(self, presented: str) -> Tenant | None:
+        """The tenant a presented key belongs to; None when unknown or revoked."""
+        if not presented.startswith(KEY_PREFIX) or len(presented) > 128:
+            return None
+        key_id = self.redis.get(self.settings.key("keyhash", digest(presented)))
+        if key_id is None:
+            return None
+        key = self.get_key(key_id.decode())
+        if key.revoked:
+            return None
+        return self.get(key.tenant)
