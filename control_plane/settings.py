@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     job_ttl_s: int = Field(default=7 * 86400, ge=1, description="finished jobs are kept this long in Redis")
     max_attempts: int = Field(default=3, ge=1, description="dispatch attempts before a job is FAILED")
     backoff_s: float = Field(default=0.2, ge=0, description="first retry backoff; doubles each attempt, +-50% jitter")
+    dispatch_visibility_s: int = Field(
+        default=60, ge=1, description="a dispatch whose worker vanished is handed to another after this long"
+    )
     dispatch_timeout_s: float = Field(default=120.0, gt=0, description="deadline of one attempt's prefill")
     job_timeout_s: float = Field(default=300.0, gt=0, description="deadline of a whole job, as the API waits")
     default_rps: float = Field(default=50.0, gt=0, description="tenant default: requests per second")

@@ -1,0 +1,192 @@
+"""OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions` (the model's chat
+template), `stream=true` as server-sent events, `usage`, `/v1/models`.
+
+Admission, in order: model known (404), prompt fits the model (400), placement allowed for
+the tenant (403), then in one Redis step idempotency, budget (402), concurrency (429) and
+rate (429). The job is then queued for dispatch and its tokens streamed back here."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Header, HTTPException
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from prfaas.control_plane.celery_app import enqueue
+from prfaas.control_plane.deps import FollowerDep, ServicesDep, TenantDep
+from prfaas.control_plane.generation import Follower, JobEnded
+from prfaas.control_plane.jobs import AdmissionRefused
+from prfaas.control_plane.schemas import ChatCompletionCreate, CompletionCreate, Placement
+from prfaas.control_plane.services import Services
+from prfaas.control_plane.tenants import Tenant
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+REFUSALS = {
+    "rate": (429, "rate limit exceeded"),
+    "concurrency": (429, "too many concurrent jobs"),
+    "budget": (402, "monthly budget exhausted"),
+}
+ENDED = {"FAILED": 503, "CANCELED": 409, "TIMEOUT": 504, "DONE": 409}
+
+
+@router.get("/models")
+def list_models(_tenant: TenantDep, s: ServicesDep) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": s.model.name, "object": "model", "created": 0, "owned_by": "prfaas"}]}
+
+
+@router.post("/completions", response_model=None)
+def create_completion(
+    body: CompletionCreate,
+    tenant: TenantDep,
+    s: ServicesDep,
+    follower: FollowerDep,
+    idempotency_key: str | None = Header(default=None, max_length=256),
+    x_prfaas_placement: Placement | None = Header(default=None),
+) -> JSONResponse | StreamingResponse:
+    _check_model(s, body.model)
+    ids = list(body.prompt) if isinstance(body.prompt, list) else s.model.encode(body.prompt)
+    if isinstance(body.prompt, list) and max(ids) >= len(s.model.tokenizer):
+        raise HTTPException(400, "prompt token id out of the model's vocabulary")
+    return _run(s, follower, tenant, body, ids, body.max_tokens, "text_completion", idempotency_key, x_prfaas_placement)
+
+
+@router.post("/chat/completions", response_model=None)
+def create_chat_completion(
+    body: ChatCompletionCreate,
+    tenant: TenantDep,
+    s: ServicesDep,
+    follower: FollowerDep,
+    idempotency_key: str | None = Header(default=None, max_length=256),
+    x_prfaas_placement: Placement | None = Header(default=None),
+) -> JSONResponse | StreamingResponse:
+    _check_model(s, body.model)
+    ids = s.model.encode_chat([m.model_dump() for m in body.messages])
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _run(s, follower, tenant, body, ids, max_tokens, "chat.completion", idempotency_key, x_prfaas_placement)
+
+
+def _check_model(s: Services, model: str) -> None:
+    if model != s.model.name:
+        raise HTTPException(404, "model not found")
+
+
+def _run(
+    s: Services,
+    follower: Follower,
+    tenant: Tenant,
+    body: CompletionCreate | ChatCompletionCreate,
+    ids: list[int],
+    max_tokens: int | None,
+    kind: str,
+    idempotency_key: str | None,
+    header_placement: Placement | None,
+) -> JSONResponse | StreamingResponse:
+    settings = s.settings
+    max_new = max_tokens or settings.default_max_tokens
+    if not ids:
+        raise HTTPException(400, "prompt is empty")
+    if max_new > settings.max_new_tokens_limit or len(ids) + max_new > s.model.max_context:
+        raise HTTPException(400, "prompt too long for the model")
+    placement = header_placement or (body.prfaas.placement if body.prfaas else "auto")
+    if placement != "auto" and not tenant.allow_placement:
+        raise HTTPException(403, "placement requests are not enabled for this tenant")
+    seed = body.seed if body.seed is not None or body.temperature == 0 else secrets.randbits(62)
+    fields: dict[str, Any] = {
+        "model": s.model.name, "kind": kind, "token_ids": ids, "prompt_tokens": len(ids), "max_new_tokens": max_new,
+        "temperature": body.temperature, "placement_asked": placement,
+    }  # fmt: skip
+    if seed is not None:
+        fields["seed"] = seed
+    try:
+        created = s.jobs.create(tenant.id, fields, tenant.quota, idempotency_key)
+    except AdmissionRefused as exc:
+        status, detail = REFUSALS[exc.reason]
+        raise HTTPException(status, detail) from None
+    job_id = created.job_id
+    if not created.existing:
+        enqueue(follower.celery, job_id)  # type: ignore[arg-type]
+    job = s.jobs.get(job_id)
+    if job["state"] == "DONE" and job.get("output_ids"):
+        # a replay of a finished job: the same answer, not a new run
+        output = json.loads(job["output_ids"])
+        return JSONResponse(_full(s, job_id, kind, output, job.get("finish_reason", "length"), len(ids)))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream:
+        return StreamingResponse(
+            _sse(s, follower, job_id, kind, len(ids), include_usage),
+            media_type="text/event-stream",
+            headers={"X-Prfaas-Job-Id": job_id, "Cache-Control": "no-cache"},
+        )
+    tokens: list[int] = []
+    finish = "length"
+    try:
+        for token in follower.tokens(job_id):
+            tokens.append(token.token)
+            finish = token.finish_reason or finish
+    except JobEnded as exc:
+        raise HTTPException(ENDED[exc.state], f"job {exc.state.lower()}: {exc}") from None
+    s.jobs.update(job_id, int(s.jobs.get(job_id)["attempt"]), output_ids=tokens)
+    return JSONResponse(_full(s, job_id, kind, tokens, finish, len(ids)), headers={"X-Prfaas-Job-Id": job_id})
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _full(s: Services, job_id: str, kind: str, tokens: list[int], finish: str, prompt: int) -> dict[str, Any]:
+    text = s.model.decode(tokens)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(finish), "logprobs": None}
+    if kind == "chat.completion":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {
+        "id": job_id, "object": kind, "created": int(time.time()), "model": s.model.name, "choices": [choice],
+        "usage": _usage(prompt, len(tokens)),
+    }  # fmt: skip
+
+
+def _finish(reason: str) -> str:
+    return "stop" if reason == "eos" else "length"
+
+
+def _sse(s: Services, follower: Follower, job_id: str, kind: str, prompt: int, include_usage: bool) -> Iterator[str]:
+    chat = kind == "chat.completion"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        payload: dict[str, Any] = {"id": job_id, "object": obj, "created": created, "model": s.model.name}
+        payload["choices"] = choices
+        if usage is not None:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+    tokens: list[int] = []
+    text = ""
+    finished = False
+    try:
+        if chat:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        for token in follower.tokens(job_id):
+            tokens.append(token.token)
+            full = s.model.decode(tokens)
+            piece, text = full[len(text) :], full
+            finish = _finish(token.finish_reason) if token.last else None
+            body = {"delta": {"content": piece}} if chat else {"text": piece}
+            yield chunk([{"index": 0, **body, "finish_reason": finish, "logprobs": None}])
+        finished = True
+        s.jobs.update(job_id, int(s.jobs.get(job_id)["attempt"]), output_ids=tokens)
+        if include_usage:
+            yield chunk([], _usage(prompt, len(tokens)))
+        yield "data: [DONE]\n\n"
+    except JobEnded as exc:
+        finished = True
+        yield f"data: {json.dumps({'error': {'message': f'job {exc.state.lower()}: {exc}', 'code': exc.state}})}\n\n"
+    finally:
+        if not finished:  # the client went away mid-stream: free both regions
+            follower.cancel(job_id, "client disconnected")

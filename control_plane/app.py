@@ -1,0 +1,96 @@
+"""`create_app(settings)`: the control plane's FastAPI application. The lifespan opens the
+services (Redis, tokenizer, schedulers), the Celery producer and, when `registry_listen` is
+set, the region registry's gRPC server.
+
+    uvicorn --factory prfaas.control_plane.app:app_from_env
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import redis
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from prfaas.control_plane import api_admin, api_jobs, api_openai
+from prfaas.control_plane.celery_app import make_celery
+from prfaas.control_plane.generation import Follower
+from prfaas.control_plane.region_registry import serve_registry
+from prfaas.control_plane.services import Services
+from prfaas.control_plane.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    metrics = CollectorRegistry()
+    responses = Counter(
+        "prfaas_api_responses", "HTTP responses by route and status", ["route", "status"], registry=metrics
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = Services.create(settings)
+        _ = services.model.tokenizer  # load once, before the first request
+        celery = make_celery(settings)
+        app.state.services = services
+        app.state.follower = Follower(services, celery)
+        server = None
+        if settings.registry_listen:
+            server, address = serve_registry(services.regions, settings.registry_listen)
+            app.state.registry_address = address
+            log.info("region registry on %s", address)
+        yield
+        if server is not None:
+            server.stop(1)
+        services.close()
+
+    app = FastAPI(title="prfaas control plane", version="1", lifespan=lifespan)
+    app.include_router(api_openai.router)
+    app.include_router(api_jobs.router)
+    app.include_router(api_admin.router)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        responses.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return JSONResponse({"detail": f"invalid request: {where}: {first.get('msg', 'invalid')}"}, status_code=422)
+
+    @app.exception_handler(redis.RedisError)
+    async def store_down(_request: Request, _exc: redis.RedisError) -> JSONResponse:
+        return JSONResponse({"detail": "job store unavailable"}, status_code=503)
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"])
+    def readyz(request: Request) -> dict[str, str]:
+        services: Services = request.app.state.services
+        try:
+            services.redis.ping()
+        except redis.RedisError:
+            raise HTTPException(503, "job store unavailable") from None
+        return {"status": "ready"}
+
+    @app.get("/metrics", tags=["ops"])
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def app_from_env() -> FastAPI:
+    return create_app(Settings())  # type: ignore[call-arg]

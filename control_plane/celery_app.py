@@ -1,0 +1,43 @@
+"""The Celery application (Redis broker): `dispatch_job(job_id)`, `acks_late` and
+requeued when its worker dies, so another worker finishes the job. A worker process:
+
+    PRFAAS_ADMIN_KEY=... PRFAAS_TICKET_KEY=... celery -A prfaas.control_plane.worker worker
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+
+from prfaas.control_plane.settings import Settings
+
+TASK = "prfaas.dispatch_job"
+
+
+def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
+    app = Celery("prfaas", broker=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue=settings.key("dispatch"),
+        broker_transport_options={"visibility_timeout": settings.dispatch_visibility_s},
+        broker_connection_retry_on_startup=True,
+        task_ignore_result=True,
+    )
+    if worker:
+        from prfaas.control_plane.dispatch import Dispatcher
+        from prfaas.control_plane.services import Services
+
+        dispatcher = Dispatcher(Services.create(settings))
+
+        @app.task(name=TASK)  # type: ignore[untyped-decorator]
+        def dispatch_job(job_id: str) -> str:
+            return dispatcher.run(job_id)
+
+    return app
+
+
+def enqueue(app: Celery, job_id: str) -> Any:
+    return app.send_task(TASK, args=[job_id])

@@ -1,0 +1,201 @@
+"""Carrying out a placement (the Celery task's body): decide on a fresh snapshot, reserve
+on the decode region, run the prefill and follow its events, record every transition.
+Tokens do not pass through here: at `prefill_done` (split) or at once (local) the attempt's
+hand-off is posted to Redis and the API process streams from the decode region itself.
+
+Failures: a region that is unreachable, full or too slow costs the attempt; the next one
+(attempt + 1, after backoff with jitter) excludes it, up to `max_attempts`, then FAILED
+with the reason. A rerun of the task (the worker died; `acks_late`) starts a new attempt, so
+the dead worker's late messages are stale and ignored.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from prfaas.control_plane.decision import Decision, Mode, decision_dict
+from prfaas.control_plane.errors import PlacementRejected
+from prfaas.control_plane.jobs import TERMINAL, IllegalTransition, JobNotFound, JobState, StaleAttempt
+from prfaas.control_plane.request import Request, Slo
+from prfaas.control_plane.services import Services
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prfaas.transport.tickets import TicketSigner
+
+log = logging.getLogger(__name__)
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED, grpc.StatusCode.ALREADY_EXISTS,
+})  # fmt: skip
+
+
+class AttemptFailed(Exception):
+    """This attempt cannot finish; `region` is left out of the next one."""
+
+    def __init__(self, region: str, reason: str) -> None:
+        super().__init__(reason)
+        self.region = region
+
+
+class Superseded(Exception):
+    """The job moved on without us (canceled, or a newer attempt)."""
+
+
+@dataclass
+class Channels:
+    """gRPC channels by target, kept for the worker's life (one per region)."""
+
+    _by_target: dict[str, grpc.Channel]
+
+    def get(self, target: str) -> grpc.Channel:
+        channel = self._by_target.get(target)
+        if channel is None:
+            channel = self._by_target[target] = grpc.insecure_channel(target)
+        return channel
+
+
+class Dispatcher:
+    def __init__(self, services: Services) -> None:
+        self.s = services
+        self.channels = Channels({})
+        settings = services.settings
+        self.signer = TicketSigner(
+            {settings.ticket_key_id: settings.ticket_key.get_secret_value().encode()}, settings.ticket_key_id
+        )
+
+    def run(self, job_id: str) -> str:
+        """Dispatch `job_id` to the end of its prefill (or its hand-off); returns the outcome."""
+        jobs = self.s.jobs
+        try:
+            job = jobs.get(job_id)
+        except JobNotFound:
+            return "gone"
+        if job["state"] in TERMINAL:
+            return "already " + job["state"]
+        attempt = int(job["attempt"])
+        try:
+            if job["state"] != JobState.QUEUED or job.get("dispatched") == str(attempt):
+                # a previous run of this task died mid-attempt: its attempt is abandoned
+                attempt = jobs.transition(job_id, JobState.QUEUED, attempt + 1, note="dispatch restarted")
+            excluded: set[str] = set()
+            while True:
+                jobs.update(job_id, attempt, dispatched=attempt)
+                try:
+                    self._attempt(job_id, job, attempt, frozenset(excluded))
+                    return "dispatched"
+                except AttemptFailed as exc:
+                    log.warning("job %s attempt %d failed: %s", job_id, attempt, exc)
+                    excluded.add(exc.region)
+                    if attempt >= self.s.settings.max_attempts:
+                        jobs.transition(job_id, JobState.FAILED, attempt, note=str(exc), error=str(exc))
+                        return "failed"
+                    time.sleep(self.s.settings.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+                    attempt = jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=str(exc))
+        except PlacementRejected as exc:
+            reason = f"no placement: {exc}"
+            try:
+                jobs.transition(job_id, JobState.FAILED, attempt, note=reason, error=reason)
+            except (StaleAttempt, IllegalTransition):
+                return "superseded"
+            return "rejected"
+        except (StaleAttempt, IllegalTransition, Superseded, JobNotFound):
+            return "superseded"
+
+    def decide(self, job: dict[str, str], excluded: frozenset[str]) -> Decision:
+        settings = self.s.settings
+        request = Request(
+            request_id=job["id"],
+            tenant=job["tenant"],
+            prompt_tokens=int(job["prompt_tokens"]),
+            max_new_tokens=int(job["max_new_tokens"]),
+            slo=Slo(ttft_ms=settings.ttft_slo_ms, tpot_ms=settings.tpot_slo_ms),
+        )
+        snapshot = self.s.regions.snapshot(self.s.model.shape, exclude=excluded)
+        return self.s.schedulers[job.get("placement_asked", "auto")].decide(snapshot, request)
+
+    def _attempt(self, job_id: str, job: dict[str, str], attempt: int, excluded: frozenset[str]) -> None:
+        jobs = self.s.jobs
+        decision = self.decide(job, excluded)
+        decode = self.s.regions.get(decision.decode_region)
+        prefill = self.s.regions.get(decision.prefill_region)
+        recorded = jobs.update(
+            job_id, attempt, decision=decision_dict(decision), placement_chosen=decision.mode.value,
+            decode_region=decode.name, prefill_region=prefill.name, decode_grpc=decode.grpc_endpoint,
+            prefill_grpc=prefill.grpc_endpoint, cost_usd=decision.cost.total_usd,
+            colocated_cost_usd=decision.colocated_cost.total_usd,
+        )  # fmt: skip
+        if not recorded:
+            raise Superseded(job_id)
+        if decision.mode is Mode.LOCAL:
+            jobs.transition(job_id, JobState.LOCAL, attempt, note=f"local in {decode.name}")
+            jobs.post_ready(job_id, attempt, {"mode": "local", "decode_grpc": decode.grpc_endpoint})
+            return
+        self._split(job_id, job, attempt, decision, decode.grpc_endpoint, prefill.grpc_endpoint)
+
+    def _split(
+        self, job_id: str, job: dict[str, str], attempt: int, decision: Decision, decode_grpc: str, prefill_grpc: str
+    ) -> None:
+        jobs, settings = self.s.jobs, self.s.settings
+        timeout_s = settings.dispatch_timeout_s
+        kv_bytes = int(job["prompt_tokens"]) * self.s.model.shape.kv_bytes_per_token
+        decode_stub = decode_pb2_grpc.DecodeRegionStub(self.channels.get(decode_grpc))
+        prefill_stub = prefill_pb2_grpc.PrefillRegionStub(self.channels.get(prefill_grpc))
+        try:
+            reply = decode_stub.Reserve(
+                decode_pb2.ReserveRequest(
+                    job_id=job_id, attempt=attempt, tenant=job["tenant"], kv_bytes=kv_bytes, ttl_s=timeout_s,
+                    prefill_grpc=prefill_grpc,
+                ),
+                timeout=10,
+            )  # fmt: skip
+        except grpc.RpcError as exc:
+            raise self._failed(decision.decode_region, "reserve", exc) from exc
+        jobs.transition(job_id, JobState.PREFILLING, attempt, note=f"prefill in {decision.prefill_region}")
+        ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes * 2 + (1 << 20), ttl_s=timeout_s)
+        destination = prefill_pb2.Destination(kv_endpoint=reply.kv_endpoint, ticket=ticket, codec=decision.codec or "")
+        request = prefill_pb2.PrefillRequest(
+            job_id=job_id, attempt=attempt, tenant=job["tenant"], token_ids=json.loads(job["token_ids"]),
+            sampling=sampling(job), destination=destination, timeout_s=timeout_s,
+        )  # fmt: skip
+        try:
+            for event in prefill_stub.Prefill(request, timeout=timeout_s + 5):
+                kind = event.WhichOneof("event")
+                if kind == "prefill_done":
+                    done = event.prefill_done
+                    jobs.transition(job_id, JobState.TRANSFERRING, attempt, note="prefill done, KV shipping")
+                    kv = base64.b64encode(done.kv.SerializeToString()).decode()
+                    info = {"mode": "split", "decode_grpc": decode_grpc, "first_token": done.first_token, "kv": kv}
+                    jobs.post_ready(job_id, attempt, info)
+                elif kind == "shipment_complete":
+                    shipped = event.shipment_complete
+                    jobs.update(job_id, attempt, bytes_raw=shipped.raw_bytes, bytes_wire=shipped.wire_bytes)
+        except grpc.RpcError as exc:
+            self._release(decode_stub, job_id)
+            raise self._failed(decision.prefill_region, "prefill", exc) from exc
+
+    @staticmethod
+    def _release(stub: decode_pb2_grpc.DecodeRegionStub, job_id: str) -> None:
+        with contextlib.suppress(grpc.RpcError):  # else the reservation expires on its own (ttl_s)
+            stub.Release(decode_pb2.ReleaseRequest(job_id=job_id), timeout=5)
+
+    @staticmethod
+    def _failed(region: str, step: str, exc: grpc.RpcError) -> Exception:
+        # every code costs the attempt (RETRYABLE ones are the expected ones); the next tries elsewhere
+        reason = f"{step} in {region}: {exc.code().name} {exc.details() or ''}".strip()
+        return AttemptFailed(region, reason)
+
+
+def sampling(job: dict[str, str]) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_new_tokens=int(job["max_new_tokens"]), temperature=float(job.get("temperature", 0) or 0), top_p=1.0
+    )
+    if job.get("seed"):
+        msg.seed = int(job["seed"])
+    return msg

@@ -1,0 +1,141 @@
+"""API side of a job: wait for the dispatcher's hand-off of the current attempt, stream the
+tokens from the decode region (gRPC), record DECODING and DONE (billed once by the store).
+A failed attempt's stream is dropped and the next attempt's picked up; tokens already sent
+are skipped (greedy decoding, or a seeded sampler, gives the same tokens again)."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from prfaas.control_plane.celery_app import enqueue
+from prfaas.control_plane.dispatch import Channels, sampling
+from prfaas.control_plane.jobs import IllegalTransition, JobNotFound, JobState, StaleAttempt
+from prfaas.control_plane.services import Services
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class JobEnded(Exception):
+    """The job ended without its tokens: `state` FAILED, CANCELED, or TIMEOUT (our deadline)."""
+
+    def __init__(self, state: str, reason: str) -> None:
+        super().__init__(reason)
+        self.state = state
+
+
+@dataclass(frozen=True)
+class Token:
+    index: int
+    token: int
+    last: bool
+    finish_reason: str
+
+
+class Follower:
+    def __init__(self, services: Services, celery: object) -> None:
+        self.s = services
+        self.celery = celery
+        self.channels = Channels({})
+
+    def tokens(self, job_id: str) -> Iterator[Token]:
+        jobs = self.s.jobs
+        deadline = time.monotonic() + self.s.settings.job_timeout_s
+        after = 0
+        emitted = 0
+        while True:
+            info = jobs.wait_ready(job_id, after, max(0.0, deadline - time.monotonic()))
+            if info is None:
+                job = jobs.get(job_id)
+                if job["state"] in (JobState.FAILED, JobState.CANCELED):
+                    raise JobEnded(job["state"], job.get("error") or job["state"].lower())
+                if job["state"] == JobState.DONE:
+                    raise JobEnded("DONE", "finished elsewhere")
+                self.cancel(job_id, "deadline")
+                raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job_timeout_s:g} s")
+            attempt = int(info["attempt"])
+            after = attempt
+            job = jobs.get(job_id)
+            stub = decode_pb2_grpc.DecodeRegionStub(self.channels.get(info["decode_grpc"]))
+            remaining = max(1.0, deadline - time.monotonic())
+            try:
+                if info["mode"] == "local":
+                    stream = stub.Generate(
+                        decode_pb2.GenerateRequest(
+                            job_id=job_id, token_ids=_ids(job), sampling=sampling(job), timeout_s=remaining
+                        ),
+                        timeout=remaining + 5,
+                    )
+                else:
+                    kv = common_pb2.KVDescriptor.FromString(base64.b64decode(info["kv"]))
+                    stream = stub.Decode(
+                        decode_pb2.DecodeRequest(
+                            job_id=job_id, attempt=attempt, first_token=int(info["first_token"]), kv=kv,
+                            sampling=sampling(job), timeout_s=remaining,
+                        ),
+                        timeout=remaining + 5,
+                    )  # fmt: skip
+                for event in stream:
+                    if event.index == 0 and info["mode"] == "split":
+                        jobs.transition(job_id, JobState.DECODING, attempt, note="first token")
+                    if event.index < emitted:
+                        continue
+                    emitted += 1
+                    if event.last:
+                        cost = float(job.get("cost_usd") or 0.0)
+                        jobs.transition(
+                            job_id, JobState.DONE, attempt, note=event.finish_reason, cost_usd=cost,
+                            completion_tokens=emitted, finish_reason=event.finish_reason,
+                        )  # fmt: skip
+                    yield Token(event.index, event.token, event.last, event.finish_reason)
+                    if event.last:
+                        return
+            except grpc.RpcError as exc:
+                log.warning("job %s attempt %d: decode stream ended: %s", job_id, attempt, exc.code().name)
+                if info["mode"] == "local":  # nobody else notices a lost local run: start the next attempt
+                    self._retry(job_id, attempt, f"local run: {exc.code().name}")
+            except (StaleAttempt, IllegalTransition):
+                continue  # a newer attempt (or a cancel) took over
+
+    def _retry(self, job_id: str, attempt: int, reason: str) -> None:
+        try:
+            if attempt >= self.s.settings.max_attempts:
+                self.s.jobs.transition(job_id, JobState.FAILED, attempt, note=reason, error=reason)
+                return
+            self.s.jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=reason)
+        except (StaleAttempt, IllegalTransition, JobNotFound):
+            return
+        enqueue(self.celery, job_id)  # type: ignore[arg-type]
+
+    def cancel(self, job_id: str, reason: str) -> bool:
+        """CANCELED in the store, then Cancel in both regions (idempotent there)."""
+        try:
+            self.s.jobs.transition(job_id, JobState.CANCELED, 0, note=reason, error=f"canceled: {reason}")
+        except (IllegalTransition, JobNotFound):
+            return False
+        job = self.s.jobs.get(job_id)
+        request = common_pb2.CancelRequest(job_id=job_id, reason=reason)
+        for target, stub_type in (
+            (job.get("decode_grpc"), decode_pb2_grpc.DecodeRegionStub),
+            (job.get("prefill_grpc"), prefill_pb2_grpc.PrefillRegionStub),
+        ):
+            if not target:
+                continue
+            try:
+                stub_type(self.channels.get(target)).Cancel(request, timeout=2)
+            except grpc.RpcError as exc:
+                log.warning("cancel of %s in %s: %s", job_id, target, exc.code().name)
+        return True
+
+
+def _ids(job: dict[str, str]) -> list[int]:
+    import json
+
+    ids: list[int] = json.loads(job["token_ids"])
+    return ids

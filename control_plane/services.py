@@ -1,0 +1,100 @@
+"""What the API process and the Celery worker share: the stores on one Redis client, the
+served model's tokenizer and KV geometry, and the schedulers (one per placement a request
+may ask for, all from the same policy)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import redis
+
+from prfaas.control_plane.jobs import JobStore
+from prfaas.control_plane.policy import build_scheduler, default_policy, load_policy
+from prfaas.control_plane.region_registry import RegionRegistry
+from prfaas.control_plane.scheduler import DisaggregationRule, GlobalScheduler
+from prfaas.control_plane.settings import Settings
+from prfaas.control_plane.snapshot import ModelShape
+from prfaas.control_plane.tenants import TenantStore
+
+DTYPE_BYTES = 4  # regions serve float32 here (region config `dtype` default)
+PLACEMENTS = ("auto", "local", "split")
+
+
+class ServedModel:
+    """The model's tokenizer (chat template included) and KV geometry; no weights."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @cached_property
+    def _folder(self) -> Any:
+        from prfaas.engine.models import resolve_model
+
+        return resolve_model(self.name)
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self._folder, local_files_only=True)
+
+    @cached_property
+    def _config(self) -> dict[str, Any]:
+        config: dict[str, Any] = json.loads((self._folder / "config.json").read_text())
+        return config
+
+    @property
+    def max_context(self) -> int:
+        return int(self._config["max_position_embeddings"])
+
+    @cached_property
+    def shape(self) -> ModelShape:
+        c = self._config
+        head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+        kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+        layers = int(c["num_hidden_layers"])
+        return ModelShape(name=self.name, num_layers=layers, kv_bytes_per_token=2 * layers * kv_heads * head_dim * 4)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+@dataclass
+class Services:
+    settings: Settings
+    redis: redis.Redis
+    jobs: JobStore
+    tenants: TenantStore
+    regions: RegionRegistry
+    model: ServedModel
+    schedulers: dict[str, GlobalScheduler]
+
+    @classmethod
+    def create(cls, settings: Settings) -> Services:
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+        policy = load_policy(settings.policy_path) if settings.policy_path else default_policy()
+        auto = build_scheduler(policy)
+        # Asked placements keep the policy's filters and scores; only the split rule changes.
+        split = build_scheduler(policy)
+        split.rule = DisaggregationRule(min_uncached_tokens=1, min_cost_gain=-1e9, min_ttft_gain=-1e9)
+        local = build_scheduler(policy)
+        local.rule = dataclasses.replace(local.rule, min_uncached_tokens=1 << 62)
+        schedulers = {"auto": auto, "split": split, "local": local}
+        return cls(
+            settings, client, JobStore(client, settings), TenantStore(client, settings),
+            RegionRegistry(client, settings), ServedModel(settings.model), schedulers,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.redis.close()

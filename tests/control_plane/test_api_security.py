@@ -1,0 +1,140 @@
+"""The API's security rules and admission against the real Redis (the app in-process):
+another tenant's jobs are 404 like missing ones, a revoked key is 401, admin routes refuse
+tenant keys, bad input is a 4xx with a stable detail, keys are stored hashed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from cp_kit import ADMIN_KEY, settings_fixture
+from fastapi.testclient import TestClient
+
+from prfaas.control_plane.app import create_app
+from prfaas.control_plane.jobs import JobState, Quota
+from prfaas.control_plane.services import Services
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    for settings in settings_fixture():
+        with TestClient(create_app(settings)) as test_client:
+            yield test_client
+
+
+def _tenant(client: TestClient, name: str, **fields: object) -> tuple[str, dict[str, str]]:
+    tenant = client.post("/admin/tenants", json={"name": name} | fields, headers=ADMIN)
+    assert tenant.status_code == 201, tenant.text
+    key = client.post(f"/admin/tenants/{tenant.json()['id']}/keys", headers=ADMIN)
+    assert key.status_code == 201
+    return tenant.json()["id"], {"Authorization": f"Bearer {key.json()['key']}"}
+
+
+def _services(client: TestClient) -> Services:
+    services: Services = client.app.state.services  # type: ignore[attr-defined]
+    return services
+
+
+def _job(client: TestClient, tenant_id: str) -> str:
+    quota = Quota(rps=100, concurrency=100, budget_usd=100)
+    return _services(client).jobs.create(tenant_id, {"model": "tiny-llama", "prompt_tokens": 3}, quota).job_id
+
+
+def test_other_tenants_jobs_are_not_found(client: TestClient) -> None:
+    a_id, a = _tenant(client, "a")
+    b_id, b = _tenant(client, "b")
+    job_b = _job(client, b_id)
+
+    assert client.get(f"/v1/jobs/{job_b}", headers=b).json()["state"] == "QUEUED"
+    mine = client.get(f"/v1/jobs/{job_b}", headers=a)
+    missing = client.get("/v1/jobs/00000000-0000-4000-8000-000000000000", headers=a)
+    assert (
+        (mine.status_code, mine.json()) == (missing.status_code, missing.json()) == (404, {"detail": "job not found"})
+    )
+    assert client.delete(f"/v1/jobs/{job_b}", headers=a).status_code == 404
+    assert client.get(f"/v1/jobs/{job_b}", headers=b).json()["state"] == "QUEUED"  # not canceled by A
+    assert client.get("/v1/jobs", headers=a).json()["data"] == []
+    assert [j["id"] for j in client.get("/v1/jobs", headers=b).json()["data"]] == [job_b]
+    assert client.get("/v1/jobs/not-a-uuid", headers=a).status_code == 404
+    assert _services(client).jobs.get(job_b)["tenant"] == b_id != a_id
+
+
+def test_cancel_own_job_records_canceled(client: TestClient) -> None:
+    t_id, t = _tenant(client, "a")
+    job = _job(client, t_id)
+    canceled = client.delete(f"/v1/jobs/{job}", headers=t).json()
+    assert canceled["state"] == "CANCELED"
+    assert [e["state"] for e in canceled["timeline"]] == ["QUEUED", "CANCELED"]
+
+
+def test_revoked_key_is_401_and_keys_are_stored_hashed(client: TestClient) -> None:
+    t_id, t = _tenant(client, "a")
+    key = t["Authorization"].split()[1]
+    assert client.get("/v1/models", headers=t).status_code == 200
+    keys = client.get(f"/admin/tenants/{t_id}/keys", headers=ADMIN).json()
+    assert len(keys) == 1 and "key" not in keys[0]  # shown once, at issue
+    stored = _services(client).redis
+    assert not any(key.encode() in (stored.dump(k) or b"") for k in stored.scan_iter(f"{_prefix(client)}:*"))
+    assert client.delete(f"/admin/tenants/{t_id}/keys/{keys[0]['id']}", headers=ADMIN).json()["revoked"]
+    revoked = client.get("/v1/models", headers=t)
+    assert (revoked.status_code, revoked.json()) == (401, {"detail": "invalid API key"})
+    assert client.get("/v1/models").json() == {"detail": "missing API key"}
+    assert client.get("/v1/models", headers={"Authorization": "Bearer pfk-nope"}).status_code == 401
+
+
+def test_admin_routes_refuse_tenant_keys(client: TestClient) -> None:
+    _t_id, t = _tenant(client, "a")
+    for method, path in (("GET", "/admin/tenants"), ("POST", "/admin/tenants"), ("GET", "/admin/regions")):
+        response = client.request(method, path, headers=t, json={"name": "x"})
+        assert (response.status_code, response.json()) == (403, {"detail": "admin key required"})
+    assert client.get("/admin/tenants").status_code == 401
+
+
+def test_suspended_tenant_is_refused(client: TestClient) -> None:
+    t_id, t = _tenant(client, "a")
+    assert client.post(f"/admin/tenants/{t_id}/suspend", headers=ADMIN).json()["status"] == "suspended"
+    assert client.get("/v1/models", headers=t).json() == {"detail": "tenant suspended"}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "detail"),
+    [
+        ({"model": "nope", "prompt": "hi"}, 404, "model not found"),
+        ({"model": "tiny-llama", "prompt": "hi " * 5000}, 400, "prompt too long for the model"),
+        ({"model": "tiny-llama", "prompt": [999999]}, 400, "prompt token id out of the model's vocabulary"),
+        ({"model": "tiny-llama", "prompt": "hi", "max_tokens": 0}, 422, "invalid request: max_tokens:"),
+        ({"model": "tiny-llama", "prompt": ""}, 422, "invalid request: prompt"),
+        ({"model": "tiny-llama", "prompt": "hi", "prfaas": {"placement": "split"}}, 403, "placement requests are"),
+    ],
+)
+def test_bad_completion_requests_get_a_stable_4xx(
+    client: TestClient, body: dict[str, object], status: int, detail: str
+) -> None:
+    _t_id, t = _tenant(client, "a")
+    response = client.post("/v1/completions", json=body, headers=t)
+    assert response.status_code == status
+    assert response.json()["detail"].startswith(detail)
+
+
+def test_budget_and_concurrency_refusals(client: TestClient) -> None:
+    t_id, t = _tenant(client, "a", concurrency=1, budget_usd=1)
+    job = _job(client, t_id)  # holds the one concurrent slot
+    busy = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi"}, headers=t)
+    assert (busy.status_code, busy.json()) == (429, {"detail": "too many concurrent jobs"})
+    jobs = _services(client).jobs
+    jobs.transition(job, JobState.LOCAL, 1)
+    jobs.transition(job, JobState.DONE, 1, cost_usd=2.0)
+    broke = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi"}, headers=t)
+    assert (broke.status_code, broke.json()) == (402, {"detail": "monthly budget exhausted"})
+
+
+def test_health_ready_metrics(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ready"}
+    assert "prfaas_api_responses_total" in client.get("/metrics").text
+
+
+def _prefix(client: TestClient) -> str:
+    return _services(client).settings.key_prefix
