@@ -175,7 +175,10 @@ def _sse(s: Services, follower: Follower, job_id: str, kind: str, prompt: int, i
         for token in follower.tokens(job_id):
             tokens.append(token.token)
             full = s.model.decode(tokens)
-            piece, text = full[len(text) :], full
+            piece = ""
+            # hold back a partial UTF-8 character (decoded as U+FFFD) until its next token completes it
+            if full.startswith(text) and (token.last or not full.endswith("\ufffd")):
+                piece, text = full[len(text) :], full
             finish = _finish(token.finish_reason) if token.last else None
             body = {"delta": {"content": piece}} if chat else {"text": piece}
             yield chunk([{"index": 0, **body, "finish_reason": finish, "logprobs": None}])

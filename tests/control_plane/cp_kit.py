@@ -22,7 +22,7 @@ def ensure_redis() -> None:
     subprocess.run(["bash", str(script)], check=True, capture_output=True, timeout=30)
 
 
-def test_settings(**overrides: object) -> Settings:
+def make_settings(**overrides: object) -> Settings:
     fields: dict[str, object] = {
         "dev": True,
         "redis_url": REDIS_URL,
@@ -43,6 +43,6 @@ def cleanup(settings: Settings) -> None:
 
 def settings_fixture(**overrides: object) -> Iterator[Settings]:
     ensure_redis()
-    settings = test_settings(**overrides)
+    settings = make_settings(**overrides)
     yield settings
     cleanup(settings)

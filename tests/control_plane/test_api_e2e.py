@@ -1,0 +1,250 @@
+"""The control plane as real processes with the official `openai` client: the API (uvicorn,
+serving the region registry over gRPC), a Celery worker (Redis broker), one prefill and one
+decode region (`prfaas region`, tiny-llama) registering through heartbeats; real Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from cp_kit import ADMIN_KEY, REDIS_URL, TICKET_KEY, cleanup, ensure_redis, make_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "regions"))
+from region_kit import RegionProcess, spawn_region, wait_until, write_config
+
+from prfaas.control_plane.policy import DEFAULT_POLICY_YAML
+from prfaas.engine.hf import HFEngine
+from prfaas.engine.models import prepare_model
+from prfaas.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.e2e
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+MIN_SPLIT_TOKENS = 200
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Stack:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.prefix = f"prfaas-e2e-{uuid.uuid4().hex[:8]}"
+        self.registry = f"127.0.0.1:{_port()}"
+        policy = folder / "policy.yaml"
+        policy.write_text(
+            DEFAULT_POLICY_YAML.replace("min_uncached_tokens: 19400", f"min_uncached_tokens: {MIN_SPLIT_TOKENS}")
+        )
+        self.env = dict(
+            os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PRFAAS_DEV="1", PRFAAS_REDIS_URL=REDIS_URL,
+            PRFAAS_KEY_PREFIX=self.prefix, PRFAAS_ADMIN_KEY=ADMIN_KEY, PRFAAS_TICKET_KEY=TICKET_KEY,
+            PRFAAS_POLICY_PATH=str(policy), PRFAAS_DISPATCH_VISIBILITY_S="3", PRFAAS_BACKOFF_S="0.05",
+            PRFAAS_JOB_TIMEOUT_S="60",
+        )  # fmt: skip
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.api: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start_api(self) -> None:
+        port = _port()
+        env = self.env | {"PRFAAS_REGISTRY_LISTEN": self.registry}
+        log = (self.folder / f"api-{port}.log").open("wb")
+        self.api = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--factory", "prfaas.control_plane.app:app_from_env",
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.procs.append(self.api)
+        self.url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, 60, 0.1)
+
+    def start_worker(self, name: str) -> subprocess.Popen[bytes]:
+        log = (self.folder / f"worker-{name}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads",
+             "-c", "4", "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--loglevel", "WARNING"],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def region(self, name: str, role: str, price: float) -> RegionProcess:
+        config = write_config(
+            self.folder, name=name, role=role, usd_per_gpu_hour=price, control_plane_url=self.registry,
+            kv_buffer_bytes="256MiB",
+        )  # fmt: skip
+        return spawn_region(config, timeout_s=120)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, list[RegionProcess]]]:
+    ensure_redis()
+    prepare_model("tiny-llama")
+    s = Stack(tmp_path_factory.mktemp("cp-e2e"))
+    regions: list[RegionProcess] = []
+    try:
+        s.start_api()
+        s.start_worker("w1")
+        regions = [s.region("prefill-a", "prefill", 0.5), s.region("decode-b", "decode", 4.0)]
+        link = {"src": "prefill-a", "dst": "decode-b", "rtt_ms": 1.0, "bandwidth_gbps": 10.0}
+        assert httpx.put(s.url + "/admin/links", json=link, headers=ADMIN, timeout=5).status_code == 200
+        wait_until(lambda: len(_healthy(s)) == 2, 20, 0.1)
+        yield s, regions
+    finally:
+        for region in regions:
+            region.stop()
+        s.stop()
+        cleanup(make_settings(key_prefix=s.prefix))
+
+
+def _healthy(s: Stack) -> list[str]:
+    regions = httpx.get(s.url + "/admin/regions", headers=ADMIN, timeout=5).json()
+    return [r["name"] for r in regions if r["healthy"]]
+
+
+@pytest.fixture(scope="module")
+def tenant(stack: tuple[Stack, list[RegionProcess]]) -> tuple[str, str]:
+    s, _ = stack
+    t = httpx.post(s.url + "/admin/tenants", json={"name": "acme", "allow_placement": True}, headers=ADMIN).json()
+    key = httpx.post(f"{s.url}/admin/tenants/{t['id']}/keys", headers=ADMIN).json()["key"]
+    return t["id"], key
+
+
+@pytest.fixture(scope="module")
+def engine() -> HFEngine:
+    return HFEngine("tiny-llama")
+
+
+def _client(s: Stack, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _job(s: Stack, key: str, job_id: str) -> dict[str, object]:
+    job: dict[str, object] = httpx.get(f"{s.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {key}"}).json()
+    return job
+
+
+def test_long_prompt_splits_short_runs_local_both_equal_colocated(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str], engine: HFEngine, long_text: str
+) -> None:
+    s, _ = stack
+    client = _client(s, tenant[1])
+    long_ids = engine.encode(long_text)[:600]
+    for prompt, mode, states in (
+        (long_ids, "split", ["QUEUED", "PREFILLING", "TRANSFERRING", "DECODING", "DONE"]),
+        ([5, 6, 7, 8], "local", ["QUEUED", "LOCAL", "DONE"]),
+    ):
+        reply = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8)
+        colocated = engine.generate(prompt, SamplingParams(max_new_tokens=8))
+        assert reply.choices[0].text == engine.decode_text(colocated)
+        assert reply.usage is not None
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), len(colocated))
+        job = _job(s, tenant[1], reply.id)
+        assert job["placement_chosen"] == mode, job
+        assert [e["state"] for e in job["timeline"]] == states  # type: ignore[attr-defined, union-attr]
+        if mode == "split":
+            assert job["bytes_raw"] == len(prompt) * engine.kv_bytes_per_token
+            assert job["prefill_region"] == "prefill-a" and job["decode_region"] == "decode-b"
+
+
+def test_streaming_delivers_every_token_and_usage(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str], engine: HFEngine
+) -> None:
+    s, _ = stack
+    client = _client(s, tenant[1])
+    stream = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hello there"}], max_tokens=12, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    prompt = engine.encode("hello there", chat=True)
+    colocated = engine.generate(prompt, SamplingParams(max_new_tokens=12))
+    assert "".join(pieces) == engine.decode_text(colocated)
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), len(colocated))
+
+
+def test_idempotency_key_returns_the_same_job(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
+) -> None:
+    s, _ = stack
+    client = _client(s, tenant[1])
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    first = client.completions.create(model="tiny-llama", prompt="once", max_tokens=4, extra_headers=headers)
+    again = client.completions.create(model="tiny-llama", prompt="once", max_tokens=4, extra_headers=headers)
+    assert again.id == first.id and again.choices[0].text == first.choices[0].text
+
+
+def test_asked_placement_is_recorded(stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]) -> None:
+    s, _ = stack
+    client = _client(s, tenant[1])
+    reply = client.completions.create(
+        model="tiny-llama", prompt=[5, 6, 7, 8, 9], max_tokens=4, extra_body={"prfaas": {"placement": "split"}}
+    )
+    job = _job(s, tenant[1], reply.id)
+    assert (job["placement_asked"], job["placement_chosen"]) == ("split", "split")
+
+
+def test_api_restart_keeps_job_state(stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]) -> None:
+    s, _ = stack
+    reply = _client(s, tenant[1]).completions.create(model="tiny-llama", prompt="survive", max_tokens=4)
+    before = _job(s, tenant[1], reply.id)
+    assert s.api is not None
+    s.api.send_signal(signal.SIGKILL)
+    s.api.wait(10)
+    s.start_api()  # a new API process (it serves the registry again on the same port)
+    assert _job(s, tenant[1], reply.id) == before
+    assert before["state"] == "DONE"
+    wait_until(lambda: len(_healthy(s)) == 2, 10, 0.1)  # the regions' heartbeats resume
+
+
+def test_prefill_region_killed_fails_over_and_bills_once(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str], engine: HFEngine, long_text: str
+) -> None:
+    s, regions = stack
+    prefill = regions[0]
+    spent_before = _spend(s, tenant[0])
+    prefill.proc.send_signal(signal.SIGKILL)  # the registry still counts it alive for 3 heartbeats
+    prefill.proc.wait(5)
+    prompt = engine.encode(long_text)[:600]
+    reply = _client(s, tenant[1]).completions.create(model="tiny-llama", prompt=prompt, max_tokens=6)
+    assert reply.choices[0].text == engine.decode_text(engine.generate(prompt, SamplingParams(max_new_tokens=6)))
+    job = _job(s, tenant[1], reply.id)
+    states = [(e["state"], e["attempt"]) for e in job["timeline"]]  # type: ignore[attr-defined, union-attr]
+    assert states[-1] == ("DONE", 2) and ("QUEUED", 2) in states, states
+    assert job["placement_chosen"] == "local"
+    assert sum(1 for state, _ in states if state == "DONE") == 1
+    assert _spend(s, tenant[0]) - spent_before == pytest.approx(float(job["cost_usd"]))  # type: ignore[arg-type]
+
+
+def _spend(s: Stack, tenant_id: str) -> float:
+    tenants = httpx.get(s.url + "/admin/tenants", headers=ADMIN, timeout=5).json()
+    return float(next(t["spend_usd_this_month"] for t in tenants if t["id"] == tenant_id))
