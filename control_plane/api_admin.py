@@ -55,7 +55,7 @@ def create_tenant(body: TenantCreate, s: ServicesDep) -> TenantPublic:
 
 @router.get("/tenants")
 def list_tenants(s: ServicesDep) -> list[TenantPublic]:
-    return [_tenant(s, t) for t in s.tenants.list()]
+    return [_tenant(s, t) for t in s.tenants.all()]
 
 
 @router.patch("/tenants/{tenant_id}")

@@ -108,7 +108,7 @@ def _run(
         raise HTTPException(status, detail) from None
     job_id = created.job_id
     if not created.existing:
-        enqueue(follower.celery, job_id)  # type: ignore[arg-type]
+        enqueue(follower.celery, job_id)
     job = s.jobs.get(job_id)
     if job["state"] == "DONE" and job.get("output_ids"):
         # a replay of a finished job: the same answer, not a new run

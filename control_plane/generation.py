@@ -111,7 +111,7 @@ class Follower:
             self.s.jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=reason)
         except (StaleAttempt, IllegalTransition, JobNotFound):
             return
-        enqueue(self.celery, job_id)  # type: ignore[arg-type]
+        enqueue(self.celery, job_id)
 
     def cancel(self, job_id: str, reason: str) -> bool:
         """CANCELED in the store, then Cancel in both regions (idempotent there)."""

@@ -141,7 +141,8 @@ class Created:
 
 class JobStore:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
-        self.redis = client
+        # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
+        self.redis: Any = client
         self.settings = settings
         self._transition = client.register_script(_TRANSITION)
         self._create = client.register_script(_CREATE)
@@ -158,7 +159,7 @@ class JobStore:
         now = time.time()
         record = {"id": job_id, "tenant": tenant, "state": JobState.QUEUED.value, "attempt": 1}
         record |= {"created_at": now, "updated_at": now} | fields
-        flat = [_encode(v) if i % 2 else v for pair in record.items() for i, v in enumerate(pair)]
+        flat = [x for name, value in record.items() for x in (name, _encode(value))]
         k = self.settings.key
         keys = [
             self._job(job_id),
@@ -169,7 +170,8 @@ class JobStore:
             k("tenant", tenant, "rate", str(int(now))),
             k("idem", tenant, idempotency_key) if idempotency_key else "",
         ]
-        args = [job_id, now, max(1, int(quota.rps)), quota.concurrency, quota.budget_usd, self.settings.job_ttl_s]
+        args: list[Any] = [job_id, now, max(1, int(quota.rps)), quota.concurrency, quota.budget_usd]
+        args.append(self.settings.job_ttl_s)
         code, value = self._create(keys=keys, args=[*args, len(record), *flat])
         code, value = _text(code), _text(value)
         if code in ("rate", "concurrency", "budget"):
@@ -192,7 +194,16 @@ class JobStore:
             self.settings.key("tenant", _text(tenant), "active"),
             self.spend_key(_text(tenant)),
         ]
-        args = [target.value, attempt, time.time(), self.settings.job_ttl_s, note, cost_usd, len(fields), *flat]
+        args: list[Any] = [
+            target.value,
+            attempt,
+            time.time(),
+            self.settings.job_ttl_s,
+            note,
+            cost_usd,
+            len(fields),
+            *flat,
+        ]
         code, state, current = self._transition(keys=keys, args=args)
         code = _text(code)
         if code == "not_found":

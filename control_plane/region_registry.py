@@ -66,7 +66,8 @@ class RegionRecord:
 
 class RegionRegistry:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
-        self.redis = client
+        # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
+        self.redis: Any = client
         self.settings = settings
 
     def _key(self, name: str) -> str:

@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import redis
 
@@ -60,7 +61,8 @@ def digest(key: str) -> str:
 
 class TenantStore:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
-        self.redis = client
+        # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
+        self.redis: Any = client
         self.settings = settings
 
     def create(
@@ -100,7 +102,7 @@ class TenantStore:
             f["id"], f["name"], TenantStatus(f["status"]), quota, f["allow_placement"] == "1", float(f["created_at"])
         )
 
-    def list(self) -> list[Tenant]:
+    def all(self) -> list[Tenant]:
         ids = sorted(m.decode() for m in self.redis.smembers(self.settings.key("tenants")))
         return [self.get(tenant_id) for tenant_id in ids]
 
