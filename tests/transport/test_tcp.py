@@ -57,7 +57,7 @@ def test_concurrent_jobs_share_the_pool(kit: Kit, receiver: TcpReceiver) -> None
     with TcpChannel(receiver.address, num_streams=3) as channel:
         shipped = [ship(channel, receiver, kit, num_layers=3) for _ in range(5)]
         for transfer, inbound, layers in shipped:
-            assert transfer.wait(15) is TransferStatus.COMPLETED  # type: ignore[attr-defined]
+            assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error  # type: ignore[attr-defined]
             assert inbound.layer(2, 1) == layers[2]  # type: ignore[attr-defined]
         assert receiver.num_connections == 3  # no connection per job
 
