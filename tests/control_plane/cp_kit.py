@@ -10,11 +10,10 @@ from pathlib import Path
 
 import redis
 
+from prfaas.bench.cp_stack import ADMIN_KEY, REDIS_URL, TICKET_KEY  # TICKET_KEY = tests/regions/region_kit.KEY
 from prfaas.control_plane.settings import Settings
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
-ADMIN_KEY = "admin-key-for-control-plane-tests-0123456789"
-TICKET_KEY = "region-tests-ticket-key-0123456789abcdef"  # = tests/regions/region_kit.KEY
+__all__ = ["ADMIN_KEY", "REDIS_URL", "TICKET_KEY", "cleanup", "ensure_redis", "make_settings", "settings_fixture"]
 
 
 def ensure_redis() -> None:

@@ -4,100 +4,21 @@ decode region (`prfaas region`, tiny-llama) registering through heartbeats; real
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from cp_kit import ADMIN_KEY, REDIS_URL, TICKET_KEY, cleanup, ensure_redis, make_settings
+from cp_kit import ensure_redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "regions"))
-from region_kit import RegionProcess, spawn_region, wait_until, write_config
-
-from prfaas.control_plane.policy import DEFAULT_POLICY_YAML
+from prfaas.bench.cp_stack import ADMIN, RegionProcess, Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
-ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-MIN_SPLIT_TOKENS = 200
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Stack:
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.prefix = f"prfaas-e2e-{uuid.uuid4().hex[:8]}"
-        self.registry = f"127.0.0.1:{_port()}"
-        policy = folder / "policy.yaml"
-        policy.write_text(
-            DEFAULT_POLICY_YAML.replace("min_uncached_tokens: 19400", f"min_uncached_tokens: {MIN_SPLIT_TOKENS}")
-        )
-        self.env = dict(
-            os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PRFAAS_DEV="1", PRFAAS_REDIS_URL=REDIS_URL,
-            PRFAAS_KEY_PREFIX=self.prefix, PRFAAS_ADMIN_KEY=ADMIN_KEY, PRFAAS_TICKET_KEY=TICKET_KEY,
-            PRFAAS_POLICY_PATH=str(policy), PRFAAS_DISPATCH_VISIBILITY_S="3", PRFAAS_BACKOFF_S="0.05",
-            PRFAAS_JOB_TIMEOUT_S="60",
-        )  # fmt: skip
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.api: subprocess.Popen[bytes] | None = None
-        self.url = ""
-
-    def start_api(self) -> None:
-        port = _port()
-        env = self.env | {"PRFAAS_REGISTRY_LISTEN": self.registry}
-        log = (self.folder / f"api-{port}.log").open("wb")
-        self.api = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "prfaas.control_plane.app:app_from_env",
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        self.procs.append(self.api)
-        self.url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            try:
-                return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, 60, 0.1)
-
-    def start_worker(self, name: str) -> subprocess.Popen[bytes]:
-        log = (self.folder / f"worker-{name}.log").open("wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads",
-             "-c", "4", "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--loglevel", "WARNING"],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        self.procs.append(proc)
-        return proc
-
-    def region(self, name: str, role: str, price: float) -> RegionProcess:
-        config = write_config(
-            self.folder, name=name, role=role, usd_per_gpu_hour=price, control_plane_url=self.registry,
-            kv_buffer_bytes="256MiB",
-        )  # fmt: skip
-        return spawn_region(config, timeout_s=120)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -105,33 +26,26 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, lis
     ensure_redis()
     prepare_model("tiny-llama")
     s = Stack(tmp_path_factory.mktemp("cp-e2e"))
-    regions: list[RegionProcess] = []
     try:
         s.start_api()
         s.start_worker("w1")
         regions = [s.region("prefill-a", "prefill", 0.5), s.region("decode-b", "decode", 4.0)]
-        link = {"src": "prefill-a", "dst": "decode-b", "rtt_ms": 1.0, "bandwidth_gbps": 10.0}
-        assert httpx.put(s.url + "/admin/links", json=link, headers=ADMIN, timeout=5).status_code == 200
-        wait_until(lambda: len(_healthy(s)) == 2, 20, 0.1)
+        s.put_link("prefill-a", "decode-b")
+        wait_until(lambda: len(s.healthy()) == 2, 20, 0.1)
         yield s, regions
     finally:
-        for region in regions:
-            region.stop()
         s.stop()
-        cleanup(make_settings(key_prefix=s.prefix))
+        s.cleanup()
 
 
 def _healthy(s: Stack) -> list[str]:
-    regions = httpx.get(s.url + "/admin/regions", headers=ADMIN, timeout=5).json()
-    return [r["name"] for r in regions if r["healthy"]]
+    return s.healthy()
 
 
 @pytest.fixture(scope="module")
 def tenant(stack: tuple[Stack, list[RegionProcess]]) -> tuple[str, str]:
     s, _ = stack
-    t = httpx.post(s.url + "/admin/tenants", json={"name": "acme", "allow_placement": True}, headers=ADMIN).json()
-    key = httpx.post(f"{s.url}/admin/tenants/{t['id']}/keys", headers=ADMIN).json()["key"]
-    return t["id"], key
+    return s.tenant("acme", allow_placement=True)
 
 
 @pytest.fixture(scope="module")
