@@ -1,0 +1,90 @@
+"""The modelled fleet: regions with GPU pools and prices, links, and the transport's figures.
+
+A region has a prefill pool (PD clusters and prefill-only regions) and a decode pool (PD
+clusters only); in-region prefill->decode KV moves over RDMA and is modelled as free. Links
+are directed prefill region -> decode region paths over the WAN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prfaas.sim.hardware import GPUS, MODELS, ModelProfile, WorkerModel
+
+# Measured by the KV transport (docs/benchmarks.md): wire bytes = raw / ratio, on bf16 KV.
+CODEC_RATIOS: dict[str, float] = {"raw": 1.0, "lossless": 1.47, "int8": 2.19, "fp8": 2.43}
+# Goodput / line rate of the adaptive multi-stream transport on clean or BBR paths: 0.88-0.95.
+WIRE_EFFICIENCY = 0.90
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    name: str
+    gpu: str
+    num_prefill_workers: int
+    num_decode_workers: int = 0  # 0: a prefill-only region
+    gpus_per_worker: int = 8
+    usd_per_gpu_hour: float | None = None  # None: the GPU profile's price
+    spot_usd_per_gpu_hour: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpu not in GPUS:
+            raise ValueError(f"region {self.name}: unknown GPU {self.gpu!r}; known: {sorted(GPUS)}")
+        if self.num_prefill_workers < 1 and self.num_decode_workers < 1:
+            raise ValueError(f"region {self.name} has no workers")
+
+    @property
+    def price(self) -> float:
+        return GPUS[self.gpu].usd_per_gpu_hour if self.usd_per_gpu_hour is None else self.usd_per_gpu_hour
+
+    @property
+    def spot_price(self) -> float | None:
+        return (
+            GPUS[self.gpu].spot_usd_per_gpu_hour if self.spot_usd_per_gpu_hour is None else self.spot_usd_per_gpu_hour
+        )
+
+    @property
+    def num_gpus(self) -> int:
+        return (self.num_prefill_workers + self.num_decode_workers) * self.gpus_per_worker
+
+    def worker(self, model: ModelProfile) -> WorkerModel:
+        return WorkerModel(GPUS[self.gpu], model, self.gpus_per_worker)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    src: str
+    dst: str
+    bandwidth_gbps: float  # line rate, Gbit/s
+    rtt_ms: float
+    egress_usd_per_gb: float = 0.0
+    efficiency: float = WIRE_EFFICIENCY
+
+    @property
+    def goodput_bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8 * self.efficiency
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    model: str
+    regions: tuple[RegionSpec, ...]
+    links: tuple[LinkSpec, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; known: {sorted(MODELS)}")
+        names = {r.name for r in self.regions}
+        if len(names) != len(self.regions):
+            raise ValueError("region names repeat")
+        for link in self.links:
+            if link.src not in names or link.dst not in names:
+                raise ValueError(f"link {link.src}->{link.dst} names an unknown region")
+
+    @property
+    def model_profile(self) -> ModelProfile:
+        return MODELS[self.model]
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(r.num_gpus for r in self.regions)

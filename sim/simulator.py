@@ -1,0 +1,281 @@
+"""The discrete-event fleet simulation (simpy): arrivals, the live scheduler, prefill pools,
+WAN links and decode pools.
+
+Per request: build a `ClusterSnapshot` of the modelled fleet as it is now, ask the scheduler,
+then run the decision. Prefill pools are FIFO `simpy.Resource`s of workers; a split's KV
+crosses its link FIFO (one `simpy.Resource` per link) starting when its prefill starts
+(layer-wise streaming) and cannot end before the prefill's last layer; decode is modelled
+analytically per request: the KV is reserved at placement, and the request decodes at the
+step time of its worker's batch as it joins (no per-token events).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import simpy
+
+from prfaas.control_plane.decision import Mode
+from prfaas.control_plane.errors import PlacementRejected
+from prfaas.control_plane.request import Request, Slo
+from prfaas.control_plane.scheduler import GlobalScheduler
+from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
+from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec, LinkSpec, RegionSpec
+from prfaas.sim.hardware import WorkerModel
+from prfaas.sim.workload import Arrival
+
+_EMA = 0.2  # weight of the newest prefill in the measured means a heartbeat would report
+_BACKLOG_HORIZON_S = 1.0  # a link whose FIFO holds this many seconds of bytes reports utilization 1
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    outcome: Outcome
+    reason: str = ""  # the rejection reason
+    mode: str = ""
+    prefill_region: str = ""
+    decode_region: str = ""
+    ttft_s: float = math.inf
+    tpot_s: float = math.inf
+    finish_s: float = math.inf
+    wire_bytes: int = 0
+    egress_usd: float = 0.0
+
+
+class _RegionState:
+    def __init__(self, env: simpy.Environment, spec: RegionSpec, worker: WorkerModel) -> None:
+        self.spec = spec
+        self.worker = worker
+        self.prefill = simpy.Resource(env, capacity=spec.num_prefill_workers) if spec.num_prefill_workers else None
+        self.kv_capacity = worker.kv_capacity_bytes * spec.num_decode_workers
+        self.kv_free = self.kv_capacity
+        self.num_decoding = 0
+        self.decode_ctx_tokens = 0
+        self.mean_prefill_s = 0.0
+        self.prefill_tps = worker.prefill_tokens_per_s()
+        self.prefill_busy_s = 0.0
+        self.decode_busy_s = 0.0
+
+    def step_s(self, extra_batch: int = 0, extra_ctx: int = 0) -> float:
+        workers = max(1, self.spec.num_decode_workers)
+        batch = math.ceil((self.num_decoding + extra_batch) / workers)
+        return self.worker.decode_step_s(max(batch, 1), (self.decode_ctx_tokens + extra_ctx) // workers)
+
+    def snapshot_region(self) -> Region:
+        spec = self.spec
+        role = Role.BOTH if spec.num_decode_workers else Role.PREFILL
+        num_workers = max(1, spec.num_prefill_workers)
+        prefill = self.prefill
+        step = self.step_s(extra_batch=1)
+        batch = max(1, math.ceil((self.num_decoding + 1) / max(1, spec.num_decode_workers)))
+        # Built without validation: every field comes from this model, not from input.
+        return Region.model_construct(
+            name=spec.name,
+            role=role,
+            gpu_type=spec.gpu,
+            num_gpus=num_workers * spec.gpus_per_worker,
+            num_workers=num_workers,
+            usd_per_gpu_hour=spec.price,
+            spot_usd_per_gpu_hour=spec.spot_price,
+            queue_depth=len(prefill.queue) if prefill else 0,
+            queue_capacity=None if prefill else 1,
+            num_busy_workers=prefill.count if prefill else num_workers,
+            mean_prefill_s=self.mean_prefill_s,
+            kv_buffer_free_bytes=self.kv_free,
+            prefill_tokens_per_s=self.prefill_tps,
+            decode_tokens_per_s=batch / step,
+            tpot_ms=step * 1000.0,
+            healthy=True,
+            heartbeat_age_s=0.0,
+            cached_prefix_hashes=frozenset(),
+        )
+
+
+class _LinkState:
+    def __init__(self, env: simpy.Environment, spec: LinkSpec) -> None:
+        self.spec = spec
+        self.fifo = simpy.Resource(env, capacity=1)
+        self.backlog_bytes = 0
+        self.bytes_carried = 0
+        self.num_splits = 0
+
+    def snapshot_link(self) -> Link:
+        goodput = self.spec.goodput_bytes_per_s
+        util = 1.0 if goodput <= 0 else min(1.0, self.backlog_bytes / (goodput * _BACKLOG_HORIZON_S))
+        return Link.model_construct(
+            src=self.spec.src,
+            dst=self.spec.dst,
+            rtt_ms=self.spec.rtt_ms,
+            bandwidth_gbps=goodput * 8 / 1e9,
+            utilization=util,
+            egress_usd_per_gb=self.spec.egress_usd_per_gb,
+        )
+
+
+class DoubleRecord(AssertionError):
+    """A request was recorded twice (a simulator bug, never an input error)."""
+
+
+class Simulation:
+    """One run of `arrivals` on `fleet` under `scheduler`; `run()` returns one record per arrival."""
+
+    def __init__(
+        self, fleet: FleetSpec, scheduler: GlobalScheduler, slo: Slo, *, allow_lossy_codec: bool = False
+    ) -> None:
+        self.fleet = fleet
+        self.scheduler = scheduler
+        self.slo = slo
+        self.allow_lossy_codec = allow_lossy_codec
+        self.env = simpy.Environment()
+        model = fleet.model_profile
+        self.model = model
+        self.shape = ModelShape(
+            name=model.name, num_layers=model.num_layers, kv_bytes_per_token=model.kv_bytes_per_token
+        )
+        self.regions = {r.name: _RegionState(self.env, r, r.worker(model)) for r in fleet.regions}
+        self.links = {(lk.src, lk.dst): _LinkState(self.env, lk) for lk in fleet.links}
+        self.records: dict[int, RequestRecord] = {}
+        self.decisions_s = 0.0
+
+    def run(self, arrivals: Sequence[Arrival]) -> list[RequestRecord]:
+        self.env.process(self._arrivals(arrivals))
+        self.env.run()
+        if len(self.records) != len(arrivals):
+            raise AssertionError(f"{len(arrivals) - len(self.records)} requests never finished")
+        return [self.records[i] for i in range(len(arrivals))]
+
+    @property
+    def now(self) -> float:
+        return float(self.env.now)
+
+    def _record(self, record: RequestRecord) -> None:
+        if record.index in self.records:
+            raise DoubleRecord(f"request {record.index} recorded twice")
+        self.records[record.index] = record
+
+    def _arrivals(self, arrivals: Sequence[Arrival]) -> Generator[simpy.Event, object, None]:
+        for index, arrival in enumerate(arrivals):
+            wait = arrival.at_s - self.now
+            if wait > 0:
+                yield self.env.timeout(wait)
+            self.env.process(self._serve(index, arrival))
+
+    def _snapshot(self) -> ClusterSnapshot:
+        return ClusterSnapshot(
+            taken_at_s=self.now,
+            model=self.shape,
+            regions=tuple(s.snapshot_region() for s in self.regions.values()),
+            links=tuple(s.snapshot_link() for s in self.links.values()),
+        )
+
+    def _request(self, index: int, arrival: Arrival) -> Request:
+        uncached = {
+            name: arrival.prompt_tokens - (arrival.cached_tokens if state.spec.num_decode_workers else 0)
+            for name, state in self.regions.items()
+        }
+        return Request(
+            request_id=str(index),
+            tenant="sim",
+            prompt_tokens=arrival.prompt_tokens,
+            max_new_tokens=arrival.output_tokens,
+            slo=self.slo,
+            uncached_tokens=uncached,
+            allow_lossy_codec=self.allow_lossy_codec,
+        )
+
+    def _serve(self, index: int, arrival: Arrival) -> Generator[simpy.Event, object, None]:
+        start = time.perf_counter()
+        try:
+            decision = self.scheduler.decide(self._snapshot(), self._request(index, arrival))
+        except PlacementRejected as exc:
+            self.decisions_s += time.perf_counter() - start
+            self._record(
+                RequestRecord(
+                    index, arrival.at_s, arrival.prompt_tokens, arrival.output_tokens, Outcome.REJECTED, exc.reason
+                )
+            )
+            return
+        self.decisions_s += time.perf_counter() - start
+        decode = self.regions[decision.decode_region]
+        prefill = self.regions[decision.prefill_region]
+        kv_bytes = (arrival.prompt_tokens + arrival.output_tokens) * self.model.kv_bytes_per_token
+        decode.kv_free -= kv_bytes  # the capacity filter saw at least this much free, at this instant
+        assert prefill.prefill is not None, "the scheduler placed a prefill on a region without prefill workers"
+        with prefill.prefill.request() as slot:
+            yield slot
+            cached = arrival.prompt_tokens - decision.uncached_tokens
+            prefill_s = prefill.worker.prefill_s(decision.uncached_tokens, cached)
+            prefill_end = self.now + prefill_s
+            shipment = None
+            wire_bytes = 0
+            if decision.mode is Mode.SPLIT:
+                link = self.links[(decision.prefill_region, decision.decode_region)]
+                if link.spec.goodput_bytes_per_s <= 0:
+                    raise AssertionError(f"split placed on zero-bandwidth link {link.spec.src}->{link.spec.dst}")
+                ratio = CODEC_RATIOS[decision.codec or "raw"]
+                wire_bytes = math.ceil(decision.kv_bytes_raw / ratio)
+                shipment = self.env.process(self._ship(link, wire_bytes, prefill_end))
+            yield self.env.timeout(prefill_s)
+            prefill.prefill_busy_s += prefill_s
+            prefill.mean_prefill_s = _EMA * prefill_s + (1 - _EMA) * prefill.mean_prefill_s
+            if decision.uncached_tokens and prefill_s > 0:
+                prefill.prefill_tps = _EMA * decision.uncached_tokens / prefill_s + (1 - _EMA) * prefill.prefill_tps
+        if shipment is not None:
+            yield shipment
+        step = decode.step_s(extra_batch=1, extra_ctx=arrival.prompt_tokens)
+        decode.num_decoding += 1
+        decode.decode_ctx_tokens += arrival.prompt_tokens
+        first_token = self.now + step
+        yield self.env.timeout(step * arrival.output_tokens)
+        decode.num_decoding -= 1
+        decode.decode_ctx_tokens -= arrival.prompt_tokens
+        decode.kv_free += kv_bytes
+        egress = wire_bytes / 1e9 * self._egress(decision.prefill_region, decision.decode_region)
+        self._record(
+            RequestRecord(
+                index,
+                arrival.at_s,
+                arrival.prompt_tokens,
+                arrival.output_tokens,
+                Outcome.COMPLETED,
+                mode=str(decision.mode),
+                prefill_region=decision.prefill_region,
+                decode_region=decision.decode_region,
+                ttft_s=first_token - arrival.at_s,
+                tpot_s=step,
+                finish_s=self.now,
+                wire_bytes=wire_bytes,
+                egress_usd=egress,
+            )
+        )
+
+    def _egress(self, src: str, dst: str) -> float:
+        link = self.links.get((src, dst))
+        return 0.0 if link is None else link.spec.egress_usd_per_gb
+
+    def _ship(self, link: _LinkState, wire_bytes: int, prefill_end: float) -> Generator[simpy.Event, object, None]:
+        """Carry one shipment: FIFO on the link; the last layer leaves after the prefill ends."""
+        link.backlog_bytes += wire_bytes
+        rate = link.spec.goodput_bytes_per_s
+        with link.fifo.request() as turn:
+            yield turn
+            last_layer_s = wire_bytes / rate / self.model.num_layers
+            hold = max(wire_bytes / rate, prefill_end - self.now + last_layer_s)
+            yield self.env.timeout(hold)
+        link.backlog_bytes -= wire_bytes
+        link.bytes_carried += wire_bytes
+        link.num_splits += 1
+        yield self.env.timeout(link.spec.rtt_ms / 2000.0)  # the last byte's propagation does not hold the link

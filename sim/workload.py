@@ -1,0 +1,108 @@
+"""Workloads: arrival processes, length distributions, the long-context agentic mix and JSONL
+trace replay. Every generator is a pure function of its seed."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0  # prompt prefix already in the decode region's cache
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Log-normal token count with the given mean and coefficient of variation, clipped."""
+
+    mean: float
+    cv: float = 1.0
+    lo: int = 1
+    hi: int = 1_000_000
+
+    def sample(self, rng: random.Random) -> int:
+        if self.cv <= 0:
+            return max(self.lo, min(self.hi, round(self.mean)))
+        sigma2 = math.log1p(self.cv**2)
+        mu = math.log(self.mean) - sigma2 / 2
+        return max(self.lo, min(self.hi, round(rng.lognormvariate(mu, math.sqrt(sigma2)))))
+
+
+@dataclass(frozen=True)
+class MixClass:
+    weight: float
+    prompt: LengthDist
+    output: LengthDist
+    cached_share: float = 0.0  # share of the prompt that hits the prefix cache
+
+
+@dataclass(frozen=True)
+class Workload:
+    """`rate_rps` arrivals per second; `burstiness` is the CV of inter-arrival gaps (1: Poisson,
+    >1: burstier gamma arrivals); requests drawn from `mix` by weight."""
+
+    mix: tuple[MixClass, ...]
+    burstiness: float = 1.0
+
+    def generate(self, rate_rps: float, num_requests: int, seed: int) -> list[Arrival]:
+        if rate_rps <= 0:
+            raise ValueError("rate_rps must be positive")
+        rng = random.Random(seed)
+        shape = 1.0 / self.burstiness**2  # gamma: CV = 1 / sqrt(shape)
+        scale = 1.0 / (rate_rps * shape)
+        weights = [c.weight for c in self.mix]
+        now = 0.0
+        out: list[Arrival] = []
+        for _ in range(num_requests):
+            now += rng.gammavariate(shape, scale)
+            cls = rng.choices(self.mix, weights)[0]
+            prompt = cls.prompt.sample(rng)
+            out.append(Arrival(now, prompt, cls.output.sample(rng), int(prompt * cls.cached_share)))
+        return out
+
+
+def chat_workload() -> Workload:
+    return Workload((MixClass(1.0, LengthDist(2_000, 1.0, 16, 32_000), LengthDist(300, 0.8, 8, 4_000)),))
+
+
+def agentic_long_context_mix() -> Workload:
+    """Agentic coding sessions: long tool-laden contexts with a warm system prefix, short turns
+    in between, a few cold long documents (the PrfaaS-style long-context mix)."""
+    return Workload(
+        (
+            MixClass(0.45, LengthDist(48_000, 0.6, 4_000, 128_000), LengthDist(600, 0.8, 16, 8_000), 0.1),
+            MixClass(0.35, LengthDist(6_000, 0.8, 256, 32_000), LengthDist(300, 0.8, 8, 4_000), 0.3),
+            MixClass(0.20, LengthDist(96_000, 0.3, 32_000, 128_000), LengthDist(1_000, 0.6, 16, 8_000)),
+        ),
+        burstiness=1.5,
+    )
+
+
+def load_trace(path: str | Path) -> list[Arrival]:
+    """JSONL, one request a line: `t_s` (arrival offset, s), `prompt_tokens`, `output_tokens`
+    (or `max_new_tokens`), optional `cached_tokens`. Lines are sorted by `t_s`."""
+    rows: list[Arrival] = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            output = doc["output_tokens"] if "output_tokens" in doc else doc["max_new_tokens"]
+            rows.append(
+                Arrival(float(doc["t_s"]), int(doc["prompt_tokens"]), int(output), int(doc.get("cached_tokens", 0)))
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{number}: bad trace row ({exc!r})") from None
+    return sorted(rows, key=lambda a: a.at_s)
+
+
+def scale_rate(arrivals: list[Arrival], factor: float) -> list[Arrival]:
+    """The same trace replayed `factor` times faster."""
+    return [Arrival(a.at_s / factor, a.prompt_tokens, a.output_tokens, a.cached_tokens) for a in arrivals]
