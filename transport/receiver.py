@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 
 from prfaas.transport.api import TransferStatus
@@ -28,6 +29,7 @@ from prfaas.transport.tickets import ReplayGuard, TicketVerifier
 
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]  # (job_id bytes, attempt)
+RECENT_SHIPMENTS = 4096  # ended shipments remembered, so late frames of a delivered one get DONE / ACK
 
 
 class Session:
@@ -49,6 +51,7 @@ class ReceiverCore:
         self._lock = threading.Lock()
         self._inbounds: dict[Key, Inbound] = {}
         self._sessions: dict[Key, set[Session]] = {}
+        self._recent: OrderedDict[Key, TransferStatus] = OrderedDict()  # ended shipments, newest last
 
     def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
         """Register a shipment this receiver holds room for; KV for anything else is refused."""
@@ -85,6 +88,9 @@ class ReceiverCore:
     def _ended(self, key: Key, inbound: Inbound, status: TransferStatus) -> None:
         with self._lock:
             self._inbounds.pop(key, None)
+            self._recent[key] = status
+            while len(self._recent) > RECENT_SHIPMENTS:
+                self._recent.popitem(last=False)
             sessions = self._sessions.pop(key, set())
         if inbound.ticket is not None:
             self._replay.retire(inbound.ticket)
@@ -143,11 +149,16 @@ class ReceiverCore:
         job, attempt = key
         with self._lock:
             inbound = self._inbounds.get(key)
-        if inbound is None:
-            return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, "no reservation for this job attempt", job, attempt)]
         try:
             info, token = OpenInfo.from_json(frame.json())
             ticket = self._verifier.verify(token, job=str(uuid.UUID(bytes=job)), attempt=attempt)
+            if self._completed(key, inbound):
+                # A stream that opened late, after the other streams finished the shipment: it is
+                # done, say so on this connection too (the sender may read this before the DONE
+                # that went to the others; an error here would fail a delivered shipment).
+                return [Frame(FrameType.OPEN_OK, job, attempt), Frame(FrameType.DONE, job, attempt)]
+            if inbound is None:
+                return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, "no reservation for this job attempt", job, attempt)]
             self._replay.check(ticket)
             inbound.open(info, ticket)
         except TicketRejected as exc:
@@ -160,10 +171,19 @@ class ReceiverCore:
                 self._sessions[key].add(session)
         return [Frame(FrameType.OPEN_OK, job, attempt)]
 
+    def _completed(self, key: Key, inbound: Inbound | None) -> bool:
+        """The shipment `key` was delivered whole (and may have been forgotten already)."""
+        if inbound is not None:
+            return inbound.status() is TransferStatus.COMPLETED
+        with self._lock:
+            return self._recent.get(key) is TransferStatus.COMPLETED
+
     def _data(self, frame: Frame, payload_ok: bool, key: Key) -> list[Frame]:
         job, attempt = key
         with self._lock:
             inbound = self._inbounds.get(key)
+        if inbound is None and self._completed(key, None):
+            return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([frame.key]))]  # a late duplicate
         if inbound is None or inbound.info is None:
             return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, "DATA for a shipment that is not open", job, attempt)]
         if not payload_ok:

@@ -68,3 +68,39 @@ def test_sender_cancel_frees_the_receiver(kit: Kit) -> None:
     with pytest.raises(TransferCanceled):
         inbound.layer(0, timeout_s=0.1)  # buffers dropped: a canceled shipment's KV is gone
     assert receiver.core.num_expected == 0
+
+
+def test_a_late_open_or_chunk_of_a_delivered_shipment_is_answered_done_not_error(kit: Kit) -> None:
+    """A stream that opens a shipment after the other streams delivered it (a pool connecting
+    while jobs finish) must not fail the delivered shipment: OPEN gets OPEN_OK + DONE, a late
+    duplicate chunk an ACK. (Found by a stress run: 12 of 750 concurrent shipments FAILED with
+    UNKNOWN_SHIPMENT when the ERROR on the late stream beat the DONE on the others.)"""
+    from prfaas.transport.framing import Frame, FrameType, encode, json_payload, parse
+    from prfaas.transport.receiver import Session
+
+    receiver = InProcessReceiver(kit.verifier)
+    spec = kit.spec(num_layers=2)
+    receiver.expect(spec.job_id, spec.attempt, timeout_s=10)
+    shipment = Shipment(spec)
+    transfer = InProcessChannel(receiver).submit(shipment)
+    fill(shipment, layers_for(spec))
+    assert transfer.wait(5) is TransferStatus.COMPLETED
+    assert receiver.core.num_expected == 0  # delivered and forgotten
+
+    late = Session(lambda _frame: None)
+    receiver.core.handle(*parse(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1]})))), late)
+    replies = receiver.core.handle(*parse(transfer.open_frame), late)
+    assert [r.type for r in replies] == [FrameType.OPEN_OK, FrameType.DONE]
+    data = Frame(
+        FrameType.DATA, transfer.job, spec.attempt, 0, 0, 0, 0, 1, spec.part_bytes(0), bytes(spec.part_bytes(0))
+    )
+    assert [r.type for r in receiver.core.handle(*parse(encode(data)), late)] == [FrameType.ACK]
+
+    forged = kit.spec(job_id=spec.job_id, ticket="x.y")  # a delivered job id does not open a door
+    bad = Frame(
+        FrameType.OPEN,
+        transfer.job,
+        spec.attempt,
+        payload=transfer.open_frame[64:].replace(spec.ticket.encode(), forged.ticket.encode()),
+    )
+    assert [r.type for r in receiver.core.handle(*parse(encode(bad)), late)] == [FrameType.ERROR]
