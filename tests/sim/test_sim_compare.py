@@ -1,0 +1,56 @@
+"""`prfaas sim run`: the per-policy rows, trace replay, and the CLI's --json output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from prfaas.cli.main import app
+from prfaas.sim.compare import compare
+from prfaas.sim.experiment import RunMetrics, throughput_at_slo
+from prfaas.sim.workload import load_trace
+
+REQUIRED = {"policy", "throughput_at_slo_rps", "ttft_p90_s", "link_util", "usd_per_mtok"}
+
+
+def _fake(rate: float, attainment: float) -> RunMetrics:
+    return RunMetrics(rate, 1, 1, 0, 0, attainment, 0, 0, 0, 0, 0, 0, 1, {}, 0.0, {}, 1.0, 0.0)
+
+
+def test_search_finds_the_capacity_of_a_step_function() -> None:
+    # attainment 1 below 3.0 req/s, 0 above: doubling from 1 brackets [2, 4], bisection narrows to within 4/2^6
+    result = throughput_at_slo(lambda r: _fake(r, 1.0 if r <= 3.0 else 0.0), 1.0, steps=6)
+    assert 3.0 - 2 / 2**6 <= result.throughput_at_slo_rps <= 3.0
+
+
+def test_rows_have_the_required_keys_for_each_policy() -> None:
+    rows = compare("small", num_requests=120)
+    assert [row["policy"] for row in rows] == ["prfaas", "homogeneous-pd", "naive-heterogeneous"]
+    for row in rows:
+        assert row.keys() >= REQUIRED
+        assert row["throughput_at_slo_rps"] > 0
+
+
+def test_trace_replay_reads_jsonl(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"t_s": i * 0.5, "prompt_tokens": 1000 + i, "output_tokens": 50} for i in range(40)]
+    lines[3] = {"t_s": 1.5, "prompt_tokens": 1003, "max_new_tokens": 50, "cached_tokens": 500}
+    trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert load_trace(trace)[3].cached_tokens == 500
+    rows = compare("small", policies=["prfaas"], trace_path=str(trace))
+    assert rows[0]["at_slo"]["num_requests"] == 40
+
+
+def test_cli_writes_json_rows(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    result = CliRunner().invoke(app, ["sim", "run", "--scenario", "small", "--requests", "100", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert len(rows) == 3 and all(row.keys() >= REQUIRED for row in rows)
+
+
+def test_cli_rejects_an_unknown_scenario() -> None:
+    result = CliRunner().invoke(app, ["sim", "run", "--scenario", "nope"])
+    assert result.exit_code == 2 and "unknown scenario" in result.output
