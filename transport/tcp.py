@@ -232,8 +232,9 @@ class TcpChannel:
     kernel's autotuning and is capped by net.core.wmem_max/rmem_max; raise
     net.ipv4.tcp_wmem/tcp_rmem instead for long fat paths.
     num_streams: a fixed count, or None (the default) to let a `StreamController` choose it
-    from the measured goodput, between 1 and `max_streams` (see transport/adaptive.py);
-    `num_streams` (the property) and `controller.history` show the choice.
+    from the path's queueing delay (WAN) or goodput (LAN), between 1 and `max_streams` (see
+    transport/adaptive.py); `num_streams`, `controller.history` and the `prfaas_kv_streams`
+    metric show the choice.
 
     A transfer that cannot reach the receiver fails with `PeerUnavailable` once every
     stream has failed to connect for `unavailable_after_s`, or times out at its deadline,
