@@ -112,6 +112,7 @@ class Stack:
         ) | env  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
         self.regions: list[RegionProcess] = []
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.api: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -144,18 +145,20 @@ class Stack:
             env=self.env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.procs.append(proc)
+        self.workers[name] = proc
         return proc
 
-    def region(self, name: str, role: str, price: float, env: Mapping[str, str] | None = None) -> RegionProcess:
+    def region(self, name: str, role: str, price: float, **fields: Any) -> RegionProcess:
+        """A `prfaas region` of tiny-llama registering with this stack; `fields` override its config."""
         config: dict[str, Any] = {
             "name": name, "role": role, "model": "tiny-llama", "ticket_key": TICKET_KEY, "ticket_key_id": "k1",
             "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0"}, "codec": "raw",
             "heartbeat_interval_s": 0.5, "usd_per_gpu_hour": price, "control_plane_url": self.registry,
             "kv_buffer_bytes": "256MiB",
-        }  # fmt: skip
+        } | fields  # fmt: skip
         path = self.folder / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
-        region = spawn_region(path, timeout_s=120, env=env)
+        region = spawn_region(path, timeout_s=120)
         self.regions.append(region)
         return region
 

@@ -8,13 +8,16 @@ rate (429). The job is then queued for dispatch and its tokens streamed back her
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 from fastapi import APIRouter, Header, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from prfaas.control_plane.celery_app import enqueue
 from prfaas.control_plane.deps import FollowerDep, ServicesDep, TenantDep
@@ -24,6 +27,7 @@ from prfaas.control_plane.schemas import ChatCompletionCreate, CompletionCreate,
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Tenant
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
 REFUSALS = {
     "rate": (429, "rate limit exceeded"),
@@ -116,7 +120,7 @@ def _run(
         return JSONResponse(_full(s, job_id, kind, output, job.get("finish_reason", "length"), len(ids)))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
-        return StreamingResponse(
+        return ClosingStreamingResponse(
             _sse(s, follower, job_id, kind, len(ids), include_usage),
             media_type="text/event-stream",
             headers={"X-Prfaas-Job-Id": job_id, "Cache-Control": "no-cache"},
@@ -154,7 +158,29 @@ def _finish(reason: str) -> str:
     return "stop" if reason == "eos" else "length"
 
 
-def _sse(s: Services, follower: Follower, job_id: str, kind: str, prompt: int, include_usage: bool) -> Iterator[str]:
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its generator as soon as the response ends, however it ends. On a client
+    disconnect Starlette just stops iterating; the generator's `finally` (which cancels the job
+    in both regions) would otherwise run only when the garbage collector reaches it, seconds
+    later, while the decode region keeps generating."""
+
+    def __init__(self, content: Generator[str, None, None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.source = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await run_in_threadpool(self.source.close)  # no-op when it ran to its end
+            except ValueError:  # a next() still in flight (Starlette waits for it; defensive): GC closes it
+                log.warning("stream generator still running at disconnect; its job is canceled later")
+
+
+def _sse(
+    s: Services, follower: Follower, job_id: str, kind: str, prompt: int, include_usage: bool
+) -> Generator[str, None, None]:
     chat = kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())

@@ -22,7 +22,13 @@ def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         task_default_queue=settings.key("dispatch"),
-        broker_transport_options={"visibility_timeout": settings.dispatch_visibility_s},
+        # kombu sweeps for unacked messages past visibility_timeout only every interval x throttle
+        # (10 s x 10 by default): sweep each second, or a dead worker's dispatch waits ~100 s more
+        broker_transport_options={
+            "visibility_timeout": settings.dispatch_visibility_s,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        },
         broker_connection_retry_on_startup=True,
         task_ignore_result=True,
     )

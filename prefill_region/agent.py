@@ -98,6 +98,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         kv_lease_s: float = 30.0,
         kv_lease_bytes: int = 2 << 30,
         node: str = "prefill",
+        test_layer_delay_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.num_workers = num_workers
@@ -105,6 +106,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         self.codec = codec
         self.kv_lease_s = kv_lease_s
         self.kv_lease_bytes = kv_lease_bytes  # leases past this are dropped, oldest first
+        self.test_layer_delay_s = test_layer_delay_s  # TEST ONLY: a slow prefill for fault tests
         self.tap = LayerTap(engine.model)
         self.channels = ChannelPool(node)
         self.draining = False
@@ -225,6 +227,8 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         whole = job.request.ship_whole
 
         def on_layer(index: int, k: object, v: object) -> None:
+            if self.test_layer_delay_s:  # TEST ONLY (RegionConfig.test_layer_delay_s); a cancel cuts it short
+                job.stop.wait(self.test_layer_delay_s)
             self._check(job)
             if transfer.status() in (TransferStatus.FAILED, TransferStatus.TIMEOUT, TransferStatus.CANCELED):
                 raise _Stop  # e.g. the ticket was refused: computing on is wasted work

@@ -87,6 +87,8 @@ class RegionConfig(BaseSettings):
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_reservation_s: float = Field(default=600.0, gt=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    # TEST ONLY: a prefill waits this long after each layer, so fault tests can act mid-prefill
+    test_layer_delay_s: float = Field(default=0.0, ge=0.0, le=10.0)
 
     @field_validator("kv_buffer_bytes", "kv_lease_bytes", mode="before")
     @classmethod

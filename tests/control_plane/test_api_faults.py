@@ -1,9 +1,12 @@
 """Faults around a running job, on real processes (bench/cp_stack.py): the API, a Celery
 worker, a prefill and a decode region (tiny-llama), real Redis, the official openai client.
-A stack of its own, so the regions' gauges (KV bytes held, leases) start at zero."""
+A stack of its own, so the regions' gauges (KV bytes held, leases) start at zero; its prefill
+region is slowed by the test-only `test_layer_delay_s` (0.5 s a layer: ~2 s a prefill)."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -15,8 +18,10 @@ from cp_kit import ensure_redis
 from prfaas.bench.cp_stack import Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
+from prfaas.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
+LAYER_DELAY_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +32,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         s.start_api()
         s.start_worker("w1")
-        s.region("prefill-a", "prefill", 0.5)
+        s.region("prefill-a", "prefill", 0.5, test_layer_delay_s=LAYER_DELAY_S)
         s.region("decode-b", "decode", 4.0)
         s.put_link("prefill-a", "decode-b")
         wait_until(lambda: len(s.healthy()) == 2, 20, 0.1)
@@ -63,24 +68,29 @@ def test_client_disconnect_mid_stream_cancels_the_job_in_both_regions(stack: Sta
     prefill, decode = stack.regions
     prompt = HFEngine("tiny-llama").encode(long_text)[:600]
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
-    # 1500 tokens take tiny-llama ~15 s on this host: the stream is cut well before its end
+    # 3000 tokens take the decode region ~4 s (~750 tokens/s): the stream is cut well before its end
     stream = client.completions.create(
-        model="tiny-llama", prompt=prompt, max_tokens=1500, stream=True, extra_body={"prfaas": {"placement": "split"}}
+        model="tiny-llama", prompt=prompt, max_tokens=3000, stream=True, extra_body={"prfaas": {"placement": "split"}}
     )
     chunks = [next(stream) for _ in range(5)]
     job_id = chunks[0].id
     assert job(stack, key, job_id)["state"] == "DECODING"
     assert metric(decode.metrics, "prfaas_decode_kv_used_bytes") > 0  # the reservation holds the prompt's KV
     assert metric(prefill.metrics, "prfaas_prefill_kv_leases") == 1  # kept 30 s for a re-shipment
-    canceled_before = metric(decode.metrics, "prfaas_decode_reservations_ended_total", outcome="cancelled")
+    ended = "prfaas_decode_reservations_ended_total"
+    ended_before, done_before = metric(decode.metrics, ended), metric(decode.metrics, ended, outcome="done")
 
     stream.close()  # the client goes away mid-stream
 
-    wait_until(lambda: job(stack, key, job_id)["state"] == "CANCELED", 10, 0.05)
+    canceled_s = wait_until(lambda: job(stack, key, job_id)["state"] == "CANCELED", 10, 0.02)
+    print(f"canceled {canceled_s:.3f} s after the disconnect")
+    assert canceled_s < 1.0  # at once, not when the garbage collector reaches the stream's generator
     wait_until(lambda: metric(decode.metrics, "prfaas_decode_kv_used_bytes") == 0, 5, 0.05)
     assert metric(decode.metrics, "prfaas_decode_reservations") == 0
     assert metric(prefill.metrics, "prfaas_prefill_kv_leases") == 0  # released by Cancel, not by the 30 s lease
-    assert metric(decode.metrics, "prfaas_decode_reservations_ended_total", outcome="cancelled") == canceled_before + 1
+    # ended by the Cancel RPC or, when it comes first, by the API's Decode stream being dropped: not "done"
+    assert metric(decode.metrics, ended) == ended_before + 1
+    assert metric(decode.metrics, ended, outcome="done") == done_before
     record = job(stack, key, job_id)
     timeline = record["timeline"]
     assert isinstance(timeline, list) and timeline[-1]["state"] == "CANCELED", timeline
@@ -88,3 +98,43 @@ def test_client_disconnect_mid_stream_cancels_the_job_in_both_regions(stack: Sta
     tokens = metric(decode.metrics, "prfaas_decode_tokens_total")
     time.sleep(0.5)
     assert metric(decode.metrics, "prfaas_decode_tokens_total") == tokens  # decoding stopped
+
+
+def test_celery_worker_killed_mid_dispatch_another_worker_finishes_the_job(stack: Stack, long_text: str) -> None:
+    _, key = stack.tenant("worker-kill", allow_placement=True)  # its job list holds this job only
+    engine = HFEngine("tiny-llama")
+    prompt = engine.encode(long_text)[:600]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=45)
+    replies: list[openai.types.Completion] = []
+    call = threading.Thread(
+        target=lambda: replies.append(
+            client.completions.create(
+                model="tiny-llama", prompt=prompt, max_tokens=6, extra_body={"prfaas": {"placement": "split"}}
+            )
+        ),
+        daemon=True,
+    )
+    call.start()
+    headers = {"Authorization": f"Bearer {key}"}
+
+    def listed() -> list[dict[str, object]]:
+        jobs: list[dict[str, object]] = httpx.get(f"{stack.url}/v1/jobs", headers=headers, timeout=5).json()["data"]
+        return jobs
+
+    wait_until(lambda: [j["state"] for j in listed()] == ["PREFILLING"], 10, 0.02)
+    job_id = str(listed()[0]["id"])
+    first = stack.workers["w1"]
+    first.send_signal(signal.SIGKILL)  # the worker is following the slow prefill's events
+    first.wait(5)
+    stack.start_worker("w2")  # the unacked task comes back to it after dispatch_visibility_s (3 s)
+
+    call.join(40)
+    assert replies, "the completion did not return"
+    expected = engine.generate(prompt, SamplingParams(max_new_tokens=6))
+    assert replies[0].id == job_id and replies[0].choices[0].text == engine.decode_text(expected)
+    record = job(stack, key, job_id)
+    timeline = record["timeline"]
+    assert isinstance(timeline, list)
+    states = [(e["state"], e["attempt"]) for e in timeline]
+    assert ("PREFILLING", 1) in states and ("QUEUED", 2) in states and states[-1] == ("DONE", 2), states
+    assert sum(1 for state, _ in states if state == "DONE") == 1
