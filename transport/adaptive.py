@@ -142,5 +142,5 @@ class StreamController:
     def _settle(self, count: int) -> int:
         if count != self.current:
             self._skip = 1
-        self.current, self._probing, self._held = count, False, 0
+        self.current, self._probing, self._held, self._clear = count, False, 0, 0
         return self.current
