@@ -15,7 +15,7 @@ import openai
 import pytest
 from cp_kit import ensure_redis
 
-from prfaas.bench.cp_stack import Stack, wait_until
+from prfaas.bench.cp_stack import ADMIN, Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
@@ -138,3 +138,65 @@ def test_celery_worker_killed_mid_dispatch_another_worker_finishes_the_job(stack
     states = [(e["state"], e["attempt"]) for e in timeline]
     assert ("PREFILLING", 1) in states and ("QUEUED", 2) in states and states[-1] == ("DONE", 2), states
     assert sum(1 for state, _ in states if state == "DONE") == 1
+
+
+def test_prefill_region_killed_mid_shipment_job_fails_over_and_is_billed_once(stack: Stack, long_text: str) -> None:
+    """Last in this module: it kills the stack's only prefill region (attempt 2 runs locally in decode-b)."""
+    tenant_id, key = stack.tenant("prefill-kill", allow_placement=True)
+    prefill, decode = stack.regions
+    engine = HFEngine("tiny-llama")
+    prompt = engine.encode(long_text)[:600]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
+    replies: list[openai.types.Completion] = []
+    call = threading.Thread(
+        target=lambda: replies.append(
+            client.completions.create(
+                model="tiny-llama", prompt=prompt, max_tokens=6, extra_body={"prfaas": {"placement": "split"}}
+            )
+        ),
+        daemon=True,
+    )
+    call.start()
+    headers = {"Authorization": f"Bearer {key}"}
+
+    def listed() -> list[dict[str, object]]:
+        jobs: list[dict[str, object]] = httpx.get(f"{stack.url}/v1/jobs", headers=headers, timeout=5).json()["data"]
+        return jobs
+
+    def spend() -> float:
+        tenants = httpx.get(f"{stack.url}/admin/tenants", headers=ADMIN, timeout=5).json()
+        return float(next(t for t in tenants if t["id"] == tenant_id)["spend_usd_this_month"])
+
+    assert spend() == 0.0
+    wait_until(lambda: [j["state"] for j in listed()] == ["PREFILLING"], 10, 0.02)
+    job_id = str(listed()[0]["id"])
+    # Mid-shipment: layers go on the wire as they are computed (layer-wise), one per LAYER_DELAY_S
+    # here, and tiny-llama has 4. The region's counters only move when a shipment ends, so the
+    # timeline's PREFILLING time says when: 2.5 layer delays in, ~2 of 4 layers are shipped.
+    timeline = job(stack, key, job_id)["timeline"]
+    assert isinstance(timeline, list)
+    started = float(next(e["at"] for e in timeline if e["state"] == "PREFILLING"))
+    time.sleep(max(0.0, started + 2.5 * LAYER_DELAY_S - time.time()))
+    record = job(stack, key, job_id)
+    assert record["state"] == "PREFILLING" and record["attempt"] == 1, record  # prefill_done not reached
+    prefill.proc.send_signal(signal.SIGKILL)
+    prefill.proc.wait(5)
+
+    call.join(20)
+    assert replies, "the completion did not return"
+    expected = engine.generate(prompt, SamplingParams(max_new_tokens=6))
+    assert replies[0].id == job_id and replies[0].choices[0].text == engine.decode_text(expected)
+    record = job(stack, key, job_id)
+    timeline = record["timeline"]
+    assert isinstance(timeline, list)
+    states = [(e["state"], e["attempt"]) for e in timeline]
+    assert ("PREFILLING", 1) in states and ("QUEUED", 2) in states and states[-1] == ("DONE", 2), states
+    print(states)
+    assert sum(1 for s, _ in states if s == "DONE") == 1, states
+    assert record["prefill_region"] != "prefill-a" or record["placement_chosen"] == "local", record
+    cost = float(str(record["cost_usd"]))
+    assert cost > 0
+    assert spend() == pytest.approx(cost, rel=1e-9, abs=1e-12)  # billed once, for the attempt that finished
+    time.sleep(0.5)  # a late move of the dead attempt would bill again: none comes
+    assert spend() == pytest.approx(cost, rel=1e-9, abs=1e-12)
+    assert metric(decode.metrics, "prfaas_decode_reservations") == 0
