@@ -9,11 +9,13 @@ concurrency cap and budget are checked and the job written in the same step.
 Keys (prefix `p`): `p:job:{id}` hash, `p:job:{id}:timeline` list of JSON entries,
 `p:job:{id}:ready` list (dispatch -> API: where to decode), `p:tenant:{t}:jobs` zset (created
 at), `p:tenant:{t}:active` set, `p:tenant:{t}:spend:{YYYYMM}` float, `p:idem:{t}:{key}`.
+Pub/sub channel `p:job:{id}:notify`: a hand-off was posted or the job ended (wakes `wait_ready`).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -99,6 +101,7 @@ if target == 'DONE' or target == 'FAILED' or target == 'CANCELED' then
   if target == 'DONE' and tonumber(ARGV[6]) > 0 then redis.call('INCRBYFLOAT', KEYS[4], ARGV[6]) end
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
+  redis.call('PUBLISH', KEYS[1] .. ':notify', target)
 end
 return {'ok', target, new_attempt}
 """
@@ -139,11 +142,85 @@ class Created:
     existing: bool  # an Idempotency-Key replay: the job created by the first POST
 
 
+class _Notifier:
+    """One pattern subscription per process (`{prefix}:job:*:notify`), started at the first
+    `watch`: a thread wakes the `wait_ready` callers of a job when its channel gets a message.
+    Every API process gets every notice, so any of them may follow a job. When the
+    subscription breaks it wakes every waiter (a notice may have been lost), and `live` is
+    False until it is back: waiters then poll."""
+
+    def __init__(self, client: redis.Redis, pattern: str) -> None:
+        self._client: Any = client  # redis-py's `pubsub` is untyped
+        self._pattern = pattern
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[threading.Event]] = {}
+        self._live = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def live(self) -> bool:
+        return self._live.is_set()
+
+    def watch(self, channel: str) -> threading.Event:
+        """An event set at each notice on `channel`; once `live`, no notice published after this returns is missed."""
+        event = threading.Event()
+        with self._lock:
+            self._waiters.setdefault(channel, set()).add(event)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="job-notify", daemon=True)
+                self._thread.start()
+        self._live.wait(1.0)
+        return event
+
+    def unwatch(self, channel: str, event: threading.Event) -> None:
+        with self._lock:
+            events = self._waiters.get(channel)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiters[channel]
+
+    def _wake(self, channel: str | None) -> None:
+        with self._lock:
+            if channel is None:
+                events = [e for group in self._waiters.values() for e in group]
+            else:
+                events = list(self._waiters.get(channel, ()))
+        for event in events:
+            event.set()
+
+    def _run(self) -> None:
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                pubsub.psubscribe(self._pattern)
+                while True:
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is None:
+                        continue
+                    if message["type"] == "psubscribe":
+                        self._live.set()
+                        self._wake(None)  # notices of the gap before (re)subscribing are lost: re-read
+                    elif message["type"] == "pmessage":
+                        self._wake(_text(message["channel"]))
+            except (redis.RedisError, OSError):
+                self._live.clear()
+                self._wake(None)
+                time.sleep(0.1)
+            finally:
+                pubsub.close()
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 class JobStore:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
+        self._notifier = _Notifier(client, _glob_escape(settings.key("job")) + ":*:notify")
         self._transition = client.register_script(_TRANSITION)
         self._create = client.register_script(_CREATE)
 
@@ -269,26 +346,34 @@ class JobStore:
         with self.redis.pipeline() as pipe:
             pipe.rpush(key, json.dumps({"attempt": attempt} | info))
             pipe.expire(key, self.settings.job_ttl_s)
+            pipe.publish(self._job(job_id) + ":notify", attempt)
             pipe.execute()
 
     def wait_ready(self, job_id: str, after_attempt: int, timeout_s: float) -> dict[str, Any] | None:
         """The next hand-off for an attempt > `after_attempt`, or None at the deadline or when
-        the job ended. Reads the list without consuming it (another API process may stream)."""
+        the job ended. Reads the list without consuming it (another API process may stream).
+        Blocks on the job's notify channel (`post_ready` and terminal moves publish to it)
+        between reads; re-reads at least every second, every 20 ms while the subscription is down."""
         deadline = time.monotonic() + timeout_s
         key = self._job(job_id) + ":ready"
-        seen = 0
-        delay = 0.001
-        while True:
-            for item in self.redis.lrange(key, seen, -1):
-                seen += 1
-                info: dict[str, Any] = json.loads(item)
-                if info["attempt"] > after_attempt:
-                    return info
-            state = self.redis.hget(self._job(job_id), "state")
-            if state is None or _text(state) in TERMINAL or time.monotonic() >= deadline:
-                return None
-            time.sleep(delay)
-            delay = min(0.02, delay * 1.5)
+        channel = self._job(job_id) + ":notify"
+        notified = self._notifier.watch(channel)  # before the first read: a notice after it is kept
+        try:
+            seen = 0
+            while True:
+                notified.clear()  # before reading: a notice that comes during the reads stays set
+                for item in self.redis.lrange(key, seen, -1):
+                    seen += 1
+                    info: dict[str, Any] = json.loads(item)
+                    if info["attempt"] > after_attempt:
+                        return info
+                state = self.redis.hget(self._job(job_id), "state")
+                remaining = deadline - time.monotonic()
+                if state is None or _text(state) in TERMINAL or remaining <= 0:
+                    return None
+                notified.wait(min(remaining, 1.0 if self._notifier.live else 0.02))
+        finally:
+            self._notifier.unwatch(channel, notified)
 
 
 def _encode(value: Any) -> str | int | float:

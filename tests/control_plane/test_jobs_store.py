@@ -3,6 +3,7 @@ refused, timeline, idempotency, admission, billing once, TTL on finished jobs.""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -149,3 +150,29 @@ def test_ready_hand_off_waits_with_a_deadline(store: JobStore) -> None:
     store.post_ready(job, 1, {"mode": "local"})
     assert store.wait_ready(job, 0, timeout_s=1) == {"attempt": 1, "mode": "local"}
     assert store.wait_ready(job, 1, timeout_s=0.05) is None
+
+
+def test_ready_hand_off_wakes_waiters_of_every_process_and_a_terminal_move_ends_the_wait(settings: Settings) -> None:
+    # two stores on their own clients stand for two API processes following the same job
+    clients = [redis.Redis.from_url(settings.redis_url) for _ in range(2)]
+    first, second = (JobStore(client, settings) for client in clients)
+    try:
+        job = first.create("acme", {}, ROOMY).job_id
+        with ThreadPoolExecutor(2) as pool:
+            waits = [pool.submit(store.wait_ready, job, 0, 10.0) for store in (first, second)]
+            time.sleep(0.2)  # both are blocked on the notify channel
+            assert not any(w.done() for w in waits)
+            posted = time.monotonic()
+            first.post_ready(job, 1, {"mode": "local"})
+            assert [w.result(5) for w in waits] == [{"attempt": 1, "mode": "local"}] * 2
+            assert time.monotonic() - posted < 0.5  # woken by the notice (the re-read is every 1 s)
+            # the hand-off stays readable (not consumed); the next attempt's wait ends at a terminal move
+            waiting = pool.submit(second.wait_ready, job, 1, 10.0)
+            time.sleep(0.2)
+            ended = time.monotonic()
+            first.transition(job, JobState.CANCELED, 0, note="tenant")
+            assert waiting.result(5) is None
+            assert time.monotonic() - ended < 0.5
+    finally:
+        for client in clients:
+            client.close()
