@@ -191,7 +191,6 @@ def test_prefill_region_killed_mid_shipment_job_fails_over_and_is_billed_once(st
     assert isinstance(timeline, list)
     states = [(e["state"], e["attempt"]) for e in timeline]
     assert ("PREFILLING", 1) in states and ("QUEUED", 2) in states and states[-1] == ("DONE", 2), states
-    print(states)
     assert sum(1 for s, _ in states if s == "DONE") == 1, states
     assert record["prefill_region"] != "prefill-a" or record["placement_chosen"] == "local", record
     cost = float(str(record["cost_usd"]))
