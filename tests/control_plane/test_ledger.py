@@ -1,0 +1,235 @@
+"""The usage ledger (control_plane/ledger.py) against SQLite (a tmp file) and the real local PostgreSQL
+(a schema of its own per test, dropped after): exactly-once entries, also from racing threads, sums
+recomputed from GPU-seconds x prices, group-by queries, wasted attempts, Alembic from empty to head."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from prfaas.control_plane.ledger import JobUsage, Ledger, LedgerSettings, PriceTable, UsageEntry, make_engine
+from prfaas.control_plane.migrations import current, upgrade
+
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+PRICES = PriceTable(
+    gpu_hour_usd={"us-east": 4.0, "eu-west": 2.5, "ap-south": 1.2},
+    egress_usd_per_gb={("ap-south", "us-east"): 0.09, ("eu-west", "us-east"): 0.02},
+)
+T0 = dt.datetime(2026, 11, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def _pg_reachable() -> str | None:
+    try:
+        eng = sa.create_engine(PG_URL, connect_args={"connect_timeout": 2})
+        with eng.connect() as c:
+            c.execute(sa.text("select 1"))
+        eng.dispose()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str | None]]:
+    """(url, schema) of an empty database."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'ledger.db'}", None
+        return
+    why = _pg_reachable()
+    if why is not None:
+        pytest.skip(f"PostgreSQL at {PG_URL} unreachable: {why}")
+    schema = f"ledger_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_URL)
+    with admin.begin() as c:
+        c.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield PG_URL, schema
+    finally:
+        with admin.begin() as c:
+            c.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def ledger(db: tuple[str, str | None]) -> Iterator[Ledger]:
+    led = Ledger(db[0], schema=db[1])
+    yield led
+    led.close()
+
+
+def _usage(job_id: str, **kw: object) -> JobUsage:
+    base: dict[str, object] = {
+        "job_id": job_id,
+        "tenant": "acme",
+        "model": "tiny-llama",
+        "prefill_region": "ap-south",
+        "decode_region": "us-east",
+        "prefill_gpu_s": 36.0,
+        "decode_gpu_s": 18.0,
+        "tokens_in": 1000,
+        "tokens_out": 50,
+        "kv_bytes_raw": 4_000_000_000,
+        "kv_bytes_wire": 2_000_000_000,
+        "finished_at": T0,
+    }
+    base.update(kw)
+    return JobUsage(**base)  # type: ignore[arg-type]
+
+
+def test_migration_empty_to_head_and_idempotent(db: tuple[str, str | None]) -> None:
+    url, schema = db
+    eng = make_engine(url, schema)
+    try:
+        assert current(eng) is None
+        assert not sa.inspect(eng).has_table("ledger_usage")
+        upgrade(url, engine=eng)
+        assert current(eng) == "0001_ledger"
+        assert {"ledger_usage", "ledger_wasted", "alembic_version"} <= set(sa.inspect(eng).get_table_names())
+        upgrade(url, engine=eng)  # at head already: a no-op
+        assert current(eng) == "0001_ledger"
+        Ledger(url, schema=schema).close()  # startup upgrade on a migrated database
+        assert current(eng) == "0001_ledger"
+    finally:
+        eng.dispose()
+
+
+def test_models_match_migration(ledger: Ledger) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    from prfaas.control_plane.ledger import Base
+
+    with ledger.engine.connect() as c:
+        diffs = compare_metadata(MigrationContext.configure(c), Base.metadata)
+    assert diffs == []
+
+
+def test_record_once_and_costs(ledger: Ledger) -> None:
+    e = ledger.record(_usage("j1"), PRICES)
+    assert e.prefill_usd == pytest.approx(36 / 3600 * 1.2)
+    assert e.decode_usd == pytest.approx(18 / 3600 * 4.0)
+    assert e.egress_usd == pytest.approx(2.0 * 0.09)
+    assert e.total_usd == pytest.approx(e.prefill_usd + e.decode_usd + e.egress_usd)
+    assert e.colocated_usd == pytest.approx((36 + 18) / 3600 * 4.0)
+    assert e.savings_usd == pytest.approx(e.colocated_usd - e.total_usd)
+    # A retry with different numbers and other prices: the stored entry, unchanged.
+    other = PriceTable({"ap-south": 9, "us-east": 9}, {("ap-south", "us-east"): 1.0})
+    again = ledger.record(_usage("j1", decode_gpu_s=999.0, tokens_out=7), other)
+    assert (again.id, again.decode_gpu_s, again.tokens_out, again.total_usd) == (e.id, 18.0, 50, e.total_usd)
+    with ledger.engine.connect() as c:
+        assert c.execute(sa.select(sa.func.count()).select_from(UsageEntry)).scalar_one() == 1
+    # The unique constraint holds without the Python path.
+    with pytest.raises(IntegrityError), ledger.session() as s:
+        s.add(UsageEntry(**{k: getattr(e, k) for k in UsageEntry.__table__.columns.keys() if k != "id"}))  # noqa: SIM118
+    local = ledger.record(_usage("j2", prefill_region="us-east", kv_bytes_wire=0), PRICES)
+    assert local.egress_usd == 0.0 and local.savings_usd == pytest.approx(0.0)
+    with pytest.raises(KeyError, match="no egress"):
+        ledger.record(_usage("j3", prefill_region="us-east", decode_region="ap-south"), PRICES)
+    assert ledger.entry("j3") is None
+
+
+def test_concurrent_writers_one_row(ledger: Ledger) -> None:
+    n = 8
+    barrier = threading.Barrier(n)
+    ids: list[int] = []
+    errors: list[BaseException] = []
+
+    def write(i: int) -> None:
+        try:
+            barrier.wait()
+            ids.append(ledger.record(_usage("race", tokens_out=i), PRICES).id)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len(ids) == n and len(set(ids)) == 1
+    with ledger.engine.connect() as c:
+        rows = c.execute(sa.select(UsageEntry.tokens_out).where(UsageEntry.job_id == "race")).all()
+    assert len(rows) == 1
+
+
+def test_group_by_and_recomputed_sums(ledger: Ledger) -> None:
+    jobs = [
+        _usage("a", finished_at=T0),
+        _usage("b", finished_at=T0 + dt.timedelta(hours=11), model="smollm2-135m", prefill_region="eu-west"),
+        _usage("c", finished_at=T0 + dt.timedelta(days=1), prefill_region="us-east", kv_bytes_wire=0),
+        _usage("d", finished_at=T0 + dt.timedelta(days=5)),  # outside the window
+        _usage("e", finished_at=T0, tenant="other"),  # another tenant
+    ]
+    for j in jobs:
+        ledger.record(j, PRICES)
+    start, end = T0 - dt.timedelta(hours=1), T0 + dt.timedelta(days=2)
+    mine = [j for j in jobs if j.job_id in "abc"]
+
+    def cost(j: JobUsage) -> float:
+        p, d = PRICES.gpu_hour(j.prefill_region), PRICES.gpu_hour(j.decode_region)
+        eg = PRICES.egress(j.prefill_region, j.decode_region)
+        return j.prefill_gpu_s / 3600 * p + j.decode_gpu_s / 3600 * d + j.kv_bytes_wire / 1e9 * eg
+
+    by_day = {g.key: g for g in ledger.totals("acme", start, end, "day")}
+    assert set(by_day) == {"2026-11-01", "2026-11-02"}
+    assert by_day["2026-11-01"].jobs == 2 and by_day["2026-11-02"].jobs == 1
+    assert sum(g.total_usd for g in by_day.values()) == pytest.approx(sum(cost(j) for j in mine))
+    assert by_day["2026-11-02"].total_usd == pytest.approx(cost(mine[2]))
+    assert sum(g.tokens_in for g in by_day.values()) == 3000
+
+    by_model = {g.key: g for g in ledger.totals("acme", start, end, "model")}
+    assert by_model["smollm2-135m"].jobs == 1 and by_model["tiny-llama"].jobs == 2
+    assert by_model["smollm2-135m"].total_usd == pytest.approx(cost(mine[1]))
+    colo = sum((j.prefill_gpu_s + j.decode_gpu_s) / 3600 * 4.0 for j in mine)
+    assert sum(g.savings_usd for g in by_model.values()) == pytest.approx(colo - sum(cost(j) for j in mine))
+
+    by_region = {g.key: g for g in ledger.totals("acme", start, end, "region")}
+    assert set(by_region) == {"ap-south", "eu-west", "us-east"}
+    assert by_region["ap-south"].prefill_usd == pytest.approx(36 / 3600 * 1.2)
+    assert by_region["ap-south"].egress_usd == pytest.approx(2 * 0.09)
+    assert by_region["us-east"].decode_usd == pytest.approx(3 * 18 / 3600 * 4.0)
+    assert by_region["us-east"].jobs == 3  # c prefilled and decoded there: counted once
+    assert sum(g.total_usd for g in by_region.values()) == pytest.approx(sum(cost(j) for j in mine))
+    assert ledger.totals("nobody", start, end, "day") == []
+
+
+def test_wasted_attempts_are_platform_cost(ledger: Ledger) -> None:
+    w1 = ledger.record_wasted(
+        job_id="j", attempt=1, phase="prefill", tenant="acme", region="ap-south", gpu_s=72.0, prices=PRICES,
+        reason="region lost", recorded_at=T0,
+    )  # fmt: skip
+    ledger.record_wasted(
+        job_id="j", attempt=2, phase="prefill", tenant="acme", region="eu-west", gpu_s=36.0, prices=PRICES,
+        recorded_at=T0,
+    )  # fmt: skip
+    dup = ledger.record_wasted(
+        job_id="j", attempt=1, phase="prefill", tenant="acme", region="ap-south", gpu_s=1.0, prices=PRICES
+    )
+    assert dup.id == w1.id and dup.gpu_s == 72.0
+    assert [w.attempt for w in ledger.wasted("j")] == [1, 2]
+    assert w1.cost_usd == pytest.approx(72 / 3600 * 1.2)
+    ledger.record(_usage("j", prefill_region="us-east", kv_bytes_wire=0), PRICES)
+    assert ledger.platform_cost(T0, T0 + dt.timedelta(days=1)) == pytest.approx(72 / 3600 * 1.2 + 36 / 3600 * 2.5)
+    # The tenant is billed only for the attempt that answered.
+    (day,) = ledger.totals("acme", T0, T0 + dt.timedelta(days=1), "day")
+    assert day.total_usd == pytest.approx((36 + 18) / 3600 * 4.0)
+
+
+def test_default_url(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PRFAAS_HOME", str(tmp_path))
+    monkeypatch.delenv("PRFAAS_LEDGER_URL", raising=False)
+    assert LedgerSettings().ledger_url == f"sqlite:///{tmp_path / 'ledger.db'}"
+    led = Ledger()
+    led.record(_usage("x"), PRICES)
+    led.close()
+    assert (tmp_path / "ledger.db").exists()
+    monkeypatch.setenv("PRFAAS_LEDGER_URL", "sqlite:///" + str(tmp_path / "other.db"))
+    assert LedgerSettings().ledger_url.endswith("other.db")
