@@ -4,9 +4,6 @@ drives a split job the way the control plane will (Reserve -> Prefill -> Decode)
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -18,6 +15,9 @@ from typing import Any
 import grpc
 import yaml
 
+from prfaas.bench.cp_stack import RegionProcess as RegionProcess  # shared with the control-plane tests
+from prfaas.bench.cp_stack import spawn_region as spawn_region
+from prfaas.bench.cp_stack import wait_until as wait_until
 from prfaas.decode_region.agent import DecodeAgent
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
@@ -236,24 +236,6 @@ def cancel(stub: Any, job_id: str) -> bool:
 # -- regions as real processes -------------------------------------------------------------
 
 
-@dataclass
-class RegionProcess:
-    proc: subprocess.Popen[str]
-    grpc: str
-    kv: str
-    metrics: str
-    lines: list[str]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 def write_config(folder: Path, **fields: Any) -> Path:
     config = {
         "role": "both",
@@ -267,46 +249,6 @@ def write_config(folder: Path, **fields: Any) -> Path:
     path = folder / f"{config['name']}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def spawn_region(config: Path, timeout_s: float = 120) -> RegionProcess:
-    """Start `prfaas region --config` and wait for its ready line."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(config), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    lines: list[str] = []
-    ready: dict[str, str] = {}
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("ready "):
-                ready.update(part.split("=", 1) for part in line.split()[1:])
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not ready and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not ready:
-        proc.kill()
-        raise RuntimeError(f"region {config.name} did not start:\n" + "\n".join(lines[-30:]))
-    return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines)
-
-
-def wait_until(predicate: Any, timeout_s: float, interval_s: float = 0.02) -> float:
-    """Seconds until `predicate()` held; raises AssertionError after `timeout_s`."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def metric(metrics_address: str, name: str) -> float:
