@@ -1,10 +1,12 @@
-"""Socket options both ends of a KV connection use."""
+"""Socket options both ends of a KV connection use, and what the kernel reports about one."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import ssl
+import struct
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,6 +30,32 @@ def configure(sock: socket.socket, buf_bytes: int | None = None) -> None:
     if buf_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf_bytes)
+
+
+@dataclass(frozen=True)
+class TcpInfo:
+    srtt_s: float  # tcpi_rtt: smoothed RTT
+    min_rtt_s: float  # tcpi_min_rtt: lowest RTT seen (windowed by the kernel)
+    bytes_acked: int  # tcpi_bytes_acked: payload bytes the peer's TCP acknowledged
+    notsent_bytes: int  # tcpi_notsent_bytes: in the socket buffer, not yet sent (the path is the limit)
+
+
+def tcp_info(sock: socket.socket | TlsSocket) -> TcpInfo | None:
+    """The kernel's TCP_INFO for a connection (Linux struct tcp_info offsets), or None before
+    its first RTT sample, off Linux, or on a closed socket."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 152)
+    except OSError:
+        return None
+    if len(info) < 152:
+        return None
+    srtt_us, min_rtt_us = struct.unpack_from("<I", info, 68)[0], struct.unpack_from("<I", info, 148)[0]
+    if not srtt_us or not min_rtt_us or min_rtt_us == 0xFFFFFFFF:  # no RTT sample yet
+        return None
+    bytes_acked, notsent = struct.unpack_from("<Q", info, 120)[0], struct.unpack_from("<I", info, 144)[0]
+    return TcpInfo(srtt_us / 1e6, min_rtt_us / 1e6, bytes_acked, notsent)
 
 
 # A sender socket takes more data only while less than this is waiting unsent in it, so

@@ -15,11 +15,9 @@ import logging
 import socket
 import ssl
 import statistics
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from prfaas.transport import metrics, sockets
 from prfaas.transport.adaptive import PathSample, StreamController
@@ -32,14 +30,6 @@ from prfaas.transport.tls import TlsSocket
 
 log = logging.getLogger(__name__)
 LAN_RTT_S = 0.001  # below: same host or region (see StreamController.lan_rtt_s)
-
-
-@dataclass(frozen=True)
-class TcpInfo:
-    srtt_s: float  # tcpi_rtt: smoothed RTT
-    min_rtt_s: float  # tcpi_min_rtt: lowest RTT seen (windowed by the kernel)
-    bytes_acked: int  # tcpi_bytes_acked: payload bytes the peer's TCP acknowledged
-    notsent_bytes: int  # tcpi_notsent_bytes: in the socket buffer, not yet sent (the path is the limit)
 
 
 class _Stream:
@@ -200,22 +190,10 @@ class _Stream:
         self.channel.queue.release(lost)
         self.channel.queue.put(lost)
 
-    def tcp_info(self) -> TcpInfo | None:
-        """The kernel's view of this connection (TCP_INFO), if connected and measured."""
+    def tcp_info(self) -> sockets.TcpInfo | None:
+        """The kernel's view of this connection, if connected and measured."""
         sock = self.sock
-        if sock is None or not hasattr(socket, "TCP_INFO"):
-            return None
-        try:
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 152)
-        except OSError:
-            return None
-        if len(info) < 152:
-            return None
-        srtt_us, min_rtt_us = struct.unpack_from("<I", info, 68)[0], struct.unpack_from("<I", info, 148)[0]
-        if not srtt_us or not min_rtt_us or min_rtt_us == 0xFFFFFFFF:  # no RTT sample yet
-            return None
-        bytes_acked, notsent = struct.unpack_from("<Q", info, 120)[0], struct.unpack_from("<I", info, 144)[0]
-        return TcpInfo(srtt_us / 1e6, min_rtt_us / 1e6, bytes_acked, notsent)
+        return sockets.tcp_info(sock) if sock is not None else None
 
     def kill(self) -> None:
         """Break the connection now (tests, and `close`)."""
