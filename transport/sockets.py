@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import ssl
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -75,7 +74,7 @@ def limit_unsent(sock: socket.socket | TlsSocket, lowat: int = NOTSENT_LOWAT_BYT
 def send_frame(sock: socket.socket | TlsSocket, header: bytes, payload: bytes | memoryview) -> None:
     """Send a frame's header and payload with one gathering syscall where the kernel takes it
     all (no copy into a joined buffer); the rest goes out with `sendall`."""
-    if not isinstance(sock, socket.socket) or isinstance(sock, ssl.SSLSocket):  # TLS: no scatter-gather
+    if not isinstance(sock, socket.socket):  # TlsSocket: no scatter-gather
         sock.sendall(header)
         sock.sendall(payload)
         return

@@ -19,6 +19,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,8 +188,12 @@ class TlsSocket:
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         tls = context.wrap_bio(incoming, outgoing, server_side=server_side, server_hostname=server_hostname)
         self = cls(sock, tls, incoming, outgoing)
-        sock.settimeout(timeout_s)
+        deadline = time.monotonic() + timeout_s  # for the whole handshake, however the peer trickles
         while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"TLS handshake not done within {timeout_s} s")
+            sock.settimeout(remaining)
             try:
                 self._locked(tls.do_handshake)
                 break
