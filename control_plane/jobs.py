@@ -203,7 +203,7 @@ class _Notifier:
                         self._wake(None)  # notices of the gap before (re)subscribing are lost: re-read
                     elif message["type"] == "pmessage":
                         self._wake(_text(message["channel"]))
-            except (redis.RedisError, OSError):
+            except (redis.RedisError, OSError, ValueError):  # ValueError: the pool closed the socket under us
                 self._live.clear()
                 self._wake(None)
                 time.sleep(0.1)
