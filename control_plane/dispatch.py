@@ -170,6 +170,10 @@ class Dispatcher:
                 if kind == "prefill_done":
                     done = event.prefill_done
                     jobs.transition(job_id, JobState.TRANSFERRING, attempt, note="prefill done, KV shipping")
+                    # The decode region answers only once all KV arrived, so by the time the job
+                    # can read DONE its raw bytes have been shipped: record them now, before the
+                    # hand-off (the prefill region's shipment_complete event may come after DONE).
+                    jobs.update(job_id, attempt, bytes_raw=kv_bytes)
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
                     info = {"mode": "split", "decode_grpc": decode_grpc, "first_token": done.first_token, "kv": kv}
                     jobs.post_ready(job_id, attempt, info)
