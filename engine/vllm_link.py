@@ -1,0 +1,135 @@
+"""The prfaas transport endpoints of one vLLM engine, shared by its connector and its host.
+
+vLLM builds the connector itself from `kv_transfer_config`, so the process that hosts
+the engine cannot hand it objects. Both meet here instead, by the engine's `engine_id`:
+the worker-side connector creates the `KVLink` (KV receiver port, outbound channels);
+the host registers the shipments a decode will wait for (`expect`) *before* it hands the
+request to vLLM, so a shipment that arrives first is never refused, and waits for a
+prefill's shipment outcome (`wait_shipped`). Only meaningful when the engine core runs
+in the host's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, which `VLLMHost` sets).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from prfaas.transport.api import TransferStatus
+from prfaas.transport.inbound import Inbound
+from prfaas.transport.tcp import TcpChannel
+from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.tickets import TicketVerifier
+
+
+@dataclass(frozen=True)
+class ShipOutcome:
+    status: TransferStatus
+    raw_bytes: int
+    wire_bytes: int
+    seconds: float
+    error: str | None
+
+
+class KVLink:
+    """Receiver (optional) and outbound channels of one engine."""
+
+    def __init__(self, node: str, verifier: TicketVerifier | None, host: str, port: int) -> None:
+        self.node = node
+        self.receiver = TcpReceiver(verifier, host, port, node=node) if verifier is not None else None
+        self._lock = threading.Condition()
+        self._expected: dict[tuple[str, int], Inbound] = {}
+        self._channels: dict[tuple[str, int], TcpChannel] = {}
+        self._outcomes: dict[str, ShipOutcome] = {}
+
+    @property
+    def kv_address(self) -> tuple[str, int] | None:
+        return self.receiver.address if self.receiver is not None else None
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
+        """Register a shipment now; the connector's load picks it up (`take`)."""
+        if self.receiver is None:
+            raise RuntimeError("this engine has no KV receiver (kv_connector_extra_config.ticket_keys is unset)")
+        inbound = self.receiver.expect(job_id, attempt, timeout_s)
+        with self._lock:
+            self._expected[(job_id, attempt)] = inbound
+        return inbound
+
+    def take(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
+        """The shipment the host registered, or a new registration (the request came first)."""
+        with self._lock:
+            inbound = self._expected.pop((job_id, attempt), None)
+        return inbound if inbound is not None else self.expect_untracked(job_id, attempt, timeout_s)
+
+    def expect_untracked(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
+        if self.receiver is None:
+            raise RuntimeError("this engine has no KV receiver (kv_connector_extra_config.ticket_keys is unset)")
+        return self.receiver.expect(job_id, attempt, timeout_s)
+
+    def channel(self, address: tuple[str, int]) -> TcpChannel:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None or channel.closed.is_set():
+                channel = self._channels[address] = TcpChannel(address, node=self.node)
+            return channel
+
+    def record_shipped(self, job_id: str, outcome: ShipOutcome) -> None:
+        with self._lock:
+            self._outcomes[job_id] = outcome
+            while len(self._outcomes) > 4096:  # oldest first: hosts collect theirs promptly
+                del self._outcomes[next(iter(self._outcomes))]
+            self._lock.notify_all()
+
+    def wait_shipped(self, job_id: str, timeout_s: float) -> ShipOutcome | None:
+        """The outcome of job `job_id`'s shipment, or None if it has not ended in `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while job_id not in self._outcomes:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._lock.wait(remaining)
+            return self._outcomes.pop(job_id)
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+            expected, self._expected = list(self._expected.values()), {}
+        for inbound in expected:
+            inbound.cancel("engine shutting down")
+            inbound.release()
+        for channel in channels:
+            channel.close()
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+class LinkRegistry:
+    """engine_id -> KVLink for this process (see the module docstring for why it exists)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._links: dict[str, KVLink] = {}
+
+    def open(self, engine_id: str, node: str, verifier: TicketVerifier | None, host: str, port: int) -> KVLink:
+        with self._lock:
+            link = self._links.get(engine_id)
+            if link is None:
+                link = self._links[engine_id] = KVLink(node, verifier, host, port)
+            return link
+
+    def get(self, engine_id: str) -> KVLink:
+        with self._lock:
+            link = self._links.get(engine_id)
+        if link is None:
+            raise LookupError(f"no vLLM engine {engine_id!r} with the prfaas connector runs in this process")
+        return link
+
+    def close(self, engine_id: str) -> None:
+        with self._lock:
+            link = self._links.pop(engine_id, None)
+        if link is not None:
+            link.close()
+
+
+LINKS = LinkRegistry()

@@ -1,0 +1,115 @@
+"""What a request tells the prfaas vLLM connector, in its `kv_transfer_params`.
+
+No vLLM import: the region agents and tests build these without vLLM installed.
+
+- A prefill (producer) request carries `{"prfaas_ship": ShipParams}`: ship the prompt's
+  KV, layer by layer as it is computed, to the decode region's KV port under `ticket`.
+- A decode (consumer) request carries `{"prfaas_load": LoadParams}`: the prompt's KV comes
+  as the shipment (`job_id`, `attempt`); vLLM waits for it instead of computing the
+  prompt, and recomputes the prompt if the shipment fails or misses `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prfaas.transport.codecs import get_codec
+from prfaas.transport.errors import CodecError
+
+SHIP_KEY = "prfaas_ship"
+LOAD_KEY = "prfaas_load"
+
+
+def _job_id(value: Any) -> str:
+    try:
+        return str(uuid.UUID(str(value)))
+    except ValueError:
+        raise ValueError(f"job_id {value!r} is not a UUID") from None
+
+
+def _attempt(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"attempt must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _timeout(value: Any) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
+        raise ValueError(f"timeout_s must be in (0, 3600], got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ShipParams:
+    job_id: str
+    attempt: int
+    ticket: str
+    kv_endpoint: str  # "host:port" of the decode region's KV receiver
+    codec: str = "lossless"
+    timeout_s: float = 30.0  # deadline of the whole transfer
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, _, port = self.kv_endpoint.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @staticmethod
+    def parse(value: Any) -> ShipParams:
+        if not isinstance(value, dict):
+            raise ValueError(f"{SHIP_KEY} must be an object")
+        ticket, endpoint = value.get("ticket"), value.get("kv_endpoint")
+        if not isinstance(ticket, str) or not ticket:
+            raise ValueError(f"{SHIP_KEY}.ticket is required")
+        host, _, port = str(endpoint or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{SHIP_KEY}.kv_endpoint must be host:port, got {endpoint!r}")
+        codec = value.get("codec", "lossless")
+        try:
+            get_codec(codec)
+        except CodecError as exc:
+            raise ValueError(f"{SHIP_KEY}.codec: {exc}") from None
+        return ShipParams(
+            _job_id(value.get("job_id")),
+            _attempt(value.get("attempt", 0)),
+            ticket,
+            str(endpoint),
+            str(codec),
+            _timeout(value.get("timeout_s", 30.0)),
+        )
+
+    def to_kv_params(self) -> dict[str, Any]:
+        return {SHIP_KEY: asdict(self)}
+
+
+@dataclass(frozen=True)
+class LoadParams:
+    job_id: str
+    attempt: int
+    timeout_s: float = 30.0  # how long the decode waits for the whole shipment
+
+    @staticmethod
+    def parse(value: Any) -> LoadParams:
+        if not isinstance(value, dict):
+            raise ValueError(f"{LOAD_KEY} must be an object")
+        return LoadParams(
+            _job_id(value.get("job_id")), _attempt(value.get("attempt", 0)), _timeout(value.get("timeout_s", 30.0))
+        )
+
+    def to_kv_params(self) -> dict[str, Any]:
+        return {LOAD_KEY: asdict(self)}
+
+
+def parse_kv_params(params: dict[str, Any] | None) -> ShipParams | LoadParams | None:
+    """The prfaas part of a request's kv_transfer_params; None when it has none.
+    Raises ValueError on a malformed one (callers check before handing it to vLLM)."""
+    if not params:
+        return None
+    if SHIP_KEY in params and LOAD_KEY in params:
+        raise ValueError(f"a request is either {SHIP_KEY} or {LOAD_KEY}, not both")
+    if SHIP_KEY in params:
+        return ShipParams.parse(params[SHIP_KEY])
+    if LOAD_KEY in params:
+        return LoadParams.parse(params[LOAD_KEY])
+    return None
