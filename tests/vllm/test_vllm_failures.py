@@ -1,0 +1,71 @@
+"""Shipments that never come, or come refused: vLLM recomputes the prompt within the
+request's deadline (the connector reports the blocks through
+get_block_ids_with_load_errors), and no KV block is stranded on either side."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_vllm_split import prompt_ids, split
+from vllm_kit import VLLMPair
+
+from prfaas.engine.vllm_params import LoadParams, ShipParams
+from prfaas.transport.tickets import TicketSigner
+
+pytestmark = pytest.mark.vllm
+
+
+def test_missing_shipment_is_recomputed_within_its_deadline(vllm_pair: VLLMPair, long_text: str) -> None:
+    prompt = prompt_ids(long_text, 600)
+    reference = vllm_pair.decode.client.generate(prompt, 8)
+    load = LoadParams(str(uuid.uuid4()), 0, timeout_s=3.0).to_kv_params()
+    started = time.monotonic()
+    result = vllm_pair.decode.client.generate(prompt, 8, load, timeout_s=120)
+    elapsed = time.monotonic() - started
+    assert result["num_cached_tokens"] == 0  # nothing loaded: the prompt was computed here
+    assert result["token_ids"][:8] == reference["token_ids"][:8]
+    assert 3.0 <= elapsed < 3.0 + 60  # waited for the deadline, then recomputed (generous: shared CPU)
+
+
+def _forged_split(pair: VLLMPair, prompt: list[int]) -> tuple[dict, dict | None]:
+    """A prefill whose ticket the decode region refuses (signed with another key)."""
+    job = str(uuid.uuid4())
+    forged = TicketSigner({"k1": b"x" * 32}, "k1").issue(job, 0, "tenant-a", 1 << 30, ttl_s=60)
+    ship = ShipParams(job, 0, forged, pair.decode.kv_endpoint, "lossless", 5.0).to_kv_params()
+    load = LoadParams(job, 0, timeout_s=2.0, num_tokens=len(prompt)).to_kv_params()
+    pair.decode.client.expect(job, 0, 2.0)
+    first = pair.prefill.client.generate(prompt, 1, ship)["token_ids"]
+    outcome = pair.prefill.client.wait_shipped(ship, 30)
+    return pair.decode.client.generate(prompt + first, 4, load), outcome
+
+
+def test_block_pools_return_to_their_start_after_20_requests(vllm_pair: VLLMPair, long_text: str) -> None:
+    free_prefill = vllm_pair.prefill.client.num_free_blocks()
+    free_decode = vllm_pair.decode.client.num_free_blocks()
+    prompts = [prompt_ids(long_text[i * 997 :], 200 + 37 * i) for i in range(20)]
+
+    def run(i: int) -> str:
+        prompt = prompts[i]
+        if i % 4 == 3:  # refused ticket: prefill fails to ship, decode recomputes
+            decoded, outcome = _forged_split(vllm_pair, prompt)
+            assert outcome is not None and outcome["status"] == "failed", outcome
+            assert decoded["num_cached_tokens"] == 0
+            return "refused"
+        if i % 4 == 1:  # no prefill at all: decode waits out the deadline, recomputes
+            load = LoadParams(str(uuid.uuid4()), 0, timeout_s=2.0).to_kv_params()
+            decoded = vllm_pair.decode.client.generate(prompt, 4, load)
+            assert decoded["num_cached_tokens"] == 0
+            return "missing"
+        _tokens, decoded, outcome = split(vllm_pair, prompt)
+        assert outcome is not None and outcome["status"] == "completed", outcome
+        assert decoded["num_cached_tokens"] == len(prompt)
+        return "shipped"
+
+    with ThreadPoolExecutor(4) as pool:
+        kinds = list(pool.map(run, range(20)))
+    assert kinds.count("shipped") == 10 and kinds.count("missing") == 5 and kinds.count("refused") == 5
+    assert vllm_pair.prefill.client.num_free_blocks() == free_prefill
+    assert vllm_pair.decode.client.num_free_blocks() == free_decode
