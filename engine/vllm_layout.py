@@ -5,8 +5,12 @@ The wire (docs/wire-format.md) and the HF engine carry one layer as K and V, eac
 that a request owns in any order (its block table). Two paged layouts are understood:
 
 - CPU attention backend: `[num_blocks, num_kv_heads, block_size, 2 * head_dim]`, where
-  each (block, head) row holds `block_size` keys followed by `block_size` values
-  (the backend views it as `[num_blocks, num_kv_heads, 2 * block_size, head_dim]`).
+  each (block, head) holds `block_size * head_dim` key elements, then as many value
+  elements. Values are token-major `[block_size, head_dim]`; keys are token-major too, or
+  dimension-major `[head_dim, block_size]` (`k_transposed`), depending on the kernel ISA
+  the backend picked (the x86 "vec" kernel transposes them, so that one vector load
+  covers one dimension of many tokens). The connector finds out which by running the
+  backend's own cache-write op once (`engine/vllm_connector.py`).
 - Flash-attention style (GPU backends): `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
 
 Pure torch, no vLLM import: unit-testable on synthetic caches.
@@ -40,14 +44,15 @@ class PagedLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    k_transposed: bool = False  # CPU only: keys stored [head_dim, block_size] per block and head
 
     @staticmethod
-    def of(cache: torch.Tensor) -> PagedLayout:
+    def of(cache: torch.Tensor, k_transposed: bool = False) -> PagedLayout:
         if cache.dim() == 4:  # CPU: [num_blocks, kv_heads, block_size, 2 * head_dim]
             num_blocks, heads, block_size, two_head_dim = cache.shape
             if two_head_dim % 2:
                 raise ValueError(f"CPU KV cache last dim {two_head_dim} is not 2 x head_dim")
-            return PagedLayout("cpu", num_blocks, block_size, heads, two_head_dim // 2)
+            return PagedLayout("cpu", num_blocks, block_size, heads, two_head_dim // 2, k_transposed)
         if cache.dim() == 5 and cache.shape[0] == 2:  # flash: [2, num_blocks, block_size, kv_heads, head_dim]
             _, num_blocks, block_size, heads, head_dim = cache.shape
             return PagedLayout("flash", num_blocks, block_size, heads, head_dim)
@@ -61,8 +66,13 @@ def _split(cache: torch.Tensor, layout: PagedLayout) -> tuple[torch.Tensor, torc
     """Views of K and V as [num_blocks, kv_heads, block_size, head_dim] (CPU) or
     [num_blocks, block_size, kv_heads, head_dim] (flash), sharing the cache's memory."""
     if layout.kind == "cpu":
-        rows = cache.view(layout.num_blocks, layout.num_kv_heads, 2 * layout.block_size, layout.head_dim)
-        return rows[:, :, : layout.block_size], rows[:, :, layout.block_size :]
+        nb, heads, bs, dim = layout.num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim
+        halves = cache.view(nb, heads, 2, bs * dim)
+        if layout.k_transposed:
+            k = halves[:, :, 0].view(nb, heads, dim, bs).transpose(2, 3)
+        else:
+            k = halves[:, :, 0].view(nb, heads, bs, dim)
+        return k, halves[:, :, 1].view(nb, heads, bs, dim)
     return cache[0], cache[1]
 
 
@@ -75,10 +85,12 @@ def _block_index(block_ids: Sequence[int], count: int, layout: PagedLayout) -> t
     return index
 
 
-def gather_layer(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_layer(
+    cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int, *, k_transposed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first `num_tokens` tokens held in `block_ids`, each a new contiguous
     `[num_kv_heads, num_tokens, head_dim]` tensor (a copy: the blocks may be reused later)."""
-    layout = PagedLayout.of(cache)
+    layout = PagedLayout.of(cache, k_transposed)
     count = layout.num_blocks_for(num_tokens)
     index = _block_index(block_ids, count, layout)
     out = []
@@ -93,13 +105,19 @@ def gather_layer(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int)
 
 
 def scatter_layer(
-    cache: torch.Tensor, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, *, start_token: int = 0
+    cache: torch.Tensor,
+    block_ids: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    start_token: int = 0,
+    k_transposed: bool = False,
 ) -> None:
     """Write tokens `start_token ..` of K and V (`[num_kv_heads, num_tokens, head_dim]`) into
     the blocks `block_ids` (the request's whole block table, from token 0). `start_token`
     must be block-aligned (tokens before it are already in the cache, e.g. a local prefix
     hit). Slots past `num_tokens` in the last block are left as they are."""
-    layout = PagedLayout.of(cache)
+    layout = PagedLayout.of(cache, k_transposed)
     heads, num_tokens, head_dim = k.shape
     if (heads, head_dim) != (layout.num_kv_heads, layout.head_dim) or v.shape != k.shape:
         raise ValueError(

@@ -51,11 +51,21 @@ class KVLink:
         picks it up (`take`). Idempotent: a second call returns the first registration."""
         if self.receiver is None:
             raise RuntimeError("this engine has no KV receiver (kv_connector_extra_config.ticket_keys is unset)")
+        key = (job_id, attempt)
         with self._lock:
-            inbound = self._expected.get((job_id, attempt))
-            if inbound is None:
-                inbound = self._expected[(job_id, attempt)] = self.receiver.expect(job_id, attempt, timeout_s)
-            return inbound
+            inbound = self._expected.get(key)
+            if inbound is not None:
+                return inbound
+            inbound = self._expected[key] = self.receiver.expect(job_id, attempt, timeout_s)
+        inbound.cell.on_terminal(lambda status: self._forget_failed(key, status))
+        return inbound
+
+    def _forget_failed(self, key: tuple[str, int], status: TransferStatus) -> None:
+        """A reservation whose shipment failed or expired before a request took it: drop it
+        (the transport already dropped its KV). A completed one waits for its request."""
+        if status is not TransferStatus.COMPLETED:
+            with self._lock:
+                self._expected.pop(key, None)
 
     def take(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
         """The shipment the host registered, or a new registration (the request came first)."""

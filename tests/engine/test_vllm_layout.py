@@ -21,15 +21,15 @@ def flash_cache() -> torch.Tensor:  # GPU backends: [2, num_blocks, block_size, 
     return torch.full((2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM), -1.0)
 
 
-@pytest.mark.parametrize("make_cache", [cpu_cache, flash_cache])
+@pytest.mark.parametrize(("make_cache", "k_transposed"), [(cpu_cache, False), (cpu_cache, True), (flash_cache, False)])
 @pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 48, 50])
-def test_scatter_then_gather_round_trips(make_cache, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
+def test_scatter_then_gather_round_trips(make_cache, k_transposed: bool, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
     cache = make_cache()
     blocks = [7, 2, 9, 0]  # a block table in no particular order
     k = torch.randn(HEADS, num_tokens, HEAD_DIM)
     v = torch.randn(HEADS, num_tokens, HEAD_DIM)
-    scatter_layer(cache, blocks, k, v)
-    k2, v2 = gather_layer(cache, blocks, num_tokens)
+    scatter_layer(cache, blocks, k, v, k_transposed=k_transposed)
+    k2, v2 = gather_layer(cache, blocks, num_tokens, k_transposed=k_transposed)
     assert torch.equal(k2, k) and torch.equal(v2, v)
     assert k2.is_contiguous() and k2.shape == (HEADS, num_tokens, HEAD_DIM)
     untouched = [b for b in range(NUM_BLOCKS) if b not in blocks]
@@ -49,6 +49,17 @@ def test_cpu_layout_puts_token_t_of_head_h_where_the_cpu_kernel_reads_it() -> No
     assert torch.equal(rows[3, 1, 18 - BLOCK], k[1, 18])  # token 18 -> block table[1], slot 2
     assert torch.equal(rows[3, 1, BLOCK + 2], -k[1, 18])  # its value, block_size rows further
     assert bool((rows[3, :, 4:BLOCK] == -1).all())  # slots past the last token are left alone
+
+
+def test_transposed_cpu_keys_sit_dimension_major_values_token_major() -> None:
+    # The x86 "vec" kernel: per (block, head) keys are [head_dim, block_size], values [block_size, head_dim].
+    cache = cpu_cache()
+    k = torch.randn(HEADS, 20, HEAD_DIM)
+    scatter_layer(cache, [5, 3], k, -k, k_transposed=True)
+    region = cache.view(NUM_BLOCKS, HEADS, 2, BLOCK * HEAD_DIM)
+    assert float(region[3, 1, 0, 6 * BLOCK + 2]) == float(k[1, 18, 6])  # token 18 = slot 2 of block 3, dim 6
+    assert float(region[3, 1, 1, 2 * HEAD_DIM + 6]) == float(-k[1, 18, 6])
+    assert float(region[3, 1, 0, 6 * BLOCK + 4]) == -1  # slot 4 of the last block: past the end, untouched
 
 
 def test_scatter_from_a_block_aligned_start_keeps_earlier_blocks() -> None:

