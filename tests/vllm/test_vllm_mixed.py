@@ -24,14 +24,18 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
+@pytest.fixture(scope="module")
+def hf() -> HFEngine:
+    return HFEngine(MODEL)
+
+
 @pytest.mark.parametrize("num_tokens", [512, 1000])
 def test_hf_prefill_then_vllm_decode_gives_the_same_tokens(
-    vllm_pair: VLLMPair, long_text: str, num_tokens: int
+    vllm_pair: VLLMPair, hf: HFEngine, long_text: str, num_tokens: int
 ) -> None:
     prompt = prompt_ids(long_text, num_tokens)
     reference = vllm_pair.decode.client.generate(prompt, NEW_TOKENS)
 
-    hf = HFEngine(MODEL)
     pre = hf.prefill(prompt, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     job = str(uuid.uuid4())
     ticket = vllm_pair.signer.issue(job, 0, "tenant-a", pre.kv.nbytes, ttl_s=120)
