@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from prfaas.cli.bench import bench as bench_command
 from prfaas.engine.errors import EngineError
 
 app = typer.Typer(
@@ -183,6 +184,66 @@ def region(
     print(f"ready region={settings.name} role={settings.role} grpc={server.grpc_address} "
           f"kv={registration.kv_endpoint or '-'} metrics={server.metrics_address or '-'}", flush=True)  # fmt: skip
     server.wait()
+
+
+@app.command()
+def up(
+    topology: Path = typer.Option(None, "--topology", help="topology YAML (default examples/topology.yaml)"),
+    emulate_wan: bool = typer.Option(False, help="regions in network namespaces joined by emulated WAN links (root)"),
+    detach: bool = typer.Option(False, help="return once up; `prfaas down` stops it"),
+) -> None:
+    """Start a whole deployment on this machine: Redis, the control plane, a Celery worker and
+    every region of the topology; a demo tenant. Ctrl-C (or `prfaas down`) stops everything."""
+    from rich.markup import escape
+
+    from prfaas.cli.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
+    from prfaas.cli.up import UpError, run_up
+    from prfaas.engine.models import prfaas_home
+
+    path = topology or DEFAULT_TOPOLOGY
+    try:
+        spec = load_topology(path)
+    except TopologyError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+
+    def ready(state: object) -> None:
+        from prfaas.cli.up import UpState
+
+        assert isinstance(state, UpState)
+        table = Table("", "", show_header=False)
+        for label, value in (("API base", state.api_base), ("API key", state.api_key), ("admin key", state.admin_key),
+                             ("dashboard", state.dashboard_url), ("logs", state.log_dir),
+                             ("state", str(prfaas_home() / "up.json"))):  # fmt: skip
+            table.add_row(label, value)
+        console.print(table)
+        console.print("[green]up[/green]" + ("" if detach else "; Ctrl-C or `prfaas down` stops it"))
+
+    try:
+        run_up(spec, str(path), prfaas_home(), emulate_wan, detach, lambda m: console.print(escape(m)), ready)
+    except UpError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def down() -> None:
+    """Stop what `prfaas up` started (processes, network namespaces)."""
+    from rich.markup import escape
+
+    from prfaas.cli.up import UpError
+    from prfaas.cli.up import down as stop
+    from prfaas.engine.models import prfaas_home
+
+    try:
+        found = stop(prfaas_home(), lambda m: console.print(escape(m)))
+    except UpError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print("down" if found else f"nothing is up ({prfaas_home() / 'up.json'} does not exist)")
+
+
+app.command("bench")(bench_command)
 
 
 sim_app = typer.Typer(
