@@ -309,10 +309,15 @@ class Deployment:
 def stop_state(state: UpState, say: Callable[[str], None]) -> None:
     """Stop what `state` names: regions, then workers and the API, then Redis; namespaces last."""
     rank = {"api": 2, "redis": 3}
-    order = sorted(state.groups, key=lambda n: 0 if n.startswith("region-") else rank.get(n, 1))
-    for name in order:
-        if group_alive(state.groups[name]):
-            stop_group(state.groups[name], timeout_s=15 if name.startswith("worker") else 8)
+    phases: dict[int, list[str]] = {}
+    for name in state.groups:
+        phases.setdefault(0 if name.startswith("region-") else rank.get(name, 1), []).append(name)
+    for _, names in sorted(phases.items()):  # one phase's groups stop side by side
+        live = [n for n in names if group_alive(state.groups[n])]
+        with ThreadPoolExecutor(max(1, len(live))) as pool:
+            timeouts = [15.0 if n.startswith("worker") else 8.0 for n in live]
+            list(pool.map(stop_group, [state.groups[n] for n in live], timeouts))
+        for name in live:
             say(f"stopped {name}")
     if state.namespaces or state.devices:
         remove_namespaces(state.namespaces, state.devices)
