@@ -42,6 +42,7 @@ class Outcome:
     error: str | None = None
     job_id: str | None = None
     job: dict[str, Any] = field(default_factory=dict)
+    usage: dict[str, Any] = field(default_factory=dict)  # the ledger's entry, when the API has one
 
     @property
     def tpot_s(self) -> float | None:
@@ -135,15 +136,33 @@ def run(
     return asyncio.run(_run(api_base, api_key, model, planned, placement, concurrency, timeout_s, on_done))
 
 
-def attach_jobs(api_base: str, api_key: str, outcomes: list[Outcome]) -> None:
-    """Fill each outcome's `job` from GET /v1/jobs/{id} (placement, regions, bytes, cost)."""
+def attach_jobs(api_base: str, api_key: str, outcomes: list[Outcome], ledger_wait_s: float = 10.0) -> None:
+    """Fill each outcome's `job` from GET /v1/jobs/{id} (placement, regions, bytes, cost) and,
+    when the API has a ledger (GET /v1/usage/jobs/{id}), its `usage` entry. Entries are written
+    off the request path, so a missing one is asked again until `ledger_wait_s` has passed."""
     headers = {"Authorization": f"Bearer {api_key}"}
+    done = [o for o in outcomes if o.job_id and o.ok]
     with httpx.Client(base_url=api_base, headers=headers, timeout=10) as http:
         for o in outcomes:
             if o.job_id:
                 reply = http.get(f"/jobs/{o.job_id}")
                 if reply.status_code == 200:
                     o.job = reply.json()
+        if not done:
+            return
+        probe = http.get(f"/usage/jobs/{done[0].job_id}")
+        if probe.status_code == 404 and probe.json().get("detail") == "Not Found":
+            return  # no such route: this API has no ledger
+        deadline = time.monotonic() + ledger_wait_s
+        waiting = done
+        while waiting and time.monotonic() < deadline:
+            for o in waiting:
+                reply = http.get(f"/usage/jobs/{o.job_id}")
+                if reply.status_code == 200:
+                    o.usage = reply.json()
+            waiting = [o for o in waiting if not o.usage]
+            if waiting:
+                time.sleep(0.2)
 
 
 def fetch_models(api_base: str, api_key: str) -> list[str]:

@@ -41,9 +41,14 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft_s: float, slo_tpo
     for o in ok:
         chosen = str(o.job.get("placement_chosen") or "unknown")
         placements[chosen] = placements.get(chosen, 0) + 1
-    priced = [o for o in ok if "cost_usd" in o.job]
-    cost = sum(float(o.job["cost_usd"]) for o in priced)
-    colocated_cost = sum(float(o.job.get("colocated_cost_usd", 0.0)) for o in priced)
+    if ok and all(o.usage for o in ok):  # the ledger (metering) when it has every job
+        priced, source = ok, "ledger: GET /v1/usage/jobs/{id}"
+        cost = sum(float(o.usage["total_usd"]) for o in ok)
+        colocated_cost = sum(float(o.usage["colocated_usd"]) for o in ok)
+    else:
+        priced, source = [o for o in ok if "cost_usd" in o.job], "job store: GET /v1/jobs/{id} cost_usd"
+        cost = sum(float(o.job["cost_usd"]) for o in priced)
+        colocated_cost = sum(float(o.job.get("colocated_cost_usd", 0.0)) for o in priced)
     priced_tokens = sum(o.prompt_tokens + o.output_tokens for o in priced)
     return {
         "requests": len(outcomes), "completed": len(ok), "failed": len(outcomes) - len(ok),
@@ -60,7 +65,7 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft_s: float, slo_tpo
                     "requests_per_s": len(good) / wall_s if wall_s else 0.0},
         "placements": placements,
         "cost": None if not priced or not priced_tokens else {
-            "source": "GET /v1/jobs/{id} cost_usd", "usd": cost, "colocated_usd": colocated_cost,
+            "source": source, "usd": cost, "colocated_usd": colocated_cost,
             "usd_per_1m_tokens": cost / priced_tokens * 1e6,
             "colocated_usd_per_1m_tokens": colocated_cost / priced_tokens * 1e6,
         },
@@ -83,7 +88,7 @@ def trace_rows(policy: str, outcomes: list[Outcome]) -> list[dict[str, Any]]:
             "latency_s": o.latency_s, "ok": o.ok, "error": o.error, "job_id": o.job_id,
             "placement": j.get("placement_chosen"), "prefill_region": j.get("prefill_region"),
             "decode_region": j.get("decode_region"), "bytes_raw": j.get("bytes_raw"), "bytes_wire": j.get("bytes_wire"),
-            "cost_usd": j.get("cost_usd"), "attempts": j.get("attempt"),
+            "cost_usd": o.usage.get("total_usd", j.get("cost_usd")), "attempts": j.get("attempt"),
         })  # fmt: skip
     return rows
 

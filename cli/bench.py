@@ -24,7 +24,7 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _corpus(model: str) -> tuple[list[int], int]:
+def prompt_corpus(model: str) -> tuple[list[int], int]:
     """Real English and Python source as the model's token ids, and its context length."""
     import argparse
     import ast
@@ -131,7 +131,7 @@ def bench(
         served = model or loadgen.fetch_models(base, key)[0]
     except Exception as exc:
         raise _fail(f"cannot reach {base}/models: {exc}") from None
-    corpus, context = _corpus(served)
+    corpus, context = prompt_corpus(served)
     try:
         requests = plan(spec, corpus, max_prompt_tokens=context // 2)
         warm = plan(WorkloadSpec(max(1, warmup), None, seed=seed + 1, input_len="fixed:64", output_len="fixed:4"),
