@@ -1,7 +1,9 @@
 """The control plane as real processes on loopback, shared by `bench/control_plane.py` and
 tests/control_plane/test_api_e2e.py: the API (uvicorn, serving the region registry over
 gRPC), Celery workers (Redis broker) and `prfaas region` processes registering through
-heartbeats. Redis must already run (tests/ensure-services.sh starts one)."""
+heartbeats. Redis must already run (tests/ensure-services.sh starts one). The process helpers
+(`spawn_region`, `RegionProcess`, `free_port`, `wait_until`) live in cli/launch.py, shared with
+`prfaas up`, and are re-exported here."""
 
 from __future__ import annotations
 
