@@ -97,7 +97,7 @@ def bench(
     ),
     slo_ttft_ms: float = typer.Option(2000.0, help="goodput: TTFT target"),
     slo_tpot_ms: float = typer.Option(200.0, help="goodput: TPOT target"),
-    warmup: int = typer.Option(2, help="requests per policy sent before measuring (not counted)"),
+    warmup: int = typer.Option(2, help="short local and split requests each, sent first (not counted)"),
     timeout_s: float = typer.Option(300.0, help="deadline of each request"),
     out: Path = typer.Option(None, help="folder for bench.json, bench.png, trace.jsonl (default $PRFAAS_HOME/bench/)"),
 ) -> None:  # fmt: skip
@@ -147,10 +147,10 @@ def bench(
                   f"{'mix ' + mix if mix else f'input {input_len}, output {output_len}'}")  # fmt: skip
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:  # fmt: skip
+        for placement in ("local", "split") if warmup else ():  # both paths warm before any policy runs
+            loadgen.run(base, key, served, warm, placement, concurrency=1, timeout_s=timeout_s)
         for name in policies:
             placement = loadgen.PLACEMENTS[name]
-            if warmup:
-                loadgen.run(base, key, served, warm, placement, concurrency=1, timeout_s=timeout_s)
             task = progress.add_task(name, total=len(requests))
             outcomes, wall_s = loadgen.run(base, key, served, requests, placement, concurrency, timeout_s,
                                            on_done=lambda _o, t=task: progress.advance(t))  # fmt: skip
