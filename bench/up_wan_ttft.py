@@ -26,7 +26,7 @@ from prfaas.bench import loadgen
 from prfaas.bench.workload import Planned
 from prfaas.cli.bench import prompt_corpus
 from prfaas.cli.topology import load_topology
-from prfaas.cli.up import read_state
+from prfaas.cli.up_state import read_state
 from prfaas.engine.models import prfaas_home, resolve_model
 
 

@@ -46,7 +46,7 @@ def prompt_corpus(model: str) -> tuple[list[int], int]:
 
 
 def _connection(api_base: str | None, api_key: str | None) -> tuple[str, str]:
-    from prfaas.cli.up import read_state
+    from prfaas.cli.up_state import read_state
     from prfaas.engine.models import prfaas_home
 
     if api_base and api_key:

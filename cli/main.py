@@ -208,7 +208,7 @@ def up(
         raise typer.Exit(2) from None
 
     def ready(state: object) -> None:
-        from prfaas.cli.up import UpState
+        from prfaas.cli.up_state import UpState
 
         assert isinstance(state, UpState)
         table = Table("", "", show_header=False)
@@ -231,8 +231,8 @@ def down() -> None:
     """Stop what `prfaas up` started (processes, network namespaces)."""
     from rich.markup import escape
 
-    from prfaas.cli.up import UpError
-    from prfaas.cli.up import down as stop
+    from prfaas.cli.up_state import UpError
+    from prfaas.cli.up_state import down as stop
     from prfaas.engine.models import prfaas_home
 
     try:

@@ -12,7 +12,6 @@ after a deadline), removes the namespaces and the file.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -22,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,65 +35,15 @@ from prfaas.cli.launch import (
     http_ok,
     pid_alive,
     spawn_region,
-    stop_group,
     wait_until,
     worker_argv,
 )
 from prfaas.cli.topology import Topology
-from prfaas.cli.wan import LoopbackNetwork, Network, WanMesh, remove_namespaces
+from prfaas.cli.up_state import UpError, UpState, read_state, state_path, stop_state, write_state
+from prfaas.cli.wan import LoopbackNetwork, Network, WanMesh
 from prfaas.control_plane.policy import DEFAULT_POLICY_YAML
 
-STATE_FILE = "up.json"
 START_TIMEOUT_S = 180.0
-
-
-class UpError(RuntimeError):
-    """The deployment cannot start (or stop); the message says what to do."""
-
-
-@dataclass
-class UpState:
-    """Contents of $PRFAAS_HOME/up.json."""
-
-    api_base: str
-    api_key: str
-    admin_key: str
-    dashboard_url: str
-    url: str
-    tenant_id: str
-    topology: str
-    redis_url: str
-    key_prefix: str
-    registry: str
-    log_dir: str
-    emulate_wan: bool
-    supervisor_pid: int | None = None
-    groups: dict[str, int] = field(default_factory=dict)  # process name -> process group id
-    namespaces: list[str] = field(default_factory=list)
-    devices: list[str] = field(default_factory=list)  # root-namespace interfaces (the WAN mesh's bridge)
-    private_redis: bool = False
-    regions: dict[str, str] = field(default_factory=dict)  # region name -> gRPC endpoint
-
-
-def state_path(home: Path) -> Path:
-    return home / STATE_FILE
-
-
-def read_state(home: Path) -> UpState | None:
-    try:
-        return UpState(**json.loads(state_path(home).read_text()))
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError) as exc:
-        raise UpError(f"{state_path(home)} is not a prfaas up state file ({exc}); remove it by hand") from None
-
-
-def _write_state(home: Path, state: UpState) -> None:
-    path = state_path(home)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(state), indent=2) + "\n")
-    tmp.chmod(0o600)
-    tmp.replace(path)
 
 
 def _redis_answers(url: str) -> bool:
@@ -150,7 +98,7 @@ class Deployment:
         if self.run_dir.exists():
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True)
-        _write_state(self.home, self.state)  # from here on `prfaas down` can clean up a half-started deployment
+        write_state(self.home, self.state)  # from here on `prfaas down` can clean up a half-started deployment
         self._start_redis()
         try:
             self.network.setup()
@@ -159,7 +107,7 @@ class Deployment:
         finally:  # what a failed setup created is removed by stop()
             self.state.namespaces, self.state.devices = self.network.namespaces, self.network.devices
             self.state.groups |= self.network.groups
-            _write_state(self.home, self.state)
+            write_state(self.home, self.state)
         self._start_control_plane()
         with ThreadPoolExecutor(len(self.topology.regions)) as pool:  # model loads overlap
             list(pool.map(self._start_region, [r.name for r in self.topology.regions]))
@@ -170,7 +118,7 @@ class Deployment:
             missing = sorted({r.name for r in self.topology.regions} - set(self._healthy()))
             raise UpError(f"regions not healthy after 60 s: {', '.join(missing)} (logs in {self.run_dir})") from None
         self._configure()
-        _write_state(self.home, self.state)
+        write_state(self.home, self.state)
         return self.state
 
     def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[Any]:
@@ -178,7 +126,7 @@ class Deployment:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         self.state.groups[name] = proc.pid
-        _write_state(self.home, self.state)
+        write_state(self.home, self.state)
         return proc
 
     def _start_redis(self) -> None:
@@ -265,7 +213,7 @@ class Deployment:
             self.procs[f"region-{name}"] = region.proc
             self.state.groups[f"region-{name}"] = region.proc.pid
             self.state.regions[name] = region.grpc
-            _write_state(self.home, self.state)
+            write_state(self.home, self.state)
         self.say(f"region {name} ({spec.role}, ${spec.usd_per_gpu_hour}/GPU-h): grpc {region.grpc} kv {region.kv}")
 
     def _admin(self, method: str, path: str, body: object = None) -> Any:
@@ -306,50 +254,6 @@ class Deployment:
             state_path(self.home).unlink()
 
 
-def stop_state(state: UpState, say: Callable[[str], None]) -> None:
-    """Stop what `state` names: regions, then workers and the API, then Redis; namespaces last."""
-    rank = {"api": 2, "redis": 3}
-    phases: dict[int, list[str]] = {}
-    for name in state.groups:
-        phases.setdefault(0 if name.startswith("region-") else rank.get(name, 1), []).append(name)
-    for _, names in sorted(phases.items()):  # one phase's groups stop side by side
-        live = [n for n in names if group_alive(state.groups[n])]
-        with ThreadPoolExecutor(max(1, len(live))) as pool:
-            timeouts = [15.0 if n.startswith("worker") else 8.0 for n in live]
-            list(pool.map(stop_group, [state.groups[n] for n in live], timeouts))
-        for name in live:
-            say(f"stopped {name}")
-    if state.namespaces or state.devices:
-        remove_namespaces(state.namespaces, state.devices)
-        say(f"removed {len(state.namespaces)} network namespaces")
-    if not state.private_redis and state.redis_url:
-        with contextlib.suppress(redis.RedisError, ValueError):
-            client = redis.Redis.from_url(state.redis_url, socket_timeout=5, socket_connect_timeout=2)
-            keys = list(client.scan_iter(f"{state.key_prefix}:*", count=1000))
-            for i in range(0, len(keys), 1000):
-                client.delete(*keys[i : i + 1000])
-            client.close()
-
-
-def down(home: Path, say: Callable[[str], None], timeout_s: float = 60.0) -> bool:
-    """Stop the deployment `home/up.json` names; False when there is none."""
-    state = read_state(home)
-    if state is None:
-        return False
-    pid = state.supervisor_pid
-    if pid and pid != os.getpid() and pid_alive(pid):
-        say(f"asking prfaas up (pid {pid}) to stop")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 15)
-        deadline = time.monotonic() + timeout_s
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    stop_state(state, say)  # whatever the supervisor left (or all of it, when detached)
-    with contextlib.suppress(FileNotFoundError):
-        state_path(home).unlink()
-    return True
-
-
 def run_up(
     topology: Topology,
     topology_path: str,
@@ -379,7 +283,7 @@ def run_up(
         state = deployment.start()
         if detach:
             state.supervisor_pid = None
-            _write_state(home, state)
+            write_state(home, state)
             keep = True
             on_ready(state)
             return state
