@@ -176,7 +176,9 @@ def bench(
     console.print(f"wrote {folder / 'bench.json'}, {folder / 'bench.png'}, {folder / 'trace.jsonl'}")
     failed = sum(s["failed"] for s in summaries.values())
     if failed:
-        console.print(f"[yellow]{failed} requests failed[/yellow]: {'; '.join(_errors(summaries))}")
+        console.print(f"[yellow]{failed} requests failed[/yellow]: {escape('; '.join(_errors(summaries)))}")
+    if any(s["completed"] == 0 for s in summaries.values()):
+        raise typer.Exit(1)  # nothing to compare: make demo must fail
 
 
 def _errors(summaries: dict[str, dict[str, Any]]) -> list[str]:
