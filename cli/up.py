@@ -240,7 +240,11 @@ class Deployment:
         self.state.tenant_id = str(tenant["id"])
         self.state.api_key = str(self._admin("POST", f"/admin/tenants/{tenant['id']}/keys")["key"])
         dashboard = self.state.url + "/dashboard"
-        self.state.dashboard_url = dashboard if http_ok(dashboard) else self.state.url + "/docs"
+        try:  # the route may ask for a key; only a 404 means there is none
+            served = httpx.get(dashboard, timeout=5).status_code != 404
+        except httpx.HTTPError:
+            served = False
+        self.state.dashboard_url = dashboard if served else self.state.url + "/docs"
 
     # ------------------------------------------------------------------ watch and stop
 
