@@ -77,7 +77,7 @@ def main() -> None:
         order = ("local", "split") if i % 2 == 0 else ("split", "local")
         got = {placement: _one(base, key, model, prompt, placement) for placement in order}
         split = got["split"]
-        sample = {
+        sample: dict[str, Any] = {
             "local_ttft_s": got["local"].ttft_s, "split_ttft_s": split.ttft_s,
             "bytes_raw": split.job.get("bytes_raw"), "bytes_wire": split.job.get("bytes_wire"),
             "codec": (split.job.get("decision") or {}).get("codec"),

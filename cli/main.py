@@ -197,7 +197,8 @@ def up(
     from rich.markup import escape
 
     from prfaas.cli.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
-    from prfaas.cli.up import UpError, run_up
+    from prfaas.cli.up import run_up
+    from prfaas.cli.up_state import UpError
     from prfaas.engine.models import prfaas_home
 
     path = topology or DEFAULT_TOPOLOGY
