@@ -92,3 +92,15 @@ def test_prfaas_up_with_a_bad_topology_exits_2_naming_the_field(tmp_path: Path) 
     assert out.returncode == 2, out.stdout + out.stderr
     assert "links[0].dst: no region named 'nowhere'" in out.stdout
     assert not (tmp_path / "up.json").exists()
+
+
+def test_emulate_wan_without_root_says_so_and_uses_loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prfaas.cli.up import Deployment
+    from prfaas.cli.wan import LoopbackNetwork
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # an ordinary user
+    said: list[str] = []
+    deployment = Deployment(load_topology(DEFAULT_TOPOLOGY), "t.yaml", tmp_path, True, said.append)
+    assert isinstance(deployment.network, LoopbackNetwork)
+    assert not deployment.state.emulate_wan
+    assert said == ["--emulate-wan needs root (network namespaces, TUN devices); running every region on loopback"]
