@@ -2,9 +2,12 @@
 control plane loads) plus which part of the fleet it may use.
 
 - `prfaas`: the default policy (conditional disaggregation over the whole fleet).
-- `homogeneous-pd`: the PD clusters alone (prefill-only regions dropped); never splits.
+- `homogeneous-pd`: never splits, on an equal-GPU homogeneous fleet: the prefill-only regions'
+  GPUs become more workers of the PD clusters' own GPU type (split between prefill and decode
+  in each cluster's own ratio), the way PrfaaS compares 32 H200 + 64 H20 with 96 H20.
 - `naive-heterogeneous`: every request splits to a prefill region (a `split-only` filter cuts
-  the local candidate); rejected when no split survives the filters.
+  the local candidate), and the PD clusters decode only (their prefill workers become decode
+  workers): heterogeneous PD with all prefill external. Rejected when no split survives the filters.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any, ClassVar
 
 import yaml
@@ -42,21 +46,56 @@ def sim_registry() -> PluginRegistry:
     return registry
 
 
+class FleetShape(StrEnum):
+    AS_IS = "as-is"
+    HOMOGENEOUS = "homogeneous"  # prefill-only regions folded into the PD clusters, equal GPU count
+    DECODE_ONLY_PD = "decode-only-pd"  # the PD clusters' prefill workers turned into decode workers
+
+
+def homogeneous_fleet(fleet: FleetSpec) -> FleetSpec:
+    """The same number of GPUs, all in the PD clusters and of their GPU type: each PD cluster
+    takes a share of the prefill-only regions' GPUs proportional to its own GPU count, as whole
+    workers split between prefill and decode in its own ratio (rounded, at least one each)."""
+    pd = [r for r in fleet.regions if r.num_decode_workers]
+    if not pd:
+        raise ValueError("the fleet has no PD cluster to fold its prefill regions into")
+    extra_gpus = sum(r.num_gpus for r in fleet.regions if not r.num_decode_workers)
+    pd_gpus = sum(r.num_gpus for r in pd)
+    regions = []
+    for region in pd:
+        workers = region.num_prefill_workers + region.num_decode_workers
+        added = round(extra_gpus * region.num_gpus / pd_gpus / region.gpus_per_worker)
+        total = workers + added
+        prefill = min(total - 1, max(1, round(total * region.num_prefill_workers / workers)))
+        regions.append(replace(region, num_prefill_workers=prefill, num_decode_workers=total - prefill))
+    return replace(fleet, regions=tuple(regions), links=())
+
+
+def decode_only_pd_fleet(fleet: FleetSpec) -> FleetSpec:
+    regions = tuple(
+        replace(r, num_prefill_workers=0, num_decode_workers=r.num_prefill_workers + r.num_decode_workers)
+        if r.num_decode_workers
+        else r
+        for r in fleet.regions
+    )
+    return replace(fleet, regions=regions)
+
+
 @dataclass(frozen=True)
 class SimPolicy:
     name: str
     config: PolicyConfig
-    prefill_only_regions: bool = True  # False: the fleet loses its prefill-only regions
+    shape: FleetShape = FleetShape.AS_IS
 
     def scheduler(self) -> GlobalScheduler:
         return build_scheduler(self.config, sim_registry())
 
     def fleet_for(self, fleet: FleetSpec) -> FleetSpec:
-        if self.prefill_only_regions:
-            return fleet
-        kept = tuple(r for r in fleet.regions if r.num_decode_workers)
-        names = {r.name for r in kept}
-        return replace(fleet, regions=kept, links=tuple(lk for lk in fleet.links if {lk.src, lk.dst} <= names))
+        if self.shape is FleetShape.HOMOGENEOUS:
+            return homogeneous_fleet(fleet)
+        if self.shape is FleetShape.DECODE_ONLY_PD:
+            return decode_only_pd_fleet(fleet)
+        return fleet
 
 
 def _default_document() -> dict[str, Any]:
@@ -76,14 +115,14 @@ def prfaas_policy(document: Mapping[str, Any] | None = None) -> SimPolicy:
 
 def homogeneous_pd_policy(document: Mapping[str, Any] | None = None) -> SimPolicy:
     doc = _with(document or _default_document(), min_uncached_tokens=2**62)
-    return SimPolicy("homogeneous-pd", policy_from_mapping(doc), prefill_only_regions=False)
+    return SimPolicy("homogeneous-pd", policy_from_mapping(doc), FleetShape.HOMOGENEOUS)
 
 
 def naive_heterogeneous_policy(document: Mapping[str, Any] | None = None) -> SimPolicy:
     doc = _with(document or _default_document(), min_uncached_tokens=0, min_cost_gain=0.0, min_ttft_gain=0.0)
     filters = doc["profiles"]["prefill"]["filters"]
     doc["profiles"]["prefill"]["filters"] = [{"type": "split-only"}, *filters]
-    return SimPolicy("naive-heterogeneous", policy_from_mapping(doc))
+    return SimPolicy("naive-heterogeneous", policy_from_mapping(doc), FleetShape.DECODE_ONLY_PD)
 
 
 BASELINES = {
