@@ -24,7 +24,7 @@ from prfaas.sim.hardware import WorkerModel
 
 
 class _Sequence:
-    __slots__ = ("ctx_base", "output_tokens", "first_s", "done")
+    __slots__ = ("ctx_base", "done", "first_s", "output_tokens")
 
     def __init__(self, ctx_base: float, output_tokens: int, first_s: float, done: simpy.Event) -> None:
         self.ctx_base = ctx_base  # prompt tokens - pool steps at join: its context is ctx_base + steps

@@ -46,8 +46,11 @@ class RunMetrics:
     decision_us_mean: float
 
 
-def measure(fleet: FleetSpec, policy: SimPolicy, slo: Slo, arrivals: Sequence[Arrival], rate_rps: float) -> RunMetrics:
-    used = policy.fleet_for(fleet)
+def measure(
+    fleet: FleetSpec, policy: SimPolicy, slo: Slo, arrivals: Sequence[Arrival], rate_rps: float, *, shape: bool = True
+) -> RunMetrics:
+    """One run of `arrivals` under `policy` on `fleet` (reshaped for the policy unless `shape` is False)."""
+    used = policy.fleet_for(fleet) if shape else fleet
     sim = Simulation(used, policy.scheduler(), slo)
     records = sim.run(arrivals)
     return summarize(sim, records, slo, rate_rps)

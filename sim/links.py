@@ -19,7 +19,7 @@ _EPS_BYTES = 1e-3  # a shipment with less than this left is done (float residue)
 
 
 class _Flow:
-    __slots__ = ("wire_bytes", "remaining", "cap", "cap_until", "rate", "done")
+    __slots__ = ("cap", "cap_until", "done", "rate", "remaining", "wire_bytes")
 
     def __init__(self, wire_bytes: int, cap: float, cap_until: float, done: simpy.Event) -> None:
         self.wire_bytes = wire_bytes

@@ -125,6 +125,12 @@ def naive_heterogeneous_policy(document: Mapping[str, Any] | None = None) -> Sim
     return SimPolicy("naive-heterogeneous", policy_from_mapping(doc), FleetShape.DECODE_ONLY_PD)
 
 
+def policy_with_threshold(policy: SimPolicy, min_uncached_tokens: int) -> SimPolicy:
+    """The same policy with another disaggregation threshold."""
+    disaggregation = policy.config.disaggregation.model_copy(update={"min_uncached_tokens": min_uncached_tokens})
+    return replace(policy, config=policy.config.model_copy(update={"disaggregation": disaggregation}))
+
+
 BASELINES = {
     "prfaas": prfaas_policy,
     "homogeneous-pd": homogeneous_pd_policy,

@@ -25,8 +25,8 @@ from prfaas.control_plane.errors import PlacementRejected
 from prfaas.control_plane.request import Request, Slo
 from prfaas.control_plane.scheduler import GlobalScheduler
 from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
-from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.decode import DecodePool, DecodeResult
+from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.hardware import WorkerModel
 from prfaas.sim.links import FluidLink
 from prfaas.sim.workload import Arrival
