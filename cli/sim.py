@@ -85,7 +85,10 @@ def sim_compare(
     from prfaas.sim.compare import load_rows
 
     try:
-        runs = {str(path): load_rows(path) for path in files}
+        labels = [path.stem for path in files]
+        if len(set(labels)) < len(labels):  # same names in different folders: the full paths
+            labels = [str(path) for path in files]
+        runs = {label: load_rows(path) for label, path in zip(labels, files, strict=True)}
     except ValueError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None

@@ -1,7 +1,7 @@
 """A region's decode pool as one continuous batch, advanced per batch iteration analytically.
 
 Every sequence in the pool takes one token per step; a step's time depends on the batch
-(sequences per worker) and the context they hold (`WorkerModel.decode_step_s`). Between two
+(sequences per worker) and the context they hold (`WorkerTimings.decode_step_s`). Between two
 changes (a sequence joins or finishes) every step takes the same time, so the pool keeps a
 step counter `steps` that advances by elapsed / step time, and schedules one wake-up at the
 next finish; a join or finish recomputes the step time, so a late joiner slows everyone
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from prfaas.sim.hardware import WorkerModel
+from prfaas.sim.hardware import WorkerTimings
 
 
 class _Sequence:
@@ -41,7 +41,7 @@ class DecodeResult:
 
 
 class DecodePool:
-    def __init__(self, env: simpy.Environment, worker: WorkerModel, num_workers: int) -> None:
+    def __init__(self, env: simpy.Environment, worker: WorkerTimings, num_workers: int) -> None:
         self.env = env
         self.worker = worker
         self.num_workers = max(1, num_workers)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -27,7 +27,7 @@ from prfaas.control_plane.scheduler import GlobalScheduler
 from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.sim.decode import DecodePool, DecodeResult
 from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec, LinkSpec, RegionSpec
-from prfaas.sim.hardware import WorkerModel
+from prfaas.sim.hardware import WorkerTimings
 from prfaas.sim.links import FluidLink
 from prfaas.sim.workload import Arrival
 
@@ -58,7 +58,7 @@ class RequestRecord:
 
 
 class _RegionState:
-    def __init__(self, env: simpy.Environment, spec: RegionSpec, worker: WorkerModel) -> None:
+    def __init__(self, env: simpy.Environment, spec: RegionSpec, worker: WorkerTimings) -> None:
         self.spec = spec
         self.worker = worker
         self.prefill = simpy.Resource(env, capacity=spec.num_prefill_workers) if spec.num_prefill_workers else None
@@ -155,8 +155,18 @@ class Simulation:
     """One run of `arrivals` on `fleet` under `scheduler`; `run()` returns one record per arrival."""
 
     def __init__(
-        self, fleet: FleetSpec, scheduler: GlobalScheduler, slo: Slo, *, allow_lossy_codec: bool = False
+        self,
+        fleet: FleetSpec,
+        scheduler: GlobalScheduler,
+        slo: Slo,
+        *,
+        allow_lossy_codec: bool = False,
+        workers: Mapping[str, WorkerTimings] | None = None,
+        dispatch_overhead_s: float = 0.0,
     ) -> None:
+        """`workers`: measured timings per region name instead of the roofline model (calibration);
+        `dispatch_overhead_s`: fixed time from a request's arrival to its placement and from
+        its first token to the tenant (API, job store, dispatch, streaming), added to TTFT."""
         self.fleet = fleet
         self.scheduler = scheduler
         self.slo = slo
@@ -167,7 +177,12 @@ class Simulation:
         self.shape = ModelShape(
             name=model.name, num_layers=model.num_layers, kv_bytes_per_token=model.kv_bytes_per_token
         )
-        self.regions = {r.name: _RegionState(self.env, r, r.worker(model)) for r in fleet.regions}
+        workers = workers or {}
+        self.regions = {
+            r.name: _RegionState(self.env, r, workers[r.name] if r.name in workers else r.worker(model))
+            for r in fleet.regions
+        }
+        self.dispatch_overhead_s = dispatch_overhead_s
         self.links = {(lk.src, lk.dst): _LinkState(self.env, lk, model.num_layers) for lk in fleet.links}
         self.records: dict[int, RequestRecord] = {}
         self.decisions_s = 0.0
@@ -219,6 +234,8 @@ class Simulation:
         )
 
     def _serve(self, index: int, arrival: Arrival) -> Generator[simpy.Event, object, None]:
+        if self.dispatch_overhead_s > 0:
+            yield self.env.timeout(self.dispatch_overhead_s)
         start = time.perf_counter()
         try:
             decision = self.scheduler.decide(self._snapshot(), self._request(index, arrival))
