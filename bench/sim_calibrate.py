@@ -184,7 +184,7 @@ def main() -> None:
         wait_until(lambda: len(stack.healthy()) == 2, 30, 0.1)
         _, key = stack.tenant("calibrate", rps=1e5, concurrency=10_000, budget_usd=1e9)
         run_measured(stack, key, [{"t_s": 0.2 * i, "prompt_tokens": 4, "output_tokens": 1} for i in range(5)], 0)
-        probes = []
+        probes: list[dict[str, Any]] = []
         for size in PROBE_SIZES:  # one at a time: no queueing in the probes
             for _ in range(args.repeats):
                 probe = {"t_s": 0.0, "prompt_tokens": size, "output_tokens": 1}

@@ -30,7 +30,7 @@ from prfaas.control_plane.request import Slo
 from prfaas.sim.experiment import percentile
 from prfaas.sim.fleet import FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.hardware import ModelProfile
-from prfaas.sim.policies import policy_with_threshold, prfaas_policy
+from prfaas.sim.policies import policy_with_threshold, prfaas_policy, split_by_length_policy
 from prfaas.sim.simulator import Outcome, Simulation
 from prfaas.sim.workload import Arrival, load_trace
 
@@ -85,6 +85,9 @@ class Timings(_Strict):
     links: list[LinkTimings] = Field(default_factory=list)
     overhead_s: float = _Pos
     min_uncached_tokens: int = Field(default=19_400, ge=0)
+    # "length": split exactly the requests at or above the threshold (what a deployment whose
+    # prefill region is much cheaper does); "policy": let the default policy's cost model decide
+    route: Literal["length", "policy"] = "length"
 
 
 def load_timings(path: str | Path) -> Timings:
@@ -206,10 +209,13 @@ def measured_ttfts(path: str | Path) -> list[float]:
 
 
 def predict(timings: Timings, arrivals: Sequence[Arrival], measured: Sequence[float] = ()) -> Prediction:
-    """Simulate `arrivals` on the measured deployment under the default policy at the
+    """Simulate `arrivals` on the measured deployment, routed as `timings.route` says at the
     deployment's threshold, with no SLO cut (a bench run sends everything)."""
     fleet, workers = fleet_of(timings)
-    policy = policy_with_threshold(prfaas_policy(), timings.min_uncached_tokens)
+    if timings.route == "length":
+        policy = split_by_length_policy(timings.min_uncached_tokens)
+    else:
+        policy = policy_with_threshold(prfaas_policy(), timings.min_uncached_tokens)
     slo = Slo(ttft_ms=3_600_000, tpot_ms=60_000)
     sim = Simulation(fleet, policy.scheduler(), slo, workers=workers, dispatch_overhead_s=timings.overhead_s)
     records = sim.run(arrivals)

@@ -125,9 +125,16 @@ def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:
     if paper is None or not {"prfaas", "homogeneous-pd", "naive-heterogeneous"} <= by.keys():
         return []
     ours, homo, naive = by["prfaas"], by["homogeneous-pd"], by["naive-heterogeneous"]
-    lines = []
+    lines = [
+        "fleets: "
+        + ", ".join(
+            f"{row['policy']} {row.get('num_gpus', '?')} GPUs ${row.get('usd_per_hour', 0):.0f}/h"
+            + (" (tuned split)" if row.get("tuned") else "")
+            for row in (ours, homo, naive)
+        )
+    ]
     for label, base, key in (
-        ("vs homogeneous PD", homo, "gain_vs_homogeneous"),
+        ("vs homogeneous PD (equal GPU count)", homo, "gain_vs_homogeneous"),
         ("vs naive heterogeneous", naive, "gain_vs_naive"),
     ):
         gain = (
@@ -141,7 +148,9 @@ def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:
             f"P90 TTFT vs homogeneous PD at {rate:.3g} req/s: sim {_pct(change)}, paper {_pct(-paper['p90_ttft_cut'])}"
         )
     gbps = sum((ours.get("at_slo") or {}).get("link_gbps", {}).values())
-    lines.append(f"inter-DC link at prfaas's rate at SLO: sim {gbps:.1f} Gbps, paper {paper['link_gbps']:.0f} Gbps")
+    lines.append(
+        f"inter-DC link at prfaas's rate at SLO: sim {gbps:.1f} Gbps, paper {paper['link_gbps']:.0f} Gbps of 100"
+    )
     return lines
 
 

@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from prfaas.control_plane.errors import RejectReason
 from prfaas.control_plane.plugins import Candidate, Context
@@ -39,10 +39,23 @@ class SplitOnlyFilter(BaseModel):
         return candidate.link is not None
 
 
+class SplitAboveFilter(BaseModel):
+    """`split-above`: cut the local candidate when the uncached prompt reaches `min_uncached_tokens`
+    (a deployment that splits by length alone, as a calibrated bench run did)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    reason: ClassVar[RejectReason] = RejectReason.NO_ELIGIBLE_REGION
+    min_uncached_tokens: int = Field(ge=0)
+
+    def keep(self, ctx: Context, candidate: Candidate) -> bool:
+        return candidate.link is not None or ctx.uncached(candidate.region) < self.min_uncached_tokens
+
+
 def sim_registry() -> PluginRegistry:
-    """The built-in plugins plus the baselines' `split-only` filter."""
+    """The built-in plugins plus the baselines' `split-only` and `split-above` filters."""
     registry = default_registry()
     registry.register_filter("split-only", lambda params: SplitOnlyFilter.model_validate(dict(params)))
+    registry.register_filter("split-above", lambda params: SplitAboveFilter.model_validate(dict(params)))
     return registry
 
 
@@ -129,6 +142,16 @@ def policy_with_threshold(policy: SimPolicy, min_uncached_tokens: int) -> SimPol
     """The same policy with another disaggregation threshold."""
     disaggregation = policy.config.disaggregation.model_copy(update={"min_uncached_tokens": min_uncached_tokens})
     return replace(policy, config=policy.config.model_copy(update={"disaggregation": disaggregation}))
+
+
+def split_by_length_policy(min_uncached_tokens: int) -> SimPolicy:
+    """Split every request whose uncached prompt reaches the threshold (when a link survives the
+    filters), never the shorter ones: placement by length alone."""
+    doc = _with(_default_document(), min_uncached_tokens=min_uncached_tokens, min_cost_gain=0.0, min_ttft_gain=0.0)
+    filters = doc["profiles"]["prefill"]["filters"]
+    rule = {"type": "split-above", "params": {"min_uncached_tokens": min_uncached_tokens}}
+    doc["profiles"]["prefill"]["filters"] = [rule, *filters]
+    return SimPolicy("split-by-length", policy_from_mapping(doc))
 
 
 BASELINES = {
