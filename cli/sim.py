@@ -156,6 +156,38 @@ def sim_plan(
         console.print(f"wrote {plan_chart([p.as_row() for p in points], png, title=f'{scenario}: {policy}')}")
 
 
+@sim_app.command("calibrate")
+def sim_calibrate(
+    timings: Path = typer.Option(..., help="measured per-region timings (JSON; docs/simulator.md, Calibration)"),
+    trace: Path = typer.Option(..., help="workload JSONL; rows with `ttft_s` are the measured figures"),
+    json_path: Path | None = typer.Option(None, "--json", help="write the prediction here"),
+) -> None:
+    """Predict a bench run's TTFT from measured timings, beside what the trace measured."""
+    import json
+
+    from prfaas.sim.calibration import predict_trace
+
+    try:
+        prediction = predict_trace(timings, trace)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    measured = prediction.measured_ttft_p50_s
+    console.print(f"{prediction.num_requests} requests, {prediction.num_split} split in the simulation")
+    console.print(
+        f"TTFT P50: predicted {prediction.predicted_ttft_p50_s * 1000:.1f} ms, measured "
+        + ("-" if measured is None else f"{measured * 1000:.1f} ms")
+        + ("" if prediction.error is None else f", error {prediction.error:+.1%}")
+    )
+    p90 = prediction.measured_ttft_p90_s
+    console.print(
+        f"TTFT P90: predicted {prediction.predicted_ttft_p90_s * 1000:.1f} ms, measured "
+        + ("-" if p90 is None else f"{p90 * 1000:.1f} ms")
+    )
+    if json_path is not None:
+        json_path.write_text(json.dumps(prediction.as_row(), indent=2) + "\n", encoding="utf-8")
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 

@@ -261,7 +261,8 @@ class Simulation:
             wire_bytes = 0
             if decision.mode is Mode.SPLIT:
                 link = self.links[(decision.prefill_region, decision.decode_region)]
-                wire_bytes = math.ceil(decision.kv_bytes_raw / CODEC_RATIOS[decision.codec or "raw"])
+                ratio = CODEC_RATIOS.get(decision.codec or "raw")  # the transport's measured ratio, when we have it
+                wire_bytes = decision.kv_bytes_wire if ratio is None else math.ceil(decision.kv_bytes_raw / ratio)
                 shipment = link.pipe.ship(wire_bytes, prefill_s)
             yield self.env.timeout(prefill_s)
             prefill.prefill_busy_s += prefill_s

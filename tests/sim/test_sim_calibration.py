@@ -99,3 +99,21 @@ def test_fits_recover_known_lines() -> None:
     assert (fit.base_s, fit.per_token_s, fit.per_token_ctx_s) == pytest.approx((0.02, 1e-4, 1e-7))
     worker = MeasuredWorker(PrefillFit(base_s=0.02, per_token_s=1e-4, per_token_ctx_s=1e-7), None, 1)
     assert worker.prefill_s(1000) == pytest.approx(0.02 + 0.1 + 1e-7 * 1000 * 500)
+
+
+def test_cli_calibrate_prints_the_prediction_beside_the_measurement(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from prfaas.cli.main import app
+
+    timings = _write(tmp_path, TIMINGS)
+    trace = tmp_path / "measured.jsonl"
+    trace.write_text(json.dumps({"t_s": 0.0, "prompt_tokens": 200, "output_tokens": 4, "ttft_s": 0.28}) + "\n")
+    out = tmp_path / "prediction.json"
+    args = ["sim", "calibrate", "--timings", str(timings), "--trace", str(trace), "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "predicted 280.0 ms, measured 280.0 ms, error +0.0%" in result.output
+    assert json.loads(out.read_text())["num_requests"] == 1
+    missing = CliRunner().invoke(app, ["sim", "calibrate", "--timings", str(timings), "--trace", str(tmp_path / "no")])
+    assert missing.exit_code == 2 and "error:" in missing.output
