@@ -6,6 +6,8 @@ import math
 
 import pytest
 import simpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prfaas.sim.fleet import LinkSpec
 from prfaas.sim.links import FluidLink
@@ -73,3 +75,27 @@ def test_a_dead_link_refuses_a_shipment() -> None:
     assert link.utilization == 1.0
     with pytest.raises(AssertionError, match="zero-bandwidth"):
         link.ship(1000, 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.0, 5.0), st.integers(0, 3_000_000_000), st.floats(0.0, 5.0)
+        ),  # (start s, wire bytes, prefill s)
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_every_shipment_arrives_no_sooner_than_physics_allows(shipments: list[tuple[float, int, float]]) -> None:
+    # conservation (checked in _finish_times: every flow leaves, bytes carried = bytes shipped) and two lower
+    # bounds: a shipment cannot beat the link's full goodput, nor leave before its prefill ends plus its last layer
+    layers = 10
+    times = _finish_times(GBPS_8, shipments, layers)
+    total = sum(wire for _, wire, _ in shipments)
+    for (start, wire, prefill_s), end in zip(shipments, times, strict=True):
+        assert end >= start + wire / 1e9 - 1e-6
+        assert end >= start + prefill_s + wire / layers / 1e9 - 1e-6
+    # work conservation: the link is never idle while bytes wait, so the last one leaves by then at the latest
+    last_ready = max(start + prefill_s for start, _, prefill_s in shipments)
+    assert max(times) <= last_ready + total / 1e9 + 1e-6
