@@ -36,7 +36,7 @@ def sim_scenarios() -> None:
 def sim_run(
     scenario: str = typer.Option("prfaas-case-study", help="see `prfaas sim scenarios`"),
     policy: list[str] = typer.Option(
-        ["prfaas", "homogeneous-pd", "naive-heterogeneous"], "--policy", help="policies to compare (repeatable)"
+        [], "--policy", help="policies to compare (repeatable; default: prfaas and every baseline)"
     ),
     seed: int = typer.Option(0, help="workload seed (same seed, same result)"),
     requests: int | None = typer.Option(None, help="requests per run (default: the scenario's)"),
@@ -52,7 +52,7 @@ def sim_run(
         with _sim_progress() as (progress, task):
             rows = compare(
                 scenario,
-                policies=policy,
+                policies=policy or None,
                 seed=seed,
                 num_requests=requests,
                 trace_path=str(trace) if trace else None,

@@ -12,7 +12,7 @@ from typing import Any
 from prfaas.sim.experiment import RunMetrics, comparison_row, measure, throughput_at_slo
 from prfaas.sim.fleet import FleetSpec
 from prfaas.sim.planner import PLANNABLE, PlanPoint, plan, recommend, with_split
-from prfaas.sim.policies import BASELINES, SimPolicy, policy_with_threshold
+from prfaas.sim.policies import BASELINES, DEFAULT_POLICIES, SimPolicy, policy_with_threshold
 from prfaas.sim.scenarios import SCENARIOS, Scenario
 from prfaas.sim.workload import Arrival, load_trace, scale_rate
 
@@ -40,23 +40,24 @@ def load_scenario(scenario_name: str, num_requests: int | None = None) -> Scenar
 def compare(
     scenario_name: str,
     *,
-    policies: Sequence[str] = tuple(BASELINES),
+    policies: Sequence[str] | None = None,
     seed: int = 0,
     num_requests: int | None = None,
     trace_path: str | None = None,
     tune: bool = False,
     on_run: Callable[[str, RunMetrics], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per policy (see `experiment.comparison_row`). `tune`: each policy on its own best
-    prefill:decode split (and prfaas at its best threshold), found by `planner.plan`, as PrfaaS
-    grid-searches its baselines too; the row says which (`tuned`)."""
+    """One row per policy (default: `DEFAULT_POLICIES`; see `experiment.comparison_row`).
+    `tune`: each policy on its own best prefill:decode split (and prfaas at its best
+    threshold), found by `planner.plan`, as PrfaaS grid-searches its baselines too; the row
+    says which (`tuned`)."""
     scenario = load_scenario(scenario_name, num_requests)
     trace = load_trace(trace_path) if trace_path else None
     draw = arrivals_for(scenario, trace, seed)
     rows = []
     policy_of: dict[str, SimPolicy] = {}
     fleet_of: dict[str, FleetSpec] = {}
-    for name in policies:
+    for name in policies or DEFAULT_POLICIES:
         if name not in BASELINES:
             raise ValueError(f"unknown policy {name!r}; known: {sorted(BASELINES)}")
         policy = BASELINES[name]()
@@ -130,13 +131,16 @@ def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:
         + ", ".join(
             f"{row['policy']} {row.get('num_gpus', '?')} GPUs ${row.get('usd_per_hour', 0):.0f}/h"
             + (" (tuned split)" if row.get("tuned") else "")
-            for row in (ours, homo, naive)
+            for row in rows
         )
     ]
-    for label, base, key in (
+    compared = [
         ("vs homogeneous PD (equal GPU count)", homo, "gain_vs_homogeneous"),
         ("vs naive heterogeneous", naive, "gain_vs_naive"),
-    ):
+    ]
+    if "homogeneous-pd-equal-cost" in by:
+        compared.insert(1, ("vs homogeneous PD (equal cost)", by["homogeneous-pd-equal-cost"], "gain_vs_equal_cost"))
+    for label, base, key in compared:
         gain = (
             ours["throughput_at_slo_rps"] / base["throughput_at_slo_rps"] - 1 if base["throughput_at_slo_rps"] else None
         )

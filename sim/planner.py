@@ -11,11 +11,11 @@ from typing import Any
 
 from prfaas.sim.experiment import RunMetrics, measure, throughput_at_slo
 from prfaas.sim.fleet import FleetSpec
-from prfaas.sim.policies import BASELINES, SimPolicy, policy_with_threshold
+from prfaas.sim.policies import BASELINES, NEVER_SPLITS, SimPolicy, policy_with_threshold
 from prfaas.sim.scenarios import Scenario
 from prfaas.sim.workload import Arrival
 
-PLANNABLE = ("prfaas", "homogeneous-pd")
+PLANNABLE = ("prfaas", "homogeneous-pd", "homogeneous-pd-equal-cost")
 DEFAULT_THRESHOLDS = (0, 4_096, 8_192, 12_288, 16_384, 19_400, 24_576, 32_768, 49_152, 65_536)
 
 
@@ -67,7 +67,7 @@ def evaluate(
     at = result.at_slo
     pd = [r for r in fleet.regions if r.num_decode_workers]
     return PlanPoint(
-        threshold=None if policy.name == "homogeneous-pd" else policy.config.disaggregation.min_uncached_tokens,
+        threshold=None if policy.name in NEVER_SPLITS else policy.config.disaggregation.min_uncached_tokens,
         prefill_workers={r.name: r.num_prefill_workers for r in pd},
         decode_workers={r.name: r.num_decode_workers for r in pd},
         throughput_at_slo_rps=result.throughput_at_slo_rps,
@@ -99,7 +99,7 @@ def plan(
         raise ValueError("prefill shares must be strictly between 0 and 1")
     if not grid_shares:
         grid_shares = [_share(shaped)]
-    grid_thresholds: list[int | None] = [None] if policy == "homogeneous-pd" else list(thresholds or DEFAULT_THRESHOLDS)
+    grid_thresholds: list[int | None] = [None] if policy in NEVER_SPLITS else list(thresholds or DEFAULT_THRESHOLDS)
     if any(t is not None and t < 0 for t in grid_thresholds):
         raise ValueError("thresholds must be non-negative token counts")
     points = []

@@ -5,6 +5,7 @@ control plane loads) plus which part of the fleet it may use.
 - `homogeneous-pd`: never splits, on an equal-GPU homogeneous fleet: the prefill-only regions'
   GPUs become more workers of the PD clusters' own GPU type (split between prefill and decode
   in each cluster's own ratio), the way PrfaaS compares 32 H200 + 64 H20 with 96 H20.
+- `homogeneous-pd-equal-cost`: the same at equal $ per hour (on-demand prices) instead of GPUs.
 - `naive-heterogeneous`: every request splits to a prefill region (a `split-only` filter cuts
   the local candidate), and the PD clusters decode only (their prefill workers become decode
   workers): heterogeneous PD with all prefill external. Rejected when no split survives the filters.
@@ -62,22 +63,27 @@ def sim_registry() -> PluginRegistry:
 class FleetShape(StrEnum):
     AS_IS = "as-is"
     HOMOGENEOUS = "homogeneous"  # prefill-only regions folded into the PD clusters, equal GPU count
+    HOMOGENEOUS_COST = "homogeneous-cost"  # the same, equal $ per hour (more GPUs when the PD type is cheaper)
     DECODE_ONLY_PD = "decode-only-pd"  # the PD clusters' prefill workers turned into decode workers
 
 
-def homogeneous_fleet(fleet: FleetSpec) -> FleetSpec:
-    """The same number of GPUs, all in the PD clusters and of their GPU type: each PD cluster
-    takes a share of the prefill-only regions' GPUs proportional to its own GPU count, as whole
-    workers split between prefill and decode in its own ratio (rounded, at least one each)."""
+def homogeneous_fleet(fleet: FleetSpec, *, equal_cost: bool = False) -> FleetSpec:
+    """The same number of GPUs (or, `equal_cost`, the same $ per hour at on-demand prices), all
+    in the PD clusters and of their GPU type: each PD cluster takes a share of the prefill-only
+    regions' GPUs (or their cost) proportional to its own GPU count, as whole workers split
+    between prefill and decode in its own ratio (rounded, at least one each)."""
     pd = [r for r in fleet.regions if r.num_decode_workers]
     if not pd:
         raise ValueError("the fleet has no PD cluster to fold its prefill regions into")
-    extra_gpus = sum(r.num_gpus for r in fleet.regions if not r.num_decode_workers)
+    prefill_only = [r for r in fleet.regions if not r.num_decode_workers]
+    extra_gpus = sum(r.num_gpus for r in prefill_only)
+    extra_usd = sum(r.num_gpus * r.price for r in prefill_only)
     pd_gpus = sum(r.num_gpus for r in pd)
     regions = []
     for region in pd:
         workers = region.num_prefill_workers + region.num_decode_workers
-        added = round(extra_gpus * region.num_gpus / pd_gpus / region.gpus_per_worker)
+        gpus = extra_usd / region.price if equal_cost and region.price > 0 else extra_gpus
+        added = round(gpus * region.num_gpus / pd_gpus / region.gpus_per_worker)
         total = workers + added
         prefill = min(total - 1, max(1, round(total * region.num_prefill_workers / workers)))
         regions.append(replace(region, num_prefill_workers=prefill, num_decode_workers=total - prefill))
@@ -106,6 +112,8 @@ class SimPolicy:
     def fleet_for(self, fleet: FleetSpec) -> FleetSpec:
         if self.shape is FleetShape.HOMOGENEOUS:
             return homogeneous_fleet(fleet)
+        if self.shape is FleetShape.HOMOGENEOUS_COST:
+            return homogeneous_fleet(fleet, equal_cost=True)
         if self.shape is FleetShape.DECODE_ONLY_PD:
             return decode_only_pd_fleet(fleet)
         return fleet
@@ -131,6 +139,11 @@ def homogeneous_pd_policy(document: Mapping[str, Any] | None = None) -> SimPolic
     return SimPolicy("homogeneous-pd", policy_from_mapping(doc), FleetShape.HOMOGENEOUS)
 
 
+def homogeneous_pd_equal_cost_policy(document: Mapping[str, Any] | None = None) -> SimPolicy:
+    doc = _with(document or _default_document(), min_uncached_tokens=2**62)
+    return SimPolicy("homogeneous-pd-equal-cost", policy_from_mapping(doc), FleetShape.HOMOGENEOUS_COST)
+
+
 def naive_heterogeneous_policy(document: Mapping[str, Any] | None = None) -> SimPolicy:
     doc = _with(document or _default_document(), min_uncached_tokens=0, min_cost_gain=0.0, min_ttft_gain=0.0)
     filters = doc["profiles"]["prefill"]["filters"]
@@ -154,8 +167,12 @@ def split_by_length_policy(min_uncached_tokens: int) -> SimPolicy:
     return SimPolicy("split-by-length", policy_from_mapping(doc))
 
 
+NEVER_SPLITS = frozenset({"homogeneous-pd", "homogeneous-pd-equal-cost"})  # their threshold does not apply
+DEFAULT_POLICIES = ("prfaas", "homogeneous-pd", "homogeneous-pd-equal-cost", "naive-heterogeneous")
+
 BASELINES = {
     "prfaas": prfaas_policy,
     "homogeneous-pd": homogeneous_pd_policy,
+    "homogeneous-pd-equal-cost": homogeneous_pd_equal_cost_policy,
     "naive-heterogeneous": naive_heterogeneous_policy,
 }
