@@ -102,7 +102,7 @@ def sim_compare(
 @sim_app.command("plan")
 def sim_plan(
     scenario: str = typer.Option("prfaas-case-study", help="see `prfaas sim scenarios`"),
-    policy: str = typer.Option("prfaas", help="prfaas (threshold x split) or homogeneous-pd (split)"),
+    policy: str = typer.Option("prfaas", help="prfaas (threshold x split), homogeneous-pd[-equal-cost] (split)"),
     threshold: list[int] = typer.Option([], "--threshold", help="thresholds to try (repeatable; default: a grid)"),
     share: list[float] = typer.Option([], "--prefill-share", help="PD prefill shares to try (default: every split)"),
     seed: int = typer.Option(0, help="workload seed"),

@@ -10,7 +10,7 @@ from typing import Any
 
 _PANELS = (
     ("throughput_at_slo_rps", "throughput at SLO (req/s)"),
-    ("ttft_p90_s", "P90 TTFT at SLO (s)"),
+    ("ttft_p90_at_common_rate_s", "P90 TTFT at one common rate (s)"),
     ("usd_per_mtok", "$ per 1M tokens"),
 )
 
@@ -34,14 +34,15 @@ def policy_chart(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Pa
         for row in rows:
             if row["policy"] not in policies:
                 policies.append(row["policy"])
-    fig, axes = plt.subplots(1, len(_PANELS), figsize=(4.2 * len(_PANELS), 3.6))
+    fig, axes = plt.subplots(1, len(_PANELS), figsize=(4.4 * len(_PANELS), 4.0))
     width = 0.8 / max(1, len(runs))
     for ax, (key, label) in zip(axes, _PANELS, strict=True):
         for i, (run, rows) in enumerate(runs.items()):
             by = {row["policy"]: row for row in rows}
             values = [(by[p].get(key) or 0.0) if p in by else 0.0 for p in policies]
             ax.bar([x + i * width for x in range(len(policies))], values, width, label=run)
-        ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(policies))], policies, rotation=15)
+        ticks = [x + width * (len(runs) - 1) / 2 for x in range(len(policies))]
+        ax.set_xticks(ticks, policies, rotation=25, ha="right", fontsize=8)
         ax.set_title(label, fontsize=10)
     if len(runs) > 1:
         axes[0].legend(fontsize=8)
