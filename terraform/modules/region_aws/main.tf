@@ -165,13 +165,24 @@ resource "aws_vpc_security_group_egress_rule" "kv" {
   cidr_ipv4         = each.value
 }
 
-resource "aws_vpc_security_group_egress_rule" "grpc" {
-  for_each          = toset(concat(var.control_plane_cidrs, var.peer_cidrs))
+resource "aws_vpc_security_group_egress_rule" "registry" {
+  for_each          = toset(var.control_plane_cidrs)
   security_group_id = aws_security_group.region.id
-  description       = "registry heartbeats and peer health to ${each.value}"
+  description       = "registry heartbeats to the control plane in ${each.value}"
   ip_protocol       = "tcp"
-  from_port         = min(var.grpc_port, var.registry_port)
-  to_port           = max(var.grpc_port, var.registry_port)
+  from_port         = var.registry_port
+  to_port           = var.registry_port
+  cidr_ipv4         = each.value
+}
+
+resource "aws_vpc_security_group_egress_rule" "peer_grpc" {
+  # a decode region watches its prefill peer's gRPC health stream
+  for_each          = toset(var.peer_cidrs)
+  security_group_id = aws_security_group.region.id
+  description       = "gRPC health of peer region ${each.value}"
+  ip_protocol       = "tcp"
+  from_port         = var.grpc_port
+  to_port           = var.grpc_port
   cidr_ipv4         = each.value
 }
 
