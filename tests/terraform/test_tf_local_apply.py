@@ -7,11 +7,9 @@ process behind."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from tf_kit import NETNS, copy_tree, have_terraform, in_netns, netns_pids
+from tf_kit import NETNS, copy_tree, have_terraform, in_netns, kill_all, netns_pids
 
 from prfaas.control_plane.policy import DEFAULT_POLICY_YAML
 from prfaas.engine.hf import HFEngine
@@ -97,10 +95,7 @@ def test_apply_serves_a_split_request_and_destroy_leaves_no_process(tmp_path: Pa
             [str(NETNS), "exec", ns, "terraform", "destroy", "-auto-approve", "-input=false", "-no-color"],
             cwd=env_dir, env=dict(os.environ) | env, capture_output=True, text=True, timeout=180,
         )  # fmt: skip
-        left = netns_pids(ns)
-        for pid in left:  # never leak: what destroy missed is killed, and the test fails below
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        left = kill_all(ns)  # never leak: what destroy missed is killed, and the test fails below
         subprocess.run([str(NETNS), "delete", ns], timeout=30)
     assert destroy.returncode == 0, destroy.stdout[-3000:] + destroy.stderr[-3000:]
     assert left == [], f"processes left in the namespace after destroy: {left}"

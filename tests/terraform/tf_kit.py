@@ -3,9 +3,12 @@ loopback (terraform/netns.sh), CHECKPOINT_DISABLE=1, a CLI config without provid
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -47,3 +50,16 @@ def in_netns(
 def netns_pids(ns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10).stdout
     return [int(p) for p in out.split()]
+
+
+def kill_all(ns: str, timeout_s: float = 10) -> list[int]:
+    """SIGKILL whatever still runs in `ns` (only processes the test started live there) and
+    wait until they are gone; returns the PIDs that were found."""
+    found = netns_pids(ns)
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while netns_pids(ns) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
