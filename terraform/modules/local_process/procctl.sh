@@ -16,20 +16,24 @@ set -euo pipefail
 
 usage() { echo "usage: $0 start NAME RUN_DIR READY_TIMEOUT_S READY_CMD -- CMD... | stop NAME RUN_DIR STOP_TIMEOUT_S" >&2; exit 2; }
 
-start_time() { # field 22 of /proc/PID/stat (clock ticks since boot); the comm field may hold spaces
+stat_fields() { # the fields of /proc/PID/stat after "(comm)", which may itself hold spaces
   local stat
   stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  stat=${stat##*) }
-  set -- $stat
+  echo "${stat##*) }"
+}
+
+start_time() { # field 22 of /proc/PID/stat: clock ticks since boot
+  local fields
+  fields=$(stat_fields "$1") || return 1
+  set -- $fields
   echo "${20}"
 }
 
 alive() { # PID STARTTIME: the recorded process still runs (and is not a zombie)
-  local now state
-  now=$(start_time "$1") || return 1
-  [[ "$now" == "$2" ]] || return 1
-  state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null || echo X)
-  [[ "$state" != Z && "$state" != X ]]
+  local fields want=$2
+  fields=$(stat_fields "$1") || return 1
+  set -- $fields
+  [[ "${20}" == "$want" && "$1" != Z && "$1" != X ]]
 }
 
 stop() {
