@@ -286,6 +286,10 @@ resource "aws_s3_bucket_lifecycle_configuration" "logs" {
   }
 }
 
+# regions opened before August 2022 deliver ALB logs as the regional ELB account, newer ones
+# as the log-delivery service
+data "aws_elb_service_account" "this" {}
+
 data "aws_iam_policy_document" "logs_bucket" {
   statement {
     sid       = "LogDelivery"
@@ -294,6 +298,15 @@ data "aws_iam_policy_document" "logs_bucket" {
     principals {
       type        = "Service"
       identifiers = ["logdelivery.elasticloadbalancing.amazonaws.com", "delivery.logs.amazonaws.com"]
+    }
+  }
+  statement {
+    sid       = "LegacyElbLogDelivery"
+    actions   = ["s3:PutObject"]
+    resources = ["${aws_s3_bucket.logs.arn}/*"]
+    principals {
+      type        = "AWS"
+      identifiers = [data.aws_elb_service_account.this.arn]
     }
   }
   statement {

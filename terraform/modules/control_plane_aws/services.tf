@@ -157,7 +157,8 @@ resource "aws_vpc_security_group_ingress_rule" "api_from_alb" {
 }
 
 resource "aws_vpc_security_group_ingress_rule" "registry" {
-  # an internal NLB keeps the client address: the rule names the regions' networks
+  # with IP targets the NLB's own address (in vpc_cidr) is the source unless client IP
+  # preservation is on (then the regions' CIDRs): both are allowed, nothing else
   for_each          = toset(concat(var.region_cidrs, [var.vpc_cidr]))
   security_group_id = aws_security_group.tasks.id
   description       = "registry gRPC (heartbeats) from ${each.value}"

@@ -13,7 +13,7 @@ data "aws_ssm_parameter" "gpu_ami" {
 }
 
 locals {
-  ami_id        = var.ami_id != "" ? var.ami_id : data.aws_ssm_parameter.gpu_ami[0].value
+  ami_id        = var.ami_id != "" ? var.ami_id : data.aws_ssm_parameter.gpu_ami[0].insecure_value
   serves_decode = contains(["decode", "both"], var.role)
   region_config = {
     name                 = var.name
