@@ -62,7 +62,7 @@ tf-check: $(CHECKOV_STAMP)
 	terraform/netns.sh run terraform fmt -check -recursive terraform/
 	terraform/netns.sh run env TF_DATA_DIR=$(CURDIR)/build/tf-validate \
 	  sh -c 'cd terraform/envs/local && terraform init -backend=false -input=false >/dev/null && terraform validate'
-	terraform/netns.sh run $(CHECKOV_VENV)/bin/checkov -d terraform --framework terraform --skip-download \
+	terraform/netns.sh run $(CHECKOV_VENV)/bin/checkov -d terraform --framework terraform secrets --skip-download \
 	  --skip-path '\.terraform' --compact --quiet
 
 demo: models
