@@ -60,6 +60,8 @@ def test_apply_serves_a_split_request_and_destroy_leaves_no_process(tmp_path: Pa
     subprocess.run([str(NETNS), "create", ns], check=True, timeout=30)
     pids: list[int] = []
     try:
+        links = in_netns(ns, ["ip", "-o", "link"], env_dir).stdout.splitlines()
+        assert [line.split(":")[1].strip() for line in links] == ["lo"]  # no route off this host
         in_netns(ns, ["terraform", "init", "-input=false", "-no-color"], env_dir, env, timeout_s=60)
         start = time.monotonic()
         in_netns(ns, ["terraform", "apply", "-auto-approve", "-input=false", "-no-color"], env_dir, env)

@@ -62,8 +62,9 @@ module "api" {
 }
 
 module "worker" {
-  source     = "../local_process"
-  depends_on = [module.api]
+  source = "../local_process"
+  # starts beside the API (both need only Redis); jobs wait in Redis until it consumes
+  depends_on = [module.redis]
 
   name    = "${var.name_prefix}worker"
   run_dir = var.run_dir
