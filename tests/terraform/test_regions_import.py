@@ -149,4 +149,5 @@ def test_region_modules_share_one_interface_and_the_importer_reads_it() -> None:
         "name", "role", "gpu_type", "usd_per_gpu_hour", "model", "workers", "kv_buffer_bytes", "codec", "grpc_port",
         "kv_port", "metrics_port", "control_plane_url", "ticket_key_id", "heartbeat_interval_s", "drain_timeout_s",
     }  # fmt: skip
-    assert shared <= _variables("region_local") and shared <= _variables("region_aws")
+    for module in ("region_local", "region_aws", "region_config"):
+        assert shared <= _variables(module), module

@@ -15,35 +15,37 @@ data "aws_ssm_parameter" "gpu_ami" {
 locals {
   ami_id        = var.ami_id != "" ? var.ami_id : data.aws_ssm_parameter.gpu_ami[0].insecure_value
   serves_decode = contains(["decode", "both"], var.role)
-  region_config = {
-    name                 = var.name
-    role                 = var.role
-    gpu_type             = var.gpu_type
-    workers              = var.workers
-    usd_per_gpu_hour     = var.usd_per_gpu_hour
-    model                = var.model
-    kv_buffer_bytes      = var.kv_buffer_bytes
-    codec                = var.codec
-    control_plane_url    = var.control_plane_url
-    ticket_key_id        = var.ticket_key_id
-    heartbeat_interval_s = var.heartbeat_interval_s
-    drain_timeout_s      = var.drain_timeout_s
-    device               = "cuda"
-    dtype                = "bfloat16"
-    listen = {
-      grpc    = "0.0.0.0:${var.grpc_port}"
-      kv      = "0.0.0.0:${var.kv_port}"
-      metrics = var.metrics_port == 0 ? null : "0.0.0.0:${var.metrics_port}"
-    }
-  }
   user_data = templatefile("${path.module}/cloud-init.yaml.tftpl", {
-    region_yaml   = yamlencode(local.region_config)
+    region_yaml   = module.config.yaml
     package       = var.prfaas_package
     secret_arn    = var.ticket_key_secret_arn
     aws_region    = data.aws_region.current.name
     log_group     = aws_cloudwatch_log_group.region.name
     drain_timeout = var.drain_timeout_s
   })
+}
+
+module "config" {
+  source = "../region_config"
+
+  name                 = var.name
+  role                 = var.role
+  gpu_type             = var.gpu_type
+  workers              = var.workers
+  usd_per_gpu_hour     = var.usd_per_gpu_hour
+  model                = var.model
+  kv_buffer_bytes      = var.kv_buffer_bytes
+  codec                = var.codec
+  grpc_port            = var.grpc_port
+  kv_port              = var.kv_port
+  metrics_port         = var.metrics_port
+  control_plane_url    = var.control_plane_url
+  ticket_key_id        = var.ticket_key_id
+  heartbeat_interval_s = var.heartbeat_interval_s
+  drain_timeout_s      = var.drain_timeout_s
+  listen_host          = "0.0.0.0"
+  device               = "cuda"
+  dtype                = var.dtype
 }
 
 resource "aws_kms_key" "this" {

@@ -102,6 +102,12 @@ variable "ticket_key_secret_arn" {
   type        = string
 }
 
+variable "dtype" {
+  description = "engine dtype on the GPU"
+  type        = string
+  default     = "bfloat16"
+}
+
 variable "ticket_key_kms_arn" {
   description = "KMS key ARN encrypting that secret (empty: the AWS-managed key)"
   type        = string

@@ -9,26 +9,28 @@ terraform {
 
 locals {
   config_file = "${var.run_dir}/${var.name}.yaml"
-  config = {
-    name                 = var.name
-    role                 = var.role
-    gpu_type             = var.gpu_type
-    workers              = var.workers
-    usd_per_gpu_hour     = var.usd_per_gpu_hour
-    model                = var.model
-    kv_buffer_bytes      = var.kv_buffer_bytes
-    codec                = var.codec
-    control_plane_url    = var.control_plane_url
-    ticket_key_id        = var.ticket_key_id
-    heartbeat_interval_s = var.heartbeat_interval_s
-    drain_timeout_s      = var.drain_timeout_s
-    dev                  = var.dev
-    listen = {
-      grpc    = "${var.host}:${var.grpc_port}"
-      kv      = "${var.host}:${var.kv_port}"
-      metrics = var.metrics_port == 0 ? null : "${var.host}:${var.metrics_port}"
-    }
-  }
+}
+
+module "config" {
+  source = "../region_config"
+
+  name                 = var.name
+  role                 = var.role
+  gpu_type             = var.gpu_type
+  workers              = var.workers
+  usd_per_gpu_hour     = var.usd_per_gpu_hour
+  model                = var.model
+  kv_buffer_bytes      = var.kv_buffer_bytes
+  codec                = var.codec
+  grpc_port            = var.grpc_port
+  kv_port              = var.kv_port
+  metrics_port         = var.metrics_port
+  control_plane_url    = var.control_plane_url
+  ticket_key_id        = var.ticket_key_id
+  heartbeat_interval_s = var.heartbeat_interval_s
+  drain_timeout_s      = var.drain_timeout_s
+  listen_host          = var.host
+  dev                  = var.dev
 }
 
 module "process" {
@@ -37,7 +39,7 @@ module "process" {
   name           = var.name
   run_dir        = var.run_dir
   config_file    = local.config_file
-  config_content = yamlencode(local.config)
+  config_content = module.config.yaml
   command        = [var.python, "-m", "prfaas.cli.main", "region", "--config", local.config_file, "--log-level", "WARNING"]
   environment = {
     PRFAAS_TICKET_KEY = var.ticket_key
