@@ -34,6 +34,9 @@ from prfaas.transport.tickets import TicketVerifier
 T = TypeVar("T")
 MESSAGE_BYTES = 64 << 10  # the largest message every WebRTC stack accepts (max-message-size default)
 BUFFER_HIGH_BYTES = 4 << 20  # a sender waits while this much is queued in the data channel
+# A data channel has no RST: a peer that died unnoticed is found when nothing of a full send
+# buffer drains for this long (ICE consent freshness would take ~30 s).
+STALL_S = 2.0
 Description = dict[str, str]  # {"type": "offer" | "answer", "sdp": "..."}
 Signaller = Callable[[Description, float], Description]  # (offer, timeout_s) -> answer
 
@@ -119,7 +122,7 @@ class DataChannelStream:
         channel.on("message", self._on_message)
         channel.on("close", self._on_close)
         channel.on("bufferedamountlow", self._drained.set)
-        pc.on("connectionstatechange", self._on_state)
+        pc.on("connectionstatechange", lambda: self._on_state(pc))
 
     # -- loop thread -----------------------------------------------------------------------
 
@@ -135,15 +138,22 @@ class DataChannelStream:
             self._cond.notify_all()
         self._drained.set()
 
-    def _on_state(self) -> None:
-        if self._pc.connectionState in ("failed", "closed"):
+    def _on_state(self, pc: Any) -> None:
+        if pc.connectionState in ("failed", "closed"):
             self._on_close()
 
     async def _send(self, data: bytes) -> None:
         for offset in range(0, len(data), MESSAGE_BYTES):
             while self._channel.bufferedAmount > BUFFER_HIGH_BYTES and not self._eof:
                 self._drained.clear()
-                await self._drained.wait()
+                queued = self._channel.bufferedAmount
+                try:
+                    await asyncio.wait_for(self._drained.wait(), STALL_S)
+                except TimeoutError:
+                    if self._channel.bufferedAmount >= queued:  # nothing left in STALL_S: the peer is gone
+                        self._on_close()
+                        self._channel.close()
+                        raise ConnectionResetError(f"data channel stalled for {STALL_S} s") from None
             if self._eof or self._channel.readyState != "open":
                 raise ConnectionResetError("data channel closed")
             self._channel.send(data[offset : offset + MESSAGE_BYTES])
