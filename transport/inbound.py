@@ -332,3 +332,9 @@ class Inbound:
             for buf in (k, v):
                 if isinstance(buf, bytearray | memoryview):
                     self.pool.put(buf)
+
+
+class Receiver(Protocol):
+    """What a decode region needs of any receiver (TCP, shared memory, WebRTC, in-process)."""
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound: ...

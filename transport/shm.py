@@ -33,6 +33,7 @@ import uuid
 
 from prfaas.transport.arena import POPULATE, Arena
 from prfaas.transport.codecs import DTYPE_SIZES, CodecId
+from prfaas.transport.endpoints import Endpoint, host_id
 from prfaas.transport.errors import FrameError
 from prfaas.transport.framing import (
     HEADER_SIZE,
@@ -193,10 +194,15 @@ class ShmReceiver:
         *,
         node: str = "receiver",
         arena_bytes: int = 512 << 20,
+        arena: Arena | None = None,
+        core: ReceiverCore | None = None,
         reap_interval_s: float = 0.05,
     ) -> None:
-        self.arena = Arena(arena_bytes)
-        self.core = ReceiverCore(verifier, node, pool=self.arena)
+        self.arena = arena if arena is not None else Arena(arena_bytes)
+        # `core`: share another receiver's expectations (a decode region's TCP port and this
+        # one accept the same shipments); give it this arena as its pool, or nothing is placed
+        self.core = core if core is not None else ReceiverCore(verifier, node, pool=self.arena)
+        self._owns_core = core is None
         self.path = path or default_socket_path(node)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a stale socket file of an earlier run
@@ -216,6 +222,11 @@ class ShmReceiver:
 
     def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
         return self.core.expect(job_id, attempt, timeout_s)
+
+    @property
+    def endpoint(self) -> str:
+        """What a decode region advertises for it (transport/endpoints.py)."""
+        return str(Endpoint("shm", path=self.path, host_id=host_id()))
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -242,7 +253,8 @@ class ShmReceiver:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Cancel expected shipments, stop listening, close connections, join threads, unmap."""
-        self.core.cancel_all("receiver shutting down")
+        if self._owns_core:
+            self.core.cancel_all("receiver shutting down")
         self._closed.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
