@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from prfaas.transport import sockets
+from prfaas.transport import metrics, sockets
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import FrameError, PeerUnavailable, TransportError
 from prfaas.transport.framing import (
@@ -108,6 +108,7 @@ class ShmChannel:
         node: str = "sender",
     ) -> None:
         self.path = path
+        self.peer = f"shm:{path}"  # the metrics' peer label
         self.connect_timeout_s = connect_timeout_s
         self.checksums = checksums
         self.node = node
@@ -255,6 +256,10 @@ class ShmChannel:
                 link.alive = False  # the reader fails what is live
 
     def _ended(self, transfer: OutboundTransfer, status: TransferStatus) -> None:
+        metrics.TRANSFERS.labels(self.peer, status.value).inc()
+        metrics.WIRE_BYTES.labels(self.peer).inc(transfer.stats.wire_bytes)
+        if status is TransferStatus.COMPLETED:
+            metrics.RAW_BYTES.labels(self.peer, transfer.spec.codec).inc(transfer.spec.raw_bytes)
         key = transfer.key
         with self._lock:
             self._placements.pop(key, None)
