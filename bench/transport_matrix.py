@@ -217,7 +217,7 @@ class Peer:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"peer {self.proc.args} exited ({self.proc.poll()})")
+            raise RuntimeError(f"peer {self.proc.args!r} exited ({self.proc.poll()})")
         reply: dict[str, Any] = json.loads(line)
         return reply
 
@@ -330,8 +330,7 @@ def main() -> None:
     rows: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
     with contextlib.ExitStack() as stack:
         if args.wan:
-            sys.path.insert(0, str(HERE))
-            from wan_netns import PROFILES, wan_link
+            from prfaas.bench.wan_netns import PROFILES, wan_link
 
             link = stack.enter_context(wan_link(*PROFILES[args.wan]))
             ns_rx, ns_tx, host = link.ns_b, link.ns_a, link.addr_b
