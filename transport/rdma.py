@@ -57,7 +57,7 @@ class MooncakeWriter:
 
     def __init__(self, buffer: Any, *, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
         try:
-            from mooncake.engine import TransferEngine
+            from mooncake.engine import TransferEngine  # type: ignore[import-not-found,unused-ignore]
         except ImportError as exc:
             raise _missing("mooncake", exc) from None
         self.host = host
@@ -96,9 +96,9 @@ class NixlWriter:
         os.environ.setdefault("UCX_MODULES", "^ib")  # no verbs module on a machine without it
         try:
             try:
-                from nixl._api import nixl_agent, nixl_agent_config
+                from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found,unused-ignore]
             except ImportError:
-                from nixl_cu12._api import nixl_agent, nixl_agent_config
+                from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found,unused-ignore]
         except ImportError as exc:
             raise _missing("nixl", exc) from None
         self.name = name or f"prfaas-{os.getpid()}-{id(self):x}"
