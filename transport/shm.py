@@ -26,6 +26,7 @@ import contextlib
 import logging
 import mmap
 import os
+import select
 import socket
 import tempfile
 import threading
@@ -37,13 +38,16 @@ from prfaas.transport.endpoints import Endpoint, host_id
 from prfaas.transport.errors import FrameError
 from prfaas.transport.framing import (
     HEADER_SIZE,
+    ChunkKey,
     ErrorCode,
     Frame,
     FrameType,
     Header,
+    ack_payload,
     encode,
     error_frame,
     json_payload,
+    parse_ack,
     parse_header,
     payload_ok,
     read_exact,
@@ -97,15 +101,44 @@ class _Connection:
                     self.send(Frame(FrameType.HELLO_OK, payload=json_payload(body)), [self.rx.arena.fd])
                 else:
                     self.send(reply)
+            replies: list[Frame] = []
             while True:
-                for reply in self._frame(parse_header(read_exact(self.sock, HEADER_SIZE))):
-                    self.send(reply)
+                replies += self._frame(parse_header(read_exact(self.sock, HEADER_SIZE)))
+                if len(replies) >= 64 or not select.select([self.sock], [], [], 0)[0]:
+                    self._flush(replies)  # nothing more to read now: answer all at once
+                    replies = []
         except FrameError as exc:
             self.send(error_frame(ErrorCode.BAD_FRAME, str(exc)))
         except (OSError, ConnectionError):
             pass
         finally:
             self.close()
+
+    def _flush(self, replies: list[Frame]) -> None:
+        """Send replies, the ACKs of each shipment merged into one frame, in one write."""
+        acks: dict[Key, list[ChunkKey]] = {}
+        out: list[Frame] = []
+        for reply in replies:
+            if reply.type is FrameType.ACK:
+                key = (reply.job_id, reply.attempt)
+                if key not in acks:
+                    acks[key] = []
+                    out.append(reply)  # stands in for the merged ACK
+                acks[key] += parse_ack(reply.payload)
+            else:
+                out.append(reply)
+        data = b"".join(
+            encode(Frame(FrameType.ACK, f.job_id, f.attempt, payload=ack_payload(acks[(f.job_id, f.attempt)])))
+            if f.type is FrameType.ACK
+            else encode(f)
+            for f in out
+        )
+        if data:
+            try:
+                with self._write_lock:
+                    self.sock.sendall(data)
+            except OSError:
+                pass  # the reader notices
 
     def _frame(self, header: Header) -> list[Frame]:
         key = (header.job_id, header.attempt)

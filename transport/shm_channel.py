@@ -39,6 +39,7 @@ from prfaas.transport.sender import Chunk, OutboundTransfer, TransferTable
 from prfaas.transport.shm import Placement, map_arena
 
 Key = tuple[bytes, int]
+BATCH_CHUNKS = 32  # chunks a copy thread takes from the queue at once (one header write for all)
 
 
 class _Link:
@@ -226,34 +227,60 @@ class ShmChannel:
             self._queue.put(chunk)
 
     def _copy_loop(self) -> None:
-        while (chunk := self._queue.get()) is not None:
-            transfer = chunk.transfer
-            if transfer.cell.status().terminal:
-                continue
-            with self._lock:
-                link, placement = self._link, self._placements.get(transfer.key)
-            if link is None or not link.alive:
-                continue  # the reader fails the transfer
-            try:
-                resend = chunk.stream is not None
-                transfer.sent(chunk, 0, resend)
+        stop = False
+        while not stop and (chunk := self._queue.get()) is not None:
+            batch = [chunk]
+            while len(batch) < BATCH_CHUNKS:  # what is queued already goes out with one write
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
+            self._send_batch(batch)
+
+    def _send_batch(self, batch: list[Chunk]) -> None:
+        with self._lock:
+            link = self._link
+        if link is None or not link.alive:
+            return  # the reader fails the transfers
+        headers: list[bytes] = []
+        try:
+            for chunk in batch:
+                transfer = chunk.transfer
+                if transfer.cell.status().terminal:
+                    continue
+                with self._lock:
+                    placement = self._placements.get(transfer.key)
+                transfer.sent(chunk, 0, chunk.stream is not None)
                 if placement is None:
                     link.send(chunk.header, chunk.payload)
                     continue
-                chunk_bytes, offsets = placement
-                layer, part, index = chunk.key
-                start = offsets[layer][part] + index * chunk_bytes
-                size = len(chunk.payload)
-                if not 0 <= start <= start + size <= len(link.arena):
-                    raise TransportError(f"receiver placed layer {layer} part {part} outside its arena")
-                target = np.frombuffer(link.arena, dtype=np.uint8, count=size, offset=start)
-                np.copyto(target, np.frombuffer(chunk.payload, dtype=np.uint8))  # the KV's one copy
-                del target
-                link.send(chunk.header)
-            except TransportError as exc:
-                transfer.cell.finish(TransferStatus.FAILED, exc)
-            except OSError:
-                link.alive = False  # the reader fails what is live
+                try:
+                    self._place(link, placement, chunk)
+                except TransportError as exc:
+                    transfer.cell.finish(TransferStatus.FAILED, exc)
+                    continue
+                headers.append(chunk.header)
+            if headers:
+                link.send(b"".join(headers))
+        except OSError:
+            link.alive = False  # the reader fails what is live
+
+    @staticmethod
+    def _place(link: _Link, placement: Placement, chunk: Chunk) -> None:
+        """Copy the chunk to where the receiver placed it: the KV's one copy."""
+        chunk_bytes, offsets = placement
+        layer, part, index = chunk.key
+        start = offsets[layer][part] + index * chunk_bytes
+        size = len(chunk.payload)
+        if not 0 <= start <= start + size <= len(link.arena):
+            raise TransportError(f"receiver placed layer {layer} part {part} outside its arena")
+        target = np.frombuffer(link.arena, dtype=np.uint8, count=size, offset=start)
+        np.copyto(target, np.frombuffer(chunk.payload, dtype=np.uint8))  # releases the GIL
+        del target
 
     def _ended(self, transfer: OutboundTransfer, status: TransferStatus) -> None:
         metrics.TRANSFERS.labels(self.peer, status.value).inc()
