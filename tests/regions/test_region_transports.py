@@ -35,8 +35,8 @@ def regions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Regi
     with ThreadPoolExecutor(3) as pool:
         started = dict(zip(configs, pool.map(spawn_region, configs.values()), strict=True))
     yield started
-    for region in started.values():
-        region.stop()
+    with ThreadPoolExecutor(3) as pool:  # each stop waits for its process: in parallel
+        list(pool.map(RegionProcess.stop, started.values()))
 
 
 def _transfers(metrics_address: str) -> dict[str, float]:
