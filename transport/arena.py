@@ -99,6 +99,7 @@ class Arena:
     def used_bytes(self) -> int:
         """Bytes held by live buffers and by the quarantine."""
         with self._lock:
+            self._thaw(time.monotonic())
             return sum(self._used.values()) + sum(size for _, _, size in self._cooling)
 
     def close(self) -> None:
