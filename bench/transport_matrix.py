@@ -15,7 +15,7 @@ an order rotated per round); figures are medians.
 
     inproc     the same protocol by function call, sender and receiver in one process
     shm        ShmChannel -> ShmReceiver (same host only; not on the WAN)
-    tcp        TcpChannel (adaptive streams) -> TcpReceiver
+    tcp        TcpChannel (adaptive streams, the default) -> TcpReceiver; tcp-N: N fixed streams
     webrtc-N   WebRtcChannel with N data channels (peer connections) -> WebRtcReceiver
 
 Columns: MB/s over `--shipments` back-to-back whole shipments; CPU s/GB, both processes'
@@ -83,7 +83,7 @@ def role_receiver(system: str) -> None:
     expected = _digest(_layers())
     counts = {"verified": 0, "failed": 0}
     rx: Any
-    if system == "tcp":
+    if system.startswith("tcp"):
         from prfaas.transport.tcp_server import TcpReceiver
 
         rx = TcpReceiver(verifier, os.environ.get("PRFAAS_BENCH_HOST", "127.0.0.1"), 0)
@@ -154,10 +154,11 @@ def role_sender(system: str, target: dict[str, Any]) -> None:
 
         inproc_rx = InProcessReceiver(TicketVerifier({"k": bytes.fromhex(os.environ[KEY_ENV])}))
         channel = InProcessChannel(inproc_rx)
-    elif system == "tcp":
+    elif system.startswith("tcp"):
         from prfaas.transport.tcp import TcpChannel
 
-        channel = TcpChannel((target["host"], target["port"]))
+        streams = int(system.split("-")[1]) if "-" in system else None  # None: adaptive
+        channel = TcpChannel((target["host"], target["port"]), num_streams=streams)
     elif system == "shm":
         from prfaas.transport.shm_channel import ShmChannel
 
