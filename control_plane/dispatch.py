@@ -130,6 +130,7 @@ class Dispatcher:
             decode_region=decode.name, prefill_region=prefill.name, decode_grpc=decode.grpc_endpoint,
             prefill_grpc=prefill.grpc_endpoint, cost_usd=decision.cost.total_usd,
             colocated_cost_usd=decision.colocated_cost.total_usd,
+            **{f"regions_a{attempt}": f"{prefill.name}>{decode.name}"},  # metering: where each attempt ran
         )  # fmt: skip
         if not recorded:
             raise Superseded(job_id)
@@ -173,7 +174,7 @@ class Dispatcher:
                     # The decode region answers only once all KV arrived, so by the time the job
                     # can read DONE its raw bytes have been shipped: record them now, before the
                     # hand-off (the prefill region's shipment_complete event may come after DONE).
-                    jobs.update(job_id, attempt, bytes_raw=kv_bytes)
+                    jobs.update(job_id, attempt, bytes_raw=kv_bytes, prefill_gpu_s=done.prefill_s)
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
                     info = {"mode": "split", "decode_grpc": decode_grpc, "first_token": done.first_token, "kv": kv}
                     jobs.post_ready(job_id, attempt, info)
