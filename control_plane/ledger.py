@@ -436,7 +436,7 @@ class Ledger:
             func.sum(case((u.kv_bytes_wire > 0, 1), else_=0)),
         ).where(*window)
         with self.session() as s:
-            n, p, d, e, colo_p, colo_d, t_in, t_out, raw, wire, p_s, d_s, shipped = s.execute(q).one()
+            n, p, d, e, colo_p, colo_d, t_in, t_out, raw, wire, p_s, d_s, shipped = tuple(s.execute(q).one())
         if not n:
             return []
         zero = {"tokens_in": 0, "tokens_out": 0, "kv_bytes_raw": 0, "kv_bytes_wire": 0}

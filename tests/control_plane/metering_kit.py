@@ -70,7 +70,8 @@ def metered_fixture(tmp_path_factory: pytest.TempPathFactory, long_text: str) ->
     folder = tmp_path_factory.mktemp("metered")
     prices = folder / "prices.yaml"
     prices.write_text(yaml.safe_dump({"max_age_s": 3600, "refresh_s": 3600, "regions": PRICES}))
-    s = Stack(folder, PRFAAS_PRICES_PATH=str(prices))
+    # dispatch visibility 30 s: a cold first prefill (> the stack's 3 s) is not redelivered to a second thread
+    s = Stack(folder, PRFAAS_PRICES_PATH=str(prices), PRFAAS_DISPATCH_VISIBILITY_S="30")
     try:
         s.start_api()
         s.start_worker("w1")

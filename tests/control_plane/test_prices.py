@@ -35,9 +35,9 @@ from prfaas.protos.prfaas.v1 import registry_pb2
 DATA = Path(__file__).parent / "data"
 P4D_FIXTURE = json.loads((DATA / "pricelist_p4d_us_east_1.json").read_text())["response"]
 # AWS's recorded example (an EBS storage product priced per GB-month: no hourly instance price in it)
-BOTOCORE_EXAMPLE = json.loads(
-    (Path(botocore.__file__).parent / "data/pricing/2017-10-15/examples-1.json").read_text()
-)["examples"]["GetProducts"][0]["output"]
+BOTOCORE_EXAMPLE = json.loads((Path(botocore.__file__).parent / "data/pricing/2017-10-15/examples-1.json").read_text())[
+    "examples"
+]["GetProducts"][0]["output"]
 MOTO_SPOT_PRICE = 0.00001  # $/instance-hour: what moto's server answers for every offering
 REGIONS = {
     "prefill-a": {
@@ -87,7 +87,7 @@ class PriceListReplay(BaseHTTPRequestHandler):
 
     requests: list[dict[str, Any]] = []  # noqa: RUF012 (shared by the server's handler instances)
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).requests.append({"target": self.headers.get("X-Amz-Target"), "body": body})
         asked = {f["Field"]: f["Value"] for f in body.get("Filters", [])}
@@ -203,14 +203,13 @@ def test_scheduler_snapshot_reads_the_prices(
     assert snap["unpriced-d"].usd_per_gpu_hour == 7.0  # not configured: what the region registered
 
 
-def test_beat_task_refreshes_prices_in_a_worker(
-    settings: Settings, moto: str, pricelist: str, tmp_path: Path
-) -> None:
+def test_beat_task_refreshes_prices_in_a_worker(settings: Settings, moto: str, pricelist: str, tmp_path: Path) -> None:
     path = tmp_path / "prices.yaml"
     path.write_text(yaml.safe_dump({"refresh_s": 1, "regions": {"prefill-a": REGIONS["prefill-a"]}}))
     env = dict(
         os.environ, PRFAAS_DEV="1", PRFAAS_REDIS_URL=settings.redis_url, PRFAAS_KEY_PREFIX=settings.key_prefix,
-        PRFAAS_ADMIN_KEY=settings.admin_key.get_secret_value(), PRFAAS_TICKET_KEY=settings.ticket_key.get_secret_value(),
+        PRFAAS_ADMIN_KEY=settings.admin_key.get_secret_value(),
+        PRFAAS_TICKET_KEY=settings.ticket_key.get_secret_value(),
         PRFAAS_PRICES_PATH=str(path), PRFAAS_AWS_ENDPOINT_URL=moto, PRFAAS_PRICING_ENDPOINT_URL=pricelist,
         PRFAAS_LEDGER_URL=f"sqlite:///{tmp_path / 'ledger.db'}", AWS_ACCESS_KEY_ID="testing",
         AWS_SECRET_ACCESS_KEY="testing",
