@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,7 @@ class MeteringMetrics:
     market, source; never a tenant or a job."""
 
     def __init__(self, registry: CollectorRegistry, prices: PriceBook | None = None) -> None:
+        self.prices = PriceCollector(prices)
         r = registry
         self.billed_usd = Counter("prfaas_billed_usd", "$ billed to tenants", ["phase", "region"], registry=r)
         self.colocated_usd = Counter(
@@ -171,8 +173,7 @@ class MeteringMetrics:
         self.write_s = Histogram("prfaas_ledger_write_seconds", "billing one job (read, price, write)", registry=r)
         self.errors = Counter("prfaas_ledger_errors", "billing attempts that raised", registry=r)
         self.queue_depth = Gauge("prfaas_ledger_queue_depth", "finished jobs waiting to be billed", registry=r)
-        if prices is not None:
-            r.register(PriceCollector(prices))
+        r.register(self.prices)
 
     def billed(self, entry: UsageEntry) -> None:
         self.billed_usd.labels("prefill", entry.prefill_region).inc(entry.prefill_usd)
@@ -187,7 +188,7 @@ class MeteringMetrics:
 class PriceCollector(Collector):
     """Each cached or table price at scrape time: value, age, stale flag."""
 
-    def __init__(self, prices: PriceBook) -> None:
+    def __init__(self, prices: PriceBook | None) -> None:
         self.prices = prices
 
     def collect(self) -> Any:
@@ -197,7 +198,7 @@ class PriceCollector(Collector):
         age = GaugeMetricFamily("prfaas_price_age_seconds", "age of the cached price", labels=["region", "market"])
         stale = GaugeMetricFamily("prfaas_price_stale", "1: older than max_age_s", labels=["region", "market"])
         try:
-            quotes = self.prices.quotes()
+            quotes = self.prices.quotes() if self.prices is not None else []
         except Exception:  # a scrape must not fail because Redis blinked
             quotes = []
         for q in quotes:
@@ -377,7 +378,15 @@ class Meter:
         return written
 
 
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, MeteringMetrics] = weakref.WeakKeyDictionary()
+
+
 def open_meter(services: Services, registry: CollectorRegistry | None = None) -> Meter:
     """A Meter on the ledger at `PRFAAS_LEDGER_URL` (migrated to head), its metrics in `registry`."""
-    metrics = MeteringMetrics(registry, services.regions.prices) if registry is not None else None
+    metrics = None
+    if registry is not None:  # one set per registry: an app's lifespan may run more than once (tests)
+        metrics = _METRICS.get(registry)
+        if metrics is None:
+            metrics = _METRICS[registry] = MeteringMetrics(registry)
+        metrics.prices.prices = services.regions.prices
     return Meter(services, Ledger(LedgerSettings().ledger_url), metrics)

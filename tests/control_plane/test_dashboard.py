@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from metering_kit import Metered, metered_fixture  # noqa: F401 (fixture)
+from metering_kit import Metered
 
 from prfaas.bench.cp_stack import ADMIN_KEY
 
