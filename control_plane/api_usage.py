@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from prfaas.control_plane.deps import AdminDep, ServicesDep, TenantDep
+from prfaas.control_plane.deps import AdminDep, TenantDep
 from prfaas.control_plane.ledger import GroupTotal, UsageEntry
 from prfaas.control_plane.metering import Meter, month_window
 from prfaas.control_plane.prices import PriceFeed, PriceSettings, quote_dict
@@ -202,6 +202,6 @@ def admin_prices(m: MeterDep) -> list[dict[str, Any]]:
 
 
 @admin_router.post("/prices/refresh")
-def refresh_prices(m: MeterDep, s: ServicesDep) -> list[dict[str, Any]]:
+def refresh_prices(m: MeterDep) -> list[dict[str, Any]]:
     """Refresh now (the beat task does it every `refresh_s`)."""
     return [quote_dict(q) for q in m.prices.refresh(PriceFeed(PriceSettings()))]
