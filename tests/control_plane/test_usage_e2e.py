@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import time
 from collections import Counter
 
 import httpx
@@ -16,6 +17,7 @@ from cp_kit import make_settings
 from metering_kit import EGRESS_USD_PER_GB, PRICES, Metered, wait_billed
 
 from prfaas.bench.cp_stack import ADMIN, wait_until
+from prfaas.control_plane.jobs import JobState, Quota
 from prfaas.control_plane.ledger import Ledger, UsageEntry
 from prfaas.control_plane.metering import Meter
 from prfaas.control_plane.services import Services
@@ -128,6 +130,41 @@ def test_billing_again_changes_nothing(metered: Metered) -> None:
             assert entry is not None and (entry.id, entry.total_usd) == before[job_id]
         assert meter.reconcile() == 0
         assert {e.job_id: (e.id, e.total_usd) for e in m.entries()} == before
+    finally:
+        ledger.close()
+        services.close()
+
+
+def test_sweep_bills_a_job_its_api_process_never_billed(metered: Metered, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job moved to DONE without `job_done` (its API process died in between) and a FAILED job: the
+    reconciliation sweep bills the first once and records the second's attempt as platform cost."""
+    m = metered
+    monkeypatch.setenv("PRFAAS_PRICES_PATH", m.stack.env["PRFAAS_PRICES_PATH"])  # the stack's price table
+    services = Services.create(make_settings(key_prefix=m.stack.prefix))
+    ledger = Ledger(m.stack.ledger_url)
+    try:
+        tenant_id, _ = m.stack.tenant("delta")
+        jobs, quota = services.jobs, Quota(rps=100, concurrency=100, budget_usd=100)
+        fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
+        done = jobs.create(tenant_id, fields, quota).job_id
+        jobs.update(done, 1, placement_chosen="local", decode_region="decode-b", prefill_region="decode-b")
+        jobs.transition(done, JobState.LOCAL, 1, note="local in decode-b")
+        timing = {"gen_first_s": 0.2, "gen_last_s": 0.5, "first_token_at": time.time()}
+        jobs.transition(done, JobState.DONE, 1, completion_tokens=3, **timing)
+        failed = jobs.create(tenant_id, fields, quota).job_id
+        jobs.update(failed, 1, placement_chosen="split", **{"regions_a1": "prefill-a>decode-b"})
+        jobs.transition(failed, JobState.PREFILLING, 1, note="prefill in prefill-a")
+        time.sleep(0.2)
+        jobs.transition(failed, JobState.FAILED, 1, note="prefill in prefill-a: UNAVAILABLE")
+        meter = Meter(services, ledger)
+        assert meter.reconcile() == 1 and meter.reconcile() == 0
+        entry = ledger.entry(done)
+        assert entry is not None and (entry.prefill_gpu_s, entry.decode_gpu_s) == (0.2, pytest.approx(0.3))
+        assert entry.total_usd == pytest.approx(0.5 / 3600 * 3.5)
+        (wasted,) = ledger.wasted(failed)
+        assert (wasted.phase, wasted.region, wasted.usd_per_gpu_h) == ("prefill", "prefill-a", 0.6)  # spot price
+        assert wasted.gpu_s == pytest.approx(0.2, abs=0.15) and ledger.entry(failed) is None
+        assert jobs.spend(tenant_id) == pytest.approx(entry.total_usd)  # budgets see the swept bill
     finally:
         ledger.close()
         services.close()
