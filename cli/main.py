@@ -250,6 +250,75 @@ def sim_run(
         console.print(f"wrote {json_path}")
 
 
+regions_app = typer.Typer(help="The region registry: entries from Terraform outputs.", no_args_is_help=True)
+app.add_typer(regions_app, name="regions")
+
+
+@regions_app.command("import")
+def regions_import(
+    file: Path = typer.Argument(..., help="`terraform output -json` of a terraform/envs/* directory"),
+    apply: bool = typer.Option(False, "--apply", help="PUT the links to the control plane's admin API"),
+    url: str | None = typer.Option(None, help="API base URL (default: the outputs' control_plane.api_url)"),
+    admin_key: str | None = typer.Option(None, envvar="PRFAAS_ADMIN_KEY", help="admin key (PRFAAS_ADMIN_KEY)"),
+    as_json: bool = typer.Option(False, "--json", help="print the entries as JSON"),
+) -> None:
+    """Turn an environment's outputs into registry entries: regions (they register
+    themselves when they start) and links; --apply configures the links. Exit 2 bad input."""
+    import json
+
+    import httpx
+    from rich.markup import escape
+
+    from prfaas.cli.regions_import import OutputsError, parse_outputs
+    from prfaas.cli.regions_import import apply as apply_links
+
+    try:
+        deployment = parse_outputs(file.read_text())
+    except OSError as exc:
+        console.print(f"[red]error:[/red] {file}: {exc.strerror}", highlight=False)
+        raise typer.Exit(2) from None
+    except OutputsError as exc:
+        console.print(f"[red]error:[/red] {escape(f'{file}: {exc}')}", highlight=False)
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps({
+            "regions": [r.model_dump() for r in deployment.regions],
+            "links": [link.model_dump(exclude={"utilization"}) for link in deployment.links],
+            "control_plane": deployment.control_plane.model_dump() if deployment.control_plane else None,
+        }, indent=2))  # fmt: skip
+    else:
+        table = Table("region", "role", "provider", "location", "gpu", "$/GPU-h", "grpc", "kv")
+        for r in deployment.regions:
+            table.add_row(r.name, r.role, r.provider, r.location, r.gpu_type, f"{r.usd_per_gpu_hour:g}",
+                          r.grpc_endpoint or "(registers)", r.kv_endpoint or "-")  # fmt: skip
+        console.print(table)
+        links = Table("link", "rtt ms", "Gbit/s", "egress $/GB")
+        for link in deployment.links:
+            links.add_row(f"{link.src} -> {link.dst}", f"{link.rtt_ms:g}", f"{link.bandwidth_gbps:g}",
+                          f"{link.egress_usd_per_gb:g}")  # fmt: skip
+        console.print(links)
+    if not apply:
+        return
+    target = url or (deployment.control_plane.api_url if deployment.control_plane else None)
+    if target is None:
+        console.print("[red]error:[/red] --apply needs --url (the outputs name no control_plane.api_url)")
+        raise typer.Exit(2)
+    if not admin_key:
+        console.print("[red]error:[/red] --apply needs the admin key (--admin-key or PRFAAS_ADMIN_KEY)")
+        raise typer.Exit(2)
+    try:
+        report = apply_links(deployment, target, admin_key)
+    except httpx.HTTPStatusError as exc:
+        detail = escape(f"{target} refused: HTTP {exc.response.status_code} {exc.response.text[:200]}")
+        console.print(f"[red]error:[/red] {detail}", highlight=False)
+        raise typer.Exit(1) from None
+    except httpx.HTTPError as exc:
+        console.print(f"[red]error:[/red] {escape(f'cannot reach {target}: {exc}')}", highlight=False)
+        raise typer.Exit(1) from None
+    registered, missing = ", ".join(report.registered) or "none", ", ".join(report.missing) or "none"
+    console.print(f"put {report.links_put} link(s) to {target}; healthy: {registered}; not yet: {missing}")
+
+
 def main() -> None:
     app()
 

@@ -119,8 +119,10 @@ class RegionRegistry:
             raw, drained = pipe.execute()
         if not raw:
             raise RegionNotFound(name)
+        return self._record(raw, bool(drained), time.time() if now is None else now)
+
+    def _record(self, raw: dict[bytes, bytes], drained: bool, now: float) -> RegionRecord:
         f = {k.decode(): v.decode() for k, v in raw.items()}
-        now = time.time() if now is None else now
         interval = float(f["heartbeat_interval_s"])
         age = max(0.0, now - float(f["last_beat_at"]))
         return RegionRecord(
@@ -132,20 +134,21 @@ class RegionRegistry:
             queue_depth=int(f["queue_depth"]), busy_workers=int(f["busy_workers"]),
             kv_used_bytes=int(f["kv_used_bytes"]), kv_free_bytes=int(f["kv_free_bytes"]),
             prefill_tokens_per_s=float(f["prefill_tokens_per_s"]), decode_tokens_per_s=float(f["decode_tokens_per_s"]),
-            draining=f["draining"] == "1", drained=bool(drained),
+            draining=f["draining"] == "1", drained=drained,
             alive=age <= self.settings.heartbeat_misses * interval, heartbeat_age_s=age,
         )  # fmt: skip
 
     def regions(self) -> list[RegionRecord]:
-        now = time.time()
+        """Every registered region, by name (two Redis round trips however many there are)."""
         names = sorted(m.decode() for m in self.redis.smembers(self.settings.key("regions")))
-        records = []
-        for name in names:
-            try:
-                records.append(self.get(name, now))
-            except RegionNotFound:
-                continue
-        return records
+        with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(self._key(name))
+                pipe.exists(self._key(name) + ":drained")
+            replies = pipe.execute()
+        now = time.time()
+        pairs = zip(replies[::2], replies[1::2], strict=True)
+        return [self._record(raw, bool(drained), now) for raw, drained in pairs if raw]
 
     def set_drained(self, name: str, drained: bool) -> RegionRecord:
         self.get(name)
@@ -168,10 +171,15 @@ class RegionRegistry:
     def snapshot(self, model: ModelShape, exclude: frozenset[str] = frozenset()) -> ClusterSnapshot:
         """The fleet as the scheduler sees it: regions serving `model`'s fingerprint-free name
         (dead, drained or excluded ones marked unhealthy) and the links between them."""
-        regions = [self._region(r, exclude, self.prices) for r in self.regions()]
+        return self.snapshot_of(self.regions(), self.links(), model, exclude)
+
+    def snapshot_of(
+        self, records: list[RegionRecord], links: list[Link], model: ModelShape, exclude: frozenset[str] = frozenset()
+    ) -> ClusterSnapshot:
+        regions = [self._region(r, exclude, self.prices) for r in records]
         names = {r.name for r in regions}
-        links = tuple(link for link in self.links() if link.src in names and link.dst in names)
-        return ClusterSnapshot(taken_at_s=time.time(), model=model, regions=tuple(regions), links=links)
+        kept = tuple(link for link in links if link.src in names and link.dst in names)
+        return ClusterSnapshot(taken_at_s=time.time(), model=model, regions=tuple(regions), links=kept)
 
     @staticmethod
     def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook) -> Region:

@@ -130,6 +130,25 @@ def test_asked_placement_is_recorded(stack: tuple[Stack, list[RegionProcess]], t
     assert (job["placement_asked"], job["placement_chosen"]) == ("split", "split")
 
 
+def test_local_jobs_are_placed_at_admission_without_celery(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str], engine: HFEngine
+) -> None:
+    s, _ = stack
+    worker = s.workers.pop("w1")
+    worker.terminate()
+    worker.wait(30)
+    try:  # no dispatcher runs: the API placed the short prompt and streamed it itself
+        reply = _client(s, tenant[1]).completions.create(model="tiny-llama", prompt=[5, 6, 7, 8], max_tokens=4)
+        assert reply.choices[0].text == engine.decode_text(
+            engine.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=4))
+        )
+        job = _job(s, tenant[1], reply.id)
+        assert job["placement_chosen"] == "local" and job["decode_region"] == "decode-b"
+        assert [e["state"] for e in job["timeline"]] == ["QUEUED", "LOCAL", "DONE"]  # type: ignore[attr-defined, union-attr]
+    finally:
+        s.start_worker("w1")
+
+
 def test_api_restart_keeps_job_state(stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]) -> None:
     s, _ = stack
     reply = _client(s, tenant[1]).completions.create(model="tiny-llama", prompt="survive", max_tokens=4)
