@@ -50,10 +50,13 @@ class Metered:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
 
 
-def run_jobs(m: Metered, tenant: str, prompts: list[list[int]], max_tokens: int = 6) -> None:
+def run_jobs(m: Metered, tenant: str, prompts: list[tuple[list[int], str]], max_tokens: int = 6) -> None:
+    """Each (prompt, placement asked: auto / split / local) through the official client, one after another."""
     client = openai.OpenAI(base_url=m.stack.url + "/v1", api_key=m.keys[tenant], max_retries=0, timeout=60)
-    for prompt in prompts:
-        reply = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens)
+    for prompt, placement in prompts:
+        reply = client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=max_tokens, extra_body={"prfaas": {"placement": placement}}
+        )
         m.jobs.setdefault(tenant, []).append(reply.id)
 
 
@@ -83,12 +86,13 @@ def metered_fixture(tmp_path_factory: pytest.TempPathFactory, long_text: str) ->
         wait_until(lambda: len(s.healthy()) == 2, 30, 0.1)
         ids, keys = {}, {}
         for name in ("alpha", "beta"):
-            ids[name], keys[name] = s.tenant(name)
+            ids[name], keys[name] = s.tenant(name, allow_placement=True)
         m = Metered(s, keys, ids)
         ids_of = HFEngine("tiny-llama").encode(long_text)
         long_a = [ids_of[i * 50 : i * 50 + SPLIT_TOKENS] for i in range(2)]
-        run_jobs(m, "alpha", [*long_a, [5, 6, 7, 8], [9, 10, 11]])
-        run_jobs(m, "beta", [ids_of[700 : 700 + SPLIT_TOKENS], [12, 13, 14, 15, 16]])
+        # one split asked per tenant (so there is egress to bill whatever the scheduler picks for the rest)
+        run_jobs(m, "alpha", [(long_a[0], "split"), (long_a[1], "auto"), ([5, 6, 7, 8], "auto"), ([9, 10, 11], "auto")])
+        run_jobs(m, "beta", [(ids_of[700 : 700 + SPLIT_TOKENS], "split"), ([12, 13, 14, 15, 16], "auto")])
         wait_billed(m)
         yield m
     finally:
