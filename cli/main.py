@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from prfaas.cli.sim import sim_app
 from prfaas.engine.errors import EngineError
 
 app = typer.Typer(
@@ -185,69 +186,7 @@ def region(
     server.wait()
 
 
-sim_app = typer.Typer(
-    help="The fleet simulator: the live scheduler policies on a modelled fleet.", no_args_is_help=True
-)
 app.add_typer(sim_app, name="sim")
-
-
-@sim_app.command("scenarios")
-def sim_scenarios() -> None:
-    """List the built-in scenarios."""
-    from prfaas.sim.scenarios import SCENARIOS
-
-    table = Table("name", "GPUs", "requests", "description")
-    for name, make in SCENARIOS.items():
-        scenario = make()
-        table.add_row(name, str(scenario.fleet.num_gpus), str(scenario.num_requests), scenario.description)
-    console.print(table)
-
-
-@sim_app.command("run")
-def sim_run(
-    scenario: str = typer.Option("prfaas-case-study", help="see `prfaas sim scenarios`"),
-    policy: list[str] = typer.Option(
-        ["prfaas", "homogeneous-pd", "naive-heterogeneous"], "--policy", help="policies to compare (repeatable)"
-    ),
-    seed: int = typer.Option(0, help="workload seed (same seed, same result)"),
-    requests: int | None = typer.Option(None, help="requests per run (default: the scenario's)"),
-    trace: Path | None = typer.Option(None, help="JSONL trace to replay instead of the scenario's workload"),
-    json_path: Path | None = typer.Option(None, "--json", help="write one row per policy here"),
-) -> None:
-    """Throughput at SLO, TTFT, link use and $/1M tokens of each policy, side by side."""
-    from prfaas.sim.compare import compare, paper_lines, write_json
-
-    try:
-        with console.status("simulating...") as status:
-            rows = compare(
-                scenario,
-                policies=policy,
-                seed=seed,
-                num_requests=requests,
-                trace_path=str(trace) if trace else None,
-                on_run=lambda name, m: status.update(
-                    f"{name}: {m.rate_rps:.3g} req/s -> {m.slo_attainment:.0%} in SLO"
-                ),
-            )
-    except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
-    table = Table("policy", "req/s at SLO", "TTFT P90 s", "link util", "$/1M tok", "P90 TTFT at common rate s")
-    for row in rows:
-        table.add_row(
-            row["policy"],
-            f"{row['throughput_at_slo_rps']:.3g}",
-            "-" if row["ttft_p90_s"] is None else f"{row['ttft_p90_s']:.2f}",
-            "-" if row["link_util"] is None else f"{row['link_util']:.1%}",
-            "-" if row["usd_per_mtok"] is None else f"{row['usd_per_mtok']:.3f}",
-            "-" if row.get("ttft_p90_at_common_rate_s") is None else f"{row['ttft_p90_at_common_rate_s']:.2f}",
-        )
-    console.print(table)
-    for line in paper_lines(scenario, rows):
-        console.print(line)
-    if json_path is not None:
-        write_json(json_path, rows)
-        console.print(f"wrote {json_path}")
 
 
 regions_app = typer.Typer(help="The region registry: entries from Terraform outputs.", no_args_is_help=True)
