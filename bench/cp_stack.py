@@ -45,8 +45,9 @@ class Stack:
             os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PRFAAS_DEV="1", PRFAAS_REDIS_URL=REDIS_URL,
             PRFAAS_KEY_PREFIX=self.prefix, PRFAAS_ADMIN_KEY=ADMIN_KEY, PRFAAS_TICKET_KEY=TICKET_KEY,
             PRFAAS_POLICY_PATH=str(policy), PRFAAS_DISPATCH_VISIBILITY_S="3", PRFAAS_BACKOFF_S="0.05",
-            PRFAAS_JOB_TIMEOUT_S="60",
+            PRFAAS_JOB_TIMEOUT_S="60", PRFAAS_LEDGER_URL=f"sqlite:///{folder / 'ledger.db'}",
         ) | env  # fmt: skip
+        self.ledger_url = self.env["PRFAAS_LEDGER_URL"]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.regions: list[RegionProcess] = []
         self.workers: dict[str, subprocess.Popen[bytes]] = {}

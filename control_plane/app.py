@@ -18,9 +18,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prfaas.control_plane import api_admin, api_jobs, api_openai
+from prfaas.control_plane import api_admin, api_jobs, api_openai, api_usage, dashboard
 from prfaas.control_plane.celery_app import make_celery
 from prfaas.control_plane.generation import Follower
+from prfaas.control_plane.metering import open_meter
 from prfaas.control_plane.region_registry import serve_registry
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
@@ -40,7 +41,8 @@ def create_app(settings: Settings) -> FastAPI:
         _ = services.model.tokenizer  # load once, before the first request
         celery = make_celery(settings)
         app.state.services = services
-        app.state.follower = Follower(services, celery)
+        app.state.meter = meter = open_meter(services, metrics)
+        app.state.follower = Follower(services, celery, meter)
         server = None
         if settings.registry_listen:
             server, address = serve_registry(services.regions, settings.registry_listen)
@@ -49,12 +51,17 @@ def create_app(settings: Settings) -> FastAPI:
         yield
         if server is not None:
             server.stop(1)
+        meter.close()
+        meter.ledger.close()
         services.close()
 
     app = FastAPI(title="prfaas control plane", version="1", lifespan=lifespan)
     app.include_router(api_openai.router)
     app.include_router(api_jobs.router)
     app.include_router(api_admin.router)
+    app.include_router(api_usage.router)
+    app.include_router(api_usage.admin_router)
+    dashboard.install(app)
 
     app.add_middleware(CountResponses, counter=responses)
 

@@ -122,7 +122,8 @@ class Dispatcher:
         decision = self.decide(job, excluded)
         decode = self.s.regions.get(decision.decode_region)
         prefill = self.s.regions.get(decision.prefill_region)
-        if not jobs.update(job_id, attempt, **placed_fields(decision, decode, prefill)):
+        where = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}"}  # metering: where each attempt ran
+        if not jobs.update(job_id, attempt, **placed_fields(decision, decode, prefill), **where):
             raise Superseded(job_id)
         if decision.mode is Mode.LOCAL:
             jobs.transition(job_id, JobState.LOCAL, attempt, note=f"local in {decode.name}")
@@ -164,7 +165,7 @@ class Dispatcher:
                     # The decode region answers only once all KV arrived, so by the time the job
                     # can read DONE its raw bytes have been shipped: record them now, before the
                     # hand-off (the prefill region's shipment_complete event may come after DONE).
-                    jobs.update(job_id, attempt, bytes_raw=kv_bytes)
+                    jobs.update(job_id, attempt, bytes_raw=kv_bytes, prefill_gpu_s=done.prefill_s)
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
                     info = {"mode": "split", "decode_grpc": decode_grpc, "first_token": done.first_token, "kv": kv}
                     jobs.post_ready(job_id, attempt, info)

@@ -17,6 +17,7 @@ import grpc
 from prfaas.control_plane.celery_app import enqueue
 from prfaas.control_plane.dispatch import Channels, sampling
 from prfaas.control_plane.jobs import IllegalTransition, JobNotFound, JobState, StaleAttempt
+from prfaas.control_plane.metering import Meter, served_timing
 from prfaas.control_plane.placement import AdmissionPlacer
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -41,11 +42,12 @@ class Token:
 
 
 class Follower:
-    def __init__(self, services: Services, celery: object) -> None:
+    def __init__(self, services: Services, celery: object, meter: Meter | None = None) -> None:
         self.s = services
         self.celery = celery
         self.channels = Channels({})
         self.placer = AdmissionPlacer(services, services.settings.snapshot_ttl_s)
+        self.meter = meter  # bills each job once it is DONE (off this thread)
 
     def tokens(
         self, job_id: str, job: dict[str, str] | None = None, ready: dict[str, Any] | None = None
@@ -93,18 +95,23 @@ class Follower:
                         ),
                         timeout=remaining + 5,
                     )  # fmt: skip
+                first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 for event in stream:
+                    if event.index == 0:
+                        first = (time.time(), event.elapsed_s)
                     if event.index == 0 and handed["mode"] == "split":
                         jobs.transition(job_id, JobState.DECODING, attempt, note="first token", tenant=job["tenant"])
                     if event.index < len(output):
                         continue
                     output.append(event.token)
-                    if event.last:
+                    if event.last:  # spend is billed from the ledger (metering.py), not here
                         jobs.transition(
-                            job_id, JobState.DONE, attempt, note=event.finish_reason,
-                            cost_usd=float(job.get("cost_usd") or 0.0), tenant=job["tenant"],
+                            job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
                             completion_tokens=len(output), finish_reason=event.finish_reason, output_ids=output,
+                            **served_timing(first, event.elapsed_s),
                         )  # fmt: skip
+                        if self.meter is not None:
+                            self.meter.job_done(job_id)
                     yield Token(event.index, event.token, event.last, event.finish_reason)
                     if event.last:
                         return

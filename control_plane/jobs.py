@@ -337,20 +337,23 @@ class JobStore:
         return int(current)
 
     def update(self, job_id: str, attempt: int, **fields: Any) -> bool:
-        """Set fields while `attempt` is current (WATCH/MULTI); False when it is stale or the job is gone."""
+        """Set fields while `attempt` is current (WATCH/MULTI, retried when a concurrent write to the job
+        interferes); False when it is stale or the job is gone."""
         key = self._job(job_id)
-        with self.redis.pipeline() as pipe:
-            try:
-                pipe.watch(key)
-                current = pipe.hget(key, "attempt")
-                if current is None or int(current) != attempt:
-                    return False
-                pipe.multi()
-                pipe.hset(key, mapping={name: _encode(value) for name, value in fields.items()})
-                pipe.execute()
-                return True
-            except redis.WatchError:
-                return False
+        for _ in range(10):  # another write to the job (a transition) between WATCH and EXEC: read again
+            with self.redis.pipeline() as pipe:
+                try:
+                    pipe.watch(key)
+                    current = pipe.hget(key, "attempt")
+                    if current is None or int(current) != attempt:
+                        return False
+                    pipe.multi()
+                    pipe.hset(key, mapping={name: _encode(value) for name, value in fields.items()})
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+        return False
 
     def get(self, job_id: str) -> dict[str, str]:
         raw = self.redis.hgetall(self._job(job_id))

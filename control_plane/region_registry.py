@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import redis
 
+from prfaas.control_plane.prices import PriceBook, price_book
 from prfaas.control_plane.settings import Settings
 from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
@@ -70,6 +71,7 @@ class RegionRegistry:
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
+        self.prices = price_book(client, settings.key("prices"))  # live/table prices override registered ones
 
     def _key(self, name: str) -> str:
         return self.settings.key("region", name)
@@ -172,21 +174,22 @@ class RegionRegistry:
         (dead, drained or excluded ones marked unhealthy) and the links between them."""
         return self.snapshot_of(self.regions(), self.links(), model, exclude)
 
-    @classmethod
     def snapshot_of(
-        cls, records: list[RegionRecord], links: list[Link], model: ModelShape, exclude: frozenset[str] = frozenset()
+        self, records: list[RegionRecord], links: list[Link], model: ModelShape, exclude: frozenset[str] = frozenset()
     ) -> ClusterSnapshot:
-        regions = [cls._region(r, exclude) for r in records]
+        regions = [self._region(r, exclude, self.prices) for r in records]
         names = {r.name for r in regions}
         kept = tuple(link for link in links if link.src in names and link.dst in names)
         return ClusterSnapshot(taken_at_s=time.time(), model=model, regions=tuple(regions), links=kept)
 
     @staticmethod
-    def _region(r: RegionRecord, exclude: frozenset[str]) -> Region:
+    def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook) -> Region:
         decode_tps = r.decode_tokens_per_s or FALLBACK_DECODE_TPS
+        on_demand = prices.on_demand(r.name)
         return Region(
             name=r.name, role=Role(r.role), gpu_type=r.gpu_type, num_gpus=r.num_workers, num_workers=r.num_workers,
-            usd_per_gpu_hour=r.usd_per_gpu_hour, queue_depth=r.queue_depth,
+            usd_per_gpu_hour=r.usd_per_gpu_hour if on_demand is None else on_demand,
+            spot_usd_per_gpu_hour=prices.spot(r.name), queue_depth=r.queue_depth,
             num_busy_workers=min(r.busy_workers, r.num_workers),
             kv_buffer_free_bytes=r.kv_free_bytes if r.role != "prefill" else 0,
             prefill_tokens_per_s=r.prefill_tokens_per_s or FALLBACK_PREFILL_TPS, decode_tokens_per_s=decode_tps,

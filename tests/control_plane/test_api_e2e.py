@@ -5,6 +5,7 @@ decode region (`prfaas region`, tiny-llama) registering through heartbeats; real
 from __future__ import annotations
 
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -12,8 +13,10 @@ import httpx
 import openai
 import pytest
 from cp_kit import ensure_redis
+from sqlalchemy import func, select
 
 from prfaas.bench.cp_stack import ADMIN, RegionProcess, Stack, wait_until
+from prfaas.control_plane.ledger import Ledger, UsageEntry
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
@@ -175,7 +178,25 @@ def test_prefill_region_killed_fails_over_and_bills_once(
     assert states[-1] == ("DONE", 2) and ("QUEUED", 2) in states, states
     assert job["placement_chosen"] == "local"
     assert sum(1 for state, _ in states if state == "DONE") == 1
-    assert _spend(s, tenant[0]) - spent_before == pytest.approx(float(job["cost_usd"]))  # type: ignore[arg-type]
+    # Billed once, for attempt 2 (local in decode-b); attempt 1's prefill in the dead region is platform cost.
+    ledger = Ledger(s.ledger_url, migrate=False)
+    try:
+        wait_until(lambda: ledger.entry(reply.id) is not None, 10, 0.05)
+        entry = ledger.entry(reply.id)
+        assert entry is not None and (entry.attempts, entry.placement) == (2, "local")
+        assert entry.prefill_region == entry.decode_region == "decode-b"
+        with ledger.session() as session:
+            count = session.scalar(select(func.count()).select_from(UsageEntry).where(UsageEntry.job_id == reply.id))
+        assert count == 1
+        wasted = ledger.wasted(reply.id)
+        assert [(w.attempt, w.phase, w.region) for w in wasted] == [(1, "prefill", "prefill-a")], wasted
+        assert wasted[0].gpu_s > 0 and wasted[0].tenant == tenant[0]
+        # the tenant's spend (what budgets are checked against) rises by the ledger entry, once
+        wait_until(lambda: _spend(s, tenant[0]) - spent_before == pytest.approx(entry.total_usd), 10, 0.05)
+        time.sleep(0.5)
+        assert _spend(s, tenant[0]) - spent_before == pytest.approx(entry.total_usd)
+    finally:
+        ledger.close()
 
 
 def _spend(s: Stack, tenant_id: str) -> float:
