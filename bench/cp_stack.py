@@ -1,19 +1,15 @@
 """The control plane as real processes on loopback, shared by `bench/control_plane.py` and
 tests/control_plane/test_api_e2e.py: the API (uvicorn, serving the region registry over
 gRPC), Celery workers (Redis broker) and `prfaas region` processes registering through
-heartbeats. Redis must already run (tests/ensure-services.sh starts one)."""
+heartbeats. Redis must already run (tests/ensure-services.sh starts one). The process helpers
+(`spawn_region`, `RegionProcess`, `free_port`, `wait_until`) live in cli/launch.py, shared with
+`prfaas up`, and are re-exported here."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
-import threading
-import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,75 +17,16 @@ import httpx
 import redis
 import yaml
 
+from prfaas.cli.launch import RegionProcess, api_argv, free_port, http_ok, spawn_region, wait_until, worker_argv
 from prfaas.control_plane.policy import DEFAULT_POLICY_YAML
+
+__all__ = ["ADMIN", "ADMIN_KEY", "REDIS_URL", "TICKET_KEY", "RegionProcess", "Stack", "free_port", "spawn_region",
+           "wait_until"]  # fmt: skip
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 ADMIN_KEY = "admin-key-for-control-plane-tests-0123456789"
 TICKET_KEY = "region-tests-ticket-key-0123456789abcdef"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.02) -> float:
-    """Seconds until `predicate()` held; raises AssertionError after `timeout_s`."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
-
-
-@dataclass
-class RegionProcess:
-    proc: subprocess.Popen[str]
-    grpc: str
-    kv: str
-    metrics: str
-    lines: list[str]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-def spawn_region(config: Path, timeout_s: float = 120, env: Mapping[str, str] | None = None) -> RegionProcess:
-    """Start `prfaas region --config` and wait for its `ready grpc=... kv=...` line."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(config), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env | dict(env or {}),
-    )  # fmt: skip
-    lines: list[str] = []
-    ready: dict[str, str] = {}
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("ready "):
-                for part in line.split()[1:]:
-                    name, _, value = part.partition("=")
-                    ready[name] = value
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not ready and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not ready:
-        proc.kill()
-        raise RuntimeError(f"region {config.name} did not start:\n" + "\n".join(lines[-30:]))
-    return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines)
 
 
 class Stack:
@@ -108,8 +45,9 @@ class Stack:
             os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PRFAAS_DEV="1", PRFAAS_REDIS_URL=REDIS_URL,
             PRFAAS_KEY_PREFIX=self.prefix, PRFAAS_ADMIN_KEY=ADMIN_KEY, PRFAAS_TICKET_KEY=TICKET_KEY,
             PRFAAS_POLICY_PATH=str(policy), PRFAAS_DISPATCH_VISIBILITY_S="3", PRFAAS_BACKOFF_S="0.05",
-            PRFAAS_JOB_TIMEOUT_S="60",
+            PRFAAS_JOB_TIMEOUT_S="60", PRFAAS_LEDGER_URL=f"sqlite:///{folder / 'ledger.db'}",
         ) | env  # fmt: skip
+        self.ledger_url = self.env["PRFAAS_LEDGER_URL"]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.regions: list[RegionProcess] = []
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
@@ -120,30 +58,15 @@ class Stack:
         port = free_port()
         env = self.env | {"PRFAAS_REGISTRY_LISTEN": self.registry}
         log = (self.folder / f"api-{port}.log").open("wb")
-        self.api = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "prfaas.control_plane.app:app_from_env",
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        self.api = subprocess.Popen(api_argv("127.0.0.1", port), env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(self.api)
         self.url = f"http://127.0.0.1:{port}"
 
-        def ready() -> bool:
-            try:
-                return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, 60, 0.1)
+        wait_until(lambda: http_ok(self.url + "/readyz"), 60, 0.1)
 
     def start_worker(self, name: str, concurrency: int = 4) -> subprocess.Popen[bytes]:
         log = (self.folder / f"worker-{name}.log").open("wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads",
-             "-c", str(concurrency), "-n", f"{name}@%h", "--without-gossip", "--without-mingle",
-             "--loglevel", "WARNING"],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        proc = subprocess.Popen(worker_argv(name, concurrency), env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         self.workers[name] = proc
         return proc

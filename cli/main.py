@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from prfaas.cli.bench import bench as bench_command
+from prfaas.cli.sim import sim_app
 from prfaas.engine.errors import EngineError
 
 app = typer.Typer(
@@ -185,69 +187,137 @@ def region(
     server.wait()
 
 
-sim_app = typer.Typer(
-    help="The fleet simulator: the live scheduler policies on a modelled fleet.", no_args_is_help=True
-)
+@app.command()
+def up(
+    topology: Path = typer.Option(None, "--topology", help="topology YAML (default examples/topology.yaml)"),
+    emulate_wan: bool = typer.Option(False, help="regions in network namespaces joined by emulated WAN links (root)"),
+    detach: bool = typer.Option(False, help="return once up; `prfaas down` stops it"),
+) -> None:
+    """Start a whole deployment on this machine: Redis, the control plane, a Celery worker and
+    every region of the topology; a demo tenant. Ctrl-C (or `prfaas down`) stops everything."""
+    from rich.markup import escape
+
+    from prfaas.cli.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
+    from prfaas.cli.up import run_up
+    from prfaas.cli.up_state import UpError
+    from prfaas.engine.models import prfaas_home
+
+    path = topology or DEFAULT_TOPOLOGY
+    try:
+        spec = load_topology(path)
+    except TopologyError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+
+    def ready(state: object) -> None:
+        from prfaas.cli.up_state import UpState
+
+        assert isinstance(state, UpState)
+        table = Table("", "", show_header=False)
+        for label, value in (("API base", state.api_base), ("API key", state.api_key), ("admin key", state.admin_key),
+                             ("dashboard", state.dashboard_url), ("logs", state.log_dir),
+                             ("state", str(prfaas_home() / "up.json"))):  # fmt: skip
+            table.add_row(label, value)
+        console.print(table)
+        console.print("[green]up[/green]" + ("" if detach else "; Ctrl-C or `prfaas down` stops it"))
+
+    try:
+        run_up(spec, str(path), prfaas_home(), emulate_wan, detach, lambda m: console.print(escape(m)), ready)
+    except UpError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def down() -> None:
+    """Stop what `prfaas up` started (processes, network namespaces)."""
+    from rich.markup import escape
+
+    from prfaas.cli.up_state import UpError
+    from prfaas.cli.up_state import down as stop
+    from prfaas.engine.models import prfaas_home
+
+    try:
+        found = stop(prfaas_home(), lambda m: console.print(escape(m)))
+    except UpError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print("down" if found else f"nothing is up ({prfaas_home() / 'up.json'} does not exist)")
+
+
+app.command("bench")(bench_command)
+
+
 app.add_typer(sim_app, name="sim")
 
 
-@sim_app.command("scenarios")
-def sim_scenarios() -> None:
-    """List the built-in scenarios."""
-    from prfaas.sim.scenarios import SCENARIOS
-
-    table = Table("name", "GPUs", "requests", "description")
-    for name, make in SCENARIOS.items():
-        scenario = make()
-        table.add_row(name, str(scenario.fleet.num_gpus), str(scenario.num_requests), scenario.description)
-    console.print(table)
+regions_app = typer.Typer(help="The region registry: entries from Terraform outputs.", no_args_is_help=True)
+app.add_typer(regions_app, name="regions")
 
 
-@sim_app.command("run")
-def sim_run(
-    scenario: str = typer.Option("prfaas-case-study", help="see `prfaas sim scenarios`"),
-    policy: list[str] = typer.Option(
-        ["prfaas", "homogeneous-pd", "naive-heterogeneous"], "--policy", help="policies to compare (repeatable)"
-    ),
-    seed: int = typer.Option(0, help="workload seed (same seed, same result)"),
-    requests: int | None = typer.Option(None, help="requests per run (default: the scenario's)"),
-    trace: Path | None = typer.Option(None, help="JSONL trace to replay instead of the scenario's workload"),
-    json_path: Path | None = typer.Option(None, "--json", help="write one row per policy here"),
+@regions_app.command("import")
+def regions_import(
+    file: Path = typer.Argument(..., help="`terraform output -json` of a terraform/envs/* directory"),
+    apply: bool = typer.Option(False, "--apply", help="PUT the links to the control plane's admin API"),
+    url: str | None = typer.Option(None, help="API base URL (default: the outputs' control_plane.api_url)"),
+    admin_key: str | None = typer.Option(None, envvar="PRFAAS_ADMIN_KEY", help="admin key (PRFAAS_ADMIN_KEY)"),
+    as_json: bool = typer.Option(False, "--json", help="print the entries as JSON"),
 ) -> None:
-    """Throughput at SLO, TTFT, link use and $/1M tokens of each policy, side by side."""
-    from prfaas.sim.compare import compare, paper_lines, write_json
+    """Turn an environment's outputs into registry entries: regions (they register
+    themselves when they start) and links; --apply configures the links. Exit 2 bad input."""
+    import json
+
+    import httpx
+    from rich.markup import escape
+
+    from prfaas.cli.regions_import import OutputsError, parse_outputs
+    from prfaas.cli.regions_import import apply as apply_links
 
     try:
-        with console.status("simulating...") as status:
-            rows = compare(
-                scenario,
-                policies=policy,
-                seed=seed,
-                num_requests=requests,
-                trace_path=str(trace) if trace else None,
-                on_run=lambda name, m: status.update(
-                    f"{name}: {m.rate_rps:.3g} req/s -> {m.slo_attainment:.0%} in SLO"
-                ),
-            )
-    except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        deployment = parse_outputs(file.read_text())
+    except OSError as exc:
+        console.print(f"[red]error:[/red] {file}: {exc.strerror}", highlight=False)
         raise typer.Exit(2) from None
-    table = Table("policy", "req/s at SLO", "TTFT P90 s", "link util", "$/1M tok", "P90 TTFT at common rate s")
-    for row in rows:
-        table.add_row(
-            row["policy"],
-            f"{row['throughput_at_slo_rps']:.3g}",
-            "-" if row["ttft_p90_s"] is None else f"{row['ttft_p90_s']:.2f}",
-            "-" if row["link_util"] is None else f"{row['link_util']:.1%}",
-            "-" if row["usd_per_mtok"] is None else f"{row['usd_per_mtok']:.3f}",
-            "-" if row.get("ttft_p90_at_common_rate_s") is None else f"{row['ttft_p90_at_common_rate_s']:.2f}",
-        )
-    console.print(table)
-    for line in paper_lines(scenario, rows):
-        console.print(line)
-    if json_path is not None:
-        write_json(json_path, rows)
-        console.print(f"wrote {json_path}")
+    except OutputsError as exc:
+        console.print(f"[red]error:[/red] {escape(f'{file}: {exc}')}", highlight=False)
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps({
+            "regions": [r.model_dump() for r in deployment.regions],
+            "links": [link.model_dump(exclude={"utilization"}) for link in deployment.links],
+            "control_plane": deployment.control_plane.model_dump() if deployment.control_plane else None,
+        }, indent=2))  # fmt: skip
+    else:
+        table = Table("region", "role", "provider", "location", "gpu", "$/GPU-h", "grpc", "kv")
+        for r in deployment.regions:
+            table.add_row(r.name, r.role, r.provider, r.location, r.gpu_type, f"{r.usd_per_gpu_hour:g}",
+                          r.grpc_endpoint or "(registers)", r.kv_endpoint or "-")  # fmt: skip
+        console.print(table)
+        links = Table("link", "rtt ms", "Gbit/s", "egress $/GB")
+        for link in deployment.links:
+            links.add_row(f"{link.src} -> {link.dst}", f"{link.rtt_ms:g}", f"{link.bandwidth_gbps:g}",
+                          f"{link.egress_usd_per_gb:g}")  # fmt: skip
+        console.print(links)
+    if not apply:
+        return
+    target = url or (deployment.control_plane.api_url if deployment.control_plane else None)
+    if target is None:
+        console.print("[red]error:[/red] --apply needs --url (the outputs name no control_plane.api_url)")
+        raise typer.Exit(2)
+    if not admin_key:
+        console.print("[red]error:[/red] --apply needs the admin key (--admin-key or PRFAAS_ADMIN_KEY)")
+        raise typer.Exit(2)
+    try:
+        report = apply_links(deployment, target, admin_key)
+    except httpx.HTTPStatusError as exc:
+        detail = escape(f"{target} refused: HTTP {exc.response.status_code} {exc.response.text[:200]}")
+        console.print(f"[red]error:[/red] {detail}", highlight=False)
+        raise typer.Exit(1) from None
+    except httpx.HTTPError as exc:
+        console.print(f"[red]error:[/red] {escape(f'cannot reach {target}: {exc}')}", highlight=False)
+        raise typer.Exit(1) from None
+    registered, missing = ", ".join(report.registered) or "none", ", ".join(report.missing) or "none"
+    console.print(f"put {report.links_put} link(s) to {target}; healthy: {registered}; not yet: {missing}")
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.Regis
     from prfaas.decode_region.agent import DecodeAgent
     from prfaas.engine.hf import HFEngine
     from prfaas.prefill_region.agent import PrefillAgent
-    from prfaas.transport.tcp_server import TcpReceiver
     from prfaas.transport.tickets import TicketVerifier
 
     engine = HFEngine(config.model, dtype=config.dtype, device=config.device)
@@ -27,11 +26,12 @@ def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.Regis
             test_layer_delay_s=config.test_layer_delay_s,
         )  # fmt: skip
         agents["prfaas.v1.PrefillRegion"] = (prefill, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)
+        prefill.channels.control_plane = config.control_plane_url  # WebRTC signalling
+        prefill.channels.ice_servers = ice_servers(config)
     if config.serves_decode:
         host, port = parse_hostport(config.listen.kv)
         verifier = TicketVerifier({config.ticket_key_id: config.ticket_key.encode()})
-        receiver = TcpReceiver(verifier, host, port, node=config.name)
-        kv_endpoint = f"{host}:{receiver.address[1]}"
+        receiver, kv_endpoint = kv_receiver(config, verifier, host, port)
         decode = DecodeAgent(
             engine, receiver, kv_endpoint=kv_endpoint, kv_buffer_bytes=config.kv_buffer_bytes,
             num_workers=config.workers, heartbeat_interval_s=config.heartbeat_interval_s,
@@ -48,3 +48,33 @@ def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.Regis
         heartbeat_interval_s=config.heartbeat_interval_s,
     )  # fmt: skip
     return server, registration
+
+
+def ice_servers(config: RegionConfig) -> tuple[Any, ...]:
+    from prfaas.transport.webrtc import IceServer
+
+    return tuple(IceServer(tuple(s.urls), s.username, s.credential) for s in config.ice_servers)
+
+
+def kv_receiver(config: RegionConfig, verifier: Any, host: str, port: int) -> tuple[Any, str]:
+    """The decode role's KV receiver and the endpoint(s) it registers (transport/endpoints.py):
+    TCP plus same-host shared memory sharing one set of expected shipments, or WebRTC."""
+    if config.transport == "webrtc":
+        from prfaas.protos.signal_client import OfferListener
+        from prfaas.transport.webrtc import WebRtcReceiver
+
+        assert config.control_plane_url is not None  # the config validates it
+        rtc = WebRtcReceiver(verifier, node=config.name, ice_servers=ice_servers(config))
+        OfferListener(config.control_plane_url, config.name, rtc.answer).start()
+        return rtc, f"webrtc://{config.name}"
+    from prfaas.transport.arena import Arena
+    from prfaas.transport.shm import ShmReceiver
+    from prfaas.transport.tcp_server import TcpReceiver
+
+    arena = Arena(config.shm_arena_bytes) if config.shm else None
+    tcp = TcpReceiver(verifier, host, port, node=config.name, pool=arena)
+    endpoint = f"{host}:{tcp.address[1]}"
+    if arena is not None:
+        shm = ShmReceiver(verifier, node=config.name, arena=arena, core=tcp.core)
+        endpoint += f",{shm.endpoint}"
+    return tcp, endpoint

@@ -11,7 +11,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Generator
+import uuid
+from collections.abc import Generator, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Header, HTTPException
@@ -21,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from prfaas.control_plane.celery_app import enqueue
 from prfaas.control_plane.deps import FollowerDep, ServicesDep, TenantDep
-from prfaas.control_plane.generation import Follower, JobEnded
+from prfaas.control_plane.generation import Follower, JobEnded, Token
 from prfaas.control_plane.jobs import AdmissionRefused
 from prfaas.control_plane.schemas import ChatCompletionCreate, CompletionCreate, Placement
 from prfaas.control_plane.services import Services
@@ -105,35 +106,46 @@ def _run(
     }  # fmt: skip
     if seed is not None:
         fields["seed"] = seed
+    job_id = str(uuid.uuid4())
+    placed = None
+    if s.settings.admission_placement:
+        placed = follower.placer.place({"id": job_id, "tenant": tenant.id, **{k: str(v) for k, v in fields.items()}})
+    handed_off = placed[0] if placed else None
+    if placed:
+        fields |= placed[1]
     try:
-        created = s.jobs.create(tenant.id, fields, tenant.quota, idempotency_key)
+        created = s.jobs.create(tenant.id, fields, tenant.quota, idempotency_key, handed_off, job_id=job_id)
     except AdmissionRefused as exc:
         status, detail = REFUSALS[exc.reason]
         raise HTTPException(status, detail) from None
     job_id = created.job_id
-    if not created.existing:
+    record: dict[str, str] | None = None
+    ready: dict[str, Any] | None = None
+    if created.existing:
+        job = s.jobs.get(job_id)
+        if job["state"] == "DONE" and job.get("output_ids"):
+            # a replay of a finished job: the same answer, not a new run
+            output = json.loads(job["output_ids"])
+            return JSONResponse(_full(s, job_id, kind, output, job.get("finish_reason", "length"), len(ids)))
+    elif handed_off is not None:
+        record, ready = created.record, {"attempt": 1} | handed_off.ready
+    else:
         enqueue(follower.celery, job_id)
-    job = s.jobs.get(job_id)
-    if job["state"] == "DONE" and job.get("output_ids"):
-        # a replay of a finished job: the same answer, not a new run
-        output = json.loads(job["output_ids"])
-        return JSONResponse(_full(s, job_id, kind, output, job.get("finish_reason", "length"), len(ids)))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
         return ClosingStreamingResponse(
-            _sse(s, follower, job_id, kind, len(ids), include_usage),
+            _sse(s, follower.tokens(job_id, record, ready), follower, job_id, kind, len(ids), include_usage),
             media_type="text/event-stream",
             headers={"X-Prfaas-Job-Id": job_id, "Cache-Control": "no-cache"},
         )
     tokens: list[int] = []
     finish = "length"
     try:
-        for token in follower.tokens(job_id):
+        for token in follower.tokens(job_id, record, ready):
             tokens.append(token.token)
             finish = token.finish_reason or finish
     except JobEnded as exc:
         raise HTTPException(ENDED[exc.state], f"job {exc.state.lower()}: {exc}") from None
-    s.jobs.update(job_id, int(s.jobs.get(job_id)["attempt"]), output_ids=tokens)
     return JSONResponse(_full(s, job_id, kind, tokens, finish, len(ids)), headers={"X-Prfaas-Job-Id": job_id})
 
 
@@ -179,7 +191,13 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 def _sse(
-    s: Services, follower: Follower, job_id: str, kind: str, prompt: int, include_usage: bool
+    s: Services,
+    stream: Iterator[Token],
+    follower: Follower,
+    job_id: str,
+    kind: str,
+    prompt: int,
+    include_usage: bool,
 ) -> Generator[str, None, None]:
     chat = kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -198,7 +216,7 @@ def _sse(
     try:
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        for token in follower.tokens(job_id):
+        for token in stream:
             tokens.append(token.token)
             full = s.model.decode(tokens)
             piece = ""
@@ -209,7 +227,6 @@ def _sse(
             body = {"delta": {"content": piece}} if chat else {"text": piece}
             yield chunk([{"index": 0, **body, "finish_reason": finish, "logprobs": None}])
         finished = True
-        s.jobs.update(job_id, int(s.jobs.get(job_id)["attempt"]), output_ids=tokens)
         if include_usage:
             yield chunk([], _usage(prompt, len(tokens)))
         yield "data: [DONE]\n\n"

@@ -8,7 +8,7 @@ set, the region registry's gRPC server.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import redis
@@ -16,10 +16,12 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prfaas.control_plane import api_admin, api_jobs, api_openai
+from prfaas.control_plane import api_admin, api_jobs, api_openai, api_usage, dashboard
 from prfaas.control_plane.celery_app import make_celery
 from prfaas.control_plane.generation import Follower
+from prfaas.control_plane.metering import open_meter
 from prfaas.control_plane.region_registry import serve_registry
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
@@ -39,7 +41,8 @@ def create_app(settings: Settings) -> FastAPI:
         _ = services.model.tokenizer  # load once, before the first request
         celery = make_celery(settings)
         app.state.services = services
-        app.state.follower = Follower(services, celery)
+        app.state.meter = meter = open_meter(services, metrics)
+        app.state.follower = Follower(services, celery, meter)
         server = None
         if settings.registry_listen:
             server, address = serve_registry(services.regions, settings.registry_listen)
@@ -48,19 +51,19 @@ def create_app(settings: Settings) -> FastAPI:
         yield
         if server is not None:
             server.stop(1)
+        meter.close()
+        meter.ledger.close()
         services.close()
 
     app = FastAPI(title="prfaas control plane", version="1", lifespan=lifespan)
     app.include_router(api_openai.router)
     app.include_router(api_jobs.router)
     app.include_router(api_admin.router)
+    app.include_router(api_usage.router)
+    app.include_router(api_usage.admin_router)
+    dashboard.install(app)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        responses.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountResponses, counter=responses)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -90,6 +93,28 @@ def create_app(settings: Settings) -> FastAPI:
         return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class CountResponses:
+    """Counts responses by route and status. A plain ASGI middleware: Starlette's
+    `BaseHTTPMiddleware` (`@app.middleware`) costs a task and two memory streams per request."""
+
+    def __init__(self, app: ASGIApp, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                self.counter.labels(getattr(route, "path", "unmatched"), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 def app_from_env() -> FastAPI:

@@ -32,6 +32,9 @@ def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
         broker_connection_retry_on_startup=True,
         task_ignore_result=True,
     )
+    from prfaas.control_plane.metering_tasks import configure
+
+    configure(app, settings, worker=worker)  # beat: price refresh, ledger reconciliation
     if worker:
         from prfaas.control_plane.dispatch import Dispatcher
         from prfaas.control_plane.services import Services

@@ -17,15 +17,19 @@ import json
 import logging
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from prfaas.control_plane.decision import Decision, Mode, decision_dict
 from prfaas.control_plane.errors import PlacementRejected
 from prfaas.control_plane.jobs import TERMINAL, IllegalTransition, JobNotFound, JobState, StaleAttempt
+from prfaas.control_plane.region_registry import RegionRecord
 from prfaas.control_plane.request import Request, Slo
 from prfaas.control_plane.services import Services
+from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prfaas.transport.tickets import TicketSigner
 
@@ -109,29 +113,17 @@ class Dispatcher:
             return "superseded"
 
     def decide(self, job: dict[str, str], excluded: frozenset[str]) -> Decision:
-        settings = self.s.settings
-        request = Request(
-            request_id=job["id"],
-            tenant=job["tenant"],
-            prompt_tokens=int(job["prompt_tokens"]),
-            max_new_tokens=int(job["max_new_tokens"]),
-            slo=Slo(ttft_ms=settings.ttft_slo_ms, tpot_ms=settings.tpot_slo_ms),
-        )
         snapshot = self.s.regions.snapshot(self.s.model.shape, exclude=excluded)
-        return self.s.schedulers[job.get("placement_asked", "auto")].decide(snapshot, request)
+        scheduler = self.s.schedulers[job.get("placement_asked", "auto")]
+        return scheduler.decide(snapshot, job_request(job, self.s.settings))
 
     def _attempt(self, job_id: str, job: dict[str, str], attempt: int, excluded: frozenset[str]) -> None:
         jobs = self.s.jobs
         decision = self.decide(job, excluded)
         decode = self.s.regions.get(decision.decode_region)
         prefill = self.s.regions.get(decision.prefill_region)
-        recorded = jobs.update(
-            job_id, attempt, decision=decision_dict(decision), placement_chosen=decision.mode.value,
-            decode_region=decode.name, prefill_region=prefill.name, decode_grpc=decode.grpc_endpoint,
-            prefill_grpc=prefill.grpc_endpoint, cost_usd=decision.cost.total_usd,
-            colocated_cost_usd=decision.colocated_cost.total_usd,
-        )  # fmt: skip
-        if not recorded:
+        where = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}"}  # metering: where each attempt ran
+        if not jobs.update(job_id, attempt, **placed_fields(decision, decode, prefill), **where):
             raise Superseded(job_id)
         if decision.mode is Mode.LOCAL:
             jobs.transition(job_id, JobState.LOCAL, attempt, note=f"local in {decode.name}")
@@ -173,7 +165,7 @@ class Dispatcher:
                     # The decode region answers only once all KV arrived, so by the time the job
                     # can read DONE its raw bytes have been shipped: record them now, before the
                     # hand-off (the prefill region's shipment_complete event may come after DONE).
-                    jobs.update(job_id, attempt, bytes_raw=kv_bytes)
+                    jobs.update(job_id, attempt, bytes_raw=kv_bytes, prefill_gpu_s=done.prefill_s)
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
                     info = {"mode": "split", "decode_grpc": decode_grpc, "first_token": done.first_token, "kv": kv}
                     jobs.post_ready(job_id, attempt, info)
@@ -194,6 +186,26 @@ class Dispatcher:
         # every code costs the attempt (RETRYABLE ones are the expected ones); the next tries elsewhere
         reason = f"{step} in {region}: {exc.code().name} {exc.details() or ''}".strip()
         return AttemptFailed(region, reason)
+
+
+def job_request(job: Mapping[str, str], settings: Settings) -> Request:
+    """What the scheduler is asked to place for `job` (its hash in the store)."""
+    return Request(
+        request_id=job["id"],
+        tenant=job["tenant"],
+        prompt_tokens=int(job["prompt_tokens"]),
+        max_new_tokens=int(job["max_new_tokens"]),
+        slo=Slo(ttft_ms=settings.ttft_slo_ms, tpot_ms=settings.tpot_slo_ms),
+    )
+
+
+def placed_fields(decision: Decision, decode: RegionRecord, prefill: RegionRecord) -> dict[str, Any]:
+    """The job fields that record `decision` (GET /v1/jobs shows them)."""
+    return {
+        "decision": decision_dict(decision), "placement_chosen": decision.mode.value, "decode_region": decode.name,
+        "prefill_region": prefill.name, "decode_grpc": decode.grpc_endpoint, "prefill_grpc": prefill.grpc_endpoint,
+        "cost_usd": decision.cost.total_usd, "colocated_cost_usd": decision.colocated_cost.total_usd,
+    }  # fmt: skip
 
 
 def sampling(job: dict[str, str]) -> common_pb2.SamplingParams:

@@ -10,12 +10,15 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from prfaas.control_plane.celery_app import enqueue
 from prfaas.control_plane.dispatch import Channels, sampling
 from prfaas.control_plane.jobs import IllegalTransition, JobNotFound, JobState, StaleAttempt
+from prfaas.control_plane.metering import Meter, served_timing
+from prfaas.control_plane.placement import AdmissionPlacer
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -39,18 +42,27 @@ class Token:
 
 
 class Follower:
-    def __init__(self, services: Services, celery: object) -> None:
+    def __init__(self, services: Services, celery: object, meter: Meter | None = None) -> None:
         self.s = services
         self.celery = celery
         self.channels = Channels({})
+        self.placer = AdmissionPlacer(services, services.settings.snapshot_ttl_s)
+        self.meter = meter  # bills each job once it is DONE (off this thread)
 
-    def tokens(self, job_id: str) -> Iterator[Token]:
+    def tokens(
+        self, job_id: str, job: dict[str, str] | None = None, ready: dict[str, Any] | None = None
+    ) -> Iterator[Token]:
+        """The job's tokens, from whichever attempt delivers them. `ready` (with `job`, its
+        record) is a hand-off the caller already holds: the first attempt starts from it."""
         jobs = self.s.jobs
         deadline = time.monotonic() + self.s.settings.job_timeout_s
         after = 0
-        emitted = 0
+        output: list[int] = []
+        info = ready
         while True:
-            info = jobs.wait_ready(job_id, after, max(0.0, deadline - time.monotonic()))
+            if info is None:
+                info = jobs.wait_ready(job_id, after, max(0.0, deadline - time.monotonic()))
+                job = None
             if info is None:
                 job = jobs.get(job_id)
                 if job["state"] in (JobState.FAILED, JobState.CANCELED):
@@ -61,11 +73,13 @@ class Follower:
                 raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job_timeout_s:g} s")
             attempt = int(info["attempt"])
             after = attempt
-            job = jobs.get(job_id)
-            stub = decode_pb2_grpc.DecodeRegionStub(self.channels.get(info["decode_grpc"]))
+            if job is None:
+                job = jobs.get(job_id)
+            handed, info = info, None
+            stub = decode_pb2_grpc.DecodeRegionStub(self.channels.get(handed["decode_grpc"]))
             remaining = max(1.0, deadline - time.monotonic())
             try:
-                if info["mode"] == "local":
+                if handed["mode"] == "local":
                     stream = stub.Generate(
                         decode_pb2.GenerateRequest(
                             job_id=job_id, token_ids=_ids(job), sampling=sampling(job), timeout_s=remaining
@@ -73,32 +87,37 @@ class Follower:
                         timeout=remaining + 5,
                     )
                 else:
-                    kv = common_pb2.KVDescriptor.FromString(base64.b64decode(info["kv"]))
+                    kv = common_pb2.KVDescriptor.FromString(base64.b64decode(handed["kv"]))
                     stream = stub.Decode(
                         decode_pb2.DecodeRequest(
-                            job_id=job_id, attempt=attempt, first_token=int(info["first_token"]), kv=kv,
+                            job_id=job_id, attempt=attempt, first_token=int(handed["first_token"]), kv=kv,
                             sampling=sampling(job), timeout_s=remaining,
                         ),
                         timeout=remaining + 5,
                     )  # fmt: skip
+                first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 for event in stream:
-                    if event.index == 0 and info["mode"] == "split":
-                        jobs.transition(job_id, JobState.DECODING, attempt, note="first token")
-                    if event.index < emitted:
+                    if event.index == 0:
+                        first = (time.time(), event.elapsed_s)
+                    if event.index == 0 and handed["mode"] == "split":
+                        jobs.transition(job_id, JobState.DECODING, attempt, note="first token", tenant=job["tenant"])
+                    if event.index < len(output):
                         continue
-                    emitted += 1
-                    if event.last:
-                        cost = float(job.get("cost_usd") or 0.0)
+                    output.append(event.token)
+                    if event.last:  # spend is billed from the ledger (metering.py), not here
                         jobs.transition(
-                            job_id, JobState.DONE, attempt, note=event.finish_reason, cost_usd=cost,
-                            completion_tokens=emitted, finish_reason=event.finish_reason,
+                            job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
+                            completion_tokens=len(output), finish_reason=event.finish_reason, output_ids=output,
+                            **served_timing(first, event.elapsed_s),
                         )  # fmt: skip
+                        if self.meter is not None:
+                            self.meter.job_done(job_id)
                     yield Token(event.index, event.token, event.last, event.finish_reason)
                     if event.last:
                         return
             except grpc.RpcError as exc:
                 log.warning("job %s attempt %d: decode stream ended: %s", job_id, attempt, exc.code().name)
-                if info["mode"] == "local":  # nobody else notices a lost local run: start the next attempt
+                if handed["mode"] == "local":  # nobody else notices a lost local run: start the next attempt
                     self._retry(job_id, attempt, f"local run: {exc.code().name}")
             except (StaleAttempt, IllegalTransition):
                 continue  # a newer attempt (or a cancel) took over

@@ -106,8 +106,11 @@ end
 return {'ok', target, new_attempt}
 """
 
-# KEYS: job, timeline, tenant index, active set, spend, rate window, idempotency key ('' = none)
-# ARGV: id, now, rps, concurrency, budget, ttl, n, field/value pairs
+# KEYS: job, timeline, tenant index, active set, spend, rate window, idempotency key ('' = none),
+#       ready list ('' = none)
+# ARGV: id, now, rps, concurrency, budget, ttl, n, field/value pairs, then the state the job
+#       starts in past QUEUED ('' = none), its timeline note, and the hand-off to post
+#       (a placement decided at admission: the job is written already handed off)
 _CREATE = """
 if KEYS[7] ~= '' then
   local existing = redis.call('GET', KEYS[7])
@@ -122,6 +125,14 @@ if count > tonumber(ARGV[3]) then return {'rate', ''} end
 local n = tonumber(ARGV[7])
 for i = 1, n do redis.call('HSET', KEYS[1], ARGV[7 + 2 * i - 1], ARGV[7 + 2 * i]) end
 redis.call('RPUSH', KEYS[2], cjson.encode({state='QUEUED', attempt=1, at=tonumber(ARGV[2]), note='created'}))
+local start = 8 + 2 * n
+if ARGV[start] ~= '' then
+  redis.call('RPUSH', KEYS[2], cjson.encode({state=ARGV[start], attempt=1, at=tonumber(ARGV[2]), note=ARGV[start + 1]}))
+end
+if KEYS[8] ~= '' then
+  redis.call('RPUSH', KEYS[8], ARGV[start + 2])
+  redis.call('EXPIRE', KEYS[8], ARGV[6])
+end
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 redis.call('SADD', KEYS[4], ARGV[1])
 if KEYS[7] ~= '' then redis.call('SET', KEYS[7], ARGV[1], 'EX', ARGV[6]) end
@@ -140,6 +151,17 @@ class Quota:
 class Created:
     job_id: str
     existing: bool  # an Idempotency-Key replay: the job created by the first POST
+    record: dict[str, str]  # the job's hash as written (empty for a replay)
+
+
+@dataclass(frozen=True)
+class HandedOff:
+    """A placement decided at admission: the job starts in `state` (past QUEUED, attempt 1)
+    with `ready` already posted, as a dispatcher would have left it."""
+
+    state: JobState
+    note: str
+    ready: dict[str, Any]
 
 
 class _Notifier:
@@ -230,13 +252,23 @@ class JobStore:
     def spend_key(self, tenant: str, now: float | None = None) -> str:
         return self.settings.key("tenant", tenant, "spend", time.strftime("%Y%m", time.gmtime(now or time.time())))
 
-    def create(self, tenant: str, fields: dict[str, Any], quota: Quota, idempotency_key: str | None = None) -> Created:
-        """Admit and write a QUEUED job (attempt 1). Raises AdmissionRefused."""
-        job_id = str(uuid.uuid4())
+    def create(
+        self,
+        tenant: str,
+        fields: dict[str, Any],
+        quota: Quota,
+        idempotency_key: str | None = None,
+        handed_off: HandedOff | None = None,
+        job_id: str | None = None,
+    ) -> Created:
+        """Admit and write a QUEUED job (attempt 1), or one already `handed_off`. Raises AdmissionRefused."""
+        job_id = job_id or str(uuid.uuid4())
         now = time.time()
-        record = {"id": job_id, "tenant": tenant, "state": JobState.QUEUED.value, "attempt": 1}
+        state = handed_off.state if handed_off else JobState.QUEUED
+        record: dict[str, Any] = {"id": job_id, "tenant": tenant, "state": state.value, "attempt": 1}
         record |= {"created_at": now, "updated_at": now} | fields
-        flat = [x for name, value in record.items() for x in (name, _encode(value))]
+        encoded = {name: _text(_encode(value)) for name, value in record.items()}
+        flat = [x for pair in encoded.items() for x in pair]
         k = self.settings.key
         keys = [
             self._job(job_id),
@@ -246,24 +278,37 @@ class JobStore:
             self.spend_key(tenant, now),
             k("tenant", tenant, "rate", str(int(now))),
             k("idem", tenant, idempotency_key) if idempotency_key else "",
+            self._job(job_id) + ":ready" if handed_off else "",
         ]
         args: list[Any] = [job_id, now, max(1, int(quota.rps)), quota.concurrency, quota.budget_usd]
         args.append(self.settings.job_ttl_s)
-        code, value = self._create(keys=keys, args=[*args, len(record), *flat])
+        start: list[Any] = ["", "", ""]
+        if handed_off:
+            start = [state.value, handed_off.note, json.dumps({"attempt": 1} | handed_off.ready)]
+        code, value = self._create(keys=keys, args=[*args, len(record), *flat, *start])
         code, value = _text(code), _text(value)
         if code in ("rate", "concurrency", "budget"):
             raise AdmissionRefused(code)
-        return Created(value, existing=code == "existing")
+        existing = code == "existing"
+        return Created(value, existing=existing, record={} if existing else encoded)
 
     def transition(
-        self, job_id: str, target: JobState, attempt: int, note: str = "", cost_usd: float = 0.0, **fields: Any
+        self,
+        job_id: str,
+        target: JobState,
+        attempt: int,
+        note: str = "",
+        cost_usd: float = 0.0,
+        tenant: str | None = None,
+        **fields: Any,
     ) -> int:
         """Move the job to `target` for `attempt` (0 with CANCELED: any attempt; attempt + 1 with
-        QUEUED: a new attempt). Returns the job's attempt after the move. Raises JobNotFound,
-        IllegalTransition, StaleAttempt."""
-        tenant = self.redis.hget(self._job(job_id), "tenant")
+        QUEUED: a new attempt). `tenant`, when the caller knows the job's, saves a read.
+        Returns the job's attempt after the move. Raises JobNotFound, IllegalTransition, StaleAttempt."""
         if tenant is None:
-            raise JobNotFound(job_id)
+            tenant = self.redis.hget(self._job(job_id), "tenant")
+            if tenant is None:
+                raise JobNotFound(job_id)
         flat = [x for name, value in fields.items() for x in (name, _encode(value))]
         keys = [
             self._job(job_id),
@@ -292,20 +337,23 @@ class JobStore:
         return int(current)
 
     def update(self, job_id: str, attempt: int, **fields: Any) -> bool:
-        """Set fields while `attempt` is current (WATCH/MULTI); False when it is stale or the job is gone."""
+        """Set fields while `attempt` is current (WATCH/MULTI, retried when a concurrent write to the job
+        interferes); False when it is stale or the job is gone."""
         key = self._job(job_id)
-        with self.redis.pipeline() as pipe:
-            try:
-                pipe.watch(key)
-                current = pipe.hget(key, "attempt")
-                if current is None or int(current) != attempt:
-                    return False
-                pipe.multi()
-                pipe.hset(key, mapping={name: _encode(value) for name, value in fields.items()})
-                pipe.execute()
-                return True
-            except redis.WatchError:
-                return False
+        for _ in range(10):  # another write to the job (a transition) between WATCH and EXEC: read again
+            with self.redis.pipeline() as pipe:
+                try:
+                    pipe.watch(key)
+                    current = pipe.hget(key, "attempt")
+                    if current is None or int(current) != attempt:
+                        return False
+                    pipe.multi()
+                    pipe.hset(key, mapping={name: _encode(value) for name, value in fields.items()})
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+        return False
 
     def get(self, job_id: str) -> dict[str, str]:
         raw = self.redis.hgetall(self._job(job_id))

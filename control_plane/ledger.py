@@ -37,7 +37,9 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-GroupBy = Literal["day", "region", "model"]
+GroupBy = Literal["day", "region", "model", "phase", "tenant"]
+GROUP_BYS: tuple[str, ...] = ("day", "region", "phase", "model", "tenant")
+PHASES = ("prefill", "decode", "egress")
 
 
 def default_ledger_url() -> str:
@@ -86,6 +88,11 @@ class UsageEntry(Base):
     total_usd: Mapped[float] = mapped_column(Float, nullable=False)
     colocated_usd: Mapped[float] = mapped_column(Float, nullable=False)
     savings_usd: Mapped[float] = mapped_column(Float, nullable=False)
+    # 0002: how the answer was produced and how fast (the dashboard's placement and percentiles)
+    placement: Mapped[str] = mapped_column(String(16), nullable=False, server_default="")
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="1")
+    ttft_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tpot_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class WastedAttempt(Base):
@@ -147,6 +154,10 @@ class JobUsage:
     kv_bytes_wire: int = 0
     finished_at: dt.datetime | None = None
     colocated_prefill_gpu_s: float | None = None  # prefill GPU-s had it run in the decode region; None: same
+    placement: str = ""  # "local" or "split"
+    attempts: int = 1  # the attempt that answered
+    ttft_s: float | None = None  # job created -> first token reached the control plane
+    tpot_s: float | None = None  # mean s per output token after the first
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,8 @@ class GroupTotal:
     tokens_out: int
     kv_bytes_raw: int
     kv_bytes_wire: int
+    prefill_gpu_s: float = 0.0
+    decode_gpu_s: float = 0.0
 
 
 def _utc_naive(t: dt.datetime | None) -> dt.datetime:
@@ -220,6 +233,10 @@ class Ledger:
 
     def record(self, usage: JobUsage, prices: PriceTable) -> UsageEntry:
         """Bill a job once: a second call for the same job id returns the stored entry and changes nothing."""
+        return self.record_once(usage, prices)[0]
+
+    def record_once(self, usage: JobUsage, prices: PriceTable) -> tuple[UsageEntry, bool]:
+        """`record`, and whether this call wrote the entry (False: it was there already)."""
         p_price = prices.gpu_hour(usage.prefill_region)
         d_price = prices.gpu_hour(usage.decode_region)
         e_price = prices.egress(usage.prefill_region, usage.decode_region)
@@ -252,14 +269,22 @@ class Ledger:
             "total_usd": total,
             "colocated_usd": colocated,
             "savings_usd": colocated - total,
+            "placement": usage.placement,
+            "attempts": usage.attempts,
+            "ttft_s": usage.ttft_s,
+            "tpot_s": usage.tpot_s,
         }
         stmt = self._insert(UsageEntry).values(**values).on_conflict_do_nothing(index_elements=["job_id"])
         with self.session() as s:
-            s.execute(stmt)
+            inserted = s.execute(stmt).rowcount == 1  # type: ignore[attr-defined]
             entry = s.scalars(select(UsageEntry).where(UsageEntry.job_id == usage.job_id)).one()
-        return entry
+        return entry, inserted
 
-    def record_wasted(
+    def record_wasted(self, **kwargs: Any) -> WastedAttempt:
+        """Record an attempt's wasted GPU time once per (job, attempt, phase)."""
+        return self.record_wasted_once(**kwargs)[0]
+
+    def record_wasted_once(
         self,
         *,
         job_id: str,
@@ -271,8 +296,8 @@ class Ledger:
         prices: PriceTable,
         reason: str = "",
         recorded_at: dt.datetime | None = None,
-    ) -> WastedAttempt:
-        """Record an attempt's wasted GPU time once per (job, attempt, phase)."""
+    ) -> tuple[WastedAttempt, bool]:
+        """`record_wasted`, and whether this call wrote the row."""
         price = prices.gpu_hour(region)
         stmt = (
             self._insert(WastedAttempt)
@@ -291,13 +316,13 @@ class Ledger:
             .on_conflict_do_nothing(index_elements=["job_id", "attempt", "phase"])
         )
         with self.session() as s:
-            s.execute(stmt)
+            inserted = s.execute(stmt).rowcount == 1  # type: ignore[attr-defined]
             row = s.scalars(
                 select(WastedAttempt).where(
                     WastedAttempt.job_id == job_id, WastedAttempt.attempt == attempt, WastedAttempt.phase == phase
                 )
             ).one()
-        return row
+        return row, inserted
 
     def entry(self, job_id: str) -> UsageEntry | None:
         with self.session() as s:
@@ -316,15 +341,40 @@ class Ledger:
         with self.session() as s:
             return float(s.execute(q).scalar_one())
 
-    def totals(self, tenant: str, start: dt.datetime, end: dt.datetime, group_by: GroupBy) -> list[GroupTotal]:
-        """A tenant's usage with `finished_at` in [start, end), grouped by UTC day, model or region. By region,
-        a job's prefill $, egress $ and tokens in count for its prefill region, its decode $, colocated $ and
-        tokens out for its decode region; a job counts once in each region it touched."""
+    def entries(
+        self, tenant: str | None, start: dt.datetime, end: dt.datetime, limit: int = 10_000
+    ) -> list[UsageEntry]:
+        """Entries with `finished_at` in [start, end), newest first; `tenant` None: every tenant."""
         u = UsageEntry
-        window = (u.tenant == tenant, u.finished_at >= _utc_naive(start), u.finished_at < _utc_naive(end))
+        q = select(u).where(*self._window(tenant, start, end)).order_by(u.finished_at.desc(), u.id.desc())
+        with self.session() as s:
+            return list(s.scalars(q.limit(limit)))
+
+    def spend(self, tenant: str, start: dt.datetime, end: dt.datetime) -> float:
+        """The tenant's billed $ over [start, end) (what budgets are checked against)."""
+        q = select(func.coalesce(func.sum(UsageEntry.total_usd), 0.0)).where(*self._window(tenant, start, end))
+        with self.session() as s:
+            return float(s.execute(q).scalar_one())
+
+    @staticmethod
+    def _window(tenant: str | None, start: dt.datetime, end: dt.datetime) -> tuple[Any, ...]:
+        u = UsageEntry
+        window = (u.finished_at >= _utc_naive(start), u.finished_at < _utc_naive(end))
+        return window if tenant is None else (u.tenant == tenant, *window)
+
+    def totals(self, tenant: str | None, start: dt.datetime, end: dt.datetime, group_by: GroupBy) -> list[GroupTotal]:
+        """Usage with `finished_at` in [start, end) of `tenant` (None: all tenants), grouped by UTC day, model,
+        tenant, region or phase. By region, a job's prefill $, egress $ and tokens in count for its prefill
+        region, its decode $, colocated $ and tokens out for its decode region; a job counts once in each region
+        it touched. By phase: `prefill`, `decode` and `egress` rows, each with that phase's $ as its total (and
+        its colocated $: colocated prefill / decode GPU-s at the decode region's price; 0 for egress)."""
+        window = self._window(tenant, start, end)
         if group_by == "region":
             return self._region_totals(window)
-        key: Any = func.date(u.finished_at) if group_by == "day" else u.model
+        if group_by == "phase":
+            return self._phase_totals(window)
+        u = UsageEntry
+        key: Any = {"day": func.date(u.finished_at), "model": u.model, "tenant": u.tenant}[group_by]
         q = (
             select(
                 key,
@@ -339,6 +389,8 @@ class Ledger:
                 func.sum(u.tokens_out),
                 func.sum(u.kv_bytes_raw),
                 func.sum(u.kv_bytes_wire),
+                func.sum(u.prefill_gpu_s),
+                func.sum(u.decode_gpu_s),
             )
             .where(*window)
             .group_by(key)
@@ -360,9 +412,59 @@ class Ledger:
                 tokens_out=int(r[9]),
                 kv_bytes_raw=int(r[10]),
                 kv_bytes_wire=int(r[11]),
+                prefill_gpu_s=float(r[12]),
+                decode_gpu_s=float(r[13]),
             )
             for r in rows
         ]
+
+    def _phase_totals(self, window: tuple[Any, ...]) -> list[GroupTotal]:
+        u = UsageEntry
+        q = select(
+            func.count(),
+            func.sum(u.prefill_usd),
+            func.sum(u.decode_usd),
+            func.sum(u.egress_usd),
+            func.sum(u.colocated_prefill_gpu_s / 3600.0 * u.decode_usd_per_gpu_h),
+            func.sum(u.decode_gpu_s / 3600.0 * u.decode_usd_per_gpu_h),
+            func.sum(u.tokens_in),
+            func.sum(u.tokens_out),
+            func.sum(u.kv_bytes_raw),
+            func.sum(u.kv_bytes_wire),
+            func.sum(u.prefill_gpu_s),
+            func.sum(u.decode_gpu_s),
+            func.sum(case((u.kv_bytes_wire > 0, 1), else_=0)),
+        ).where(*window)
+        with self.session() as s:
+            n, p, d, e, colo_p, colo_d, t_in, t_out, raw, wire, p_s, d_s, shipped = tuple(s.execute(q).one())
+        if not n:
+            return []
+        zero = {"tokens_in": 0, "tokens_out": 0, "kv_bytes_raw": 0, "kv_bytes_wire": 0}
+        rows = {
+            "prefill": (int(n), float(p), float(colo_p), zero | {"tokens_in": int(t_in)}, float(p_s), 0.0),
+            "decode": (int(n), float(d), float(colo_d), zero | {"tokens_out": int(t_out)}, 0.0, float(d_s)),
+            "egress": (int(shipped), float(e), 0.0, zero | {"kv_bytes_raw": int(raw), "kv_bytes_wire": int(wire)},
+                       0.0, 0.0),
+        }  # fmt: skip
+        out = []
+        for phase in PHASES:
+            jobs, usd, colo, counts, pg, dg = rows[phase]
+            out.append(
+                GroupTotal(
+                    key=phase,
+                    jobs=jobs,
+                    prefill_usd=usd if phase == "prefill" else 0.0,
+                    decode_usd=usd if phase == "decode" else 0.0,
+                    egress_usd=usd if phase == "egress" else 0.0,
+                    total_usd=usd,
+                    colocated_usd=colo,
+                    savings_usd=colo - usd,
+                    prefill_gpu_s=pg,
+                    decode_gpu_s=dg,
+                    **counts,
+                )
+            )
+        return out
 
     def _region_totals(self, window: tuple[Any, ...]) -> list[GroupTotal]:
         u = UsageEntry
@@ -376,6 +478,7 @@ class Ledger:
                 func.sum(u.tokens_in),
                 func.sum(u.kv_bytes_raw),
                 func.sum(u.kv_bytes_wire),
+                func.sum(u.prefill_gpu_s),
             )
             .where(*window)
             .group_by(u.prefill_region)
@@ -387,6 +490,7 @@ class Ledger:
                 func.sum(u.decode_usd),
                 func.sum(u.colocated_usd),
                 func.sum(u.tokens_out),
+                func.sum(u.decode_gpu_s),
             )
             .where(*window)
             .group_by(u.decode_region)
@@ -396,11 +500,11 @@ class Ledger:
             for p in s.execute(pq).all():
                 a = acc.setdefault(str(p[0]), {})
                 a.update(jobs=int(p[1]), prefill=float(p[2]), egress=float(p[3]), t_in=int(p[4]))
-                a.update(raw=int(p[5]), wire=int(p[6]))
+                a.update(raw=int(p[5]), wire=int(p[6]), p_s=float(p[7]))
             for d in s.execute(dq).all():
                 a = acc.setdefault(str(d[0]), {})
                 a["jobs"] = a.get("jobs", 0) + int(d[1])
-                a.update(decode=float(d[2]), colo=float(d[3]), t_out=int(d[4]))
+                a.update(decode=float(d[2]), colo=float(d[3]), t_out=int(d[4]), d_s=float(d[5]))
         out = []
         for region in sorted(acc):
             a = acc[region]
@@ -420,6 +524,8 @@ class Ledger:
                     tokens_out=int(a.get("t_out", 0)),
                     kv_bytes_raw=int(a.get("raw", 0)),
                     kv_bytes_wire=int(a.get("wire", 0)),
+                    prefill_gpu_s=a.get("p_s", 0.0),
+                    decode_gpu_s=a.get("d_s", 0.0),
                 )
             )
         return out

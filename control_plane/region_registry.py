@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import grpc
 import redis
 
+from prfaas.control_plane.prices import PriceBook, price_book
 from prfaas.control_plane.settings import Settings
 from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
@@ -69,6 +71,7 @@ class RegionRegistry:
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
+        self.prices = price_book(client, settings.key("prices"))  # live/table prices override registered ones
 
     def _key(self, name: str) -> str:
         return self.settings.key("region", name)
@@ -117,8 +120,10 @@ class RegionRegistry:
             raw, drained = pipe.execute()
         if not raw:
             raise RegionNotFound(name)
+        return self._record(raw, bool(drained), time.time() if now is None else now)
+
+    def _record(self, raw: dict[bytes, bytes], drained: bool, now: float) -> RegionRecord:
         f = {k.decode(): v.decode() for k, v in raw.items()}
-        now = time.time() if now is None else now
         interval = float(f["heartbeat_interval_s"])
         age = max(0.0, now - float(f["last_beat_at"]))
         return RegionRecord(
@@ -130,20 +135,21 @@ class RegionRegistry:
             queue_depth=int(f["queue_depth"]), busy_workers=int(f["busy_workers"]),
             kv_used_bytes=int(f["kv_used_bytes"]), kv_free_bytes=int(f["kv_free_bytes"]),
             prefill_tokens_per_s=float(f["prefill_tokens_per_s"]), decode_tokens_per_s=float(f["decode_tokens_per_s"]),
-            draining=f["draining"] == "1", drained=bool(drained),
+            draining=f["draining"] == "1", drained=drained,
             alive=age <= self.settings.heartbeat_misses * interval, heartbeat_age_s=age,
         )  # fmt: skip
 
     def regions(self) -> list[RegionRecord]:
-        now = time.time()
+        """Every registered region, by name (two Redis round trips however many there are)."""
         names = sorted(m.decode() for m in self.redis.smembers(self.settings.key("regions")))
-        records = []
-        for name in names:
-            try:
-                records.append(self.get(name, now))
-            except RegionNotFound:
-                continue
-        return records
+        with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(self._key(name))
+                pipe.exists(self._key(name) + ":drained")
+            replies = pipe.execute()
+        now = time.time()
+        pairs = zip(replies[::2], replies[1::2], strict=True)
+        return [self._record(raw, bool(drained), now) for raw, drained in pairs if raw]
 
     def set_drained(self, name: str, drained: bool) -> RegionRecord:
         self.get(name)
@@ -166,17 +172,24 @@ class RegionRegistry:
     def snapshot(self, model: ModelShape, exclude: frozenset[str] = frozenset()) -> ClusterSnapshot:
         """The fleet as the scheduler sees it: regions serving `model`'s fingerprint-free name
         (dead, drained or excluded ones marked unhealthy) and the links between them."""
-        regions = [self._region(r, exclude) for r in self.regions()]
+        return self.snapshot_of(self.regions(), self.links(), model, exclude)
+
+    def snapshot_of(
+        self, records: list[RegionRecord], links: list[Link], model: ModelShape, exclude: frozenset[str] = frozenset()
+    ) -> ClusterSnapshot:
+        regions = [self._region(r, exclude, self.prices) for r in records]
         names = {r.name for r in regions}
-        links = tuple(link for link in self.links() if link.src in names and link.dst in names)
-        return ClusterSnapshot(taken_at_s=time.time(), model=model, regions=tuple(regions), links=links)
+        kept = tuple(link for link in links if link.src in names and link.dst in names)
+        return ClusterSnapshot(taken_at_s=time.time(), model=model, regions=tuple(regions), links=kept)
 
     @staticmethod
-    def _region(r: RegionRecord, exclude: frozenset[str]) -> Region:
+    def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook) -> Region:
         decode_tps = r.decode_tokens_per_s or FALLBACK_DECODE_TPS
+        on_demand = prices.on_demand(r.name)
         return Region(
             name=r.name, role=Role(r.role), gpu_type=r.gpu_type, num_gpus=r.num_workers, num_workers=r.num_workers,
-            usd_per_gpu_hour=r.usd_per_gpu_hour, queue_depth=r.queue_depth,
+            usd_per_gpu_hour=r.usd_per_gpu_hour if on_demand is None else on_demand,
+            spot_usd_per_gpu_hour=prices.spot(r.name), queue_depth=r.queue_depth,
             num_busy_workers=min(r.busy_workers, r.num_workers),
             kv_buffer_free_bytes=r.kv_free_bytes if r.role != "prefill" else 0,
             prefill_tokens_per_s=r.prefill_tokens_per_s or FALLBACK_PREFILL_TPS, decode_tokens_per_s=decode_tps,
@@ -185,9 +198,63 @@ class RegionRegistry:
         )  # fmt: skip
 
 
+class SignalRelay:
+    """WebRTC signalling through Redis, so any registry process can take an offer and any can
+    hand it to the region's Offers stream. Keys: `p:signal:{region}` list of pending offers
+    (JSON id + sdp), `p:signal-answer:{id}` list holding the one answer. Waits block in Redis
+    for 1 s at a time (below the client's socket timeout) up to their deadline."""
+
+    MAX_WAIT_S = 30.0
+    OFFER_TTL_S = 60
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.redis: Any = client
+        self.settings = settings
+
+    def signal(self, region: str, offer_sdp: str, timeout_s: float) -> str:
+        """Post an offer to `region`, wait for its answer. TimeoutError: no answer in time;
+        ValueError: the region refused the offer."""
+        if not region or not offer_sdp:
+            raise ValueError("region and offer_sdp are required")
+        offer_id = uuid.uuid4().hex
+        queue = self.settings.key(f"signal:{region}")
+        with self.redis.pipeline() as pipe:
+            pipe.rpush(queue, json.dumps({"id": offer_id, "sdp": offer_sdp, "exp": time.time() + timeout_s}))
+            pipe.expire(queue, self.OFFER_TTL_S)
+            pipe.execute()
+        deadline = time.monotonic() + min(max(timeout_s, 0.1), self.MAX_WAIT_S)
+        answer_key = self.settings.key(f"signal-answer:{offer_id}")
+        while (remaining := deadline - time.monotonic()) > 0:
+            item = self.redis.blpop([answer_key], timeout=max(1, min(int(remaining), 1)))
+            if item is not None:
+                answer = json.loads(item[1])
+                if answer.get("error"):
+                    raise ValueError(f"region {region} refused the offer: {answer['error']}")
+                return str(answer["sdp"])
+        raise TimeoutError(f"region {region} did not answer the WebRTC offer within {timeout_s:.1f} s")
+
+    def next_offer(self, region: str, timeout_s: float = 1.0) -> tuple[str, str] | None:
+        """The oldest unexpired offer for `region` (id, sdp), or None after `timeout_s`."""
+        item = self.redis.blpop([self.settings.key(f"signal:{region}")], timeout=max(1, int(timeout_s)))
+        if item is None:
+            return None
+        offer = json.loads(item[1])
+        if offer.get("exp", 0) < time.time():
+            return None  # its sender gave up
+        return str(offer["id"]), str(offer["sdp"])
+
+    def answer(self, offer_id: str, answer_sdp: str, error: str = "") -> None:
+        key = self.settings.key(f"signal-answer:{offer_id}")
+        with self.redis.pipeline() as pipe:
+            pipe.rpush(key, json.dumps({"sdp": answer_sdp, "error": error}))
+            pipe.expire(key, self.OFFER_TTL_S)
+            pipe.execute()
+
+
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     def __init__(self, registry: RegionRegistry) -> None:
         self.registry = registry
+        self.relay = SignalRelay(registry.redis, registry.settings)
 
     def Register(  # noqa: N802 (the name the .proto gives it)
         self, request: registry_pb2.RegisterRequest, context: grpc.ServicerContext
@@ -202,6 +269,37 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self, request: registry_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> registry_pb2.HeartbeatReply:
         return registry_pb2.HeartbeatReply(reregister=self.registry.heartbeat(request))
+
+    def Signal(  # noqa: N802
+        self, request: registry_pb2.SignalRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.SignalReply:
+        try:
+            sdp = self.relay.signal(request.region, request.offer_sdp, request.timeout_s or 10.0)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable") from exc
+        except TimeoutError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            raise AssertionError("unreachable") from exc
+        return registry_pb2.SignalReply(answer_sdp=sdp)
+
+    def Offers(  # noqa: N802
+        self, request: registry_pb2.OffersRequest, context: grpc.ServicerContext
+    ) -> Iterator[registry_pb2.SignalOffer]:
+        if not request.region:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "region is required")
+        while context.is_active():
+            offer = self.relay.next_offer(request.region)
+            if offer is not None:
+                yield registry_pb2.SignalOffer(id=offer[0], offer_sdp=offer[1])
+
+    def Answer(  # noqa: N802
+        self, request: registry_pb2.SignalAnswer, context: grpc.ServicerContext
+    ) -> registry_pb2.AnswerReply:
+        if not request.id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "id is required")
+        self.relay.answer(request.id, request.answer_sdp, request.error)
+        return registry_pb2.AnswerReply()
 
 
 def serve_registry(registry: RegionRegistry, listen: str) -> tuple[grpc.Server, str]:

@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     default_budget_usd: float = Field(default=100.0, ge=0, description="tenant default: monthly $ budget")
     default_max_tokens: int = Field(default=16, ge=1)
     max_new_tokens_limit: int = Field(default=4096, ge=1)
+    admission_placement: bool = Field(
+        default=True, description="the API places local jobs itself at admission (no Celery round trip)"
+    )
+    snapshot_ttl_s: float = Field(default=0.25, ge=0, description="how stale the API's view of the fleet may be")
     ttft_slo_ms: float = Field(default=600_000.0, gt=0, description="SLO given to the scheduler")
     tpot_slo_ms: float = Field(default=60_000.0, gt=0)
 

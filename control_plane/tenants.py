@@ -59,11 +59,29 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+# KEYS: keyhash; ARGV: the key prefix. The tenant's hash of an unrevoked key, flat; {} otherwise.
+_AUTHENTICATE = """
+local key_id = redis.call('GET', KEYS[1])
+if not key_id then return {} end
+local key = redis.call('HMGET', ARGV[1] .. ':key:' .. key_id, 'tenant', 'revoked')
+if not key[1] or key[2] == '1' then return {} end
+return redis.call('HGETALL', ARGV[1] .. ':tenant:' .. key[1])
+"""
+
+
+def _tenant(f: dict[str, str]) -> Tenant:
+    quota = Quota(rps=float(f["rps"]), concurrency=int(f["concurrency"]), budget_usd=float(f["budget_usd"]))
+    return Tenant(
+        f["id"], f["name"], TenantStatus(f["status"]), quota, f["allow_placement"] == "1", float(f["created_at"])
+    )
+
+
 class TenantStore:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
+        self._authenticate = client.register_script(_AUTHENTICATE)
 
     def create(
         self,
@@ -96,11 +114,7 @@ class TenantStore:
         raw = self.redis.hgetall(self.settings.key("tenant", tenant_id))
         if not raw:
             raise TenantNotFound(tenant_id)
-        f = {k.decode(): v.decode() for k, v in raw.items()}
-        quota = Quota(rps=float(f["rps"]), concurrency=int(f["concurrency"]), budget_usd=float(f["budget_usd"]))
-        return Tenant(
-            f["id"], f["name"], TenantStatus(f["status"]), quota, f["allow_placement"] == "1", float(f["created_at"])
-        )
+        return _tenant({k.decode(): v.decode() for k, v in raw.items()})
 
     def all(self) -> list[Tenant]:
         ids = sorted(m.decode() for m in self.redis.smembers(self.settings.key("tenants")))
@@ -166,13 +180,12 @@ class TenantStore:
         return self.get_key(key_id)
 
     def authenticate(self, presented: str) -> Tenant | None:
-        """The tenant a presented key belongs to; None when unknown or revoked."""
+        """The tenant a presented key belongs to; None when unknown or revoked. One Redis call."""
         if not presented.startswith(KEY_PREFIX) or len(presented) > 128:
             return None
-        key_id = self.redis.get(self.settings.key("keyhash", digest(presented)))
-        if key_id is None:
+        found = self._authenticate(keys=[self.settings.key("keyhash", digest(presented))], args=[self.settings.key()])
+        if not found:
             return None
-        key = self.get_key(key_id.decode())
-        if key.revoked:
-            return None
-        return self.get(key.tenant)
+        raw = iter(found)
+        f = {k.decode(): v.decode() for k, v in zip(raw, raw, strict=True)}
+        return _tenant(f)

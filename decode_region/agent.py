@@ -42,8 +42,7 @@ from prfaas.protos.rpc import (
     timeout_from,
     unary,
 )
-from prfaas.transport.inbound import Inbound
-from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.inbound import Inbound, Receiver
 
 log = logging.getLogger(__name__)
 TOMBSTONE_S = 120.0
@@ -81,7 +80,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
     def __init__(
         self,
         engine: HFEngine,
-        receiver: TcpReceiver,
+        receiver: Receiver,  # TCP (+ shared memory), or WebRTC
         *,
         kv_endpoint: str,
         kv_buffer_bytes: int,

@@ -20,7 +20,7 @@ from prfaas.transport.inbound import Inbound
 Shape = tuple[int, int, int]
 
 
-def _tensor(buf: bytes | bytearray, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+def _tensor(buf: bytes | bytearray | memoryview, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype)  # [kv_heads, tokens, head_dim]
     target = out.view(-1).view(torch.uint8).numpy()
     target[:] = np.frombuffer(buf, dtype=np.uint8)

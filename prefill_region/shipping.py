@@ -1,4 +1,4 @@
-"""The prefill side of KV shipment: one pooled `TcpChannel` per decode region (shared by
+"""The prefill side of KV shipment: one pooled channel per decode region (shared by
 every job to it), destination parsing, and waiting for a transfer under a job's deadline."""
 
 from __future__ import annotations
@@ -6,27 +6,29 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prfaas.prefill_region import metrics
 from prfaas.protos.prfaas.v1 import prefill_pb2
-from prfaas.protos.region_config import parse_hostport
 from prfaas.protos.rpc import DeadlineExceeded, InvalidRequest
 from prfaas.transport.api import Shape, ShipmentSpec, Transfer, TransferStatus
 from prfaas.transport.codecs import get_codec
+from prfaas.transport.endpoints import Endpoint, choose, parse_endpoints
 from prfaas.transport.errors import CodecError
+from prfaas.transport.shm_channel import ShmChannel
 from prfaas.transport.tcp import TcpChannel
 
 
 @dataclass(frozen=True)
 class Destination:
-    address: tuple[str, int]
+    address: Endpoint  # the fastest of the decode region's endpoints usable from here
     ticket: str
     codec: str
 
     @staticmethod
     def parse(msg: prefill_pb2.Destination, default_codec: str) -> Destination:
         try:
-            address = parse_hostport(msg.kv_endpoint)
+            address = choose(parse_endpoints(msg.kv_endpoint))
         except ValueError as exc:
             raise InvalidRequest(f"destination.kv_endpoint: {exc}") from None
         if not msg.ticket:
@@ -70,19 +72,35 @@ def wait_transfer(transfer: Transfer, deadline: float, stop: threading.Event, *,
 
 
 class ChannelPool:
-    """One channel per decode region KV address, created on first use, closed together."""
+    """One channel per decode region KV endpoint, created on first use, closed together:
+    TCP, same-host shared memory, or WebRTC (signalled through `control_plane`)."""
 
     def __init__(self, node: str) -> None:
         self.node = node
+        self.control_plane: str | None = None  # registry target, for WebRTC signalling
+        self.ice_servers: tuple[Any, ...] = ()  # transport.webrtc.IceServer, from the region config
         self._lock = threading.Lock()
-        self._channels: dict[tuple[str, int], TcpChannel] = {}
+        self._channels: dict[Endpoint, TcpChannel | ShmChannel] = {}
 
-    def get(self, address: tuple[str, int]) -> TcpChannel:
+    def get(self, address: Endpoint) -> TcpChannel | ShmChannel:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None or channel.closed.is_set():
-                channel = self._channels[address] = TcpChannel(address, node=self.node)
+                channel = self._channels[address] = self._open(address)
             return channel
+
+    def _open(self, endpoint: Endpoint) -> TcpChannel | ShmChannel:
+        if endpoint.kind == "shm":
+            return ShmChannel(endpoint.path, node=self.node)
+        if endpoint.kind == "webrtc":
+            from prfaas.protos.signal_client import signaller
+            from prfaas.transport.webrtc import WebRtcChannel
+
+            if self.control_plane is None:
+                raise InvalidRequest(f"{endpoint} needs a control plane to signal through (control_plane_url)")
+            signal = signaller(self.control_plane, endpoint.region)
+            return WebRtcChannel(signal, peer=endpoint.region, node=self.node, ice_servers=self.ice_servers)
+        return TcpChannel((endpoint.host, endpoint.port), node=self.node)
 
     def close(self) -> None:
         with self._lock:

@@ -60,6 +60,16 @@ class Listen(BaseModel):
         return value
 
 
+class IceServerConfig(BaseModel):
+    """A STUN or TURN server for `transport: webrtc` (none by default: host candidates only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    urls: list[str] = Field(min_length=1)  # e.g. ["stun:stun.example:3478"], ["turn:turn.example:3478"]
+    username: str | None = None
+    credential: str | None = Field(default=None, repr=False)
+
+
 class RegionConfig(BaseSettings):
     """Everything one region process needs. Units: bytes, seconds, USD."""
 
@@ -87,10 +97,18 @@ class RegionConfig(BaseSettings):
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_reservation_s: float = Field(default=600.0, gt=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    # How senders reach this decode region's KV: `tcp` (listen.kv), or `webrtc` for a region
+    # that accepts no inbound TCP (data channels, signalled through control_plane_url).
+    transport: Literal["tcp", "webrtc"] = "tcp"
+    # Also offer shared memory to senders on this host and network namespace (chosen by them
+    # automatically); the arena is the memory KV lands in, faulted in at start.
+    shm: bool = True
+    shm_arena_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    ice_servers: list[IceServerConfig] = Field(default_factory=list)  # webrtc, both roles
     # TEST ONLY: a prefill waits this long after each layer, so fault tests can act mid-prefill
     test_layer_delay_s: float = Field(default=0.0, ge=0.0, le=10.0)
 
-    @field_validator("kv_buffer_bytes", "kv_lease_bytes", mode="before")
+    @field_validator("kv_buffer_bytes", "kv_lease_bytes", "shm_arena_bytes", mode="before")
     @classmethod
     def _size(cls, value: object) -> int:
         return parse_bytes(value)
@@ -110,6 +128,12 @@ class RegionConfig(BaseSettings):
         target = value.removeprefix("grpc://")
         parse_hostport(target)
         return target
+
+    @model_validator(mode="after")
+    def _webrtc_needs_signalling(self) -> RegionConfig:
+        if self.transport == "webrtc" and self.control_plane_url is None:
+            raise ValueError("transport 'webrtc' needs control_plane_url: offers and answers travel through it")
+        return self
 
     @model_validator(mode="after")
     def _secrets(self) -> RegionConfig:

@@ -29,7 +29,16 @@ class Heartbeater:
         self.registration = registration
         self.interval_s = interval_s
         self._load = load
-        self._channel = grpc.insecure_channel(target, options=keepalive_options(interval_s))
+        # gRPC's reconnect backoff grows to 120 s: a restarted control plane would wait that long
+        # for its regions. Keep retrying every few beats instead.
+        backoff_ms = max(1000, int(interval_s * 3000))
+        options = [
+            *keepalive_options(interval_s),
+            ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 500)),
+            ("grpc.max_reconnect_backoff_ms", backoff_ms),
+            ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 500)),
+        ]
+        self._channel = grpc.insecure_channel(target, options=options)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self.region_id = ""
         self.seq = 0

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from prfaas.sim.experiment import RunMetrics, comparison_row, measure, throughput_at_slo
-from prfaas.sim.policies import BASELINES
+from prfaas.sim.fleet import FleetSpec
+from prfaas.sim.planner import PLANNABLE, PlanPoint, plan, recommend, with_split
+from prfaas.sim.policies import BASELINES, DEFAULT_POLICIES, SimPolicy, policy_with_threshold
 from prfaas.sim.scenarios import SCENARIOS, Scenario
 from prfaas.sim.workload import Arrival, load_trace, scale_rate
 
@@ -24,44 +26,96 @@ def arrivals_for(scenario: Scenario, trace: list[Arrival] | None, seed: int) -> 
     return lambda rate: scale_rate(trace, rate / native)
 
 
-def compare(
-    scenario_name: str,
-    *,
-    policies: Sequence[str] = tuple(BASELINES),
-    seed: int = 0,
-    num_requests: int | None = None,
-    trace_path: str | None = None,
-    on_run: Callable[[str, RunMetrics], None] | None = None,
-) -> list[dict[str, Any]]:
-    """One row per policy (see `experiment.comparison_row`)."""
+def load_scenario(scenario_name: str, num_requests: int | None = None) -> Scenario:
     if scenario_name not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario_name!r}; known: {sorted(SCENARIOS)}")
     scenario = SCENARIOS[scenario_name]()
     if num_requests is not None:
+        if num_requests < 1:
+            raise ValueError("requests must be at least 1")
         scenario = replace(scenario, num_requests=num_requests)
+    return scenario
+
+
+def compare(
+    scenario_name: str,
+    *,
+    policies: Sequence[str] | None = None,
+    seed: int = 0,
+    num_requests: int | None = None,
+    trace_path: str | None = None,
+    tune: bool = False,
+    on_run: Callable[[str, RunMetrics], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per policy (default: `DEFAULT_POLICIES`; see `experiment.comparison_row`).
+    `tune`: each policy on its own best prefill:decode split (and prfaas at its best
+    threshold), found by `planner.plan`, as PrfaaS grid-searches its baselines too; the row
+    says which (`tuned`)."""
+    scenario = load_scenario(scenario_name, num_requests)
     trace = load_trace(trace_path) if trace_path else None
     draw = arrivals_for(scenario, trace, seed)
     rows = []
-    for name in policies:
+    policy_of: dict[str, SimPolicy] = {}
+    fleet_of: dict[str, FleetSpec] = {}
+    for name in policies or DEFAULT_POLICIES:
         if name not in BASELINES:
             raise ValueError(f"unknown policy {name!r}; known: {sorted(BASELINES)}")
         policy = BASELINES[name]()
+        fleet = policy.fleet_for(scenario.fleet)
+        tuned: dict[str, Any] | None = None
+        if tune and name in PLANNABLE:
+            best = recommend(plan(scenario, draw, policy=name))
+            fleet = with_split(fleet, _share_of(best))
+            if best.threshold is not None:
+                policy = policy_with_threshold(policy, best.threshold)
+            tuned = {
+                "threshold": best.threshold,
+                "prefill_workers": best.prefill_workers,
+                "decode_workers": best.decode_workers,
+            }
+        policy_of[name], fleet_of[name] = policy, fleet
 
         def run_at(rate: float, policy_name: str = name) -> RunMetrics:
-            metrics = measure(scenario.fleet, BASELINES[policy_name](), scenario.slo, draw(rate), rate)
+            metrics = measure(
+                fleet_of[policy_name], policy_of[policy_name], scenario.slo, draw(rate), rate, shape=False
+            )
             if on_run is not None:
                 on_run(policy_name, metrics)
             return metrics
 
-        rows.append(comparison_row(policy.name, throughput_at_slo(run_at, scenario.start_rps)))
+        row = comparison_row(policy.name, throughput_at_slo(run_at, scenario.start_rps))
+        row["num_gpus"] = fleet.num_gpus
+        row["usd_per_hour"] = sum(r.num_gpus * r.price for r in fleet.regions)
+        if tuned is not None:
+            row["tuned"] = tuned
+        rows.append(row)
     # TTFT compared at one rate (the lowest throughput at SLO): at its own rate at SLO each
     # policy's P90 sits near the objective by construction.
     common = min((row["throughput_at_slo_rps"] for row in rows), default=0.0)
     if common > 0:
         for row in rows:
-            metrics = measure(scenario.fleet, BASELINES[row["policy"]](), scenario.slo, draw(common), common)
+            name = row["policy"]
+            metrics = measure(fleet_of[name], policy_of[name], scenario.slo, draw(common), common, shape=False)
             row["common_rate_rps"] = common
             row["ttft_p90_at_common_rate_s"] = metrics.ttft_p90_s
+    return rows
+
+
+def _share_of(point: PlanPoint) -> float:
+    prefill = sum(point.prefill_workers.values())
+    return prefill / (prefill + sum(point.decode_workers.values()))
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows written by `prfaas sim run --json`; a clear error for anything else."""
+    try:
+        rows = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "policy" in r for r in rows):
+        raise ValueError(f"{path} is not a `prfaas sim run --json` file (a list of rows with `policy`)")
     return rows
 
 
@@ -72,11 +126,21 @@ def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:
     if paper is None or not {"prfaas", "homogeneous-pd", "naive-heterogeneous"} <= by.keys():
         return []
     ours, homo, naive = by["prfaas"], by["homogeneous-pd"], by["naive-heterogeneous"]
-    lines = []
-    for label, base, key in (
-        ("vs homogeneous PD", homo, "gain_vs_homogeneous"),
+    lines = [
+        "fleets: "
+        + ", ".join(
+            f"{row['policy']} {row.get('num_gpus', '?')} GPUs ${row.get('usd_per_hour', 0):.0f}/h"
+            + (" (tuned split)" if row.get("tuned") else "")
+            for row in rows
+        )
+    ]
+    compared = [
+        ("vs homogeneous PD (equal GPU count)", homo, "gain_vs_homogeneous"),
         ("vs naive heterogeneous", naive, "gain_vs_naive"),
-    ):
+    ]
+    if "homogeneous-pd-equal-cost" in by:
+        compared.insert(1, ("vs homogeneous PD (equal cost)", by["homogeneous-pd-equal-cost"], "gain_vs_equal_cost"))
+    for label, base, key in compared:
         gain = (
             ours["throughput_at_slo_rps"] / base["throughput_at_slo_rps"] - 1 if base["throughput_at_slo_rps"] else None
         )
@@ -88,7 +152,9 @@ def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:
             f"P90 TTFT vs homogeneous PD at {rate:.3g} req/s: sim {_pct(change)}, paper {_pct(-paper['p90_ttft_cut'])}"
         )
     gbps = sum((ours.get("at_slo") or {}).get("link_gbps", {}).values())
-    lines.append(f"inter-DC link at prfaas's rate at SLO: sim {gbps:.1f} Gbps, paper {paper['link_gbps']:.0f} Gbps")
+    lines.append(
+        f"inter-DC link at prfaas's rate at SLO: sim {gbps:.1f} Gbps, paper {paper['link_gbps']:.0f} Gbps of 100"
+    )
     return lines
 
 

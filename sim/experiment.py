@@ -41,19 +41,23 @@ class RunMetrics:
     duration_s: float
     link_gbps: dict[str, float]  # "src->dst" -> mean Gbit/s on the wire over the run
     link_util: float  # busiest link: mean wire Gbit/s / line rate
-    gpu_util: dict[str, float]  # "region/prefill" or "region/decode" -> busy share
+    gpu_util: dict[str, float]  # "region/prefill" (busy worker share) or "region/decode" (share of time decoding)
     usd_per_mtok: float  # provisioned GPU-hours x price + egress, per 1M tokens (prompt + output) served
     decision_us_mean: float
 
 
-def measure(fleet: FleetSpec, policy: SimPolicy, slo: Slo, arrivals: Sequence[Arrival], rate_rps: float) -> RunMetrics:
-    used = policy.fleet_for(fleet)
+def measure(
+    fleet: FleetSpec, policy: SimPolicy, slo: Slo, arrivals: Sequence[Arrival], rate_rps: float, *, shape: bool = True
+) -> RunMetrics:
+    """One run of `arrivals` under `policy` on `fleet` (reshaped for the policy unless `shape` is False)."""
+    used = policy.fleet_for(fleet) if shape else fleet
     sim = Simulation(used, policy.scheduler(), slo)
     records = sim.run(arrivals)
-    return _metrics(sim, records, slo, rate_rps)
+    return summarize(sim, records, slo, rate_rps)
 
 
-def _metrics(sim: Simulation, records: list[RequestRecord], slo: Slo, rate_rps: float) -> RunMetrics:
+def summarize(sim: Simulation, records: list[RequestRecord], slo: Slo, rate_rps: float) -> RunMetrics:
+    """The figures of one finished run."""
     done = [r for r in records if r.outcome is Outcome.COMPLETED]
     met = sum(1 for r in done if r.ttft_s * 1000 <= slo.ttft_ms and r.tpot_s * 1000 <= slo.tpot_ms)
     duration = max((r.finish_s for r in done), default=sim.now) or 1e-9
@@ -71,6 +75,8 @@ def _metrics(sim: Simulation, records: list[RequestRecord], slo: Slo, rate_rps: 
         spec = region.spec
         if spec.num_prefill_workers:
             gpu_util[f"{name}/prefill"] = region.prefill_busy_s / (duration * spec.num_prefill_workers)
+        if spec.num_decode_workers:  # share of the run with a batch in flight
+            gpu_util[f"{name}/decode"] = region.decode.busy_s / duration
     gpu_usd = sum(r.num_gpus * r.price for r in sim.fleet.regions) * duration / 3600.0
     tokens = sum(r.prompt_tokens + r.output_tokens for r in done)
     usd = gpu_usd + sum(r.egress_usd for r in done)

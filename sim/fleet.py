@@ -70,9 +70,10 @@ class FleetSpec:
     model: str
     regions: tuple[RegionSpec, ...]
     links: tuple[LinkSpec, ...] = field(default=())
+    profile: ModelProfile | None = None  # a model outside `MODELS` (calibration: the deployment's own)
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
+        if self.profile is None and self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; known: {sorted(MODELS)}")
         names = {r.name for r in self.regions}
         if len(names) != len(self.regions):
@@ -83,7 +84,7 @@ class FleetSpec:
 
     @property
     def model_profile(self) -> ModelProfile:
-        return MODELS[self.model]
+        return self.profile or MODELS[self.model]
 
     @property
     def num_gpus(self) -> int:

@@ -10,6 +10,7 @@ max(bytes read / (HBM bandwidth * efficiency), FLOPs / (peak * mfu)) plus a fixe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ GPUS: dict[str, GpuProfile] = {
         GpuProfile("A100", 312.0, 2.039, 80.0, 1.79, 0.90),
         GpuProfile("L40S", 362.0, 0.864, 48.0, 0.99, 0.55),
         GpuProfile("MI300X", 1307.0, 5.3, 192.0, 2.50, 1.40),
+        # The development host's CPU, for calibration runs: its timings are measured
+        # (`sim.calibration`), so these peaks are never used.
+        GpuProfile("host-cpu", 1.0, 0.05, 64.0, 0.0),
     )
 }
 
@@ -65,6 +69,20 @@ DECODE_MFU = 0.30
 HBM_EFFICIENCY = 0.70  # share of peak HBM bandwidth a decode step sustains
 DECODE_STEP_OVERHEAD_S = 0.004  # kernel launches, sampling, scheduling per step
 KV_HEADROOM = 0.90  # share of HBM left after weights that holds KV
+
+
+class WorkerTimings(Protocol):
+    """What the simulator asks of a worker: the roofline `WorkerModel`, or timings measured on a
+    real deployment (`sim.calibration.MeasuredWorker`)."""
+
+    @property
+    def kv_capacity_bytes(self) -> int: ...
+
+    def prefill_s(self, num_tokens: int, cached_tokens: int = 0) -> float: ...
+
+    def prefill_tokens_per_s(self, num_tokens: int = 8192) -> float: ...
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float: ...
 
 
 @dataclass(frozen=True)

@@ -3,17 +3,18 @@ WAN links and decode pools.
 
 Per request: build a `ClusterSnapshot` of the modelled fleet as it is now, ask the scheduler,
 then run the decision. Prefill pools are FIFO `simpy.Resource`s of workers; a split's KV
-crosses its link FIFO (one `simpy.Resource` per link) starting when its prefill starts
-(layer-wise streaming) and cannot end before the prefill's last layer; decode is modelled
-analytically per request: the KV is reserved at placement, and the request decodes at the
-step time of its worker's batch as it joins (no per-token events).
+crosses its link as a fluid flow sharing the link fairly with the other shipments in flight,
+starting when its prefill starts (layer-wise streaming) and never ahead of the layers the
+prefill has produced (`sim.links`); decode is a continuous batch per region advanced per batch
+iteration analytically (`sim.decode`): the KV is reserved at placement and freed when the
+last token is out. Region and link snapshots are rebuilt only when their state changed.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -24,12 +25,13 @@ from prfaas.control_plane.errors import PlacementRejected
 from prfaas.control_plane.request import Request, Slo
 from prfaas.control_plane.scheduler import GlobalScheduler
 from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
+from prfaas.sim.decode import DecodePool, DecodeResult
 from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec, LinkSpec, RegionSpec
-from prfaas.sim.hardware import WorkerModel
+from prfaas.sim.hardware import WorkerTimings
+from prfaas.sim.links import FluidLink
 from prfaas.sim.workload import Arrival
 
 _EMA = 0.2  # weight of the newest prefill in the measured means a heartbeat would report
-_BACKLOG_HORIZON_S = 1.0  # a link whose FIFO holds this many seconds of bytes reports utilization 1
 
 
 class Outcome(StrEnum):
@@ -56,41 +58,44 @@ class RequestRecord:
 
 
 class _RegionState:
-    def __init__(self, env: simpy.Environment, spec: RegionSpec, worker: WorkerModel) -> None:
+    def __init__(self, env: simpy.Environment, spec: RegionSpec, worker: WorkerTimings) -> None:
         self.spec = spec
         self.worker = worker
         self.prefill = simpy.Resource(env, capacity=spec.num_prefill_workers) if spec.num_prefill_workers else None
+        self.decode = DecodePool(env, worker, spec.num_decode_workers)
         self.kv_capacity = worker.kv_capacity_bytes * spec.num_decode_workers
         self.kv_free = self.kv_capacity
-        self.num_decoding = 0
-        self.decode_ctx_tokens = 0
         self.mean_prefill_s = 0.0
         self.prefill_tps = worker.prefill_tokens_per_s()
         self.prefill_busy_s = 0.0
-        self.decode_busy_s = 0.0
-
-    def step_s(self, extra_batch: int = 0, extra_ctx: int = 0) -> float:
-        workers = max(1, self.spec.num_decode_workers)
-        batch = math.ceil((self.num_decoding + extra_batch) / workers)
-        return self.worker.decode_step_s(max(batch, 1), (self.decode_ctx_tokens + extra_ctx) // workers)
+        self._cached: tuple[tuple[object, ...], Region] | None = None
 
     def snapshot_region(self) -> Region:
-        spec = self.spec
-        role = Role.BOTH if spec.num_decode_workers else Role.PREFILL
-        num_workers = max(1, spec.num_prefill_workers)
+        """What this region's heartbeat would report now (rebuilt only when something changed)."""
         prefill = self.prefill
-        step = self.step_s(extra_batch=1)
-        batch = max(1, math.ceil((self.num_decoding + 1) / max(1, spec.num_decode_workers)))
+        key = (
+            len(prefill.queue) if prefill else 0,
+            prefill.count if prefill else 0,
+            self.kv_free,
+            self.decode.version,
+            self.mean_prefill_s,
+        )
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        spec = self.spec
+        num_workers = max(1, spec.num_prefill_workers)
+        step = self.decode.step_with(extra_sequences=1)
+        batch = max(1, math.ceil((self.decode.num_sequences + 1) / self.decode.num_workers))
         # Built without validation: every field comes from this model, not from input.
-        return Region.model_construct(
+        region = Region.model_construct(
             name=spec.name,
-            role=role,
+            role=_role(spec),
             gpu_type=spec.gpu,
             num_gpus=num_workers * spec.gpus_per_worker,
             num_workers=num_workers,
             usd_per_gpu_hour=spec.price,
             spot_usd_per_gpu_hour=spec.spot_price,
-            queue_depth=len(prefill.queue) if prefill else 0,
+            queue_depth=key[0] if prefill else 1,  # no prefill worker: reported as a full queue
             queue_capacity=None if prefill else 1,
             num_busy_workers=prefill.count if prefill else num_workers,
             mean_prefill_s=self.mean_prefill_s,
@@ -102,27 +107,44 @@ class _RegionState:
             heartbeat_age_s=0.0,
             cached_prefix_hashes=frozenset(),
         )
+        self._cached = (key, region)
+        return region
+
+
+def _role(spec: RegionSpec) -> Role:
+    if not spec.num_decode_workers:
+        return Role.PREFILL
+    return Role.BOTH if spec.num_prefill_workers else Role.DECODE
 
 
 class _LinkState:
-    def __init__(self, env: simpy.Environment, spec: LinkSpec) -> None:
+    def __init__(self, env: simpy.Environment, spec: LinkSpec, num_layers: int) -> None:
         self.spec = spec
-        self.fifo = simpy.Resource(env, capacity=1)
-        self.backlog_bytes = 0
-        self.bytes_carried = 0
-        self.num_splits = 0
+        self.pipe = FluidLink(env, spec, num_layers)
+        self._cached: tuple[int, Link] | None = None
+
+    @property
+    def bytes_carried(self) -> int:
+        return self.pipe.bytes_carried
+
+    @property
+    def num_splits(self) -> int:
+        return self.pipe.num_splits
 
     def snapshot_link(self) -> Link:
-        goodput = self.spec.goodput_bytes_per_s
-        util = 1.0 if goodput <= 0 else min(1.0, self.backlog_bytes / (goodput * _BACKLOG_HORIZON_S))
-        return Link.model_construct(
+        """What a link probe would measure now: goodput, RTT, the share in use."""
+        if self._cached is not None and self._cached[0] == self.pipe.version:
+            return self._cached[1]
+        link = Link.model_construct(
             src=self.spec.src,
             dst=self.spec.dst,
             rtt_ms=self.spec.rtt_ms,
-            bandwidth_gbps=goodput * 8 / 1e9,
-            utilization=util,
+            bandwidth_gbps=self.pipe.capacity * 8 / 1e9,
+            utilization=self.pipe.utilization,
             egress_usd_per_gb=self.spec.egress_usd_per_gb,
         )
+        self._cached = (self.pipe.version, link)
+        return link
 
 
 class DoubleRecord(AssertionError):
@@ -133,8 +155,18 @@ class Simulation:
     """One run of `arrivals` on `fleet` under `scheduler`; `run()` returns one record per arrival."""
 
     def __init__(
-        self, fleet: FleetSpec, scheduler: GlobalScheduler, slo: Slo, *, allow_lossy_codec: bool = False
+        self,
+        fleet: FleetSpec,
+        scheduler: GlobalScheduler,
+        slo: Slo,
+        *,
+        allow_lossy_codec: bool = False,
+        workers: Mapping[str, WorkerTimings] | None = None,
+        dispatch_overhead_s: float = 0.0,
     ) -> None:
+        """`workers`: measured timings per region name instead of the roofline model (calibration);
+        `dispatch_overhead_s`: fixed time from a request's arrival to its placement and from
+        its first token to the tenant (API, job store, dispatch, streaming), added to TTFT."""
         self.fleet = fleet
         self.scheduler = scheduler
         self.slo = slo
@@ -145,8 +177,13 @@ class Simulation:
         self.shape = ModelShape(
             name=model.name, num_layers=model.num_layers, kv_bytes_per_token=model.kv_bytes_per_token
         )
-        self.regions = {r.name: _RegionState(self.env, r, r.worker(model)) for r in fleet.regions}
-        self.links = {(lk.src, lk.dst): _LinkState(self.env, lk) for lk in fleet.links}
+        workers = workers or {}
+        self.regions = {
+            r.name: _RegionState(self.env, r, workers[r.name] if r.name in workers else r.worker(model))
+            for r in fleet.regions
+        }
+        self.dispatch_overhead_s = dispatch_overhead_s
+        self.links = {(lk.src, lk.dst): _LinkState(self.env, lk, model.num_layers) for lk in fleet.links}
         self.records: dict[int, RequestRecord] = {}
         self.decisions_s = 0.0
 
@@ -197,6 +234,8 @@ class Simulation:
         )
 
     def _serve(self, index: int, arrival: Arrival) -> Generator[simpy.Event, object, None]:
+        if self.dispatch_overhead_s > 0:
+            yield self.env.timeout(self.dispatch_overhead_s)
         start = time.perf_counter()
         try:
             decision = self.scheduler.decide(self._snapshot(), self._request(index, arrival))
@@ -218,16 +257,13 @@ class Simulation:
             yield slot
             cached = arrival.prompt_tokens - decision.uncached_tokens
             prefill_s = prefill.worker.prefill_s(decision.uncached_tokens, cached)
-            prefill_end = self.now + prefill_s
             shipment = None
             wire_bytes = 0
             if decision.mode is Mode.SPLIT:
                 link = self.links[(decision.prefill_region, decision.decode_region)]
-                if link.spec.goodput_bytes_per_s <= 0:
-                    raise AssertionError(f"split placed on zero-bandwidth link {link.spec.src}->{link.spec.dst}")
-                ratio = CODEC_RATIOS[decision.codec or "raw"]
-                wire_bytes = math.ceil(decision.kv_bytes_raw / ratio)
-                shipment = self.env.process(self._ship(link, wire_bytes, prefill_end))
+                ratio = CODEC_RATIOS.get(decision.codec or "raw")  # the transport's measured ratio, when we have it
+                wire_bytes = decision.kv_bytes_wire if ratio is None else math.ceil(decision.kv_bytes_raw / ratio)
+                shipment = link.pipe.ship(wire_bytes, prefill_s)
             yield self.env.timeout(prefill_s)
             prefill.prefill_busy_s += prefill_s
             prefill.mean_prefill_s = _EMA * prefill_s + (1 - _EMA) * prefill.mean_prefill_s
@@ -235,13 +271,9 @@ class Simulation:
                 prefill.prefill_tps = _EMA * decision.uncached_tokens / prefill_s + (1 - _EMA) * prefill.prefill_tps
         if shipment is not None:
             yield shipment
-        step = decode.step_s(extra_batch=1, extra_ctx=arrival.prompt_tokens)
-        decode.num_decoding += 1
-        decode.decode_ctx_tokens += arrival.prompt_tokens
-        first_token = self.now + step
-        yield self.env.timeout(step * arrival.output_tokens)
-        decode.num_decoding -= 1
-        decode.decode_ctx_tokens -= arrival.prompt_tokens
+            yield self.env.timeout(link.spec.rtt_ms / 2000.0)  # the last byte's propagation
+        result = yield decode.decode.decode(arrival.prompt_tokens, arrival.output_tokens)
+        assert isinstance(result, DecodeResult)
         decode.kv_free += kv_bytes
         egress = wire_bytes / 1e9 * self._egress(decision.prefill_region, decision.decode_region)
         self._record(
@@ -254,9 +286,9 @@ class Simulation:
                 mode=str(decision.mode),
                 prefill_region=decision.prefill_region,
                 decode_region=decision.decode_region,
-                ttft_s=first_token - arrival.at_s,
-                tpot_s=step,
-                finish_s=self.now,
+                ttft_s=result.first_token_s - arrival.at_s,
+                tpot_s=result.tpot_s,
+                finish_s=result.finish_s,
                 wire_bytes=wire_bytes,
                 egress_usd=egress,
             )
@@ -265,17 +297,3 @@ class Simulation:
     def _egress(self, src: str, dst: str) -> float:
         link = self.links.get((src, dst))
         return 0.0 if link is None else link.spec.egress_usd_per_gb
-
-    def _ship(self, link: _LinkState, wire_bytes: int, prefill_end: float) -> Generator[simpy.Event, object, None]:
-        """Carry one shipment: FIFO on the link; the last layer leaves after the prefill ends."""
-        link.backlog_bytes += wire_bytes
-        rate = link.spec.goodput_bytes_per_s
-        with link.fifo.request() as turn:
-            yield turn
-            last_layer_s = wire_bytes / rate / self.model.num_layers
-            hold = max(wire_bytes / rate, prefill_end - self.now + last_layer_s)
-            yield self.env.timeout(hold)
-        link.backlog_bytes -= wire_bytes
-        link.bytes_carried += wire_bytes
-        link.num_splits += 1
-        yield self.env.timeout(link.spec.rtt_ms / 2000.0)  # the last byte's propagation does not hold the link

@@ -87,11 +87,13 @@ def job_bytes(job_id: str) -> bytes:
         raise FrameError(f"job id {job_id!r} is not a UUID") from None
 
 
-def encode_header(frame: Frame) -> bytes:
+def encode_header(frame: Frame, *, checksum_payload: bool = True) -> bytes:
+    """The 64-byte header. `checksum_payload=False` leaves payload_xxh3 0: only for a
+    transport whose payloads never cross a wire (shared memory, docs/transports.md)."""
     payload_len = len(frame.payload)
     if payload_len > MAX_PAYLOAD:
         raise FrameError(f"payload of {payload_len} bytes exceeds the {MAX_PAYLOAD}-byte frame limit")
-    checksum = xxhash.xxh3_64_intdigest(frame.payload) if payload_len else 0
+    checksum = xxhash.xxh3_64_intdigest(frame.payload) if payload_len and checksum_payload else 0
     head = HEADER.pack(
         MAGIC, VERSION, int(frame.type), 0, frame.job_id, frame.attempt, frame.layer, frame.part, frame.codec, 0,
         frame.chunk, frame.chunk_count, frame.raw_len, payload_len, checksum, 0,

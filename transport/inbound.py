@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from prfaas.transport.api import Shape, StatusCell, TransferStatus
 from prfaas.transport.codecs import DTYPE_SIZES, CodecId, TensorMeta, get_codec
@@ -82,9 +83,9 @@ class BufferPool:
                 return free.pop()
         return bytearray(size)
 
-    def put(self, buf: bytearray) -> None:
+    def put(self, buf: bytearray | memoryview) -> None:
         with self._lock:
-            if not buf or self._bytes + len(buf) > self.max_bytes:
+            if not isinstance(buf, bytearray) or not buf or self._bytes + len(buf) > self.max_bytes:
                 return
             self._free.setdefault(len(buf), []).append(buf)
             self._bytes += len(buf)
@@ -98,12 +99,20 @@ class BufferPool:
 POOL = BufferPool()
 
 
+class PartPool(Protocol):
+    """Where part buffers come from: `POOL` (heap), or a shared-memory arena (transport/shm.py)."""
+
+    def get(self, size: int) -> bytearray | memoryview: ...
+
+    def put(self, buf: bytearray | memoryview) -> None: ...
+
+
 class _Part:
     """One layer part being assembled: chunk i lands at i * chunk_bytes of one buffer."""
 
-    def __init__(self, count: int, size: int) -> None:
+    def __init__(self, count: int, size: int, pool: PartPool) -> None:
         self.count = count
-        self.buf = POOL.get(size)  # every byte that is read back gets written by a chunk first
+        self.buf = pool.get(size)  # every byte that is read back gets written by a chunk first
         self.claimed: set[int] = set()  # being read into the buffer now
         self.done: set[int] = set()  # verified and in place
         self.length = 0  # payload bytes once the last chunk is in
@@ -117,11 +126,15 @@ class Slot(Enum):
     ENDED = "ended"  # the shipment ended: drop it
 
 
+LayerBuffer = bytes | bytearray | memoryview  # memoryview: a part in a shared-memory arena (shm.py)
+
+
 class Inbound:
     """One expected shipment on a receiver. Thread-safe."""
 
-    def __init__(self, job_id: str, attempt: int, timeout_s: float) -> None:
+    def __init__(self, job_id: str, attempt: int, timeout_s: float, pool: PartPool | None = None) -> None:
         self.job_id = job_id
+        self.pool: PartPool = pool if pool is not None else POOL
         self.attempt = attempt
         self.cell = StatusCell(timeout_s)
         self.info: OpenInfo | None = None
@@ -130,8 +143,8 @@ class Inbound:
         self._lock = threading.Condition()
         self._parts: dict[tuple[int, int], _Part] = {}
         self._done_parts: set[tuple[int, int]] = set()  # assembled (then decoded): later copies are duplicates
-        self._decoded: dict[tuple[int, int], bytes | bytearray] = {}
-        self._layers: dict[int, tuple[bytes | bytearray, bytes | bytearray]] = {}
+        self._decoded: dict[tuple[int, int], bytes | bytearray | memoryview] = {}
+        self._layers: dict[int, tuple[LayerBuffer, LayerBuffer]] = {}
         self.cell.on_terminal(self._on_terminal)
 
     # -- receiver side -------------------------------------------------------------------
@@ -183,7 +196,9 @@ class Inbound:
                 return Slot.DUPLICATE
             entry = self._parts.get((layer, part))
             if entry is None:
-                entry = self._parts[(layer, part)] = _Part(count, raw_len if codec == CodecId.RAW else count * size)
+                entry = self._parts[(layer, part)] = _Part(
+                    count, raw_len if codec == CodecId.RAW else count * size, self.pool
+                )
             if entry.count != count:
                 raise FrameError(f"chunk_count {count} disagrees with {entry.count} for layer {layer} part {part}")
             if chunk in entry.done:
@@ -217,7 +232,7 @@ class Inbound:
             self._done_parts.add((layer, part))
         heads, tokens, head_dim = info.layer_shapes[layer]
         raw_len = heads * tokens * head_dim * DTYPE_SIZES[info.dtype]
-        decoded: bytes | bytearray
+        decoded: bytes | bytearray | memoryview
         if info.codec == CodecId.RAW:
             decoded = entry.buf
         else:  # outside the lock: parts decode in parallel
@@ -228,7 +243,7 @@ class Inbound:
                 self.fail(exc)
                 return
             finally:
-                POOL.put(entry.buf)  # whole, so no connection holds a claim on it
+                self.pool.put(entry.buf)  # whole, so no connection holds a claim on it
             if len(decoded) != raw_len:
                 self.fail(CodecError(f"layer {layer} part {part} decoded to {len(decoded)} bytes, expected {raw_len}"))
                 return
@@ -268,11 +283,18 @@ class Inbound:
 
     def _on_terminal(self, status: TransferStatus) -> None:
         with self._lock:
+            dropped: list[LayerBuffer] = [entry.buf for entry in self._parts.values()]
+            dropped += self._decoded.values()
             self._parts.clear()
             self._decoded.clear()
             if status is not TransferStatus.COMPLETED:
+                dropped += [buf for pair in self._layers.values() for buf in pair]
                 self._layers.clear()  # a failed shipment's KV must not be used, nor kept
             self._lock.notify_all()
+        if self.pool is not POOL:  # arena memory is not garbage-collected: hand it back (see shm.Arena)
+            for buf in dropped:
+                if isinstance(buf, bytearray | memoryview):
+                    self.pool.put(buf)
 
     # -- consumer side -------------------------------------------------------------------
 
@@ -286,7 +308,7 @@ class Inbound:
     def wait(self, timeout_s: float | None = None) -> TransferStatus:
         return self.cell.wait(timeout_s)
 
-    def layer(self, index: int, timeout_s: float) -> tuple[bytes | bytearray, bytes | bytearray]:
+    def layer(self, index: int, timeout_s: float) -> tuple[LayerBuffer, LayerBuffer]:
         """Layer `index`'s decoded (K, V) bytes, waiting for them at most `timeout_s`.
         Raises the shipment's error if it ended without them, TransferTimeout on timeout."""
         with self._lock:
@@ -308,5 +330,11 @@ class Inbound:
             self._layers.clear()
         for k, v in layers:
             for buf in (k, v):
-                if isinstance(buf, bytearray):
-                    POOL.put(buf)
+                if isinstance(buf, bytearray | memoryview):
+                    self.pool.put(buf)
+
+
+class Receiver(Protocol):
+    """What a decode region needs of any receiver (TCP, shared memory, WebRTC, in-process)."""
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound: ...

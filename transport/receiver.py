@@ -24,7 +24,7 @@ from prfaas.transport.errors import (
 )
 from prfaas.transport.framing import SUPPORTED_VERSIONS, ErrorCode, Frame, FrameType, Header, error_frame, json_payload
 from prfaas.transport.framing import ack_payload as _ack_payload
-from prfaas.transport.inbound import Inbound, OpenInfo, Slot
+from prfaas.transport.inbound import Inbound, OpenInfo, PartPool, Slot
 from prfaas.transport.tickets import ReplayGuard, TicketVerifier
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,9 @@ class Session:
 class ReceiverCore:
     """Expected shipments and the protocol rules for the frames that fill them."""
 
-    def __init__(self, verifier: TicketVerifier, node: str = "receiver") -> None:
+    def __init__(self, verifier: TicketVerifier, node: str = "receiver", pool: PartPool | None = None) -> None:
         self.node = node
+        self.pool = pool  # where part buffers come from (None: the heap pool)
         self._verifier = verifier
         self._replay = ReplayGuard()
         self._lock = threading.Lock()
@@ -56,7 +57,7 @@ class ReceiverCore:
     def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
         """Register a shipment this receiver holds room for; KV for anything else is refused."""
         key = (uuid.UUID(job_id).bytes, attempt)
-        inbound = Inbound(job_id, attempt, timeout_s)
+        inbound = Inbound(job_id, attempt, timeout_s, self.pool)
         with self._lock:
             if key in self._inbounds:
                 raise ValueError(f"job {job_id} attempt {attempt} is already expected")

@@ -74,8 +74,11 @@ class OutboundTransfer:
         shipment: Shipment,
         enqueue: Callable[[list[Chunk]], None],
         executor: Executor | None = None,
+        *,
+        checksum_payload: bool = True,
     ) -> None:
         spec: ShipmentSpec = shipment.spec
+        self.checksum_payload = checksum_payload  # False only where payloads never cross a wire (shm)
         self.spec = spec
         self.job = job_bytes(spec.job_id)
         self.stats = TransferStats()
@@ -145,7 +148,8 @@ class OutboundTransfer:
                     frame = Frame(FrameType.DATA, self.job, self.spec.attempt, index, part, int(self._codec.codec_id),
                                   i, count, raw_len, body)  # fmt: skip
                     share = raw_len // count + (raw_len % count if i == count - 1 else 0)
-                    chunks.append(Chunk(self, (index, part, i), encode_header(frame), body, share))
+                    header = encode_header(frame, checksum_payload=self.checksum_payload)
+                    chunks.append(Chunk(self, (index, part, i), header, body, share))
         except TransportError as exc:
             self.cell.finish(TransferStatus.FAILED, exc)
             return

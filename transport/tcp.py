@@ -17,7 +17,9 @@ import ssl
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from prfaas.transport import metrics, sockets
 from prfaas.transport.adaptive import PathSample, StreamController
@@ -48,6 +50,8 @@ class _Stream:
 
     def _connect(self) -> socket.socket | TlsSocket:
         ch = self.channel
+        if ch.dialer is not None:  # another byte stream under the same protocol (transport/webrtc.py)
+            return self._hello(ch.dialer(ch.connect_timeout_s))
         sock = socket.create_connection(ch.address, timeout=ch.connect_timeout_s)
         sockets.configure(sock, ch.sock_buf_bytes)
         if ch.congestion_control:
@@ -233,6 +237,7 @@ class TcpChannel:
         ssl_context: ssl.SSLContext | None = None,
         encode_threads: int = 2,
         node: str = "sender",
+        dialer: Callable[[float], Any] | None = None,
     ) -> None:
         if num_streams is not None and not 1 <= num_streams <= 256:
             raise ValueError(f"num_streams must be in [1, 256], got {num_streams}")
@@ -244,6 +249,7 @@ class TcpChannel:
         self.congestion_control = congestion_control
         self.ssl_context = ssl_context
         self.node = node
+        self.dialer = dialer  # (timeout_s) -> a connected socket-like stream; None: TCP to `address`
         self.peer = f"{address[0]}:{address[1]}"
         self.closed = threading.Event()
         self.queue = SendQueue(max_inflight_bytes)

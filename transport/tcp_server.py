@@ -27,7 +27,7 @@ from prfaas.transport.framing import (
     read_into,
     to_frame,
 )
-from prfaas.transport.inbound import Inbound
+from prfaas.transport.inbound import Inbound, PartPool
 from prfaas.transport.receiver import ReceiverCore, Session
 from prfaas.transport.tickets import TicketVerifier
 from prfaas.transport.tls import TlsSocket
@@ -112,8 +112,9 @@ class TcpReceiver:
         ssl_context: ssl.SSLContext | None = None,
         sock_buf_bytes: int | None = None,
         reap_interval_s: float = 0.05,
+        pool: PartPool | None = None,
     ) -> None:
-        self.core = ReceiverCore(verifier, node)
+        self.core = ReceiverCore(verifier, node, pool)  # pool: part buffers (None: the heap pool)
         self._ssl = ssl_context
         self._buf = sock_buf_bytes
         self._reap_interval_s = reap_interval_s

@@ -3,10 +3,12 @@ database to head and is idempotent. From a shell: `python -m prfaas.control_plan
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 HERE = Path(__file__).resolve().parent
@@ -28,12 +30,25 @@ def upgrade(url: str, *, engine: Engine | None = None, revision: str = "head") -
     own = engine is None
     eng = make_engine(url) if engine is None else engine
     try:
-        with eng.begin() as conn:
+        # Processes starting together (an API process and a worker) migrate one at a time: a file lock beside
+        # a SQLite database, a transaction-scoped advisory lock on PostgreSQL.
+        with _migration_lock(eng), eng.begin() as conn:
+            if eng.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(7274727)"))
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
     finally:
         if own:
             eng.dispose()
+
+
+def _migration_lock(engine: Engine) -> AbstractContextManager[object]:
+    database = engine.url.database
+    if engine.dialect.name == "sqlite" and database and database != ":memory:":
+        from filelock import FileLock
+
+        return FileLock(database + ".migrate.lock", timeout=60)
+    return nullcontext()
 
 
 def current(engine: Engine) -> str | None:

@@ -5,6 +5,7 @@ decode region (`prfaas region`, tiny-llama) registering through heartbeats; real
 from __future__ import annotations
 
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -12,8 +13,10 @@ import httpx
 import openai
 import pytest
 from cp_kit import ensure_redis
+from sqlalchemy import func, select
 
 from prfaas.bench.cp_stack import ADMIN, RegionProcess, Stack, wait_until
+from prfaas.control_plane.ledger import Ledger, UsageEntry
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
@@ -127,6 +130,25 @@ def test_asked_placement_is_recorded(stack: tuple[Stack, list[RegionProcess]], t
     assert (job["placement_asked"], job["placement_chosen"]) == ("split", "split")
 
 
+def test_local_jobs_are_placed_at_admission_without_celery(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str], engine: HFEngine
+) -> None:
+    s, _ = stack
+    worker = s.workers.pop("w1")
+    worker.terminate()
+    worker.wait(30)
+    try:  # no dispatcher runs: the API placed the short prompt and streamed it itself
+        reply = _client(s, tenant[1]).completions.create(model="tiny-llama", prompt=[5, 6, 7, 8], max_tokens=4)
+        assert reply.choices[0].text == engine.decode_text(
+            engine.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=4))
+        )
+        job = _job(s, tenant[1], reply.id)
+        assert job["placement_chosen"] == "local" and job["decode_region"] == "decode-b"
+        assert [e["state"] for e in job["timeline"]] == ["QUEUED", "LOCAL", "DONE"]  # type: ignore[attr-defined, union-attr]
+    finally:
+        s.start_worker("w1")
+
+
 def test_api_restart_keeps_job_state(stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]) -> None:
     s, _ = stack
     reply = _client(s, tenant[1]).completions.create(model="tiny-llama", prompt="survive", max_tokens=4)
@@ -156,7 +178,25 @@ def test_prefill_region_killed_fails_over_and_bills_once(
     assert states[-1] == ("DONE", 2) and ("QUEUED", 2) in states, states
     assert job["placement_chosen"] == "local"
     assert sum(1 for state, _ in states if state == "DONE") == 1
-    assert _spend(s, tenant[0]) - spent_before == pytest.approx(float(job["cost_usd"]))  # type: ignore[arg-type]
+    # Billed once, for attempt 2 (local in decode-b); attempt 1's prefill in the dead region is platform cost.
+    ledger = Ledger(s.ledger_url, migrate=False)
+    try:
+        wait_until(lambda: ledger.entry(reply.id) is not None, 10, 0.05)
+        entry = ledger.entry(reply.id)
+        assert entry is not None and (entry.attempts, entry.placement) == (2, "local")
+        assert entry.prefill_region == entry.decode_region == "decode-b"
+        with ledger.session() as session:
+            count = session.scalar(select(func.count()).select_from(UsageEntry).where(UsageEntry.job_id == reply.id))
+        assert count == 1
+        wasted = ledger.wasted(reply.id)
+        assert [(w.attempt, w.phase, w.region) for w in wasted] == [(1, "prefill", "prefill-a")], wasted
+        assert wasted[0].gpu_s > 0 and wasted[0].tenant == tenant[0]
+        # the tenant's spend (what budgets are checked against) rises by the ledger entry, once
+        wait_until(lambda: _spend(s, tenant[0]) - spent_before == pytest.approx(entry.total_usd), 10, 0.05)
+        time.sleep(0.5)
+        assert _spend(s, tenant[0]) - spent_before == pytest.approx(entry.total_usd)
+    finally:
+        ledger.close()
 
 
 def _spend(s: Stack, tenant_id: str) -> float:

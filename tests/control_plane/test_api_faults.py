@@ -16,6 +16,7 @@ import pytest
 from cp_kit import ensure_redis
 
 from prfaas.bench.cp_stack import ADMIN, Stack, wait_until
+from prfaas.control_plane.ledger import Ledger
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
@@ -193,9 +194,16 @@ def test_prefill_region_killed_mid_shipment_job_fails_over_and_is_billed_once(st
     assert ("PREFILLING", 1) in states and ("QUEUED", 2) in states and states[-1] == ("DONE", 2), states
     assert sum(1 for s, _ in states if s == "DONE") == 1, states
     assert record["prefill_region"] != "prefill-a" or record["placement_chosen"] == "local", record
-    cost = float(str(record["cost_usd"]))
-    assert cost > 0
-    assert spend() == pytest.approx(cost, rel=1e-9, abs=1e-12)  # billed once, for the attempt that finished
-    time.sleep(0.5)  # a late move of the dead attempt would bill again: none comes
-    assert spend() == pytest.approx(cost, rel=1e-9, abs=1e-12)
+    # billed once (the ledger entry, written after DONE), for the attempt that finished; spend follows the ledger
+    ledger = Ledger(stack.ledger_url, migrate=False)
+    try:
+        wait_until(lambda: ledger.entry(job_id) is not None, 10, 0.05)
+        entry = ledger.entry(job_id)
+        assert entry is not None and entry.attempts == 2 and entry.total_usd > 0
+        wait_until(lambda: spend() == pytest.approx(entry.total_usd, rel=1e-9, abs=1e-12), 10, 0.05)
+        time.sleep(0.5)  # a late move of the dead attempt would bill again: none comes
+        assert spend() == pytest.approx(entry.total_usd, rel=1e-9, abs=1e-12)
+        assert [(w.attempt, w.phase, w.region) for w in ledger.wasted(job_id)] == [(1, "prefill", "prefill-a")]
+    finally:
+        ledger.close()
     assert metric(decode.metrics, "prfaas_decode_reservations") == 0

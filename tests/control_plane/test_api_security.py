@@ -133,7 +133,9 @@ def test_budget_and_concurrency_refusals(client: TestClient) -> None:
 def test_health_ready_metrics(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json() == {"status": "ready"}
-    assert "prfaas_api_responses_total" in client.get("/metrics").text
+    text = client.get("/metrics").text
+    assert 'prfaas_api_responses_total{route="/healthz",status="200"} 1.0' in text
+    assert 'prfaas_api_responses_total{route="/readyz",status="200"} 1.0' in text
 
 
 def _prefix(client: TestClient) -> str:

@@ -90,12 +90,12 @@ def test_migration_empty_to_head_and_idempotent(db: tuple[str, str | None]) -> N
         assert current(eng) is None
         assert not sa.inspect(eng).has_table("ledger_usage")
         upgrade(url, engine=eng)
-        assert current(eng) == "0001_ledger"
+        assert current(eng) == "0002_job_metrics"
         assert {"ledger_usage", "ledger_wasted", "alembic_version"} <= set(sa.inspect(eng).get_table_names())
         upgrade(url, engine=eng)  # at head already: a no-op
-        assert current(eng) == "0001_ledger"
+        assert current(eng) == "0002_job_metrics"
         Ledger(url, schema=schema).close()  # startup upgrade on a migrated database
-        assert current(eng) == "0001_ledger"
+        assert current(eng) == "0002_job_metrics"
     finally:
         eng.dispose()
 
@@ -233,3 +233,30 @@ def test_default_url(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert (tmp_path / "ledger.db").exists()
     monkeypatch.setenv("PRFAAS_LEDGER_URL", "sqlite:///" + str(tmp_path / "other.db"))
     assert LedgerSettings().ledger_url.endswith("other.db")
+
+
+def test_phase_and_tenant_groupings_entries_and_spend(ledger: Ledger) -> None:
+    split = _usage("s", placement="split", ttft_s=0.5)
+    local = _usage("l", prefill_region="us-east", kv_bytes_wire=0, kv_bytes_raw=0, placement="local")
+    other = _usage("o", tenant="other", finished_at=T0 + dt.timedelta(hours=1))
+    for j in (split, local, other):
+        ledger.record(j, PRICES)
+    start, end = T0 - dt.timedelta(hours=1), T0 + dt.timedelta(days=1)
+    phases = {g.key: g for g in ledger.totals("acme", start, end, "phase")}
+    assert list(phases) == ["prefill", "decode", "egress"]
+    # prefill: 36 s at ap-south's 1.2 (split) + 36 s at us-east's 4.0 (local, prefilled in the decode region)
+    assert phases["prefill"].total_usd == pytest.approx(36 / 3600 * 1.2 + 36 / 3600 * 4.0)
+    assert phases["decode"].total_usd == pytest.approx(2 * 18 / 3600 * 4.0)
+    assert (phases["egress"].jobs, phases["egress"].total_usd) == (1, pytest.approx(2.0 * 0.09))
+    assert phases["egress"].kv_bytes_wire == 2_000_000_000 and phases["prefill"].prefill_gpu_s == 72.0
+    by_day = ledger.totals("acme", start, end, "day")
+    assert sum(g.total_usd for g in phases.values()) == pytest.approx(sum(g.total_usd for g in by_day))
+    assert sum(g.colocated_usd for g in phases.values()) == pytest.approx(sum(g.colocated_usd for g in by_day))
+    tenants = {g.key: g.jobs for g in ledger.totals(None, start, end, "tenant")}
+    assert tenants == {"acme": 2, "other": 1}
+    # newest first; s and l share a finish time: the later insert first
+    assert [e.job_id for e in ledger.entries(None, start, end)] == ["o", "l", "s"]
+    assert {e.job_id for e in ledger.entries("acme", start, end)} == {"s", "l"}
+    assert ledger.entry("s").placement == "split" and ledger.entry("s").ttft_s == 0.5  # type: ignore[union-attr]
+    assert ledger.spend("acme", start, end) == pytest.approx(sum(g.total_usd for g in by_day))
+    assert ledger.totals("nobody", start, end, "phase") == []

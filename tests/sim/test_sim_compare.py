@@ -27,7 +27,12 @@ def test_search_finds_the_capacity_of_a_step_function() -> None:
 
 def test_rows_have_the_required_keys_for_each_policy() -> None:
     rows = compare("small", num_requests=120)
-    assert [row["policy"] for row in rows] == ["prfaas", "homogeneous-pd", "naive-heterogeneous"]
+    assert [row["policy"] for row in rows] == [
+        "prfaas",
+        "homogeneous-pd",
+        "homogeneous-pd-equal-cost",
+        "naive-heterogeneous",
+    ]
     for row in rows:
         assert row.keys() >= REQUIRED
         assert row["throughput_at_slo_rps"] > 0
@@ -48,7 +53,7 @@ def test_cli_writes_json_rows(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["sim", "run", "--scenario", "small", "--requests", "100", "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
-    assert len(rows) == 3 and all(row.keys() >= REQUIRED for row in rows)
+    assert len(rows) == 4 and all(row.keys() >= REQUIRED for row in rows)
 
 
 def test_cli_rejects_an_unknown_scenario() -> None:

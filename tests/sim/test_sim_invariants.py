@@ -6,11 +6,13 @@ from dataclasses import replace
 
 import pytest
 
+from prfaas.control_plane.request import Slo
 from prfaas.sim.experiment import measure
-from prfaas.sim.fleet import LinkSpec
+from prfaas.sim.fleet import FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.policies import BASELINES
 from prfaas.sim.scenarios import case_study, small
 from prfaas.sim.simulator import Outcome, Simulation
+from prfaas.sim.workload import Arrival
 
 
 @pytest.mark.parametrize("policy", sorted(BASELINES))
@@ -75,3 +77,21 @@ def test_a_live_link_does_carry_splits() -> None:
     records = sim.run(scenario.workload.generate(0.3, 150, seed=1))
     assert any(r.mode == "split" for r in records)
     assert sum(link.bytes_carried for link in sim.links.values()) == sum(r.wire_bytes for r in records)
+
+
+def test_a_shipment_longer_than_a_second_of_goodput_does_not_shut_the_link() -> None:
+    # bench/sim_speed's 60 % rejections: a 48k-token dense-70b prompt is ~10.7 GB on the wire (lossless), more than
+    # one second of a 100 Gbps link; the old backlog-based utilization read that as a saturated link and the
+    # link-headroom filter cut the next split. Three such prompts 0.5 s apart must all split.
+    fleet = FleetSpec(
+        "dense-70b",
+        (
+            RegionSpec("pf", "H200", num_prefill_workers=4),
+            RegionSpec("pd", "H20", num_prefill_workers=1, num_decode_workers=2),
+        ),
+        (LinkSpec("pf", "pd", 100.0, 10.0),),
+    )
+    sim = Simulation(fleet, BASELINES["prfaas"]().scheduler(), Slo(ttft_ms=30_000, tpot_ms=100))
+    records = sim.run([Arrival(0.5 * i, 48_000, 100) for i in range(3)])
+    assert [r.mode for r in records] == ["split"] * 3
+    assert sim.links[("pf", "pd")].pipe.peak_flows >= 2  # they were in flight together, sharing the link

@@ -177,3 +177,131 @@ class HeartbeatReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatReply: _TypeAlias = HeartbeatReply  # noqa: Y015
+
+@_typing.final
+class SignalRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    OFFER_SDP_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """the receiving region's name (its kv_endpoint is webrtc://<name>)"""
+    offer_sdp: _builtins.str
+    timeout_s: _builtins.float
+    """how long to wait for the answer (at most 30)"""
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+        offer_sdp: _builtins.str = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offer_sdp", b"offer_sdp", "region", b"region", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignalRequest: _TypeAlias = SignalRequest  # noqa: Y015
+
+@_typing.final
+class SignalReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ANSWER_SDP_FIELD_NUMBER: _builtins.int
+    answer_sdp: _builtins.str
+    def __init__(
+        self,
+        *,
+        answer_sdp: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer_sdp", b"answer_sdp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignalReply: _TypeAlias = SignalReply  # noqa: Y015
+
+@_typing.final
+class OffersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffersRequest: _TypeAlias = OffersRequest  # noqa: Y015
+
+@_typing.final
+class SignalOffer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    OFFER_SDP_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    offer_sdp: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        offer_sdp: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "offer_sdp", b"offer_sdp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignalOffer: _TypeAlias = SignalOffer  # noqa: Y015
+
+@_typing.final
+class SignalAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    ANSWER_SDP_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    answer_sdp: _builtins.str
+    """empty with `error` set when the region refused the offer"""
+    error: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        answer_sdp: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer_sdp", b"answer_sdp", "error", b"error", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignalAnswer: _TypeAlias = SignalAnswer  # noqa: Y015
+
+@_typing.final
+class AnswerReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AnswerReply: _TypeAlias = AnswerReply  # noqa: Y015

@@ -46,6 +46,21 @@ class RegistryStub:
                 request_serializer=prfaas_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=prfaas_dot_v1_dot_registry__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Signal = channel.unary_unary(
+                '/prfaas.v1.Registry/Signal',
+                request_serializer=prfaas_dot_v1_dot_registry__pb2.SignalRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_registry__pb2.SignalReply.FromString,
+                _registered_method=True)
+        self.Offers = channel.unary_stream(
+                '/prfaas.v1.Registry/Offers',
+                request_serializer=prfaas_dot_v1_dot_registry__pb2.OffersRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_registry__pb2.SignalOffer.FromString,
+                _registered_method=True)
+        self.Answer = channel.unary_unary(
+                '/prfaas.v1.Registry/Answer',
+                request_serializer=prfaas_dot_v1_dot_registry__pb2.SignalAnswer.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_registry__pb2.AnswerReply.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -65,6 +80,27 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Signal(self, request, context):
+        """WebRTC signalling for a decode region configured `transport: webrtc` (it accepts no
+        inbound connection): a sender's SDP offer goes in with Signal, which returns the answer;
+        the region takes offers addressed to it from the Offers stream and posts each Answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Offers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Answer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +113,21 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=prfaas_dot_v1_dot_registry__pb2.HeartbeatRequest.FromString,
                     response_serializer=prfaas_dot_v1_dot_registry__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Signal': grpc.unary_unary_rpc_method_handler(
+                    servicer.Signal,
+                    request_deserializer=prfaas_dot_v1_dot_registry__pb2.SignalRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_registry__pb2.SignalReply.SerializeToString,
+            ),
+            'Offers': grpc.unary_stream_rpc_method_handler(
+                    servicer.Offers,
+                    request_deserializer=prfaas_dot_v1_dot_registry__pb2.OffersRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_registry__pb2.SignalOffer.SerializeToString,
+            ),
+            'Answer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Answer,
+                    request_deserializer=prfaas_dot_v1_dot_registry__pb2.SignalAnswer.FromString,
+                    response_serializer=prfaas_dot_v1_dot_registry__pb2.AnswerReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +186,87 @@ class Registry:
             '/prfaas.v1.Registry/Heartbeat',
             prfaas_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
             prfaas_dot_v1_dot_registry__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Signal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prfaas.v1.Registry/Signal',
+            prfaas_dot_v1_dot_registry__pb2.SignalRequest.SerializeToString,
+            prfaas_dot_v1_dot_registry__pb2.SignalReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Offers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prfaas.v1.Registry/Offers',
+            prfaas_dot_v1_dot_registry__pb2.OffersRequest.SerializeToString,
+            prfaas_dot_v1_dot_registry__pb2.SignalOffer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Answer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prfaas.v1.Registry/Answer',
+            prfaas_dot_v1_dot_registry__pb2.SignalAnswer.SerializeToString,
+            prfaas_dot_v1_dot_registry__pb2.AnswerReply.FromString,
             options,
             channel_credentials,
             insecure,

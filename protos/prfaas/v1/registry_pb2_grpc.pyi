@@ -37,6 +37,13 @@ class RegistryStub:
     def __new__(cls, channel: _aio.Channel) -> RegistryAsyncStub: ...
     Register: _grpc.UnaryUnaryMultiCallable[_registry_pb2.RegisterRequest, _registry_pb2.RegisterReply]
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.HeartbeatReply]
+    Signal: _grpc.UnaryUnaryMultiCallable[_registry_pb2.SignalRequest, _registry_pb2.SignalReply]
+    """WebRTC signalling for a decode region configured `transport: webrtc` (it accepts no
+    inbound connection): a sender's SDP offer goes in with Signal, which returns the answer;
+    the region takes offers addressed to it from the Offers stream and posts each Answer.
+    """
+    Offers: _grpc.UnaryStreamMultiCallable[_registry_pb2.OffersRequest, _registry_pb2.SignalOffer]
+    Answer: _grpc.UnaryUnaryMultiCallable[_registry_pb2.SignalAnswer, _registry_pb2.AnswerReply]
 
 @_typing.type_check_only
 class RegistryAsyncStub(RegistryStub):
@@ -47,6 +54,13 @@ class RegistryAsyncStub(RegistryStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Register: _aio.UnaryUnaryMultiCallable[_registry_pb2.RegisterRequest, _registry_pb2.RegisterReply]  # type: ignore[assignment]
     Heartbeat: _aio.UnaryUnaryMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.HeartbeatReply]  # type: ignore[assignment]
+    Signal: _aio.UnaryUnaryMultiCallable[_registry_pb2.SignalRequest, _registry_pb2.SignalReply]  # type: ignore[assignment]
+    """WebRTC signalling for a decode region configured `transport: webrtc` (it accepts no
+    inbound connection): a sender's SDP offer goes in with Signal, which returns the answer;
+    the region takes offers addressed to it from the Offers stream and posts each Answer.
+    """
+    Offers: _aio.UnaryStreamMultiCallable[_registry_pb2.OffersRequest, _registry_pb2.SignalOffer]  # type: ignore[assignment]
+    Answer: _aio.UnaryUnaryMultiCallable[_registry_pb2.SignalAnswer, _registry_pb2.AnswerReply]  # type: ignore[assignment]
 
 class RegistryServicer(metaclass=_abc_1.ABCMeta):
     """The control plane's region registry: regions register at start and heartbeat every
@@ -66,5 +80,30 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.HeartbeatReply, _abc.Awaitable[_registry_pb2.HeartbeatReply]]: ...
+
+    @_abc_1.abstractmethod
+    def Signal(
+        self,
+        request: _registry_pb2.SignalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.SignalReply, _abc.Awaitable[_registry_pb2.SignalReply]]:
+        """WebRTC signalling for a decode region configured `transport: webrtc` (it accepts no
+        inbound connection): a sender's SDP offer goes in with Signal, which returns the answer;
+        the region takes offers addressed to it from the Offers stream and posts each Answer.
+        """
+
+    @_abc_1.abstractmethod
+    def Offers(
+        self,
+        request: _registry_pb2.OffersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_registry_pb2.SignalOffer], _abc.AsyncIterator[_registry_pb2.SignalOffer]]: ...
+
+    @_abc_1.abstractmethod
+    def Answer(
+        self,
+        request: _registry_pb2.SignalAnswer,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.AnswerReply, _abc.Awaitable[_registry_pb2.AnswerReply]]: ...
 
 def add_RegistryServicer_to_server(servicer: RegistryServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

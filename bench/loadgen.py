@@ -1,0 +1,171 @@
+"""The load generator behind `prfaas bench`: the official `openai` client, streaming, as a
+tenant's program would call the API.
+
+Open loop (`rate_rps`: each request starts at its planned time whatever the others do) or
+closed loop (`concurrency` requests in flight). Per request: TTFT (send -> first streamed
+token), inter-token gaps, end-to-end latency; then each job's placement, regions, KV bytes
+and cost from `GET /v1/jobs/{id}`. Every call has a deadline (`timeout_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from prfaas.bench.workload import Planned
+
+PLACEMENTS = {"colocated": "local", "split-always": "split", "prfaas": "auto"}  # --compare name -> API placement
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it, plus the job's record."""
+
+    index: int
+    klass: str
+    at_s: float
+    prompt_tokens: int
+    shared_prefix_tokens: int
+    prefix_group: int | None
+    max_tokens: int
+    sent_s: float = 0.0  # from the run's start
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
+    ok: bool = False
+    error: str | None = None
+    job_id: str | None = None
+    job: dict[str, Any] = field(default_factory=dict)
+    usage: dict[str, Any] = field(default_factory=dict)  # the ledger's entry, when the API has one
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.latency_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+async def _one(client: Any, model: str, req: Planned, placement: str, t0: float, timeout_s: float) -> Outcome:
+    out = Outcome(req.index, req.klass, req.at_s, len(req.prompt), req.shared_prefix_tokens, req.prefix_group,
+                  req.max_tokens)  # fmt: skip
+    start = time.perf_counter()
+    out.sent_s = start - t0
+    last = 0.0
+    pieces = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            stream = await client.completions.create(
+                model=model, prompt=list(req.prompt), max_tokens=req.max_tokens, stream=True, temperature=0.0,
+                stream_options={"include_usage": True}, extra_body={"prfaas": {"placement": placement}},
+            )  # fmt: skip
+            async for chunk in stream:
+                now = time.perf_counter()
+                out.job_id = out.job_id or chunk.id
+                if chunk.choices and chunk.choices[0].text:
+                    pieces += 1
+                    if out.ttft_s is None:
+                        out.ttft_s = now - start
+                    else:
+                        out.itl_s.append(now - last)
+                    last = now
+                if chunk.usage is not None:
+                    out.output_tokens = chunk.usage.completion_tokens
+        out.latency_s = time.perf_counter() - start
+        out.output_tokens = out.output_tokens or pieces
+        out.ok = out.ttft_s is not None
+        if not out.ok:
+            out.error = "no token streamed"
+    except TimeoutError:
+        out.error = f"timeout after {timeout_s} s"
+    except Exception as exc:  # an API error is a result of the run, not a crash of it
+        out.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
+async def _run(
+    api_base: str, api_key: str, model: str, planned: list[Planned], placement: str, concurrency: int | None,
+    timeout_s: float, on_done: Callable[[Outcome], None],
+) -> tuple[list[Outcome], float]:  # fmt: skip
+    import openai
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10))
+    client = openai.AsyncOpenAI(base_url=api_base, api_key=api_key, max_retries=0, http_client=http)
+    t0 = time.perf_counter()
+    outcomes: list[Outcome] = []
+
+    async def fire(req: Planned) -> None:
+        result = await _one(client, model, req, placement, t0, timeout_s)
+        outcomes.append(result)
+        on_done(result)
+
+    try:
+        if concurrency is None:  # open loop: each request at its planned time
+            tasks = []
+            for req in planned:
+                delay = req.at_s - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(fire(req)))
+            await asyncio.gather(*tasks)
+        else:
+            queue = list(reversed(planned))
+
+            async def worker() -> None:
+                while queue:
+                    await fire(queue.pop())
+
+            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(planned)))))
+    finally:
+        await client.close()
+        await http.aclose()
+    return sorted(outcomes, key=lambda o: o.index), time.perf_counter() - t0
+
+
+def run(
+    api_base: str, api_key: str, model: str, planned: list[Planned], placement: str = "auto",
+    concurrency: int | None = None, timeout_s: float = 300.0, on_done: Callable[[Outcome], None] = lambda _: None,
+) -> tuple[list[Outcome], float]:  # fmt: skip
+    """Send `planned` and return (outcomes in request order, wall seconds)."""
+    return asyncio.run(_run(api_base, api_key, model, planned, placement, concurrency, timeout_s, on_done))
+
+
+def attach_jobs(api_base: str, api_key: str, outcomes: list[Outcome], ledger_wait_s: float = 10.0) -> None:
+    """Fill each outcome's `job` from GET /v1/jobs/{id} (placement, regions, bytes, cost) and,
+    when the API has a ledger (GET /v1/usage/jobs/{id}), its `usage` entry. Entries are written
+    off the request path, so a missing one is asked again until `ledger_wait_s` has passed."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    done = [o for o in outcomes if o.job_id and o.ok]
+    with httpx.Client(base_url=api_base, headers=headers, timeout=10) as http:
+        for o in outcomes:
+            if o.job_id:
+                reply = http.get(f"/jobs/{o.job_id}")
+                if reply.status_code == 200:
+                    o.job = reply.json()
+        if not done:
+            return
+        probe = http.get(f"/usage/jobs/{done[0].job_id}")
+        if probe.status_code == 404 and probe.json().get("detail") == "Not Found":
+            return  # no such route: this API has no ledger
+        deadline = time.monotonic() + ledger_wait_s
+        waiting = done
+        while waiting and time.monotonic() < deadline:
+            for o in waiting:
+                reply = http.get(f"/usage/jobs/{o.job_id}")
+                if reply.status_code == 200:
+                    o.usage = reply.json()
+            waiting = [o for o in waiting if not o.usage]
+            if waiting:
+                time.sleep(0.2)
+
+
+def fetch_models(api_base: str, api_key: str) -> list[str]:
+    reply = httpx.get(api_base + "/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    reply.raise_for_status()
+    return [m["id"] for m in reply.json()["data"]]

@@ -1,0 +1,176 @@
+"""Starting and stopping the deployment's processes: the API (uvicorn), Celery workers and
+`prfaas region` processes. Shared by `prfaas up` (cli/up.py), bench/cp_stack.py and the tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.02) -> float:
+    """Seconds until `predicate()` held; raises AssertionError after `timeout_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def api_argv(host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "uvicorn", "--factory", "prfaas.control_plane.app:app_from_env",
+            "--host", host, "--port", str(port), "--log-level", "warning"]  # fmt: skip
+
+
+def worker_argv(name: str, concurrency: int) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads",
+            "-c", str(concurrency), "-n", f"{name}@%h", "--without-gossip", "--without-mingle",
+            "--loglevel", "WARNING"]  # fmt: skip
+
+
+def region_argv(config: Path) -> list[str]:
+    return [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(config), "--log-level", "WARNING"]
+
+
+@dataclass
+class RegionProcess:
+    proc: subprocess.Popen[str]
+    grpc: str
+    kv: str
+    metrics: str
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _ready_fields(line: str) -> dict[str, str]:
+    return dict(part.partition("=")[::2] for part in line.split()[1:])
+
+
+def spawn_region(
+    config: Path,
+    timeout_s: float = 120,
+    env: Mapping[str, str] | None = None,
+    *,
+    argv_prefix: Sequence[str] = (),
+    log: Path | None = None,
+    new_session: bool = False,
+) -> RegionProcess:
+    """Start `prfaas region --config` and wait for its `ready grpc=... kv=...` line.
+
+    `argv_prefix` runs it under another command (`ip netns exec NS`); `log` sends its output to
+    a file instead of a pipe (a process that outlives us must not write into a closed pipe);
+    `new_session` gives it a process group of its own (stopped as a group, deaf to our Ctrl-C).
+    """
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    argv = [*argv_prefix, *region_argv(config)]
+    full_env |= dict(env or {})
+    lines: list[str] = []
+    ready: dict[str, str] = {}
+    if log is None:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                                start_new_session=new_session)  # fmt: skip
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line.rstrip())
+                if line.startswith("ready "):
+                    ready.update(_ready_fields(line))
+
+        threading.Thread(target=read, daemon=True).start()
+    else:
+        with log.open("w") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=full_env,
+                                    start_new_session=new_session)  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while not ready and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        if log is not None:
+            lines[:] = log.read_text(errors="replace").splitlines()
+            ready.update(next((_ready_fields(x) for x in lines if x.startswith("ready ")), {}))
+    if not ready:
+        proc.kill()
+        proc.wait(5)
+        raise RuntimeError(f"region {config.stem} did not start:\n" + "\n".join(lines[-30:]))
+    return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):  # a zombie (exited, not yet reaped) counts as gone
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return any(pid_alive(pid) for pid in group_members(pgid))
+
+
+def group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                    members.append(int(entry.name))
+    return members
+
+
+def stop_group(pgid: int, timeout_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+    """Signal a process group, wait up to `timeout_s` for it to go, then SIGKILL what is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(-pgid, os.WNOHANG)  # reap our own children so they do not linger as zombies
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError, OSError):
+        while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
+            pass

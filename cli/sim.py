@@ -1,0 +1,222 @@
+"""`prfaas sim ...`: the fleet simulator's commands (thin: sim/ does the work)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+
+sim_app = typer.Typer(
+    help="The fleet simulator: the live scheduler policies on a modelled fleet.", no_args_is_help=True
+)
+
+
+@sim_app.command("scenarios")
+def sim_scenarios() -> None:
+    """List the built-in scenarios."""
+    from prfaas.sim.scenarios import SCENARIOS
+
+    table = Table("name", "GPUs", "requests", "description")
+    for name, make in SCENARIOS.items():
+        scenario = make()
+        table.add_row(name, str(scenario.fleet.num_gpus), str(scenario.num_requests), scenario.description)
+    console.print(table)
+
+
+@sim_app.command("run")
+def sim_run(
+    scenario: str = typer.Option("prfaas-case-study", help="see `prfaas sim scenarios`"),
+    policy: list[str] = typer.Option(
+        [], "--policy", help="policies to compare (repeatable; default: prfaas and every baseline)"
+    ),
+    seed: int = typer.Option(0, help="workload seed (same seed, same result)"),
+    requests: int | None = typer.Option(None, help="requests per run (default: the scenario's)"),
+    trace: Path | None = typer.Option(None, help="JSONL trace to replay instead of the scenario's workload"),
+    tune: bool = typer.Option(False, help="each policy on its own best prefill:decode split (prfaas: and threshold)"),
+    json_path: Path | None = typer.Option(None, "--json", help="write one row per policy here"),
+    png: Path | None = typer.Option(None, help="write a PNG chart of the rows here"),
+) -> None:
+    """Throughput at SLO, TTFT, link use and $/1M tokens of each policy, side by side."""
+    from prfaas.sim.compare import compare, paper_lines, write_json
+
+    try:
+        with _sim_progress() as (progress, task):
+            rows = compare(
+                scenario,
+                policies=policy or None,
+                seed=seed,
+                num_requests=requests,
+                trace_path=str(trace) if trace else None,
+                tune=tune,
+                on_run=lambda name, m: progress.update(
+                    task, advance=1, description=f"{name}: {m.rate_rps:.3g} req/s -> {m.slo_attainment:.0%} in SLO"
+                ),
+            )
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    _print_rows({"": rows})
+    for line in paper_lines(scenario, rows):
+        console.print(line)
+    if json_path is not None:
+        write_json(json_path, rows)
+        console.print(f"wrote {json_path}")
+    if png is not None:
+        from prfaas.sim.charts import policy_chart
+
+        console.print(f"wrote {policy_chart({scenario: rows}, png, title=scenario)}")
+
+
+@sim_app.command("compare")
+def sim_compare(
+    files: list[Path] = typer.Argument(..., help="`prfaas sim run --json` files to set side by side"),
+    png: Path | None = typer.Option(None, help="write a grouped bar chart here"),
+) -> None:
+    """Saved runs side by side, one column group per file."""
+    from prfaas.sim.compare import load_rows
+
+    try:
+        labels = [path.stem for path in files]
+        if len(set(labels)) < len(labels):  # same names in different folders: the full paths
+            labels = [str(path) for path in files]
+        runs = {label: load_rows(path) for label, path in zip(labels, files, strict=True)}
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    _print_rows(runs)
+    if png is not None:
+        from prfaas.sim.charts import policy_chart
+
+        console.print(f"wrote {policy_chart(runs, png)}")
+
+
+@sim_app.command("plan")
+def sim_plan(
+    scenario: str = typer.Option("prfaas-case-study", help="see `prfaas sim scenarios`"),
+    policy: str = typer.Option("prfaas", help="prfaas (threshold x split), homogeneous-pd[-equal-cost] (split)"),
+    threshold: list[int] = typer.Option([], "--threshold", help="thresholds to try (repeatable; default: a grid)"),
+    share: list[float] = typer.Option([], "--prefill-share", help="PD prefill shares to try (default: every split)"),
+    seed: int = typer.Option(0, help="workload seed"),
+    requests: int | None = typer.Option(None, help="requests per run (default: the scenario's)"),
+    trace: Path | None = typer.Option(None, help="JSONL trace to plan for instead of the scenario's workload"),
+    json_path: Path | None = typer.Option(None, "--json", help="write every grid point here"),
+    png: Path | None = typer.Option(None, help="write throughput against threshold here"),
+) -> None:
+    """Grid search over the disaggregation threshold and the PD clusters' prefill:decode split;
+    prints every point and the recommended configuration."""
+    import json
+
+    from prfaas.sim.compare import arrivals_for, load_scenario
+    from prfaas.sim.planner import plan, recommend, recommended_yaml
+    from prfaas.sim.workload import load_trace
+
+    try:
+        chosen = load_scenario(scenario, requests)
+        draw = arrivals_for(chosen, load_trace(trace) if trace else None, seed)
+        table = Table("threshold", "prefill:decode workers", "req/s at SLO", "TTFT P90 s", "split share", "$/1M tok")
+        with _sim_progress() as (progress, task):
+
+            def on_point(p: Any) -> None:
+                split = ", ".join(f"{n} {w}:{p.decode_workers[n]}" for n, w in p.prefill_workers.items())
+                progress.update(task, advance=1, description=f"threshold {p.threshold}, {split}")
+                table.add_row(
+                    "-" if p.threshold is None else str(p.threshold),
+                    split,
+                    f"{p.throughput_at_slo_rps:.3g}",
+                    _fmt(p.ttft_p90_s, ".2f"),
+                    _fmt(p.split_share, ".0%"),
+                    _fmt(p.usd_per_mtok, ".3f"),
+                )
+
+            points = plan(
+                chosen, draw, policy=policy, thresholds=threshold or None, shares=share or None, on_point=on_point
+            )
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(table)
+    best = recommend(points)
+    console.print(f"recommended ({policy}, {best.throughput_at_slo_rps:.3g} req/s at SLO):")
+    console.print(recommended_yaml(best), highlight=False, markup=False)
+    if json_path is not None:
+        json_path.write_text(json.dumps([p.as_row() for p in points], indent=2) + "\n", encoding="utf-8")
+        console.print(f"wrote {json_path}")
+    if png is not None:
+        from prfaas.sim.charts import plan_chart
+
+        console.print(f"wrote {plan_chart([p.as_row() for p in points], png, title=f'{scenario}: {policy}')}")
+
+
+@sim_app.command("calibrate")
+def sim_calibrate(
+    timings: Path = typer.Option(..., help="measured per-region timings (JSON; docs/simulator.md, Calibration)"),
+    trace: Path = typer.Option(..., help="workload JSONL; rows with `ttft_s` are the measured figures"),
+    json_path: Path | None = typer.Option(None, "--json", help="write the prediction here"),
+) -> None:
+    """Predict a bench run's TTFT from measured timings, beside what the trace measured."""
+    import json
+
+    from prfaas.sim.calibration import predict_trace
+
+    try:
+        prediction = predict_trace(timings, trace)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    measured = prediction.measured_ttft_p50_s
+    console.print(f"{prediction.num_requests} requests, {prediction.num_split} split in the simulation")
+    console.print(
+        f"TTFT P50: predicted {prediction.predicted_ttft_p50_s * 1000:.1f} ms, measured "
+        + ("-" if measured is None else f"{measured * 1000:.1f} ms")
+        + ("" if prediction.error is None else f", error {prediction.error:+.1%}")
+    )
+    p90 = prediction.measured_ttft_p90_s
+    console.print(
+        f"TTFT P90: predicted {prediction.predicted_ttft_p90_s * 1000:.1f} ms, measured "
+        + ("-" if p90 is None else f"{p90 * 1000:.1f} ms")
+    )
+    if json_path is not None:
+        json_path.write_text(json.dumps(prediction.as_row(), indent=2) + "\n", encoding="utf-8")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+@contextlib.contextmanager
+def _sim_progress() -> Iterator[tuple[Progress, TaskID]]:
+    """A spinner with the number of simulated runs (the count of runs is not known ahead)."""
+    with Progress(SpinnerColumn(), TextColumn("{task.completed} runs"), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:  # fmt: skip
+        yield progress, progress.add_task("simulating", total=None)
+
+
+def _print_rows(runs: dict[str, list[dict[str, Any]]]) -> None:
+    table = Table("run", "policy", "GPUs", "req/s at SLO", "TTFT P50/P90 s", "TPOT P90 ms", "link util", "$/1M tok",
+                  "P90 TTFT at common rate s")  # fmt: skip
+    for run, rows in runs.items():
+        for row in rows:
+            at = row.get("at_slo") or {}
+            ttft = "-" if not at else f"{_fmt(at.get('ttft_p50_s'), '.2f')}/{_fmt(row['ttft_p90_s'], '.2f')}"
+            tpot = at.get("tpot_p90_s")
+            table.add_row(
+                run,
+                row["policy"],
+                str(row.get("num_gpus", "-")),
+                f"{row['throughput_at_slo_rps']:.3g}",
+                ttft,
+                "-" if tpot is None else f"{tpot * 1000:.0f}",
+                "-" if row["link_util"] is None else f"{row['link_util']:.1%}",
+                _fmt(row["usd_per_mtok"], ".3f"),
+                _fmt(row.get("ttft_p90_at_common_rate_s"), ".2f"),
+            )
+    console.print(table)

@@ -1,0 +1,150 @@
+"""A deployment topology: the YAML file `prfaas up --topology FILE` starts (docs/operations.md).
+
+`load_topology(path)` / `parse_topology(text)` return a validated `Topology` or raise
+`TopologyError`, whose message names the file and each bad field (`regions[1].role: ...`).
+Units: rtt in ms, link rate in Mbit/s, loss in percent, prices in USD.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[1] / "examples" / "topology.yaml"
+_NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
+
+
+class TopologyError(ValueError):
+    """A topology file that cannot be used; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ControlPlaneSpec(_Strict):
+    host: str = Field(default="127.0.0.1", description="address the HTTP API listens on")
+    api_port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
+    registry_port: int = Field(default=0, ge=0, le=65535, description="region registry gRPC port; 0 picks one")
+    workers: int = Field(default=1, ge=1, le=16, description="Celery worker processes")
+    worker_concurrency: int = Field(default=4, ge=1, le=256, description="threads per Celery worker")
+    ttft_slo_ms: float | None = Field(default=None, gt=0, description="SLO handed to the scheduler")
+
+
+class PolicySpec(_Strict):
+    """The scheduler policy: the built-in one (control_plane/policy.py) with overrides, or a file."""
+
+    path: Path | None = Field(default=None, description="a policy YAML (docs/scheduler.md); wins over the rest")
+    min_uncached_tokens: int | None = Field(default=None, ge=0, description="split threshold of the built-in policy")
+
+
+class TenantSpec(_Strict):
+    name: str = Field(default="demo", min_length=1, max_length=128)
+    rps: float = Field(default=50.0, gt=0)
+    concurrency: int = Field(default=64, ge=1)
+    budget_usd: float = Field(default=1000.0, ge=0)
+    allow_placement: bool = Field(default=True, description="lets `prfaas bench --compare` ask for a placement")
+
+
+class RegionSpec(_Strict):
+    name: str = Field(pattern=_NAME)
+    role: Literal["prefill", "decode", "both"]
+    gpu_type: str = Field(default="cpu", min_length=1)
+    usd_per_gpu_hour: float = Field(ge=0, allow_inf_nan=False)
+    workers: int = Field(default=1, ge=1, le=256)
+    codec: Literal["raw", "lossless", "fp8", "int8"] = "raw"
+    kv_buffer_bytes: int | str = Field(default="1GiB", description="decode KV buffer: bytes or '1GiB'")
+    extra: dict[str, Any] = Field(default_factory=dict, description="more region config fields (docs/regions.md)")
+
+
+class LinkSpec(_Strict):
+    """A directed prefill -> decode path. Emulated with `--emulate-wan`; always told to the scheduler."""
+
+    src: str = Field(pattern=_NAME)
+    dst: str = Field(pattern=_NAME)
+    rtt_ms: float = Field(ge=0, le=10_000, allow_inf_nan=False)
+    rate_mbit: float = Field(gt=0, le=1_000_000, allow_inf_nan=False, description="link rate, Mbit/s")
+    loss_pct: float = Field(default=0.0, ge=0, lt=100, allow_inf_nan=False)
+    egress_usd_per_gb: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class Topology(_Strict):
+    name: str = Field(default="prfaas", pattern=_NAME)
+    model: str = Field(default="tiny-llama", min_length=1, description="catalog name or HF folder, every region")
+    control_plane: ControlPlaneSpec = Field(default_factory=ControlPlaneSpec)
+    policy: PolicySpec = Field(default_factory=PolicySpec)
+    tenant: TenantSpec = Field(default_factory=TenantSpec)
+    regions: list[RegionSpec] = Field(min_length=1)
+    links: list[LinkSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        names = [r.name for r in self.regions]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"region names repeat: {', '.join(repeated)}")
+        if not any(r.role in ("decode", "both") for r in self.regions):
+            raise ValueError("no region can decode: at least one needs role decode or both")
+        roles = {r.name: r.role for r in self.regions}
+        seen: set[tuple[str, str]] = set()
+        for i, link in enumerate(self.links):
+            for end, want in (("src", ("prefill", "both")), ("dst", ("decode", "both"))):
+                name = getattr(link, end)
+                if name not in roles:
+                    raise ValueError(f"links[{i}].{end}: no region named {name!r} (regions: {', '.join(names)})")
+                if roles[name] not in want:
+                    raise ValueError(f"links[{i}].{end}: region {name!r} has role {roles[name]}, not {'/'.join(want)}")
+            if link.src == link.dst:
+                raise ValueError(f"links[{i}]: a link from {link.src!r} to itself")
+            if (link.src, link.dst) in seen:
+                raise ValueError(f"links[{i}]: a second link {link.src} -> {link.dst}")
+            seen.add((link.src, link.dst))
+        return self
+
+    def link(self, src: str, dst: str) -> LinkSpec | None:
+        return next((x for x in self.links if (x.src, x.dst) == (src, dst)), None)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "(top level)"
+
+
+def topology_from_mapping(data: object, source: str = "topology") -> Topology:
+    if not isinstance(data, dict):
+        raise TopologyError(f"{source}: a topology is a YAML mapping (name, model, regions, links, ...)")
+    try:
+        return Topology(**data)
+    except ValidationError as exc:
+        lines = []
+        for e in exc.errors():
+            message = str(e["msg"]).removeprefix("Value error, ")
+            lines.append(f"{_field_path(e['loc'])}: {message}" if e["loc"] else message)
+        raise TopologyError(f"{source}: invalid topology:\n  " + "\n  ".join(lines)) from None
+
+
+def parse_topology(text: str, source: str = "topology") -> Topology:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"{source}: not valid YAML: {exc}") from None
+    return topology_from_mapping(data, source)
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a topology file; `TopologyError` names the file and each bad field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TopologyError(f"{path}: cannot read the topology: {exc.strerror}") from None
+    topology = parse_topology(text, str(path))
+    if topology.policy.path is not None and not topology.policy.path.is_absolute():
+        policy = topology.policy.model_copy(update={"path": (path.parent / topology.policy.path).resolve()})
+        topology = topology.model_copy(update={"policy": policy})
+    return topology

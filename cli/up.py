@@ -1,0 +1,309 @@
+"""`prfaas up` / `prfaas down`: a whole deployment of a topology on one machine.
+
+Redis (PRFAAS_REDIS_URL when it answers, else a private `redis-server` on a free port), the
+API (uvicorn, which also serves the region registry), Celery workers and one `prfaas region`
+per topology region, each started in a process group of its own; then the demo tenant, its
+key and the topology's links. `$PRFAAS_HOME/up.json` (mode 0600) holds what a client needs
+(`api_base`, `api_key`, `admin_key`, `dashboard_url`) and what `down` needs (process groups,
+network namespaces, the Redis key prefix). `down` stops every group (SIGTERM, then SIGKILL
+after a deadline), removes the namespaces and the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import yaml
+
+from prfaas.cli.launch import (
+    api_argv,
+    free_port,
+    group_alive,
+    http_ok,
+    pid_alive,
+    spawn_region,
+    wait_until,
+    worker_argv,
+)
+from prfaas.cli.topology import Topology
+from prfaas.cli.up_state import UpError, UpState, read_state, state_path, stop_state, write_state
+from prfaas.cli.wan import LoopbackNetwork, Network, WanMesh
+from prfaas.control_plane.policy import DEFAULT_POLICY_YAML
+
+START_TIMEOUT_S = 180.0
+
+
+def _redis_answers(url: str) -> bool:
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+        ok = bool(client.ping())
+        client.close()
+        return ok
+    except (redis.RedisError, ValueError):
+        return False
+
+
+def _policy_yaml(topology: Topology) -> str:
+    if topology.policy.path is not None:
+        try:
+            return topology.policy.path.read_text()
+        except OSError as exc:
+            raise UpError(f"policy.path: cannot read {topology.policy.path}: {exc.strerror}") from None
+    text = DEFAULT_POLICY_YAML
+    if topology.policy.min_uncached_tokens is not None:
+        text = text.replace("min_uncached_tokens: 19400", f"min_uncached_tokens: {topology.policy.min_uncached_tokens}")
+    return text
+
+
+class Deployment:
+    """Starts the processes of one topology; `stop()` (also after a failed start) removes all of them."""
+
+    def __init__(
+        self, topology: Topology, topology_path: str, home: Path, emulate_wan: bool, say: Callable[[str], None]
+    ) -> None:
+        self.topology = topology
+        self.home = home
+        self.say = say
+        self.run_dir = home / "up"
+        self.admin_key = secrets.token_urlsafe(32)
+        self.ticket_key = secrets.token_urlsafe(32)
+        if emulate_wan and os.geteuid() != 0:
+            say("--emulate-wan needs root (network namespaces, TUN devices); running every region on loopback")
+            emulate_wan = False
+        self.network: Network = WanMesh(topology, self.run_dir) if emulate_wan else LoopbackNetwork()
+        self.state = UpState(
+            api_base="", api_key="", admin_key=self.admin_key, dashboard_url="", url="", tenant_id="",
+            topology=topology_path, redis_url="", key_prefix=f"prfaas-up-{topology.name}", registry="",
+            log_dir=str(self.run_dir), emulate_wan=emulate_wan, supervisor_pid=os.getpid(),
+        )  # fmt: skip
+        self.procs: dict[str, subprocess.Popen[Any]] = {}
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> UpState:
+        if self.run_dir.exists():
+            shutil.rmtree(self.run_dir)
+        self.run_dir.mkdir(parents=True)
+        write_state(self.home, self.state)  # from here on `prfaas down` can clean up a half-started deployment
+        self._start_redis()
+        try:
+            self.network.setup()
+        except OSError as exc:
+            raise UpError(f"cannot build the emulated WAN: {exc}") from None
+        finally:  # what a failed setup created is removed by stop()
+            self.state.namespaces, self.state.devices = self.network.namespaces, self.network.devices
+            self.state.groups |= self.network.groups
+            write_state(self.home, self.state)
+        self._start_control_plane()
+        with ThreadPoolExecutor(len(self.topology.regions)) as pool:  # model loads overlap
+            list(pool.map(self._start_region, [r.name for r in self.topology.regions]))
+        self.say(f"waiting for {len(self.topology.regions)} regions to register")
+        try:
+            wait_until(lambda: len(self._healthy()) == len(self.topology.regions), 60, 0.2)
+        except AssertionError:
+            missing = sorted({r.name for r in self.topology.regions} - set(self._healthy()))
+            raise UpError(f"regions not healthy after 60 s: {', '.join(missing)} (logs in {self.run_dir})") from None
+        self._configure()
+        write_state(self.home, self.state)
+        return self.state
+
+    def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[Any]:
+        with (self.run_dir / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        self.state.groups[name] = proc.pid
+        write_state(self.home, self.state)
+        return proc
+
+    def _start_redis(self) -> None:
+        url = os.environ.get("PRFAAS_REDIS_URL")
+        if url and _redis_answers(url):
+            self.state.redis_url = url
+            self.state.key_prefix += f"-{secrets.token_hex(4)}"  # a shared server: keys of our own
+            self.say(f"redis: {url} (key prefix {self.state.key_prefix})")
+            return
+        binary = shutil.which("redis-server")
+        if binary is None:
+            hint = f"PRFAAS_REDIS_URL={url} does not answer; " if url else ""
+            raise UpError(
+                f"{hint}no Redis: set PRFAAS_REDIS_URL to a reachable server, or install redis-server "
+                "(Debian/Ubuntu: `sudo apt-get install redis-server`; macOS: `brew install redis`)"
+            )
+        port = free_port()
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.run_dir)]  # fmt: skip
+        self._popen("redis", argv, dict(os.environ))
+        self.state.redis_url = f"redis://127.0.0.1:{port}/0"
+        self.state.private_redis = True
+        try:
+            wait_until(lambda: _redis_answers(self.state.redis_url), 20, 0.05)
+        except AssertionError:
+            raise UpError(f"redis-server did not answer on port {port} (log {self.run_dir / 'redis.log'})") from None
+        self.say(f"redis: private redis-server on port {port}")
+
+    def _cp_env(self) -> dict[str, str]:
+        policy = self.run_dir / "policy.yaml"
+        policy.write_text(_policy_yaml(self.topology))
+        env = dict(
+            os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PRFAAS_REDIS_URL=self.state.redis_url,
+            PRFAAS_KEY_PREFIX=self.state.key_prefix, PRFAAS_ADMIN_KEY=self.admin_key,
+            PRFAAS_TICKET_KEY=self.ticket_key, PRFAAS_POLICY_PATH=str(policy), PRFAAS_MODEL=self.topology.model,
+        )  # fmt: skip
+        env.pop("PRFAAS_DEV", None)
+        if self.topology.control_plane.ttft_slo_ms is not None:
+            env["PRFAAS_TTFT_SLO_MS"] = str(self.topology.control_plane.ttft_slo_ms)
+        return env
+
+    def _start_control_plane(self) -> None:
+        cp = self.topology.control_plane
+        env = self._cp_env()
+        host = self.network.registry_host
+        self.state.registry = f"{host}:{cp.registry_port or free_port(host)}"
+        port = cp.api_port or free_port(cp.host)
+        self._popen("api", api_argv(cp.host, port), env | {"PRFAAS_REGISTRY_LISTEN": self.state.registry})
+        self.state.url = f"http://{cp.host}:{port}"
+        self.state.api_base = self.state.url + "/v1"
+        for i in range(cp.workers):
+            self._popen(f"worker-{i + 1}", worker_argv(f"{self.topology.name}-w{i + 1}", cp.worker_concurrency), env)
+        try:
+            wait_until(lambda: self._alive("api") and http_ok(self.state.url + "/readyz"), 60, 0.1)
+        except AssertionError:
+            raise UpError(f"the API did not become ready (log {self.run_dir / 'api.log'})") from None
+        self.say(f"control plane: {self.state.url} (registry {self.state.registry})")
+
+    def _alive(self, name: str) -> bool:
+        if self.procs[name].poll() is not None:
+            raise UpError(f"{name} exited with status {self.procs[name].returncode} (log {self.run_dir / name}.log)")
+        return True
+
+    def _start_region(self, name: str) -> None:
+        spec = next(r for r in self.topology.regions if r.name == name)
+        grpc, kv = self.network.region_listen(name)
+        config = {
+            "name": name, "role": spec.role, "gpu_type": spec.gpu_type, "usd_per_gpu_hour": spec.usd_per_gpu_hour,
+            "workers": spec.workers, "codec": spec.codec, "kv_buffer_bytes": spec.kv_buffer_bytes,
+            "model": self.topology.model, "ticket_key": self.ticket_key, "ticket_key_id": "k1",
+            "listen": {"grpc": grpc, "kv": kv}, "control_plane_url": self.state.registry,
+            "heartbeat_interval_s": 1.0, "drain_timeout_s": 3.0,
+        } | spec.extra  # fmt: skip
+        path = self.run_dir / f"region-{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)  # holds the ticket key
+        log = self.run_dir / f"region-{name}.log"
+        try:
+            region = spawn_region(path, START_TIMEOUT_S, argv_prefix=self.network.argv_prefix(name), log=log,
+                                  new_session=True)  # fmt: skip
+        except RuntimeError as exc:
+            raise UpError(str(exc)) from None
+        with self.lock:
+            self.procs[f"region-{name}"] = region.proc
+            self.state.groups[f"region-{name}"] = region.proc.pid
+            self.state.regions[name] = region.grpc
+            write_state(self.home, self.state)
+        self.say(f"region {name} ({spec.role}, ${spec.usd_per_gpu_hour}/GPU-h): grpc {region.grpc} kv {region.kv}")
+
+    def _admin(self, method: str, path: str, body: object = None) -> Any:
+        headers = {"Authorization": f"Bearer {self.admin_key}"}
+        reply = httpx.request(method, self.state.url + path, json=body, headers=headers, timeout=10)
+        if reply.status_code >= 400:
+            raise UpError(f"{method} {path}: HTTP {reply.status_code} {reply.text}")
+        return reply.json()
+
+    def _healthy(self) -> list[str]:
+        return [r["name"] for r in self._admin("GET", "/admin/regions") if r["healthy"]]
+
+    def _configure(self) -> None:
+        for link in self.topology.links:
+            self._admin("PUT", "/admin/links", {
+                "src": link.src, "dst": link.dst, "rtt_ms": link.rtt_ms, "bandwidth_gbps": link.rate_mbit / 1000,
+                "egress_usd_per_gb": link.egress_usd_per_gb,
+            })  # fmt: skip
+        t = self.topology.tenant
+        tenant = self._admin("POST", "/admin/tenants", {
+            "name": t.name, "rps": t.rps, "concurrency": t.concurrency, "budget_usd": t.budget_usd,
+            "allow_placement": t.allow_placement,
+        })  # fmt: skip
+        self.state.tenant_id = str(tenant["id"])
+        self.state.api_key = str(self._admin("POST", f"/admin/tenants/{tenant['id']}/keys")["key"])
+        dashboard = self.state.url + "/dashboard"
+        try:  # the route may ask for a key; only a 404 means there is none
+            served = httpx.get(dashboard, timeout=5).status_code != 404
+        except httpx.HTTPError:
+            served = False
+        self.state.dashboard_url = dashboard if served else self.state.url + "/docs"
+
+    # ------------------------------------------------------------------ watch and stop
+
+    def dead(self) -> list[str]:
+        """Names of processes that exited on their own."""
+        return [name for name, proc in self.procs.items() if proc.poll() is not None]
+
+    def stop(self) -> None:
+        stop_state(self.state, self.say)
+        with contextlib.suppress(FileNotFoundError):
+            state_path(self.home).unlink()
+
+
+def run_up(
+    topology: Topology,
+    topology_path: str,
+    home: Path,
+    emulate_wan: bool,
+    detach: bool,
+    say: Callable[[str], None],
+    on_ready: Callable[[UpState], None],
+) -> UpState | None:
+    """Start the deployment; unless `detach`, keep it up until SIGINT/SIGTERM, then stop it.
+    Returns the state (None once a foreground run has stopped). Raises `UpError`."""
+    old = read_state(home)
+    if old is not None:
+        if any(group_alive(g) for g in old.groups.values()) or (old.supervisor_pid and pid_alive(old.supervisor_pid)):
+            raise UpError(f"a deployment is already up ({old.url or 'starting'}); run `prfaas down` first")
+        stop_state(old, lambda _: None)  # a crashed run's leftovers (namespaces, keys)
+        state_path(home).unlink()
+    home.mkdir(parents=True, exist_ok=True)
+    deployment = Deployment(topology, topology_path, home, emulate_wan, say)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    keep = False
+    try:
+        state = deployment.start()
+        if detach:
+            state.supervisor_pid = None
+            write_state(home, state)
+            keep = True
+            on_ready(state)
+            return state
+        on_ready(state)
+        reported: set[str] = set()
+        while True:
+            for name in set(deployment.dead()) - reported:
+                say(f"warning: {name} exited (log {deployment.run_dir / name}.log)")
+                reported.add(name)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        say("stopping")
+        return None
+    finally:
+        if not keep:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            deployment.stop()
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,113 @@
+"""The state file of `prfaas up` ($PRFAAS_HOME/up.json, mode 0600) and stopping what it names
+(`prfaas down`): process groups phase by phase, network namespaces, a shared Redis's keys."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import redis
+
+from prfaas.cli.launch import group_alive, pid_alive, stop_group
+from prfaas.cli.wan import remove_namespaces
+
+STATE_FILE = "up.json"
+
+
+class UpError(RuntimeError):
+    """The deployment cannot start (or stop); the message says what to do."""
+
+
+@dataclass
+class UpState:
+    """Contents of $PRFAAS_HOME/up.json."""
+
+    api_base: str
+    api_key: str
+    admin_key: str
+    dashboard_url: str
+    url: str
+    tenant_id: str
+    topology: str
+    redis_url: str
+    key_prefix: str
+    registry: str
+    log_dir: str
+    emulate_wan: bool
+    supervisor_pid: int | None = None
+    groups: dict[str, int] = field(default_factory=dict)  # process name -> process group id
+    namespaces: list[str] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)  # root-namespace interfaces (the WAN mesh's bridge)
+    private_redis: bool = False
+    regions: dict[str, str] = field(default_factory=dict)  # region name -> gRPC endpoint
+
+
+def state_path(home: Path) -> Path:
+    return home / STATE_FILE
+
+
+def read_state(home: Path) -> UpState | None:
+    try:
+        return UpState(**json.loads(state_path(home).read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError) as exc:
+        raise UpError(f"{state_path(home)} is not a prfaas up state file ({exc}); remove it by hand") from None
+
+
+def write_state(home: Path, state: UpState) -> None:
+    path = state_path(home)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(state), indent=2) + "\n")
+    tmp.chmod(0o600)
+    tmp.replace(path)
+
+
+def stop_state(state: UpState, say: Callable[[str], None]) -> None:
+    """Stop what `state` names: regions, then workers and the API, then Redis; namespaces last."""
+    rank = {"api": 2, "redis": 3}
+    phases: dict[int, list[str]] = {}
+    for name in state.groups:
+        phases.setdefault(0 if name.startswith("region-") else rank.get(name, 1), []).append(name)
+    for _, names in sorted(phases.items()):  # one phase's groups stop side by side
+        live = [n for n in names if group_alive(state.groups[n])]
+        with ThreadPoolExecutor(max(1, len(live))) as pool:
+            timeouts = [15.0 if n.startswith("worker") else 8.0 for n in live]
+            list(pool.map(stop_group, [state.groups[n] for n in live], timeouts))
+        for name in live:
+            say(f"stopped {name}")
+    if state.namespaces or state.devices:
+        remove_namespaces(state.namespaces, state.devices)
+        say(f"removed {len(state.namespaces)} network namespaces")
+    if not state.private_redis and state.redis_url:
+        with contextlib.suppress(redis.RedisError, ValueError):
+            client = redis.Redis.from_url(state.redis_url, socket_timeout=5, socket_connect_timeout=2)
+            keys = list(client.scan_iter(f"{state.key_prefix}:*", count=1000))
+            for i in range(0, len(keys), 1000):
+                client.delete(*keys[i : i + 1000])
+            client.close()
+
+
+def down(home: Path, say: Callable[[str], None], timeout_s: float = 60.0) -> bool:
+    """Stop the deployment `home/up.json` names; False when there is none."""
+    state = read_state(home)
+    if state is None:
+        return False
+    pid = state.supervisor_pid
+    if pid and pid != os.getpid() and pid_alive(pid):
+        say(f"asking prfaas up (pid {pid}) to stop")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 15)
+        deadline = time.monotonic() + timeout_s
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    stop_state(state, say)  # whatever the supervisor left (or all of it, when detached)
+    with contextlib.suppress(FileNotFoundError):
+        state_path(home).unlink()
+    return True

@@ -1,0 +1,207 @@
+"""Usage from the ledger: `GET /v1/usage` (the calling tenant), `GET /v1/usage/jobs/{id}` (one job's bill), and
+the admin views over all tenants (`GET /admin/usage`, `/admin/usage/jobs/{id}` with wasted attempts,
+`GET /admin/prices`, `POST /admin/prices/refresh`). `format=csv` returns the same rows as CSV.
+
+Windows are [from, to) on the job's finish time, UTC; `from` defaults to the start of the current month, `to`
+to now. Dates are ISO 8601 (`2026-11-01` or `2026-11-01T12:00:00Z`)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime as dt
+import io
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from prfaas.control_plane.deps import AdminDep, TenantDep
+from prfaas.control_plane.ledger import GroupTotal, UsageEntry
+from prfaas.control_plane.metering import Meter, month_window
+from prfaas.control_plane.prices import PriceFeed, PriceSettings, quote_dict
+
+router = APIRouter(prefix="/v1/usage", tags=["usage"])
+admin_router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminDep])
+MAX_WINDOW = dt.timedelta(days=400)
+NOT_FOUND = "usage entry not found"
+TenantGroupBy = Literal["day", "region", "phase", "model"]
+AdminGroupBy = Literal["day", "region", "phase", "model", "tenant"]
+
+
+def meter(request: Request) -> Meter:
+    found: Meter = request.app.state.meter
+    return found
+
+
+MeterDep = Annotated[Meter, Depends(meter)]
+From = Annotated[dt.datetime | None, Query(alias="from", description="start (inclusive), ISO 8601; UTC if naive")]
+To = Annotated[dt.datetime | None, Query(alias="to", description="end (exclusive), ISO 8601; default now")]
+Format = Annotated[Literal["json", "csv"], Query(description="json, or csv (the rows only)")]
+
+
+class UsageRow(BaseModel):
+    key: str
+    jobs: int
+    prefill_usd: float
+    decode_usd: float
+    egress_usd: float
+    total_usd: float
+    colocated_usd: float
+    savings_usd: float
+    tokens_in: int
+    tokens_out: int
+    kv_bytes_raw: int
+    kv_bytes_wire: int
+    prefill_gpu_s: float
+    decode_gpu_s: float
+
+
+class UsageReport(BaseModel):
+    object: Literal["usage"] = "usage"
+    tenant: str | None
+    start: dt.datetime
+    end: dt.datetime
+    group_by: str
+    data: list[UsageRow]
+
+
+class UsageEntryPublic(BaseModel):
+    job_id: str
+    tenant: str
+    model: str
+    placement: str
+    attempts: int
+    prefill_region: str
+    decode_region: str
+    finished_at: dt.datetime
+    prefill_gpu_s: float
+    decode_gpu_s: float
+    colocated_prefill_gpu_s: float
+    prefill_usd_per_gpu_h: float
+    decode_usd_per_gpu_h: float
+    egress_usd_per_gb: float
+    tokens_in: int
+    tokens_out: int
+    kv_bytes_raw: int
+    kv_bytes_wire: int
+    prefill_usd: float
+    decode_usd: float
+    egress_usd: float
+    total_usd: float
+    colocated_usd: float
+    savings_usd: float
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+class WastedPublic(BaseModel):
+    attempt: int
+    phase: str
+    region: str
+    gpu_s: float
+    usd_per_gpu_h: float
+    cost_usd: float
+    reason: str
+
+
+class AdminJobUsage(BaseModel):
+    entry: UsageEntryPublic | None
+    wasted: list[WastedPublic]
+
+
+def window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:
+    def utc(t: dt.datetime) -> dt.datetime:
+        return t.replace(tzinfo=dt.UTC) if t.tzinfo is None else t.astimezone(dt.UTC)
+
+    s = utc(start) if start is not None else month_window()[0]
+    e = utc(end) if end is not None else dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+    if e <= s:
+        raise HTTPException(400, "invalid range: to must be after from")
+    if e - s > MAX_WINDOW:
+        raise HTTPException(400, f"invalid range: at most {MAX_WINDOW.days} days")
+    return s, e
+
+
+def entry_public(e: UsageEntry) -> UsageEntryPublic:
+    return UsageEntryPublic.model_validate(
+        {name: getattr(e, name) for name in UsageEntryPublic.model_fields} | {"finished_at": e.finished_at}
+    )
+
+
+def _report(rows: list[GroupTotal], tenant: str | None, s: dt.datetime, e: dt.datetime, group_by: str) -> UsageReport:
+    data = [UsageRow.model_validate(dataclasses.asdict(r)) for r in rows]
+    return UsageReport(tenant=tenant, start=s, end=e, group_by=group_by, data=data)
+
+
+def _render(report: UsageReport, fmt: str) -> UsageReport | Response:
+    if fmt == "json":
+        return report
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    fields = list(UsageRow.model_fields)
+    writer.writerow([report.group_by, *fields[1:]])
+    for row in report.data:
+        writer.writerow([getattr(row, f) for f in fields])
+    name = f"usage-{report.tenant or 'all'}-{report.group_by}-{report.start:%Y%m%d}-{report.end:%Y%m%d}.csv"
+    return Response(
+        out.getvalue(), media_type="text/csv", headers={"Content-Disposition": f'attachment; filename="{name}"'}
+    )
+
+
+@router.get("", response_model=UsageReport)
+def tenant_usage(
+    tenant: TenantDep,
+    m: MeterDep,
+    start: From = None,
+    end: To = None,
+    group_by: TenantGroupBy = "day",
+    format: Format = "json",
+) -> UsageReport | Response:
+    s, e = window(start, end)
+    return _render(_report(m.ledger.totals(tenant.id, s, e, group_by), tenant.id, s, e, group_by), format)
+
+
+@router.get("/jobs/{job_id}")
+def tenant_job_usage(job_id: str, tenant: TenantDep, m: MeterDep) -> UsageEntryPublic:
+    entry = m.ledger.entry(job_id) if len(job_id) <= 64 else None
+    if entry is None or entry.tenant != tenant.id:
+        raise HTTPException(404, NOT_FOUND)
+    return entry_public(entry)
+
+
+@admin_router.get("/usage", response_model=UsageReport)
+def admin_usage(
+    m: MeterDep,
+    start: From = None,
+    end: To = None,
+    group_by: AdminGroupBy = "tenant",
+    tenant: Annotated[str | None, Query(max_length=128)] = None,
+    format: Format = "json",
+) -> UsageReport | Response:
+    s, e = window(start, end)
+    return _render(_report(m.ledger.totals(tenant, s, e, group_by), tenant, s, e, group_by), format)
+
+
+@admin_router.get("/usage/jobs/{job_id}")
+def admin_job_usage(job_id: str, m: MeterDep) -> AdminJobUsage:
+    if len(job_id) > 64:
+        raise HTTPException(404, NOT_FOUND)
+    entry = m.ledger.entry(job_id)
+    wasted = [WastedPublic.model_validate(w, from_attributes=True) for w in m.ledger.wasted(job_id)]
+    if entry is None and not wasted:
+        raise HTTPException(404, NOT_FOUND)
+    return AdminJobUsage(entry=entry_public(entry) if entry else None, wasted=wasted)
+
+
+@admin_router.get("/prices")
+def admin_prices(m: MeterDep) -> list[dict[str, Any]]:
+    """Every price with its source (`aws-spot`, `aws-pricelist`, `table`), age and stale flag."""
+    return [quote_dict(q) for q in m.prices.quotes()]
+
+
+@admin_router.post("/prices/refresh")
+def refresh_prices(m: MeterDep) -> list[dict[str, Any]]:
+    """Refresh now (the beat task does it every `refresh_s`)."""
+    return [quote_dict(q) for q in m.prices.refresh(PriceFeed(PriceSettings()))]

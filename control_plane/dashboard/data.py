@@ -1,0 +1,155 @@
+"""What the dashboard pages show, assembled from the ledger, the registry and the price book (no HTTP here).
+Money in $, bytes as GB (10^9), times in ms; days are UTC."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from collections import defaultdict
+from typing import Any
+
+from prfaas.control_plane.ledger import UsageEntry
+from prfaas.control_plane.metering import Meter, month_window
+from prfaas.control_plane.prices import quote_dict
+
+WINDOW = dt.timedelta(days=30)
+RECENT_JOBS = 20
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None when there are no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _days(start: dt.datetime, end: dt.datetime) -> list[str]:
+    days, d = [], start.date()
+    while d <= end.date():
+        days.append(d.isoformat())
+        d += dt.timedelta(days=1)
+    return days
+
+
+def tenant_view(meter: Meter, tenant: str, now: float | None = None) -> dict[str, Any]:
+    end = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.UTC) + dt.timedelta(seconds=1)
+    start = (end - WINDOW).replace(hour=0, minute=0, second=0, microsecond=0)
+    entries = meter.ledger.entries(tenant, start, end)
+    days = _days(start, end)
+    by_phase: dict[str, dict[str, float]] = {p: defaultdict(float) for p in ("prefill", "decode", "egress")}
+    colocated: dict[str, float] = defaultdict(float)
+    by_region: dict[str, float] = defaultdict(float)
+    for e in entries:
+        day = e.finished_at.date().isoformat()
+        by_phase["prefill"][day] += e.prefill_usd
+        by_phase["decode"][day] += e.decode_usd
+        by_phase["egress"][day] += e.egress_usd
+        colocated[day] += e.colocated_usd
+        by_region[e.prefill_region] += e.prefill_usd + e.egress_usd
+        by_region[e.decode_region] += e.decode_usd
+    total = sum(e.total_usd for e in entries)
+    colo = sum(e.colocated_usd for e in entries)
+    ttft = [e.ttft_s * 1000 for e in entries if e.ttft_s is not None]
+    tpot = [e.tpot_s * 1000 for e in entries if e.tpot_s is not None]
+    charts = {
+        "spend_phase": {
+            "labels": days,
+            "datasets": [{"label": p, "data": [round(by_phase[p].get(d, 0.0), 9) for d in days]} for p in by_phase],
+        },
+        "spend_region": {
+            "labels": sorted(by_region),
+            "datasets": [{"label": "$", "data": [round(by_region[r], 9) for r in sorted(by_region)]}],
+        },
+        "savings": {
+            "labels": days,
+            "datasets": [
+                {"label": "billed", "data": [round(sum(by_phase[p].get(d, 0.0) for p in by_phase), 9) for d in days]},
+                {"label": "colocated", "data": [round(colocated.get(d, 0.0), 9) for d in days]},
+            ],
+        },
+    }
+    return {
+        "start": start,
+        "end": end,
+        "jobs": len(entries),
+        "spend_usd": total,
+        "colocated_usd": colo,
+        "savings_usd": colo - total,
+        "savings_pct": (colo - total) / colo * 100 if colo else 0.0,
+        "tokens_in": sum(e.tokens_in for e in entries),
+        "tokens_out": sum(e.tokens_out for e in entries),
+        "gb_raw": sum(e.kv_bytes_raw for e in entries) / 1e9,
+        "gb_wire": sum(e.kv_bytes_wire for e in entries) / 1e9,
+        "ttft_ms": {q: percentile(ttft, q) for q in (50, 90, 99)},
+        "tpot_ms": {q: percentile(tpot, q) for q in (50, 90, 99)},
+        "recent": [_job_row(e) for e in entries[:RECENT_JOBS]],
+        "month_spend_usd": meter.ledger.spend(tenant, *month_window()),
+        "charts": charts,
+    }
+
+
+def _job_row(e: UsageEntry) -> dict[str, Any]:
+    return {
+        "job_id": e.job_id, "finished_at": e.finished_at.strftime("%Y-%m-%d %H:%M:%S"), "placement": e.placement,
+        "route": e.decode_region if e.prefill_region == e.decode_region else f"{e.prefill_region} → {e.decode_region}",
+        "attempts": e.attempts, "tokens_in": e.tokens_in, "tokens_out": e.tokens_out,
+        "mb_wire": e.kv_bytes_wire / 1e6, "ttft_ms": None if e.ttft_s is None else e.ttft_s * 1000,
+        "total_usd": e.total_usd, "savings_usd": round(e.savings_usd, 9) + 0.0,  # no "-0.000000"
+    }  # fmt: skip
+
+
+def admin_view(meter: Meter, now: float | None = None) -> dict[str, Any]:
+    s = meter.s
+    t = time.time() if now is None else now
+    end = dt.datetime.fromtimestamp(t, dt.UTC) + dt.timedelta(seconds=1)
+    hour_ago = end - dt.timedelta(hours=1)
+    regions: list[dict[str, Any]] = []
+    for r in s.regions.regions():
+        od = meter.prices.quote(r.name, "on-demand")
+        regions.append({
+            "name": r.name, "role": r.role, "gpu_type": r.gpu_type, "alive": r.alive, "healthy": r.healthy,
+            "utilization_pct": min(r.busy_workers, r.num_workers) / max(1, r.num_workers) * 100,
+            "busy": r.busy_workers, "workers": r.num_workers, "queue_depth": r.queue_depth,
+            "kv_used_gb": r.kv_used_bytes / 1e9, "kv_free_gb": r.kv_free_bytes / 1e9,
+            "price": od.usd_per_gpu_hour if od else r.usd_per_gpu_hour, "price_source": od.source if od else "region",
+        })  # fmt: skip
+    shipped: dict[tuple[str, str], int] = defaultdict(int)
+    for e in meter.ledger.entries(None, hour_ago, end):
+        if e.prefill_region != e.decode_region:
+            shipped[(e.prefill_region, e.decode_region)] += e.kv_bytes_wire
+    links = []
+    for link in s.regions.links():
+        wire = shipped.get((link.src, link.dst), 0)
+        gbps = wire * 8 / 3600 / 1e9  # mean over the last hour
+        links.append({
+            "src": link.src, "dst": link.dst, "rtt_ms": link.rtt_ms, "bandwidth_gbps": link.bandwidth_gbps,
+            "egress_usd_per_gb": link.egress_usd_per_gb, "gb_last_hour": wire / 1e9, "mean_gbps": gbps,
+            "utilization_pct": gbps / link.bandwidth_gbps * 100 if link.bandwidth_gbps else 0.0,
+        })  # fmt: skip
+    month = month_window(t)
+    names = {x.id: x.name for x in s.tenants.all()}
+    tenants: list[dict[str, Any]] = [
+        {"id": g.key, "name": names.get(g.key, "?"), "jobs": g.jobs, "spend_usd": g.total_usd,
+         "savings_usd": g.savings_usd}
+        for g in meter.ledger.totals(None, month[0], month[1], "tenant")
+    ]  # fmt: skip
+    return {
+        "regions": regions,
+        "links": links,
+        "prices": [quote_dict(q) for q in meter.prices.quotes()],
+        "tenants": tenants,
+        "platform_cost_usd": meter.ledger.platform_cost(*month),
+        "charts": {
+            "tenant_spend": {
+                "labels": [x["name"] for x in tenants],
+                "datasets": [{"label": "$ this month", "data": [round(x["spend_usd"], 9) for x in tenants]}],
+            },
+            "region_util": {
+                "labels": [r["name"] for r in regions],
+                "datasets": [{"label": "% busy", "data": [round(r["utilization_pct"], 2) for r in regions]}],
+            },
+        },
+    }

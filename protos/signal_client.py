@@ -1,0 +1,80 @@
+"""WebRTC signalling through the control plane's registry (registry.proto Signal / Offers /
+Answer), for `transport: webrtc` regions. Both ends only dial out to the control plane.
+
+Sender (prefill region): `signaller(target, region)` is the `Signaller` a `WebRtcChannel`
+calls with its offer. Receiver (decode region): `OfferListener` takes the offers addressed to
+it from the Offers stream, answers each with the receiver and posts the answer. Every call
+has a deadline; a control plane that is down costs a retry per second, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+Description = dict[str, str]
+
+
+def signaller(target: str, region: str) -> Callable[[Description, float], Description]:
+    stub = registry_pb2_grpc.RegistryStub(grpc.insecure_channel(target))
+
+    def signal(offer: Description, timeout_s: float) -> Description:
+        request = registry_pb2.SignalRequest(region=region, offer_sdp=offer["sdp"], timeout_s=timeout_s)
+        try:
+            reply = stub.Signal(request, timeout=timeout_s + 2)
+        except grpc.RpcError as exc:
+            raise ConnectionError(f"signalling {region} through {target}: {exc.code().name} {exc.details()}") from None
+        return {"type": "answer", "sdp": reply.answer_sdp}
+
+    return signal
+
+
+class OfferListener:
+    """Answers offers for `region` with `answer(offer, timeout_s) -> answer` until `stop`."""
+
+    def __init__(self, target: str, region: str, answer: Callable[[Description, float], Description]) -> None:
+        self.region = region
+        self._answer = answer
+        self._stub = registry_pb2_grpc.RegistryStub(grpc.insecure_channel(target))
+        self._stop = threading.Event()
+        self._call: Any = None  # the Offers stream while open (cancel() ends it)
+        self._thread = threading.Thread(target=self._loop, name="prfaas-webrtc-offers", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._call = call = self._stub.Offers(registry_pb2.OffersRequest(region=self.region))
+                for offer in call:
+                    self._reply(offer)
+            except grpc.RpcError as exc:
+                if not self._stop.is_set():
+                    log.warning("offers stream for %s broke (%s); again in 1 s", self.region, exc.code().name)
+            self._stop.wait(1.0)
+
+    def _reply(self, offer: registry_pb2.SignalOffer) -> None:
+        try:
+            answer = self._answer({"type": "offer", "sdp": offer.offer_sdp}, 10.0)
+            reply = registry_pb2.SignalAnswer(id=offer.id, answer_sdp=answer["sdp"])
+        except (ValueError, TimeoutError, OSError) as exc:
+            reply = registry_pb2.SignalAnswer(id=offer.id, error=str(exc) or type(exc).__name__)
+        try:
+            self._stub.Answer(reply, timeout=5)
+        except grpc.RpcError as exc:
+            log.warning("posting the answer to offer %s failed: %s", offer.id, exc.code().name)
+
+    def stop(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(5)

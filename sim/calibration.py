@@ -1,0 +1,236 @@
+"""Calibration mode: the simulator driven by timings measured on a real deployment instead of
+the roofline model, to predict what a `prfaas bench` run of a workload file will show.
+
+Input 1, the timings (JSON, `version: 1`; written by bench/sim_calibrate.py; docs/simulator.md,
+"Calibration"): the model's KV shape, each region's worker counts and fitted timings
+
+    prefill_s(n new tokens after c cached) = base_s + per_token_s * n + per_token_ctx_s * n * (c + n / 2)
+    decode_step_s(batch, context tokens)   = base_s + per_seq_s * batch + per_ctx_token_s * context
+
+the links (goodput, RTT), the fixed per-request overhead outside the engines (`overhead_s`:
+API, job store, dispatch, gRPC, streaming) and the deployment's disaggregation threshold.
+
+Input 2, the workload: a JSONL trace (`sim.workload.load_trace`); rows that carry a measured
+`ttft_s` (what `prfaas bench` records) are the figures the prediction is compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from prfaas.control_plane.request import Slo
+from prfaas.sim.experiment import percentile
+from prfaas.sim.fleet import FleetSpec, LinkSpec, RegionSpec
+from prfaas.sim.hardware import ModelProfile
+from prfaas.sim.policies import policy_with_threshold, prfaas_policy, split_by_length_policy
+from prfaas.sim.simulator import Outcome, Simulation
+from prfaas.sim.workload import Arrival, load_trace
+
+_Pos = Field(ge=0, allow_inf_nan=False)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PrefillFit(_Strict):
+    base_s: float = _Pos
+    per_token_s: float = _Pos
+    per_token_ctx_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class DecodeFit(_Strict):
+    base_s: float = _Pos
+    per_seq_s: float = _Pos  # an engine that does not batch: the whole single-sequence step here
+    per_ctx_token_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class RegionTimings(_Strict):
+    name: str = Field(min_length=1)
+    role: Literal["prefill", "both"]
+    num_prefill_workers: int = Field(ge=0)
+    num_decode_workers: int = Field(default=0, ge=0)
+    usd_per_gpu_hour: float = Field(default=1.0, ge=0)
+    kv_capacity_bytes: int = Field(default=2**30, ge=1)  # per decode worker
+    prefill: PrefillFit
+    decode: DecodeFit | None = None
+
+
+class LinkTimings(_Strict):
+    src: str
+    dst: str
+    bandwidth_gbps: float = Field(gt=0)  # goodput measured on the path
+    rtt_ms: float = _Pos
+
+
+class ModelTimings(_Strict):
+    name: str = Field(min_length=1)
+    num_layers: int = Field(ge=1)
+    kv_bytes_per_token: int = Field(ge=1)
+
+
+class Timings(_Strict):
+    version: Literal[1] = 1
+    source: str = ""  # how and where they were measured
+    model: ModelTimings
+    regions: list[RegionTimings] = Field(min_length=1)
+    links: list[LinkTimings] = Field(default_factory=list)
+    overhead_s: float = _Pos
+    min_uncached_tokens: int = Field(default=19_400, ge=0)
+    # "length": split exactly the requests at or above the threshold (what a deployment whose
+    # prefill region is much cheaper does); "policy": let the default policy's cost model decide
+    route: Literal["length", "policy"] = "length"
+
+
+def load_timings(path: str | Path) -> Timings:
+    try:
+        return Timings.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
+    except OSError as exc:
+        raise ValueError(f"cannot read timings {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"timings {path} are not JSON: {exc}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"timings {path}: {where}: {first['msg']}") from None
+
+
+@dataclass(frozen=True)
+class MeasuredWorker:
+    """A worker whose timings are the deployment's fitted measurements (`WorkerTimings`)."""
+
+    prefill: PrefillFit
+    decode: DecodeFit | None
+    kv_capacity_bytes: int
+
+    def prefill_s(self, num_tokens: int, cached_tokens: int = 0) -> float:
+        f = self.prefill
+        if num_tokens <= 0:
+            return 0.0
+        return f.base_s + f.per_token_s * num_tokens + f.per_token_ctx_s * num_tokens * (cached_tokens + num_tokens / 2)
+
+    def prefill_tokens_per_s(self, num_tokens: int = 1024) -> float:
+        return num_tokens / self.prefill_s(num_tokens)
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        d = self.decode
+        if d is None:
+            return 1.0  # a prefill-only region never decodes; any positive figure will do
+        return max(1e-6, d.base_s + d.per_seq_s * batch + d.per_ctx_token_s * context_tokens)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope, both clipped at 0 (a time cannot shrink with size)."""
+    n = len(xs)
+    if n == 0 or n != len(ys):
+        raise ValueError("need as many x as y samples, at least one")
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0 else 0.0
+    slope = max(0.0, slope)
+    return max(0.0, my - slope * mx), slope
+
+
+def fit_prefill(lengths: Sequence[int], seconds: Sequence[float]) -> PrefillFit:
+    """Least squares of seconds = base + per_token * n + per_token_ctx * n^2 / 2 (prompts with no
+    cache hit); a term whose coefficient comes out negative is dropped and the rest refitted."""
+    if len(lengths) != len(seconds) or len(lengths) < 3:
+        raise ValueError("need at least three (length, seconds) samples")
+    terms = [0, 1, 2]
+    while True:
+        columns = [[1.0, float(n), n * n / 2.0] for n in lengths]
+        a = np.array([[row[t] for t in terms] for row in columns])
+        coef, *_ = np.linalg.lstsq(a, np.array(seconds, dtype=float), rcond=None)
+        negative = [t for t, c in zip(terms, coef, strict=True) if c < 0]
+        if not negative or len(terms) == 1:
+            values = dict.fromkeys((0, 1, 2), 0.0) | {t: max(0.0, float(c)) for t, c in zip(terms, coef, strict=True)}
+            return PrefillFit(base_s=values[0], per_token_s=values[1], per_token_ctx_s=values[2])
+        terms.remove(negative[0])
+
+
+def fleet_of(timings: Timings) -> tuple[FleetSpec, dict[str, MeasuredWorker]]:
+    m = timings.model
+    # only the KV geometry matters here: the measured workers replace the roofline
+    profile = ModelProfile(m.name, 1.0, 1.0, m.num_layers, m.kv_bytes_per_token, 0.0)
+    regions = tuple(
+        RegionSpec(
+            r.name,
+            "host-cpu",
+            r.num_prefill_workers,
+            r.num_decode_workers if r.role == "both" else 0,
+            gpus_per_worker=1,
+            usd_per_gpu_hour=r.usd_per_gpu_hour,
+        )
+        for r in timings.regions
+    )
+    links = tuple(LinkSpec(lk.src, lk.dst, lk.bandwidth_gbps, lk.rtt_ms, efficiency=1.0) for lk in timings.links)
+    workers = {r.name: MeasuredWorker(r.prefill, r.decode, r.kv_capacity_bytes) for r in timings.regions}
+    return FleetSpec(m.name, regions, links, profile=profile), workers
+
+
+@dataclass(frozen=True)
+class Prediction:
+    num_requests: int
+    num_completed: int
+    num_split: int
+    predicted_ttft_p50_s: float
+    predicted_ttft_p90_s: float
+    measured_ttft_p50_s: float | None  # from the trace's `ttft_s` fields, when it has them
+    measured_ttft_p90_s: float | None
+
+    @property
+    def error(self) -> float | None:
+        """Predicted P50 / measured P50 - 1."""
+        if not self.measured_ttft_p50_s:
+            return None
+        return self.predicted_ttft_p50_s / self.measured_ttft_p50_s - 1
+
+    def as_row(self) -> dict[str, Any]:
+        return {**self.__dict__, "error": self.error}
+
+
+def measured_ttfts(path: str | Path) -> list[float]:
+    """The `ttft_s` of every trace row that has one (a completed request of a measured run)."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            value = json.loads(line).get("ttft_s")
+            if isinstance(value, int | float) and math.isfinite(value):
+                out.append(float(value))
+    return out
+
+
+def predict(timings: Timings, arrivals: Sequence[Arrival], measured: Sequence[float] = ()) -> Prediction:
+    """Simulate `arrivals` on the measured deployment, routed as `timings.route` says at the
+    deployment's threshold, with no SLO cut (a bench run sends everything)."""
+    fleet, workers = fleet_of(timings)
+    if timings.route == "length":
+        policy = split_by_length_policy(timings.min_uncached_tokens)
+    else:
+        policy = policy_with_threshold(prfaas_policy(), timings.min_uncached_tokens)
+    slo = Slo(ttft_ms=3_600_000, tpot_ms=60_000)
+    sim = Simulation(fleet, policy.scheduler(), slo, workers=workers, dispatch_overhead_s=timings.overhead_s)
+    records = sim.run(arrivals)
+    done = [r for r in records if r.outcome is Outcome.COMPLETED]
+    ttft = [r.ttft_s for r in done]
+    return Prediction(
+        num_requests=len(records),
+        num_completed=len(done),
+        num_split=sum(1 for r in done if r.mode == "split"),
+        predicted_ttft_p50_s=percentile(ttft, 50),
+        predicted_ttft_p90_s=percentile(ttft, 90),
+        measured_ttft_p50_s=percentile(measured, 50) if measured else None,
+        measured_ttft_p90_s=percentile(measured, 90) if measured else None,
+    )
+
+
+def predict_trace(timings_path: str | Path, trace_path: str | Path) -> Prediction:
+    return predict(load_timings(timings_path), load_trace(trace_path), measured_ttfts(trace_path))

@@ -1,0 +1,120 @@
+"""A region's decode pool as one continuous batch, advanced per batch iteration analytically.
+
+Every sequence in the pool takes one token per step; a step's time depends on the batch
+(sequences per worker) and the context they hold (`WorkerTimings.decode_step_s`). Between two
+changes (a sequence joins or finishes) every step takes the same time, so the pool keeps a
+step counter `steps` that advances by elapsed / step time, and schedules one wake-up at the
+next finish; a join or finish recomputes the step time, so a late joiner slows everyone
+(no per-token events, no per-request loops: O(log n) per change).
+
+Sequences are spread evenly over the workers (ideal load balancing): batch per worker =
+ceil(sequences / workers), context per worker = total context / workers. The context of a
+sequence grows by one token per step: total = sum(prompt - joined_at_step) + n * steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import simpy
+
+from prfaas.sim.hardware import WorkerTimings
+
+
+class _Sequence:
+    __slots__ = ("ctx_base", "done", "first_s", "output_tokens")
+
+    def __init__(self, ctx_base: float, output_tokens: int, first_s: float, done: simpy.Event) -> None:
+        self.ctx_base = ctx_base  # prompt tokens - pool steps at join: its context is ctx_base + steps
+        self.output_tokens = output_tokens
+        self.first_s = first_s
+        self.done = done
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    first_token_s: float  # simulated time the first token came out
+    finish_s: float
+    tpot_s: float  # mean time per output token after the first
+
+
+class DecodePool:
+    def __init__(self, env: simpy.Environment, worker: WorkerTimings, num_workers: int) -> None:
+        self.env = env
+        self.worker = worker
+        self.num_workers = max(1, num_workers)
+        self.steps = 0.0  # batch iterations run since the start (fractional between events)
+        self.num_sequences = 0
+        self._ctx_base = 0.0  # sum over sequences of (prompt tokens - steps at join)
+        self._heap: list[tuple[float, int, _Sequence]] = []  # (finish step, join order, sequence)
+        self._seq = 0
+        self._last = 0.0
+        self.step_s = worker.decode_step_s(1, 0)
+        self.busy_s = 0.0  # time with at least one sequence decoding
+        self._generation = 0
+        self.version = 0  # bumped on every change (snapshot caching)
+
+    @property
+    def context_tokens(self) -> float:
+        return self._ctx_base + self.num_sequences * self.steps
+
+    def step_with(self, extra_sequences: int = 0, extra_ctx: int = 0) -> float:
+        """Step time if `extra_sequences` holding `extra_ctx` tokens joined now."""
+        n = self.num_sequences + extra_sequences
+        if n <= 0:
+            return self.worker.decode_step_s(1, 0)
+        batch = math.ceil(n / self.num_workers)
+        return self.worker.decode_step_s(batch, int((self.context_tokens + extra_ctx) / self.num_workers))
+
+    def decode(self, prompt_tokens: int, output_tokens: int) -> simpy.Event:
+        """Join the batch now; the event's value is a `DecodeResult` once `output_tokens` are out."""
+        self._advance()
+        done = self.env.event()
+        now = float(self.env.now)
+        base = prompt_tokens - self.steps
+        self.num_sequences += 1
+        self._ctx_base += base
+        self.step_s = self.step_with()
+        first = now + self.step_s  # its first step runs at the batch's new pace
+        output_tokens = max(1, output_tokens)
+        heapq.heappush(self._heap, (self.steps + output_tokens, self._seq, _Sequence(base, output_tokens, first, done)))
+        self._seq += 1
+        self._reschedule()
+        return done
+
+    def _advance(self) -> None:
+        now = float(self.env.now)
+        dt = now - self._last
+        if dt > 0 and self.num_sequences:
+            self.steps += dt / self.step_s
+            self.busy_s += dt
+        self._last = now
+
+    def _reschedule(self) -> None:
+        self.version += 1
+        self._generation += 1
+        if not self._heap:
+            return
+        generation = self._generation
+        timer = self.env.timeout(max(0.0, (self._heap[0][0] - self.steps) * self.step_s))
+        timer.callbacks.append(lambda _event: self._wake(generation))
+
+    def _wake(self, generation: int) -> None:
+        if generation != self._generation:
+            return
+        self._advance()
+        now = float(self.env.now)
+        heap = self._heap
+        while heap and heap[0][0] <= self.steps + 1e-6:
+            _, _, seq = heapq.heappop(heap)
+            self.num_sequences -= 1
+            self._ctx_base -= seq.ctx_base
+            first = min(seq.first_s, now)
+            tpot = (now - first) / (seq.output_tokens - 1) if seq.output_tokens > 1 else now - first
+            seq.done.succeed(DecodeResult(first, now, tpot))
+        if not self.num_sequences:
+            self._ctx_base = 0.0  # drop the float residue of the departed
+        self.step_s = self.step_with()
+        self._reschedule()

@@ -1,0 +1,128 @@
+variable "name" {
+  description = "deployment name"
+  type        = string
+  default     = "example"
+}
+
+variable "model" {
+  description = "served model: catalog name or an HF folder present on the AMI"
+  type        = string
+  default     = "smollm2-135m"
+}
+
+variable "prfaas_package" {
+  description = "pip requirement the region instances install"
+  type        = string
+  default     = "prfaas"
+}
+
+variable "container_image" {
+  description = "control-plane image (prfaas installed)"
+  type        = string
+}
+
+variable "certificate_arn" {
+  description = "ACM certificate (in the decode region) of the API's HTTPS listener"
+  type        = string
+}
+
+variable "prefill_a" {
+  description = "first prefill region: cheap compute-dense GPUs"
+  type = object({
+    name               = string
+    aws_region         = string
+    availability_zones = list(string)
+    vpc_cidr           = string
+    gpu_type           = string
+    instance_types     = list(string)
+    usd_per_gpu_hour   = number
+    min_size           = number
+    max_size           = number
+  })
+  default = {
+    name               = "prefill-use2"
+    aws_region         = "us-east-2"
+    availability_zones = ["us-east-2a", "us-east-2b"]
+    vpc_cidr           = "10.21.0.0/16"
+    gpu_type           = "l40s"
+    instance_types     = ["g6e.xlarge", "g6e.2xlarge"]
+    usd_per_gpu_hour   = 1.86
+    min_size           = 1
+    max_size           = 8
+  }
+}
+
+variable "prefill_b" {
+  description = "second prefill region"
+  type = object({
+    name               = string
+    aws_region         = string
+    availability_zones = list(string)
+    vpc_cidr           = string
+    gpu_type           = string
+    instance_types     = list(string)
+    usd_per_gpu_hour   = number
+    min_size           = number
+    max_size           = number
+  })
+  default = {
+    name               = "prefill-usw2"
+    aws_region         = "us-west-2"
+    availability_zones = ["us-west-2a", "us-west-2b"]
+    vpc_cidr           = "10.22.0.0/16"
+    gpu_type           = "l40s"
+    instance_types     = ["g6e.xlarge", "g6e.2xlarge"]
+    usd_per_gpu_hour   = 1.86
+    min_size           = 0
+    max_size           = 8
+  }
+}
+
+variable "decode" {
+  description = "decode region (the control plane runs in its VPC)"
+  type = object({
+    name               = string
+    aws_region         = string
+    availability_zones = list(string)
+    vpc_cidr           = string
+    gpu_type           = string
+    instance_types     = list(string)
+    usd_per_gpu_hour   = number
+    kv_buffer_bytes    = number
+    enable_efa         = bool
+    min_size           = number
+    max_size           = number
+  })
+  default = {
+    name               = "decode-use1"
+    aws_region         = "us-east-1"
+    availability_zones = ["us-east-1a", "us-east-1b"]
+    vpc_cidr           = "10.20.0.0/16"
+    gpu_type           = "h100"
+    instance_types     = ["p5.48xlarge"]
+    usd_per_gpu_hour   = 12.29
+    kv_buffer_bytes    = 68719476736
+    enable_efa         = true
+    min_size           = 1
+    max_size           = 2
+  }
+}
+
+variable "links" {
+  description = "estimated prefill -> decode paths until measured (rtt ms, Gbit/s per region pair, egress $/GB)"
+  type = map(object({
+    rtt_ms            = number
+    bandwidth_gbps    = number
+    egress_usd_per_gb = number
+  }))
+  default = {
+    prefill_a = { rtt_ms = 12, bandwidth_gbps = 5, egress_usd_per_gb = 0.02 }
+    prefill_b = { rtt_ms = 65, bandwidth_gbps = 5, egress_usd_per_gb = 0.02 }
+  }
+}
+
+variable "tags" {
+  description = "default tags of every resource"
+  type        = map(string)
+  default     = { project = "prfaas" }
+}

@@ -1,0 +1,33 @@
+# The same outputs as envs/aws-example: `prfaas regions import` reads `terraform output -json`.
+
+output "control_plane" {
+  description = "where tenants and regions reach the control plane"
+  value = {
+    api_url         = module.control_plane.api_url
+    registry_target = module.control_plane.registry_target
+  }
+}
+
+output "regions" {
+  description = "registry entries by region name"
+  value = {
+    (module.prefill.region.name) = module.prefill.region
+    (module.decode.region.name)  = module.decode.region
+  }
+}
+
+output "links" {
+  description = "directed prefill -> decode links for the registry"
+  value = [{
+    src               = module.prefill.region.name
+    dst               = module.decode.region.name
+    rtt_ms            = var.link_rtt_ms
+    bandwidth_gbps    = var.link_bandwidth_gbps
+    egress_usd_per_gb = 0
+  }]
+}
+
+output "run_dir" {
+  description = "PID files and logs"
+  value       = local.run_dir
+}

@@ -1,0 +1,145 @@
+# State: ElastiCache Redis (TLS, auth token, encrypted, multi-AZ) for jobs, tenants, the
+# registry and the Celery broker; RDS PostgreSQL (encrypted, private) for the ledger.
+
+resource "aws_security_group" "redis" {
+  name_prefix = "prfaas-${var.name}-redis-"
+  description = "prfaas ${var.name} Redis: from the API and workers only"
+  vpc_id      = var.vpc_id
+  tags        = var.tags
+  lifecycle {
+    create_before_destroy = true
+  }
+}
+
+resource "aws_vpc_security_group_ingress_rule" "redis" {
+  security_group_id            = aws_security_group.redis.id
+  description                  = "Redis TLS from control-plane tasks"
+  ip_protocol                  = "tcp"
+  from_port                    = 6379
+  to_port                      = 6379
+  referenced_security_group_id = aws_security_group.tasks.id
+}
+
+resource "aws_elasticache_subnet_group" "this" {
+  name       = "prfaas-${var.name}"
+  subnet_ids = var.private_subnet_ids
+  tags       = var.tags
+}
+
+resource "aws_elasticache_replication_group" "this" {
+  replication_group_id       = "prfaas-${var.name}"
+  description                = "prfaas ${var.name}: jobs, tenants, registry, Celery broker"
+  engine                     = "redis"
+  engine_version             = "7.1"
+  node_type                  = var.redis_node_type
+  num_cache_clusters         = 2
+  port                       = 6379
+  automatic_failover_enabled = true
+  multi_az_enabled           = true
+  subnet_group_name          = aws_elasticache_subnet_group.this.name
+  security_group_ids         = [aws_security_group.redis.id]
+  at_rest_encryption_enabled = true
+  kms_key_id                 = aws_kms_key.this.arn
+  transit_encryption_enabled = true
+  auth_token                 = random_password.redis_auth.result
+  snapshot_retention_limit   = 7
+  auto_minor_version_upgrade = true
+  apply_immediately          = false
+  tags                       = var.tags
+}
+
+resource "aws_security_group" "db" {
+  name_prefix = "prfaas-${var.name}-db-"
+  description = "prfaas ${var.name} ledger database: from the API and workers only"
+  vpc_id      = var.vpc_id
+  tags        = var.tags
+  lifecycle {
+    create_before_destroy = true
+  }
+}
+
+resource "aws_vpc_security_group_ingress_rule" "db" {
+  security_group_id            = aws_security_group.db.id
+  description                  = "PostgreSQL from control-plane tasks"
+  ip_protocol                  = "tcp"
+  from_port                    = 5432
+  to_port                      = 5432
+  referenced_security_group_id = aws_security_group.tasks.id
+}
+
+resource "aws_db_subnet_group" "this" {
+  name_prefix = "prfaas-${var.name}-"
+  subnet_ids  = var.private_subnet_ids
+  tags        = var.tags
+}
+
+resource "aws_db_parameter_group" "ledger" {
+  name_prefix = "prfaas-${var.name}-"
+  family      = "postgres16"
+  parameter {
+    name  = "log_statement"
+    value = "ddl"
+  }
+  parameter {
+    name  = "log_min_duration_statement"
+    value = "1000"
+  }
+  parameter {
+    name         = "rds.force_ssl"
+    value        = "1"
+    apply_method = "pending-reboot"
+  }
+  tags = var.tags
+}
+
+resource "aws_db_instance" "ledger" {
+  identifier_prefix                   = "prfaas-${var.name}-"
+  engine                              = "postgres"
+  engine_version                      = "16"
+  instance_class                      = var.db_instance_class
+  allocated_storage                   = var.db_allocated_storage_gb
+  db_name                             = "prfaas"
+  username                            = "prfaas"
+  password                            = random_password.db.result
+  db_subnet_group_name                = aws_db_subnet_group.this.name
+  vpc_security_group_ids              = [aws_security_group.db.id]
+  parameter_group_name                = aws_db_parameter_group.ledger.name
+  publicly_accessible                 = false
+  storage_encrypted                   = true
+  kms_key_id                          = aws_kms_key.this.arn
+  multi_az                            = true
+  backup_retention_period             = 14
+  deletion_protection                 = true
+  copy_tags_to_snapshot               = true
+  auto_minor_version_upgrade          = true
+  iam_database_authentication_enabled = true
+  monitoring_interval                 = 60
+  monitoring_role_arn                 = aws_iam_role.rds_monitoring.arn
+  performance_insights_enabled        = true
+  performance_insights_kms_key_id     = aws_kms_key.this.arn
+  enabled_cloudwatch_logs_exports     = ["postgresql", "upgrade"]
+  skip_final_snapshot                 = false
+  final_snapshot_identifier           = "prfaas-${var.name}-final"
+  tags                                = var.tags
+}
+
+data "aws_iam_policy_document" "rds_monitoring_assume" {
+  statement {
+    actions = ["sts:AssumeRole"]
+    principals {
+      type        = "Service"
+      identifiers = ["monitoring.rds.amazonaws.com"]
+    }
+  }
+}
+
+resource "aws_iam_role" "rds_monitoring" {
+  name_prefix        = "prfaas-${substr(var.name, 0, 20)}-rdsmon-"
+  assume_role_policy = data.aws_iam_policy_document.rds_monitoring_assume.json
+  tags               = var.tags
+}
+
+resource "aws_iam_role_policy_attachment" "rds_monitoring" {
+  role       = aws_iam_role.rds_monitoring.name
+  policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/service-role/AmazonRDSEnhancedMonitoringRole"
+}

@@ -1,0 +1,341 @@
+# The tenant-facing ALB (HTTPS only; HTTP redirects), behind a WAF with AWS managed rules,
+# access logs in S3; and the internal NLB regions send heartbeats through.
+
+resource "aws_security_group" "alb" {
+  name_prefix = "prfaas-${var.name}-alb-"
+  description = "prfaas ${var.name} ALB: HTTPS from tenants"
+  vpc_id      = var.vpc_id
+  tags        = var.tags
+  lifecycle {
+    create_before_destroy = true
+  }
+}
+
+resource "aws_vpc_security_group_ingress_rule" "alb" {
+  for_each          = { for pair in setproduct(var.tenant_cidrs, [80, 443]) : "${pair[0]}:${pair[1]}" => pair }
+  security_group_id = aws_security_group.alb.id
+  description       = "${each.value[1] == 443 ? "HTTPS" : "HTTP (redirected to HTTPS)"} from ${each.value[0]}"
+  ip_protocol       = "tcp"
+  from_port         = each.value[1]
+  to_port           = each.value[1]
+  cidr_ipv4         = each.value[0]
+}
+
+resource "aws_vpc_security_group_egress_rule" "alb" {
+  security_group_id            = aws_security_group.alb.id
+  description                  = "to the API tasks"
+  ip_protocol                  = "tcp"
+  from_port                    = 8000
+  to_port                      = 8000
+  referenced_security_group_id = aws_security_group.tasks.id
+}
+
+resource "aws_lb" "api" {
+  name_prefix                = "prfaas"
+  load_balancer_type         = "application"
+  internal                   = var.internal_api
+  subnets                    = var.internal_api ? var.private_subnet_ids : var.public_subnet_ids
+  security_groups            = [aws_security_group.alb.id]
+  drop_invalid_header_fields = true
+  enable_deletion_protection = true
+  # SSE streams of long generations stay open
+  idle_timeout = 600
+  access_logs {
+    bucket  = aws_s3_bucket.logs.id
+    prefix  = "alb"
+    enabled = true
+  }
+  depends_on = [aws_s3_bucket_policy.logs]
+  tags       = var.tags
+}
+
+resource "aws_lb_target_group" "api" {
+  #checkov:skip=CKV_AWS_378:TLS ends at the ALB; the hop to the task stays inside the VPC's private subnets, and the API serves plain HTTP (uvicorn behind a proxy)
+  name_prefix = "papi-"
+  port        = 8000
+  protocol    = "HTTP"
+  target_type = "ip"
+  vpc_id      = var.vpc_id
+  health_check {
+    path    = "/readyz"
+    matcher = "200"
+  }
+  tags = var.tags
+}
+
+resource "aws_lb_listener" "https" {
+  load_balancer_arn = aws_lb.api.arn
+  port              = 443
+  protocol          = "HTTPS"
+  ssl_policy        = "ELBSecurityPolicy-TLS13-1-2-2021-06"
+  certificate_arn   = var.certificate_arn
+  default_action {
+    type             = "forward"
+    target_group_arn = aws_lb_target_group.api.arn
+  }
+  tags = var.tags
+}
+
+resource "aws_lb_listener" "http_redirect" {
+  load_balancer_arn = aws_lb.api.arn
+  port              = 80
+  protocol          = "HTTP"
+  default_action {
+    type = "redirect"
+    redirect {
+      port        = "443"
+      protocol    = "HTTPS"
+      status_code = "HTTP_301"
+    }
+  }
+  tags = var.tags
+}
+
+resource "aws_lb" "registry" {
+  name_prefix                      = "prreg"
+  load_balancer_type               = "network"
+  internal                         = true
+  subnets                          = var.private_subnet_ids
+  enable_deletion_protection       = true
+  enable_cross_zone_load_balancing = true
+  access_logs {
+    bucket  = aws_s3_bucket.logs.id
+    prefix  = "nlb"
+    enabled = true
+  }
+  depends_on = [aws_s3_bucket_policy.logs]
+  tags       = var.tags
+}
+
+resource "aws_lb_target_group" "registry" {
+  name_prefix = "preg-"
+  port        = var.registry_port
+  protocol    = "TCP"
+  target_type = "ip"
+  vpc_id      = var.vpc_id
+  tags        = var.tags
+}
+
+resource "aws_lb_listener" "registry" {
+  #checkov:skip=CKV2_AWS_74:the registry speaks plain gRPC over TCP inside the peered private networks; a TLS listener would need region-side TLS the region agent does not speak yet
+  #checkov:skip=CKV_AWS_2:TCP listener of an internal NLB carrying gRPC, not HTTP
+  #checkov:skip=CKV_AWS_103:TCP listener of an internal NLB, no TLS policy applies
+  load_balancer_arn = aws_lb.registry.arn
+  port              = var.registry_port
+  protocol          = "TCP"
+  default_action {
+    type             = "forward"
+    target_group_arn = aws_lb_target_group.registry.arn
+  }
+  tags = var.tags
+}
+
+# --- WAF on the ALB ----------------------------------------------------------------------------
+
+resource "aws_wafv2_web_acl" "api" {
+  name  = "prfaas-${var.name}"
+  scope = "REGIONAL"
+  default_action {
+    allow {}
+  }
+  rule {
+    name     = "aws-common"
+    priority = 1
+    override_action {
+      none {}
+    }
+    statement {
+      managed_rule_group_statement {
+        vendor_name = "AWS"
+        name        = "AWSManagedRulesCommonRuleSet"
+        # long prompts are legitimate request bodies
+        rule_action_override {
+          name = "SizeRestrictions_BODY"
+          action_to_use {
+            count {}
+          }
+        }
+      }
+    }
+    visibility_config {
+      cloudwatch_metrics_enabled = true
+      metric_name                = "prfaas-common"
+      sampled_requests_enabled   = true
+    }
+  }
+  rule {
+    name     = "aws-known-bad-inputs"
+    priority = 2
+    override_action {
+      none {}
+    }
+    statement {
+      managed_rule_group_statement {
+        vendor_name = "AWS"
+        name        = "AWSManagedRulesKnownBadInputsRuleSet"
+      }
+    }
+    visibility_config {
+      cloudwatch_metrics_enabled = true
+      metric_name                = "prfaas-bad-inputs"
+      sampled_requests_enabled   = true
+    }
+  }
+  rule {
+    name     = "aws-anonymous-ip"
+    priority = 3
+    override_action {
+      none {}
+    }
+    statement {
+      managed_rule_group_statement {
+        vendor_name = "AWS"
+        name        = "AWSManagedRulesAnonymousIpList"
+        # tenants legitimately call from cloud hosts; count those, block VPNs/Tor/proxies
+        rule_action_override {
+          name = "HostingProviderIPList"
+          action_to_use {
+            count {}
+          }
+        }
+      }
+    }
+    visibility_config {
+      cloudwatch_metrics_enabled = true
+      metric_name                = "prfaas-anonymous-ip"
+      sampled_requests_enabled   = true
+    }
+  }
+  visibility_config {
+    cloudwatch_metrics_enabled = true
+    metric_name                = "prfaas-${var.name}"
+    sampled_requests_enabled   = true
+  }
+  tags = var.tags
+}
+
+resource "aws_wafv2_web_acl_association" "api" {
+  resource_arn = aws_lb.api.arn
+  web_acl_arn  = aws_wafv2_web_acl.api.arn
+}
+
+resource "aws_cloudwatch_log_group" "waf" {
+  # WAF requires this name prefix
+  name              = "aws-waf-logs-prfaas-${var.name}"
+  retention_in_days = var.log_retention_days
+  kms_key_id        = aws_kms_key.this.arn
+  tags              = var.tags
+}
+
+resource "aws_wafv2_web_acl_logging_configuration" "api" {
+  resource_arn            = aws_wafv2_web_acl.api.arn
+  log_destination_configs = [aws_cloudwatch_log_group.waf.arn]
+}
+
+# --- access-log bucket --------------------------------------------------------------------------
+
+resource "aws_s3_bucket" "logs" {
+  #checkov:skip=CKV_AWS_18:this is the access-log bucket; logging it to itself would loop
+  #checkov:skip=CKV_AWS_144:load-balancer access logs are kept in-region for 400 days; cross-region replication doubles cost for no recovery need
+  #checkov:skip=CKV2_AWS_62:nothing consumes events of access-log objects
+  #checkov:skip=CKV_AWS_145:ELB log delivery supports only SSE-S3 (AES256), not SSE-KMS
+  bucket_prefix = "prfaas-${var.name}-lb-logs-"
+  force_destroy = false
+  tags          = var.tags
+}
+
+resource "aws_s3_bucket_public_access_block" "logs" {
+  bucket                  = aws_s3_bucket.logs.id
+  block_public_acls       = true
+  block_public_policy     = true
+  ignore_public_acls      = true
+  restrict_public_buckets = true
+}
+
+resource "aws_s3_bucket_versioning" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  versioning_configuration {
+    status = "Enabled"
+  }
+}
+
+resource "aws_s3_bucket_server_side_encryption_configuration" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  rule {
+    apply_server_side_encryption_by_default {
+      sse_algorithm = "AES256"
+    }
+  }
+}
+
+resource "aws_s3_bucket_lifecycle_configuration" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  rule {
+    id     = "expire"
+    status = "Enabled"
+    filter {}
+    expiration {
+      days = 400
+    }
+    noncurrent_version_expiration {
+      noncurrent_days = 30
+    }
+    abort_incomplete_multipart_upload {
+      days_after_initiation = 7
+    }
+  }
+}
+
+# regions opened before August 2022 deliver ALB logs as the regional ELB account, newer ones
+# as the log-delivery service
+data "aws_elb_service_account" "this" {}
+
+data "aws_iam_policy_document" "logs_bucket" {
+  statement {
+    sid       = "LogDelivery"
+    actions   = ["s3:PutObject"]
+    resources = ["${aws_s3_bucket.logs.arn}/*"]
+    principals {
+      type        = "Service"
+      identifiers = ["logdelivery.elasticloadbalancing.amazonaws.com", "delivery.logs.amazonaws.com"]
+    }
+  }
+  statement {
+    sid       = "LegacyElbLogDelivery"
+    actions   = ["s3:PutObject"]
+    resources = ["${aws_s3_bucket.logs.arn}/*"]
+    principals {
+      type        = "AWS"
+      identifiers = [data.aws_elb_service_account.this.arn]
+    }
+  }
+  statement {
+    sid       = "LogDeliveryAcl"
+    actions   = ["s3:GetBucketAcl"]
+    resources = [aws_s3_bucket.logs.arn]
+    principals {
+      type        = "Service"
+      identifiers = ["delivery.logs.amazonaws.com"]
+    }
+  }
+  statement {
+    sid       = "TlsOnly"
+    effect    = "Deny"
+    actions   = ["s3:*"]
+    resources = [aws_s3_bucket.logs.arn, "${aws_s3_bucket.logs.arn}/*"]
+    principals {
+      type        = "*"
+      identifiers = ["*"]
+    }
+    condition {
+      test     = "Bool"
+      variable = "aws:SecureTransport"
+      values   = ["false"]
+    }
+  }
+}
+
+resource "aws_s3_bucket_policy" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  policy = data.aws_iam_policy_document.logs_bucket.json
+}

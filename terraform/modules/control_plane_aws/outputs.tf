@@ -1,0 +1,29 @@
+output "api_url" {
+  description = "base URL of the API (OpenAI clients use API_URL/v1)"
+  value       = "https://${aws_lb.api.dns_name}"
+}
+
+output "registry_target" {
+  description = "gRPC target of the region registry: the regions' control_plane_url"
+  value       = "${aws_lb.registry.dns_name}:${var.registry_port}"
+}
+
+output "ticket_key_secret_arn" {
+  description = "ARN of the ticket key secret in this region (replicas: same name, their region)"
+  value       = aws_secretsmanager_secret.ticket_key.arn
+}
+
+output "ticket_key_kms_arn" {
+  description = "KMS key of the primary secret"
+  value       = aws_kms_key.this.arn
+}
+
+output "admin_key_secret_arn" {
+  description = "ARN of the admin key secret"
+  value       = aws_secretsmanager_secret.admin_key.arn
+}
+
+output "security_group_id" {
+  description = "security group of the API and worker tasks"
+  value       = aws_security_group.tasks.id
+}

@@ -1,0 +1,165 @@
+variable "name" {
+  description = "deployment name (resource names, log groups, secrets)"
+  type        = string
+  default     = "prod"
+  validation {
+    condition     = can(regex("^[a-z0-9][a-z0-9-]{0,20}$", var.name))
+    error_message = "name: [a-z0-9-], at most 21 characters."
+  }
+}
+
+variable "vpc_id" {
+  description = "VPC of the control plane (e.g. the decode region's: region_aws output vpc_id)"
+  type        = string
+}
+
+variable "vpc_cidr" {
+  description = "CIDR of that VPC"
+  type        = string
+}
+
+variable "private_subnet_ids" {
+  description = "private subnets (with a NAT route) for tasks, Redis, RDS and the registry NLB"
+  type        = list(string)
+}
+
+variable "public_subnet_ids" {
+  description = "public subnets of the internet-facing ALB"
+  type        = list(string)
+  default     = []
+}
+
+variable "internal_api" {
+  description = "ALB in the private subnets (tenants reach it over a private network)"
+  type        = bool
+  default     = false
+}
+
+variable "certificate_arn" {
+  description = "ACM certificate of the API's HTTPS listener"
+  type        = string
+}
+
+variable "tenant_cidrs" {
+  description = "CIDRs allowed to reach the API"
+  type        = list(string)
+  default     = ["0.0.0.0/0"]
+}
+
+variable "region_cidrs" {
+  description = "CIDRs of the regions' VPCs (registry heartbeats in, region gRPC out)"
+  type        = list(string)
+}
+
+variable "container_image" {
+  description = "image with prfaas installed (uvicorn and celery on PATH)"
+  type        = string
+}
+
+variable "model" {
+  description = "served model (the regions serve the same)"
+  type        = string
+  default     = "smollm2-135m"
+}
+
+variable "ticket_key_id" {
+  description = "id of the ticket key"
+  type        = string
+  default     = "k1"
+}
+
+variable "ticket_key_replica_regions" {
+  description = "AWS regions that run prfaas regions: the ticket key secret is replicated there"
+  type        = list(string)
+  default     = []
+}
+
+variable "replica_kms_key_arns" {
+  description = "KMS key per replica region (absent: that region's aws/secretsmanager key)"
+  type        = map(string)
+  default     = {}
+}
+
+variable "registry_port" {
+  description = "registry gRPC port (regions' control_plane_url)"
+  type        = number
+  default     = 7000
+}
+
+variable "region_grpc_port" {
+  description = "regions' gRPC port"
+  type        = number
+  default     = 50051
+}
+
+variable "api_count" {
+  description = "API tasks"
+  type        = number
+  default     = 2
+}
+
+variable "api_cpu" {
+  description = "API task CPU units"
+  type        = number
+  default     = 1024
+}
+
+variable "api_memory" {
+  description = "API task memory, MiB (the tokenizer is loaded)"
+  type        = number
+  default     = 2048
+}
+
+variable "worker_count" {
+  description = "Celery worker tasks"
+  type        = number
+  default     = 2
+}
+
+variable "worker_cpu" {
+  description = "worker task CPU units"
+  type        = number
+  default     = 512
+}
+
+variable "worker_memory" {
+  description = "worker task memory, MiB"
+  type        = number
+  default     = 1024
+}
+
+variable "worker_concurrency" {
+  description = "threads per worker"
+  type        = number
+  default     = 8
+}
+
+variable "redis_node_type" {
+  description = "ElastiCache node type"
+  type        = string
+  default     = "cache.t4g.medium"
+}
+
+variable "db_instance_class" {
+  description = "RDS instance class of the ledger"
+  type        = string
+  default     = "db.t4g.medium"
+}
+
+variable "db_allocated_storage_gb" {
+  description = "ledger storage"
+  type        = number
+  default     = 50
+}
+
+variable "log_retention_days" {
+  description = "CloudWatch retention"
+  type        = number
+  default     = 365
+}
+
+variable "tags" {
+  description = "tags on every resource"
+  type        = map(string)
+  default     = {}
+}

@@ -1,0 +1,80 @@
+# The control plane as processes on this host: a private Redis (unless redis_url names one),
+# the API (uvicorn, also serving the region registry over gRPC) and a Celery worker. The
+# local counterpart of control_plane_aws (ElastiCache, ALB + ECS); same outputs.
+
+terraform {
+  required_version = ">= 1.4"
+}
+
+locals {
+  own_redis = var.redis_url == ""
+  redis_url = local.own_redis ? "redis://${var.host}:${var.redis_port}/0" : var.redis_url
+  policy    = var.policy_yaml == "" ? "" : "${var.run_dir}/policy.yaml"
+  settings = merge(
+    {
+      PYTHONUNBUFFERED     = "1"
+      OMP_NUM_THREADS      = "1"
+      PRFAAS_DEV           = var.dev ? "1" : "0"
+      PRFAAS_REDIS_URL     = local.redis_url
+      PRFAAS_KEY_PREFIX    = var.key_prefix
+      PRFAAS_ADMIN_KEY     = var.admin_key
+      PRFAAS_TICKET_KEY    = var.ticket_key
+      PRFAAS_TICKET_KEY_ID = var.ticket_key_id
+      PRFAAS_MODEL         = var.model
+      PRFAAS_LEDGER_URL    = "sqlite:///${var.run_dir}/ledger.db"
+    },
+    local.policy == "" ? {} : { PRFAAS_POLICY_PATH = local.policy },
+    var.extra_environment,
+  )
+  worker_name = "${var.key_prefix}-worker"
+}
+
+module "redis" {
+  source = "../local_process"
+  count  = local.own_redis ? 1 : 0
+
+  name    = "${var.name_prefix}redis"
+  run_dir = var.run_dir
+  command = [
+    var.redis_server, "--bind", var.host, "--port", tostring(var.redis_port), "--save", "",
+    "--appendonly", "no", "--dir", var.run_dir, "--protected-mode", "yes",
+  ]
+  ready_command   = "${var.redis_cli} -h ${var.host} -p ${var.redis_port} ping | grep -q PONG"
+  ready_timeout_s = 20
+}
+
+module "api" {
+  source = "../local_process"
+  # the API needs Redis up (readyz pings it)
+  depends_on = [module.redis]
+
+  name    = "${var.name_prefix}api"
+  run_dir = var.run_dir
+  command = [
+    var.python, "-m", "uvicorn", "--factory", "prfaas.control_plane.app:app_from_env",
+    "--host", var.host, "--port", tostring(var.api_port), "--log-level", "warning",
+  ]
+  environment     = merge(local.settings, { PRFAAS_REGISTRY_LISTEN = "${var.host}:${var.registry_port}" })
+  config_file     = local.policy
+  config_content  = var.policy_yaml
+  ready_command   = "${var.python} -c 'import sys, urllib.request; sys.exit(urllib.request.urlopen(\"http://${var.host}:${var.api_port}/readyz\", timeout=1).status != 200)'"
+  ready_timeout_s = var.ready_timeout_s
+}
+
+module "worker" {
+  source = "../local_process"
+  # starts beside the API (both need only Redis); jobs wait in Redis until it consumes
+  depends_on = [module.redis]
+
+  name    = "${var.name_prefix}worker"
+  run_dir = var.run_dir
+  command = [
+    var.python, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads",
+    "-c", tostring(var.worker_concurrency), "-n", "${local.worker_name}@%h", "--without-gossip",
+    "--without-mingle", "--loglevel", "INFO",
+  ]
+  environment = local.settings
+  # Celery logs "<name>@<host> ready." once it consumes the queue
+  ready_command   = "grep -q '${local.worker_name}@.* ready\\.' '${var.run_dir}/${var.name_prefix}worker.log'"
+  ready_timeout_s = var.ready_timeout_s
+}

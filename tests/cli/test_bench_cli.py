@@ -1,0 +1,33 @@
+"""`prfaas bench` refuses bad options and a missing deployment with exit 2 and a clear line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _bench(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PRFAAS_HOME": str(home), "COLUMNS": "200"}
+    env.pop("PRFAAS_API_KEY", None)
+    return subprocess.run([sys.executable, "-m", "prfaas.cli.main", "bench", *args], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ([], "no deployment to bench: run `prfaas up` first"),
+        (["--input-len", "gauss:3"], "--input-len: 'gauss:3' is not fixed:N, uniform:LO-HI or lognormal"),
+        (["--compare", "colocated,fastest"], "unknown policy fastest; known: colocated, split-always, prfaas"),
+        (["--rate", "2", "--concurrency", "3"], "--rate (open loop) and --concurrency (closed loop) exclude"),
+        (["--mix", "nope"], "--mix: unknown mix 'nope'; known: chat-rag, chat-agent"),
+    ],
+)
+def test_bad_bench_options_exit_2_with_a_clear_message(args: list[str], expected: str, tmp_path: Path) -> None:
+    out = _bench(args, tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert expected in out.stdout

@@ -1,0 +1,143 @@
+"""`prfaas up` / `prfaas bench` / `prfaas down` as a user runs them: real processes (a private
+redis-server, uvicorn, a Celery worker, two `prfaas region`s of tiny-llama), the official
+openai client in `prfaas bench`; afterwards no process, namespace or state file is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from prfaas.cli.launch import pid_alive
+from prfaas.engine.models import models_root, prepare_model
+from prfaas.sim.workload import load_trace
+
+pytestmark = pytest.mark.e2e
+PRFAAS = [sys.executable, "-m", "prfaas.cli.main"]
+TOPOLOGY = {
+    "name": "t",
+    "model": "tiny-llama",
+    "policy": {"min_uncached_tokens": 100},
+    "regions": [
+        {"name": "pre", "role": "prefill", "usd_per_gpu_hour": 0.5},
+        {"name": "dec", "role": "decode", "usd_per_gpu_hour": 4.0},
+    ],
+    "links": [{"src": "pre", "dst": "dec", "rtt_ms": 10, "rate_mbit": 1000, "loss_pct": 0.0}],
+}
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    prepare_model("tiny-llama")
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    shutil.copytree(models_root() / "tiny-llama", tmp_path / "home" / "models" / "tiny-llama")
+    (tmp_path / "topology.yaml").write_text(yaml.safe_dump(TOPOLOGY))
+    return tmp_path / "home"
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {**os.environ, "PRFAAS_HOME": str(home), "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+    env.pop("PRFAAS_REDIS_URL", None)  # a private redis-server: nothing shared with other tests
+    return env
+
+
+def _run(args: list[str], home: Path, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*PRFAAS, *args], env=_env(home), capture_output=True, text=True, timeout=timeout_s,
+                          check=False)  # fmt: skip
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False, timeout=10).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _assert_all_gone(state: dict[str, object], home: Path) -> None:
+    groups = state["groups"]
+    assert isinstance(groups, dict) and len(groups) >= 5  # redis, api, worker, 2 regions
+    alive = [name for name, pid in groups.items() if pid_alive(int(pid))]
+    assert alive == [], f"left running: {alive}"
+    assert not (home / "up.json").exists()
+    namespaces = state["namespaces"]
+    assert isinstance(namespaces, list)
+    assert not set(namespaces) & _namespaces()
+
+
+def test_up_bench_down_leaves_nothing_behind(home: Path) -> None:
+    up = _run(["up", "--detach", "--topology", str(home.parent / "topology.yaml")], home)
+    state = json.loads((home / "up.json").read_text()) if (home / "up.json").exists() else {}
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert {"api_base", "api_key", "admin_key", "dashboard_url"} <= state.keys()
+        assert (home / "up.json").stat().st_mode & 0o077 == 0  # it holds the keys
+        assert state["api_key"] in up.stdout and state["api_base"] in up.stdout
+        client = openai.OpenAI(base_url=state["api_base"], api_key=state["api_key"], max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+        assert httpx.get(state["dashboard_url"], timeout=10).status_code in (200, 401, 403)  # maybe keyed
+
+        out = home.parent / "bench"
+        bench = _run(["bench", "-n", "6", "--compare", "colocated,split-always", "--input-len", "uniform:150-400",
+                      "--output-len", "fixed:4", "--warmup", "1", "--out", str(out)], home)  # fmt: skip
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        assert "ratio to colocated" in bench.stdout
+        result = json.loads((out / "bench.json").read_text())
+        for policy, placement in (("colocated", "local"), ("split-always", "split")):
+            summary = result["policies"][policy]
+            assert (summary["completed"], summary["failed"]) == (6, 0), summary["errors"]
+            assert summary["placements"] == {placement: 6}
+            assert 0 < summary["ttft_s"]["p50"] <= summary["ttft_s"]["p99"] <= summary["e2e_s"]["p99"]
+            assert summary["cost"]["usd_per_1m_tokens"] > 0
+        kv_raw = {p: s["kv_bytes"]["raw"] for p, s in result["policies"].items()}
+        assert kv_raw["split-always"] > 0 == kv_raw["colocated"]
+        assert result["ratios"]["colocated"]["TTFT P50"] == 1.0
+        assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        rows = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+        assert len(rows) == 12 and all(r["ok"] and r["ttft_s"] > 0 for r in rows)
+        assert {r["placement"] for r in rows if r["policy"] == "split-always"} == {"split"}
+        assert len(load_trace(out / "trace.jsonl")) == 12  # the simulator replays it as is
+    finally:
+        down = _run(["down"], home, timeout_s=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    _assert_all_gone(state, home)
+    assert "nothing is up" in _run(["down"], home).stdout
+
+
+def test_ctrl_c_stops_everything_also_with_an_emulated_wan(home: Path) -> None:
+    wan = os.geteuid() == 0  # without root `--emulate-wan` says so and runs on loopback
+    argv = [*PRFAAS, "up", "--topology", str(home.parent / "topology.yaml"), "--emulate-wan"]
+    proc = subprocess.Popen(argv, env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    state: dict[str, object] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (home / "up.json").exists():
+                state = json.loads((home / "up.json").read_text())
+                if state.get("dashboard_url"):
+                    break
+            time.sleep(0.2)
+        assert state.get("dashboard_url"), proc.stdout.read() if proc.poll() is not None and proc.stdout else ""
+        if wan:
+            assert len(state["namespaces"]) == 2 and set(state["namespaces"]) <= _namespaces()  # type: ignore[arg-type]
+        client = openai.OpenAI(base_url=str(state["api_base"]), api_key=str(state["api_key"]), max_retries=0,
+                               timeout=60)  # fmt: skip
+        reply = client.completions.create(model="tiny-llama", prompt=list(range(100, 400)), max_tokens=3,
+                                          extra_body={"prfaas": {"placement": "split"}})  # fmt: skip
+        assert reply.usage is not None and reply.usage.completion_tokens == 3  # KV crossed the (emulated) link
+    finally:
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends; the children have sessions of their own
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert "stopping" in output and "stopped region-dec" in output
+    if not wan:
+        assert "--emulate-wan needs root" in output
+    _assert_all_gone(state, home)

@@ -1,0 +1,94 @@
+"""The pure parts of metering (control_plane/metering.py): a job record and its timeline -> the bill of the
+attempt that answered and the wasted work of the others; percentiles of the dashboard. Table-driven, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prfaas.control_plane.dashboard.data import percentile
+from prfaas.control_plane.metering import Work, job_usage, served_timing, wasted_work
+
+T = 1_800_000_000.0  # epoch s
+
+
+def _tl(*entries: tuple[str, int, float, str]) -> list[dict[str, Any]]:
+    return [{"state": s, "attempt": a, "at": T + at, "note": note} for s, a, at, note in entries]
+
+
+SPLIT = {
+    "id": "j1", "tenant": "t", "model": "tiny-llama", "attempt": "1", "placement_chosen": "split",
+    "prefill_region": "p", "decode_region": "d", "prefill_gpu_s": "0.8", "gen_first_s": "1.5", "gen_last_s": "2.1",
+    "first_token_at": str(T + 1.6), "created_at": str(T), "updated_at": str(T + 2.2), "prompt_tokens": "600",
+    "completion_tokens": "7", "bytes_raw": "1000", "bytes_wire": "600", "regions_a1": "p>d",
+}  # fmt: skip
+SPLIT_TL = _tl(("QUEUED", 1, 0, "created"), ("PREFILLING", 1, 0.1, "prefill in p"), ("TRANSFERRING", 1, 0.9, ""),
+               ("DECODING", 1, 1.6, "first token"), ("DONE", 1, 2.2, "length"))  # fmt: skip
+
+
+def test_split_job_bills_prefill_s_and_decode_stream_time() -> None:
+    u = job_usage(SPLIT, SPLIT_TL)
+    assert (u.prefill_region, u.decode_region, u.placement, u.attempts) == ("p", "d", "split", 1)
+    assert u.prefill_gpu_s == 0.8  # the prefill region's PrefillDone.prefill_s
+    assert u.decode_gpu_s == pytest.approx(0.6)  # last - first token of the decode stream
+    assert (u.kv_bytes_raw, u.kv_bytes_wire, u.tokens_in, u.tokens_out) == (1000, 600, 600, 7)
+    assert u.ttft_s == pytest.approx(1.6) and u.tpot_s == pytest.approx(0.1)  # 0.6 s over 6 tokens after the first
+    assert u.finished_at is not None and u.finished_at.timestamp() == pytest.approx(T + 2.2)
+
+
+def test_local_job_after_a_lost_prefill_region() -> None:
+    """Attempt 1 split, its prefill region died 2 s into the prefill; attempt 2 ran locally in d."""
+    job = SPLIT | {
+        "attempt": "2", "placement_chosen": "local", "gen_first_s": "0.3", "gen_last_s": "0.5",
+        "first_token_at": str(T + 3.0), "regions_a2": "d>d", "completion_tokens": "3",
+    }  # fmt: skip
+    tl = _tl(("QUEUED", 1, 0, "created"), ("PREFILLING", 1, 0.2, "prefill in p"),
+             ("QUEUED", 2, 2.2, "prefill in p: UNAVAILABLE"), ("LOCAL", 2, 2.5, "local in d"),
+             ("DONE", 2, 3.2, "length"))  # fmt: skip
+    u = job_usage(job, tl)
+    # billed: the local run only; the stale prefill_gpu_s and wire bytes of attempt 1 are not the tenant's
+    assert (u.prefill_region, u.decode_region, u.placement, u.attempts) == ("d", "d", "local", 2)
+    assert (u.prefill_gpu_s, u.kv_bytes_wire) == (0.3, 0)
+    assert u.decode_gpu_s == pytest.approx(0.2)
+    waste = wasted_work(job, tl, range(1, 2))
+    assert waste == [Work(1, "prefill", "p", pytest.approx(2.0), "prefill in p: UNAVAILABLE")]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("timeline", "expected"),
+    [
+        # decode region lost after the KV arrived: prefill (0.8 s in p) and decode (1.0 s in d) both wasted
+        (_tl(("PREFILLING", 1, 0, ""), ("TRANSFERRING", 1, 0.8, ""), ("DECODING", 1, 1.0, ""),
+             ("QUEUED", 2, 1.8, "decode lost")),
+         {(1, "prefill", "p"): 0.8, (1, "decode", "d"): 1.0}),
+        # canceled while the local run went on: the whole local run is wasted
+        (_tl(("LOCAL", 1, 0, "local in d"), ("CANCELED", 1, 0.5, "client disconnected")), {(1, "local", "d"): 0.5}),
+        # queued and never placed: nothing was used
+        (_tl(("QUEUED", 1, 0, "created"), ("FAILED", 1, 0.1, "no placement")), {}),
+    ],
+)  # fmt: skip
+def test_wasted_work_from_the_timeline(
+    timeline: list[dict[str, Any]], expected: dict[tuple[int, str, str], float]
+) -> None:
+    work = wasted_work(SPLIT, timeline, range(1, 2))
+    assert {(w.attempt, w.phase, w.region): w.gpu_s for w in work} == pytest.approx(expected)
+
+
+def test_attempt_regions_fall_back_to_timeline_notes() -> None:
+    job = {k: v for k, v in SPLIT.items() if k != "regions_a1"}
+    tl = _tl(("PREFILLING", 1, 0, "prefill in far-p"), ("QUEUED", 2, 1.0, "lost"))
+    assert wasted_work(job, tl, range(1, 2)) == [Work(1, "prefill", "far-p", 1.0, "lost")]
+
+
+def test_served_timing_without_a_first_token() -> None:
+    assert served_timing(None, 2.0) == {"gen_last_s": 2.0}
+    assert served_timing((T, 0.5), 2.0) == {"first_token_at": T, "gen_first_s": 0.5, "gen_last_s": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [([], 50, None), ([3.0], 99, 3.0), ([1, 2, 3, 4], 50, 2), ([1, 2, 3, 4], 90, 4), (list(range(1, 101)), 99, 99)],
+)
+def test_percentile_nearest_rank(values: list[float], q: float, expected: float | None) -> None:
+    assert percentile(values, q) == expected

@@ -1,0 +1,119 @@
+"""Calibration mode: measured timings in, a predicted TTFT out, compared with a measured trace."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prfaas.sim.calibration import (
+    MeasuredWorker,
+    PrefillFit,
+    fit_line,
+    fit_prefill,
+    load_timings,
+    measured_ttfts,
+    predict,
+    predict_trace,
+)
+from prfaas.sim.workload import Arrival
+
+TIMINGS: dict[str, Any] = {
+    "version": 1,
+    "model": {"name": "tiny", "num_layers": 4, "kv_bytes_per_token": 1024},
+    "regions": [
+        {"name": "pf", "role": "prefill", "num_prefill_workers": 1, "usd_per_gpu_hour": 0.5,
+         "prefill": {"base_s": 0.01, "per_token_s": 0.0005}},
+        {"name": "pd", "role": "both", "num_prefill_workers": 1, "num_decode_workers": 1, "usd_per_gpu_hour": 4.0,
+         "prefill": {"base_s": 0.02, "per_token_s": 0.001}, "decode": {"base_s": 0.0, "per_seq_s": 0.01}},
+    ],
+    "links": [{"src": "pf", "dst": "pd", "bandwidth_gbps": 10.0, "rtt_ms": 2.0}],
+    "overhead_s": 0.05,
+    "min_uncached_tokens": 1000,
+}  # fmt: skip
+
+
+def _write(tmp_path: Path, doc: dict[str, Any]) -> Path:
+    path = tmp_path / "timings.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_an_isolated_local_request_takes_overhead_plus_prefill_plus_one_step(tmp_path: Path) -> None:
+    timings = load_timings(_write(tmp_path, TIMINGS))
+    # 200 tokens < threshold: local in pd. 0.05 overhead + (0.02 + 0.2) prefill + 0.01 first step
+    prediction = predict(timings, [Arrival(0.0, 200, 4)])
+    assert prediction.num_split == 0
+    assert prediction.predicted_ttft_p50_s == pytest.approx(0.05 + 0.22 + 0.01)
+
+
+def test_an_isolated_long_request_splits_and_pays_its_prefill_and_the_last_layer(tmp_path: Path) -> None:
+    timings = load_timings(_write(tmp_path, TIMINGS))
+    # 2000 tokens: split via pf (cheaper). 0.05 + (0.01 + 1.0) prefill + the last of 4 layers of the KV
+    # (2000 x 1024 B, the default policy's lossless codec: / 1.47) at 1.25e9 B/s + RTT/2 (0.001) + the first step (0.01)
+    prediction = predict(timings, [Arrival(0.0, 2000, 4)])
+    assert prediction.num_split == 1
+    last_layer_s = math.ceil(2000 * 1024 / 1.47) / 4 / 1.25e9
+    assert prediction.predicted_ttft_p50_s == pytest.approx(0.05 + 1.01 + last_layer_s + 0.001 + 0.01)
+
+
+def test_prediction_is_compared_with_the_measured_ttft_of_the_trace(tmp_path: Path) -> None:
+    timings = _write(tmp_path, TIMINGS)
+    trace = tmp_path / "measured.jsonl"
+    rows = [{"t_s": 10.0 * i, "prompt_tokens": 200, "output_tokens": 4, "ttft_s": 0.35} for i in range(5)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert measured_ttfts(trace) == [0.35] * 5
+    prediction = predict_trace(timings, trace)
+    assert prediction.measured_ttft_p50_s == 0.35
+    assert prediction.error == pytest.approx(0.28 / 0.35 - 1)
+
+
+def test_requests_queue_for_the_measured_workers(tmp_path: Path) -> None:
+    timings = load_timings(_write(tmp_path, TIMINGS))
+    # two local requests at once on one prefill worker: the second waits for the first's 0.22 s
+    prediction = predict(timings, [Arrival(0.0, 200, 1), Arrival(0.0, 200, 1)])
+    assert prediction.predicted_ttft_p90_s == pytest.approx(0.05 + 0.44 + 0.01)
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"overhead_s": -1}, "overhead_s"),
+        ({"version": 2}, "version"),
+        ({"regions": []}, "regions"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_timings_are_refused_naming_the_field(tmp_path: Path, patch: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_timings(_write(tmp_path, TIMINGS | patch))
+
+
+def test_fits_recover_known_lines() -> None:
+    assert fit_line([0, 1, 2], [1.0, 3.0, 5.0]) == pytest.approx((1.0, 2.0))
+    sizes = [4, 64, 256, 1024, 2048]
+    fit = fit_prefill(sizes, [0.02 + 1e-4 * n + 1e-7 * n * n / 2 for n in sizes])
+    assert (fit.base_s, fit.per_token_s, fit.per_token_ctx_s) == pytest.approx((0.02, 1e-4, 1e-7))
+    worker = MeasuredWorker(PrefillFit(base_s=0.02, per_token_s=1e-4, per_token_ctx_s=1e-7), None, 1)
+    assert worker.prefill_s(1000) == pytest.approx(0.02 + 0.1 + 1e-7 * 1000 * 500)
+
+
+def test_cli_calibrate_prints_the_prediction_beside_the_measurement(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from prfaas.cli.main import app
+
+    timings = _write(tmp_path, TIMINGS)
+    trace = tmp_path / "measured.jsonl"
+    trace.write_text(json.dumps({"t_s": 0.0, "prompt_tokens": 200, "output_tokens": 4, "ttft_s": 0.28}) + "\n")
+    out = tmp_path / "prediction.json"
+    args = ["sim", "calibrate", "--timings", str(timings), "--trace", str(trace), "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "predicted 280.0 ms, measured 280.0 ms, error +0.0%" in result.output
+    assert json.loads(out.read_text())["num_requests"] == 1
+    missing = CliRunner().invoke(app, ["sim", "calibrate", "--timings", str(timings), "--trace", str(tmp_path / "no")])
+    assert missing.exit_code == 2 and "error:" in missing.output

@@ -1,0 +1,61 @@
+"""The decode pool: one continuous batch per region, advanced per batch iteration analytically."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import simpy
+
+from prfaas.sim.decode import DecodePool, DecodeResult
+
+
+@dataclass(frozen=True)
+class LinearStep:
+    """A step of 10 ms per sequence in the batch plus `per_ctx_s` per context token (per worker)."""
+
+    per_ctx_s: float = 1e-6
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        return 0.010 * batch + self.per_ctx_s * context_tokens
+
+
+def _run(
+    jobs: list[tuple[float, int, int]], num_workers: int = 1, per_ctx_s: float = 1e-6
+) -> tuple[list[DecodeResult], DecodePool]:
+    env = simpy.Environment()
+    pool = DecodePool(env, LinearStep(per_ctx_s), num_workers)  # type: ignore[arg-type]
+    out: list[DecodeResult | None] = [None] * len(jobs)
+
+    def one(i: int, at: float, prompt: int, output: int):  # type: ignore[no-untyped-def]
+        yield env.timeout(at)
+        out[i] = yield pool.decode(prompt, output)
+
+    for i, job in enumerate(jobs):
+        env.process(one(i, *job))
+    env.run()
+    assert all(r is not None for r in out)
+    return [r for r in out if r is not None], pool
+
+
+def test_a_lone_sequence_takes_one_step_per_token_with_its_context_growing() -> None:
+    # 100 tokens, prompt 1000: step k holds 1000 + k tokens -> sum over k < 100 of (0.010 + 1e-6 (1000 + k))
+    # the model advances the context continuously, so the closed form uses the mean context (1000 + 50)
+    [result], pool = _run([(0.0, 1000, 100)])
+    assert result.finish_s == pytest.approx(100 * (0.010 + 1e-6 * 1000), rel=0.01)
+    assert pool.num_sequences == 0 and pool.context_tokens == 0
+
+
+def test_a_late_joiner_slows_the_sequence_already_decoding() -> None:
+    alone, _ = _run([(0.0, 0, 100)], per_ctx_s=0.0)
+    shared, _ = _run([(0.0, 0, 100), (0.2, 0, 100)], per_ctx_s=0.0)
+    # alone: 100 steps of 10 ms = 1.0 s; with the joiner, steps cost 20 ms from t=0.2: 20 steps + 80 steps x 20 ms
+    assert alone[0].finish_s == pytest.approx(1.0)
+    assert shared[0].finish_s == pytest.approx(0.2 + 80 * 0.020, rel=1e-6)
+    assert shared[0].tpot_s > alone[0].tpot_s
+
+
+def test_sequences_spread_over_workers_do_not_slow_each_other() -> None:
+    # two workers, two sequences: batch per worker is 1, so both run at the lone pace
+    results, _ = _run([(0.0, 0, 50), (0.0, 0, 50)], num_workers=2, per_ctx_s=0.0)
+    assert [r.finish_s for r in results] == pytest.approx([0.5, 0.5])

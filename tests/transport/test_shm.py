@@ -1,0 +1,128 @@
+"""What the shared-memory transport adds to the conformance suite: the arena allocator, KV
+placed in the arena (layers are views of it, memory comes back on release), inline fallback
+when the arena is full, checksums on request, and a TCP receiver sharing the arena."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transport_kit import Kit, fill, layers_for
+
+from prfaas.transport.api import Shipment, TransferStatus
+from prfaas.transport.arena import PAGE, Arena
+from prfaas.transport.endpoints import choose, host_id, parse_endpoint, parse_endpoints
+from prfaas.transport.shm import ShmReceiver
+from prfaas.transport.shm_channel import ShmChannel
+from prfaas.transport.tcp import TcpChannel
+from prfaas.transport.tcp_server import TcpReceiver
+
+
+def test_arena_hands_out_page_aligned_buffers_and_reuses_them_after_the_quarantine() -> None:
+    arena = Arena(16 * PAGE, quarantine_s=0.05)
+    try:
+        a, b = arena.get(100), arena.get(PAGE + 1)
+        assert isinstance(a, memoryview) and isinstance(b, memoryview)
+        assert (arena.offset_of(a), arena.offset_of(b)) == (0, PAGE)  # 100 bytes still take a page
+        assert arena.used_bytes == 3 * PAGE
+        assert isinstance(arena.get(14 * PAGE), bytearray)  # 13 pages free: a heap buffer instead
+        arena.put(a)
+        arena.put(a)  # a second put is ignored
+        arena.put(bytearray(10))  # not arena memory: ignored
+        assert isinstance(arena.get(PAGE), memoryview) and arena.used_bytes == 4 * PAGE  # not page 0 yet
+        time.sleep(0.06)
+        arena.put(b)
+        time.sleep(0.06)
+        big = arena.get(3 * PAGE)  # pages 0..2 merged back into one free range
+        assert arena.offset_of(big) == 0
+    finally:
+        arena.close()
+
+
+def test_raw_layers_are_views_of_the_arena_and_release_gives_the_memory_back(kit: Kit) -> None:
+    with ShmReceiver(kit.verifier, arena_bytes=8 << 20) as rx, ShmChannel(rx.path) as channel:
+        rx.arena.quarantine_s = 0.0
+        spec = kit.spec(num_layers=3, shape=(2, 512, 64))
+        inbound = rx.expect(spec.job_id, spec.attempt, timeout_s=10)
+        shipment = Shipment(spec)
+        transfer = channel.submit(shipment)
+        layers = layers_for(spec)
+        fill(shipment, layers)
+        assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+        k, v = inbound.layer(0, 1)
+        assert rx.arena.offset_of(k) is not None and rx.arena.offset_of(v) is not None  # no copy on this side
+        assert bytes(k) == layers[0][0]
+        assert rx.arena.used_bytes >= spec.raw_bytes
+        inbound.release()
+        assert rx.arena.used_bytes == 0
+
+
+def test_a_full_arena_falls_back_to_inline_payloads(kit: Kit) -> None:
+    with ShmReceiver(kit.verifier, arena_bytes=64 << 10) as rx, ShmChannel(rx.path) as channel:
+        spec = kit.spec(num_layers=2, shape=(2, 512, 64))  # 128 KiB parts: no room
+        inbound = rx.expect(spec.job_id, spec.attempt, timeout_s=10)
+        shipment = Shipment(spec)
+        transfer = channel.submit(shipment)
+        layers = layers_for(spec)
+        fill(shipment, layers)
+        assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+        assert [tuple(map(bytes, inbound.layer(i, 1))) for i in range(2)] == layers
+        assert rx.arena.offset_of(inbound.layer(0, 1)[0]) is None
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless"])
+def test_checksummed_shipments_arrive_verified(kit: Kit, codec: str) -> None:
+    with ShmReceiver(kit.verifier, arena_bytes=8 << 20) as rx, ShmChannel(rx.path, checksums=True) as channel:
+        spec = kit.spec(num_layers=2, shape=(2, 256, 64), codec=codec)
+        inbound = rx.expect(spec.job_id, spec.attempt, timeout_s=10)
+        shipment = Shipment(spec)
+        transfer = channel.submit(shipment)
+        layers = layers_for(spec)
+        fill(shipment, layers)
+        assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+        assert inbound.wait(5) is TransferStatus.COMPLETED
+        assert [tuple(map(bytes, inbound.layer(i, 1))) for i in range(2)] == layers
+
+
+def test_a_tcp_receiver_sharing_the_arena_serves_both_transports(kit: Kit) -> None:
+    """A decode region: one set of expected shipments, reached over TCP or shared memory."""
+    arena = Arena(8 << 20, quarantine_s=0.0)
+    tcp = TcpReceiver(kit.verifier, pool=arena)
+    shm = ShmReceiver(kit.verifier, arena=arena, core=tcp.core)
+    try:
+        with TcpChannel(tcp.address, num_streams=2) as over_tcp, ShmChannel(shm.path) as over_shm:
+            for channel in (over_tcp, over_shm):
+                spec = kit.spec(num_layers=2, shape=(2, 512, 64))
+                inbound = tcp.expect(spec.job_id, spec.attempt, timeout_s=10)
+                shipment = Shipment(spec)
+                transfer = channel.submit(shipment)
+                layers = layers_for(spec, seed=5)
+                fill(shipment, layers)
+                assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+                assert [tuple(map(bytes, inbound.layer(i, 1))) for i in range(2)] == layers
+                assert arena.offset_of(inbound.layer(1, 1)[1]) is not None
+                inbound.release()
+        assert arena.used_bytes == 0
+    finally:
+        shm.close()
+        tcp.close()
+
+
+def test_endpoints_parse_and_the_fastest_usable_one_is_chosen() -> None:
+    assert str(parse_endpoint("10.0.0.5:7400")) == "10.0.0.5:7400"
+    assert parse_endpoint("webrtc://decode-b").region == "decode-b"
+    for bad in ("nohost", "shm://only-id", "webrtc://", "h:0", "h:99999"):
+        with pytest.raises(ValueError, match="is not"):
+            parse_endpoint(bad)
+    with pytest.raises(ValueError, match="no KV endpoint"):
+        parse_endpoints(" , ")
+    here = host_id()
+    import tempfile
+
+    with tempfile.NamedTemporaryFile() as sock:  # the receiver's socket path exists
+        mine = f"127.0.0.1:7400,shm://{here}{sock.name},webrtc://d"
+        assert choose(parse_endpoints(mine)).kind == "shm"
+        assert choose(parse_endpoints(f"shm://other-host{sock.name},127.0.0.1:7400")).kind == "tcp"
+    assert choose(parse_endpoints(f"shm://{here}/gone.sock,webrtc://d")).kind == "webrtc"  # no socket
+    with pytest.raises(ValueError, match="can be reached"):
+        choose(parse_endpoints("shm://other/x.sock"))

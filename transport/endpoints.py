@@ -1,0 +1,90 @@
+"""KV endpoints: how a decode region says where senders reach it, and which one a sender
+uses. A region's `kv_endpoint` lists alternatives separated by commas:
+
+    10.0.0.5:7400                          TCP (the default; any host)
+    shm://<host id>/tmp/prfaas-kv-d.sock   shared memory (transport/shm.py): same host only
+    webrtc://<region name>                 WebRTC data channels, signalled through the control plane
+
+`choose` takes the fastest one this process can use: shared memory when the receiver is on
+this host *and* in this network and mount namespace (`host_id`: regions in different
+namespaces emulate different hosts, so their WAN emulation is never bypassed), else TCP,
+else WebRTC.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["tcp", "shm", "webrtc"]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    kind: Kind
+    host: str = ""  # tcp
+    port: int = 0  # tcp
+    path: str = ""  # shm: the receiver's Unix control socket
+    host_id: str = ""  # shm: `host_id()` of the receiver
+    region: str = ""  # webrtc: the receiving region's name, for signalling
+
+    def __str__(self) -> str:
+        if self.kind == "shm":
+            return f"shm://{self.host_id}{self.path}"
+        if self.kind == "webrtc":
+            return f"webrtc://{self.region}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_endpoint(text: str) -> Endpoint:
+    """One endpoint; ValueError naming what is wrong."""
+    text = text.strip()
+    if text.startswith("shm://"):
+        host_id, slash, path = text.removeprefix("shm://").partition("/")
+        if not host_id or not slash:
+            raise ValueError(f"{text!r} is not shm://<host id>/<socket path>")
+        return Endpoint("shm", path="/" + path, host_id=host_id)
+    if text.startswith("webrtc://"):
+        region = text.removeprefix("webrtc://")
+        if not region or "/" in region:
+            raise ValueError(f"{text!r} is not webrtc://<region name>")
+        return Endpoint("webrtc", region=region)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{text!r} is not host:port, shm://<host id>/<path> or webrtc://<region>")
+    return Endpoint("tcp", host=host.strip("[]"), port=int(port))
+
+
+def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
+    endpoints = tuple(parse_endpoint(part) for part in text.split(",") if part.strip())
+    if not endpoints:
+        raise ValueError("no KV endpoint given")
+    return endpoints
+
+
+@functools.cache
+def host_id() -> str:
+    """This host (boot id) and this process's network and mount namespaces: two processes
+    with the same id can share memory through a Unix socket path and a memfd."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip().replace("-", "")[:16]
+        net, mnt = os.stat("/proc/self/ns/net").st_ino, os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return "unknown"  # not Linux: shared memory is never chosen
+    return f"{boot}-{net}-{mnt}"
+
+
+def choose(endpoints: tuple[Endpoint, ...], local_host_id: str | None = None) -> Endpoint:
+    """The endpoint to ship on: shared memory if usable from here, else TCP, else WebRTC."""
+    here = host_id() if local_host_id is None else local_host_id
+    for endpoint in endpoints:
+        if endpoint.kind == "shm" and endpoint.host_id == here != "unknown" and os.path.exists(endpoint.path):
+            return endpoint
+    for kind in ("tcp", "webrtc"):
+        for endpoint in endpoints:
+            if endpoint.kind == kind:
+                return endpoint
+    raise ValueError(f"none of {', '.join(map(str, endpoints))} can be reached from this host")

@@ -1,0 +1,315 @@
+"""The same-host transport: KV written once into the receiver's shared memory.
+
+A decode process and a prefill process on one host (one region's node) do not need TCP:
+the receiver owns an **arena**, a memfd mapped into both processes (handed to each sender
+over the control socket with SCM_RIGHTS, so no name in /dev/shm can leak), and allocates
+every raw-codec part buffer of a shipment there at OPEN. Its OPEN_OK tells the sender where
+each part lives; the sender copies each chunk from the producer's buffer straight into
+place (the only copy of the KV) and sends the DATA header alone on the Unix control
+socket. The receiver's layers are views of the arena: nothing is copied on its side.
+Frames, tickets, receiver rules and the `Transfer` API are those of TCP (docs/transports.md
+gives the three differences); codecs other than raw, or a full arena, fall back to payloads
+inline on the control socket.
+
+Checksums: by default the sender leaves payload_xxh3 0 (the bytes never cross a wire; a
+memcpy within one host is as trustworthy as the receiver's own memory) and the receiver
+verifies every payload that carries one (`ShmChannel(checksums=True)`).
+
+Lifetime: arena memory comes back when `Inbound.release()` is called (copy the KV into the
+engine first) or when the shipment fails; freed ranges wait `QUARANTINE_S` before reuse,
+so a sender still copying into a canceled shipment cannot touch a later one's KV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import select
+import socket
+import tempfile
+import threading
+import uuid
+
+from prfaas.transport.arena import POPULATE, Arena
+from prfaas.transport.codecs import DTYPE_SIZES, CodecId
+from prfaas.transport.endpoints import Endpoint, host_id
+from prfaas.transport.errors import FrameError
+from prfaas.transport.framing import (
+    HEADER_SIZE,
+    ChunkKey,
+    ErrorCode,
+    Frame,
+    FrameType,
+    Header,
+    ack_payload,
+    encode,
+    error_frame,
+    json_payload,
+    parse_ack,
+    parse_header,
+    payload_ok,
+    read_exact,
+    read_into,
+    to_frame,
+)
+from prfaas.transport.inbound import Inbound, OpenInfo
+from prfaas.transport.receiver import ReceiverCore, Session
+from prfaas.transport.tickets import TicketVerifier
+
+log = logging.getLogger(__name__)
+Key = tuple[bytes, int]
+Placement = tuple[int, list[tuple[int, int]]]  # (chunk_bytes, [(k offset, v offset) per layer]) in the arena
+
+
+def default_socket_path(node: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"prfaas-kv-{node}-{uuid.uuid4().hex[:8]}.sock")
+
+
+class _Connection:
+    """One sender's control socket on the receiver."""
+
+    def __init__(self, sock: socket.socket, receiver: ShmReceiver) -> None:
+        self.sock = sock
+        self.rx = receiver
+        self.core = receiver.core
+        self._write_lock = threading.Lock()
+        self.session = Session(self.send)
+        self.placed: dict[Key, Placement] = {}
+        self.thread = threading.Thread(target=self._run, name="prfaas-shm-conn", daemon=True)
+
+    def send(self, frame: Frame, fds: list[int] | None = None) -> None:
+        data = encode(frame)
+        try:
+            with self._write_lock:
+                if fds:
+                    socket.send_fds(self.sock, [data], fds)
+                else:
+                    self.sock.sendall(data)
+        except OSError:
+            pass  # the reader notices the broken connection and ends it
+
+    def _run(self) -> None:
+        try:
+            header = parse_header(read_exact(self.sock, HEADER_SIZE))
+            payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
+            for reply in self.core.handle(to_frame(header, payload), payload_ok(header, payload), self.session):
+                body = reply.json() if reply.type is FrameType.HELLO_OK else None
+                if isinstance(body, dict):  # HELLO_OK carries the arena: its size, and its fd beside it
+                    body["arena_bytes"] = self.rx.arena.size
+                    self.send(Frame(FrameType.HELLO_OK, payload=json_payload(body)), [self.rx.arena.fd])
+                else:
+                    self.send(reply)
+            replies: list[Frame] = []
+            while True:
+                replies += self._frame(parse_header(read_exact(self.sock, HEADER_SIZE)))
+                if len(replies) >= 64 or not select.select([self.sock], [], [], 0)[0]:
+                    self._flush(replies)  # nothing more to read now: answer all at once
+                    replies = []
+        except FrameError as exc:
+            self.send(error_frame(ErrorCode.BAD_FRAME, str(exc)))
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            self.close()
+
+    def _flush(self, replies: list[Frame]) -> None:
+        """Send replies, the ACKs of each shipment merged into one frame, in one write."""
+        acks: dict[Key, list[ChunkKey]] = {}
+        out: list[Frame] = []
+        for reply in replies:
+            if reply.type is FrameType.ACK:
+                key = (reply.job_id, reply.attempt)
+                if key not in acks:
+                    acks[key] = []
+                    out.append(reply)  # stands in for the merged ACK
+                acks[key] += parse_ack(reply.payload)
+            else:
+                out.append(reply)
+        data = b"".join(
+            encode(Frame(FrameType.ACK, f.job_id, f.attempt, payload=ack_payload(acks[(f.job_id, f.attempt)])))
+            if f.type is FrameType.ACK
+            else encode(f)
+            for f in out
+        )
+        if data:
+            try:
+                with self._write_lock:
+                    self.sock.sendall(data)
+            except OSError:
+                pass  # the reader notices
+
+    def _frame(self, header: Header) -> list[Frame]:
+        key = (header.job_id, header.attempt)
+        if header.type is FrameType.DATA and key in self.placed:
+            return self._placed_data(header, self.placed[key])
+        view = self.core.data_slot(header, self.session) if header.payload_len else None
+        if view is not None:  # an inline payload (not raw, or no room in the arena) straight into place
+            try:
+                read_into(self.sock, view)
+            except BaseException:
+                self.core.data_commit(header, payload_ok=False)
+                raise
+            return self.core.data_commit(header, _verified(header, view))
+        payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
+        replies = self.core.handle(to_frame(header, payload), _verified(header, payload), self.session)
+        if header.type is FrameType.OPEN and [r.type for r in replies] == [FrameType.OPEN_OK]:
+            return [self._place(header, payload)]
+        if header.type is FrameType.CANCEL:
+            self.placed.pop(key, None)
+        return replies
+
+    def _place(self, header: Header, payload: bytearray) -> Frame:
+        """OPEN accepted: allocate a raw shipment's parts in the arena and say where they are
+        (OPEN_OK's payload); an empty OPEN_OK means payloads come inline."""
+        job, attempt = header.job_id, header.attempt
+        info, _ticket = OpenInfo.from_json(to_frame(header, payload).json())
+        if info.codec != CodecId.RAW:
+            return Frame(FrameType.OPEN_OK, job, attempt)
+        offsets: list[tuple[int, int]] = []
+        for layer, (heads, tokens, head_dim) in enumerate(info.layer_shapes):
+            raw_len = heads * tokens * head_dim * DTYPE_SIZES[info.dtype]
+            count = max(1, -(-raw_len // info.chunk_bytes))
+            pair = []
+            for part in (0, 1):  # chunk 0's slot creates the part buffer; the claim is dropped at once
+                probe = Header(FrameType.DATA, job, attempt, layer, part, int(CodecId.RAW), 0, count, raw_len,
+                               min(raw_len, info.chunk_bytes), 0)  # fmt: skip
+                view = self.core.data_slot(probe, self.session)
+                offset = self.rx.arena.offset_of(view) if view is not None else None
+                if view is not None:
+                    self.core.data_commit(probe, payload_ok=False)
+                if offset is None:
+                    return Frame(FrameType.OPEN_OK, job, attempt)  # heap part (arena full): inline
+                pair.append(offset)
+            offsets.append((pair[0], pair[1]))
+        self.placed[(job, attempt)] = (info.chunk_bytes, offsets)
+        return Frame(FrameType.OPEN_OK, job, attempt, payload=json_payload({"parts": offsets}))
+
+    def _placed_data(self, header: Header, placement: Placement) -> list[Frame]:
+        """A DATA header whose payload the sender already wrote at its place in the arena."""
+        chunk_bytes, offsets = placement
+        if not 0 <= header.layer < len(offsets):
+            return self.core.handle(to_frame(header, b""), False, self.session)  # the core refuses it
+        start = offsets[header.layer][header.part] + header.chunk * chunk_bytes
+        view = self.core.data_slot(header, self.session)
+        if view is not None:
+            if self.rx.arena.offset_of(view) != start:  # cannot happen while parts stay put; refuse loudly
+                self.core.data_commit(header, payload_ok=False)
+                raise FrameError("placed chunk is not where OPEN_OK said")
+            return self.core.data_commit(header, _verified(header, view))
+        in_place = self.rx.arena.view(start, header.payload_len)  # duplicate, ended, unknown: the core decides
+        return self.core.handle(to_frame(header, in_place), _verified(header, in_place), self.session)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def _verified(header: Header, payload: bytes | bytearray | memoryview) -> bool:
+    """A payload checksum of 0 means the sender wrote none (never on a wire); else verify it."""
+    return header.payload_xxh3 == 0 or payload_ok(header, payload)
+
+
+class ShmReceiver:
+    """The receiving end: a Unix control socket at `path` and an arena of `arena_bytes`.
+
+    Senders on this host connect with `ShmChannel(receiver.path)`. `expect` / `Inbound` as
+    for TCP; the layers of a raw shipment are memoryviews of the arena, valid until
+    `Inbound.release()`.
+    """
+
+    def __init__(
+        self,
+        verifier: TicketVerifier,
+        path: str | None = None,
+        *,
+        node: str = "receiver",
+        arena_bytes: int = 512 << 20,
+        arena: Arena | None = None,
+        core: ReceiverCore | None = None,
+        reap_interval_s: float = 0.05,
+    ) -> None:
+        self.arena = arena if arena is not None else Arena(arena_bytes)
+        # `core`: share another receiver's expectations (a decode region's TCP port and this
+        # one accept the same shipments); give it this arena as its pool, or nothing is placed
+        self.core = core if core is not None else ReceiverCore(verifier, node, pool=self.arena)
+        self._owns_core = core is None
+        self.path = path or default_socket_path(node)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a stale socket file of an earlier run
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen(64)
+        self._reap_interval_s = reap_interval_s
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._connections: set[_Connection] = set()
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="prfaas-shm-accept", daemon=True),
+            threading.Thread(target=self._reap_loop, name="prfaas-shm-reaper", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
+        return self.core.expect(job_id, attempt, timeout_s)
+
+    @property
+    def endpoint(self) -> str:
+        """What a decode region advertises for it (transport/endpoints.py)."""
+        return str(Endpoint("shm", path=self.path, host_id=host_id()))
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            connection = _Connection(sock, self)
+            with self._lock:
+                if self._closed.is_set():
+                    connection.close()
+                    return
+                self._connections = {c for c in self._connections if c.thread.is_alive()} | {connection}
+            connection.thread.start()
+
+    def _reap_loop(self) -> None:
+        while not self._closed.wait(self._reap_interval_s):
+            self.core.expire_due()
+
+    @property
+    def num_connections(self) -> int:
+        with self._lock:
+            return sum(1 for c in self._connections if c.thread.is_alive())
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel expected shipments, stop listening, close connections, join threads, unmap."""
+        if self._owns_core:
+            self.core.cancel_all("receiver shutting down")
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            connection.close()
+        for thread in [*self._threads, *(c.thread for c in connections)]:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout_s)
+        self.arena.close()
+
+    def __enter__(self) -> ShmReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def map_arena(fd: int, size: int) -> mmap.mmap:
+    """A sender's mapping of the receiver's arena (the fd may be closed afterwards)."""
+    return mmap.mmap(fd, size, flags=POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -1,0 +1,304 @@
+"""`ShmChannel`: the sending end of the same-host transport (transport/shm.py).
+
+One Unix control socket to the receiver, the receiver's arena mapped here. Chunks of a
+placed shipment (raw codec, room in the arena) are copied from the producer's buffers
+straight into the receiver's part buffers by `copy_threads` threads (numpy copies release
+the GIL), and only their 64-byte DATA headers go on the socket. Before OPEN_OK says where
+a shipment goes, its chunks wait here. Everything else (OPEN, ACK, DONE, CANCEL, ERROR,
+tickets, deadlines) is the TCP protocol unchanged.
+
+A broken control socket (the receiver died) fails every live transfer at once with
+`PeerUnavailable`: there is no other stream to resend on. The next `submit` reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from prfaas.transport import metrics, sockets
+from prfaas.transport.api import Shipment, TransferStatus
+from prfaas.transport.errors import FrameError, PeerUnavailable, TransportError
+from prfaas.transport.framing import (
+    HEADER_SIZE,
+    Frame,
+    FrameType,
+    encode,
+    json_payload,
+    parse_header,
+    read_exact,
+    read_frame,
+    to_frame,
+)
+from prfaas.transport.sender import Chunk, OutboundTransfer, TransferTable
+from prfaas.transport.shm import Placement, map_arena
+
+Key = tuple[bytes, int]
+BATCH_CHUNKS = 32  # chunks a copy thread takes from the queue at once (one header write for all)
+
+
+class _Link:
+    """One connected control socket and the mapped arena behind it."""
+
+    def __init__(self, path: str, timeout_s: float, node: str) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+            sock.sendall(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": node}))))
+            data, fds, _flags, _addr = socket.recv_fds(sock, HEADER_SIZE, 1)
+            if not data:
+                raise ConnectionError("receiver closed the connection during HELLO")
+            head = bytes(data) + bytes(read_exact(sock, HEADER_SIZE - len(data)))
+            header = parse_header(head)
+            payload = read_exact(sock, header.payload_len) if header.payload_len else bytearray()
+            hello = to_frame(header, payload)
+            if hello.type is not FrameType.HELLO_OK:
+                raise FrameError(f"receiver answered HELLO with {hello.type.name}: {bytes(payload)[:200]!r}")
+            body = hello.json()
+            if not fds or not isinstance(body, dict) or not isinstance(body.get("arena_bytes"), int):
+                raise FrameError("receiver's HELLO_OK carries no arena (is it a shared-memory receiver?)")
+            try:
+                self.arena = map_arena(fds[0], body["arena_bytes"])
+            finally:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        socket.close(fd)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.alive = True
+        self._write_lock = threading.Lock()
+
+    def send(self, header: bytes, payload: bytes | memoryview = b"") -> None:
+        with self._write_lock:
+            if payload:
+                sockets.send_frame(self.sock, header, payload)
+            else:
+                self.sock.sendall(header)
+
+    def close(self) -> None:
+        self.alive = False
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+class ShmChannel:
+    """A channel to the `ShmReceiver` listening at `path` on this host. Implements `Channel`.
+
+    checksums: write payload_xxh3 on every chunk (the receiver then verifies it); off by
+    default: the KV never crosses a wire. copy_threads: threads copying chunks into the arena.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        connect_timeout_s: float = 3.0,
+        checksums: bool = False,
+        copy_threads: int = 2,
+        encode_threads: int = 2,
+        node: str = "sender",
+    ) -> None:
+        self.path = path
+        self.peer = f"shm:{path}"  # the metrics' peer label
+        self.connect_timeout_s = connect_timeout_s
+        self.checksums = checksums
+        self.node = node
+        self.table = TransferTable()
+        self.closed = threading.Event()
+        self._lock = threading.Lock()
+        self._link: _Link | None = None
+        self._placements: dict[Key, Placement | None] = {}  # None: inline payloads
+        self._waiting: dict[Key, list[Chunk]] = {}  # chunks produced before OPEN_OK
+        self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="prfaas-shm-encode")
+        self._threads = [
+            threading.Thread(target=self._copy_loop, name=f"prfaas-shm-copy-{i}", daemon=True)
+            for i in range(copy_threads)
+        ]
+        self._threads.append(threading.Thread(target=self._reap_loop, name="prfaas-shm-sender-reaper", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    # -- Channel ---------------------------------------------------------------------------
+
+    def submit(self, shipment: Shipment) -> OutboundTransfer:
+        if self.closed.is_set():
+            raise PeerUnavailable("channel is closed")
+        transfer = OutboundTransfer(shipment, self._enqueue, self._encoder, checksum_payload=self.checksums)
+        self.table.add(transfer)
+        transfer.cell.on_terminal(lambda status: self._ended(transfer, status))
+        try:
+            link = self._connected()
+            link.send(transfer.open_frame)
+        except (OSError, FrameError, ConnectionError) as exc:
+            transfer.cell.finish(
+                TransferStatus.FAILED, PeerUnavailable(f"no shared-memory receiver at {self.path}: {exc}")
+            )
+            return transfer
+        transfer.start()
+        return transfer
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel live transfers, close the socket, join every thread, unmap the arena."""
+        for transfer in self.table.live():
+            transfer.cancel()
+        self.closed.set()
+        for _ in self._threads:
+            self._queue.put(None)
+        with self._lock:
+            link, self._link = self._link, None
+        if link is not None:
+            link.close()
+        for thread in self._threads:
+            thread.join(timeout_s)
+        self._encoder.shutdown(wait=True, cancel_futures=True)
+        if link is not None:
+            with contextlib.suppress(BufferError):
+                link.arena.close()
+
+    def __enter__(self) -> ShmChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- connection ------------------------------------------------------------------------
+
+    def _connected(self) -> _Link:
+        with self._lock:
+            if self._link is not None and self._link.alive:
+                return self._link
+            link = self._link = _Link(self.path, self.connect_timeout_s, self.node)
+        threading.Thread(target=self._read_loop, args=(link,), name="prfaas-shm-reader", daemon=True).start()
+        return link
+
+    def _read_loop(self, link: _Link) -> None:
+        try:
+            while True:
+                frame, _ok = read_frame(link.sock)
+                if frame.type is FrameType.OPEN_OK:
+                    self._placed((frame.job_id, frame.attempt), frame)
+                _acked, resend = self.table.on_reply(frame)
+                for chunk in resend:
+                    self._queue.put(chunk)
+        except (OSError, ConnectionError, FrameError):
+            pass
+        link.alive = False
+        for transfer in self.table.live():  # one socket: nothing left to resend on
+            transfer.cell.finish(TransferStatus.FAILED, PeerUnavailable("shared-memory receiver went away"))
+
+    def _placed(self, key: Key, frame: Frame) -> None:
+        body = frame.json() if frame.payload else None
+        placement: Placement | None = None
+        transfer = self.table.get(key)
+        if transfer is None:
+            return  # ended meanwhile
+        if isinstance(body, dict) and isinstance(body.get("parts"), list):
+            placement = (transfer.spec.chunk_bytes, [(int(k), int(v)) for k, v in body["parts"]])
+        with self._lock:
+            if key in self._placements:
+                return
+            self._placements[key] = placement
+            waiting = self._waiting.pop(key, [])
+        for chunk in waiting:
+            self._queue.put(chunk)
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _enqueue(self, chunks: list[Chunk]) -> None:
+        if not chunks:
+            return
+        key = chunks[0].transfer.key
+        with self._lock:
+            if key not in self._placements:
+                self._waiting.setdefault(key, []).extend(chunks)
+                return
+        for chunk in chunks:
+            self._queue.put(chunk)
+
+    def _copy_loop(self) -> None:
+        stop = False
+        while not stop and (chunk := self._queue.get()) is not None:
+            batch = [chunk]
+            while len(batch) < BATCH_CHUNKS:  # what is queued already goes out with one write
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
+            self._send_batch(batch)
+
+    def _send_batch(self, batch: list[Chunk]) -> None:
+        with self._lock:
+            link = self._link
+        if link is None or not link.alive:
+            return  # the reader fails the transfers
+        headers: list[bytes] = []
+        try:
+            for chunk in batch:
+                transfer = chunk.transfer
+                if transfer.cell.status().terminal:
+                    continue
+                with self._lock:
+                    placement = self._placements.get(transfer.key)
+                transfer.sent(chunk, 0, chunk.stream is not None)
+                if placement is None:
+                    link.send(chunk.header, chunk.payload)
+                    continue
+                try:
+                    self._place(link, placement, chunk)
+                except TransportError as exc:
+                    transfer.cell.finish(TransferStatus.FAILED, exc)
+                    continue
+                headers.append(chunk.header)
+            if headers:
+                link.send(b"".join(headers))
+        except OSError:
+            link.alive = False  # the reader fails what is live
+
+    @staticmethod
+    def _place(link: _Link, placement: Placement, chunk: Chunk) -> None:
+        """Copy the chunk to where the receiver placed it: the KV's one copy."""
+        chunk_bytes, offsets = placement
+        layer, part, index = chunk.key
+        start = offsets[layer][part] + index * chunk_bytes
+        size = len(chunk.payload)
+        if not 0 <= start <= start + size <= len(link.arena):
+            raise TransportError(f"receiver placed layer {layer} part {part} outside its arena")
+        target = np.frombuffer(link.arena, dtype=np.uint8, count=size, offset=start)
+        np.copyto(target, np.frombuffer(chunk.payload, dtype=np.uint8))  # releases the GIL
+        del target
+
+    def _ended(self, transfer: OutboundTransfer, status: TransferStatus) -> None:
+        metrics.TRANSFERS.labels(self.peer, status.value).inc()
+        metrics.WIRE_BYTES.labels(self.peer).inc(transfer.stats.wire_bytes)
+        if status is TransferStatus.COMPLETED:
+            metrics.RAW_BYTES.labels(self.peer, transfer.spec.codec).inc(transfer.spec.raw_bytes)
+        key = transfer.key
+        with self._lock:
+            self._placements.pop(key, None)
+            self._waiting.pop(key, None)
+            link = self._link
+        if status is not TransferStatus.COMPLETED and not transfer.remote_ended and link is not None and link.alive:
+            cancel = Frame(FrameType.CANCEL, key[0], key[1], payload=str(transfer.error).encode()[:1000])
+            with contextlib.suppress(OSError):
+                link.send(encode(cancel))
+        transfer.drop_unacked()
+
+    def _reap_loop(self) -> None:
+        while not self.closed.wait(0.05):
+            for transfer in self.table.live():
+                transfer.cell.expire_if_due()
