@@ -349,9 +349,10 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(array)
 
 
-def _tensor(buf: bytes | bytearray, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+def _tensor(buf: bytes | bytearray | memoryview, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
     """A tensor over the received bytes (no copy: scatter copies it into the cache)."""
-    flat = torch.frombuffer(memoryview(buf), dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    view = memoryview(buf).cast("B")
+    flat = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
     return flat.view(dtype).view(shape)
 
 
