@@ -82,7 +82,8 @@ def test_up_bench_down_leaves_nothing_behind(home: Path) -> None:
         assert state["api_key"] in up.stdout and state["api_base"] in up.stdout
         client = openai.OpenAI(base_url=state["api_base"], api_key=state["api_key"], max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["tiny-llama"]
-        assert httpx.get(state["dashboard_url"], timeout=10).status_code in (200, 401, 403)  # maybe keyed
+        dashboard = httpx.get(state["dashboard_url"], timeout=10, follow_redirects=True)  # to its sign-in page
+        assert dashboard.status_code == 200 and "sign in" in dashboard.text.lower()
 
         out = home.parent / "bench"
         bench = _run(["bench", "-n", "6", "--compare", "colocated,split-always", "--input-len", "uniform:150-400",
