@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -219,7 +220,7 @@ def test_beat_task_refreshes_prices_in_a_worker(settings: Settings, moto: str, p
         [sys.executable, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "-B",
          "-s", str(tmp_path / "beat-schedule"), "--pool", "threads", "-c", "2", "--without-gossip",
          "--without-mingle", "--loglevel", "WARNING"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     client = redis.Redis.from_url(settings.redis_url)
     try:
@@ -234,6 +235,6 @@ def test_beat_task_refreshes_prices_in_a_worker(settings: Settings, moto: str, p
         seen = fetched_at()
         wait_until(lambda: fetched_at() > seen, 15, 0.2)  # refreshed again on schedule (every 1 s)
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # the group: `-B` forks the embedded beat into a child process
         proc.wait(10)
         client.close()
