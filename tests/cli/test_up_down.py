@@ -97,6 +97,13 @@ def test_up_bench_down_leaves_nothing_behind(home: Path) -> None:
             assert summary["placements"] == {placement: 6}
             assert 0 < summary["ttft_s"]["p50"] <= summary["ttft_s"]["p99"] <= summary["e2e_s"]["p99"]
             assert summary["cost"]["usd_per_1m_tokens"] > 0
+            assert summary["cost"]["source"].startswith("ledger"), summary["cost"]  # every job billed
+        # the ledger holds exactly one entry per finished job (warm-up requests included)
+        auth = {"Authorization": f"Bearer {state['api_key']}"}
+        jobs = httpx.get(f"{state['api_base']}/jobs", headers=auth, timeout=10).json()["data"]
+        usage = httpx.get(f"{state['api_base']}/usage?group_by=model", headers=auth, timeout=10).json()["data"]
+        done = [j for j in jobs if j["state"] == "DONE"]
+        assert len(done) == len(jobs) >= 12 and sum(row["jobs"] for row in usage) == len(done)
         kv_raw = {p: s["kv_bytes"]["raw"] for p, s in result["policies"].items()}
         assert kv_raw["split-always"] > 0 == kv_raw["colocated"]
         assert result["ratios"]["colocated"]["TTFT P50"] == 1.0
