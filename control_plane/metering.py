@@ -294,7 +294,7 @@ class Meter:
         table = self.price_table(usage.prefill_region, usage.decode_region)
         entry, inserted = self.ledger.record_once(usage, table)
         if inserted:
-            self.sync_spend(usage.tenant)
+            self.add_spend(usage.tenant, entry.total_usd)
             if self.metrics is not None:
                 self.metrics.billed(entry)
                 self.metrics.write_s.observe(time.perf_counter() - started)
@@ -349,6 +349,16 @@ class Meter:
             links = {(x.src, x.dst): x.egress_usd_per_gb for x in self.s.regions.links()}
             egress[(prefill_region, decode_region)] = links.get((prefill_region, decode_region), 0.0)
         return PriceTable(gpu, egress)
+
+    def add_spend(self, tenant: str, usd: float) -> None:
+        """Add a newly written entry's $ to the tenant's monthly spend in Redis. O(1) a job: summing the
+        ledger's month at every bill grew with the month's jobs. The sweep (`reconcile`) raises the key to
+        the ledger's sum, so a bill whose increment was lost (a crash between the two) is caught up."""
+        key = self.s.jobs.spend_key(tenant)
+        with self.s.redis.pipeline() as pipe:
+            pipe.incrbyfloat(key, usd)
+            pipe.expire(key, 40 * 86400)
+            pipe.execute()
 
     def sync_spend(self, tenant: str) -> float:
         """Raise the tenant's monthly spend in Redis to the ledger's sum for the month."""
