@@ -282,6 +282,9 @@ def run_up(
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
+    # Installed, not inherited: a shell starts background jobs with SIGINT ignored, and Python
+    # then keeps ignoring it, so Ctrl-C (or a supervisor's SIGINT) would not stop the run.
+    previous_int = signal.signal(signal.SIGINT, interrupt)
     keep = False
     try:
         state = deployment.start()
@@ -307,3 +310,4 @@ def run_up(
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             deployment.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)

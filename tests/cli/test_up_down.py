@@ -143,7 +143,11 @@ def test_ctrl_c_stops_everything_also_with_an_emulated_wan(home: Path) -> None:
         assert reply.usage is not None and reply.usage.completion_tokens == 3  # KV crossed the (emulated) link
     finally:
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends; the children have sessions of their own
-        output, _ = proc.communicate(timeout=120)
+        try:
+            output, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            _run(["down"], home, timeout_s=120)  # a failed test leaves no deployment behind
+            raise
     assert proc.returncode == 0, output
     assert "stopping" in output and "stopped region-dec" in output
     if not wan:
