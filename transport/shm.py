@@ -55,7 +55,7 @@ from prfaas.transport.framing import (
     to_frame,
 )
 from prfaas.transport.inbound import Inbound, OpenInfo
-from prfaas.transport.receiver import ReceiverCore, Session
+from prfaas.transport.receiver import Connections, ReceiverCore, Session
 from prfaas.transport.tickets import TicketVerifier
 
 log = logging.getLogger(__name__)
@@ -242,16 +242,9 @@ class ShmReceiver:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
         self._listener.listen(64)
-        self._reap_interval_s = reap_interval_s
-        self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._connections: set[_Connection] = set()
-        self._threads = [
-            threading.Thread(target=self._accept_loop, name="prfaas-shm-accept", daemon=True),
-            threading.Thread(target=self._reap_loop, name="prfaas-shm-reaper", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._connections: Connections[_Connection] = Connections(self.core, reap_interval_s, "prfaas-shm-reaper")
+        self._acceptor = threading.Thread(target=self._accept_loop, name="prfaas-shm-accept", daemon=True)
+        self._acceptor.start()
 
     def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
         return self.core.expect(job_id, attempt, timeout_s)
@@ -262,43 +255,34 @@ class ShmReceiver:
         return str(Endpoint("shm", path=self.path, host_id=host_id()))
 
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
+        while not self._connections.closed.is_set():
             try:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
             connection = _Connection(sock, self)
-            with self._lock:
-                if self._closed.is_set():
-                    connection.close()
-                    return
-                self._connections = {c for c in self._connections if c.thread.is_alive()} | {connection}
+            if not self._connections.add(connection):
+                connection.close()
+                return
             connection.thread.start()
-
-    def _reap_loop(self) -> None:
-        while not self._closed.wait(self._reap_interval_s):
-            self.core.expire_due()
 
     @property
     def num_connections(self) -> int:
-        with self._lock:
-            return sum(1 for c in self._connections if c.thread.is_alive())
+        return self._connections.live
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Cancel expected shipments, stop listening, close connections, join threads, unmap."""
         if self._owns_core:
             self.core.cancel_all("receiver shutting down")
-        self._closed.set()
+        connections = self._connections.closing()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        with self._lock:
-            connections = list(self._connections)
         for connection in connections:
             connection.close()
-        for thread in [*self._threads, *(c.thread for c in connections)]:
+        for thread in [self._acceptor, self._connections.reaper, *(c.thread for c in connections)]:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout_s)
         self.arena.close()

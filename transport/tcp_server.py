@@ -28,7 +28,7 @@ from prfaas.transport.framing import (
     to_frame,
 )
 from prfaas.transport.inbound import Inbound, PartPool
-from prfaas.transport.receiver import ReceiverCore, Session
+from prfaas.transport.receiver import Connections, ReceiverCore, Session
 from prfaas.transport.tickets import TicketVerifier
 from prfaas.transport.tls import TlsSocket
 
@@ -117,58 +117,43 @@ class TcpReceiver:
         self.core = ReceiverCore(verifier, node, pool)  # pool: part buffers (None: the heap pool)
         self._ssl = ssl_context
         self._buf = sock_buf_bytes
-        self._reap_interval_s = reap_interval_s
         self._listener = socket.create_server((host, port), backlog=128)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._connections: set[_Connection] = set()
-        self._threads = [
-            threading.Thread(target=self._accept_loop, name="prfaas-kv-accept", daemon=True),
-            threading.Thread(target=self._reap_loop, name="prfaas-kv-reaper", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._connections: Connections[_Connection] = Connections(self.core, reap_interval_s, "prfaas-kv-reaper")
+        self._acceptor = threading.Thread(target=self._accept_loop, name="prfaas-kv-accept", daemon=True)
+        self._acceptor.start()
 
     def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
         return self.core.expect(job_id, attempt, timeout_s)
 
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
+        while not self._connections.closed.is_set():
             try:
                 sock, _peer = self._listener.accept()
             except OSError:
                 return  # listener closed
             sockets.configure(sock, self._buf)
             connection = _Connection(sock, self.core, self._ssl)
-            with self._lock:
-                if self._closed.is_set():
-                    connection.close()
-                    return
-                self._connections = {c for c in self._connections if c.thread.is_alive()} | {connection}
+            if not self._connections.add(connection):
+                connection.close()
+                return
             connection.thread.start()
-
-    def _reap_loop(self) -> None:
-        while not self._closed.wait(self._reap_interval_s):
-            self.core.expire_due()
 
     @property
     def num_connections(self) -> int:
-        with self._lock:
-            return sum(1 for c in self._connections if c.thread.is_alive())
+        return self._connections.live
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Cancel expected shipments, stop accepting, close connections, join threads."""
         self.core.cancel_all("receiver shutting down")
-        self._closed.set()
+        connections = self._connections.closing()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
         self._listener.close()
-        with self._lock:
-            connections = list(self._connections)
         for connection in connections:
             connection.close()
-        for thread in [*self._threads, *(c.thread for c in connections)]:
+        threads = [self._acceptor, self._connections.reaper, *(c.thread for c in connections)]
+        for thread in threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout_s)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from prfaas.transport.errors import TransportError
-from prfaas.transport.receiver import ReceiverCore
+from prfaas.transport.receiver import Connections, ReceiverCore
 from prfaas.transport.tcp import TcpChannel
 from prfaas.transport.tcp_server import _Connection
 from prfaas.transport.tickets import TicketVerifier
@@ -293,13 +293,7 @@ class WebRtcReceiver:
         self.core = ReceiverCore(verifier, node)
         self._ice_servers = ice_servers
         self._rtc = EventLoopThread(f"prfaas-webrtc-rx-{node}")
-        self._lock = threading.Lock()
-        self._connections: list[_Connection] = []
-        self._streams: list[DataChannelStream] = []
-        self._closed = threading.Event()
-        self._reap_interval_s = reap_interval_s
-        self._reaper = threading.Thread(target=self._reap_loop, name="prfaas-webrtc-reaper", daemon=True)
-        self._reaper.start()
+        self._connections: Connections[_Connection] = Connections(self.core, reap_interval_s, "prfaas-webrtc-reaper")
 
     def expect(self, job_id: str, attempt: int, timeout_s: float) -> Any:
         return self.core.expect(job_id, attempt, timeout_s)
@@ -308,7 +302,7 @@ class WebRtcReceiver:
         """The SDP answer to a sender's offer. ValueError for a malformed offer."""
         if not isinstance(offer, dict) or offer.get("type") != "offer" or not isinstance(offer.get("sdp"), str):
             raise ValueError('an offer is {"type": "offer", "sdp": "..."}')
-        if self._closed.is_set():
+        if self._connections.closed.is_set():
             raise TransportError("receiver is closed")
         aiortc = _aiortc()
 
@@ -327,33 +321,23 @@ class WebRtcReceiver:
     def _accept(self, pc: Any, channel: Any) -> None:
         stream = DataChannelStream(self._rtc, pc, channel)
         connection = _Connection(stream, self.core)  # type: ignore[arg-type]  # socket-like
-        with self._lock:
-            if self._closed.is_set():
-                stream.close()
-                return
-            self._connections = [c for c in self._connections if c.thread.is_alive()] + [connection]
-            self._streams.append(stream)
+        if not self._connections.add(connection):
+            stream.close()
+            return
         connection.thread.start()
-
-    def _reap_loop(self) -> None:
-        while not self._closed.wait(self._reap_interval_s):
-            self.core.expire_due()
 
     @property
     def num_connections(self) -> int:
-        with self._lock:
-            return sum(1 for c in self._connections if c.thread.is_alive())
+        return self._connections.live
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.core.cancel_all("receiver shutting down")
-        self._closed.set()
-        with self._lock:
-            connections, streams = list(self._connections), list(self._streams)
-        for stream in streams:
-            stream.close()
+        connections = self._connections.closing()
+        for connection in connections:
+            connection.raw.close()  # its data channel (a finished connection closed its own)
         for connection in connections:
             connection.thread.join(timeout_s)
-        self._reaper.join(timeout_s)
+        self._connections.reaper.join(timeout_s)
         self._rtc.close(timeout_s)
 
     def __enter__(self) -> WebRtcReceiver:
