@@ -104,6 +104,19 @@ def test_up_bench_down_leaves_nothing_behind(home: Path) -> None:
         usage = httpx.get(f"{state['api_base']}/usage?group_by=model", headers=auth, timeout=10).json()["data"]
         done = [j for j in jobs if j["state"] == "DONE"]
         assert len(done) == len(jobs) >= 12 and sum(row["jobs"] for row in usage) == len(done)
+        price = {r["name"]: r["usd_per_gpu_hour"] for r in TOPOLOGY["regions"]}  # type: ignore[index]
+        for job in done:  # each bill = its recorded GPU-seconds x the topology's $/GPU-hour
+            entry = httpx.get(f"{state['api_base']}/usage/jobs/{job['id']}", headers=auth, timeout=10).json()
+            prefill_price = price[entry["prefill_region"]]
+            assert (entry["prefill_usd_per_gpu_h"], entry["decode_usd_per_gpu_h"]) == (prefill_price, price["dec"])
+            assert entry["decode_gpu_s"] > 0 and entry["prefill_gpu_s"] > 0, entry
+            assert entry["prefill_usd"] == pytest.approx(entry["prefill_gpu_s"] / 3600 * prefill_price)
+            assert entry["decode_usd"] == pytest.approx(entry["decode_gpu_s"] / 3600 * price["dec"])
+            assert entry["total_usd"] == pytest.approx(entry["prefill_usd"] + entry["decode_usd"] + entry["egress_usd"])
+        assert sum(row["total_usd"] for row in usage) == pytest.approx(sum(
+            httpx.get(f"{state['api_base']}/usage/jobs/{j['id']}", headers=auth, timeout=10).json()["total_usd"]
+            for j in done
+        ))  # fmt: skip
         kv_raw = {p: s["kv_bytes"]["raw"] for p, s in result["policies"].items()}
         assert kv_raw["split-always"] > 0 == kv_raw["colocated"]
         assert result["ratios"]["colocated"]["TTFT P50"] == 1.0
