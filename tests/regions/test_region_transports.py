@@ -29,7 +29,7 @@ def regions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Regi
     folder: Path = tmp_path_factory.mktemp("transports")
     configs = {
         "prefill": write_config(folder, name="prefill-t", role="prefill"),
-        "decode-shm": write_config(folder, name="decode-shm", role="decode", shm_arena_bytes="64MiB"),
+        "decode-shm": write_config(folder, name="decode-shm", role="decode", shm=True, shm_arena_bytes="64MiB"),
         "decode-tcp": write_config(folder, name="decode-tcp", role="decode", shm=False),
     }
     with ThreadPoolExecutor(3) as pool:
