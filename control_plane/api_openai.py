@@ -109,7 +109,8 @@ def _run(
     job_id = str(uuid.uuid4())
     placed = None
     if s.settings.admission_placement:
-        placed = follower.placer.place({"id": job_id, "tenant": tenant.id, **{k: str(v) for k, v in fields.items()}})
+        asked = {"id": job_id, "tenant": tenant.id, "prompt_tokens": str(len(ids)), "max_new_tokens": str(max_new)}
+        placed = follower.placer.place(asked | {"placement_asked": placement})  # not the prompt: str() of 100k ids
     handed_off = placed[0] if placed else None
     if placed:
         fields |= placed[1]
