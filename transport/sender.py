@@ -186,6 +186,12 @@ class OutboundTransfer:
         with self._lock:
             return [c for c in self._unacked.values() if c.stream == stream]
 
+    @property
+    def unacked(self) -> int:
+        """Chunks sent or queued and not acknowledged yet."""
+        with self._lock:
+            return len(self._unacked)
+
     def drop_unacked(self) -> list[Chunk]:
         """Forget every outstanding chunk (the transfer ended); returns them."""
         with self._lock:

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import uuid
 
+from prfaas.transport import sockets
 from prfaas.transport.arena import POPULATE, Arena
 from prfaas.transport.codecs import DTYPE_SIZES, CodecId
 from prfaas.transport.endpoints import Endpoint, host_id
@@ -88,7 +89,7 @@ class _Connection:
                 else:
                     self.sock.sendall(data)
         except OSError:
-            pass  # the reader notices the broken connection and ends it
+            self.close()  # broken, or a sender that stopped reading (part of a frame may be out): end it
 
     def _run(self) -> None:
         try:
@@ -138,7 +139,7 @@ class _Connection:
                 with self._write_lock:
                     self.sock.sendall(data)
             except OSError:
-                pass  # the reader notices
+                self.close()  # as in `send`; the reader then ends the connection
 
     def _frame(self, header: Header) -> list[Frame]:
         key = (header.job_id, header.attempt)
@@ -230,7 +231,9 @@ class ShmReceiver:
         arena: Arena | None = None,
         core: ReceiverCore | None = None,
         reap_interval_s: float = 0.05,
+        send_timeout_s: float = 10.0,
     ) -> None:
+        self.send_timeout_s = send_timeout_s
         self.arena = arena if arena is not None else Arena(arena_bytes)
         # `core`: share another receiver's expectations (a decode region's TCP port and this
         # one accept the same shipments); give it this arena as its pool, or nothing is placed
@@ -260,6 +263,7 @@ class ShmReceiver:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
+            sockets.send_timeout(sock, self.send_timeout_s)  # a sender that stops reading is dropped
             connection = _Connection(sock, self)
             if not self._connections.add(connection):
                 connection.close()

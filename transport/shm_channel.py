@@ -9,11 +9,15 @@ tickets, deadlines) is the TCP protocol unchanged.
 
 A broken control socket (the receiver died) fails every live transfer at once with
 `PeerUnavailable`: there is no other stream to resend on. The next `submit` reconnects.
+So does a send that makes no progress for `send_timeout_s` (a receiver that stopped
+reading), and an unexpected error in the channel's own threads: a channel never leaves its
+transfers waiting for their deadline on a link nobody serves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import socket
 import threading
@@ -38,14 +42,16 @@ from prfaas.transport.framing import (
 from prfaas.transport.sender import Chunk, OutboundTransfer, TransferTable
 from prfaas.transport.shm import Placement, map_arena
 
+log = logging.getLogger(__name__)
 Key = tuple[bytes, int]
+SEND_TIMEOUT_S = 10.0  # a same-host receiver that takes no control bytes for this long is stuck
 BATCH_CHUNKS = 32  # chunks a copy thread takes from the queue at once (one header write for all)
 
 
 class _Link:
     """One connected control socket and the mapped arena behind it."""
 
-    def __init__(self, path: str, timeout_s: float, node: str) -> None:
+    def __init__(self, path: str, timeout_s: float, node: str, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
@@ -69,7 +75,8 @@ class _Link:
                 for fd in fds:
                     with contextlib.suppress(OSError):
                         socket.close(fd)
-            sock.settimeout(None)
+            sock.settimeout(None)  # the reader waits for replies as long as the link lives
+            sockets.send_timeout(sock, send_timeout_s)  # but no send waits forever
         except BaseException:
             sock.close()
             raise
@@ -107,8 +114,10 @@ class ShmChannel:
         copy_threads: int = 2,
         encode_threads: int = 2,
         node: str = "sender",
+        send_timeout_s: float = SEND_TIMEOUT_S,
     ) -> None:
         self.path = path
+        self.send_timeout_s = send_timeout_s
         self.peer = f"shm:{path}"  # the metrics' peer label
         self.connect_timeout_s = connect_timeout_s
         self.checksums = checksums
@@ -178,11 +187,12 @@ class ShmChannel:
         with self._lock:
             if self._link is not None and self._link.alive:
                 return self._link
-            link = self._link = _Link(self.path, self.connect_timeout_s, self.node)
+            link = self._link = _Link(self.path, self.connect_timeout_s, self.node, self.send_timeout_s)
         threading.Thread(target=self._read_loop, args=(link,), name="prfaas-shm-reader", daemon=True).start()
         return link
 
     def _read_loop(self, link: _Link) -> None:
+        reason = "shared-memory receiver went away"
         try:
             while True:
                 frame, _ok = read_frame(link.sock)
@@ -193,9 +203,17 @@ class ShmChannel:
                     self._queue.put(chunk)
         except (OSError, ConnectionError, FrameError):
             pass
-        link.alive = False
-        for transfer in self.table.live():  # one socket: nothing left to resend on
-            transfer.cell.finish(TransferStatus.FAILED, PeerUnavailable("shared-memory receiver went away"))
+        except Exception as exc:  # a bug here must not leave transfers waiting on a dead reader
+            log.exception("shared-memory channel to %s: reply reader failed", self.path)
+            reason = f"shared-memory channel reader failed: {exc!r}"
+        self._broken(link, reason)
+
+    def _broken(self, link: _Link, reason: str) -> None:
+        """The link is unusable: close it (the next submit reconnects) and fail what is live
+        on it; one socket carries every transfer, so there is nothing to resend on."""
+        link.close()
+        for transfer in self.table.live():
+            transfer.cell.finish(TransferStatus.FAILED, PeerUnavailable(reason))
 
     def _placed(self, key: Key, frame: Frame) -> None:
         body = frame.json() if frame.payload else None
@@ -239,7 +257,14 @@ class ShmChannel:
                     stop = True
                     break
                 batch.append(more)
-            self._send_batch(batch)
+            try:
+                self._send_batch(batch)
+            except Exception as exc:  # a bug here must not strand the queued chunks silently
+                log.exception("shared-memory channel to %s: copy thread failed", self.path)
+                with self._lock:
+                    link = self._link
+                if link is not None:
+                    self._broken(link, f"shared-memory channel copy failed: {exc!r}")
 
     def _send_batch(self, batch: list[Chunk]) -> None:
         with self._lock:
@@ -266,8 +291,8 @@ class ShmChannel:
                 headers.append(chunk.header)
             if headers:
                 link.send(b"".join(headers))
-        except OSError:
-            link.alive = False  # the reader fails what is live
+        except OSError as exc:  # closed, or no progress for send_timeout_s: the receiver is stuck
+            self._broken(link, f"shared-memory control socket: {exc}")
 
     @staticmethod
     def _place(link: _Link, placement: Placement, chunk: Chunk) -> None:
@@ -289,13 +314,24 @@ class ShmChannel:
             metrics.RAW_BYTES.labels(self.peer, transfer.spec.codec).inc(transfer.spec.raw_bytes)
         key = transfer.key
         with self._lock:
+            placed = key in self._placements
             self._placements.pop(key, None)
-            self._waiting.pop(key, None)
+            waiting = len(self._waiting.pop(key, []))
             link = self._link
+        if status is TransferStatus.TIMEOUT:  # should not happen on one host: say what was stuck
+            log.warning(
+                "shared-memory shipment %s attempt %d timed out: accepted=%s placed=%s waiting_for_open_ok=%d "
+                "unacked=%d queued=%d link_alive=%s threads_alive=%d/%d",
+                transfer.spec.job_id, transfer.spec.attempt, transfer.accepted, placed, waiting,
+                transfer.unacked, self._queue.qsize(), link is not None and link.alive,
+                sum(t.is_alive() for t in self._threads), len(self._threads),
+            )  # fmt: skip
         if status is not TransferStatus.COMPLETED and not transfer.remote_ended and link is not None and link.alive:
             cancel = Frame(FrameType.CANCEL, key[0], key[1], payload=str(transfer.error).encode()[:1000])
-            with contextlib.suppress(OSError):
+            try:
                 link.send(encode(cancel))
+            except OSError as exc:  # part of the frame may be out: the link cannot be used again
+                self._broken(link, f"shared-memory control socket: {exc}")
         transfer.drop_unacked()
 
     def _reap_loop(self) -> None:

@@ -71,6 +71,14 @@ def limit_unsent(sock: socket.socket | TlsSocket, lowat: int = NOTSENT_LOWAT_BYT
         sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, lowat)
 
 
+def send_timeout(sock: socket.socket, timeout_s: float) -> None:
+    """Bound every blocking send on `sock` (SO_SNDTIMEO) while reads may still block: a send
+    that makes no progress for `timeout_s` raises BlockingIOError (an OSError) instead of
+    waiting forever on a peer that stopped reading."""
+    seconds = int(timeout_s)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6)))
+
+
 def send_frame(sock: socket.socket | TlsSocket, header: bytes, payload: bytes | memoryview) -> None:
     """Send a frame's header and payload with one gathering syscall where the kernel takes it
     all (no copy into a joined buffer); the rest goes out with `sendall`."""

@@ -4,18 +4,27 @@ when the arena is full, checksums on request, and a TCP receiver sharing the are
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from transport_kit import Kit, fill, layers_for
+from transport_kit import KEY, Kit, fill, layers_for
 
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.arena import PAGE, Arena
 from prfaas.transport.endpoints import choose, host_id, parse_endpoint, parse_endpoints
+from prfaas.transport.errors import PeerUnavailable
 from prfaas.transport.shm import ShmReceiver
 from prfaas.transport.shm_channel import ShmChannel
 from prfaas.transport.tcp import TcpChannel
 from prfaas.transport.tcp_server import TcpReceiver
+
+PEER = Path(__file__).with_name("conformance_peer.py")
 
 
 def test_arena_hands_out_page_aligned_buffers_and_reuses_them_after_the_quarantine() -> None:
@@ -126,3 +135,35 @@ def test_endpoints_parse_and_the_fastest_usable_one_is_chosen() -> None:
     assert choose(parse_endpoints(f"shm://{here}/gone.sock,webrtc://d")).kind == "webrtc"  # no socket
     with pytest.raises(ValueError, match="can be reached"):
         choose(parse_endpoints("shm://other/x.sock"))
+
+
+def test_a_receiver_that_stops_reading_fails_the_transfer_long_before_its_deadline(kit: Kit) -> None:
+    """A receiver process that is alive but stuck (SIGSTOP) stops reading the control socket:
+    the channel's sends are bounded (send_timeout_s), so the transfer fails with
+    PeerUnavailable in seconds instead of waiting for its 60 s deadline, and the next submit
+    gets a fresh connection."""
+    spec = kit.spec(num_layers=16, shape=(4, 1024, 64), codec="lossless", timeout_s=60)  # inline payloads
+    layers = layers_for(spec)  # random bytes: the lossless stage keeps their 16 MB
+    command = [sys.executable, str(PEER), "shm", KEY.hex(), spec.job_id]
+    peer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        path = json.loads(peer.stdout.readline())["path"]
+        with ShmChannel(path, send_timeout_s=1.0) as channel:
+            shipment = Shipment(spec)
+            transfer = channel.submit(shipment)
+            shipment.add_layer(0, *layers[0])
+            deadline = time.monotonic() + 10
+            while transfer.stats.wire_bytes == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert transfer.stats.wire_bytes > 0, transfer.error
+            os.kill(peer.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            for index in range(1, spec.num_layers):
+                shipment.add_layer(index, *layers[index])
+            assert transfer.wait(20) is TransferStatus.FAILED
+            assert isinstance(transfer.error, PeerUnavailable), transfer.error
+            assert time.monotonic() - start < 8.0
+    finally:
+        peer.kill()
+        peer.wait(10)
