@@ -111,6 +111,10 @@ class MeasuredWorker:
     decode: DecodeFit | None
     kv_capacity_bytes: int
 
+    @property
+    def max_batch(self) -> int | None:
+        return None
+
     def prefill_s(self, num_tokens: int, cached_tokens: int = 0) -> float:
         f = self.prefill
         if num_tokens <= 0:

@@ -10,12 +10,17 @@ next finish; a join or finish recomputes the step time, so a late joiner slows e
 Sequences are spread evenly over the workers (ideal load balancing): batch per worker =
 ceil(sequences / workers), context per worker = total context / workers. The context of a
 sequence grows by one token per step: total = sum(prompt - joined_at_step) + n * steps.
+
+A worker with a `max_batch` holds at most that many sequences; the pool at most
+max_batch * workers. A sequence arriving at a full pool waits, first come first served, and
+joins when one finishes (its wait is part of its TTFT: its first token comes out of decode).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import simpy
@@ -55,6 +60,9 @@ class DecodePool:
         self.busy_s = 0.0  # time with at least one sequence decoding
         self._generation = 0
         self.version = 0  # bumped on every change (snapshot caching)
+        cap = worker.max_batch
+        self.max_sequences = None if cap is None else cap * self.num_workers
+        self.waiting: deque[tuple[int, int, simpy.Event]] = deque()  # (prompt, output, done) for a free slot
 
     @property
     def context_tokens(self) -> float:
@@ -69,9 +77,19 @@ class DecodePool:
         return self.worker.decode_step_s(batch, int((self.context_tokens + extra_ctx) / self.num_workers))
 
     def decode(self, prompt_tokens: int, output_tokens: int) -> simpy.Event:
-        """Join the batch now; the event's value is a `DecodeResult` once `output_tokens` are out."""
+        """Join the batch now (or, when it is full, once a slot frees); the event's value is a
+        `DecodeResult` once `output_tokens` are out."""
         self._advance()
         done = self.env.event()
+        if self.max_sequences is not None and self.num_sequences >= self.max_sequences:
+            self.waiting.append((prompt_tokens, output_tokens, done))
+            self.version += 1
+            return done
+        self._join(prompt_tokens, output_tokens, done)
+        self._reschedule()
+        return done
+
+    def _join(self, prompt_tokens: int, output_tokens: int, done: simpy.Event) -> None:
         now = float(self.env.now)
         base = prompt_tokens - self.steps
         self.num_sequences += 1
@@ -81,8 +99,6 @@ class DecodePool:
         output_tokens = max(1, output_tokens)
         heapq.heappush(self._heap, (self.steps + output_tokens, self._seq, _Sequence(base, output_tokens, first, done)))
         self._seq += 1
-        self._reschedule()
-        return done
 
     def _advance(self) -> None:
         now = float(self.env.now)
@@ -116,5 +132,7 @@ class DecodePool:
             seq.done.succeed(DecodeResult(first, now, tpot))
         if not self.num_sequences:
             self._ctx_base = 0.0  # drop the float residue of the departed
+        while self.waiting and (self.max_sequences is None or self.num_sequences < self.max_sequences):
+            self._join(*self.waiting.popleft())
         self.step_s = self.step_with()
         self._reschedule()

@@ -54,6 +54,7 @@ class RequestRecord:
     tpot_s: float = math.inf
     finish_s: float = math.inf
     wire_bytes: int = 0
+    kv_raw_bytes: int = 0  # the shipment's KV before the codec (0: not split)
     egress_usd: float = 0.0
 
 
@@ -86,6 +87,8 @@ class _RegionState:
         num_workers = max(1, spec.num_prefill_workers)
         step = self.decode.step_with(extra_sequences=1)
         batch = max(1, math.ceil((self.decode.num_sequences + 1) / self.decode.num_workers))
+        if self.worker.max_batch is not None:
+            batch = min(batch, self.worker.max_batch)
         # Built without validation: every field comes from this model, not from input.
         region = Region.model_construct(
             name=spec.name,
@@ -179,7 +182,7 @@ class Simulation:
         )
         workers = workers or {}
         self.regions = {
-            r.name: _RegionState(self.env, r, workers[r.name] if r.name in workers else r.worker(model))
+            r.name: _RegionState(self.env, r, workers[r.name] if r.name in workers else fleet.worker(r))
             for r in fleet.regions
         }
         self.dispatch_overhead_s = dispatch_overhead_s
@@ -250,7 +253,8 @@ class Simulation:
         self.decisions_s += time.perf_counter() - start
         decode = self.regions[decision.decode_region]
         prefill = self.regions[decision.prefill_region]
-        kv_bytes = (arrival.prompt_tokens + arrival.output_tokens) * self.model.kv_bytes_per_token
+        state = self.model.kv_state_bytes  # a hybrid model's recurrent states: per request, not per token
+        kv_bytes = (arrival.prompt_tokens + arrival.output_tokens) * self.model.kv_bytes_per_token + state
         decode.kv_free -= kv_bytes  # the capacity filter saw at least this much free, at this instant
         assert prefill.prefill is not None, "the scheduler placed a prefill on a region without prefill workers"
         with prefill.prefill.request() as slot:
@@ -258,11 +262,14 @@ class Simulation:
             cached = arrival.prompt_tokens - decision.uncached_tokens
             prefill_s = prefill.worker.prefill_s(decision.uncached_tokens, cached)
             shipment = None
-            wire_bytes = 0
+            wire_bytes = raw_bytes = 0
             if decision.mode is Mode.SPLIT:
                 link = self.links[(decision.prefill_region, decision.decode_region)]
+                raw_bytes = decision.kv_bytes_raw + state  # the scheduler's shape counts per-token KV only
                 ratio = CODEC_RATIOS.get(decision.codec or "raw")  # the transport's measured ratio, when we have it
-                wire_bytes = decision.kv_bytes_wire if ratio is None else math.ceil(decision.kv_bytes_raw / ratio)
+                if ratio is None:
+                    ratio = decision.kv_bytes_raw / decision.kv_bytes_wire if decision.kv_bytes_wire else 1.0
+                wire_bytes = math.ceil(raw_bytes / ratio)
                 shipment = link.pipe.ship(wire_bytes, prefill_s)
             yield self.env.timeout(prefill_s)
             prefill.prefill_busy_s += prefill_s
@@ -290,6 +297,7 @@ class Simulation:
                 tpot_s=result.tpot_s,
                 finish_s=result.finish_s,
                 wire_bytes=wire_bytes,
+                kv_raw_bytes=raw_bytes,
                 egress_usd=egress,
             )
         )

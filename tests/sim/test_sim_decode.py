@@ -15,16 +15,17 @@ class LinearStep:
     """A step of 10 ms per sequence in the batch plus `per_ctx_s` per context token (per worker)."""
 
     per_ctx_s: float = 1e-6
+    max_batch: int | None = None
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return 0.010 * batch + self.per_ctx_s * context_tokens
 
 
 def _run(
-    jobs: list[tuple[float, int, int]], num_workers: int = 1, per_ctx_s: float = 1e-6
+    jobs: list[tuple[float, int, int]], num_workers: int = 1, per_ctx_s: float = 1e-6, max_batch: int | None = None
 ) -> tuple[list[DecodeResult], DecodePool]:
     env = simpy.Environment()
-    pool = DecodePool(env, LinearStep(per_ctx_s), num_workers)  # type: ignore[arg-type]
+    pool = DecodePool(env, LinearStep(per_ctx_s, max_batch), num_workers)  # type: ignore[arg-type]
     out: list[DecodeResult | None] = [None] * len(jobs)
 
     def one(i: int, at: float, prompt: int, output: int):  # type: ignore[no-untyped-def]
@@ -59,3 +60,20 @@ def test_sequences_spread_over_workers_do_not_slow_each_other() -> None:
     # two workers, two sequences: batch per worker is 1, so both run at the lone pace
     results, _ = _run([(0.0, 0, 50), (0.0, 0, 50)], num_workers=2, per_ctx_s=0.0)
     assert [r.finish_s for r in results] == pytest.approx([0.5, 0.5])
+
+
+def test_a_full_batch_makes_the_next_sequence_wait_for_a_slot() -> None:
+    # max 2 sequences per worker, 1 worker: the third and fourth wait until the first two finish (t=1.0 at
+    # 20 ms steps for 50 tokens), then join in arrival order, each at the pace of the batch it makes
+    results, pool = _run([(0.0, 0, 50), (0.0, 0, 50), (0.1, 0, 50), (0.2, 0, 10)], per_ctx_s=0.0, max_batch=2)
+    assert [r.finish_s for r in results[:2]] == pytest.approx([1.0, 1.0])
+    assert results[2].first_token_s == pytest.approx(1.0 + 0.010)
+    assert results[3].first_token_s == pytest.approx(1.0 + 0.020)
+    assert results[3].finish_s == pytest.approx(1.0 + 10 * 0.020)
+    assert not pool.waiting and pool.num_sequences == 0
+
+
+def test_without_a_cap_nothing_waits() -> None:
+    results, pool = _run([(0.0, 0, 50)] * 3, per_ctx_s=0.0)
+    # each joins at the pace of the batch it makes: 1, 2, 3 sequences
+    assert [r.first_token_s for r in results] == pytest.approx([0.010, 0.020, 0.030]) and not pool.waiting
