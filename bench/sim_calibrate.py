@@ -78,25 +78,24 @@ def timings_from(
     engine: dict[str, Any], probes: list[dict[str, Any]], split_tokens: int
 ) -> tuple[Timings, dict[str, Any]]:
     """Per-region timings of the deployment, from probe requests sent one at a time:
-    overhead = TTFT of the shortest local probes - the engine's own prefill + one step;
-    each region's prefill line = its probes' TTFT - overhead - one decode step (the prefill
-    region's includes the layer-wise shipment and the decode region's hand-off)."""
+    overhead = TTFT of the shortest local probes - the engine's own prefill (the first token
+    is the prefill's: the region streams it before any decode step);
+    each region's prefill line = its probes' TTFT - overhead (the prefill region's includes
+    the layer-wise shipment and the decode region's hand-off)."""
     lengths = sorted(int(n) for n in engine["step"])
     d_base, d_slope = fit_line(lengths, [engine["step"][n] for n in lengths])
-    step = engine["step"][min(lengths)]
     shortest = min(p["prompt_tokens"] for p in probes)
     overhead = max(
         0.0,
         statistics.median(p["ttft_s"] for p in probes if p["prompt_tokens"] == shortest)
-        - engine["prefill"][min(lengths)]
-        - step,
+        - engine["prefill"][min(lengths)],
     )
     fits = {}
     for region, chosen in (("decode-b", [p for p in probes if p["prompt_tokens"] < split_tokens]),
                            ("prefill-a", [p for p in probes if p["prompt_tokens"] >= split_tokens])):  # fmt: skip
         sizes = sorted({p["prompt_tokens"] for p in chosen})
         medians = [statistics.median(p["ttft_s"] for p in chosen if p["prompt_tokens"] == n) for n in sizes]
-        fits[region] = fit_prefill(sizes, [max(0.0, m - overhead - step) for m in medians]).model_dump()
+        fits[region] = fit_prefill(sizes, [max(0.0, m - overhead) for m in medians]).model_dump()
     # the engine decodes one sequence at a time: a step of b sequences costs b single steps
     decode = {"base_s": 0.0, "per_seq_s": d_base, "per_ctx_token_s": d_slope}
     kv = engine["kv_bytes_per_token"]

@@ -9,10 +9,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from prfaas.sim import analytic
 from prfaas.sim.experiment import RunMetrics, comparison_row, measure, throughput_at_slo
 from prfaas.sim.fleet import FleetSpec
 from prfaas.sim.planner import PLANNABLE, PlanPoint, plan, recommend, with_split
-from prfaas.sim.policies import BASELINES, DEFAULT_POLICIES, SimPolicy, policy_with_threshold
+from prfaas.sim.policies import (
+    BASELINES,
+    DEFAULT_POLICIES,
+    SimPolicy,
+    decode_only_pd_fleet,
+    homogeneous_fleet,
+    policy_with_threshold,
+)
 from prfaas.sim.scenarios import SCENARIOS, Scenario
 from prfaas.sim.workload import Arrival, load_trace, scale_rate
 
@@ -174,6 +182,7 @@ def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:
         if ours.get("ttft_p90_light_s") and homo.get("ttft_p90_light_s"):
             cut = ours["ttft_p90_light_s"] / homo["ttft_p90_light_s"] - 1
             lines.append(f"P90 TTFT vs homogeneous PD, unloaded: sim {_pct(cut)}, paper {_pct(-paper['p90_ttft_cut'])}")
+        lines.extend(analytic_lines(SCENARIOS[scenario_name]()))
     at = ours.get("at_slo") or {}
     gbps = sum(at.get("link_gbps", {}).values())
     raw = sum(at.get("link_raw_gbps", {}).values())
@@ -182,6 +191,21 @@ def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:
         f"the codec), paper {paper['link_gbps']:.0f} Gbps of 100"
     )
     return lines
+
+
+def analytic_lines(scenario: Scenario) -> list[str]:
+    """The paper's own throughput model (`sim.analytic`) on the scenario's profiles and workload."""
+    table = analytic.paper_table(
+        scenario.fleet, homogeneous_fleet(scenario.fleet), decode_only_pd_fleet(scenario.fleet), scenario.workload
+    )
+    ours, homo, naive = table["prfaas"], table["homogeneous-pd"], table["naive-heterogeneous"]
+    return [
+        "the paper's throughput model (§3.4) on these profiles, each at its optimum: "
+        f"prfaas {ours.lambda_max:.2f} req/s (t {ours.threshold}, {ours.prefill_workers}P:{ours.decode_workers}D), "
+        f"homogeneous-pd {homo.lambda_max:.2f} ({homo.prefill_workers}P:{homo.decode_workers}D), "
+        f"naive-heterogeneous {naive.lambda_max:.2f}: {_pct(ours.lambda_max / homo.lambda_max - 1)} / "
+        f"{_pct(ours.lambda_max / naive.lambda_max - 1)}"
+    ]
 
 
 def _pct(value: float | None) -> str:

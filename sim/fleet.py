@@ -27,12 +27,18 @@ class RegionSpec:
     gpus_per_worker: int = 8
     usd_per_gpu_hour: float | None = None  # None: the GPU profile's price
     spot_usd_per_gpu_hour: float | None = None
+    # the PD cluster's prefill and decode share one set of engine slots (num_prefill_workers of
+    # them), each held by one request from its prefill (local) or hand-off (split) to its last
+    # token: the local deployment's decode region (decode_region/agent.py, one slot per worker)
+    shared_workers: bool = False
 
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:
             raise ValueError(f"region {self.name}: unknown GPU {self.gpu!r}; known: {sorted(GPUS)}")
         if self.num_prefill_workers < 1 and self.num_decode_workers < 1:
             raise ValueError(f"region {self.name} has no workers")
+        if self.shared_workers and (self.num_prefill_workers < 1 or self.num_decode_workers < 1):
+            raise ValueError(f"region {self.name}: shared workers need both prefill and decode")
 
     @property
     def price(self) -> float:

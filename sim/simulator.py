@@ -257,30 +257,39 @@ class Simulation:
         kv_bytes = (arrival.prompt_tokens + arrival.output_tokens) * self.model.kv_bytes_per_token + state
         decode.kv_free -= kv_bytes  # the capacity filter saw at least this much free, at this instant
         assert prefill.prefill is not None, "the scheduler placed a prefill on a region without prefill workers"
-        with prefill.prefill.request() as slot:
-            yield slot
-            cached = arrival.prompt_tokens - decision.uncached_tokens
-            prefill_s = prefill.worker.prefill_s(decision.uncached_tokens, cached)
-            shipment = None
-            wire_bytes = raw_bytes = 0
-            if decision.mode is Mode.SPLIT:
-                link = self.links[(decision.prefill_region, decision.decode_region)]
-                raw_bytes = decision.kv_bytes_raw + state  # the scheduler's shape counts per-token KV only
-                ratio = CODEC_RATIOS.get(decision.codec or "raw")  # the transport's measured ratio, when we have it
-                if ratio is None:
-                    ratio = decision.kv_bytes_raw / decision.kv_bytes_wire if decision.kv_bytes_wire else 1.0
-                wire_bytes = math.ceil(raw_bytes / ratio)
-                shipment = link.pipe.ship(wire_bytes, prefill_s)
-            yield self.env.timeout(prefill_s)
-            prefill.prefill_busy_s += prefill_s
-            prefill.mean_prefill_s = _EMA * prefill_s + (1 - _EMA) * prefill.mean_prefill_s
-            if decision.uncached_tokens and prefill_s > 0:
-                prefill.prefill_tps = _EMA * decision.uncached_tokens / prefill_s + (1 - _EMA) * prefill.prefill_tps
+        slot = prefill.prefill.request()
+        yield slot
+        cached = arrival.prompt_tokens - decision.uncached_tokens
+        prefill_s = prefill.worker.prefill_s(decision.uncached_tokens, cached)
+        shipment = None
+        wire_bytes = raw_bytes = 0
+        if decision.mode is Mode.SPLIT:
+            link = self.links[(decision.prefill_region, decision.decode_region)]
+            raw_bytes = decision.kv_bytes_raw + state  # the scheduler's shape counts per-token KV only
+            ratio = CODEC_RATIOS.get(decision.codec or "raw")  # the transport's measured ratio, when we have it
+            if ratio is None:
+                ratio = decision.kv_bytes_raw / decision.kv_bytes_wire if decision.kv_bytes_wire else 1.0
+            wire_bytes = math.ceil(raw_bytes / ratio)
+            shipment = link.pipe.ship(wire_bytes, prefill_s)
+        yield self.env.timeout(prefill_s)
+        prefill.prefill_busy_s += prefill_s
+        prefill.mean_prefill_s = _EMA * prefill_s + (1 - _EMA) * prefill.mean_prefill_s
+        if decision.uncached_tokens and prefill_s > 0:
+            prefill.prefill_tps = _EMA * decision.uncached_tokens / prefill_s + (1 - _EMA) * prefill.prefill_tps
+        if shipment is not None or not decode.spec.shared_workers:
+            prefill.prefill.release(slot)  # a shared local slot stays held through the decode
         if shipment is not None:
             yield shipment
             yield self.env.timeout(link.spec.rtt_ms / 2000.0)  # the last byte's propagation
+            if decode.spec.shared_workers:
+                assert decode.prefill is not None
+                slot = decode.prefill.request()  # the hand-off waits for one of the decode region's slots
+                yield slot
         result = yield decode.decode.decode(arrival.prompt_tokens, arrival.output_tokens)
         assert isinstance(result, DecodeResult)
+        if decode.spec.shared_workers:
+            assert decode.prefill is not None
+            decode.prefill.release(slot)
         decode.kv_free += kv_bytes
         egress = wire_bytes / 1e9 * self._egress(decision.prefill_region, decision.decode_region)
         self._record(
