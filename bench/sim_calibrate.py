@@ -3,7 +3,7 @@ the real stack, and compare the simulator's TTFT P50 prediction with the measure
 
     .venv/bin/python bench/sim_calibrate.py [--requests 40] [--rate 2] [--seed 0] [--out DIR]
 
-1. Timings: the tiny-llama engine (HFEngine, one torch thread like a region process) timed
+1. Timings: the tiny-llama engine (HFEngine, one torch thread, as the regions are run) timed
    in-process: prefill at several prompt lengths and decode steps at several contexts, each a
    median of repeats, fitted to the lines of `sim.calibration` -> DIR/timings.json.
 2. The deployment (bench/cp_stack.py, real processes: API, Celery worker, a prefill region
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -165,6 +166,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="folder for timings.json, workload.jsonl, measured.jsonl")
     args = parser.parse_args()
+    # The regions must run the engine as it is timed here, on one torch thread: spawn_region's
+    # default is OMP_NUM_THREADS=2, and two OpenMP threads per region on this 2-core host (both
+    # regions, the API, the worker and everything else on it) made a split's prefill 5-15x
+    # slower than timed (0.6-1.1 s for 1000 tokens vs 65 ms) and slowed the local requests
+    # running beside it: the ~1.3 s "split path" of the earlier runs.
+    os.environ["OMP_NUM_THREADS"] = "1"
     out = args.out or Path(tempfile.mkdtemp(prefix="sim-calibrate-"))
     out.mkdir(parents=True, exist_ok=True)
     prepare_model(MODEL)
