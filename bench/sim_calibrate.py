@@ -3,7 +3,7 @@ the real stack, and compare the simulator's TTFT P50 prediction with the measure
 
     .venv/bin/python bench/sim_calibrate.py [--requests 40] [--rate 2] [--seed 0] [--out DIR]
 
-1. Timings: the tiny-llama engine (HFEngine, one torch thread like a region process) timed
+1. Timings: the tiny-llama engine (HFEngine, one torch thread, as the regions are run) timed
    in-process: prefill at several prompt lengths and decode steps at several contexts, each a
    median of repeats, fitted to the lines of `sim.calibration` -> DIR/timings.json.
 2. The deployment (bench/cp_stack.py, real processes: API, Celery worker, a prefill region
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -78,25 +79,24 @@ def timings_from(
     engine: dict[str, Any], probes: list[dict[str, Any]], split_tokens: int
 ) -> tuple[Timings, dict[str, Any]]:
     """Per-region timings of the deployment, from probe requests sent one at a time:
-    overhead = TTFT of the shortest local probes - the engine's own prefill + one step;
-    each region's prefill line = its probes' TTFT - overhead - one decode step (the prefill
-    region's includes the layer-wise shipment and the decode region's hand-off)."""
+    overhead = TTFT of the shortest local probes - the engine's own prefill (the first token
+    is the prefill's: the region streams it before any decode step);
+    each region's prefill line = its probes' TTFT - overhead (the prefill region's includes
+    the layer-wise shipment and the decode region's hand-off)."""
     lengths = sorted(int(n) for n in engine["step"])
     d_base, d_slope = fit_line(lengths, [engine["step"][n] for n in lengths])
-    step = engine["step"][min(lengths)]
     shortest = min(p["prompt_tokens"] for p in probes)
     overhead = max(
         0.0,
         statistics.median(p["ttft_s"] for p in probes if p["prompt_tokens"] == shortest)
-        - engine["prefill"][min(lengths)]
-        - step,
+        - engine["prefill"][min(lengths)],
     )
     fits = {}
     for region, chosen in (("decode-b", [p for p in probes if p["prompt_tokens"] < split_tokens]),
                            ("prefill-a", [p for p in probes if p["prompt_tokens"] >= split_tokens])):  # fmt: skip
         sizes = sorted({p["prompt_tokens"] for p in chosen})
         medians = [statistics.median(p["ttft_s"] for p in chosen if p["prompt_tokens"] == n) for n in sizes]
-        fits[region] = fit_prefill(sizes, [max(0.0, m - overhead - step) for m in medians]).model_dump()
+        fits[region] = fit_prefill(sizes, [max(0.0, m - overhead) for m in medians]).model_dump()
     # the engine decodes one sequence at a time: a step of b sequences costs b single steps
     decode = {"base_s": 0.0, "per_seq_s": d_base, "per_ctx_token_s": d_slope}
     kv = engine["kv_bytes_per_token"]
@@ -166,6 +166,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="folder for timings.json, workload.jsonl, measured.jsonl")
     args = parser.parse_args()
+    # The regions must run the engine as it is timed here, on one torch thread: spawn_region's
+    # default is OMP_NUM_THREADS=2, and two OpenMP threads per region on this 2-core host (both
+    # regions, the API, the worker and everything else on it) made a split's prefill 5-15x
+    # slower than timed (0.6-1.1 s for 1000 tokens vs 65 ms) and slowed the local requests
+    # running beside it: the ~1.3 s "split path" of the earlier runs.
+    os.environ["OMP_NUM_THREADS"] = "1"
     out = args.out or Path(tempfile.mkdtemp(prefix="sim-calibrate-"))
     out.mkdir(parents=True, exist_ok=True)
     prepare_model(MODEL)

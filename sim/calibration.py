@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from prfaas.control_plane.request import Slo
 from prfaas.sim.experiment import percentile
@@ -62,6 +62,17 @@ class RegionTimings(_Strict):
     kv_capacity_bytes: int = Field(default=2**30, ge=1)  # per decode worker
     prefill: PrefillFit
     decode: DecodeFit | None = None
+    # "shared": the region's engine slots serve both its local prefills and its decodes, one
+    # request per slot from its prefill (local) or hand-off (split) to its last token, as the
+    # local decode region does; "separate": prefill and decode pools of their own (PD cluster)
+    engine_slots: Literal["shared", "separate"] = "shared"
+
+    @model_validator(mode="after")
+    def _slots_match(self) -> RegionTimings:
+        shared = self.role == "both" and self.engine_slots == "shared"
+        if shared and self.num_prefill_workers != self.num_decode_workers:
+            raise ValueError("shared engine slots: num_prefill_workers and num_decode_workers are the same slots")
+        return self
 
 
 class LinkTimings(_Strict):
@@ -110,6 +121,10 @@ class MeasuredWorker:
     prefill: PrefillFit
     decode: DecodeFit | None
     kv_capacity_bytes: int
+
+    @property
+    def max_batch(self) -> int | None:
+        return None
 
     def prefill_s(self, num_tokens: int, cached_tokens: int = 0) -> float:
         f = self.prefill
@@ -168,6 +183,7 @@ def fleet_of(timings: Timings) -> tuple[FleetSpec, dict[str, MeasuredWorker]]:
             r.num_decode_workers if r.role == "both" else 0,
             gpus_per_worker=1,
             usd_per_gpu_hour=r.usd_per_gpu_hour,
+            shared_workers=r.role == "both" and r.engine_slots == "shared" and r.num_decode_workers > 0,
         )
         for r in timings.regions
     )

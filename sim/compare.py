@@ -9,10 +9,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from prfaas.sim import analytic
 from prfaas.sim.experiment import RunMetrics, comparison_row, measure, throughput_at_slo
 from prfaas.sim.fleet import FleetSpec
 from prfaas.sim.planner import PLANNABLE, PlanPoint, plan, recommend, with_split
-from prfaas.sim.policies import BASELINES, DEFAULT_POLICIES, SimPolicy, policy_with_threshold
+from prfaas.sim.policies import (
+    BASELINES,
+    DEFAULT_POLICIES,
+    SimPolicy,
+    decode_only_pd_fleet,
+    homogeneous_fleet,
+    policy_with_threshold,
+)
 from prfaas.sim.scenarios import SCENARIOS, Scenario
 from prfaas.sim.workload import Arrival, load_trace, scale_rate
 
@@ -73,6 +81,8 @@ def compare(
                 "prefill_workers": best.prefill_workers,
                 "decode_workers": best.decode_workers,
             }
+        elif name in scenario.prefill_share:
+            fleet = with_split(fleet, scenario.prefill_share[name])
         policy_of[name], fleet_of[name] = policy, fleet
 
         def run_at(rate: float, policy_name: str = name) -> RunMetrics:
@@ -83,9 +93,12 @@ def compare(
                 on_run(policy_name, metrics)
             return metrics
 
-        row = comparison_row(policy.name, throughput_at_slo(run_at, scenario.start_rps))
+        row = comparison_row(policy.name, throughput_at_slo(run_at, scenario.start_rps, target=scenario.slo_target))
         row["num_gpus"] = fleet.num_gpus
         row["usd_per_hour"] = sum(r.num_gpus * r.price for r in fleet.regions)
+        row["workers"] = {
+            r.name: {"prefill": r.num_prefill_workers, "decode": r.num_decode_workers} for r in fleet.regions
+        }
         if tuned is not None:
             row["tuned"] = tuned
         rows.append(row)
@@ -98,6 +111,11 @@ def compare(
             metrics = measure(fleet_of[name], policy_of[name], scenario.slo, draw(common), common, shape=False)
             row["common_rate_rps"] = common
             row["ttft_p90_at_common_rate_s"] = metrics.ttft_p90_s
+            # unloaded: a tenth of that rate, where queues are rare (what the paper's TTFTs are)
+            light = measure(fleet_of[name], policy_of[name], scenario.slo, draw(common / 10), common / 10, shape=False)
+            row["light_rate_rps"] = common / 10
+            row["ttft_mean_light_s"] = light.ttft_mean_s
+            row["ttft_p90_light_s"] = light.ttft_p90_s
     return rows
 
 
@@ -151,11 +169,43 @@ def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"P90 TTFT vs homogeneous PD at {rate:.3g} req/s: sim {_pct(change)}, paper {_pct(-paper['p90_ttft_cut'])}"
         )
-    gbps = sum((ours.get("at_slo") or {}).get("link_gbps", {}).values())
+    if "prfaas_rps" in paper:
+        lines.append("policy: req/s sim at SLO | paper (Λmax) ; TTFT mean / P90 s unloaded sim | paper")
+        for name in ("prfaas", "homogeneous-pd", "naive-heterogeneous"):
+            row = by[name]
+            mean, p90 = row.get("ttft_mean_light_s"), row.get("ttft_p90_light_s")
+            lines.append(
+                f"  {name}: {row['throughput_at_slo_rps']:.2f} | {paper[name + '_rps']:.2f} ; "
+                + (f"{mean:.2f} / {p90:.2f}" if mean is not None and p90 is not None else "n/a")
+                + f" | {paper[name + '_ttft_mean_s']:.2f} / {paper[name + '_ttft_p90_s']:.2f}"
+            )
+        if ours.get("ttft_p90_light_s") and homo.get("ttft_p90_light_s"):
+            cut = ours["ttft_p90_light_s"] / homo["ttft_p90_light_s"] - 1
+            lines.append(f"P90 TTFT vs homogeneous PD, unloaded: sim {_pct(cut)}, paper {_pct(-paper['p90_ttft_cut'])}")
+        lines.extend(analytic_lines(SCENARIOS[scenario_name]()))
+    at = ours.get("at_slo") or {}
+    gbps = sum(at.get("link_gbps", {}).values())
+    raw = sum(at.get("link_raw_gbps", {}).values())
     lines.append(
-        f"inter-DC link at prfaas's rate at SLO: sim {gbps:.1f} Gbps, paper {paper['link_gbps']:.0f} Gbps of 100"
+        f"inter-DC link at prfaas's rate at SLO: sim {gbps:.1f} Gbps on the wire ({raw:.1f} Gbps of KV before "
+        f"the codec), paper {paper['link_gbps']:.0f} Gbps of 100"
     )
     return lines
+
+
+def analytic_lines(scenario: Scenario) -> list[str]:
+    """The paper's own throughput model (`sim.analytic`) on the scenario's profiles and workload."""
+    table = analytic.paper_table(
+        scenario.fleet, homogeneous_fleet(scenario.fleet), decode_only_pd_fleet(scenario.fleet), scenario.workload
+    )
+    ours, homo, naive = table["prfaas"], table["homogeneous-pd"], table["naive-heterogeneous"]
+    return [
+        "the paper's throughput model (§3.4) on these profiles, each at its optimum: "
+        f"prfaas {ours.lambda_max:.2f} req/s (t {ours.threshold}, {ours.prefill_workers}P:{ours.decode_workers}D), "
+        f"homogeneous-pd {homo.lambda_max:.2f} ({homo.prefill_workers}P:{homo.decode_workers}D), "
+        f"naive-heterogeneous {naive.lambda_max:.2f}: {_pct(ours.lambda_max / homo.lambda_max - 1)} / "
+        f"{_pct(ours.lambda_max / naive.lambda_max - 1)}"
+    ]
 
 
 def _pct(value: float | None) -> str:

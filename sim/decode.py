@@ -10,12 +10,20 @@ next finish; a join or finish recomputes the step time, so a late joiner slows e
 Sequences are spread evenly over the workers (ideal load balancing): batch per worker =
 ceil(sequences / workers), context per worker = total context / workers. The context of a
 sequence grows by one token per step: total = sum(prompt - joined_at_step) + n * steps.
+
+The first token is the prefill's (the region streams it as the sequence joins the batch), so
+a sequence of n output tokens takes n - 1 steps here, and its TPOT is their mean.
+
+A worker with a `max_batch` holds at most that many sequences; the pool at most
+max_batch * workers. A sequence arriving at a full pool waits, first come first served, and
+joins when one finishes (its wait is part of its TTFT: its first token comes out of decode).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import simpy
@@ -55,6 +63,9 @@ class DecodePool:
         self.busy_s = 0.0  # time with at least one sequence decoding
         self._generation = 0
         self.version = 0  # bumped on every change (snapshot caching)
+        cap = worker.max_batch
+        self.max_sequences = None if cap is None else cap * self.num_workers
+        self.waiting: deque[tuple[int, int, simpy.Event]] = deque()  # (prompt, output, done) for a free slot
 
     @property
     def context_tokens(self) -> float:
@@ -69,20 +80,33 @@ class DecodePool:
         return self.worker.decode_step_s(batch, int((self.context_tokens + extra_ctx) / self.num_workers))
 
     def decode(self, prompt_tokens: int, output_tokens: int) -> simpy.Event:
-        """Join the batch now; the event's value is a `DecodeResult` once `output_tokens` are out."""
+        """Join the batch now (or, when it is full, once a slot frees); the event's value is a
+        `DecodeResult` once `output_tokens` are out."""
         self._advance()
         done = self.env.event()
+        if output_tokens <= 1:  # the prefill's token is the whole answer
+            now = float(self.env.now)
+            done.succeed(DecodeResult(now, now, 0.0))
+            return done
+        if self.max_sequences is not None and self.num_sequences >= self.max_sequences:
+            self.waiting.append((prompt_tokens, output_tokens, done))
+            self.version += 1
+            return done
+        self._join(prompt_tokens, output_tokens, done)
+        self._reschedule()
+        return done
+
+    def _join(self, prompt_tokens: int, output_tokens: int, done: simpy.Event) -> None:
         now = float(self.env.now)
         base = prompt_tokens - self.steps
         self.num_sequences += 1
         self._ctx_base += base
         self.step_s = self.step_with()
-        first = now + self.step_s  # its first step runs at the batch's new pace
-        output_tokens = max(1, output_tokens)
-        heapq.heappush(self._heap, (self.steps + output_tokens, self._seq, _Sequence(base, output_tokens, first, done)))
+        # token 0 goes out now; the other output_tokens - 1 take a step each at the batch's pace
+        heapq.heappush(
+            self._heap, (self.steps + output_tokens - 1, self._seq, _Sequence(base, output_tokens, now, done))
+        )
         self._seq += 1
-        self._reschedule()
-        return done
 
     def _advance(self) -> None:
         now = float(self.env.now)
@@ -111,10 +135,10 @@ class DecodePool:
             _, _, seq = heapq.heappop(heap)
             self.num_sequences -= 1
             self._ctx_base -= seq.ctx_base
-            first = min(seq.first_s, now)
-            tpot = (now - first) / (seq.output_tokens - 1) if seq.output_tokens > 1 else now - first
-            seq.done.succeed(DecodeResult(first, now, tpot))
+            seq.done.succeed(DecodeResult(seq.first_s, now, (now - seq.first_s) / (seq.output_tokens - 1)))
         if not self.num_sequences:
             self._ctx_base = 0.0  # drop the float residue of the departed
+        while self.waiting and (self.max_sequences is None or self.num_sequences < self.max_sequences):
+            self._join(*self.waiting.popleft())
         self.step_s = self.step_with()
         self._reschedule()

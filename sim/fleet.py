@@ -7,9 +7,10 @@ are directed prefill region -> decode region paths over the WAN.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from prfaas.sim.hardware import GPUS, MODELS, ModelProfile, WorkerModel
+from prfaas.sim.hardware import GPUS, MODELS, ModelProfile, WorkerModel, WorkerTimings
 
 # Measured by the KV transport (docs/benchmarks.md): wire bytes = raw / ratio, on bf16 KV.
 CODEC_RATIOS: dict[str, float] = {"raw": 1.0, "lossless": 1.47, "int8": 2.19, "fp8": 2.43}
@@ -26,12 +27,18 @@ class RegionSpec:
     gpus_per_worker: int = 8
     usd_per_gpu_hour: float | None = None  # None: the GPU profile's price
     spot_usd_per_gpu_hour: float | None = None
+    # the PD cluster's prefill and decode share one set of engine slots (num_prefill_workers of
+    # them), each held by one request from its prefill (local) or hand-off (split) to its last
+    # token: the local deployment's decode region (decode_region/agent.py, one slot per worker)
+    shared_workers: bool = False
 
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:
             raise ValueError(f"region {self.name}: unknown GPU {self.gpu!r}; known: {sorted(GPUS)}")
         if self.num_prefill_workers < 1 and self.num_decode_workers < 1:
             raise ValueError(f"region {self.name} has no workers")
+        if self.shared_workers and (self.num_prefill_workers < 1 or self.num_decode_workers < 1):
+            raise ValueError(f"region {self.name}: shared workers need both prefill and decode")
 
     @property
     def price(self) -> float:
@@ -71,6 +78,9 @@ class FleetSpec:
     regions: tuple[RegionSpec, ...]
     links: tuple[LinkSpec, ...] = field(default=())
     profile: ModelProfile | None = None  # a model outside `MODELS` (calibration: the deployment's own)
+    # profiled timings per GPU type (one worker of that GPU serving this model) in place of the
+    # roofline, e.g. `sim.profiles.PRFAAS_PROFILES`; GPU types not named here use the roofline
+    timings: Mapping[str, WorkerTimings] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.profile is None and self.model not in MODELS:
@@ -89,3 +99,8 @@ class FleetSpec:
     @property
     def num_gpus(self) -> int:
         return sum(r.num_gpus for r in self.regions)
+
+    def worker(self, region: RegionSpec) -> WorkerTimings:
+        """One of `region`'s workers: its GPU type's profiled timings, else the roofline."""
+        profiled = self.timings.get(region.gpu)
+        return profiled if profiled is not None else region.worker(self.model_profile)

@@ -47,7 +47,8 @@ class ModelProfile:
     num_layers: int
     kv_bytes_per_token: int  # K and V of one token over all layers, bytes
     attn_flops_per_token_ctx: float  # attention FLOPs per token per context token (full-attention layers)
-    weight_bytes_per_param: float = 2.0  # bf16: 2, fp8: 1
+    weight_bytes_per_param: float = 2.0  # bf16: 2, fp8: 1, int4: 0.5
+    kv_state_bytes: int = 0  # per request, whatever its length: linear-attention recurrent states
 
 
 MODELS: dict[str, ModelProfile] = {
@@ -61,6 +62,11 @@ MODELS: dict[str, ModelProfile] = {
         ModelProfile("deepseek-v3", 671e9, 37e9, 61, 70_272, 4 * 61 * 128 * 192, 1.0),
         # A 1T-class hybrid-attention MoE (linear attention in 3 of 4 layers), KV ~10x below MLA.
         ModelProfile("hybrid-1t", 1.04e12, 32e9, 61, 7_027, 4 * 15 * 128 * 192, 1.0),
+        # PrfaaS's internal 1T hybrid (Kimi Linear layout, KDA:MLA 3:1), its KVCache sizes as
+        # published (arXiv 2604.15039, Table 5: 190.8 / 308.9 / 701.3 / 2316.3 MiB at 1K / 8K /
+        # 32K / 128K tokens), least squares: 172.0 MiB of recurrent state + 17,143 B/token.
+        # Served on 8 GPUs per instance on H20 too (8 x 96 GB), so the weights are int4.
+        ModelProfile("prfaas-1t", 1.04e12, 32e9, 61, 17_143, 4 * 15 * 128 * 192, 0.5, 180_355_072),
     )
 }
 
@@ -84,6 +90,11 @@ class WorkerTimings(Protocol):
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float: ...
 
+    @property
+    def max_batch(self) -> int | None:
+        """Most sequences one worker decodes at once (None: bounded only by KV capacity)."""
+        ...
+
 
 @dataclass(frozen=True)
 class WorkerModel:
@@ -104,6 +115,10 @@ class WorkerModel:
     def kv_capacity_bytes(self) -> int:
         weights = self.model.total_params * self.model.weight_bytes_per_param
         return int((self.num_gpus * self.gpu.hbm_gb * 1e9 - weights) * KV_HEADROOM)
+
+    @property
+    def max_batch(self) -> int | None:
+        return None
 
     def prefill_s(self, num_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds to prefill `num_tokens` new tokens after `cached_tokens` already in the cache."""

@@ -63,7 +63,7 @@ def evaluate(
     def run_at(rate: float) -> RunMetrics:
         return measure(fleet, policy, scenario.slo, draw(rate), rate, shape=False)
 
-    result = throughput_at_slo(run_at, start_rps)
+    result = throughput_at_slo(run_at, start_rps, target=scenario.slo_target)
     at = result.at_slo
     pd = [r for r in fleet.regions if r.num_decode_workers]
     return PlanPoint(

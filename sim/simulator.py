@@ -54,6 +54,7 @@ class RequestRecord:
     tpot_s: float = math.inf
     finish_s: float = math.inf
     wire_bytes: int = 0
+    kv_raw_bytes: int = 0  # the shipment's KV before the codec (0: not split)
     egress_usd: float = 0.0
 
 
@@ -86,6 +87,8 @@ class _RegionState:
         num_workers = max(1, spec.num_prefill_workers)
         step = self.decode.step_with(extra_sequences=1)
         batch = max(1, math.ceil((self.decode.num_sequences + 1) / self.decode.num_workers))
+        if self.worker.max_batch is not None:
+            batch = min(batch, self.worker.max_batch)
         # Built without validation: every field comes from this model, not from input.
         region = Region.model_construct(
             name=spec.name,
@@ -179,7 +182,7 @@ class Simulation:
         )
         workers = workers or {}
         self.regions = {
-            r.name: _RegionState(self.env, r, workers[r.name] if r.name in workers else r.worker(model))
+            r.name: _RegionState(self.env, r, workers[r.name] if r.name in workers else fleet.worker(r))
             for r in fleet.regions
         }
         self.dispatch_overhead_s = dispatch_overhead_s
@@ -250,30 +253,43 @@ class Simulation:
         self.decisions_s += time.perf_counter() - start
         decode = self.regions[decision.decode_region]
         prefill = self.regions[decision.prefill_region]
-        kv_bytes = (arrival.prompt_tokens + arrival.output_tokens) * self.model.kv_bytes_per_token
+        state = self.model.kv_state_bytes  # a hybrid model's recurrent states: per request, not per token
+        kv_bytes = (arrival.prompt_tokens + arrival.output_tokens) * self.model.kv_bytes_per_token + state
         decode.kv_free -= kv_bytes  # the capacity filter saw at least this much free, at this instant
         assert prefill.prefill is not None, "the scheduler placed a prefill on a region without prefill workers"
-        with prefill.prefill.request() as slot:
-            yield slot
-            cached = arrival.prompt_tokens - decision.uncached_tokens
-            prefill_s = prefill.worker.prefill_s(decision.uncached_tokens, cached)
-            shipment = None
-            wire_bytes = 0
-            if decision.mode is Mode.SPLIT:
-                link = self.links[(decision.prefill_region, decision.decode_region)]
-                ratio = CODEC_RATIOS.get(decision.codec or "raw")  # the transport's measured ratio, when we have it
-                wire_bytes = decision.kv_bytes_wire if ratio is None else math.ceil(decision.kv_bytes_raw / ratio)
-                shipment = link.pipe.ship(wire_bytes, prefill_s)
-            yield self.env.timeout(prefill_s)
-            prefill.prefill_busy_s += prefill_s
-            prefill.mean_prefill_s = _EMA * prefill_s + (1 - _EMA) * prefill.mean_prefill_s
-            if decision.uncached_tokens and prefill_s > 0:
-                prefill.prefill_tps = _EMA * decision.uncached_tokens / prefill_s + (1 - _EMA) * prefill.prefill_tps
+        slot = prefill.prefill.request()
+        yield slot
+        cached = arrival.prompt_tokens - decision.uncached_tokens
+        prefill_s = prefill.worker.prefill_s(decision.uncached_tokens, cached)
+        shipment = None
+        wire_bytes = raw_bytes = 0
+        if decision.mode is Mode.SPLIT:
+            link = self.links[(decision.prefill_region, decision.decode_region)]
+            raw_bytes = decision.kv_bytes_raw + state  # the scheduler's shape counts per-token KV only
+            ratio = CODEC_RATIOS.get(decision.codec or "raw")  # the transport's measured ratio, when we have it
+            if ratio is None:
+                ratio = decision.kv_bytes_raw / decision.kv_bytes_wire if decision.kv_bytes_wire else 1.0
+            wire_bytes = math.ceil(raw_bytes / ratio)
+            shipment = link.pipe.ship(wire_bytes, prefill_s)
+        yield self.env.timeout(prefill_s)
+        prefill.prefill_busy_s += prefill_s
+        prefill.mean_prefill_s = _EMA * prefill_s + (1 - _EMA) * prefill.mean_prefill_s
+        if decision.uncached_tokens and prefill_s > 0:
+            prefill.prefill_tps = _EMA * decision.uncached_tokens / prefill_s + (1 - _EMA) * prefill.prefill_tps
+        if shipment is not None or not decode.spec.shared_workers:
+            prefill.prefill.release(slot)  # a shared local slot stays held through the decode
         if shipment is not None:
             yield shipment
             yield self.env.timeout(link.spec.rtt_ms / 2000.0)  # the last byte's propagation
+            if decode.spec.shared_workers:
+                assert decode.prefill is not None
+                slot = decode.prefill.request()  # the hand-off waits for one of the decode region's slots
+                yield slot
         result = yield decode.decode.decode(arrival.prompt_tokens, arrival.output_tokens)
         assert isinstance(result, DecodeResult)
+        if decode.spec.shared_workers:
+            assert decode.prefill is not None
+            decode.prefill.release(slot)
         decode.kv_free += kv_bytes
         egress = wire_bytes / 1e9 * self._egress(decision.prefill_region, decision.decode_region)
         self._record(
@@ -290,6 +306,7 @@ class Simulation:
                 tpot_s=result.tpot_s,
                 finish_s=result.finish_s,
                 wire_bytes=wire_bytes,
+                kv_raw_bytes=raw_bytes,
                 egress_usd=egress,
             )
         )

@@ -8,6 +8,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,45 @@ class LengthDist:
 
 
 @dataclass(frozen=True)
+class TruncatedLogNormal:
+    """exp(N(mu, sigma)) conditioned on [lo, hi] (redrawn until inside; not clipped), rounded."""
+
+    mu: float
+    sigma: float
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.lo <= self.hi or self.sigma < 0:
+            raise ValueError("need 1 <= lo <= hi and sigma >= 0")
+        if self.sigma == 0:
+            if not self.lo <= round(math.exp(self.mu)) <= self.hi:
+                raise ValueError("exp(mu) is outside [lo, hi]")
+            return
+        z_hi, z_lo = ((math.log(v) - self.mu) / self.sigma for v in (self.hi + 0.5, self.lo - 0.5))
+        if _normal_cdf(z_hi) - _normal_cdf(z_lo) < 1e-3:
+            raise ValueError("[lo, hi] holds under 0.1% of the distribution")
+
+    def sample(self, rng: random.Random) -> int:
+        while True:
+            value = round(rng.lognormvariate(self.mu, self.sigma))
+            if self.lo <= value <= self.hi:
+                return value
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))
+
+
+class Lengths(Protocol):
+    def sample(self, rng: random.Random) -> int: ...
+
+
+@dataclass(frozen=True)
 class MixClass:
     weight: float
-    prompt: LengthDist
-    output: LengthDist
+    prompt: Lengths
+    output: Lengths
     cached_share: float = 0.0  # share of the prompt that hits the prefix cache
 
 
@@ -83,6 +119,13 @@ def agentic_long_context_mix() -> Workload:
         ),
         burstiness=1.5,
     )
+
+
+def prfaas_paper_workload() -> Workload:
+    """The PrfaaS case study's workload (arXiv 2604.15039, §4.1): input lengths log-normal
+    (mu 9.90, sigma 1.00) truncated to [128, 128K] (mean ~27K tokens), output fixed at 1024
+    tokens, no prefix-cache hits; its throughput model assumes uniform arrivals, here Poisson."""
+    return Workload((MixClass(1.0, TruncatedLogNormal(9.90, 1.00, 128, 131_072), LengthDist(1024, 0.0)),))
 
 
 def load_trace(path: str | Path) -> list[Arrival]:

@@ -42,22 +42,38 @@ def _write(tmp_path: Path, doc: dict[str, Any]) -> Path:
     return path
 
 
-def test_an_isolated_local_request_takes_overhead_plus_prefill_plus_one_step(tmp_path: Path) -> None:
+def test_an_isolated_local_request_takes_overhead_plus_prefill(tmp_path: Path) -> None:
     timings = load_timings(_write(tmp_path, TIMINGS))
-    # 200 tokens < threshold: local in pd. 0.05 overhead + (0.02 + 0.2) prefill + 0.01 first step
+    # 200 tokens < threshold: local in pd. 0.05 overhead + (0.02 + 0.2) prefill; the first token is the prefill's
     prediction = predict(timings, [Arrival(0.0, 200, 4)])
     assert prediction.num_split == 0
-    assert prediction.predicted_ttft_p50_s == pytest.approx(0.05 + 0.22 + 0.01)
+    assert prediction.predicted_ttft_p50_s == pytest.approx(0.05 + 0.22)
 
 
 def test_an_isolated_long_request_splits_and_pays_its_prefill_and_the_last_layer(tmp_path: Path) -> None:
     timings = load_timings(_write(tmp_path, TIMINGS))
     # 2000 tokens: split via pf (cheaper). 0.05 + (0.01 + 1.0) prefill + the last of 4 layers of the KV
-    # (2000 x 1024 B, the default policy's lossless codec: / 1.47) at 1.25e9 B/s + RTT/2 (0.001) + the first step (0.01)
+    # (2000 x 1024 B, the default policy's lossless codec: / 1.47) at 1.25e9 B/s + RTT/2 (0.001)
     prediction = predict(timings, [Arrival(0.0, 2000, 4)])
     assert prediction.num_split == 1
-    last_layer_s = math.ceil(2000 * 1024 / 1.47) / 4 / 1.25e9
-    assert prediction.predicted_ttft_p50_s == pytest.approx(0.05 + 1.01 + last_layer_s + 0.001 + 0.01)
+    assert prediction.predicted_ttft_p50_s == pytest.approx(0.05 + 1.01 + _last_layer_s(2000) + 0.001)
+
+
+def _last_layer_s(tokens: int) -> float:
+    return math.ceil(tokens * 1024 / 1.47) / 4 / 1.25e9
+
+
+@pytest.mark.parametrize(("slots", "wait_s"), [("shared", 0.02), ("separate", 0.0)])
+def test_a_local_request_waits_for_a_split_decoding_in_a_shared_slot(tmp_path: Path, slots: str, wait_s: float) -> None:
+    # the split's first token at t1; its 3 more tokens take 3 steps of 10 ms on pd's one slot. A local request placed
+    # at t1 + 0.01 waits for them (until t1 + 0.03) when prefill and decode share the slot (the local decode region)
+    doc = json.loads(json.dumps(TIMINGS))
+    doc["regions"][1]["engine_slots"] = slots
+    timings = load_timings(_write(tmp_path, doc))
+    t1 = 0.05 + 1.01 + _last_layer_s(2000) + 0.001
+    prediction = predict(timings, [Arrival(0.0, 2000, 4), Arrival(t1 - 0.04, 200, 4)])
+    assert prediction.num_split == 1
+    assert prediction.predicted_ttft_p50_s == pytest.approx(0.05 + 0.22 + wait_s)  # P50 of two: the local one
 
 
 def test_prediction_is_compared_with_the_measured_ttft_of_the_trace(tmp_path: Path) -> None:
@@ -68,14 +84,14 @@ def test_prediction_is_compared_with_the_measured_ttft_of_the_trace(tmp_path: Pa
     assert measured_ttfts(trace) == [0.35] * 5
     prediction = predict_trace(timings, trace)
     assert prediction.measured_ttft_p50_s == 0.35
-    assert prediction.error == pytest.approx(0.28 / 0.35 - 1)
+    assert prediction.error == pytest.approx(0.27 / 0.35 - 1)
 
 
 def test_requests_queue_for_the_measured_workers(tmp_path: Path) -> None:
     timings = load_timings(_write(tmp_path, TIMINGS))
     # two local requests at once on one prefill worker: the second waits for the first's 0.22 s
     prediction = predict(timings, [Arrival(0.0, 200, 1), Arrival(0.0, 200, 1)])
-    assert prediction.predicted_ttft_p90_s == pytest.approx(0.05 + 0.44 + 0.01)
+    assert prediction.predicted_ttft_p90_s == pytest.approx(0.05 + 0.44)
 
 
 @pytest.mark.parametrize(
@@ -108,12 +124,12 @@ def test_cli_calibrate_prints_the_prediction_beside_the_measurement(tmp_path: Pa
 
     timings = _write(tmp_path, TIMINGS)
     trace = tmp_path / "measured.jsonl"
-    trace.write_text(json.dumps({"t_s": 0.0, "prompt_tokens": 200, "output_tokens": 4, "ttft_s": 0.28}) + "\n")
+    trace.write_text(json.dumps({"t_s": 0.0, "prompt_tokens": 200, "output_tokens": 4, "ttft_s": 0.27}) + "\n")
     out = tmp_path / "prediction.json"
     args = ["sim", "calibrate", "--timings", str(timings), "--trace", str(trace), "--json", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "predicted 280.0 ms, measured 280.0 ms, error +0.0%" in result.output
+    assert "predicted 270.0 ms, measured 270.0 ms, error +0.0%" in result.output
     assert json.loads(out.read_text())["num_requests"] == 1
     missing = CliRunner().invoke(app, ["sim", "calibrate", "--timings", str(timings), "--trace", str(tmp_path / "no")])
     assert missing.exit_code == 2 and "error:" in missing.output

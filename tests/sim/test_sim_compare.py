@@ -16,7 +16,7 @@ REQUIRED = {"policy", "throughput_at_slo_rps", "ttft_p90_s", "link_util", "usd_p
 
 
 def _fake(rate: float, attainment: float) -> RunMetrics:
-    return RunMetrics(rate, 1, 1, 0, 0, attainment, 0, 0, 0, 0, 0, 0, 1, {}, 0.0, {}, 1.0, 0.0)
+    return RunMetrics(rate, 1, 1, 0, 0, attainment, 0, 0, 0, 0, 0, 0, 0, 1, {}, {}, 0.0, {}, 1.0, 0.0)
 
 
 def test_search_finds_the_capacity_of_a_step_function() -> None:

@@ -15,16 +15,17 @@ class LinearStep:
     """A step of 10 ms per sequence in the batch plus `per_ctx_s` per context token (per worker)."""
 
     per_ctx_s: float = 1e-6
+    max_batch: int | None = None
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return 0.010 * batch + self.per_ctx_s * context_tokens
 
 
 def _run(
-    jobs: list[tuple[float, int, int]], num_workers: int = 1, per_ctx_s: float = 1e-6
+    jobs: list[tuple[float, int, int]], num_workers: int = 1, per_ctx_s: float = 1e-6, max_batch: int | None = None
 ) -> tuple[list[DecodeResult], DecodePool]:
     env = simpy.Environment()
-    pool = DecodePool(env, LinearStep(per_ctx_s), num_workers)  # type: ignore[arg-type]
+    pool = DecodePool(env, LinearStep(per_ctx_s, max_batch), num_workers)  # type: ignore[arg-type]
     out: list[DecodeResult | None] = [None] * len(jobs)
 
     def one(i: int, at: float, prompt: int, output: int):  # type: ignore[no-untyped-def]
@@ -39,23 +40,45 @@ def _run(
 
 
 def test_a_lone_sequence_takes_one_step_per_token_with_its_context_growing() -> None:
-    # 100 tokens, prompt 1000: step k holds 1000 + k tokens -> sum over k < 100 of (0.010 + 1e-6 (1000 + k))
-    # the model advances the context continuously, so the closed form uses the mean context (1000 + 50)
+    # 100 tokens, prompt 1000: token 0 is the prefill's, then 99 steps; step k holds 1000 + k tokens -> sum over
+    # k < 99 of (0.010 + 1e-6 (1000 + k)); the context advances continuously, the closed form uses its mean
     [result], pool = _run([(0.0, 1000, 100)])
-    assert result.finish_s == pytest.approx(100 * (0.010 + 1e-6 * 1000), rel=0.01)
+    assert result.first_token_s == 0.0
+    assert result.finish_s == pytest.approx(99 * (0.010 + 1e-6 * 1000), rel=0.01)
     assert pool.num_sequences == 0 and pool.context_tokens == 0
 
 
 def test_a_late_joiner_slows_the_sequence_already_decoding() -> None:
     alone, _ = _run([(0.0, 0, 100)], per_ctx_s=0.0)
     shared, _ = _run([(0.0, 0, 100), (0.2, 0, 100)], per_ctx_s=0.0)
-    # alone: 100 steps of 10 ms = 1.0 s; with the joiner, steps cost 20 ms from t=0.2: 20 steps + 80 steps x 20 ms
-    assert alone[0].finish_s == pytest.approx(1.0)
-    assert shared[0].finish_s == pytest.approx(0.2 + 80 * 0.020, rel=1e-6)
+    # alone: 99 steps of 10 ms = 0.99 s; with the joiner, steps cost 20 ms from t=0.2: 20 steps + 79 x 20 ms
+    assert alone[0].finish_s == pytest.approx(0.99)
+    assert shared[0].finish_s == pytest.approx(0.2 + 79 * 0.020, rel=1e-6)
     assert shared[0].tpot_s > alone[0].tpot_s
 
 
 def test_sequences_spread_over_workers_do_not_slow_each_other() -> None:
     # two workers, two sequences: batch per worker is 1, so both run at the lone pace
     results, _ = _run([(0.0, 0, 50), (0.0, 0, 50)], num_workers=2, per_ctx_s=0.0)
-    assert [r.finish_s for r in results] == pytest.approx([0.5, 0.5])
+    assert [r.finish_s for r in results] == pytest.approx([0.49, 0.49])
+
+
+def test_a_full_batch_makes_the_next_sequence_wait_for_a_slot() -> None:
+    # max 2 sequences per worker, 1 worker: the third and fourth wait until the first two finish (49 steps of
+    # 20 ms: t=0.98), then join (their first token goes out then) and share the batch: the fourth's 9 steps of 20 ms
+    results, pool = _run([(0.0, 0, 50), (0.0, 0, 50), (0.1, 0, 50), (0.2, 0, 10)], per_ctx_s=0.0, max_batch=2)
+    assert [r.finish_s for r in results[:2]] == pytest.approx([0.98, 0.98])
+    assert [r.first_token_s for r in results[2:]] == pytest.approx([0.98, 0.98])
+    assert results[3].finish_s == pytest.approx(0.98 + 9 * 0.020)
+    assert not pool.waiting and pool.num_sequences == 0
+
+
+def test_without_a_cap_nothing_waits() -> None:
+    results, pool = _run([(0.0, 0, 50)] * 3, per_ctx_s=0.0)
+    assert [r.first_token_s for r in results] == [0.0, 0.0, 0.0] and not pool.waiting
+    assert [r.finish_s for r in results] == pytest.approx([49 * 0.030] * 3)
+
+
+def test_a_one_token_answer_is_the_prefills_and_takes_no_step() -> None:
+    [result], pool = _run([(0.5, 100, 1)])
+    assert (result.first_token_s, result.finish_s, result.tpot_s) == (0.5, 0.5, 0.0) and pool.num_sequences == 0

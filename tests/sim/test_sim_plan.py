@@ -18,23 +18,24 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def test_homogeneous_baseline_has_the_same_gpu_count_all_of_the_pd_clusters_type() -> None:
-    fleet = case_study().fleet  # 32 H200 + 64 H20 (4 workers x 16)
+    fleet = case_study().fleet  # 32 H200 (4 instances x 8) + 64 H20 (3 prefill + 5 decode instances x 8)
     same = homogeneous_fleet(fleet)
     assert same.num_gpus == fleet.num_gpus == 96
     [pd] = same.regions
-    assert pd.gpu == "H20" and (pd.num_prefill_workers, pd.num_decode_workers) == (3, 3) and not same.links
+    # 12 H20 instances split in the PD cluster's own 3:5 ratio (4.5 rounds to 4)
+    assert pd.gpu == "H20" and (pd.num_prefill_workers, pd.num_decode_workers) == (4, 8) and not same.links
 
 
 def test_naive_baseline_turns_the_pd_prefill_workers_into_decode_workers() -> None:
     fleet = decode_only_pd_fleet(case_study().fleet)
     assert fleet.num_gpus == 96
-    assert [(r.num_prefill_workers, r.num_decode_workers) for r in fleet.regions] == [(4, 0), (0, 4)]
+    assert [(r.num_prefill_workers, r.num_decode_workers) for r in fleet.regions] == [(4, 0), (0, 8)]
 
 
 def test_splits_keep_each_pd_cluster_whole() -> None:
     fleet = case_study().fleet
-    assert split_shares(fleet) == [0.25, 0.5, 0.75]
-    assert [(r.num_prefill_workers, r.num_decode_workers) for r in with_split(fleet, 0.75).regions] == [(4, 0), (3, 1)]
+    assert split_shares(fleet) == [k / 8 for k in range(1, 8)]
+    assert [(r.num_prefill_workers, r.num_decode_workers) for r in with_split(fleet, 0.75).regions] == [(4, 0), (6, 2)]
 
 
 def _point(rps: float, usd: float | None, threshold: int = 0) -> PlanPoint:
