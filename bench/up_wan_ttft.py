@@ -86,6 +86,10 @@ def main() -> None:
             "split_dispatch_s": _span(split.job, "QUEUED", "PREFILLING"),
             "split_forward_s": _span(split.job, "PREFILLING", "TRANSFERRING"),
             "split_tail_s": _span(split.job, "TRANSFERRING", "DECODING"),
+            # in-region forward times (the ledger's prefill GPU-s): the prefill region's own clock
+            # around its forward, and the decode region's Generate start -> token 0 for local
+            "split_forward_region_s": split.usage.get("prefill_gpu_s"),
+            "local_forward_region_s": got["local"].usage.get("prefill_gpu_s"),
         }  # fmt: skip
         sample["non_compute_excess_s"] = (
             sample["split_dispatch_s"] - sample["local_dispatch_s"] + sample["split_tail_s"]
