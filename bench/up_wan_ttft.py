@@ -14,13 +14,17 @@ streaming hides the rest of the shipment behind the forward). On a shared host t
 own time varies by seconds between requests, so the script also reports what the split path
 adds besides the forward, from the jobs' timelines: (QUEUED -> PREFILLING) - (QUEUED -> LOCAL)
 (dispatch) + (TRANSFERRING -> DECODING) (prefill done -> the decode region's first token: the
-last layers' flight, the hand-off, the Decode call), against the same bound.
+last layers' flight, the hand-off, the Decode call), against the same bound. With
+`prfaas up` run under bench/forward_trace (see its docstring) and PRFAAS_FORWARD_TRACE set
+here too, it also reports where the regions' forwards spent their wall time (on a CPU,
+waiting for a core, blocked), split and local.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -51,6 +55,21 @@ def _span(job: dict[str, Any], first: str, last: str) -> float:
     """Seconds between two states of a job's timeline (the control plane's clock)."""
     at = {e["state"]: float(e["at"]) for e in job["timeline"]}
     return at[last] - at[first]
+
+
+def _forward_trace(num_tokens: int) -> dict[str, dict[str, float]]:
+    """Medians of the regions' forward trace (bench/forward_trace), if this run has one."""
+    path = os.environ.get("PRFAAS_FORWARD_TRACE")
+    if not path or not Path(path).exists():
+        return {}
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    out = {}
+    for tapped, name in ((True, "split"), (False, "local")):
+        mine = [r for r in rows if r["tapped"] is tapped and r["tokens"] == num_tokens]
+        if mine:
+            keys = ("wall_s", "cpu_s", "runq_s", "blocked_s")
+            out[name] = {"count": len(mine), **{k: statistics.median(r[k] for r in mine) for k in keys}}
+    return out
 
 
 def main() -> None:
@@ -118,6 +137,7 @@ def main() -> None:
         "samples": samples,
     }  # fmt: skip
     figures["non_compute_met"] = figures["non_compute_excess_s"] <= bound_s
+    figures["forwards"] = _forward_trace(args.tokens)
     print(f"{model}, {args.tokens}-token prompts, {link.rtt_ms} ms / {link.rate_mbit} Mbit/s / {link.loss_pct} % "
           f"loss, median of {args.repeats}:")  # fmt: skip
     print(f"  local TTFT {local:.3f} s, split TTFT {split_ttft:.3f} s: split exceeds local by {1e3 * excess_s:.0f} ms "
@@ -129,6 +149,11 @@ def main() -> None:
           f"{1e3 * figures['split_tail_s']:.0f} ms; "
           f"split adds {1e3 * figures['non_compute_excess_s']:.0f} ms: "
           f"{'met' if figures['non_compute_met'] else 'NOT met'}")  # fmt: skip
+    for tapped, row in figures["forwards"].items():
+        print(
+            f"  in-region forwards ({tapped}, {row['count']}, medians): wall {row['wall_s']:.3f} s = CPU "
+            f"{row['cpu_s']:.3f} + waiting for a core {row['runq_s']:.3f} + blocked {row['blocked_s']:.3f} s"
+        )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     sys.exit(0)
