@@ -38,16 +38,20 @@ from prfaas.cli.up_state import read_state
 from prfaas.engine.models import prfaas_home, resolve_model
 
 
+class _Failed(Exception):
+    """One request failed or ran elsewhere than asked (on an overloaded host: a missed heartbeat, a deadline)."""
+
+
 def _one(base: str, key: str, model: str, prompt: list[int], placement: str) -> loadgen.Outcome:
     request = Planned(0, 0.0, "wan", tuple(prompt), 2, None, 0)
     outcomes, _ = loadgen.run(base, key, model, [request], placement, concurrency=1, timeout_s=600)
     loadgen.attach_jobs(base, key, outcomes)
     out = outcomes[0]
     if not out.ok or out.ttft_s is None:
-        raise SystemExit(f"{placement} request failed: {out.error}")
+        raise _Failed(f"{placement} request failed: {out.error}")
     chosen = out.job.get("placement_chosen")
     if chosen != placement:
-        raise SystemExit(f"asked for {placement}, the job ran {chosen}")
+        raise _Failed(f"asked for {placement}, the job ran {chosen}")
     return out
 
 
@@ -87,14 +91,23 @@ def main() -> None:
     config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
     num_layers = int(config["num_hidden_layers"])
     corpus, _ = prompt_corpus(model)
-    _one(base, key, model, corpus[:64], "local")  # warm both paths
-    _one(base, key, model, corpus[64:128], "split")
+    try:  # warm both paths
+        _one(base, key, model, corpus[:64], "local")
+        _one(base, key, model, corpus[64:128], "split")
+    except _Failed as exc:
+        raise SystemExit(f"warm-up: {exc}") from None
     samples: list[dict[str, Any]] = []
+    skipped: list[str] = []
     for i in range(args.repeats):
         start = 1000 + i * 977
         prompt = corpus[start : start + args.tokens]
         order = ("local", "split") if i % 2 == 0 else ("split", "local")
-        got = {placement: _one(base, key, model, prompt, placement) for placement in order}
+        try:
+            got = {placement: _one(base, key, model, prompt, placement) for placement in order}
+        except _Failed as exc:  # the pair is dropped; the others still count
+            skipped.append(f"repeat {i + 1}: {exc}")
+            print(f"repeat {i + 1}: skipped, {exc}", flush=True)
+            continue
         split = got["split"]
         sample: dict[str, Any] = {
             "local_ttft_s": got["local"].ttft_s, "split_ttft_s": split.ttft_s,
@@ -117,6 +130,8 @@ def main() -> None:
         print(f"repeat {i + 1}: local {sample['local_ttft_s']:.3f} s, split {sample['split_ttft_s']:.3f} s "
               f"(forward {sample['split_forward_s']:.3f} s, then token 0 {1e3 * sample['split_tail_s']:.0f} ms later), "
               f"wire {sample['bytes_wire']:,} B ({sample['codec']})", flush=True)  # fmt: skip
+    if not samples:
+        raise SystemExit(f"every repeat failed: {skipped}")
     local = statistics.median(s["local_ttft_s"] for s in samples)
     split_ttft = statistics.median(s["split_ttft_s"] for s in samples)
     # bytes_wire lands with the shipment's completion event, which may come after the reply
@@ -134,12 +149,12 @@ def main() -> None:
         "split_tail_s": statistics.median(s["split_tail_s"] for s in samples),
         "dispatch_excess_s": statistics.median(s["split_dispatch_s"] - s["local_dispatch_s"] for s in samples),
         "non_compute_excess_s": statistics.median(s["non_compute_excess_s"] for s in samples),
-        "samples": samples,
+        "samples": samples, "skipped": skipped,
     }  # fmt: skip
     figures["non_compute_met"] = figures["non_compute_excess_s"] <= bound_s
     figures["forwards"] = _forward_trace(args.tokens)
     print(f"{model}, {args.tokens}-token prompts, {link.rtt_ms} ms / {link.rate_mbit} Mbit/s / {link.loss_pct} % "
-          f"loss, median of {args.repeats}:")  # fmt: skip
+          f"loss, median of {len(samples)} ({len(skipped)} skipped):")  # fmt: skip
     print(f"  local TTFT {local:.3f} s, split TTFT {split_ttft:.3f} s: split exceeds local by {1e3 * excess_s:.0f} ms "
           f"(median of pairwise differences {1e3 * figures['median_pairwise_excess_s']:.0f} ms)")  # fmt: skip
     print(f"  bound 0.5*RTT + last layer {wire / num_layers / 1e6:.2f} MB / link + 20 ms = {1e3 * bound_s:.0f} ms: "

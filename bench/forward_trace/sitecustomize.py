@@ -40,7 +40,7 @@ def _install(path: str) -> None:
     prefill = HFEngine.prefill
 
     @functools.wraps(prefill)
-    def traced(self, token_ids, params, **kwargs):  # type: ignore[no-untyped-def]
+    def traced(self, token_ids, params, **kwargs):
         a = _stamp()
         try:
             return prefill(self, token_ids, params, **kwargs)
