@@ -14,13 +14,17 @@ streaming hides the rest of the shipment behind the forward). On a shared host t
 own time varies by seconds between requests, so the script also reports what the split path
 adds besides the forward, from the jobs' timelines: (QUEUED -> PREFILLING) - (QUEUED -> LOCAL)
 (dispatch) + (TRANSFERRING -> DECODING) (prefill done -> the decode region's first token: the
-last layers' flight, the hand-off, the Decode call), against the same bound.
+last layers' flight, the hand-off, the Decode call), against the same bound. With
+`prfaas up` run under bench/forward_trace (see its docstring) and PRFAAS_FORWARD_TRACE set
+here too, it also reports where the regions' forwards spent their wall time (on a CPU,
+waiting for a core, blocked), split and local.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -34,16 +38,20 @@ from prfaas.cli.up_state import read_state
 from prfaas.engine.models import prfaas_home, resolve_model
 
 
+class _Failed(Exception):
+    """One request failed or ran elsewhere than asked (on an overloaded host: a missed heartbeat, a deadline)."""
+
+
 def _one(base: str, key: str, model: str, prompt: list[int], placement: str) -> loadgen.Outcome:
     request = Planned(0, 0.0, "wan", tuple(prompt), 2, None, 0)
     outcomes, _ = loadgen.run(base, key, model, [request], placement, concurrency=1, timeout_s=600)
     loadgen.attach_jobs(base, key, outcomes)
     out = outcomes[0]
     if not out.ok or out.ttft_s is None:
-        raise SystemExit(f"{placement} request failed: {out.error}")
+        raise _Failed(f"{placement} request failed: {out.error}")
     chosen = out.job.get("placement_chosen")
     if chosen != placement:
-        raise SystemExit(f"asked for {placement}, the job ran {chosen}")
+        raise _Failed(f"asked for {placement}, the job ran {chosen}")
     return out
 
 
@@ -51,6 +59,21 @@ def _span(job: dict[str, Any], first: str, last: str) -> float:
     """Seconds between two states of a job's timeline (the control plane's clock)."""
     at = {e["state"]: float(e["at"]) for e in job["timeline"]}
     return at[last] - at[first]
+
+
+def _forward_trace(num_tokens: int) -> dict[str, dict[str, float]]:
+    """Medians of the regions' forward trace (bench/forward_trace), if this run has one."""
+    path = os.environ.get("PRFAAS_FORWARD_TRACE")
+    if not path or not Path(path).exists():
+        return {}
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    out = {}
+    for tapped, name in ((True, "split"), (False, "local")):
+        mine = [r for r in rows if r["tapped"] is tapped and r["tokens"] == num_tokens]
+        if mine:
+            keys = ("wall_s", "cpu_s", "runq_s", "blocked_s")
+            out[name] = {"count": len(mine), **{k: statistics.median(r[k] for r in mine) for k in keys}}
+    return out
 
 
 def main() -> None:
@@ -68,14 +91,23 @@ def main() -> None:
     config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
     num_layers = int(config["num_hidden_layers"])
     corpus, _ = prompt_corpus(model)
-    _one(base, key, model, corpus[:64], "local")  # warm both paths
-    _one(base, key, model, corpus[64:128], "split")
+    try:  # warm both paths
+        _one(base, key, model, corpus[:64], "local")
+        _one(base, key, model, corpus[64:128], "split")
+    except _Failed as exc:
+        raise SystemExit(f"warm-up: {exc}") from None
     samples: list[dict[str, Any]] = []
+    skipped: list[str] = []
     for i in range(args.repeats):
         start = 1000 + i * 977
         prompt = corpus[start : start + args.tokens]
         order = ("local", "split") if i % 2 == 0 else ("split", "local")
-        got = {placement: _one(base, key, model, prompt, placement) for placement in order}
+        try:
+            got = {placement: _one(base, key, model, prompt, placement) for placement in order}
+        except _Failed as exc:  # the pair is dropped; the others still count
+            skipped.append(f"repeat {i + 1}: {exc}")
+            print(f"repeat {i + 1}: skipped, {exc}", flush=True)
+            continue
         split = got["split"]
         sample: dict[str, Any] = {
             "local_ttft_s": got["local"].ttft_s, "split_ttft_s": split.ttft_s,
@@ -86,6 +118,10 @@ def main() -> None:
             "split_dispatch_s": _span(split.job, "QUEUED", "PREFILLING"),
             "split_forward_s": _span(split.job, "PREFILLING", "TRANSFERRING"),
             "split_tail_s": _span(split.job, "TRANSFERRING", "DECODING"),
+            # in-region forward times (the ledger's prefill GPU-s): the prefill region's own clock
+            # around its forward, and the decode region's Generate start -> token 0 for local
+            "split_forward_region_s": split.usage.get("prefill_gpu_s"),
+            "local_forward_region_s": got["local"].usage.get("prefill_gpu_s"),
         }  # fmt: skip
         sample["non_compute_excess_s"] = (
             sample["split_dispatch_s"] - sample["local_dispatch_s"] + sample["split_tail_s"]
@@ -94,6 +130,8 @@ def main() -> None:
         print(f"repeat {i + 1}: local {sample['local_ttft_s']:.3f} s, split {sample['split_ttft_s']:.3f} s "
               f"(forward {sample['split_forward_s']:.3f} s, then token 0 {1e3 * sample['split_tail_s']:.0f} ms later), "
               f"wire {sample['bytes_wire']:,} B ({sample['codec']})", flush=True)  # fmt: skip
+    if not samples:
+        raise SystemExit(f"every repeat failed: {skipped}")
     local = statistics.median(s["local_ttft_s"] for s in samples)
     split_ttft = statistics.median(s["split_ttft_s"] for s in samples)
     # bytes_wire lands with the shipment's completion event, which may come after the reply
@@ -111,11 +149,12 @@ def main() -> None:
         "split_tail_s": statistics.median(s["split_tail_s"] for s in samples),
         "dispatch_excess_s": statistics.median(s["split_dispatch_s"] - s["local_dispatch_s"] for s in samples),
         "non_compute_excess_s": statistics.median(s["non_compute_excess_s"] for s in samples),
-        "samples": samples,
+        "samples": samples, "skipped": skipped,
     }  # fmt: skip
     figures["non_compute_met"] = figures["non_compute_excess_s"] <= bound_s
+    figures["forwards"] = _forward_trace(args.tokens)
     print(f"{model}, {args.tokens}-token prompts, {link.rtt_ms} ms / {link.rate_mbit} Mbit/s / {link.loss_pct} % "
-          f"loss, median of {args.repeats}:")  # fmt: skip
+          f"loss, median of {len(samples)} ({len(skipped)} skipped):")  # fmt: skip
     print(f"  local TTFT {local:.3f} s, split TTFT {split_ttft:.3f} s: split exceeds local by {1e3 * excess_s:.0f} ms "
           f"(median of pairwise differences {1e3 * figures['median_pairwise_excess_s']:.0f} ms)")  # fmt: skip
     print(f"  bound 0.5*RTT + last layer {wire / num_layers / 1e6:.2f} MB / link + 20 ms = {1e3 * bound_s:.0f} ms: "
@@ -125,6 +164,11 @@ def main() -> None:
           f"{1e3 * figures['split_tail_s']:.0f} ms; "
           f"split adds {1e3 * figures['non_compute_excess_s']:.0f} ms: "
           f"{'met' if figures['non_compute_met'] else 'NOT met'}")  # fmt: skip
+    for tapped, row in figures["forwards"].items():
+        print(
+            f"  in-region forwards ({tapped}, {row['count']}, medians): wall {row['wall_s']:.3f} s = CPU "
+            f"{row['cpu_s']:.3f} + waiting for a core {row['runq_s']:.3f} + blocked {row['blocked_s']:.3f} s"
+        )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     sys.exit(0)

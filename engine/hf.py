@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,27 @@ from prfaas.engine.errors import (
 from prfaas.engine.kv import DTYPES, KVCache, LayerKV, hash_token_ids
 from prfaas.engine.models import model_fingerprint, resolve_model
 from prfaas.engine.sampling import SamplingParams, sample_next
+
+# (layer, k, v); k, v: [kv_heads, tokens, head_dim], the cache's own tensors (no copy)
+OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class _TappedCache(DynamicCache):
+    """A prefill cache that hands each layer's K/V to `on_layer` as soon as the layer writes
+    them: right after its K/V projections (and RoPE), before that layer's attention and MLP,
+    which never change them. So the last layer's KV leaves while the last layer still computes."""
+
+    def __init__(self, config: Any, on_layer: OnLayer) -> None:
+        super().__init__(config=config)
+        self._on_layer = on_layer
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        # [1, kv_heads, tokens, head_dim]; batch size is one. A prefill writes each layer once.
+        self._on_layer(layer_idx, keys[0].contiguous(), values[0].contiguous())
+        return keys, values
 
 
 class HFEngine:
@@ -107,9 +128,15 @@ class HFEngine:
         return logits
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
+    def prefill(
+        self, token_ids: Sequence[int], params: SamplingParams, *, on_layer: OnLayer | None = None
+    ) -> PrefillResult:
+        """`on_layer(layer, k, v)`, if given, runs in this thread as soon as each layer's KV is
+        in the cache (before the rest of that layer computes); the tensors are the result's
+        own KV, never written again. An exception it raises aborts the forward (cancel)."""
         self._check_prompt(token_ids, params)
-        cache = DynamicCache(config=self.model.config)
+        config = self.model.config
+        cache = DynamicCache(config=config) if on_layer is None else _TappedCache(config, on_layer)
         logits = self._forward(list(token_ids), cache)
         # cache layers hold k, v: [1, kv_heads, tokens, head_dim]; drop the batch dim.
         cache_layers: list[Any] = list(cache.layers)

@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from prfaas.engine.base import PrefillResult
 from prfaas.engine.hf import HFEngine
 from prfaas.prefill_region import metrics
-from prfaas.prefill_region.layer_tap import LayerTap, byte_view
-from prfaas.prefill_region.shipping import ChannelPool, Destination, ship_spec, wait_transfer
+from prfaas.prefill_region.shipping import ChannelPool, Destination, byte_view, ship_spec, wait_transfer
 from prfaas.protos.prfaas.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from prfaas.protos.rpc import (
     Canceled,
@@ -107,7 +107,6 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         self.kv_lease_s = kv_lease_s
         self.kv_lease_bytes = kv_lease_bytes  # leases past this are dropped, oldest first
         self.test_layer_delay_s = test_layer_delay_s  # TEST ONLY: a slow prefill for fault tests
-        self.tap = LayerTap(engine.model)
         self.channels = ChannelPool(node)
         self.draining = False
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="prfaas-prefill")
@@ -215,7 +214,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         params = sampling_from_proto(job.request.sampling)
         engine = self.engine
         shape = (engine.num_kv_heads, len(job.token_ids), engine.head_dim)
-        spec = ship_spec(job.job_id, job.attempt, job.destination, engine.dtype, (shape,) * self.tap.num_layers,
+        spec = ship_spec(job.job_id, job.attempt, job.destination, engine.dtype, (shape,) * engine.num_layers,
                          job.deadline - time.monotonic())  # fmt: skip
         shipment = Shipment(spec)
         transfer = self.channels.get(job.destination.address).submit(shipment)
@@ -226,20 +225,19 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
             raise _Stop
         whole = job.request.ship_whole
 
-        def on_layer(index: int, k: object, v: object) -> None:
+        def on_layer(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
             if self.test_layer_delay_s:  # TEST ONLY (RegionConfig.test_layer_delay_s); a cancel cuts it short
                 job.stop.wait(self.test_layer_delay_s)
             self._check(job)
             if transfer.status() in (TransferStatus.FAILED, TransferStatus.TIMEOUT, TransferStatus.CANCELED):
                 raise _Stop  # e.g. the ticket was refused: computing on is wasted work
             if not whole:
-                shipment.add_layer(index, byte_view(k), byte_view(v))  # type: ignore[arg-type]
+                shipment.add_layer(index, byte_view(k), byte_view(v))
                 job.emit(layer_shipped=prefill_pb2.LayerShipped(layer=index))
 
         t0 = time.monotonic()
-        try:
-            with self.tap.tapping(on_layer):
-                result = engine.prefill(job.token_ids, params)
+        try:  # each layer's KV leaves as soon as the layer has written it, while the rest computes
+            result = engine.prefill(job.token_ids, params, on_layer=on_layer)
         except _Stop:
             self._transfer_failed(job, transfer)
             raise

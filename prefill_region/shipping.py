@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from prfaas.prefill_region import metrics
 from prfaas.protos.prfaas.v1 import prefill_pb2
 from prfaas.protos.rpc import DeadlineExceeded, InvalidRequest
@@ -69,6 +71,12 @@ def wait_transfer(transfer: Transfer, deadline: float, stop: threading.Event, *,
     if status is TransferStatus.COMPLETED:
         metrics.SHIPPED_RAW.inc(stats.raw_bytes)
     return status
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, without a copy (keeps the tensor alive)."""
+    array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array)
 
 
 class ChannelPool:

@@ -120,3 +120,45 @@ def test_prompt_longer_than_context_is_refused(tiny_engine: HFEngine) -> None:
 def test_bad_token_ids_are_refused(tiny_engine: HFEngine, ids: list[int], message: str) -> None:
     with pytest.raises(InvalidPrompt, match=message):
         tiny_engine.prefill(ids, GREEDY)
+
+
+def test_on_layer_hands_out_each_layers_kv_before_that_layer_computes_on(tiny_engine: HFEngine, long_text: str) -> None:
+    # The prefill region ships layer i while layer i's attention and MLP still run, so the
+    # last layer's bytes overlap compute too: on_layer(i) must come before layer i's MLP.
+    events: list[tuple[str, int]] = []
+    handles = [
+        layer.mlp.register_forward_hook(lambda *_args, i=i: events.append(("mlp", i)))
+        for i, layer in enumerate(tiny_engine.model.model.layers)
+    ]
+    tapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on_layer(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        events.append(("kv", index))
+        tapped[index] = (k, v)
+
+    try:
+        ids = prompt(tiny_engine, long_text, 40)
+        result = tiny_engine.prefill(ids, GREEDY, on_layer=on_layer)
+    finally:
+        for handle in handles:
+            handle.remove()
+    num_layers = tiny_engine.num_layers
+    assert events == [(kind, i) for i in range(num_layers) for kind in ("kv", "mlp")]
+    for index, layer in enumerate(result.kv.layers):  # the result's own KV, never written after
+        k, v = tapped[index]
+        assert k.data_ptr() == layer.k.data_ptr() and v.data_ptr() == layer.v.data_ptr()
+        assert k.shape == (tiny_engine.num_kv_heads, 40, tiny_engine.head_dim)
+    assert result.first_token == tiny_engine.prefill(ids, GREEDY).first_token
+
+
+def test_an_exception_from_on_layer_aborts_the_forward(tiny_engine: HFEngine, long_text: str) -> None:
+    seen: list[int] = []
+
+    def on_layer(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        seen.append(index)
+        if index == 1:
+            raise RuntimeError("canceled")  # the prefill region raises its own stop signal
+
+    with pytest.raises(RuntimeError, match="canceled"):
+        tiny_engine.prefill(prompt(tiny_engine, long_text, 10), GREEDY, on_layer=on_layer)
+    assert seen == [0, 1]
