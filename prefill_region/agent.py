@@ -107,7 +107,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         self.kv_lease_s = kv_lease_s
         self.kv_lease_bytes = kv_lease_bytes  # leases past this are dropped, oldest first
         self.test_layer_delay_s = test_layer_delay_s  # TEST ONLY: a slow prefill for fault tests
-        self.tap = LayerTap(engine.model)
+        self.tap = self._layer_tap()
         self.channels = ChannelPool(node)
         self.draining = False
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="prfaas-prefill")
@@ -119,6 +119,10 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="prfaas-prefill-leases", daemon=True)
         self._reaper.start()
+
+    def _layer_tap(self) -> LayerTap | None:
+        """Forward hooks on the HF model (None: the engine ships its layers itself)."""
+        return LayerTap(self.engine.model)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -213,9 +217,10 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         job.emit(started=prefill_pb2.Started(queued_s=time.monotonic() - job.started))
         self._check(job)
         params = sampling_from_proto(job.request.sampling)
-        engine = self.engine
+        engine, tap = self.engine, self.tap
+        assert tap is not None  # the HF engine's agent
         shape = (engine.num_kv_heads, len(job.token_ids), engine.head_dim)
-        spec = ship_spec(job.job_id, job.attempt, job.destination, engine.dtype, (shape,) * self.tap.num_layers,
+        spec = ship_spec(job.job_id, job.attempt, job.destination, engine.dtype, (shape,) * tap.num_layers,
                          job.deadline - time.monotonic())  # fmt: skip
         shipment = Shipment(spec)
         transfer = self.channels.get(job.destination.address).submit(shipment)
@@ -238,7 +243,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
 
         t0 = time.monotonic()
         try:
-            with self.tap.tapping(on_layer):
+            with tap.tapping(on_layer):
                 result = engine.prefill(job.token_ids, params)
         except _Stop:
             self._transfer_failed(job, transfer)
