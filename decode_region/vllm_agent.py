@@ -28,6 +28,7 @@ from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.vllm_params import LoadParams
 from prfaas.engine.vllm_remote import VLLMEngine, check_greedy
+from prfaas.engine.vllm_server import StreamStopped
 from prfaas.protos.prfaas.v1 import decode_pb2
 from prfaas.protos.rpc import (
     Canceled,
@@ -123,7 +124,7 @@ class VLLMDecodeAgent(DecodeAgent):
                 load = LoadParams(job_id, request.attempt, min(MAX_TIMEOUT_S, max(0.1, remaining)), len(prompt))
                 if params.max_new_tokens > 1:  # vLLM generates at least one token
                     rest = self.vllm.stream([*prompt, request.first_token], params.max_new_tokens - 1,
-                                            load.to_kv_params(), remaining)  # fmt: skip
+                                            load.to_kv_params(), remaining, stop=res.canceled)  # fmt: skip
                 tokens = _stop_watch_at_first(res, rest)
                 yield from self._tokens(request.first_token, tokens, params, res.canceled, deadline, started, "split")
         except Exception as exc:
@@ -157,8 +158,12 @@ class VLLMDecodeAgent(DecodeAgent):
         tokens: Iterator[int] = iter(())
         try:
             with self._worker(deadline):
-                tokens = self.vllm.stream(token_ids, params.max_new_tokens, None, deadline - time.monotonic())
+                tokens = self.vllm.stream(
+                    token_ids, params.max_new_tokens, None, deadline - time.monotonic(), stop=canceled
+                )
                 yield from self._tokens(next(tokens), tokens, params, canceled, deadline, started, "local")
+        except StreamStopped:
+            raise Canceled("canceled during decode") from None
         finally:
             close = getattr(tokens, "close", None)
             if close is not None:

@@ -149,10 +149,10 @@ class VLLMEngine:
         return result
 
     def stream(self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None,
-               timeout_s: float) -> Iterator[int]:  # fmt: skip
-        """The generated tokens one by one as vLLM produces them; closing the iterator early
-        aborts the request in the server."""
-        steps = self._call(lambda: self.client.stream(token_ids, max_tokens, kv_params, timeout_s))
+               timeout_s: float, stop: threading.Event | None = None) -> Iterator[int]:  # fmt: skip
+        """The generated tokens one by one as vLLM produces them; closing the iterator early,
+        or setting `stop` (-> `StreamStopped`), aborts the request in the server."""
+        steps = self._call(lambda: self.client.stream(token_ids, max_tokens, kv_params, timeout_s, stop))
         try:
             while True:
                 try:

@@ -38,6 +38,10 @@ class RemoteError(RuntimeError):
     """The server raised; the message names the server-side exception."""
 
 
+class StreamStopped(RuntimeError):
+    """`VLLMClient.stream` ended by its `stop` event (the request was aborted)."""
+
+
 def _serve_one(host: Any, conn: Connection) -> None:
     from prfaas.engine.vllm_params import ShipParams
 
@@ -192,18 +196,28 @@ class VLLMClient:
         return result
 
     def stream(
-        self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None = None, timeout_s: float = 300.0
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        kv_params: dict[str, Any] | None = None,
+        timeout_s: float = 300.0,
+        stop: threading.Event | None = None,
     ) -> Generator[list[int], None, dict[str, Any]]:
         """Yields each step's new token ids; returns what `generate` returns. Closing the
-        generator early aborts the request on the server."""
+        generator early aborts the request on the server; so does `stop` (checked every
+        0.1 s, also while vLLM waits for a shipment), which raises `StreamStopped`."""
         conn = Client(self.address, authkey=self._authkey)
         try:
             conn.send(("stream", (token_ids, max_tokens, kv_params, timeout_s)))
             deadline = time.monotonic() + timeout_s + 5
             while True:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not conn.poll(remaining):
+                if remaining <= 0:
                     raise TimeoutError(f"vLLM server did not finish the generation in {timeout_s} s")
+                if stop is not None and stop.is_set():
+                    raise StreamStopped("stopped by the caller")
+                if not conn.poll(min(remaining, 0.1)):
+                    continue
                 status, payload = conn.recv()
                 if status == "tokens":
                     yield list(payload)

@@ -8,7 +8,9 @@ SmolLM2, a 512-token prompt:
 - HF prefill region -> vLLM decode region (same wire format): the same tokens;
 - vLLM prefill region -> HF decode region: the tokens of the HF region run colocated.
 
-Three regions start once for the module (two vLLM servers start in parallel: 45-95 s).
+Three regions start once for the module (two vLLM servers start in parallel: 45-95 s). The
+file name sorts first in tests/vllm, so these regions are gone before the session's vLLM
+pair (conftest.py) starts: at most two vLLM servers (~2.5 GB each) at a time.
 """
 
 from __future__ import annotations
