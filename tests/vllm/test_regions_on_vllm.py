@@ -33,9 +33,10 @@ from test_vllm_split import prompt_ids
 from vllm_kit import MODEL, START_TIMEOUT_S
 
 from prfaas.cli.launch import RegionProcess, spawn_region
-from prfaas.engine.models import prepare_model
+from prfaas.engine.kv import hash_token_ids
+from prfaas.engine.models import model_fingerprint, prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
-from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prfaas.protos.rpc import sampling_to_proto
 from prfaas.transport.tickets import TicketSigner
 
@@ -253,6 +254,37 @@ def test_vllm_region_refuses_what_it_cannot_serve(regions: dict[str, RegionProce
     with pytest.raises(grpc.RpcError) as info:
         list(decode.Decode(unreserved, timeout=30))
     assert info.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
+def test_cancel_of_a_decode_waiting_for_its_kv_ends_it_at_once(
+    regions: dict[str, RegionProcess], prompt: list[int]
+) -> None:
+    """No prefill ever comes: vLLM waits for the shipment; Cancel ends the call (CANCELLED)
+    within a poll, frees the reservation, and the aborted request does not break the engine
+    once its load deadline passes (a Generate after it still gives the reference tokens)."""
+    region = regions["vllm-d"]
+    decode = _decode(region)
+    reference = _generate(region, prompt)
+    job = str(uuid.uuid4())
+    decode.Reserve(
+        decode_pb2.ReserveRequest(job_id=job, attempt=1, tenant="acme", kv_bytes=KV_BYTES, ttl_s=60), timeout=30
+    )
+    kv = common_pb2.KVDescriptor(model_fingerprint=model_fingerprint(resolve_model(MODEL)), dtype="float32",
+                                 num_tokens=NUM_TOKENS, token_ids_hash=hash_token_ids(prompt))  # fmt: skip
+    call = decode_pb2.DecodeRequest(job_id=job, attempt=1, first_token=reference[0], kv=kv, token_ids=prompt,
+                                    sampling=sampling_to_proto(GREEDY), timeout_s=5)  # fmt: skip
+    stream = decode.Decode(call, timeout=60)
+    assert next(stream).token == reference[0]  # token 0 is the prefill's; then vLLM waits for the KV
+    time.sleep(0.5)
+    canceled = time.monotonic()
+    assert decode.Cancel(common_pb2.CancelRequest(job_id=job, reason="test"), timeout=10).found
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert time.monotonic() - canceled < 5
+    assert _kv_used(region) == 0
+    time.sleep(5)  # past the aborted request's load deadline
+    assert _generate(region, prompt) == reference
 
 
 def test_region_exits_when_its_vllm_server_dies(regions: dict[str, RegionProcess]) -> None:
