@@ -109,6 +109,7 @@ class VLLMHost:
         self._calls: queue.Queue[tuple[Any, Future[Any]]] = queue.Queue()
         self._pending: dict[str, _Pending] = {}
         self._aborted: set[str] = set()  # loop thread only
+        self._unstarted: set[str] = set()  # submitted, not yet handed to the engine
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vllm-host", daemon=True)
         self._thread.start()
@@ -142,7 +143,9 @@ class VLLMHost:
             extra_args={"kv_transfer_params": kv_params} if kv_params else None,
         )
         pending = _Pending(list(token_ids), params, Future(), time.monotonic(), on_tokens)
-        self._inbox.put((request_id or f"r-{uuid.uuid4().hex}", pending))
+        request_id = request_id or f"r-{uuid.uuid4().hex}"
+        self._unstarted.add(request_id)
+        self._inbox.put((request_id, pending))
         return pending.future
 
     def abort(self, request_id: str) -> None:
@@ -151,9 +154,10 @@ class VLLMHost:
 
         def run() -> None:
             pending = self._pending.pop(request_id, None)
-            if pending is None:  # not added yet (still in the inbox): dropped when it is
-                self._aborted.add(request_id)
-                return
+            if pending is None:
+                if request_id in self._unstarted:  # still in the inbox: dropped when it is drained
+                    self._aborted.add(request_id)
+                return  # finished, or never submitted
             self._engine.abort_request([request_id])
             pending.future.set_exception(Aborted(f"request {request_id} aborted"))
 
@@ -223,6 +227,7 @@ class VLLMHost:
             return
         while item is not None:
             request_id, pending = item
+            self._unstarted.discard(request_id)
             if request_id in self._aborted:
                 self._aborted.discard(request_id)
                 pending.future.set_exception(Aborted(f"request {request_id} aborted"))
