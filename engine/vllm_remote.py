@@ -239,7 +239,7 @@ def start_vllm_engine(
         env["VLLM_CPU_OMP_THREADS_BIND"] = opts.cpu_threads_bind
     argv = [str(python), "-m", "prfaas.engine.vllm_server", "--model", str(resolve_model(model)), "--dtype", dtype,
             "--max-model-len", str(opts.max_model_len), "--kv-host", kv_host, "--kv-port", str(kv_port),
-            "--node", node, "--ready-file", str(ready)]  # fmt: skip
+            "--node", node, "--ready-file", str(ready), "--exit-with-parent"]  # fmt: skip
     if opts.enforce_eager:
         argv.append("--enforce-eager")
     with log_path.open("ab") as out:

@@ -7,7 +7,8 @@ region's own environment has no vLLM; `engine/vllm_remote.py` starts this server
 vLLM environment's python). The control channel is `multiprocessing.connection` (HMAC
 challenge with the authkey in `PRFAAS_VLLM_AUTHKEY`, hex), one call per connection;
 `stream` sends the tokens as they are generated and aborts the request when the caller
-closes the connection. The server exits when its parent process goes away.
+closes the connection. With `--exit-with-parent` (regions pass it) the server exits when
+the process that started it goes away.
 
     PRFAAS_VLLM_AUTHKEY=<hex> python -m prfaas.engine.vllm_server --model smollm2-135m --ticket-key k1:<hex>
 
@@ -133,6 +134,7 @@ def serve(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process does")
     ns = parser.parse_args(argv)
     authkey = bytes.fromhex(os.environ.get(AUTHKEY_ENV, ""))
     if len(authkey) < 16:
@@ -142,7 +144,8 @@ def serve(argv: list[str] | None = None) -> None:
         kid, _, hexkey = item.partition(":")
         keys[kid] = bytes.fromhex(hexkey)
 
-    threading.Thread(target=_exit_with_parent, name="vllm-server-parent", daemon=True).start()
+    if ns.exit_with_parent:
+        threading.Thread(target=_exit_with_parent, name="vllm-server-parent", daemon=True).start()
     from prfaas.engine.vllm_host import VLLMHost
 
     host = VLLMHost(
