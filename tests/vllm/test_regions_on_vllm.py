@@ -260,8 +260,8 @@ def test_cancel_of_a_decode_waiting_for_its_kv_ends_it_at_once(
     regions: dict[str, RegionProcess], prompt: list[int]
 ) -> None:
     """No prefill ever comes: vLLM waits for the shipment; Cancel ends the call (CANCELLED)
-    within a poll, frees the reservation, and the aborted request does not break the engine
-    once its load deadline passes (a Generate after it still gives the reference tokens)."""
+    within a poll, frees the reservation, and the aborted request does not disturb the engine
+    (vLLM aborts it once its load ended: a Generate right after gives the reference tokens)."""
     region = regions["vllm-d"]
     decode = _decode(region)
     reference = _generate(region, prompt)
@@ -272,7 +272,7 @@ def test_cancel_of_a_decode_waiting_for_its_kv_ends_it_at_once(
     kv = common_pb2.KVDescriptor(model_fingerprint=model_fingerprint(resolve_model(MODEL)), dtype="float32",
                                  num_tokens=NUM_TOKENS, token_ids_hash=hash_token_ids(prompt))  # fmt: skip
     call = decode_pb2.DecodeRequest(job_id=job, attempt=1, first_token=reference[0], kv=kv, token_ids=prompt,
-                                    sampling=sampling_to_proto(GREEDY), timeout_s=5)  # fmt: skip
+                                    sampling=sampling_to_proto(GREEDY), timeout_s=10)  # fmt: skip
     stream = decode.Decode(call, timeout=60)
     assert next(stream).token == reference[0]  # token 0 is the prefill's; then vLLM waits for the KV
     time.sleep(0.5)
@@ -283,8 +283,7 @@ def test_cancel_of_a_decode_waiting_for_its_kv_ends_it_at_once(
     assert info.value.code() == grpc.StatusCode.CANCELLED
     assert time.monotonic() - canceled < 5
     assert _kv_used(region) == 0
-    time.sleep(5)  # past the aborted request's load deadline
-    assert _generate(region, prompt) == reference
+    assert _generate(region, prompt) == reference  # while and after the aborted request's load ends
 
 
 def test_region_exits_when_its_vllm_server_dies(regions: dict[str, RegionProcess]) -> None:
