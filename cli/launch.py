@@ -52,8 +52,9 @@ def worker_argv(name: str, concurrency: int) -> list[str]:
             "--loglevel", "WARNING"]  # fmt: skip
 
 
-def region_argv(config: Path) -> list[str]:
-    return [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(config), "--log-level", "WARNING"]
+def region_argv(config: Path, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(config),
+            "--log-level", "WARNING"]  # fmt: skip
 
 
 @dataclass
@@ -86,15 +87,17 @@ def spawn_region(
     argv_prefix: Sequence[str] = (),
     log: Path | None = None,
     new_session: bool = False,
+    python: str | None = None,
 ) -> RegionProcess:
     """Start `prfaas region --config` and wait for its `ready grpc=... kv=...` line.
 
     `argv_prefix` runs it under another command (`ip netns exec NS`); `log` sends its output to
     a file instead of a pipe (a process that outlives us must not write into a closed pipe);
-    `new_session` gives it a process group of its own (stopped as a group, deaf to our Ctrl-C).
+    `new_session` gives it a process group of its own (stopped as a group, deaf to our Ctrl-C);
+    `python` runs it with another interpreter than ours (the vLLM tests run in .venv-vllm).
     """
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    argv = [*argv_prefix, *region_argv(config)]
+    argv = [*argv_prefix, *region_argv(config, python)]
     full_env |= dict(env or {})
     lines: list[str] = []
     ready: dict[str, str] = {}

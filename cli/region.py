@@ -3,11 +3,16 @@ KV receiver of a decode role, and the server that hosts them (`prfaas region`)."
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from prfaas.protos.prfaas.v1 import decode_pb2_grpc, prefill_pb2_grpc, registry_pb2
 from prfaas.protos.region_config import RegionConfig, parse_hostport
 from prfaas.protos.region_server import Agent, RegionServer
+
+log = logging.getLogger(__name__)
 
 
 def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.RegisterRequest]:
@@ -16,6 +21,8 @@ def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.Regis
     from prfaas.prefill_region.agent import PrefillAgent
     from prfaas.transport.tickets import TicketVerifier
 
+    if config.engine == "vllm":
+        return _build_vllm_region(config)
     engine = HFEngine(config.model, dtype=config.dtype, device=config.device)
     agents: dict[str, tuple[Agent, Any]] = {}
     kv_endpoint = ""
@@ -45,6 +52,64 @@ def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.Regis
         usd_per_gpu_hour=config.usd_per_gpu_hour, grpc_endpoint=server.grpc_address, kv_endpoint=kv_endpoint,
         engine=config.engine, model=config.model, model_fingerprint=engine.fingerprint,
         kv_buffer_bytes=config.kv_buffer_bytes if config.serves_decode else 0,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+    )  # fmt: skip
+    return server, registration
+
+
+def _build_vllm_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.RegisterRequest]:
+    """`engine: vllm`: one vLLM server for the region (engine/vllm_remote.py); its KV port is
+    the region's (listen.kv) when it decodes. The region exits if the server dies."""
+    from prfaas.decode_region.vllm_agent import VLLMDecodeAgent
+    from prfaas.engine.vllm_remote import DEFAULT_VLLM_PYTHON, ServerOptions, start_vllm_engine
+    from prfaas.prefill_region.vllm_agent import VLLMPrefillAgent
+
+    opts = config.vllm
+    host, port = parse_hostport(config.listen.kv)
+    engine = start_vllm_engine(
+        config.model, dtype=config.dtype, node=config.name, kv_host=host, kv_port=port,
+        ticket_keys={config.ticket_key_id: config.ticket_key.encode()} if config.serves_decode else None,
+        options=ServerOptions(
+            python=Path(opts.python) if opts.python else DEFAULT_VLLM_PYTHON, start_timeout_s=opts.start_timeout_s,
+            enforce_eager=opts.enforce_eager, max_model_len=opts.max_model_len, kv_cache_gib=opts.kv_cache_gib,
+            cpu_threads_bind=opts.cpu_threads_bind, log_path=Path(opts.log) if opts.log else None,
+        ),
+    )  # fmt: skip
+    agents: dict[str, tuple[Agent, Any]] = {}
+    try:
+        if config.serves_prefill:
+            prefill = VLLMPrefillAgent(
+                engine, num_workers=config.workers, queue_depth=config.queue_depth, codec=config.codec,
+                kv_lease_s=config.kv_lease_s, kv_lease_bytes=config.kv_lease_bytes, node=config.name,
+            )  # fmt: skip
+            agents["prfaas.v1.PrefillRegion"] = (prefill, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)
+        if config.serves_decode:
+            decode = VLLMDecodeAgent(
+                engine, kv_buffer_bytes=config.kv_buffer_bytes, num_workers=config.workers,
+                heartbeat_interval_s=config.heartbeat_interval_s, max_reservation_s=config.max_reservation_s,
+            )  # fmt: skip
+            agents["prfaas.v1.DecodeRegion"] = (decode, decode_pb2_grpc.add_DecodeRegionServicer_to_server)
+        threads = 16 + 4 * config.workers + config.queue_depth
+        server = RegionServer(
+            config.listen.grpc, agents, metrics_address=config.listen.metrics, max_rpc_threads=threads
+        )
+    except BaseException:
+        engine.close()
+        raise
+
+    def engine_died(returncode: int) -> None:
+        # A region without its engine serves nothing: exit at once (callers in flight get
+        # UNAVAILABLE, heartbeats stop) with a status its launcher sees as a failure.
+        log.error("region %s: its vLLM server exited with %d; the region exits", config.name, returncode)
+        logging.shutdown()
+        os._exit(3)
+
+    engine.on_exit(engine_died)
+    registration = registry_pb2.RegisterRequest(
+        name=config.name, role=config.role, gpu_type=config.gpu_type, num_workers=config.workers,
+        usd_per_gpu_hour=config.usd_per_gpu_hour, grpc_endpoint=server.grpc_address,
+        kv_endpoint=engine.kv_endpoint or "", engine=config.engine, model=config.model,
+        model_fingerprint=engine.fingerprint, kv_buffer_bytes=config.kv_buffer_bytes if config.serves_decode else 0,
         heartbeat_interval_s=config.heartbeat_interval_s,
     )  # fmt: skip
     return server, registration

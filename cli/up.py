@@ -204,8 +204,12 @@ class Deployment:
         path.write_text(yaml.safe_dump(config))
         path.chmod(0o600)  # holds the ticket key
         log = self.run_dir / f"region-{name}.log"
+        timeout_s = START_TIMEOUT_S
+        vllm = config.get("vllm")
+        if config.get("engine") == "vllm":  # the region waits for its vLLM server first
+            timeout_s += float(vllm.get("start_timeout_s", 600.0) if isinstance(vllm, dict) else 600.0)
         try:
-            region = spawn_region(path, START_TIMEOUT_S, argv_prefix=self.network.argv_prefix(name), log=log,
+            region = spawn_region(path, timeout_s, argv_prefix=self.network.argv_prefix(name), log=log,
                                   new_session=True)  # fmt: skip
         except RuntimeError as exc:
             raise UpError(str(exc)) from None

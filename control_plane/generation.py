@@ -91,7 +91,7 @@ class Follower:
                     stream = stub.Decode(
                         decode_pb2.DecodeRequest(
                             job_id=job_id, attempt=attempt, first_token=int(handed["first_token"]), kv=kv,
-                            sampling=sampling(job), timeout_s=remaining,
+                            sampling=sampling(job), timeout_s=remaining, token_ids=_ids(job),  # vLLM decodes need it
                         ),
                         timeout=remaining + 5,
                     )  # fmt: skip

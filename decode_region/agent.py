@@ -80,7 +80,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
     def __init__(
         self,
         engine: HFEngine,
-        receiver: Receiver,  # TCP (+ shared memory), or WebRTC
+        receiver: Receiver | None,  # TCP (+ shared memory), or WebRTC; None: the engine receives KV itself
         *,
         kv_endpoint: str,
         kv_buffer_bytes: int,
@@ -134,12 +134,28 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             self._reservations[job_id] = res
             self._tombstones.pop(job_id, None)
         try:
-            inbound = res.inbound = self.receiver.expect(job_id, request.attempt, ttl_s)
+            self._expect_shipment(res, ttl_s)
         except ValueError as exc:
             self._end(res, Conflict(str(exc)))
             raise Conflict(str(exc)) from None
+        except Exception as exc:  # e.g. the engine's server is gone: the bytes go back at once
+            self._end(res, exc)
+            raise
         if request.prefill_grpc:
             res.watch = self.watcher.watch(request.prefill_grpc, ttl_s, lambda why: self._end(res, Unavailable(why)))
+        self._start_assembly(res)
+        self._gauges()
+        return decode_pb2.ReserveReply(kv_endpoint=self.kv_endpoint, free_bytes=free, expires_in_s=ttl_s)
+
+    def _expect_shipment(self, res: Reservation, ttl_s: float) -> None:
+        """Tell the KV receiver to accept this reservation's shipment (ValueError: it cannot)."""
+        assert self.receiver is not None  # the HF engine's agent
+        res.inbound = self.receiver.expect(res.job_id, res.attempt, ttl_s)
+
+    def _start_assembly(self, res: Reservation) -> None:
+        """Assemble the shipment's layers as they arrive; Decode waits for `res.layers`."""
+        inbound = res.inbound
+        assert inbound is not None
 
         def run() -> None:
             try:
@@ -156,9 +172,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                     res.layers = layers
                 res.cond.notify_all()
 
-        threading.Thread(target=run, name=f"prfaas-assemble-{job_id[:8]}", daemon=True).start()
-        self._gauges()
-        return decode_pb2.ReserveReply(kv_endpoint=self.kv_endpoint, free_bytes=free, expires_in_s=ttl_s)
+        threading.Thread(target=run, name=f"prfaas-assemble-{res.job_id[:8]}", daemon=True).start()
 
     @unary
     def Release(self, request: decode_pb2.ReleaseRequest, context: grpc.ServicerContext) -> decode_pb2.ReleaseReply:
@@ -346,11 +360,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         params = sampling_from_proto(request.sampling)
         deadline = started + timeout_from(request.timeout_s, default_s=DEFAULT_TIMEOUT_S, max_s=MAX_TIMEOUT_S)
         token_ids: Sequence[int] = list(request.token_ids)
-        canceled = threading.Event()
-        with self._lock:
-            if job_id in self._local or job_id in self._reservations:
-                raise Conflict(f"job {job_id} is already running here")
-            self._local[job_id] = canceled
+        canceled = self._start_local(job_id)
         context.add_callback(canceled.set)
         try:
             with self._worker(deadline):
@@ -360,8 +370,20 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 del result
                 yield from self._tokens(first, rest, params, canceled, deadline, started, "local")
         finally:
-            with self._lock:
-                self._local.pop(job_id, None)
+            self._stop_local(job_id)
+
+    def _start_local(self, job_id: str) -> threading.Event:
+        """Register a local (Generate) job; -> the event that cancels it."""
+        canceled = threading.Event()
+        with self._lock:
+            if job_id in self._local or job_id in self._reservations:
+                raise Conflict(f"job {job_id} is already running here")
+            self._local[job_id] = canceled
+        return canceled
+
+    def _stop_local(self, job_id: str) -> None:
+        with self._lock:
+            self._local.pop(job_id, None)
 
     # -- region ----------------------------------------------------------------------------
 

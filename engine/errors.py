@@ -64,3 +64,7 @@ class KVShapeMismatch(KVIncompatible):
 
 class WorkerTimeout(EngineError):
     """An engine worker process did not answer within its deadline."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine's server process (a vLLM server) is not running or cannot be reached."""

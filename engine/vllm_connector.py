@@ -278,7 +278,12 @@ class PrfaasConnector(KVConnectorBase_V1):
         assert self._link is not None
         stats, error = out.transfer.stats, out.transfer.error
         outcome = ShipOutcome(
-            out.transfer.status(), stats.raw_bytes, stats.wire_bytes, stats.seconds, str(error) if error else None
+            out.transfer.status(),
+            stats.raw_bytes,
+            stats.wire_bytes,
+            stats.seconds,
+            str(error) if error else None,
+            type(error).__name__ if error else None,
         )
         self._link.record_shipped(out.job.params.job_id, outcome)
 

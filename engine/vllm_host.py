@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +38,19 @@ class Generation:
     seconds: float
 
 
+class Aborted(RuntimeError):
+    """The request was aborted (`VLLMHost.abort`) before it finished."""
+
+
 @dataclass
 class _Pending:
     token_ids: list[int]
     params: Any  # vllm.SamplingParams
     future: Future[Generation]
     started: float
+    on_tokens: Callable[[list[int]], None] | None = None  # called on the loop thread with all tokens so far
+    loading: bool = False  # a prfaas_load request that has produced no token yet (its KV load may be in flight)
+    abort_at_first_token: bool = False
 
 
 class VLLMHost:
@@ -103,6 +110,8 @@ class VLLMHost:
         self._inbox: queue.Queue[tuple[str, _Pending] | None] = queue.Queue()
         self._calls: queue.Queue[tuple[Any, Future[Any]]] = queue.Queue()
         self._pending: dict[str, _Pending] = {}
+        self._aborted: set[str] = set()  # loop thread only
+        self._unstarted: set[str] = set()  # submitted, not yet handed to the engine
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vllm-host", daemon=True)
         self._thread.start()
@@ -112,10 +121,18 @@ class VLLMHost:
         return self.link.kv_address
 
     def submit(
-        self, token_ids: Sequence[int], max_tokens: int, kv_params: dict[str, Any] | None = None
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        kv_params: dict[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Future[Generation]:
         """Greedy generation of `max_tokens` tokens (EOS ignored: lengths are comparable).
-        A `prfaas_load` request registers its shipment now, before vLLM sees it."""
+        A `prfaas_load` request registers its shipment now, before vLLM sees it.
+        `on_tokens(all tokens so far)` runs on the loop thread after each step that produced
+        one (keep it short: it holds the engine); `request_id` names it for `abort`."""
         if self._closed.is_set():
             raise RuntimeError("host is closed")
         parsed = parse_kv_params(kv_params)  # ValueError on malformed params, before vLLM
@@ -127,9 +144,40 @@ class VLLMHost:
             ignore_eos=True,
             extra_args={"kv_transfer_params": kv_params} if kv_params else None,
         )
-        pending = _Pending(list(token_ids), params, Future(), time.monotonic())
-        self._inbox.put((f"r-{uuid.uuid4().hex}", pending))
+        pending = _Pending(
+            list(token_ids), params, Future(), time.monotonic(), on_tokens, isinstance(parsed, LoadParams)
+        )
+        request_id = request_id or f"r-{uuid.uuid4().hex}"
+        self._unstarted.add(request_id)
+        self._inbox.put((request_id, pending))
         return pending.future
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (queued or running); its future fails with `Aborted`. Unknown or
+        finished requests are ignored. Returns once the loop thread has been asked.
+
+        A `prfaas_load` request is aborted at its first token, not before: until then the
+        connector's loader thread may still write into its blocks, and vLLM would hand
+        them to other requests at once (seen here: a Generate after such an abort crawled
+        at 6 tokens in 120 s)."""
+
+        def run() -> None:
+            pending = self._pending.get(request_id)
+            if pending is None:
+                if request_id in self._unstarted:  # still in the inbox: dropped when it is drained
+                    self._aborted.add(request_id)
+                return  # finished, or never submitted
+            if pending.loading:
+                pending.abort_at_first_token = True
+                return
+            self._abort_now(request_id)
+
+        self._calls.put((run, Future()))
+
+    def _abort_now(self, request_id: str) -> None:
+        pending = self._pending.pop(request_id)
+        self._engine.abort_request([request_id])
+        pending.future.set_exception(Aborted(f"request {request_id} aborted"))
 
     def generate(
         self,
@@ -183,6 +231,8 @@ class VLLMHost:
             for out in outputs:
                 if out.finished:
                     self._finish(out)
+                else:
+                    self._progress(out)
             if not outputs:
                 time.sleep(0.001)  # waiting for a shipment: do not spin the core
 
@@ -193,16 +243,34 @@ class VLLMHost:
             return
         while item is not None:
             request_id, pending = item
-            try:
-                prompt = {"prompt_token_ids": pending.token_ids}
-                self._engine.add_request(request_id, prompt, pending.params)
-                self._pending[request_id] = pending
-            except Exception as exc:
-                pending.future.set_exception(exc)
+            self._unstarted.discard(request_id)
+            if request_id in self._aborted:
+                self._aborted.discard(request_id)
+                pending.future.set_exception(Aborted(f"request {request_id} aborted"))
+            else:
+                try:
+                    prompt = {"prompt_token_ids": pending.token_ids}
+                    self._engine.add_request(request_id, prompt, pending.params)
+                    self._pending[request_id] = pending
+                except Exception as exc:
+                    pending.future.set_exception(exc)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _progress(self, out: Any) -> None:
+        pending = self._pending.get(out.request_id)
+        if pending is not None and pending.loading:
+            pending.loading = False  # a token: the load ended (loaded or recomputed)
+            if pending.abort_at_first_token:
+                self._abort_now(out.request_id)
+                return
+        if pending is not None and pending.on_tokens is not None:
+            try:
+                pending.on_tokens(list(out.outputs[0].token_ids))
+            except Exception:  # a broken listener must not stop the engine
+                pending.on_tokens = None
 
     def _finish(self, out: Any) -> None:
         pending = self._pending.pop(out.request_id, None)

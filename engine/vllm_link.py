@@ -29,6 +29,7 @@ class ShipOutcome:
     wire_bytes: int
     seconds: float
     error: str | None
+    error_type: str | None = None  # the transport error's class name (TicketRejected, PeerUnavailable, ...)
 
 
 class KVLink:
@@ -66,6 +67,17 @@ class KVLink:
         if status is not TransferStatus.COMPLETED:
             with self._lock:
                 self._expected.pop(key, None)
+
+    def forget(self, job_id: str, attempt: int) -> bool:
+        """Drop a registration no request took (the reservation ended): its shipment is
+        refused or stopped and its KV freed. False if there was none (taken, or never made)."""
+        with self._lock:
+            inbound = self._expected.pop((job_id, attempt), None)
+        if inbound is None:
+            return False
+        inbound.cancel("reservation ended")
+        inbound.release()
+        return True
 
     def take(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
         """The shipment the host registered, or a new registration (the request came first)."""

@@ -2,8 +2,13 @@
 
 vLLM keeps process-wide state (its KV transfer group, its parallel groups), so two vLLM
 engines need two processes; this is how tests and benchmarks run a prefill engine and a
-decode engine side by side. The control channel is `multiprocessing.connection` (HMAC
-challenge with the authkey in `PRFAAS_VLLM_AUTHKEY`, hex), one call per connection.
+decode engine side by side, and how a region with `engine: vllm` runs its engine (the
+region's own environment has no vLLM; `engine/vllm_remote.py` starts this server with the
+vLLM environment's python). The control channel is `multiprocessing.connection` (HMAC
+challenge with the authkey in `PRFAAS_VLLM_AUTHKEY`, hex), one call per connection;
+`stream` sends the tokens as they are generated and aborts the request when the caller
+closes the connection. With `--exit-with-parent` (regions pass it) the server exits when
+the process that started it goes away.
 
     PRFAAS_VLLM_AUTHKEY=<hex> python -m prfaas.engine.vllm_server --model smollm2-135m --ticket-key k1:<hex>
 
@@ -16,17 +21,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
 import threading
+import time
+import uuid
+from collections.abc import Generator
 from dataclasses import asdict
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 AUTHKEY_ENV = "PRFAAS_VLLM_AUTHKEY"
+TICKET_KEYS_ENV = "PRFAAS_VLLM_TICKET_KEYS"  # kid:hexkey[,kid:hexkey...]: keys off the command line
 
 
 class RemoteError(RuntimeError):
     """The server raised; the message names the server-side exception."""
+
+
+class StreamStopped(RuntimeError):
+    """`VLLMClient.stream` ended by its `stop` event (the request was aborted)."""
 
 
 def _serve_one(host: Any, conn: Connection) -> None:
@@ -35,6 +49,9 @@ def _serve_one(host: Any, conn: Connection) -> None:
     try:
         op, args = conn.recv()
         try:
+            if op == "stream":
+                _stream(host, conn, *args)
+                return
             if op == "generate":
                 token_ids, max_tokens, kv_params, timeout_s = args
                 result: Any = asdict(host.generate(token_ids, max_tokens, kv_params, timeout_s))
@@ -42,6 +59,9 @@ def _serve_one(host: Any, conn: Connection) -> None:
                 job_id, attempt, timeout_s = args
                 host.link.expect(job_id, attempt, timeout_s)
                 result = None
+            elif op == "forget":
+                job_id, attempt = args
+                result = host.link.forget(job_id, attempt)
             elif op == "free_blocks":
                 result = host.num_free_blocks()
             elif op == "wait_shipped":
@@ -59,6 +79,47 @@ def _serve_one(host: Any, conn: Connection) -> None:
         conn.close()
 
 
+def _stream(host: Any, conn: Connection, token_ids: list[int], max_tokens: int, kv_params: Any,
+            timeout_s: float) -> None:  # fmt: skip
+    """Send ("tokens", new ids) as they come, then ("ok", generation); abort the request
+    when the caller closes the connection (or sends anything) or `timeout_s` passes."""
+    updates: queue.Queue[list[int]] = queue.Queue()
+    request_id = f"s-{uuid.uuid4().hex}"
+    future = host.submit(token_ids, max_tokens, kv_params, request_id=request_id, on_tokens=updates.put)
+    deadline = time.monotonic() + timeout_s
+    sent = 0
+    try:
+        while not future.done():
+            try:
+                ids = updates.get(timeout=0.05)
+            except queue.Empty:
+                if conn.poll(0):  # EOF: the caller went away
+                    host.abort(request_id)
+                    return
+                if time.monotonic() > deadline:
+                    host.abort(request_id)
+                    raise TimeoutError(f"generation did not finish in {timeout_s} s") from None
+                continue
+            if len(ids) > sent:
+                conn.send(("tokens", ids[sent:]))
+                sent = len(ids)
+        result = asdict(future.result())
+        if len(result["token_ids"]) > sent:
+            conn.send(("tokens", result["token_ids"][sent:]))
+        conn.send(("ok", result))
+    except OSError:  # the caller's end is gone
+        host.abort(request_id)
+        raise
+
+
+def _exit_with_parent() -> None:
+    """A server whose launcher died (even by SIGKILL) must not hold a core and its KV cache."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def serve(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m prfaas.engine.vllm_server")
     parser.add_argument("--model", default="smollm2-135m")
@@ -68,18 +129,23 @@ def serve(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-port", type=int, default=0)
     parser.add_argument("--control-port", type=int, default=0)
     parser.add_argument("--node", default="vllm")
-    parser.add_argument("--ticket-key", action="append", default=[], help="kid:hexkey (repeatable)")
+    parser.add_argument(
+        "--ticket-key", action="append", default=[], help=f"kid:hexkey (repeatable; or {TICKET_KEYS_ENV})"
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process does")
     ns = parser.parse_args(argv)
     authkey = bytes.fromhex(os.environ.get(AUTHKEY_ENV, ""))
     if len(authkey) < 16:
         parser.error(f"{AUTHKEY_ENV} must hold at least 16 bytes of hex")
     keys = {}
-    for item in ns.ticket_key:
+    for item in ns.ticket_key + [x for x in os.environ.get(TICKET_KEYS_ENV, "").split(",") if x]:
         kid, _, hexkey = item.partition(":")
         keys[kid] = bytes.fromhex(hexkey)
 
+    if ns.exit_with_parent:
+        threading.Thread(target=_exit_with_parent, name="vllm-server-parent", daemon=True).start()
     from prfaas.engine.vllm_host import VLLMHost
 
     host = VLLMHost(
@@ -132,6 +198,39 @@ class VLLMClient:
             raise RemoteError(result)
         return result
 
+    def stream(
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        kv_params: dict[str, Any] | None = None,
+        timeout_s: float = 300.0,
+        stop: threading.Event | None = None,
+    ) -> Generator[list[int], None, dict[str, Any]]:
+        """Yields each step's new token ids; returns what `generate` returns. Closing the
+        generator early aborts the request on the server; so does `stop` (checked every
+        0.1 s, also while vLLM waits for a shipment), which raises `StreamStopped`."""
+        conn = Client(self.address, authkey=self._authkey)
+        try:
+            conn.send(("stream", (token_ids, max_tokens, kv_params, timeout_s)))
+            deadline = time.monotonic() + timeout_s + 5
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"vLLM server did not finish the generation in {timeout_s} s")
+                if stop is not None and stop.is_set():
+                    raise StreamStopped("stopped by the caller")
+                if not conn.poll(min(remaining, 0.1)):
+                    continue
+                status, payload = conn.recv()
+                if status == "tokens":
+                    yield list(payload)
+                elif status == "ok":
+                    return dict(payload)
+                else:
+                    raise RemoteError(payload)
+        finally:
+            conn.close()
+
     def generate(
         self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None = None, timeout_s: float = 300.0
     ) -> dict[str, Any]:
@@ -142,6 +241,10 @@ class VLLMClient:
     def expect(self, job_id: str, attempt: int, timeout_s: float) -> None:
         """Register a shipment before its prefill starts (the decode region's reservation)."""
         self._call("expect", (job_id, attempt, timeout_s), 30.0)
+
+    def forget(self, job_id: str, attempt: int) -> bool:
+        """Drop a registered shipment no request took (the reservation ended)."""
+        return bool(self._call("forget", (job_id, attempt), 30.0))
 
     def num_free_blocks(self, timeout_s: float = 30.0) -> int:
         return int(self._call("free_blocks", None, timeout_s))

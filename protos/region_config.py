@@ -70,6 +70,21 @@ class IceServerConfig(BaseModel):
     credential: str | None = Field(default=None, repr=False)
 
 
+class VLLMOptions(BaseModel):
+    """`engine: vllm`: the region starts a vLLM server (engine/vllm_server.py) with the vLLM
+    environment's python and drives it over a loopback control socket (docs/vllm.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    python: str | None = None  # the vLLM environment's interpreter; None: <repo>/.venv-vllm/bin/python
+    start_timeout_s: float = Field(default=600.0, gt=0, le=3600)  # vLLM start-up: 45-160 s on 2 CPU cores
+    enforce_eager: bool = True  # skip torch.compile: faster start-up, slower steps
+    max_model_len: int = Field(default=4096, ge=16)  # tokens
+    kv_cache_gib: float = Field(default=1.0, gt=0)  # vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)
+    cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1"; None: inherited / vLLM's default
+    log: str | None = None  # the server's output; None: a file in a new temporary folder (logged at start)
+
+
 class RegionConfig(BaseSettings):
     """Everything one region process needs. Units: bytes, seconds, USD."""
 
@@ -82,7 +97,8 @@ class RegionConfig(BaseSettings):
     usd_per_gpu_hour: float = Field(default=0.0, ge=0.0)
     listen: Listen = Field(default_factory=Listen)
     control_plane_url: str | None = None  # gRPC target of the registry (host:port); None = no heartbeats
-    engine: Literal["hf"] = "hf"  # vllm lands with the vLLM issue
+    engine: Literal["hf", "vllm"] = "hf"  # vllm: a vLLM server beside the region (the `vllm` section)
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
     model: str = "smollm2-135m"  # catalog name or HF model folder
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
@@ -115,13 +131,6 @@ class RegionConfig(BaseSettings):
     def _size(cls, value: object) -> int:
         return parse_bytes(value)
 
-    @field_validator("engine", mode="before")
-    @classmethod
-    def _engine(cls, value: object) -> object:
-        if value == "vllm":
-            raise ValueError("engine 'vllm' is not available yet (it lands with the vLLM issue); use 'hf'")
-        return value
-
     @field_validator("control_plane_url")
     @classmethod
     def _target(cls, value: str | None) -> str | None:
@@ -135,6 +144,12 @@ class RegionConfig(BaseSettings):
     def _webrtc_needs_signalling(self) -> RegionConfig:
         if self.transport == "webrtc" and self.control_plane_url is None:
             raise ValueError("transport 'webrtc' needs control_plane_url: offers and answers travel through it")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_over_tcp(self) -> RegionConfig:
+        if self.engine == "vllm" and (self.transport != "tcp" or self.shm):
+            raise ValueError("engine 'vllm' sends and receives KV over TCP only: set transport: tcp and shm: false")
         return self
 
     @model_validator(mode="after")

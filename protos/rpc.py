@@ -16,7 +16,14 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from prfaas.engine.errors import EngineError, InvalidPrompt, InvalidSamplingParams, KVIncompatible
+from prfaas.engine.errors import (
+    EngineError,
+    EngineUnavailable,
+    InvalidPrompt,
+    InvalidSamplingParams,
+    KVIncompatible,
+    WorkerTimeout,
+)
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferCanceled, TransferTimeout, TransportError
@@ -80,6 +87,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, KVIncompatible):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, EngineUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {exc}"
+    if isinstance(exc, WorkerTimeout):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, f"engine deadline: {exc}"
     if isinstance(exc, EngineError):
         return grpc.StatusCode.INTERNAL, f"engine error: {exc}"
     if isinstance(exc, TicketRejected):

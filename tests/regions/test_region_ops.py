@@ -125,7 +125,10 @@ VALID = {"name": "dec-a", "role": "decode", "ticket_key": KEY.decode()}
         ({"listen": {"grpc": "host:99999"}}, "listen.grpc"),
         ({"ticket_key": "short"}, "ticket_key"),
         ({"usd_per_gpu_hour": -1}, "usd_per_gpu_hour"),
-        ({"engine": "vllm"}, "engine"),
+        ({"engine": "sglang"}, "engine"),
+        ({"engine": "vllm", "shm": True}, "(top level)"),  # vLLM regions ship KV over TCP only
+        ({"engine": "vllm", "vllm": {"start_timeout_s": 0}}, "vllm.start_timeout_s"),
+        ({"vllm": {"pyhton": "/usr/bin/python3"}}, "vllm.pyhton"),
         ({"name": "Bad Name"}, "name"),
         ({"colour": "blue"}, "colour"),
         ({"control_plane_url": "grpc://nowhere"}, "control_plane_url"),
@@ -162,6 +165,21 @@ def test_prfaas_region_with_malformed_config_exits_naming_the_field(tmp_path: Pa
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert missing.returncode == 2 and "cannot read the region config" in missing.stdout
+
+
+def test_vllm_region_without_the_vllm_environment_exits_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "region.yaml"
+    path.write_text(f"name: dec-v\nrole: decode\nengine: vllm\nmodel: tiny-llama\nticket_key: {KEY.decode()}\n"
+                    "vllm:\n  python: /nonexistent/python\n")  # fmt: skip
+    assert load_config(path).vllm.python == "/nonexistent/python"
+    result = subprocess.run(
+        [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    message = " ".join(result.stdout.split())  # the console wraps long lines
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "cannot start region dec-v" in message and "/nonexistent/python is not an executable file" in message
+    assert "make vllm-install" in message
 
 
 def test_generated_stubs_match_the_protos() -> None:

@@ -69,3 +69,19 @@ def test_block_pools_return_to_their_start_after_20_requests(vllm_pair: VLLMPair
     assert kinds.count("shipped") == 10 and kinds.count("missing") == 5 and kinds.count("refused") == 5
     assert vllm_pair.prefill.client.num_free_blocks() == free_prefill
     assert vllm_pair.decode.client.num_free_blocks() == free_decode
+
+
+def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(vllm_pair: VLLMPair, long_text: str) -> None:
+    """A decode region closes its stream when its caller goes away, at EOS or a deadline:
+    the server aborts the vLLM request instead of generating on."""
+    client = vllm_pair.decode.client
+    free_before = client.num_free_blocks()
+    steps = client.stream(prompt_ids(long_text, 300), 2000)
+    first = next(steps)
+    assert len(first) >= 1
+    assert client.num_free_blocks() < free_before  # the request holds blocks while it runs
+    steps.close()
+    deadline = time.monotonic() + 30
+    while client.num_free_blocks() != free_before:  # the server notices within a poll (50 ms) and aborts
+        assert time.monotonic() < deadline, "the aborted request's blocks never came back"
+        time.sleep(0.2)

@@ -47,6 +47,7 @@ def start(name: str, tmp: Path, authkey: bytes, ticket_key: bytes) -> tuple[subp
     cmd = [sys.executable, "-m", "prfaas.engine.vllm_server", "--model", MODEL, "--node", name]
     cmd += ["--ticket-key", f"k1:{ticket_key.hex()}", "--ready-file", str(ready)]
     cmd += ["--enforce-eager"]  # no torch.compile: ~45 s start-up instead of ~160 s here
+    cmd += ["--exit-with-parent"]  # an interrupted test session leaves no vLLM behind
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, ready, log

@@ -132,6 +132,7 @@ class DecodeRequest(_message.Message):
     KV_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     first_token: _builtins.int
@@ -142,6 +143,12 @@ class DecodeRequest(_message.Message):
     def kv(self) -> _common_pb2.KVDescriptor: ...
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prompt (kv.num_tokens ids, matching kv.token_ids_hash). A vLLM decode region needs
+        it (vLLM continues a request from its token ids); an HF one decodes from the KV alone.
+        """
+
     def __init__(
         self,
         *,
@@ -151,10 +158,11 @@ class DecodeRequest(_message.Message):
         kv: _common_pb2.KVDescriptor | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         timeout_s: _builtins.float = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "sampling", b"sampling", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

