@@ -46,6 +46,7 @@ class Follower:
         self.s = services
         self.celery = celery
         self.channels = Channels({})
+        self._decode_stubs: dict[str, decode_pb2_grpc.DecodeRegionStub] = {}  # by target, like the channels
         self.placer = AdmissionPlacer(services, services.settings.snapshot_ttl_s)
         self.meter = meter  # bills each job once it is DONE (off this thread)
 
@@ -76,7 +77,7 @@ class Follower:
             if job is None:
                 job = jobs.get(job_id)
             handed, info = info, None
-            stub = decode_pb2_grpc.DecodeRegionStub(self.channels.get(handed["decode_grpc"]))
+            stub = self._decode_stub(handed["decode_grpc"])
             remaining = max(1.0, deadline - time.monotonic())
             try:
                 if handed["mode"] == "local":
@@ -121,6 +122,12 @@ class Follower:
                     self._retry(job_id, attempt, f"local run: {exc.code().name}")
             except (StaleAttempt, IllegalTransition):
                 continue  # a newer attempt (or a cancel) took over
+
+    def _decode_stub(self, target: str) -> decode_pb2_grpc.DecodeRegionStub:
+        stub = self._decode_stubs.get(target)
+        if stub is None:
+            stub = self._decode_stubs[target] = decode_pb2_grpc.DecodeRegionStub(self.channels.get(target))
+        return stub
 
     def _retry(self, job_id: str, attempt: int, reason: str) -> None:
         try:
