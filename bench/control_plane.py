@@ -19,15 +19,18 @@ Open loop at `--rate` requests/s (Poisson or fixed gaps), `--count` requests per
 alternating blocks of `--block` requests so that host noise lands on both paths alike.
 Latency runs from each request's scheduled send time to its reply. Overhead is reported as
 the difference of the two distributions' percentiles (api P50 - direct P50, api P99 - direct
-P99). `--json PATH` writes one row per rate: rate_rps, p50_ms, p99_ms (the overhead), the
-two paths' P50/P99 and every sample in ms. Each call has a timeout; processes are killed on
-exit.
+P99). It also prints the CPU time (utime + stime, /proc) the API process and the decode region
+spent per request on each path, which host load distorts far less than latency does. `--json
+PATH` writes one row per rate: rate_rps, p50_ms, p99_ms (the overhead), the two paths' P50/P99,
+the CPU ms per request (`cpu_ms`: path -> process -> ms) and every sample in ms. Each call has a
+timeout; processes are killed on exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -81,6 +84,12 @@ def open_loop(call: Callable[[], None], offsets: list[float], pool: ThreadPoolEx
             time.sleep(delay)
         futures.append(pool.submit(timed, at))
     return [f.result(timeout=CALL_TIMEOUT_S + 5) for f in futures]
+
+
+def cpu_s(pid: int) -> float:
+    """CPU time (user + system) process `pid` has used, s (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(samples: list[float]) -> str:
@@ -144,12 +153,21 @@ def main() -> None:
                 open_loop(call, send_times(args.warmup, 20.0, "fixed", rng), pool)
             for rate in args.rate:
                 samples: dict[str, list[float]] = {"direct": [], "api": []}
+                pids = {"api": stack.api.pid, "decode": decode.proc.pid} if stack.api else {}
+                spent = {path: dict.fromkeys(pids, 0.0) for path in samples}  # CPU s per path and process
                 done = 0
                 while done < args.count:
                     n = min(args.block, args.count - done)
                     for name, call in (("direct", direct), ("api", api)):
+                        before = {p: cpu_s(pid) for p, pid in pids.items()}
                         samples[name] += open_loop(call, send_times(n, rate, args.arrival, rng), pool)
+                        time.sleep(0.1)  # the API's ledger writer bills the block's last jobs
+                        for p, pid in pids.items():
+                            spent[name][p] += cpu_s(pid) - before[p]
                     done += n
+                cpu_ms = {
+                    path: {p: round(s * 1e3 / args.count, 3) for p, s in by.items()} for path, by in spent.items()
+                }
                 d, a = samples["direct"], samples["api"]
                 row = {
                     "rate_rps": rate, "count": args.count, "arrival": args.arrival, "client": args.client,
@@ -157,12 +175,14 @@ def main() -> None:
                     "p99_ms": round(percentile(a, 99) - percentile(d, 99), 3),
                     "direct_p50_ms": round(percentile(d, 50), 3), "direct_p99_ms": round(percentile(d, 99), 3),
                     "api_p50_ms": round(percentile(a, 50), 3), "api_p99_ms": round(percentile(a, 99), 3),
-                    "direct_ms": [round(x, 3) for x in d], "api_ms": [round(x, 3) for x in a],
+                    "cpu_ms": cpu_ms, "direct_ms": [round(x, 3) for x in d], "api_ms": [round(x, 3) for x in a],
                 }  # fmt: skip
                 rows.append(row)
                 print(f"rate {rate:g} req/s, {args.count} requests per path, {args.arrival} arrivals (ms)")
                 print(f"  direct  {summary(d)}")
                 print(f"  api     {summary(a)}")
+                for path, by in cpu_ms.items():
+                    print(f"  CPU per request, {path} path: " + ", ".join(f"{p} {ms:.2f} ms" for p, ms in by.items()))
                 print(f"  overhead P50 {row['p50_ms']:.2f} ms (target <= 5), P99 {row['p99_ms']:.2f} ms (target <= 20)")
     finally:
         stack.stop()

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import redis
+import redis.asyncio
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -39,6 +40,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services = Services.create(settings)
         _ = services.model.tokenizer  # load once, before the first request
+        auth_redis = redis.asyncio.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+        services.tenants.use_async(auth_redis)  # on this event loop: the tenant lookup costs no thread hop
         celery = make_celery(settings)
         app.state.services = services
         app.state.meter = meter = open_meter(services, metrics)
@@ -53,6 +56,8 @@ def create_app(settings: Settings) -> FastAPI:
             server.stop(1)
         meter.close()
         meter.ledger.close()
+        services.tenants.use_async(None)
+        await auth_redis.aclose()
         services.close()
 
     app = FastAPI(title="prfaas control plane", version="1", lifespan=lifespan)

@@ -1,4 +1,8 @@
-"""Named FastAPI dependencies: the services, the caller's tenant, the admin check."""
+"""Named FastAPI dependencies: the services, the caller's tenant, the admin check.
+
+FastAPI runs a plain `def` dependency in its thread pool (a thread hop each, per request), so these are
+all `async def`: they read the app's state, compare a key, or look the tenant up with the asyncio Redis
+client on the event loop. A sync route then costs one thread hop, its own."""
 
 from __future__ import annotations
 
@@ -12,12 +16,12 @@ from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Tenant, TenantStatus
 
 
-def services(request: Request) -> Services:
+async def services(request: Request) -> Services:
     found: Services = request.app.state.services
     return found
 
 
-def follower(request: Request) -> Follower:
+async def follower(request: Request) -> Follower:
     found: Follower = request.app.state.follower
     return found
 
@@ -34,8 +38,8 @@ def _bearer(request: Request) -> str:
     return token.strip()
 
 
-def tenant(request: Request, s: ServicesDep) -> Tenant:
-    found = s.tenants.authenticate(_bearer(request))
+async def tenant(request: Request, s: ServicesDep) -> Tenant:
+    found = await s.tenants.authenticate_async(_bearer(request))
     if found is None:
         raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
     if found.status is TenantStatus.SUSPENDED:
@@ -43,7 +47,7 @@ def tenant(request: Request, s: ServicesDep) -> Tenant:
     return found
 
 
-def admin(request: Request, s: ServicesDep) -> None:
+async def admin(request: Request, s: ServicesDep) -> None:
     token = _bearer(request)
     if not hmac.compare_digest(token.encode(), s.settings.admin_key.get_secret_value().encode()):
         raise HTTPException(403, "admin key required")

@@ -54,14 +54,15 @@ class Superseded(Exception):
 
 @dataclass
 class Channels:
-    """gRPC channels by target, kept for the worker's life (one per region)."""
+    """gRPC channels by target, kept for the worker's life (one per region); `options` for each."""
 
     _by_target: dict[str, grpc.Channel]
+    options: tuple[tuple[str, Any], ...] = ()
 
     def get(self, target: str) -> grpc.Channel:
         channel = self._by_target.get(target)
         if channel is None:
-            channel = self._by_target[target] = grpc.insecure_channel(target)
+            channel = self._by_target[target] = grpc.insecure_channel(target, options=self.options)
         return channel
 
 

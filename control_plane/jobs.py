@@ -371,6 +371,19 @@ class JobStore:
     def timeline(self, job_id: str) -> list[dict[str, Any]]:
         return [json.loads(item) for item in self.redis.lrange(self._job(job_id) + ":timeline", 0, -1)]
 
+    def with_timelines(self, job_ids: list[str]) -> list[tuple[dict[str, str], list[dict[str, Any]]] | None]:
+        """Each job and its timeline, all in one round trip; None for a job that is gone."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(self._job(job_id))
+                pipe.lrange(self._job(job_id) + ":timeline", 0, -1)
+            replies = pipe.execute()
+        out: list[tuple[dict[str, str], list[dict[str, Any]]] | None] = []
+        for raw, timeline in zip(replies[::2], replies[1::2], strict=True):
+            job = {_text(k): _text(v) for k, v in raw.items()}
+            out.append((job, [json.loads(item) for item in timeline]) if job else None)
+        return out
+
     def list_for(self, tenant: str, limit: int = 100) -> list[dict[str, str]]:
         ids = self.redis.zrevrange(self.settings.key("tenant", tenant, "jobs"), 0, max(0, limit - 1))
         jobs = []

@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from prfaas.control_plane.jobs import Quota
 from prfaas.control_plane.settings import Settings
@@ -82,6 +83,7 @@ class TenantStore:
         self.redis: Any = client
         self.settings = settings
         self._authenticate = client.register_script(_AUTHENTICATE)
+        self._async: Any = None  # (client, its script): `authenticate_async`, on the API's event loop
 
     def create(
         self,
@@ -181,11 +183,33 @@ class TenantStore:
 
     def authenticate(self, presented: str) -> Tenant | None:
         """The tenant a presented key belongs to; None when unknown or revoked. One Redis call."""
-        if not presented.startswith(KEY_PREFIX) or len(presented) > 128:
+        if not _well_formed(presented):
             return None
-        found = self._authenticate(keys=[self.settings.key("keyhash", digest(presented))], args=[self.settings.key()])
-        if not found:
+        return _found(self._authenticate(keys=self._auth_keys(presented), args=[self.settings.key()]))
+
+    def use_async(self, client: redis.asyncio.Redis | None) -> None:
+        """The asyncio client `authenticate_async` calls (None: none); its connections belong to one event loop."""
+        self._async = None if client is None else (client, client.register_script(_AUTHENTICATE))
+
+    async def authenticate_async(self, presented: str) -> Tenant | None:
+        """`authenticate` on the event loop (the API's request path: no thread hop for it); the same script.
+        Without an asyncio client (`use_async`) it is the blocking call."""
+        if not _well_formed(presented):
             return None
-        raw = iter(found)
-        f = {k.decode(): v.decode() for k, v in zip(raw, raw, strict=True)}
-        return _tenant(f)
+        if self._async is None:
+            return self.authenticate(presented)
+        return _found(await self._async[1](keys=self._auth_keys(presented), args=[self.settings.key()]))
+
+    def _auth_keys(self, presented: str) -> list[str]:
+        return [self.settings.key("keyhash", digest(presented))]
+
+
+def _well_formed(presented: str) -> bool:
+    return presented.startswith(KEY_PREFIX) and len(presented) <= 128
+
+
+def _found(reply: list[bytes] | None) -> Tenant | None:
+    if not reply:
+        return None
+    raw = iter(reply)
+    return _tenant({k.decode(): v.decode() for k, v in zip(raw, raw, strict=True)})

@@ -135,6 +135,25 @@ def test_record_once_and_costs(ledger: Ledger) -> None:
     assert ledger.entry("j3") is None
 
 
+def test_record_many_writes_each_new_job_once_in_one_batch(ledger: Ledger) -> None:
+    first = ledger.record(_usage("b1"), PRICES)
+    batch = [(_usage("b1", decode_gpu_s=999.0), PRICES), (_usage("b2"), PRICES), (_usage("b2", tokens_out=7), PRICES),
+             (_usage("b3", prefill_region="us-east", kv_bytes_wire=0), PRICES)]  # fmt: skip
+    results = ledger.record_many(batch)
+    # b1 was billed before: its stored entry, not written; b2's second copy: the first copy's entry, not written
+    assert [(e.job_id, written) for e, written in results] == [("b1", False), ("b2", True), ("b2", False),
+                                                               ("b3", True)]  # fmt: skip
+    assert results[0][0].id == first.id and results[0][0].decode_gpu_s == first.decode_gpu_s
+    assert results[1][0].id == results[2][0].id and results[2][0].tokens_out == 50
+    assert results[3][0].egress_usd == 0.0
+    # each entry as `record` computes it alone
+    alone = ledger.record(_usage("b4"), PRICES)
+    assert results[1][0].total_usd == pytest.approx(alone.total_usd)
+    with ledger.engine.connect() as c:
+        assert c.execute(sa.select(sa.func.count()).select_from(UsageEntry)).scalar_one() == 4
+    assert ledger.record_many([]) == []
+
+
 def test_concurrent_writers_one_row(ledger: Ledger) -> None:
     n = 8
     barrier = threading.Barrier(n)
