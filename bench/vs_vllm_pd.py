@@ -330,6 +330,10 @@ def main() -> None:
     parser.add_argument("--keep-logs", type=Path, help="copy the engines' logs here")
     args = parser.parse_args()
 
+    def on_term(signum: int, frame: object) -> None:  # unwind like Ctrl-C: engines, namespaces, emulator go
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     load_start = os.getloadavg()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="vs-vllm-pd-") as tmp, network(args) as (link, ns, addr_p, addr_d):
