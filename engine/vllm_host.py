@@ -199,8 +199,8 @@ class VLLMHost:
             for out in outputs:
                 if out.finished:
                     self._finish(out)
-                elif (pending := self._pending.get(out.request_id)) and pending.first_token_at is None:
-                    pending.first_token_at = time.monotonic()
+                elif (running := self._pending.get(out.request_id)) and running.first_token_at is None:
+                    running.first_token_at = time.monotonic()
             if not outputs:
                 time.sleep(0.001)  # waiting for a shipment: do not spin the core
 
