@@ -11,7 +11,9 @@ import csv
 import dataclasses
 import datetime as dt
 import io
+import re
 from typing import Annotated, Any, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import Response
@@ -145,9 +147,14 @@ def _render(report: UsageReport, fmt: str) -> UsageReport | Response:
     for row in report.data:
         writer.writerow([getattr(row, f) for f in fields])
     name = f"usage-{report.tenant or 'all'}-{report.group_by}-{report.start:%Y%m%d}-{report.end:%Y%m%d}.csv"
-    return Response(
-        out.getvalue(), media_type="text/csv", headers={"Content-Disposition": f'attachment; filename="{name}"'}
-    )
+    return Response(out.getvalue(), media_type="text/csv", headers={"Content-Disposition": _attachment(name)})
+
+
+def _attachment(name: str) -> str:
+    """A Content-Disposition for `name` whatever it holds (a tenant may be named in any
+    script; headers are latin-1): an ASCII fallback plus the exact UTF-8 name (RFC 6266)."""
+    fallback = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(name, safe='')}"
 
 
 @router.get("", response_model=UsageReport)

@@ -98,6 +98,12 @@ def test_tenants_see_only_their_usage(metered: Metered) -> None:
     admin = httpx.get(m.stack.url + "/admin/usage", params={"group_by": "tenant"}, headers=ADMIN, timeout=5).json()
     assert {r["key"]: r["jobs"] for r in admin["data"]} == {m.ids["alpha"]: alpha_jobs, m.ids["beta"]: beta_jobs}
     assert httpx.get(m.stack.url + "/admin/usage", headers=m.headers("alpha"), timeout=5).status_code == 403
+    # a CSV named after a tenant id in any script (headers are latin-1): ASCII fallback + exact UTF-8 name
+    params = {"group_by": "model", "format": "csv", "tenant": 'Ā"ü'}
+    csv_reply = httpx.get(m.stack.url + "/admin/usage", params=params, headers=ADMIN, timeout=5)
+    assert csv_reply.status_code == 200, csv_reply.text
+    assert csv_reply.headers["content-disposition"].startswith('attachment; filename="usage-___-model-')
+    assert "filename*=UTF-8''usage-%C4%80%22%C3%BC-model-" in csv_reply.headers["content-disposition"]
     assert httpx.get(m.stack.url + "/v1/usage", timeout=5).status_code == 401
 
 
