@@ -44,7 +44,7 @@ from prfaas.transport.shm import Placement, map_arena
 
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]
-SEND_TIMEOUT_S = 10.0  # a same-host receiver that takes no control bytes for this long is stuck
+SEND_TIMEOUT_S = sockets.SEND_TIMEOUT_S  # a same-host receiver that takes no control bytes this long is stuck
 BATCH_CHUNKS = 32  # chunks a copy thread takes from the queue at once (one header write for all)
 
 

@@ -74,6 +74,8 @@ class _Stream:
         if reply.type is not FrameType.HELLO_OK:
             raise FrameError(f"receiver answered HELLO with {reply.type.name}: {bytes(reply.payload)[:200]!r}")
         sock.settimeout(None)
+        if isinstance(sock, socket.socket | TlsSocket):  # (a WebRTC data channel stands in for one too)
+            sockets.send_timeout(sock, sockets.SEND_TIMEOUT_S)  # a send that makes no progress drops the stream
         self.sock = sock
         info = self.tcp_info()  # the handshake gave an RTT sample
         if info is not None and info.min_rtt_s >= LAN_RTT_S:
@@ -146,6 +148,7 @@ class _Stream:
                     self.sock.sendall(transfer.open_frame)
             return True
         except OSError:
+            self._break()
             return False
 
     def send_control(self, frame: Frame) -> bool:
@@ -156,7 +159,16 @@ class _Stream:
                 self.sock.sendall(encode(frame))
             return True
         except OSError:
+            self._break()
             return False
+
+    def _break(self) -> None:
+        """A send failed, perhaps part-way through a frame: end this connection (its reader
+        and send loop see it) so that it reconnects and its chunks are resent."""
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _read(self) -> None:
         ch = self.channel

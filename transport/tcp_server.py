@@ -51,8 +51,8 @@ class _Connection:
         try:
             with self._write_lock:
                 self.sock.sendall(data)
-        except OSError:
-            pass  # the reader notices the broken connection and ends it
+        except OSError:  # broken, or a sender that stopped reading (part of a frame may be out)
+            self.close()  # the reader then ends the connection; the sender resends on another
 
     def _run(self) -> None:
         if self.tls is not None:  # in this connection's thread: a slow handshake holds up no one else
@@ -133,6 +133,7 @@ class TcpReceiver:
             except OSError:
                 return  # listener closed
             sockets.configure(sock, self._buf)
+            sockets.send_timeout(sock, sockets.SEND_TIMEOUT_S)  # no reply waits forever on a sender
             connection = _Connection(sock, self.core, self._ssl)
             if not self._connections.add(connection):
                 connection.close()

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from transport_kit import KEY, Kit, fill, layers_for
 
+from prfaas.transport import sockets
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferTimeout
 from prfaas.transport.framing import HEADER_SIZE, FrameType, parse_header, read_exact
 from prfaas.transport.tcp import TcpChannel
 from prfaas.transport.tcp_server import TcpReceiver
 from prfaas.transport.tickets import TicketSigner
+
+PEER = Path(__file__).with_name("conformance_peer.py")
 
 
 @pytest.fixture
@@ -314,3 +321,36 @@ def test_jobs_submitted_while_the_pool_connects_all_complete(kit: Kit, receiver:
             shipped = [ship(channel, receiver, kit, num_layers=3) for _ in range(5)]
             for transfer, _inbound, _layers in shipped:
                 assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error  # type: ignore[attr-defined]
+
+
+def test_a_receiver_that_stops_reading_does_not_wedge_the_sender(kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver process that is alive but stuck (SIGSTOP) stops reading: a send that makes
+    no progress for SEND_TIMEOUT_S drops its stream instead of holding the stream's write lock
+    forever, so the transfer ends (FAILED or TIMEOUT at its deadline), and wait() and close()
+    return; before, the deadline's CANCEL queued behind the stuck send and wedged them."""
+    monkeypatch.setattr(sockets, "SEND_TIMEOUT_S", 1.0)
+    spec = kit.spec(num_layers=16, shape=(8, 2048, 64), codec="lossless", timeout_s=6)  # 64 MB, incompressible
+    layers = layers_for(spec)
+    command = [sys.executable, str(PEER), "tcp", KEY.hex(), spec.job_id]
+    peer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        port = json.loads(peer.stdout.readline())["port"]
+        channel = TcpChannel(("127.0.0.1", port), num_streams=2, unavailable_after_s=1.0, connect_timeout_s=0.5)
+        shipment = Shipment(spec)
+        transfer = channel.submit(shipment)
+        shipment.add_layer(0, *layers[0])
+        deadline = time.monotonic() + 10
+        while transfer.stats.wire_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert transfer.stats.wire_bytes > 0, transfer.error
+        os.kill(peer.pid, signal.SIGSTOP)
+        for index in range(1, spec.num_layers):
+            shipment.add_layer(index, *layers[index])
+        assert transfer.wait(15) in (TransferStatus.FAILED, TransferStatus.TIMEOUT)
+        start = time.monotonic()
+        channel.close()
+        assert time.monotonic() - start < 8.0
+    finally:
+        peer.kill()
+        peer.wait(10)
