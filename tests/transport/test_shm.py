@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from transport_kit import KEY, Kit, fill, layers_for
+from transport_kit import KEY, Kit, fill, layers_for, wait_until_sent
 
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.arena import PAGE, Arena
@@ -153,10 +153,7 @@ def test_a_receiver_that_stops_reading_fails_the_transfer_long_before_its_deadli
             shipment = Shipment(spec)
             transfer = channel.submit(shipment)
             shipment.add_layer(0, *layers[0])
-            deadline = time.monotonic() + 10
-            while transfer.stats.wire_bytes == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert transfer.stats.wire_bytes > 0, transfer.error
+            wait_until_sent(transfer)
             os.kill(peer.pid, signal.SIGSTOP)
             start = time.monotonic()
             for index in range(1, spec.num_layers):

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from transport_kit import KEY, Kit, fill, layers_for
+from transport_kit import KEY, Kit, fill, layers_for, wait_until_sent
 
 from prfaas.transport import sockets
 from prfaas.transport.api import Shipment, TransferStatus
@@ -340,10 +340,7 @@ def test_a_receiver_that_stops_reading_does_not_wedge_the_sender(kit: Kit, monke
         shipment = Shipment(spec)
         transfer = channel.submit(shipment)
         shipment.add_layer(0, *layers[0])
-        deadline = time.monotonic() + 10
-        while transfer.stats.wire_bytes == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert transfer.stats.wire_bytes > 0, transfer.error
+        wait_until_sent(transfer)
         os.kill(peer.pid, signal.SIGSTOP)
         for index in range(1, spec.num_layers):
             shipment.add_layer(index, *layers[index])

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
-from prfaas.transport.api import Shipment, ShipmentSpec
+from prfaas.transport.api import Shipment, ShipmentSpec, Transfer
 from prfaas.transport.tickets import TicketSigner, TicketVerifier
 
 KEY = os.urandom(32)
@@ -44,3 +45,11 @@ def layers_for(spec: ShipmentSpec, seed: int = 0) -> list[tuple[bytes, bytes]]:
 def fill(shipment: Shipment, layers: list[tuple[bytes, bytes]]) -> None:
     for index, (k, v) in enumerate(layers):
         shipment.add_layer(index, k, v)
+
+
+def wait_until_sent(transfer: Transfer, timeout_s: float = 10.0) -> None:
+    """Until the transfer has put bytes on the wire (asserts it did within `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while transfer.stats.wire_bytes == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert transfer.stats.wire_bytes > 0, transfer.error
