@@ -13,8 +13,11 @@ network namespaces, prefill engines in one, decode engines and this driver in th
 (where llm-d's routing sidecar sits). Only the KV connector differs:
 
 - prfaas: the decode engine reserves the shipment, the prefill engine computes the prompt and
-  ships each layer as it is computed (prfaas transport, `--codec`), the decode engine
-  continues from `prompt + [first token]` once the KV is in (engine/vllm_params.py).
+  ships its KV (prfaas transport, `--codec`): as the region's `vllm.ship: auto` does (`--ship`),
+  each layer as it is computed over the WAN, all of it right after the forward on loopback;
+  `--compare-layerwise` adds prfaas shipping layer by layer on any link (`prfaas-layerwise`).
+  The decode engine continues from `prompt + [first token]` once the KV is in
+  (engine/vllm_params.py).
 - vLLM P/D: what vLLM's disaggregated-serving proxy does. The prefill engine gets the prompt
   with max_tokens=1 and kv_transfer_params {"do_remote_decode": true}; the decode engine gets
   the prompt with the parameters the prefill returned and pulls the KV through NIXL (UCX
@@ -188,7 +191,7 @@ def prompts(model: str, num_tokens: int, count: int) -> list[list[int]]:
 
 
 def drive(config: dict[str, Any]) -> dict[str, Any]:
-    from prfaas.engine.vllm_params import LoadParams, ShipParams
+    from prfaas.engine.vllm_params import LoadParams, ShipParams, layerwise_for
     from prfaas.engine.vllm_server import VLLMClient
     from prfaas.transport.tickets import TicketSigner
 
@@ -199,10 +202,13 @@ def drive(config: dict[str, Any]) -> dict[str, Any]:
     signer = TicketSigner({"k1": bytes.fromhex(config["ticket_key"])}, "k1")
     n, timeout_s, codec = config["new_tokens"], config["timeout_s"], config["codec"]
 
-    def prfaas(prompt: list[int]) -> dict[str, Any]:
+    # how prfaas's prefill region would ship to this decode address (its `vllm.ship` setting)
+    layerwise = layerwise_for(ready["prfaas-decode"]["kv"][0], config["ship"])
+
+    def prfaas(prompt: list[int], layerwise: bool = layerwise) -> dict[str, Any]:
         job = str(uuid.uuid4())
         ticket = signer.issue(job, 0, "bench", 1 << 31, ttl_s=600)
-        ship = ShipParams(job, 0, ticket, kv_endpoint, codec, timeout_s).to_kv_params()
+        ship = ShipParams(job, 0, ticket, kv_endpoint, codec, timeout_s, layerwise).to_kv_params()
         load = LoadParams(job, 0, timeout_s, num_tokens=len(prompt)).to_kv_params()
         t0 = time.monotonic()
         clients["prfaas-decode"].expect(job, 0, timeout_s)
@@ -216,7 +222,7 @@ def drive(config: dict[str, Any]) -> dict[str, Any]:
             "handoff_s": decoded["first_token_at"] - t_first, "total_s": t_end - t0,
             "tokens": first["token_ids"] + decoded["token_ids"], "decode_cached_tokens": decoded["num_cached_tokens"],
             "kv_status": outcome.get("status"), "kv_raw_bytes": outcome.get("raw_bytes"),
-            "kv_wire_bytes": outcome.get("wire_bytes"), "kv_seconds": outcome.get("seconds"),
+            "kv_wire_bytes": outcome.get("wire_bytes"), "kv_seconds": outcome.get("seconds"), "layerwise": layerwise,
         }  # fmt: skip
 
     def nixl(prompt: list[int]) -> dict[str, Any]:
@@ -245,27 +251,32 @@ def drive(config: dict[str, Any]) -> dict[str, Any]:
         return {"ttft_s": ttft, "decode_first_s": ttft, "prefill_s": ttft, "handoff_s": 0.0, "total_s": t_end - t0,
                 "tokens": whole["token_ids"]}  # fmt: skip
 
-    runs = {"prfaas": prfaas, "nixl": nixl, "colocated": colocated}
+    def prfaas_layerwise(prompt: list[int]) -> dict[str, Any]:
+        return prfaas(prompt, True)
+
+    runs = {"prfaas": prfaas, "nixl": nixl, "colocated": colocated, "prfaas-layerwise": prfaas_layerwise}
+    systems = config["systems"]
     all_prompts = prompts(config["model"], config["prompt_tokens"], config["warmups"] + config["repeats"])
     for i, prompt in enumerate(all_prompts[: config["warmups"]]):  # handshakes, pools, caches
-        for system in SYSTEMS:
+        for system in systems:
             runs[system](prompt)
         print(f"warm-up {i + 1} done", flush=True)
     samples: list[dict[str, Any]] = []
     for i, prompt in enumerate(all_prompts[config["warmups"] :]):
-        order = SYSTEMS[i % 3 :] + SYSTEMS[: i % 3]  # rotated: no system always runs first
+        k = i % len(systems)
+        order = systems[k:] + systems[:k]  # rotated: no system always runs first
         try:
             got = {system: runs[system](prompt) for system in order}
         except (TimeoutError, RuntimeError, OSError) as exc:  # keep what was measured; say why it stopped
             print(f"repeat {i + 1} failed: {type(exc).__name__}: {exc}", flush=True)
             return {"samples": samples, "error": f"repeat {i + 1}: {type(exc).__name__}: {exc}"}
         reference = got["colocated"]["tokens"]
-        for system in SYSTEMS:
+        for system in systems:
             got[system]["tokens_equal"] = got[system]["tokens"] == reference
             samples.append({"repeat": i, "system": system, "order": order.index(system), **got[system]})
         print(f"repeat {i + 1}: " + ", ".join(
             f"{s} ttft {got[s]['ttft_s']:.3f} s decode-first {got[s]['decode_first_s']:.3f} s"
-            f"{'' if got[s]['tokens_equal'] else ' TOKENS DIFFER'}" for s in SYSTEMS), flush=True)  # fmt: skip
+            f"{'' if got[s]['tokens_equal'] else ' TOKENS DIFFER'}" for s in systems), flush=True)  # fmt: skip
     return {"samples": samples}
 
 
@@ -288,9 +299,9 @@ def network(args: argparse.Namespace) -> Iterator[tuple[Any, dict[str, str], str
         yield link, {"prefill": link.ns_a, "decode": link.ns_b}, link.addr_a, link.addr_b
 
 
-def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(samples: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for system in SYSTEMS:
+    for system in systems:
         rows = [s for s in samples if s["system"] == system]
         out[system] = {
             key: statistics.median(r[key] for r in rows)
@@ -326,9 +337,21 @@ def main() -> None:
     parser.add_argument("--codec", default="raw", help="prfaas's KV codec (raw: the bytes NIXL moves)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each request")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (faster start)")
+    parser.add_argument(
+        "--ship",
+        choices=["auto", "layerwise", "after_forward"],
+        default="auto",
+        help="prfaas's shipping (the region setting vllm.ship; auto: after the forward on loopback)",
+    )
+    parser.add_argument(
+        "--compare-layerwise",
+        action="store_true",
+        help="also run prfaas shipping layer by layer (system prfaas-layerwise), side by side",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep-logs", type=Path, help="copy the engines' logs here")
     args = parser.parse_args()
+    systems = [*SYSTEMS, "prfaas-layerwise"] if args.compare_layerwise else list(SYSTEMS)
 
     def on_term(signum: int, frame: object) -> None:  # unwind like Ctrl-C: engines, namespaces, emulator go
         raise KeyboardInterrupt
@@ -348,6 +371,7 @@ def main() -> None:
                 "authkey": engines.authkey.hex(), "ticket_key": engines.ticket_key.hex(), "ready": ready,
                 "model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                 "repeats": args.repeats, "warmups": args.warmups, "codec": args.codec, "timeout_s": args.timeout_s,
+                "ship": args.ship, "systems": systems,
             }  # fmt: skip
             budget_s = (args.repeats + args.warmups) * 3 * (args.timeout_s + 10)
             if link is None:
@@ -367,11 +391,11 @@ def main() -> None:
                     (args.keep_logs / log.name).write_bytes(log.read_bytes())
     if not result["samples"]:
         raise SystemExit(f"no repeat completed: {result.get('error')}")
-    summary = summarize(result["samples"])
+    summary = summarize(result["samples"], systems)
     figures = {
         "command": " ".join(sys.argv), "link": args.link, "model": args.model, "dtype": "float32",
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "warmups": args.warmups, "codec": args.codec, "enforce_eager": args.enforce_eager,
+        "warmups": args.warmups, "codec": args.codec, "enforce_eager": args.enforce_eager, "ship": args.ship,
         "cores": {"prefill": 0, "decode": 1}, "startup_s": startup_s, "wall_s": time.monotonic() - started,
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "error": result.get("error"), "summary": summary,
         "samples": result["samples"],
@@ -380,11 +404,11 @@ def main() -> None:
           f"1 core per engine, medians of {args.repeats}; "
           f"load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(
-        f"{'system':<12}{'TTFT s':>9}{'decode-1st s':>14}{'prefill s':>11}{'handoff s':>11}{'total s':>9}  tokens equal"
+        f"{'system':<18}{'TTFT s':>9}{'decode-1st s':>14}{'prefill s':>11}{'handoff s':>11}{'total s':>9}  tokens equal"
     )
-    for system in SYSTEMS:
+    for system in systems:
         s = summary[system]
-        print(f"{system:<12}{s['ttft_s']:>9.3f}{s['decode_first_s']:>14.3f}{s['prefill_s']:>11.3f}"
+        print(f"{system:<18}{s['ttft_s']:>9.3f}{s['decode_first_s']:>14.3f}{s['prefill_s']:>11.3f}"
               f"{s['handoff_s']:>11.3f}{s['total_s']:>9.3f}  {s['tokens_equal']}")  # fmt: skip
     print(f"prfaas / vLLM P/D: TTFT {summary['prfaas_over_nixl_ttft_s']:.2f}x "
           f"(paired {summary['paired_prfaas_over_nixl_ttft_s']:.2f}x), decode-first "

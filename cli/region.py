@@ -81,6 +81,7 @@ def _build_vllm_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2
             prefill = VLLMPrefillAgent(
                 engine, num_workers=config.workers, queue_depth=config.queue_depth, codec=config.codec,
                 kv_lease_s=config.kv_lease_s, kv_lease_bytes=config.kv_lease_bytes, node=config.name,
+                ship=opts.ship,
             )  # fmt: skip
             agents["prfaas.v1.PrefillRegion"] = (prefill, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)
         if config.serves_decode:

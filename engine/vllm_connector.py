@@ -13,7 +13,10 @@ One engine can do both roles; each request says which in its `kv_transfer_params
 - `prfaas_ship` (prefill region). In the step where the request's prompt is complete the
   scheduler side hands the worker the request's blocks; the worker's `save_kv_layer` adds
   each layer to a transport `Shipment` as soon as that layer's attention has written it
-  (layer-wise: the first layers are on the wire while later ones compute).
+  (layer-wise: the first layers are on the wire while later ones compute). With
+  `layerwise: false` (a same-host link) `wait_for_save` instead hands the request to a
+  sender thread that gathers and sends every layer after the forward, so the step, and
+  the first token, do not wait for it.
   `request_finished` keeps the blocks until the transfer has ended (`get_finished`
   reports it), then vLLM frees them: no block is freed under the sender, none stranded.
 - `prfaas_load` (decode region). `get_num_new_matched_tokens` claims the whole prompt,
@@ -46,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from prfaas.engine.vllm_layout import gather_layer, layer_index, scatter_layer
 from prfaas.engine.vllm_link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm_params import LoadParams, ShipParams, parse_kv_params
-from prfaas.transport.api import Shipment, ShipmentSpec, Transfer
+from prfaas.transport.api import Shipment, ShipmentSpec, Transfer, TransferStatus
 from prfaas.transport.tickets import TicketVerifier
 
 if TYPE_CHECKING:
@@ -130,6 +133,7 @@ class PrfaasConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()
         self._finished_reqs: set[str] = set()
         self._recv_done: set[str] = set()
+        self._send_failed: set[str] = set()  # shipped after the forward, failed before a transfer existed
         self._error_blocks: set[int] = set()
         self._k_transposed = False  # CPU backend: how its kernel lays keys out (register_kv_caches)
         if role == KVConnectorRole.WORKER:
@@ -219,6 +223,8 @@ class PrfaasConnector(KVConnectorBase_V1):
             return
         index = layer_index(layer_name)
         for job in meta.ships:
+            if not job.params.layerwise:
+                continue  # shipped whole after the forward (wait_for_save)
             out = self._outbound.get(job.req_id) or self._open_shipment(job, kv_layer)
             if out is None or index in out.layers_added:
                 continue
@@ -251,10 +257,38 @@ class PrfaasConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PrfaasMetadata)
         for job in meta.ships:
+            if not job.params.layerwise:
+                # The forward is done and the blocks stay held until the send ends: gather
+                # and send on a thread, so the step returns (and the first token goes out) now.
+                thread = threading.Thread(target=self._ship_whole, args=(job,), name=f"prfaas-ship-{job.req_id}")
+                thread.daemon = True
+                thread.start()
+                continue
             out = self._outbound.get(job.req_id)
             if out is not None and len(out.layers_added) != out.spec.num_layers:
                 log.error("request %s: %d of %d layers saved", job.req_id, len(out.layers_added), out.spec.num_layers)
                 out.transfer.cancel()  # a shipment missing layers would never complete
+
+    def _ship_whole(self, job: ShipJob) -> None:
+        """Sender thread of a shipment sent after the forward: every layer out of the held blocks."""
+        out = None
+        try:
+            out = self._open_shipment(job, self._caches[min(self._caches)])
+            assert out is not None
+            for index, cache in sorted(self._caches.items()):
+                k, v = gather_layer(cache, job.block_ids, job.num_tokens, k_transposed=self._k_transposed)
+                out.shipment.add_layer(index, _bytes(k), _bytes(v))
+                out.layers_added.add(index)
+        except Exception as exc:  # the blocks must still be freed and the host told
+            log.exception("request %s: shipping after the forward failed", job.req_id)
+            if out is not None:
+                out.transfer.cancel()
+                return  # get_transfer_results reports it once the transfer has ended
+            assert self._link is not None
+            outcome = ShipOutcome(TransferStatus.FAILED, 0, 0, 0.0, str(exc), type(exc).__name__)
+            self._link.record_shipped(job.params.job_id, outcome)
+            with self._lock:
+                self._send_failed.add(job.req_id)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
@@ -266,6 +300,10 @@ class PrfaasConnector(KVConnectorBase_V1):
                     self._finished_reqs.discard(req_id)
                     results.finished_sending.add(req_id)
                     self._record(out)
+            for req_id in self._send_failed & self._finished_reqs:  # never opened a transfer
+                self._send_failed.discard(req_id)
+                self._finished_reqs.discard(req_id)
+                results.finished_sending.add(req_id)
             results.finished_recving, self._recv_done = self._recv_done, set()
         return results
 

@@ -3,7 +3,8 @@
 No vLLM import: the region agents and tests build these without vLLM installed.
 
 - A prefill (producer) request carries `{"prfaas_ship": ShipParams}`: ship the prompt's
-  KV, layer by layer as it is computed, to the decode region's KV port under `ticket`.
+  KV, layer by layer as it is computed (or all of it after the forward: `layerwise`), to
+  the decode region's KV port under `ticket`.
 - A decode (consumer) request carries `{"prfaas_load": LoadParams}`: the prompt's KV comes
   as the shipment (`job_id`, `attempt`); vLLM waits for it instead of computing the
   prompt, and recomputes the prompt if the shipment fails or misses `timeout_s`.
@@ -17,6 +18,7 @@ No vLLM import: the region agents and tests build these without vLLM installed.
 
 from __future__ import annotations
 
+import ipaddress
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -55,6 +57,11 @@ class ShipParams:
     kv_endpoint: str  # "host:port" of the decode region's KV receiver
     codec: str = "lossless"
     timeout_s: float = 30.0  # deadline of the whole transfer
+    # True: each layer goes on the wire as soon as its attention has written it (hides the
+    # link behind the forward). False: the whole prompt's KV is sent after the forward, off
+    # the forward's path (a same-host link, where streaming saves nothing and its sends would
+    # take CPU from the forward): see `layerwise_for`.
+    layerwise: bool = True
 
     @property
     def address(self) -> tuple[str, int]:
@@ -76,6 +83,9 @@ class ShipParams:
             get_codec(codec)
         except CodecError as exc:
             raise ValueError(f"{SHIP_KEY}.codec: {exc}") from None
+        layerwise = value.get("layerwise", True)
+        if not isinstance(layerwise, bool):
+            raise ValueError(f"{SHIP_KEY}.layerwise must be true or false, got {layerwise!r}")
         return ShipParams(
             _job_id(value.get("job_id")),
             _attempt(value.get("attempt", 0)),
@@ -83,10 +93,31 @@ class ShipParams:
             str(endpoint),
             str(codec),
             _timeout(value.get("timeout_s", 30.0)),
+            layerwise,
         )
 
     def to_kv_params(self) -> dict[str, Any]:
         return {SHIP_KEY: asdict(self)}
+
+
+def layerwise_for(host: str, ship: str = "auto") -> bool:
+    """Whether a prefill ships layer by layer to a decode region at `host`.
+
+    `ship` is the region's setting: `layerwise`, `after_forward`, or `auto`, which ships
+    after the forward to a loopback address (the same machine: the link moves a whole
+    prompt's KV in about the time of one layer's forward, so streaming hides nothing, while
+    its sends share the engine's CPU) and layer by layer to any other."""
+    if ship not in SHIP_MODES:
+        raise ValueError(f"ship must be one of {', '.join(SHIP_MODES)}, got {ship!r}")
+    if ship != "auto":
+        return ship == "layerwise"
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host != "localhost"
+
+
+SHIP_MODES = ("auto", "layerwise", "after_forward")
 
 
 @dataclass(frozen=True)

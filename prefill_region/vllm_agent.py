@@ -1,7 +1,8 @@
 """The prefill agent of a region with `engine: vllm`: the same gRPC surface, queue, events,
 deadlines and cancel as the HF agent (it is one), with the job run by the region's vLLM
 server. A job is one vLLM request for one token carrying `prfaas_ship` params: the prfaas
-connector ships each layer's KV to the decode region as vLLM computes it (the wire format
+connector ships each layer's KV to the decode region as vLLM computes it, or, to a decode
+region on the same machine, all of it right after the forward (`vllm.ship`; the wire format
 of the HF agent's shipments, so either engine decodes it); the agent then waits for the
 shipment's outcome. vLLM frees the KV once it is shipped, so there is no lease to Reship.
 """
@@ -12,7 +13,7 @@ import time
 from typing import Any
 
 from prfaas.engine.kv import hash_token_ids
-from prfaas.engine.vllm_params import ShipParams
+from prfaas.engine.vllm_params import ShipParams, layerwise_for
 from prfaas.engine.vllm_remote import VLLMEngine, check_greedy, shipment_error
 from prfaas.prefill_region.agent import PrefillAgent, _Job, _Stop
 from prfaas.prefill_region.shipping import Destination
@@ -22,8 +23,10 @@ from prfaas.transport.endpoints import parse_endpoints
 
 
 class VLLMPrefillAgent(PrefillAgent):
-    def __init__(self, engine: VLLMEngine, **options: Any) -> None:
+    def __init__(self, engine: VLLMEngine, *, ship: str = "auto", **options: Any) -> None:
+        layerwise_for("127.0.0.1", ship)  # a bad setting fails here, not on the first job
         self.vllm = engine
+        self.ship = ship
         super().__init__(engine, **options)  # type: ignore[arg-type]  # the shared paths read only model facts
 
     def _validate(self, request: prefill_pb2.PrefillRequest) -> tuple[list[int], Destination]:
@@ -42,7 +45,8 @@ class VLLMPrefillAgent(PrefillAgent):
         self._check(job)
         address = job.destination.address
         ship = ShipParams(job.job_id, job.attempt, job.destination.ticket, f"{address.host}:{address.port}",
-                          job.destination.codec, min(3600.0, job.deadline - time.monotonic()))  # fmt: skip
+                          job.destination.codec, min(3600.0, job.deadline - time.monotonic()),
+                          layerwise_for(address.host, self.ship))  # fmt: skip
         kv_params = ship.to_kv_params()
         t0 = time.monotonic()
         result = self.vllm.generate(job.token_ids, 1, kv_params, timeout_s=max(0.1, job.deadline - t0))

@@ -83,6 +83,9 @@ class VLLMOptions(BaseModel):
     kv_cache_gib: float = Field(default=1.0, gt=0)  # vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)
     cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1"; None: inherited / vLLM's default
     log: str | None = None  # the server's output; None: a file in a new temporary folder (logged at start)
+    # prefill: ship each layer as it is computed, or the whole KV after the forward; auto:
+    # after the forward to a loopback decode region, layer by layer to any other (engine/vllm_params.py)
+    ship: Literal["auto", "layerwise", "after_forward"] = "auto"
 
 
 class RegionConfig(BaseSettings):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prfaas.engine.vllm_layout import PagedLayout, gather_layer, layer_index, scatter_layer
-from prfaas.engine.vllm_params import LOAD_KEY, SHIP_KEY, LoadParams, ShipParams, parse_kv_params
+from prfaas.engine.vllm_params import LOAD_KEY, SHIP_KEY, LoadParams, ShipParams, layerwise_for, parse_kv_params
 
 HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 8, 16, 12
 
@@ -111,7 +111,22 @@ def test_kv_transfer_params_round_trip_and_refuse_bad_input() -> None:
         ({LOAD_KEY: {"job_id": job, "attempt": -1}}, "attempt"),
         ({LOAD_KEY: {"job_id": job, "timeout_s": 0}}, "timeout_s"),
         ({**ship.to_kv_params(), **load.to_kv_params()}, "not both"),
+        ({SHIP_KEY: {**ship_fields, "layerwise": "yes"}}, "layerwise must be true or false"),
     ]
     for params, match in bad:
         with pytest.raises(ValueError, match=match):
             parse_kv_params(params)
+    after = ShipParams(job, 1, "tkt", "10.0.0.5:7400", "raw", 12.5, layerwise=False)
+    assert parse_kv_params(after.to_kv_params()) == after
+    assert ShipParams.parse({k: v for k, v in ship_fields.items() if k != "layerwise"}).layerwise  # default
+
+
+def test_auto_ships_after_the_forward_only_to_the_same_machine() -> None:
+    for host in ("127.0.0.1", "127.3.4.5", "::1", "[::1]", "localhost"):
+        assert not layerwise_for(host), host
+        assert layerwise_for(host, "layerwise")
+    for host in ("10.0.0.5", "192.168.7.2", "fd00::2", "decode.eu-west.internal"):
+        assert layerwise_for(host), host
+        assert not layerwise_for(host, "after_forward")
+    with pytest.raises(ValueError, match="ship must be one of auto, layerwise, after_forward"):
+        layerwise_for("10.0.0.5", "sometimes")

@@ -59,7 +59,7 @@ def test_block_pools_return_to_their_start_after_20_requests(vllm_pair: VLLMPair
             decoded = vllm_pair.decode.client.generate(prompt, 4, load)
             assert decoded["num_cached_tokens"] == 0
             return "missing"
-        _tokens, decoded, outcome = split(vllm_pair, prompt)
+        _tokens, decoded, outcome = split(vllm_pair, prompt, layerwise=i % 8 != 2)  # some sent after the forward
         assert outcome is not None and outcome["status"] == "completed", outcome
         assert decoded["num_cached_tokens"] == len(prompt)
         return "shipped"
