@@ -28,6 +28,7 @@ from prfaas.engine.vllm_link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm_params import LoadParams, ShipParams, parse_kv_params
 
 CONNECTOR_MODULE = "prfaas.engine.vllm_connector"
+IDLE_WAIT_S = 0.02  # longest idle wait: a layer-wise send's end is seen by polling, this often
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,9 @@ class VLLMHost:
         )
         self._engine: Any = LLMEngine.from_engine_args(args)
         self._link: KVLink | None = LINKS.get(self.engine_id) if kv_transfer_config is None else None
+        # what the loop waits on while nothing can run (the connector sets it when a load or
+        # a send ends); another connector (NIXL) progresses only in steps, so it is polled
+        self._wake = self._link.activity if self._link is not None else None
         self._inbox: queue.Queue[tuple[str, _Pending] | None] = queue.Queue()
         self._calls: queue.Queue[tuple[Any, Future[Any]]] = queue.Queue()
         self._pending: dict[str, _Pending] = {}
@@ -166,6 +170,7 @@ class VLLMHost:
         request_id = request_id or f"r-{uuid.uuid4().hex}"
         self._unstarted.add(request_id)
         self._inbox.put((request_id, pending))
+        self._poke()
         return pending.future
 
     def abort(self, request_id: str) -> None:
@@ -189,6 +194,7 @@ class VLLMHost:
             self._abort_now(request_id)
 
         self._calls.put((run, Future()))
+        self._poke()
 
     def _abort_now(self, request_id: str) -> None:
         pending = self._pending.pop(request_id)
@@ -216,7 +222,12 @@ class VLLMHost:
 
         future: Future[int] = Future()
         self._calls.put((read, future))
+        self._poke()
         return future.result(timeout_s)
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
     def _busy(self) -> bool:
         """Requests in flight, or finished ones whose blocks wait for their shipment to end
@@ -226,7 +237,10 @@ class VLLMHost:
 
     def _loop(self) -> None:
         engine = self._engine
+        scheduler = engine.engine_core.engine_core.scheduler
         while not self._closed.is_set():
+            if self._wake is not None:
+                self._wake.clear()  # a set from here on ends the next idle wait at once
             self._drain(block=not self._busy())
             while not self._calls.empty():
                 call, future = self._calls.get_nowait()
@@ -249,8 +263,14 @@ class VLLMHost:
                     self._finish(out)
                 else:
                     self._progress(out)
-            if not outputs:
-                time.sleep(0.001)  # waiting for a shipment: do not spin the core
+            if outputs or scheduler.running:
+                continue
+            # Nothing can run: requests wait for their KV, or finished ones for their sends.
+            # Idle steps would take CPU from the connector's threads on the same cores.
+            if self._wake is None:
+                time.sleep(0.001)
+            else:
+                self._wake.wait(IDLE_WAIT_S)  # the connector wakes it; sends ending are polled
 
     def _drain(self, block: bool) -> None:
         try:
@@ -306,5 +326,6 @@ class VLLMHost:
     def close(self) -> None:
         self._closed.set()
         self._inbox.put(None)
+        self._poke()
         self._thread.join(30)
         LINKS.close(self.engine_id)
