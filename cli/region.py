@@ -23,7 +23,10 @@ def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.Regis
 
     if config.engine == "vllm":
         return _build_vllm_region(config)
-    engine = HFEngine(config.model, dtype=config.dtype, device=config.device)
+    if config.engine_cpus:  # every thread made from here on keeps off the forward's CPUs, if others exist
+        others = set(range(os.cpu_count() or 1)) - set(config.engine_cpus)
+        os.sched_setaffinity(0, others or set(config.engine_cpus))
+    engine = HFEngine(config.model, dtype=config.dtype, device=config.device, cpus=config.engine_cpus)
     agents: dict[str, tuple[Agent, Any]] = {}
     kv_endpoint = ""
     if config.serves_prefill:

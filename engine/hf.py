@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,9 @@ class HFEngine:
     dtype: "float32", "bfloat16" or "float16"; KV caches carry it and must match on decode.
     """
 
-    def __init__(self, model: str | Path, *, dtype: str = "float32", device: str = "cpu") -> None:
+    def __init__(
+        self, model: str | Path, *, dtype: str = "float32", device: str = "cpu", cpus: Sequence[int] | None = None
+    ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.path = resolve_model(model)
@@ -69,6 +73,7 @@ class HFEngine:
         eos = self.model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos_token_ids = frozenset(int(t) for t in eos_ids)
+        self.cpus = frozenset(cpus) if cpus else None  # each forward runs pinned to these
 
     @property
     def fingerprint(self) -> str:
@@ -123,7 +128,8 @@ class HFEngine:
     def _forward(self, input_ids: list[int], cache: DynamicCache) -> torch.Tensor:
         """Run tokens through the model, appending to `cache`; last position's logits [vocab]."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with pinned(self.cpus):
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits: torch.Tensor = out.logits[0, -1].float().cpu()
         return logits
 
@@ -187,3 +193,18 @@ class HFEngine:
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+@contextlib.contextmanager
+def pinned(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Run the block with this thread on `cpus` only (Linux: a thread's own affinity; threads
+    it starts meanwhile inherit it), then put its affinity back. None: no change."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -8,6 +8,7 @@ set from the environment, `PRFAAS_` + the field path joined by `__` (e.g.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -105,6 +106,10 @@ class RegionConfig(BaseSettings):
     model: str = "smollm2-135m"  # catalog name or HF model folder
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
+    # CPUs the HF engine's forward passes run on (the forward's thread is pinned to them for
+    # each pass); the region's other threads keep off them. None: no pinning. On a CPU host
+    # this keeps the KV shipment's threads from taking the forward's core, as a GPU would.
+    engine_cpus: list[int] | None = Field(default=None, min_length=1)
     kv_buffer_bytes: int = Field(default=4 << 30, gt=0)
     ticket_key: str = Field(min_length=32, repr=False)  # HMAC key the control plane signs tickets with
     ticket_key_id: str = "k1"
@@ -133,6 +138,17 @@ class RegionConfig(BaseSettings):
     @classmethod
     def _size(cls, value: object) -> int:
         return parse_bytes(value)
+
+    @field_validator("engine_cpus")
+    @classmethod
+    def _cpus(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        count = os.cpu_count() or 1  # all of the machine's: the region itself may start pinned elsewhere
+        unknown = sorted(c for c in set(value) if not 0 <= c < count)
+        if unknown:
+            raise ValueError(f"CPUs {unknown} do not exist here (0-{count - 1})")
+        return sorted(set(value))
 
     @field_validator("control_plane_url")
     @classmethod

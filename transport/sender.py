@@ -9,10 +9,11 @@ and call `ack`, `nack`, `done`, `remote_error`, `remote_cancel` as frames arrive
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prfaas.transport.api import Buffer, Shipment, ShipmentSpec, StatusCell, TransferStats, TransferStatus
@@ -38,6 +39,14 @@ from prfaas.transport.framing import (
 from prfaas.transport.inbound import OpenInfo
 
 _seq = itertools.count()
+
+
+def encoder_pool(threads: int, prefix: str) -> ThreadPoolExecutor:
+    """A channel's encode threads. They run on the CPUs of the thread that made the channel,
+    not of whichever thread first hands them a layer: a forward pinned to its own cores
+    (engine/hf.py `pinned`) starts them from inside the forward and would keep them there."""
+    cpus = os.sched_getaffinity(0)
+    return ThreadPoolExecutor(threads, prefix, initializer=os.sched_setaffinity, initargs=(0, cpus))
 
 
 @dataclass(eq=False)

@@ -21,7 +21,6 @@ import logging
 import queue
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -39,7 +38,7 @@ from prfaas.transport.framing import (
     read_frame,
     to_frame,
 )
-from prfaas.transport.sender import Chunk, OutboundTransfer, TransferTable
+from prfaas.transport.sender import Chunk, OutboundTransfer, TransferTable, encoder_pool
 from prfaas.transport.shm import Placement, map_arena
 
 log = logging.getLogger(__name__)
@@ -129,7 +128,7 @@ class ShmChannel:
         self._placements: dict[Key, Placement | None] = {}  # None: inline payloads
         self._waiting: dict[Key, list[Chunk]] = {}  # chunks produced before OPEN_OK
         self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
-        self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="prfaas-shm-encode")
+        self._encoder = encoder_pool(encode_threads, "prfaas-shm-encode")
         self._threads = [
             threading.Thread(target=self._copy_loop, name=f"prfaas-shm-copy-{i}", daemon=True)
             for i in range(copy_threads)

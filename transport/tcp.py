@@ -18,7 +18,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prfaas.transport import metrics, sockets
@@ -26,7 +25,7 @@ from prfaas.transport.adaptive import PathSample, StreamController
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import FrameError, PeerUnavailable
 from prfaas.transport.framing import Frame, FrameType, encode, json_payload, read_frame
-from prfaas.transport.sender import OutboundTransfer, TransferTable
+from prfaas.transport.sender import OutboundTransfer, TransferTable, encoder_pool
 from prfaas.transport.sendqueue import SendQueue
 from prfaas.transport.tls import TlsSocket
 
@@ -266,7 +265,7 @@ class TcpChannel:
         self.closed = threading.Event()
         self.queue = SendQueue(max_inflight_bytes)
         self.table = TransferTable()
-        self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="prfaas-kv-encode")
+        self._encoder = encoder_pool(encode_threads, "prfaas-kv-encode")
         self._down_since: float | None = None
         self._lock = threading.Lock()
         self._next_index = 0

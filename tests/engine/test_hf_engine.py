@@ -1,5 +1,6 @@
 """The HF backend on tiny-llama: exact split/colocated equality and typed bad-input errors."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,20 @@ def test_an_exception_from_on_layer_aborts_the_forward(tiny_engine: HFEngine, lo
     with pytest.raises(RuntimeError, match="canceled"):
         tiny_engine.prefill(prompt(tiny_engine, long_text, 10), GREEDY, on_layer=on_layer)
     assert seen == [0, 1]
+
+
+def test_each_forward_runs_pinned_to_the_engines_cpus(tiny_engine: HFEngine, long_text: str) -> None:
+    # engine_cpus (region config): the forward's thread on those CPUs, put back after each pass.
+    before = os.sched_getaffinity(0)
+    target = frozenset({max(before)})
+    seen: list[set[int]] = []
+    tiny_engine.cpus = target
+    try:
+        result = tiny_engine.prefill(
+            prompt(tiny_engine, long_text, 12), GREEDY, on_layer=lambda *_: seen.append(os.sched_getaffinity(0))
+        )
+        assert list(tiny_engine.decode(result.kv, result.first_token, SamplingParams(max_new_tokens=3)))
+    finally:
+        tiny_engine.cpus = None
+    assert seen and all(cpus == target for cpus in seen)
+    assert os.sched_getaffinity(0) == before

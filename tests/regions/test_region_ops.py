@@ -129,6 +129,9 @@ VALID = {"name": "dec-a", "role": "decode", "ticket_key": KEY.decode()}
         ({"engine": "vllm", "shm": True}, "(top level)"),  # vLLM regions ship KV over TCP only
         ({"engine": "vllm", "vllm": {"start_timeout_s": 0}}, "vllm.start_timeout_s"),
         ({"vllm": {"pyhton": "/usr/bin/python3"}}, "vllm.pyhton"),
+        ({"vllm": {"ship": "sometimes"}}, "vllm.ship"),
+        ({"engine_cpus": [4096]}, "engine_cpus"),
+        ({"engine_cpus": []}, "engine_cpus"),
         ({"name": "Bad Name"}, "name"),
         ({"colour": "blue"}, "colour"),
         ({"control_plane_url": "grpc://nowhere"}, "control_plane_url"),

@@ -20,6 +20,7 @@ from prfaas.transport import sockets
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferTimeout
 from prfaas.transport.framing import HEADER_SIZE, FrameType, parse_header, read_exact
+from prfaas.transport.sender import encoder_pool
 from prfaas.transport.tcp import TcpChannel
 from prfaas.transport.tcp_server import TcpReceiver
 from prfaas.transport.tickets import TicketSigner
@@ -351,3 +352,19 @@ def test_a_receiver_that_stops_reading_does_not_wedge_the_sender(kit: Kit, monke
     finally:
         peer.kill()
         peer.wait(10)
+
+
+def test_encode_threads_run_where_the_channel_was_made_not_where_a_layer_came_from() -> None:
+    # A forward pinned to the engine's CPUs hands layers to the encoder from inside the pass
+    # (engine/hf.py `pinned`): the pool's threads, started then, must not inherit that pin.
+    home = os.sched_getaffinity(0)
+    pool = encoder_pool(2, "test-encode")
+    try:
+        os.sched_setaffinity(0, {min(home)})
+        try:
+            seen = [pool.submit(os.sched_getaffinity, 0).result(10) for _ in range(4)]
+        finally:
+            os.sched_setaffinity(0, home)
+    finally:
+        pool.shutdown()
+    assert all(cpus == home for cpus in seen)

@@ -4,6 +4,7 @@ get_block_ids_with_load_errors), and no KV block is stranded on either side."""
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ from test_vllm_split import prompt_ids, split
 from vllm_kit import VLLMPair
 
 from prfaas.engine.vllm_params import LoadParams, ShipParams
+from prfaas.engine.vllm_server import VLLMClient
 from prfaas.transport.tickets import TicketSigner
 
 pytestmark = pytest.mark.vllm
@@ -85,3 +87,11 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(vllm_pair: VLL
     while client.num_free_blocks() != free_before:  # the server notices within a poll (50 ms) and aborts
         assert time.monotonic() < deadline, "the aborted request's blocks never came back"
         time.sleep(0.2)
+
+
+def test_a_control_call_with_the_wrong_key_is_refused_and_the_server_serves_on(vllm_pair: VLLMPair) -> None:
+    client = vllm_pair.prefill.client
+    intruder = VLLMClient(client.address, b"k" * 32)
+    with pytest.raises(multiprocessing.AuthenticationError):
+        intruder.num_free_blocks()
+    assert client.num_free_blocks() > 0
