@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, NoReturn
 
 import grpc
 
@@ -67,6 +68,14 @@ class Reservation:
     cond: threading.Condition = field(default_factory=threading.Condition)
     watch: Watch | None = None
     inbound: Inbound | None = None
+
+
+class DecodeStart(NamedTuple):
+    job_id: str
+    params: SamplingParams
+    started: float  # time.monotonic() when the call came
+    deadline: float
+    res: Reservation  # claimed: decoding is set
 
 
 @dataclass(frozen=True)
@@ -251,10 +260,16 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             raise PreconditionFailed(f"job {job_id} is reserved for attempt {res.attempt}, not {attempt}")
         return res
 
-    @streaming
-    def Decode(
-        self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
-    ) -> Iterator[decode_pb2.TokenEvent]:
+    def _begin_decode(
+        self,
+        request: decode_pb2.DecodeRequest,
+        context: grpc.ServicerContext,
+        check: Callable[[SamplingParams], None] | None = None,
+    ) -> DecodeStart:
+        """What every Decode does first: its deadline; the KV's model and dtype against this
+        region's; `check(params)` (the engine's own request checks); then the reservation,
+        claimed for this stream (an ended one raises its error, a second Decode gets
+        ALREADY_EXISTS) and ended if the caller goes away."""
         started = time.monotonic()
         job_id = job_uuid(request.job_id)
         params = sampling_from_proto(request.sampling)
@@ -265,12 +280,32 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 f"KV of model {desc.model_fingerprint[:16]}... ({desc.dtype}) cannot be decoded by this region's "
                 f"{self.engine.fingerprint[:16]}... ({self.engine.dtype})"
             )
+        if check is not None:
+            check(params)
         res = self._lookup(job_id, request.attempt)
         with res.cond:
+            if res.ended:  # e.g. the prefill region was lost a moment ago
+                self._raise_ended(res)
             if res.decoding:
                 raise Conflict(f"job {job_id} is already decoding")
             res.decoding = True
         context.add_callback(lambda: self._end(res, Canceled("the caller disconnected")))
+        return DecodeStart(job_id, params, started, deadline, res)
+
+    @staticmethod
+    def _raise_ended(res: Reservation) -> NoReturn:
+        error = res.error or Canceled("reservation ended")
+        if isinstance(error, RegionError):
+            raise error
+        code, message = status_of(error)
+        raise _Status(code, message)
+
+    @streaming
+    def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.TokenEvent]:
+        _job_id, params, started, deadline, res = self._begin_decode(request, context)
+        desc = request.kv
         try:
             layers = self._wait_kv(res, deadline, context)
             if layers[0].k.shape[1] != desc.num_tokens:
@@ -304,11 +339,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 res.cond.wait(min(remaining, 0.1))
             if res.layers is not None:
                 return res.layers
-        error = res.error or Canceled("reservation ended")
-        if isinstance(error, RegionError):
-            raise error
-        code, message = status_of(error)
-        raise _Status(code, message)
+        self._raise_ended(res)
 
     def _worker(self, deadline: float) -> _WorkerSlot:
         return _WorkerSlot(self, deadline)

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from prfaas.decode_region.agent import DecodeAgent, Reservation, _Status
+from prfaas.decode_region.agent import DecodeAgent, Reservation
 from prfaas.engine.errors import InvalidPrompt, PromptTooLong
 from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.sampling import SamplingParams
@@ -32,14 +32,11 @@ from prfaas.engine.vllm_server import StreamStopped
 from prfaas.protos.prfaas.v1 import decode_pb2
 from prfaas.protos.rpc import (
     Canceled,
-    Conflict,
     InvalidRequest,
-    PreconditionFailed,
     RegionError,
     Unavailable,
     job_uuid,
     sampling_from_proto,
-    status_of,
     streaming,
     timeout_from,
 )
@@ -89,34 +86,19 @@ class VLLMDecodeAgent(DecodeAgent):
     def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenEvent]:
-        started = time.monotonic()
-        job_id = job_uuid(request.job_id)
-        params = sampling_from_proto(request.sampling)
-        deadline = started + timeout_from(request.timeout_s, default_s=DEFAULT_TIMEOUT_S, max_s=MAX_TIMEOUT_S)
         desc = request.kv
-        if desc.model_fingerprint != self.vllm.fingerprint or desc.dtype != self.vllm.dtype:
-            raise PreconditionFailed(
-                f"KV of model {desc.model_fingerprint[:16]}... ({desc.dtype}) cannot be decoded by this region's "
-                f"{self.vllm.fingerprint[:16]}... ({self.vllm.dtype})"
-            )
         prompt = list(request.token_ids)
-        if not prompt:
-            raise InvalidRequest("token_ids is empty: a vLLM decode region needs the prompt the KV belongs to")
-        if len(prompt) != desc.num_tokens:
-            raise InvalidRequest(f"token_ids holds {len(prompt)} tokens, the KV covers {desc.num_tokens}")
-        if desc.token_ids_hash and hash_token_ids(prompt) != desc.token_ids_hash:
-            raise InvalidRequest("token_ids do not match the KV's token_ids_hash (another prompt's cache)")
-        self._check_prompt(prompt, params)
-        res = self._lookup(job_id, request.attempt)
-        with res.cond:
-            if res.ended:  # e.g. the prefill region was lost a moment ago
-                if isinstance(res.error, RegionError):
-                    raise res.error
-                raise _Status(*status_of(res.error or Canceled("reservation ended")))
-            if res.decoding:
-                raise Conflict(f"job {job_id} is already decoding")
-            res.decoding = True
-        context.add_callback(lambda: self._end(res, Canceled("the caller disconnected")))
+
+        def check(params: SamplingParams) -> None:
+            if not prompt:
+                raise InvalidRequest("token_ids is empty: a vLLM decode region needs the prompt the KV belongs to")
+            if len(prompt) != desc.num_tokens:
+                raise InvalidRequest(f"token_ids holds {len(prompt)} tokens, the KV covers {desc.num_tokens}")
+            if desc.token_ids_hash and hash_token_ids(prompt) != desc.token_ids_hash:
+                raise InvalidRequest("token_ids do not match the KV's token_ids_hash (another prompt's cache)")
+            self._check_prompt(prompt, params)
+
+        job_id, params, started, deadline, res = self._begin_decode(request, context, check)
         rest: Iterator[int] = iter(())
         try:
             with self._worker(deadline):
