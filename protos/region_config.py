@@ -169,6 +169,8 @@ class RegionConfig(BaseSettings):
     def _vllm_over_tcp(self) -> RegionConfig:
         if self.engine == "vllm" and (self.transport != "tcp" or self.shm):
             raise ValueError("engine 'vllm' sends and receives KV over TCP only: set transport: tcp and shm: false")
+        if self.engine == "vllm" and self.engine_cpus:
+            raise ValueError("engine_cpus pins the HF engine; a vLLM server's cores are vllm.cpu_threads_bind")
         return self
 
     @model_validator(mode="after")

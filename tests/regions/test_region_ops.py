@@ -132,6 +132,7 @@ VALID = {"name": "dec-a", "role": "decode", "ticket_key": KEY.decode()}
         ({"vllm": {"ship": "sometimes"}}, "vllm.ship"),
         ({"engine_cpus": [4096]}, "engine_cpus"),
         ({"engine_cpus": []}, "engine_cpus"),
+        ({"engine": "vllm", "engine_cpus": [0]}, "(top level)"),  # vLLM's cores: vllm.cpu_threads_bind
         ({"name": "Bad Name"}, "name"),
         ({"colour": "blue"}, "colour"),
         ({"control_plane_url": "grpc://nowhere"}, "control_plane_url"),
