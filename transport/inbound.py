@@ -8,6 +8,7 @@ decoded, so the decoding engine can start on layer 0 while later layers are in f
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -118,11 +119,14 @@ class _Part:
         self.length = 0  # payload bytes once the last chunk is in
 
 
+PENDING_WAIT_S = 1.0  # how long a resent chunk waits for the copy another connection is reading
+
+
 class Slot(Enum):
     """Why `Inbound.slot` gave no buffer to read a chunk into."""
 
     DUPLICATE = "duplicate"  # already in place: acknowledge it again
-    PENDING = "pending"  # another connection is reading the same chunk: no reply (its copy decides)
+    PENDING = "pending"  # another connection is still reading the same chunk
     ENDED = "ended"  # the shipment ended: drop it
 
 
@@ -140,6 +144,7 @@ class Inbound:
         self.info: OpenInfo | None = None
         self.ticket: Ticket | None = None
         self.wire_bytes = 0
+        self.pending_wait_s = PENDING_WAIT_S
         self._lock = threading.Condition()
         self._parts: dict[tuple[int, int], _Part] = {}
         self._done_parts: set[tuple[int, int]] = set()  # assembled (then decoded): later copies are duplicates
@@ -220,6 +225,7 @@ class Inbound:
             if entry is None:  # the shipment ended meanwhile
                 return
             entry.claimed.discard(chunk)
+            self._lock.notify_all()  # a copy of this chunk on another connection may wait (accept)
             if not ok or self.cell.status().terminal:
                 return
             entry.done.add(chunk)
@@ -270,8 +276,24 @@ class Inbound:
         payload: bytes | bytearray | memoryview,
     ) -> Slot | None:
         """Store one verified chunk (copying it into place): None when stored, else why not.
-        Raises TransportError if it contradicts the OPEN (the shipment then fails)."""
+        Raises TransportError if it contradicts the OPEN (the shipment then fails).
+
+        A copy of a chunk that another connection is still reading (the sender resent it
+        when that connection broke) waits up to `pending_wait_s` for that copy: stored ->
+        DUPLICATE; dropped (its connection died mid-chunk) -> this copy is stored instead.
+        Never answering it would leave the sender waiting for an ACK that no connection
+        sends; PENDING is returned only if the other copy is still being read."""
         view = self.slot(layer, part, chunk, count, codec, raw_len, len(payload))
+        if view is Slot.PENDING:
+            end = time.monotonic() + self.pending_wait_s
+            with self._lock:
+                while not self.cell.status().terminal:
+                    entry = self._parts.get((layer, part))
+                    remaining = end - time.monotonic()
+                    if entry is None or chunk not in entry.claimed or remaining <= 0:
+                        break
+                    self._lock.wait(remaining)
+            view = self.slot(layer, part, chunk, count, codec, raw_len, len(payload))
         if isinstance(view, Slot):
             return view
         view[:] = payload

@@ -197,8 +197,8 @@ class ReceiverCore:
         except TransportError as exc:
             inbound.fail(exc)
             return []  # _ended tells the sender
-        if result is Slot.PENDING:
-            return []  # the copy another connection is reading answers for this chunk
+        if result is Slot.PENDING:  # another connection is still reading its copy: send this one again later
+            return [Frame(FrameType.NACK, job, attempt, frame.layer, frame.part, chunk=frame.chunk)]
         return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([frame.key]))]
 
     def data_slot(self, header: Header, session: Session) -> memoryview | None:

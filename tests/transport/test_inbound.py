@@ -1,6 +1,7 @@
 """Receiver-side assembly: chunks read straight into a part's buffer, claimed until verified."""
 
 import os
+import threading
 import time
 import uuid
 
@@ -50,6 +51,53 @@ def test_a_claimed_chunk_is_pending_for_other_connections_until_verified() -> No
     view[:] = bytes(CHUNK)
     inbound.commit(0, 0, 1, CHUNK, ok=True)
     assert inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK) is Slot.DUPLICATE  # ACK it again
+
+
+def _accept_in_thread(inbound: Inbound, data: bytes) -> tuple[threading.Thread, list[Slot | None]]:
+    got: list[Slot | None] = []
+    thread = threading.Thread(
+        target=lambda: got.append(inbound.accept(0, 0, 1, 4, int(CodecId.RAW), PART, data)), daemon=True
+    )
+    thread.start()
+    return thread, got
+
+
+def test_a_resent_copy_is_stored_when_the_connection_reading_the_first_one_dies() -> None:
+    # The sender's stream broke while the receiver read chunk 1 on it; the sender resent the
+    # chunk on another stream before the receiver saw the break. That copy must be stored
+    # and acknowledged once the first claim drops: nobody else will answer for the chunk.
+    inbound = open_inbound()
+    first = inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK)
+    assert isinstance(first, memoryview)
+    data = os.urandom(CHUNK)
+    thread, got = _accept_in_thread(inbound, data)
+    time.sleep(0.1)
+    assert thread.is_alive()  # waiting for the first copy
+    inbound.commit(0, 0, 1, CHUNK, ok=False)  # its connection died mid-chunk
+    thread.join(2)
+    assert got == [None]  # stored: the receiver ACKs it
+    assert inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK) is Slot.DUPLICATE
+
+
+def test_a_resent_copy_is_a_duplicate_once_the_first_copy_is_stored() -> None:
+    inbound = open_inbound()
+    first = inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK)
+    assert isinstance(first, memoryview)
+    thread, got = _accept_in_thread(inbound, os.urandom(CHUNK))
+    time.sleep(0.1)
+    first[:] = bytes(CHUNK)
+    inbound.commit(0, 0, 1, CHUNK, ok=True)
+    thread.join(2)
+    assert got == [Slot.DUPLICATE]
+
+
+def test_a_resent_copy_stays_pending_while_the_first_is_still_read() -> None:
+    inbound = open_inbound()
+    inbound.pending_wait_s = 0.05
+    assert isinstance(inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK), memoryview)
+    started = time.monotonic()
+    assert inbound.accept(0, 0, 1, 4, int(CodecId.RAW), PART, os.urandom(CHUNK)) is Slot.PENDING  # receiver NACKs
+    assert 0.04 <= time.monotonic() - started < 1.0
 
 
 @pytest.mark.parametrize(
