@@ -248,6 +248,8 @@ class PrfaasConnector(KVConnectorBase_V1):
         )
         shipment = Shipment(spec)
         transfer = self._link.channel(p.address).submit(shipment)
+        link = self._link
+        transfer.cell.on_terminal(lambda _status: link.activity.set())  # a step then reports it, frees the blocks
         out = _Outbound(job, spec, transfer, shipment)
         with self._lock:
             self._outbound[job.req_id] = out
@@ -279,7 +281,6 @@ class PrfaasConnector(KVConnectorBase_V1):
                 k, v = gather_layer(cache, job.block_ids, job.num_tokens, k_transposed=self._k_transposed)
                 out.shipment.add_layer(index, _bytes(k), _bytes(v))
                 out.layers_added.add(index)
-            out.transfer.wait(job.params.timeout_s)  # then wake the host: a step frees the blocks
         except Exception as exc:  # the blocks must still be freed and the host told
             log.exception("request %s: shipping after the forward failed", job.req_id)
             if out is not None:
@@ -290,8 +291,6 @@ class PrfaasConnector(KVConnectorBase_V1):
             self._link.record_shipped(job.params.job_id, outcome)
             with self._lock:
                 self._send_failed.add(job.req_id)
-        finally:
-            assert self._link is not None
             self._link.activity.set()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

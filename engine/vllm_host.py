@@ -28,7 +28,7 @@ from prfaas.engine.vllm_link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm_params import LoadParams, ShipParams, parse_kv_params
 
 CONNECTOR_MODULE = "prfaas.engine.vllm_connector"
-IDLE_WAIT_S = 0.02  # longest idle wait: a layer-wise send's end is seen by polling, this often
+IDLE_WAIT_S = 0.02  # longest idle wait (the connector wakes the loop when a load or a send ends)
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ class VLLMHost:
             if self._wake is None:
                 time.sleep(0.001)
             else:
-                self._wake.wait(IDLE_WAIT_S)  # the connector wakes it; sends ending are polled
+                self._wake.wait(IDLE_WAIT_S)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -42,9 +42,9 @@ class KVLink:
         self._expected: dict[tuple[str, int], Inbound] = {}
         self._channels: dict[tuple[str, int], TcpChannel] = {}
         self._outcomes: dict[str, ShipOutcome] = {}
-        # Set when the connector's background work ends (a load, a shipment sent after the
-        # forward) and when a request arrives: the host's loop waits on it instead of
-        # stepping an engine that has nothing to run.
+        # Set when the connector's background work ends (a load, a shipment) and when a
+        # request arrives: the host's loop waits on it instead of stepping an engine that has
+        # nothing to run.
         self.activity = threading.Event()
 
     @property
