@@ -54,6 +54,7 @@ def test_a_claimed_chunk_is_pending_for_other_connections_until_verified() -> No
 
 
 def _accept_in_thread(inbound: Inbound, data: bytes) -> tuple[threading.Thread, list[Slot | None]]:
+    inbound.pending_wait_s = 30.0  # the first copy's commit, not the timeout, must end the wait
     got: list[Slot | None] = []
     thread = threading.Thread(
         target=lambda: got.append(inbound.accept(0, 0, 1, 4, int(CodecId.RAW), PART, data)), daemon=True
@@ -74,7 +75,7 @@ def test_a_resent_copy_is_stored_when_the_connection_reading_the_first_one_dies(
     time.sleep(0.1)
     assert thread.is_alive()  # waiting for the first copy
     inbound.commit(0, 0, 1, CHUNK, ok=False)  # its connection died mid-chunk
-    thread.join(2)
+    thread.join(10)
     assert got == [None]  # stored: the receiver ACKs it
     assert inbound.slot(0, 0, 1, 4, int(CodecId.RAW), PART, CHUNK) is Slot.DUPLICATE
 
@@ -87,7 +88,7 @@ def test_a_resent_copy_is_a_duplicate_once_the_first_copy_is_stored() -> None:
     time.sleep(0.1)
     first[:] = bytes(CHUNK)
     inbound.commit(0, 0, 1, CHUNK, ok=True)
-    thread.join(2)
+    thread.join(10)
     assert got == [Slot.DUPLICATE]
 
 
