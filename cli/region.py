@@ -15,6 +15,14 @@ from prfaas.protos.region_server import Agent, RegionServer
 log = logging.getLogger(__name__)
 
 
+def _prefill_options(config: RegionConfig) -> dict[str, Any]:
+    """The prefill agent's settings from the region config, whatever the engine."""
+    return {
+        "num_workers": config.workers, "queue_depth": config.queue_depth, "codec": config.codec,
+        "kv_lease_s": config.kv_lease_s, "kv_lease_bytes": config.kv_lease_bytes, "node": config.name,
+    }  # fmt: skip
+
+
 def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.RegisterRequest]:
     from prfaas.decode_region.agent import DecodeAgent
     from prfaas.engine.hf import HFEngine
@@ -30,11 +38,7 @@ def build_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.Regis
     agents: dict[str, tuple[Agent, Any]] = {}
     kv_endpoint = ""
     if config.serves_prefill:
-        prefill = PrefillAgent(
-            engine, num_workers=config.workers, queue_depth=config.queue_depth, codec=config.codec,
-            kv_lease_s=config.kv_lease_s, kv_lease_bytes=config.kv_lease_bytes, node=config.name,
-            test_layer_delay_s=config.test_layer_delay_s,
-        )  # fmt: skip
+        prefill = PrefillAgent(engine, test_layer_delay_s=config.test_layer_delay_s, **_prefill_options(config))
         agents["prfaas.v1.PrefillRegion"] = (prefill, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)
         prefill.channels.control_plane = config.control_plane_url  # WebRTC signalling
         prefill.channels.ice_servers = ice_servers(config)
@@ -81,11 +85,7 @@ def _build_vllm_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2
     agents: dict[str, tuple[Agent, Any]] = {}
     try:
         if config.serves_prefill:
-            prefill = VLLMPrefillAgent(
-                engine, num_workers=config.workers, queue_depth=config.queue_depth, codec=config.codec,
-                kv_lease_s=config.kv_lease_s, kv_lease_bytes=config.kv_lease_bytes, node=config.name,
-                ship=opts.ship,
-            )  # fmt: skip
+            prefill = VLLMPrefillAgent(engine, ship=opts.ship, **_prefill_options(config))
             agents["prfaas.v1.PrefillRegion"] = (prefill, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)
         if config.serves_decode:
             decode = VLLMDecodeAgent(

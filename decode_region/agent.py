@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple, NoReturn
 
@@ -76,6 +76,15 @@ class DecodeStart(NamedTuple):
     started: float  # time.monotonic() when the call came
     deadline: float
     res: Reservation  # claimed: decoding is set
+
+
+class GenerateStart(NamedTuple):
+    job_id: str
+    params: SamplingParams
+    started: float  # time.monotonic() when the call came
+    deadline: float
+    token_ids: list[int]
+    canceled: threading.Event  # set by Cancel or the caller going away; `_stop_local(job_id)` when done
 
 
 @dataclass(frozen=True)
@@ -380,19 +389,32 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
             metrics.TOKENS_PER_S.set(self._rate)
 
-    @streaming
-    def Generate(
-        self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[decode_pb2.TokenEvent]:
+    def _begin_generate(
+        self,
+        request: decode_pb2.GenerateRequest,
+        context: grpc.ServicerContext,
+        check: Callable[[list[int], SamplingParams], None] | None = None,
+    ) -> GenerateStart:
+        """What every Generate does first: refuse while draining, its deadline, `check`
+        (the engine's own prompt checks), then the job registered as running here."""
         started = time.monotonic()
         job_id = job_uuid(request.job_id)
         if self.draining:
             raise Unavailable("decode region is draining")
         params = sampling_from_proto(request.sampling)
         deadline = started + timeout_from(request.timeout_s, default_s=DEFAULT_TIMEOUT_S, max_s=MAX_TIMEOUT_S)
-        token_ids: Sequence[int] = list(request.token_ids)
+        token_ids = list(request.token_ids)
+        if check is not None:
+            check(token_ids, params)
         canceled = self._start_local(job_id)
         context.add_callback(canceled.set)
+        return GenerateStart(job_id, params, started, deadline, token_ids, canceled)
+
+    @streaming
+    def Generate(
+        self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.TokenEvent]:
+        job_id, params, started, deadline, token_ids, canceled = self._begin_generate(request, context)
         try:
             with self._worker(deadline):
                 result = self.engine.prefill(token_ids, params)  # InvalidPrompt -> INVALID_ARGUMENT

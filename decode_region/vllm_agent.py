@@ -34,11 +34,7 @@ from prfaas.protos.rpc import (
     Canceled,
     InvalidRequest,
     RegionError,
-    Unavailable,
-    job_uuid,
-    sampling_from_proto,
     streaming,
-    timeout_from,
 )
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -127,16 +123,9 @@ class VLLMDecodeAgent(DecodeAgent):
     def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenEvent]:
-        started = time.monotonic()
-        job_id = job_uuid(request.job_id)
-        if self.draining:
-            raise Unavailable("decode region is draining")
-        params = sampling_from_proto(request.sampling)
-        deadline = started + timeout_from(request.timeout_s, default_s=DEFAULT_TIMEOUT_S, max_s=MAX_TIMEOUT_S)
-        token_ids = list(request.token_ids)
-        self._check_prompt(token_ids, params)
-        canceled = self._start_local(job_id)
-        context.add_callback(canceled.set)
+        job_id, params, started, deadline, token_ids, canceled = self._begin_generate(
+            request, context, self._check_prompt
+        )
         tokens: Iterator[int] = iter(())
         try:
             with self._worker(deadline):
