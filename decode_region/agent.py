@@ -160,7 +160,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             self._end(res, exc)
             raise
         if request.prefill_grpc:
-            res.watch = self.watcher.watch(request.prefill_grpc, ttl_s, lambda why: self._end(res, Unavailable(why)))
+            res.watch = self.watcher.watch(request.prefill_grpc, lambda why: self._end(res, Unavailable(why)))
         self._start_assembly(res)
         self._gauges()
         return decode_pb2.ReserveReply(kv_endpoint=self.kv_endpoint, free_bytes=free, expires_in_s=ttl_s)

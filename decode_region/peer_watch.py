@@ -1,6 +1,12 @@
 """Watch a prefill region while it owes us KV: if it dies (its gRPC health stream breaks),
 the reservations waiting on it are failed with UNAVAILABLE and their buffers freed.
 
+One health `Watch` stream per prefill region, shared by every reservation that waits on it
+(not one per reservation): opening and cancelling a stream per job made the prefill region's
+health servicer churn, and is where grpcio-health-checking's non-blocking servicer can
+deadlock the whole gRPC server (see protos/region_server.py). A stream lives `STREAM_S` at
+most and is reopened while reservations still wait on it, so no wait is unbounded.
+
 A killed process closes its sockets, so the health stream breaks at once; a vanished host
 (partition, power loss) is caught by the channel's keepalive within about two heartbeat
 intervals (`keepalive_options`).
@@ -19,19 +25,79 @@ from prfaas.protos.rpc import keepalive_options
 
 log = logging.getLogger(__name__)
 PREFILL_SERVICE = "prfaas.v1.PrefillRegion"
+STREAM_S = 300.0  # one Watch call's deadline; reopened if reservations still wait on the region
 
 
 class Watch:
-    """One watch; `stop()` ends it without calling `on_lost`."""
+    """One reservation's interest in a region; `stop()` ends it without calling `on_lost`."""
 
-    def __init__(self, call: grpc.RpcContext | None) -> None:
-        self._call = call
+    def __init__(self, stream: _Stream, on_lost: Callable[[str], None]) -> None:
+        self._stream = stream
+        self.on_lost = on_lost
         self.stopped = threading.Event()
 
     def stop(self) -> None:
         self.stopped.set()
-        if self._call is not None:
-            self._call.cancel()
+        self._stream.leave(self)
+
+
+class _Stream:
+    """The health stream to one region and the watches that share it."""
+
+    def __init__(self, target: str, stub: health_pb2_grpc.HealthStub, lock: threading.Lock) -> None:
+        self.target = target
+        self.stub = stub
+        self.lock = lock  # the PeerWatcher's
+        self.watches: set[Watch] = set()
+        self.call: grpc.RpcContext | None = None
+        self.ended = False  # broken or closed: a new watch opens a new stream
+        self.closed = False
+
+    def leave(self, watch: Watch) -> None:
+        with self.lock:
+            self.watches.discard(watch)
+
+    def run(self, forget: Callable[[_Stream], None]) -> None:
+        reason = ""
+        while True:
+            with self.lock:
+                if self.closed:
+                    return
+                call = self.call = self.stub.Watch(
+                    health_pb2.HealthCheckRequest(service=PREFILL_SERVICE), timeout=STREAM_S
+                )
+            try:
+                for _reply in call:
+                    pass  # NOT_SERVING (draining) still finishes its jobs: only a broken stream counts
+                reason = "health stream ended"
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    with self.lock:
+                        if self.watches and not self.closed:
+                            continue  # still owed KV: keep watching on a fresh call
+                        self.ended = True
+                    forget(self)
+                    return
+                if exc.code() == grpc.StatusCode.CANCELLED and self.closed:
+                    return
+                reason = f"{exc.code().name}: {exc.details()}"
+            break
+        with self.lock:
+            self.ended = True
+            lost, self.watches = list(self.watches), set()
+        forget(self)
+        if lost:
+            log.warning("prefill region %s lost: %s (%d reservations waiting)", self.target, reason, len(lost))
+        for watch in lost:
+            if not watch.stopped.is_set():
+                watch.on_lost(f"prefill region {self.target} is unavailable ({reason})")
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            call = self.call
+        if call is not None:
+            call.cancel()
 
 
 class PeerWatcher:
@@ -39,39 +105,42 @@ class PeerWatcher:
         self._options = keepalive_options(heartbeat_interval_s)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._streams: dict[str, _Stream] = {}
 
-    def _channel(self, target: str) -> grpc.Channel:
+    def watch(self, target: str, on_lost: Callable[[str], None]) -> Watch:
+        """Call `on_lost(reason)` once if `target` stops answering, unless the watch was
+        stopped first. The caller's own deadline bounds how long it waits for the KV."""
         with self._lock:
-            channel = self._channels.get(target)
-            if channel is None:
-                channel = self._channels[target] = grpc.insecure_channel(target, options=self._options)
-            return channel
-
-    def watch(self, target: str, timeout_s: float, on_lost: Callable[[str], None]) -> Watch:
-        """Call `on_lost(reason)` once if `target` stops answering within `timeout_s`, unless
-        the watch was stopped first."""
-        stub = health_pb2_grpc.HealthStub(self._channel(target))
-        call = stub.Watch(health_pb2.HealthCheckRequest(service=PREFILL_SERVICE), timeout=timeout_s)
-        watch = Watch(call)
-
-        def run() -> None:
-            try:
-                for _reply in call:
-                    pass  # NOT_SERVING (draining) still finishes its jobs: only a broken stream counts
-                reason = "health stream ended"
-            except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    return  # stopped by us, or the reservation's own deadline handles it
-                reason = f"{exc.code().name}: {exc.details()}"
-            if not watch.stopped.is_set():
-                log.warning("prefill region %s lost: %s", target, reason)
-                on_lost(f"prefill region {target} is unavailable ({reason})")
-
-        threading.Thread(target=run, name="prfaas-peer-watch", daemon=True).start()
+            stream = self._streams.get(target)
+            start = stream is None or stream.ended
+            if start:
+                channel = self._channels.get(target)
+                if channel is None:
+                    channel = self._channels[target] = grpc.insecure_channel(target, options=self._options)
+                stream = self._streams[target] = _Stream(target, health_pb2_grpc.HealthStub(channel), self._lock)
+            assert stream is not None
+            watch = Watch(stream, on_lost)
+            stream.watches.add(watch)
+        if start:
+            threading.Thread(target=stream.run, args=(self._forget,), name="prfaas-peer-watch", daemon=True).start()
         return watch
+
+    def _forget(self, stream: _Stream) -> None:
+        with self._lock:
+            if self._streams.get(stream.target) is stream:
+                del self._streams[stream.target]
+
+    @property
+    def streams(self) -> int:
+        """Open health streams (one per prefill region watched)."""
+        with self._lock:
+            return len(self._streams)
 
     def close(self) -> None:
         with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
             channels, self._channels = list(self._channels.values()), {}
+        for stream in streams:
+            stream.close()
         for channel in channels:
             channel.close()

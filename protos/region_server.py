@@ -54,7 +54,12 @@ class RegionServer:
         self.server = grpc.server(
             ThreadPoolExecutor(max_rpc_threads, thread_name_prefix="prfaas-rpc"), options=SERVER_OPTIONS
         )
-        self.health = health.HealthServicer(experimental_non_blocking=True)
+        # Blocking health Watch streams (a thread of the RPC pool each; decode regions hold one
+        # per prefill region): the non-blocking servicer sends a Watch's first reply holding
+        # its lock and waits for the server's completion-queue thread, which may itself wait
+        # for that lock to run another Watch's close callback; that stalled every stream of
+        # the server (the up/down wedge; test_region_ops.py::test_health_watch_churn_...).
+        self.health = health.HealthServicer(experimental_non_blocking=False)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for agent, add in agents.values():
             add(agent, self.server)

@@ -105,7 +105,7 @@ class _Connection:
             replies: list[Frame] = []
             while True:
                 replies += self._frame(parse_header(read_exact(self.sock, HEADER_SIZE)))
-                if len(replies) >= 64 or not select.select([self.sock], [], [], 0)[0]:
+                if len(replies) >= 64 or not self._readable():
                     self._flush(replies)  # nothing more to read now: answer all at once
                     replies = []
         except FrameError as exc:
@@ -114,6 +114,12 @@ class _Connection:
             pass
         finally:
             self.close()
+
+    def _readable(self) -> bool:
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except ValueError:  # fd -1: a failed send on another thread closed the socket
+            raise ConnectionError("control socket closed") from None
 
     def _flush(self, replies: list[Frame]) -> None:
         """Send replies, the ACKs of each shipment merged into one frame, in one write."""

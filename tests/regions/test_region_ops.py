@@ -190,3 +190,48 @@ def test_generated_stubs_match_the_protos() -> None:
     result = subprocess.run([sys.executable, "-m", "prfaas.protos.generate", "--check"], capture_output=True, text=True,
                             timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_health_watch_churn_does_not_stall_the_server() -> None:
+    """Health Watch streams opened and cancelled from many threads while unary calls go on.
+    grpcio-health-checking's non-blocking servicer sends a Watch's first reply holding its
+    lock and waits for the server's completion-queue thread, which may be waiting for that
+    lock to run another Watch's close callback: the whole server stalled (the up/down wedge)."""
+    from prfaas.protos.region_server import RegionServer
+
+    server = RegionServer("127.0.0.1:0", {})
+    server.start()
+    channel = grpc.insecure_channel(server.grpc_address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            while not stop.is_set():
+                call = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                next(call)
+                call.cancel()
+        except BaseException as exc:
+            if not stop.is_set():
+                errors.append(exc)
+
+    threads = [threading.Thread(target=churn, daemon=True) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 6.0
+        checks = 0
+        while time.monotonic() < deadline and not errors:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            checks += 1
+        assert not errors, errors[0]
+        assert checks > 10
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(15)
+        channel.close()
+        server.stop(0)
+    assert not any(thread.is_alive() for thread in threads)
