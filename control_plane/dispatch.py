@@ -31,6 +31,7 @@ from prfaas.control_plane.request import Request, Slo
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prfaas.protos.rpc import replies
 from prfaas.transport.tickets import TicketSigner
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class Dispatcher:
             sampling=sampling(job), destination=destination, timeout_s=timeout_s,
         )  # fmt: skip
         try:
-            for event in prefill_stub.Prefill(request, timeout=timeout_s + 5):
+            for event in replies(prefill_stub.Prefill(request, timeout=timeout_s + 5)):
                 kind = event.WhichOneof("event")
                 if kind == "prefill_done":
                     done = event.prefill_done

@@ -17,15 +17,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prfaas.protos.rpc import keepalive_options
+from prfaas.protos.rpc import keepalive_options, replies
 
 log = logging.getLogger(__name__)
 PREFILL_SERVICE = "prfaas.v1.PrefillRegion"
-STREAM_S = 300.0  # one Watch call's deadline; reopened if reservations still wait on the region
+STREAM_S = 60.0  # one Watch call's deadline; reopened if reservations still wait on the region
+# (it also bounds a stream whose connection gRPC never notices closing: seen about once in 500
+# stops of a region while the call connects, the client's socket left in CLOSE-WAIT)
 
 
 class Watch:
@@ -49,9 +52,10 @@ class _Stream:
         self.stub = stub
         self.lock = lock  # the PeerWatcher's
         self.watches: set[Watch] = set()
-        self.call: grpc.RpcContext | None = None
+        self.call: Any = None  # the Watch call (a grpc.Call and grpc.Future)
         self.ended = False  # broken or closed: a new watch opens a new stream
         self.closed = False
+        self.answered = threading.Event()  # the region has sent its status on this stream
 
     def leave(self, watch: Watch) -> None:
         with self.lock:
@@ -67,8 +71,8 @@ class _Stream:
                     health_pb2.HealthCheckRequest(service=PREFILL_SERVICE), timeout=STREAM_S
                 )
             try:
-                for _reply in call:
-                    pass  # NOT_SERVING (draining) still finishes its jobs: only a broken stream counts
+                for _reply in replies(call):  # not `for _ in call`: that can hang on an ended call
+                    self.answered.set()  # NOT_SERVING (draining) still finishes its jobs: only a broken stream counts
                 reason = "health stream ended"
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -129,6 +133,12 @@ class PeerWatcher:
         with self._lock:
             if self._streams.get(stream.target) is stream:
                 del self._streams[stream.target]
+
+    def answered(self, target: str) -> bool:
+        """Whether the open stream to `target` has had the region's status."""
+        with self._lock:
+            stream = self._streams.get(target)
+        return stream is not None and stream.answered.is_set()
 
     @property
     def streams(self) -> int:

@@ -3,8 +3,12 @@ waiting reservation told once when it breaks, none after it stopped watching."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
+import grpc
+import pytest
 from region_kit import wait_until
 
 from prfaas.decode_region.peer_watch import PeerWatcher
@@ -29,15 +33,16 @@ def test_watches_share_one_stream_and_all_hear_of_its_loss() -> None:
     try:
         watches = {name: watcher.watch(server.grpc_address, on_lost(name)) for name in "abcd"}
         assert watcher.streams == 1
+        wait_until(lambda: watcher.answered(server.grpc_address), 20.0)
         watches["c"].stop()  # its KV arrived: no longer waiting
         server.stop(0)
-        wait_until(lambda: len(lost) == 3, 10.0)
+        wait_until(lambda: len(lost) == 3, 20.0)
         assert sorted(lost) == ["a", "b", "d"]
         assert all(f"prefill region {server.grpc_address} is unavailable" in why for why in lost.values())
         wait_until(lambda: watcher.streams == 0, 5.0)
 
         late = watcher.watch(server.grpc_address, on_lost("late"))  # a new stream to a dead region
-        wait_until(lambda: "late" in lost, 10.0)
+        wait_until(lambda: "late" in lost, 20.0)
         late.stop()
     finally:
         watcher.close()
@@ -52,10 +57,62 @@ def test_close_tells_no_one() -> None:
     try:
         watcher.watch(server.grpc_address, lost.append)
         watcher.watch(server.grpc_address, lost.append)
+        wait_until(lambda: watcher.answered(server.grpc_address), 20.0)
         watcher.close()
         server.stop(0)
         assert watcher.streams == 0
         threading.Event().wait(1.0)
         assert lost == []
     finally:
+        server.stop(0)
+
+
+def test_a_region_that_takes_the_connection_but_never_answers_is_noticed() -> None:
+    """A hung region: TCP accepted, no HTTP/2 handshake. gRPC's default connect timeout would
+    hold the watch 20 s; the watcher's channel gives up in max(2 s, two heartbeats)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    host, port = listener.getsockname()
+    watcher = PeerWatcher(0.2)
+    lost: list[str] = []
+    try:
+        start = time.monotonic()
+        watcher.watch(f"{host}:{port}", lost.append)
+        wait_until(lambda: lost, 10.0)
+        assert 1.5 < time.monotonic() - start < 10.0
+        assert "UNAVAILABLE" in lost[0]
+    finally:
+        watcher.close()
+        listener.close()
+
+
+def test_replies_of_a_stream_end_with_its_status() -> None:
+    """`rpc.replies`: every reply of a healthy stream, the call's status as an RpcError when
+    it breaks, and a cancelled call when the caller stops reading early."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from prfaas.protos.rpc import replies
+
+    server = RegionServer("127.0.0.1:0", {})
+    server.start()
+    channel = grpc.insecure_channel(server.grpc_address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        call = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        stream = replies(call)
+        assert next(stream).status == health_pb2.HealthCheckResponse.SERVING
+        server.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert next(stream).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        stream.close()  # the caller is done: the call is cancelled
+        wait_until(lambda: call.code() == grpc.StatusCode.CANCELLED, 5.0)
+
+        broken = replies(stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30))
+        assert next(broken).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        server.stop(0)
+        with pytest.raises(grpc.RpcError) as info:
+            next(broken)
+        assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    finally:
+        channel.close()
         server.stop(0)
