@@ -180,10 +180,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 CONNECT_TIMEOUT_FLOOR_MS = 2000  # a loaded host's loopback handshake must never count as a dead peer
 
 
-def replies(call: Any, grace_s: float = 2.0) -> Iterator[Any]:
+def replies(call: Any, grace_s: float = 5.0) -> Iterator[Any]:
     """A server-streaming call's replies, read on a thread of their own, so that the caller
     never waits in `next()` past the call's end: the iterator of a call that has ended can
-    wait forever (grpc/grpc#20562; seen here about once in 500 stops of a region while a
+    wait forever (grpc/grpc#20562; seen here 1-4 times in 500 stops of a region while a
     call to it connects: the call ended UNAVAILABLE and `next()` never returned). When the
     call has ended and its reader is still stuck `grace_s` later, the replies end there.
     Raises the call (a `grpc.RpcError`) if it ended with a status other than OK; closing the
