@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from prfaas.decode_region.agent import DecodeAgent, Reservation
+from prfaas.decode_region.agent import MAX_TIMEOUT_S, DecodeAgent, Reservation
 from prfaas.engine.errors import InvalidPrompt, PromptTooLong
 from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.sampling import SamplingParams
@@ -30,15 +30,7 @@ from prfaas.engine.vllm_params import LoadParams
 from prfaas.engine.vllm_remote import VLLMEngine, check_greedy
 from prfaas.engine.vllm_server import StreamStopped
 from prfaas.protos.prfaas.v1 import decode_pb2
-from prfaas.protos.rpc import (
-    Canceled,
-    InvalidRequest,
-    RegionError,
-    streaming,
-)
-
-DEFAULT_TIMEOUT_S = 300.0
-MAX_TIMEOUT_S = 3600.0
+from prfaas.protos.rpc import Canceled, InvalidRequest, RegionError, streaming
 
 
 class VLLMDecodeAgent(DecodeAgent):

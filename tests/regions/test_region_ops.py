@@ -20,6 +20,7 @@ from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import decode_pb2, registry_pb2, registry_pb2_grpc
 from prfaas.protos.region_config import ConfigError, config_from_mapping, load_config
+from prfaas.protos.region_server import RegionServer
 
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
@@ -197,8 +198,6 @@ def test_health_watch_churn_does_not_stall_the_server() -> None:
     grpcio-health-checking's non-blocking servicer sends a Watch's first reply holding its
     lock and waits for the server's completion-queue thread, which may be waiting for that
     lock to run another Watch's close callback: the whole server stalled (the up/down wedge)."""
-    from prfaas.protos.region_server import RegionServer
-
     server = RegionServer("127.0.0.1:0", {})
     server.start()
     channel = grpc.insecure_channel(server.grpc_address)
