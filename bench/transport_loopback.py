@@ -52,7 +52,7 @@ def _hasher() -> Any:
 
 
 def role_receiver() -> None:
-    from prfaas.transport.tcp_server import TcpReceiver
+    from prfaas.transport.tcp_receiver import TcpReceiver
     from prfaas.transport.tickets import TicketVerifier
 
     rx = TcpReceiver(TicketVerifier({"k": bytes.fromhex(os.environ["PRFAAS_BENCH_KEY"])}), "127.0.0.1", 0)
@@ -94,7 +94,7 @@ def load_parts(kv_path: Path | None) -> tuple[list[tuple[bytes, bytes]], tuple[i
 
 def role_sender(port: int, kv: str) -> None:
     from prfaas.transport.api import Shipment, ShipmentSpec
-    from prfaas.transport.tcp import TcpChannel
+    from prfaas.transport.tcp_sender import TcpChannel
 
     parts, shape = load_parts(Path(kv) if kv else None)
     channels: dict[str, TcpChannel] = {}

@@ -84,17 +84,17 @@ def role_receiver(system: str) -> None:
     counts = {"verified": 0, "failed": 0}
     rx: Any
     if system.startswith("tcp"):
-        from prfaas.transport.tcp_server import TcpReceiver
+        from prfaas.transport.tcp_receiver import TcpReceiver
 
         rx = TcpReceiver(verifier, os.environ.get("PRFAAS_BENCH_HOST", "127.0.0.1"), 0)
         _say({"port": rx.address[1]})
     elif system == "shm":
-        from prfaas.transport.shm import ShmReceiver
+        from prfaas.transport.shm_receiver import ShmReceiver
 
         rx = ShmReceiver(verifier, arena_bytes=512 << 20)
         _say({"path": rx.path})
     else:
-        from prfaas.transport.webrtc import WebRtcReceiver
+        from prfaas.transport.webrtc_receiver import WebRtcReceiver
 
         rx = WebRtcReceiver(verifier)
         _say({"ready": True})
@@ -155,16 +155,16 @@ def role_sender(system: str, target: dict[str, Any]) -> None:
         inproc_rx = InProcessReceiver(TicketVerifier({"k": bytes.fromhex(os.environ[KEY_ENV])}))
         channel = InProcessChannel(inproc_rx)
     elif system.startswith("tcp"):
-        from prfaas.transport.tcp import TcpChannel
+        from prfaas.transport.tcp_sender import TcpChannel
 
         streams = int(system.split("-")[1]) if "-" in system else None  # None: adaptive
         channel = TcpChannel((target["host"], target["port"]), num_streams=streams)
     elif system == "shm":
-        from prfaas.transport.shm_channel import ShmChannel
+        from prfaas.transport.shm_sender import ShmChannel
 
         channel = ShmChannel(target["path"])
     else:
-        from prfaas.transport.webrtc import WebRtcChannel
+        from prfaas.transport.webrtc_sender import WebRtcChannel
 
         channel = WebRtcChannel(signal, num_streams=int(system.split("-")[1]))
     with say_lock:

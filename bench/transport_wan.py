@@ -58,7 +58,7 @@ def _reply(value: dict[str, Any]) -> None:
 
 
 def role_receiver(host: str, buf: int) -> None:
-    from prfaas.transport.tcp_server import TcpReceiver
+    from prfaas.transport.tcp_receiver import TcpReceiver
     from prfaas.transport.tickets import TicketVerifier
 
     rx = TcpReceiver(TicketVerifier({"k": bytes.fromhex(os.environ["PRFAAS_BENCH_KEY"])}), host, 7400,
@@ -84,7 +84,7 @@ def role_sender(host: str, kv_path: str) -> None:
     import numpy as np
 
     from prfaas.transport.api import Shipment, ShipmentSpec
-    from prfaas.transport.tcp import TcpChannel
+    from prfaas.transport.tcp_sender import TcpChannel
 
     arrays = np.load(kv_path)
     num_real = len(arrays.files) // 2

@@ -2,7 +2,7 @@
 uses. A region's `kv_endpoint` lists alternatives separated by commas:
 
     10.0.0.5:7400                          TCP (the default; any host)
-    shm://<host id>/tmp/prfaas-kv-d.sock   shared memory (transport/shm.py): same host only
+    shm://<host id>/tmp/prfaas-kv-d.sock   shared memory (transport/shm_receiver.py): same host only
     webrtc://<region name>                 WebRTC data channels, signalled through the control plane
 
 `choose` takes the fastest one this process can use: shared memory when the receiver is on

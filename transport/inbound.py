@@ -101,7 +101,7 @@ POOL = BufferPool()
 
 
 class PartPool(Protocol):
-    """Where part buffers come from: `POOL` (heap), or a shared-memory arena (transport/shm.py)."""
+    """Where part buffers come from: `POOL` (heap), or a shared-memory arena (transport/shm_receiver.py)."""
 
     def get(self, size: int) -> bytearray | memoryview: ...
 
@@ -130,7 +130,7 @@ class Slot(Enum):
     ENDED = "ended"  # the shipment ended: drop it
 
 
-LayerBuffer = bytes | bytearray | memoryview  # memoryview: a part in a shared-memory arena (shm.py)
+LayerBuffer = bytes | bytearray | memoryview  # memoryview: a part in a shared-memory arena (shm_receiver.py)
 
 
 class Inbound:
@@ -313,7 +313,7 @@ class Inbound:
                 dropped += [buf for pair in self._layers.values() for buf in pair]
                 self._layers.clear()  # a failed shipment's KV must not be used, nor kept
             self._lock.notify_all()
-        if self.pool is not POOL:  # arena memory is not garbage-collected: hand it back (see shm.Arena)
+        if self.pool is not POOL:  # arena memory is not garbage-collected: hand it back (see arena.Arena)
             for buf in dropped:
                 if isinstance(buf, bytearray | memoryview):
                     self.pool.put(buf)

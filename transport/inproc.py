@@ -13,8 +13,8 @@ import threading
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.framing import Frame, FrameType, encode, json_payload, parse
 from prfaas.transport.inbound import Inbound
-from prfaas.transport.receiver import ReceiverCore, Session
-from prfaas.transport.sender import Chunk, OutboundTransfer, TransferTable
+from prfaas.transport.outbound import Chunk, OutboundTransfer, TransferTable
+from prfaas.transport.receiver_core import ReceiverCore, Session
 from prfaas.transport.tickets import TicketVerifier
 
 

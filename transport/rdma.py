@@ -5,7 +5,7 @@ error naming the package when they are missing (extras `mooncake`, `nixl`).
 The adapter is the piece a cross-host version of the shared-memory transport needs
 (docs/transports.md): the receiver registers its arena with an engine and publishes
 `info()` in HELLO_OK, a sender `connect`s to it, and instead of copying each chunk into a
-mapped arena (transport/shm.py) it `write`s the chunk to `remote base + placement offset`.
+mapped arena (transport/shm_receiver.py) it `write`s the chunk to `remote base + placement offset`.
 On this CPU-only machine both engines run over TCP (Mooncake's "tcp" protocol, UCX with
 UCX_TLS=tcp); with RDMA NICs they take `protocol="rdma"` / UCX's verbs transports and
 move the bytes without the remote CPU. This module imports nothing else of prfaas but

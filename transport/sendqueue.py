@@ -6,7 +6,7 @@ import heapq
 import threading
 import time
 
-from prfaas.transport.sender import Chunk
+from prfaas.transport.outbound import Chunk
 
 
 class SendQueue:

@@ -1,4 +1,5 @@
-"""WebRTC data channels (aiortc) for a decode region that cannot accept inbound TCP.
+"""WebRTC data channels (aiortc) for a decode region that cannot accept inbound TCP: what
+the sender (webrtc_sender.py) and the receiver (webrtc_receiver.py) share.
 
 The TCP protocol unchanged, over another byte stream: each stream of a `WebRtcChannel` is
 one RTCPeerConnection with one ordered, reliable data channel, wrapped as the blocking
@@ -26,10 +27,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from prfaas.transport.errors import TransportError
-from prfaas.transport.receiver import Connections, ReceiverCore
-from prfaas.transport.tcp import TcpChannel
-from prfaas.transport.tcp_server import _Connection
-from prfaas.transport.tickets import TicketVerifier
 
 T = TypeVar("T")
 MESSAGE_BYTES = 64 << 10  # the largest message every WebRTC stack accepts (max-message-size default)
@@ -50,7 +47,7 @@ class IceServer:
     credential: str | None = None
 
 
-def _aiortc() -> Any:
+def load_aiortc() -> Any:
     try:
         import aiortc
     except ImportError as exc:  # pragma: no cover - the extra is installed in dev and CI
@@ -58,8 +55,8 @@ def _aiortc() -> Any:
     return aiortc
 
 
-def _configuration(ice_servers: tuple[IceServer, ...]) -> Any:
-    aiortc = _aiortc()
+def rtc_configuration(ice_servers: tuple[IceServer, ...]) -> Any:
+    aiortc = load_aiortc()
     servers = [aiortc.RTCIceServer(list(s.urls), s.username, s.credential) for s in ice_servers]
     return aiortc.RTCConfiguration(iceServers=servers)  # always explicit: an empty list means host candidates only
 
@@ -216,10 +213,10 @@ class DataChannelStream:
 def dial(loop: EventLoopThread, signal: Signaller, ice_servers: tuple[IceServer, ...], timeout_s: float) -> Any:
     """Offer, signal, answer, wait for the data channel to open: a connected stream.
     Failures are OSError (ConnectionError / TimeoutError), as a TCP connect's are."""
-    aiortc = _aiortc()
+    aiortc = load_aiortc()
 
     async def offer() -> tuple[Any, Any, asyncio.Event, Description]:
-        pc = aiortc.RTCPeerConnection(configuration=_configuration(ice_servers))
+        pc = aiortc.RTCPeerConnection(configuration=rtc_configuration(ice_servers))
         channel = pc.createDataChannel("prfaas-kv", ordered=True)
         opened = asyncio.Event()
         channel.on("open", opened.set)
@@ -243,105 +240,3 @@ def dial(loop: EventLoopThread, signal: Signaller, ice_servers: tuple[IceServer,
         stream.close()
         raise
     return stream
-
-
-class WebRtcChannel(TcpChannel):
-    """`TcpChannel` over WebRTC data channels to one receiver reached through `signal`.
-    Implements `Channel`. `num_streams` peer connections (fixed: the adaptive controller
-    reads TCP_INFO, which a data channel does not have)."""
-
-    def __init__(
-        self,
-        signal: Signaller,
-        *,
-        peer: str = "webrtc",
-        num_streams: int = 1,
-        ice_servers: tuple[IceServer, ...] = (),
-        connect_timeout_s: float = 10.0,
-        unavailable_after_s: float = 15.0,
-        **kwargs: Any,
-    ) -> None:
-        self._signal = signal
-        self._ice_servers = ice_servers
-        self._rtc = EventLoopThread(f"prfaas-webrtc-{peer}")
-        super().__init__(
-            (f"webrtc:{peer}", 0), num_streams=num_streams, connect_timeout_s=connect_timeout_s,
-            unavailable_after_s=unavailable_after_s, dialer=self._dial, **kwargs,
-        )  # fmt: skip
-
-    def _dial(self, timeout_s: float) -> Any:
-        return dial(self._rtc, self._signal, self._ice_servers, timeout_s)
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        super().close(timeout_s)
-        self._rtc.close(timeout_s)
-
-
-class WebRtcReceiver:
-    """A decode region's KV endpoint over WebRTC: `answer(offer)` accepts a sender's peer
-    connection (called by whatever carries signalling); its data channels are served like
-    TCP connections."""
-
-    def __init__(
-        self,
-        verifier: TicketVerifier,
-        *,
-        node: str = "receiver",
-        ice_servers: tuple[IceServer, ...] = (),
-        reap_interval_s: float = 0.05,
-    ) -> None:
-        self.core = ReceiverCore(verifier, node)
-        self._ice_servers = ice_servers
-        self._rtc = EventLoopThread(f"prfaas-webrtc-rx-{node}")
-        self._connections: Connections[_Connection] = Connections(self.core, reap_interval_s, "prfaas-webrtc-reaper")
-
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Any:
-        return self.core.expect(job_id, attempt, timeout_s)
-
-    def answer(self, offer: Description, timeout_s: float = 10.0) -> Description:
-        """The SDP answer to a sender's offer. ValueError for a malformed offer."""
-        if not isinstance(offer, dict) or offer.get("type") != "offer" or not isinstance(offer.get("sdp"), str):
-            raise ValueError('an offer is {"type": "offer", "sdp": "..."}')
-        if self._connections.closed.is_set():
-            raise TransportError("receiver is closed")
-        aiortc = _aiortc()
-
-        async def run() -> Description:
-            pc = aiortc.RTCPeerConnection(configuration=_configuration(self._ice_servers))
-            pc.on("datachannel", lambda channel: self._accept(pc, channel))
-            await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=offer["sdp"], type="offer"))
-            await pc.setLocalDescription(await pc.createAnswer())
-            return {"type": pc.localDescription.type, "sdp": pc.localDescription.sdp}
-
-        try:
-            return self._rtc.run(run(), timeout_s)
-        except (ValueError, AttributeError) as exc:  # aiortc's SDP parser
-            raise ValueError(f"bad SDP offer: {exc}") from None
-
-    def _accept(self, pc: Any, channel: Any) -> None:
-        stream = DataChannelStream(self._rtc, pc, channel)
-        connection = _Connection(stream, self.core)  # type: ignore[arg-type]  # socket-like
-        if not self._connections.add(connection):
-            stream.close()
-            return
-        connection.thread.start()
-
-    @property
-    def num_connections(self) -> int:
-        return self._connections.live
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self.core.cancel_all("receiver shutting down")
-        connections = self._connections.closing()
-        for connection in connections:
-            connection.raw.close()  # its data channel (a finished connection closed its own)
-        for connection in connections:
-            connection.thread.join(timeout_s)
-        self._connections.reaper.join(timeout_s)
-        self._rtc.close(timeout_s)
-
-    def __enter__(self) -> WebRtcReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -16,19 +16,19 @@ def main() -> None:
     kind, key, job_id = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3]
     verifier = TicketVerifier({"k1": key})
     if kind == "tcp":
-        from prfaas.transport.tcp_server import TcpReceiver
+        from prfaas.transport.tcp_receiver import TcpReceiver
 
         rx = TcpReceiver(verifier)
         rx.expect(job_id, 1, timeout_s=60)
         print(json.dumps({"port": rx.address[1]}), flush=True)
     elif kind == "shm":
-        from prfaas.transport.shm import ShmReceiver
+        from prfaas.transport.shm_receiver import ShmReceiver
 
         shm = ShmReceiver(verifier, arena_bytes=64 << 20)
         shm.expect(job_id, 1, timeout_s=60)
         print(json.dumps({"path": shm.path}), flush=True)
     elif kind == "webrtc":
-        from prfaas.transport.webrtc import WebRtcReceiver
+        from prfaas.transport.webrtc_receiver import WebRtcReceiver
 
         rtc = WebRtcReceiver(verifier)
         rtc.expect(job_id, 1, timeout_s=60)

@@ -50,14 +50,14 @@ def _connector(kind: str, receiver: Any) -> Callable[..., Any]:
 
         return lambda **_: InProcessChannel(receiver)
     if kind == "shm":
-        from prfaas.transport.shm_channel import ShmChannel
+        from prfaas.transport.shm_sender import ShmChannel
 
         return lambda **kw: ShmChannel(receiver.path, **kw)
     if kind == "tcp":
-        from prfaas.transport.tcp import TcpChannel
+        from prfaas.transport.tcp_sender import TcpChannel
 
         return lambda **kw: TcpChannel(receiver.address, **{"num_streams": 2, **kw})
-    from prfaas.transport.webrtc import WebRtcChannel
+    from prfaas.transport.webrtc_sender import WebRtcChannel
 
     return lambda **kw: WebRtcChannel(lambda offer, timeout_s: receiver.answer(offer, timeout_s), **kw)
 
@@ -69,17 +69,17 @@ def _receiver(kind: str, kit: Kit) -> Iterator[Any]:
 
         yield InProcessReceiver(kit.verifier)
     elif kind == "shm":
-        from prfaas.transport.shm import ShmReceiver
+        from prfaas.transport.shm_receiver import ShmReceiver
 
         with ShmReceiver(kit.verifier, arena_bytes=32 << 20) as shm:
             yield shm
     elif kind == "tcp":
-        from prfaas.transport.tcp_server import TcpReceiver
+        from prfaas.transport.tcp_receiver import TcpReceiver
 
         with TcpReceiver(kit.verifier) as tcp:
             yield tcp
     else:
-        from prfaas.transport.webrtc import WebRtcReceiver
+        from prfaas.transport.webrtc_receiver import WebRtcReceiver
 
         with WebRtcReceiver(kit.verifier) as rtc:
             yield rtc
@@ -256,16 +256,16 @@ def _peer_channel(pair: Pair, spec: ShipmentSpec) -> tuple[subprocess.Popen[str]
     assert peer.stdout is not None and peer.stdin is not None
     endpoint = json.loads(peer.stdout.readline())
     if pair.kind == "tcp":
-        from prfaas.transport.tcp import TcpChannel
+        from prfaas.transport.tcp_sender import TcpChannel
 
         return peer, TcpChannel(
             ("127.0.0.1", endpoint["port"]), num_streams=2, unavailable_after_s=1.0, connect_timeout_s=0.5
         )
     if pair.kind == "shm":
-        from prfaas.transport.shm_channel import ShmChannel
+        from prfaas.transport.shm_sender import ShmChannel
 
         return peer, ShmChannel(endpoint["path"])
-    from prfaas.transport.webrtc import WebRtcChannel
+    from prfaas.transport.webrtc_sender import WebRtcChannel
 
     lock = threading.Lock()
 

@@ -76,7 +76,7 @@ def test_a_late_open_or_chunk_of_a_delivered_shipment_is_answered_done_not_error
     duplicate chunk an ACK. (Found by a stress run: 12 of 750 concurrent shipments FAILED with
     UNKNOWN_SHIPMENT when the ERROR on the late stream beat the DONE on the others.)"""
     from prfaas.transport.framing import Frame, FrameType, encode, json_payload, parse
-    from prfaas.transport.receiver import Session
+    from prfaas.transport.receiver_core import Session
 
     receiver = InProcessReceiver(kit.verifier)
     spec = kit.spec(num_layers=2)

@@ -19,10 +19,10 @@ from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.arena import PAGE, Arena
 from prfaas.transport.endpoints import choose, host_id, parse_endpoint, parse_endpoints
 from prfaas.transport.errors import PeerUnavailable
-from prfaas.transport.shm import ShmReceiver
-from prfaas.transport.shm_channel import ShmChannel
-from prfaas.transport.tcp import TcpChannel
-from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.shm_receiver import ShmReceiver
+from prfaas.transport.shm_sender import ShmChannel
+from prfaas.transport.tcp_receiver import TcpReceiver
+from prfaas.transport.tcp_sender import TcpChannel
 
 PEER = Path(__file__).with_name("conformance_peer.py")
 

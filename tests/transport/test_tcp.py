@@ -20,9 +20,9 @@ from prfaas.transport import sockets
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferTimeout
 from prfaas.transport.framing import HEADER_SIZE, FrameType, parse_header, read_exact
-from prfaas.transport.sender import encoder_pool
-from prfaas.transport.tcp import TcpChannel
-from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.outbound import encoder_pool
+from prfaas.transport.tcp_receiver import TcpReceiver
+from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tickets import TicketSigner
 
 PEER = Path(__file__).with_name("conformance_peer.py")
@@ -204,7 +204,7 @@ def test_shipment_without_reservation_is_refused(kit: Kit, receiver: TcpReceiver
 
 RECEIVER_PROCESS = """
 import sys, time
-from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tickets import TicketVerifier
 rx = TcpReceiver(TicketVerifier({"k1": bytes.fromhex(sys.argv[1])}))
 rx.expect(sys.argv[2], 1, timeout_s=60)

@@ -16,8 +16,8 @@ from transport_kit import Kit, fill, layers_for
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable
 from prfaas.transport.framing import Frame, FrameType, encode, json_payload
-from prfaas.transport.tcp import TcpChannel
-from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.tcp_receiver import TcpReceiver
+from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tls import NodeCert, client_context, init_certs, server_context
 
 

@@ -25,7 +25,7 @@ from prfaas.transport.adaptive import PathSample, StreamController
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import FrameError, PeerUnavailable
 from prfaas.transport.framing import Frame, FrameType, encode, json_payload, read_frame
-from prfaas.transport.sender import OutboundTransfer, TransferTable, encoder_pool
+from prfaas.transport.outbound import OutboundTransfer, TransferTable, encoder_pool
 from prfaas.transport.sendqueue import SendQueue
 from prfaas.transport.tls import TlsSocket
 
@@ -49,7 +49,7 @@ class _Stream:
 
     def _connect(self) -> socket.socket | TlsSocket:
         ch = self.channel
-        if ch.dialer is not None:  # another byte stream under the same protocol (transport/webrtc.py)
+        if ch.dialer is not None:  # another byte stream under the same protocol (transport/webrtc_sender.py)
             return self._hello(ch.dialer(ch.connect_timeout_s))
         sock = socket.create_connection(ch.address, timeout=ch.connect_timeout_s)
         sockets.configure(sock, ch.sock_buf_bytes)

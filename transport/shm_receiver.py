@@ -1,4 +1,4 @@
-"""The same-host transport: KV written once into the receiver's shared memory.
+"""The shared-memory receiver: the same-host transport, KV written once into its memory.
 
 A decode process and a prefill process on one host (one region's node) do not need TCP:
 the receiver owns an **arena**, a memfd mapped into both processes (handed to each sender
@@ -56,7 +56,7 @@ from prfaas.transport.framing import (
     to_frame,
 )
 from prfaas.transport.inbound import Inbound, OpenInfo
-from prfaas.transport.receiver import Connections, ReceiverCore, Session
+from prfaas.transport.receiver_core import Connections, ReceiverCore, Session
 from prfaas.transport.tickets import TicketVerifier
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """The receiving half of the wire protocol, independent of how frames travel.
 
 `ReceiverCore.handle(frame, ok, session)` applies docs/wire-format.md's receiver rules
-and returns the frames to send back on that session. The TCP server and the in-process
-channel both drive it, so both enforce the same tickets, budgets and checksums.
+and returns the frames to send back on that session. Every receiver (TCP, shared memory,
+WebRTC, in-process) drives it, so all enforce the same tickets, budgets and checksums.
 """
 
 from __future__ import annotations

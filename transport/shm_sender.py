@@ -1,4 +1,4 @@
-"""`ShmChannel`: the sending end of the same-host transport (transport/shm.py).
+"""`ShmChannel`: the sending end of the same-host transport (transport/shm_receiver.py).
 
 One Unix control socket to the receiver, the receiver's arena mapped here. Chunks of a
 placed shipment (raw codec, room in the arena) are copied from the producer's buffers
@@ -38,8 +38,8 @@ from prfaas.transport.framing import (
     read_frame,
     to_frame,
 )
-from prfaas.transport.sender import Chunk, OutboundTransfer, TransferTable, encoder_pool
-from prfaas.transport.shm import Placement, map_arena
+from prfaas.transport.outbound import Chunk, OutboundTransfer, TransferTable, encoder_pool
+from prfaas.transport.shm_receiver import Placement, map_arena
 
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]

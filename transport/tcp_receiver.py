@@ -28,7 +28,7 @@ from prfaas.transport.framing import (
     to_frame,
 )
 from prfaas.transport.inbound import Inbound, PartPool
-from prfaas.transport.receiver import Connections, ReceiverCore, Session
+from prfaas.transport.receiver_core import Connections, ReceiverCore, Session
 from prfaas.transport.tickets import TicketVerifier
 from prfaas.transport.tls import TlsSocket
 

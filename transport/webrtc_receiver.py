@@ -1,0 +1,93 @@
+"""The WebRTC receiver: a decode region's KV endpoint for senders that cannot reach it by TCP.
+
+`answer(offer)` accepts a sender's peer connection; each data channel it opens is served by
+the TCP receiver's connection loop (transport/tcp_receiver.py), so the receiver rules are
+TCP's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prfaas.transport.errors import TransportError
+from prfaas.transport.receiver_core import Connections, ReceiverCore
+from prfaas.transport.tcp_receiver import _Connection
+from prfaas.transport.tickets import TicketVerifier
+from prfaas.transport.webrtc import (
+    DataChannelStream,
+    Description,
+    EventLoopThread,
+    IceServer,
+    load_aiortc,
+    rtc_configuration,
+)
+
+
+class WebRtcReceiver:
+    """A decode region's KV endpoint over WebRTC: `answer(offer)` accepts a sender's peer
+    connection (called by whatever carries signalling); its data channels are served like
+    TCP connections."""
+
+    def __init__(
+        self,
+        verifier: TicketVerifier,
+        *,
+        node: str = "receiver",
+        ice_servers: tuple[IceServer, ...] = (),
+        reap_interval_s: float = 0.05,
+    ) -> None:
+        self.core = ReceiverCore(verifier, node)
+        self._ice_servers = ice_servers
+        self._rtc = EventLoopThread(f"prfaas-webrtc-rx-{node}")
+        self._connections: Connections[_Connection] = Connections(self.core, reap_interval_s, "prfaas-webrtc-reaper")
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Any:
+        return self.core.expect(job_id, attempt, timeout_s)
+
+    def answer(self, offer: Description, timeout_s: float = 10.0) -> Description:
+        """The SDP answer to a sender's offer. ValueError for a malformed offer."""
+        if not isinstance(offer, dict) or offer.get("type") != "offer" or not isinstance(offer.get("sdp"), str):
+            raise ValueError('an offer is {"type": "offer", "sdp": "..."}')
+        if self._connections.closed.is_set():
+            raise TransportError("receiver is closed")
+        aiortc = load_aiortc()
+
+        async def run() -> Description:
+            pc = aiortc.RTCPeerConnection(configuration=rtc_configuration(self._ice_servers))
+            pc.on("datachannel", lambda channel: self._accept(pc, channel))
+            await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=offer["sdp"], type="offer"))
+            await pc.setLocalDescription(await pc.createAnswer())
+            return {"type": pc.localDescription.type, "sdp": pc.localDescription.sdp}
+
+        try:
+            return self._rtc.run(run(), timeout_s)
+        except (ValueError, AttributeError) as exc:  # aiortc's SDP parser
+            raise ValueError(f"bad SDP offer: {exc}") from None
+
+    def _accept(self, pc: Any, channel: Any) -> None:
+        stream = DataChannelStream(self._rtc, pc, channel)
+        connection = _Connection(stream, self.core)  # type: ignore[arg-type]  # socket-like
+        if not self._connections.add(connection):
+            stream.close()
+            return
+        connection.thread.start()
+
+    @property
+    def num_connections(self) -> int:
+        return self._connections.live
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.core.cancel_all("receiver shutting down")
+        connections = self._connections.closing()
+        for connection in connections:
+            connection.raw.close()  # its data channel (a finished connection closed its own)
+        for connection in connections:
+            connection.thread.join(timeout_s)
+        self._connections.reaper.join(timeout_s)
+        self._rtc.close(timeout_s)
+
+    def __enter__(self) -> WebRtcReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
