@@ -18,7 +18,7 @@ import redis
 import yaml
 
 from prfaas.cli.launch import RegionProcess, api_argv, free_port, http_ok, spawn_region, wait_until, worker_argv
-from prfaas.control_plane.policy import DEFAULT_POLICY_YAML
+from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
 
 __all__ = ["ADMIN", "ADMIN_KEY", "REDIS_URL", "TICKET_KEY", "RegionProcess", "Stack", "free_port", "spawn_region",
            "wait_until"]  # fmt: skip

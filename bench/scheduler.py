@@ -3,7 +3,7 @@
     .venv/bin/python bench/scheduler.py [--regions 10 100 1000] [--workers 1000] [--json PATH]
 
 For each region count: a synthetic snapshot with `--workers` GPU workers in total
-(control_plane/synthetic.py: seeded, so every run sees the same fleets and requests), then
+(sim/synthetic.py: seeded, so every run sees the same fleets and requests), then
 `--requests` decisions with the built-in policy after a warm-up tenth; prints and records
 P50 / P99 of one `GlobalScheduler.decide` call (rejections included: they are decisions).
 """
@@ -15,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from prfaas.control_plane.policy import build_scheduler
-from prfaas.control_plane.synthetic import latency_rows
+from prfaas.control_plane.scheduling import build_scheduler
+from prfaas.sim.synthetic import latency_rows
 
 
 def main(argv: list[str] | None = None) -> int:

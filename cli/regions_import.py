@@ -18,7 +18,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prfaas.control_plane.snapshot import Link
+from prfaas.control_plane.scheduling.snapshot import Link
 
 
 class OutputsError(ValueError):

@@ -41,7 +41,7 @@ from prfaas.cli.launch import (
 from prfaas.cli.topology import Topology
 from prfaas.cli.up_state import UpError, UpState, read_state, state_path, stop_state, write_state
 from prfaas.cli.wan import LoopbackNetwork, Network, WanMesh
-from prfaas.control_plane.policy import DEFAULT_POLICY_YAML
+from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
 
 START_TIMEOUT_S = 180.0
 

@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from prfaas.control_plane.deps import AdminDep, ServicesDep
 from prfaas.control_plane.region_registry import RegionNotFound, RegionRecord
+from prfaas.control_plane.scheduling.snapshot import Link
 from prfaas.control_plane.schemas import (
     ApiKeyIssued,
     ApiKeyPublic,
@@ -17,7 +18,6 @@ from prfaas.control_plane.schemas import (
     TenantUpdate,
 )
 from prfaas.control_plane.services import Services
-from prfaas.control_plane.snapshot import Link
 from prfaas.control_plane.tenants import ApiKey, KeyNotFound, Tenant, TenantNotFound, TenantStatus
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminDep])

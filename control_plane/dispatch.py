@@ -23,15 +23,15 @@ from typing import Any
 
 import grpc
 
-from prfaas.control_plane.decision import Decision, Mode, decision_dict
-from prfaas.control_plane.errors import PlacementRejected
 from prfaas.control_plane.jobs import TERMINAL, IllegalTransition, JobNotFound, JobState, StaleAttempt
 from prfaas.control_plane.region_registry import RegionRecord
-from prfaas.control_plane.request import Request, Slo
+from prfaas.control_plane.scheduling.decision import Decision, Mode, decision_dict
+from prfaas.control_plane.scheduling.errors import PlacementRejected
+from prfaas.control_plane.scheduling.request import Request, Slo
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from prfaas.protos.rpc import replies
+from prfaas.region.channels import replies
 from prfaas.transport.tickets import TicketSigner
 
 log = logging.getLogger(__name__)

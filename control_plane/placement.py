@@ -15,13 +15,13 @@ import threading
 import time
 from collections.abc import Mapping
 
-from prfaas.control_plane.decision import Mode
 from prfaas.control_plane.dispatch import job_request, placed_fields
-from prfaas.control_plane.errors import PlacementRejected
 from prfaas.control_plane.jobs import HandedOff, JobState
 from prfaas.control_plane.region_registry import RegionRecord
+from prfaas.control_plane.scheduling.decision import Mode
+from prfaas.control_plane.scheduling.errors import PlacementRejected
+from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot
 from prfaas.control_plane.services import Services
-from prfaas.control_plane.snapshot import ClusterSnapshot
 
 
 class AdmissionPlacer:

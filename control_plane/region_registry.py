@@ -22,10 +22,10 @@ import grpc
 import redis
 
 from prfaas.control_plane.prices import PriceBook, price_book
+from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.control_plane.settings import Settings
-from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
-from prfaas.protos.rpc import SERVER_OPTIONS
+from prfaas.region.channels import SERVER_OPTIONS
 
 FALLBACK_PREFILL_TPS = 2000.0  # tokens/s assumed until a region measures its own
 FALLBACK_DECODE_TPS = 50.0

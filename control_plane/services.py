@@ -13,11 +13,11 @@ from typing import Any
 import redis
 
 from prfaas.control_plane.jobs import JobStore
-from prfaas.control_plane.policy import build_scheduler, default_policy, load_policy
 from prfaas.control_plane.region_registry import RegionRegistry
-from prfaas.control_plane.scheduler import DisaggregationRule, GlobalScheduler
+from prfaas.control_plane.scheduling.policy import build_scheduler, default_policy, load_policy
+from prfaas.control_plane.scheduling.scheduler import DisaggregationRule, GlobalScheduler
+from prfaas.control_plane.scheduling.snapshot import ModelShape
 from prfaas.control_plane.settings import Settings
-from prfaas.control_plane.snapshot import ModelShape
 from prfaas.control_plane.tenants import TenantStore
 
 DTYPE_BYTES = 4  # regions serve float32 here (region config `dtype` default)

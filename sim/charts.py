@@ -48,11 +48,7 @@ def policy_chart(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Pa
         axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plan_chart(points: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") -> Path:
@@ -71,6 +67,10 @@ def plan_chart(points: Sequence[Mapping[str, Any]], path: str | Path, title: str
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title, fontsize=10)
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)

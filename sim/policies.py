@@ -22,11 +22,16 @@ from typing import Any, ClassVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from prfaas.control_plane.errors import RejectReason
-from prfaas.control_plane.plugins import Candidate, Context
-from prfaas.control_plane.policy import DEFAULT_POLICY_YAML, PolicyConfig, build_scheduler, policy_from_mapping
-from prfaas.control_plane.registry import PluginRegistry, default_registry
-from prfaas.control_plane.scheduler import GlobalScheduler
+from prfaas.control_plane.scheduling.errors import RejectReason
+from prfaas.control_plane.scheduling.plugin_registry import PluginRegistry, default_registry
+from prfaas.control_plane.scheduling.plugins import Candidate, Context
+from prfaas.control_plane.scheduling.policy import (
+    DEFAULT_POLICY_YAML,
+    PolicyConfig,
+    build_scheduler,
+    policy_from_mapping,
+)
+from prfaas.control_plane.scheduling.scheduler import GlobalScheduler
 from prfaas.sim.fleet import FleetSpec
 
 

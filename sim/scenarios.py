@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from prfaas.control_plane.request import Slo
+from prfaas.control_plane.scheduling.request import Slo
 from prfaas.sim.fleet import FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.profiles import PRFAAS_PROFILES
 from prfaas.sim.workload import Workload, chat_workload, prfaas_paper_workload
@@ -79,23 +79,12 @@ def case_study() -> Scenario:
 
 def small() -> Scenario:
     """A two-region dense-8B fleet on a chat mix: seconds to run, used by the tests."""
-    fleet = FleetSpec(
-        model="dense-8b",
-        regions=(
-            RegionSpec("cheap", "L40S", num_prefill_workers=4, gpus_per_worker=1),
-            RegionSpec("pd", "H100", num_prefill_workers=1, num_decode_workers=2, gpus_per_worker=1),
-        ),
-        links=(LinkSpec("cheap", "pd", bandwidth_gbps=25.0, rtt_ms=20.0, egress_usd_per_gb=0.02),),
-    )
-    return Scenario(
-        "small",
-        "L40S prefill + H100 PD, dense-8b, chat",
-        fleet,
-        chat_workload(),
-        Slo(ttft_ms=2_000, tpot_ms=60),
-        200,
-        2.0,
-    )
+    cheap = RegionSpec("cheap", "L40S", num_prefill_workers=4, gpus_per_worker=1)
+    pd = RegionSpec("pd", "H100", num_prefill_workers=1, num_decode_workers=2, gpus_per_worker=1)
+    link = LinkSpec("cheap", "pd", bandwidth_gbps=25.0, rtt_ms=20.0, egress_usd_per_gb=0.02)
+    fleet = FleetSpec(model="dense-8b", regions=(cheap, pd), links=(link,))
+    slo = Slo(ttft_ms=2_000, tpot_ms=60)
+    return Scenario("small", "L40S prefill + H100 PD, dense-8b, chat", fleet, chat_workload(), slo, 200, 2.0)
 
 
 SCENARIOS = {"prfaas-case-study": case_study, "small": small}

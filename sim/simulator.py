@@ -20,11 +20,11 @@ from enum import StrEnum
 
 import simpy
 
-from prfaas.control_plane.decision import Mode
-from prfaas.control_plane.errors import PlacementRejected
-from prfaas.control_plane.request import Request, Slo
-from prfaas.control_plane.scheduler import GlobalScheduler
-from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
+from prfaas.control_plane.scheduling.decision import Mode
+from prfaas.control_plane.scheduling.errors import PlacementRejected
+from prfaas.control_plane.scheduling.request import Request, Slo
+from prfaas.control_plane.scheduling.scheduler import GlobalScheduler
+from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.sim.decode import DecodePool, DecodeResult
 from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.hardware import WorkerTimings

@@ -195,7 +195,7 @@ def test_scheduler_snapshot_reads_the_prices(
     registry.prices.local_ttl_s = 0.0
     feed = PriceFeed(PriceSettings(aws_endpoint_url=moto, pricing_endpoint_url=pricelist))
     registry.prices.refresh(feed)
-    from prfaas.control_plane.snapshot import ModelShape
+    from prfaas.control_plane.scheduling.snapshot import ModelShape
 
     snap = {r.name: r for r in registry.snapshot(ModelShape(name="m", num_layers=2, kv_bytes_per_token=64)).regions}
     assert snap["prefill-a"].usd_per_gpu_hour == pytest.approx(32.7726 / 8)  # live on-demand, not the 9.0 registered

@@ -13,9 +13,9 @@ import redis
 from cp_kit import settings_fixture
 
 from prfaas.control_plane.region_registry import RegionRegistry, serve_registry
-from prfaas.control_plane.snapshot import Link, ModelShape
+from prfaas.control_plane.scheduling.snapshot import Link, ModelShape
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
-from prfaas.protos.registry_client import Heartbeater
+from prfaas.region.registry_client import Heartbeater
 
 INTERVAL_S = 0.2
 MODEL = ModelShape(name="tiny-llama", num_layers=4, kv_bytes_per_token=1024)

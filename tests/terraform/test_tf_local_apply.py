@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from tf_kit import NETNS, copy_tree, have_terraform, in_netns, kill_all, netns_pids
 
-from prfaas.control_plane.policy import DEFAULT_POLICY_YAML
+from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams

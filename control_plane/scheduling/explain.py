@@ -1,8 +1,8 @@
 """`sched explain`: why was this request placed there?
 
-    python -m prfaas.control_plane.explain --snapshot snap.json --request req.json [--config policy.yaml]
-    python -m prfaas.control_plane.explain --schema snapshot|request|policy
-    python -m prfaas.control_plane.explain --default-policy
+    python -m prfaas.control_plane.scheduling.explain --snapshot snap.json --request req.json [--config policy.yaml]
+    python -m prfaas.control_plane.scheduling.explain --schema snapshot|request|policy
+    python -m prfaas.control_plane.scheduling.explain --default-policy
 
 Prints the `Decision` as JSON (exit 0), or `{"rejected": {...}}` with the reason and the trace
 (exit 3); bad input prints one line naming the field to stderr (exit 2). `explain_json` is the
@@ -21,12 +21,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from prfaas.control_plane.decision import decision_dict, explanation_dict
-from prfaas.control_plane.errors import InvalidSchedulerInput, PlacementRejected, SchedulerError
-from prfaas.control_plane.policy import DEFAULT_POLICY_YAML, PolicyConfig, build_scheduler, parse_policy
-from prfaas.control_plane.registry import validation_message
-from prfaas.control_plane.request import Request
-from prfaas.control_plane.snapshot import ClusterSnapshot
+from prfaas.control_plane.scheduling.decision import decision_dict, explanation_dict
+from prfaas.control_plane.scheduling.errors import InvalidSchedulerInput, PlacementRejected, SchedulerError
+from prfaas.control_plane.scheduling.plugin_registry import validation_message
+from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML, PolicyConfig, build_scheduler, parse_policy
+from prfaas.control_plane.scheduling.request import Request
+from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot
 
 EXIT_REJECTED = 3
 EXIT_BAD_INPUT = 2

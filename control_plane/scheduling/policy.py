@@ -15,10 +15,16 @@ from typing import Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from prfaas.control_plane.costmodel import CodecOption, CostModel
-from prfaas.control_plane.errors import PolicyConfigError
-from prfaas.control_plane.registry import PluginRegistry, default_registry, validation_message
-from prfaas.control_plane.scheduler import DisaggregationRule, GlobalScheduler, NamedFilter, Profile, WeightedScorer
+from prfaas.control_plane.scheduling.costmodel import CodecOption, CostModel
+from prfaas.control_plane.scheduling.errors import PolicyConfigError
+from prfaas.control_plane.scheduling.plugin_registry import PluginRegistry, default_registry, validation_message
+from prfaas.control_plane.scheduling.scheduler import (
+    DisaggregationRule,
+    GlobalScheduler,
+    NamedFilter,
+    Profile,
+    WeightedScorer,
+)
 
 DEFAULT_POLICY_YAML = """\
 # prfaas scheduler policy, version 1. Every key: docs/scheduler.md.

@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prfaas.control_plane.request import Priority, Request
-from prfaas.control_plane.snapshot import Link, ModelShape, Region
+from prfaas.control_plane.scheduling.request import Priority, Request
+from prfaas.control_plane.scheduling.snapshot import Link, ModelShape, Region
 
 _S_PER_HOUR = 3600.0
 _BYTES_PER_GB = 1e9

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prfaas.control_plane.request import Request, Slo
-from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
+from prfaas.control_plane.scheduling.request import Request, Slo
+from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 
 MODEL = ModelShape(name="hybrid-test", num_layers=60, kv_bytes_per_token=16_384)
 GiB = 2**30

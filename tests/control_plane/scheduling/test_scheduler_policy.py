@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 from sched_kit import fleet, request
 
-from prfaas.control_plane import (
+from prfaas.control_plane.scheduling import (
     DEFAULT_POLICY_YAML,
     ClusterSnapshot,
     Context,
@@ -28,12 +28,12 @@ from prfaas.control_plane import (
     parse_policy,
     policy_from_mapping,
 )
-from prfaas.control_plane.costmodel import CodecOption
-from prfaas.control_plane.filters import CapacityFilter, HealthFilter, ResidencyFilter, SloFilter
-from prfaas.control_plane.plugins import Candidate
-from prfaas.control_plane.policy import load_policy
-from prfaas.control_plane.scheduler import PluginContractError
-from prfaas.control_plane.scorers import PriceScorer
+from prfaas.control_plane.scheduling.costmodel import CodecOption
+from prfaas.control_plane.scheduling.filters import CapacityFilter, HealthFilter, ResidencyFilter, SloFilter
+from prfaas.control_plane.scheduling.plugins import Candidate
+from prfaas.control_plane.scheduling.policy import load_policy
+from prfaas.control_plane.scheduling.scheduler import PluginContractError
+from prfaas.control_plane.scheduling.scorers import PriceScorer
 
 
 def _policy(**changes: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from sched_kit import fleet, request
 
-from prfaas.control_plane import (
+from prfaas.control_plane.scheduling import (
     DEFAULT_POLICY_YAML,
     ClusterSnapshot,
     Cost,
@@ -27,8 +27,8 @@ from prfaas.control_plane import (
     StageTrace,
     default_registry,
 )
-from prfaas.control_plane.explain import EXIT_BAD_INPUT, EXIT_REJECTED, explain_json, main
-from prfaas.control_plane.policy import (
+from prfaas.control_plane.scheduling.explain import EXIT_BAD_INPUT, EXIT_REJECTED, explain_json, main
+from prfaas.control_plane.scheduling.policy import (
     CodecSpec,
     DisaggregationSpec,
     FilterSpec,
@@ -38,7 +38,7 @@ from prfaas.control_plane.policy import (
     TransferSpec,
 )
 
-DOC = (Path(__file__).resolve().parents[2] / "docs" / "scheduler.md").read_text(encoding="utf-8")
+DOC = (Path(__file__).resolve().parents[3] / "docs" / "scheduler.md").read_text(encoding="utf-8")
 
 
 def _block(tag: str) -> str:
@@ -122,7 +122,9 @@ def test_explain_prints_schemas_and_the_default_policy(capsys: pytest.CaptureFix
     assert capsys.readouterr().out == DEFAULT_POLICY_YAML
 
 
-@pytest.mark.parametrize("command", [["prfaas.cli.main", "sched", "explain"], ["prfaas.control_plane.explain"]])
+@pytest.mark.parametrize(
+    "command", [["prfaas.cli.main", "sched", "explain"], ["prfaas.control_plane.scheduling.explain"]]
+)
 def test_prfaas_sched_explain_runs_as_a_command(tmp_path: Path, command: list[str]) -> None:
     def run(req: Request) -> subprocess.CompletedProcess[str]:
         args = [sys.executable, "-m", *command, *_write(tmp_path, fleet(), req)]

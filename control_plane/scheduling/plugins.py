@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Protocol
 
-from prfaas.control_plane.costmodel import CostModel, Estimate
-from prfaas.control_plane.errors import RejectReason
-from prfaas.control_plane.request import Request
-from prfaas.control_plane.snapshot import ClusterSnapshot, Link, Region
+from prfaas.control_plane.scheduling.costmodel import CostModel, Estimate
+from prfaas.control_plane.scheduling.errors import RejectReason
+from prfaas.control_plane.scheduling.request import Request
+from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, Region
 
 
 class Stage(StrEnum):

@@ -8,8 +8,8 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prfaas.control_plane.errors import RejectReason
-from prfaas.control_plane.plugins import Candidate, Context, Stage
+from prfaas.control_plane.scheduling.errors import RejectReason
+from prfaas.control_plane.scheduling.plugins import Candidate, Context, Stage
 
 
 class _Plugin(BaseModel):

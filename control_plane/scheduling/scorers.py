@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prfaas.control_plane.plugins import Candidate, Context, Stage
+from prfaas.control_plane.scheduling.plugins import Candidate, Context, Stage
 
 
 class _Plugin(BaseModel):

@@ -1,5 +1,6 @@
 """Deterministic synthetic fleets and requests, for scheduler latency measurements
-(`bench/scheduler.py`), property tests and simulator smoke runs. Same seed, same fleet.
+(`bench/scheduler.py`), the scheduler's property tests and simulator smoke runs. Same seed,
+same fleet. Random figures, not a model of any fleet (`fleet.py` models one).
 
 Links: each decode-capable region has up to `links_per_region` measured inbound links from
 prefill-capable regions (a fleet measures the paths it uses, not all N^2 pairs).
@@ -8,16 +9,24 @@ prefill-capable regions (a fleet measures the paths it uses, not all N^2 pairs).
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prfaas.control_plane.errors import PlacementRejected
-from prfaas.control_plane.request import Priority, Request, Slo
-from prfaas.control_plane.scheduler import GlobalScheduler
-from prfaas.control_plane.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
+from prfaas.control_plane.scheduling import (
+    ClusterSnapshot,
+    GlobalScheduler,
+    Link,
+    ModelShape,
+    PlacementRejected,
+    Priority,
+    Region,
+    Request,
+    Role,
+    Slo,
+)
+from prfaas.sim.experiment import percentile
 
 
 @dataclass(frozen=True)
@@ -145,15 +154,6 @@ def decision_latencies_ms(
             scheduler.decide(snapshot, request)
         out.append((time.perf_counter() - start) * 1000.0)
     return out
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, q in [0, 100]."""
-    if not values:
-        raise ValueError("no values")
-    ordered = sorted(values)
-    rank = min(len(ordered), max(1, math.ceil(q / 100.0 * len(ordered))))
-    return ordered[rank - 1]
 
 
 def latency_rows(

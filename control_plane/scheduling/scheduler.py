@@ -17,13 +17,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prfaas.control_plane.costmodel import CostModel
-from prfaas.control_plane.decision import Cost, Decision, Explanation, Mode, StageTrace
-from prfaas.control_plane.errors import RejectReason, SchedulerError, rejection
-from prfaas.control_plane.plugins import Candidate, Context, Filter, Picker, Scorer, Stage
-from prfaas.control_plane.request import Request
-from prfaas.control_plane.scorers import MaxScorePicker
-from prfaas.control_plane.snapshot import ClusterSnapshot, Region
+from prfaas.control_plane.scheduling.costmodel import CostModel
+from prfaas.control_plane.scheduling.decision import Cost, Decision, Explanation, Mode, StageTrace
+from prfaas.control_plane.scheduling.errors import RejectReason, SchedulerError, rejection
+from prfaas.control_plane.scheduling.plugins import Candidate, Context, Filter, Picker, Scorer, Stage
+from prfaas.control_plane.scheduling.request import Request
+from prfaas.control_plane.scheduling.scorers import MaxScorePicker
+from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Region
 
 
 class PluginContractError(SchedulerError):

@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from prfaas.control_plane.decision import Explanation
+    from prfaas.control_plane.scheduling.decision import Explanation
 
 
 class SchedulerError(Exception):

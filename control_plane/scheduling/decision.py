@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from prfaas.control_plane.costmodel import Estimate
-from prfaas.control_plane.plugins import Stage
+from prfaas.control_plane.scheduling.costmodel import Estimate
+from prfaas.control_plane.scheduling.plugins import Stage
 
 
 class Mode(StrEnum):

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from sched_kit import GiB, hashes
+from sched_kit import region as sched_region
 
-from prfaas.control_plane import (
+from prfaas.control_plane.scheduling import (
     ClusterSnapshot,
     Context,
     Decision,
@@ -34,10 +35,10 @@ from prfaas.control_plane import (
     build_scheduler,
     default_registry,
 )
-from prfaas.control_plane.costmodel import CodecOption, CostModel
-from prfaas.control_plane.plugins import Candidate
-from prfaas.control_plane.scorers import relative_to_best
-from prfaas.control_plane.synthetic import synthetic_requests, synthetic_snapshot
+from prfaas.control_plane.scheduling.costmodel import CodecOption, CostModel
+from prfaas.control_plane.scheduling.plugins import Candidate
+from prfaas.control_plane.scheduling.scorers import relative_to_best
+from prfaas.sim.synthetic import synthetic_requests, synthetic_snapshot
 
 SCHEDULER = build_scheduler()
 # The default policy with a low split threshold, so random fleets split often (the invariants
@@ -306,19 +307,7 @@ def test_relative_to_best_is_one_for_the_best_and_within_unit_interval(values: l
 @given(st.integers(0, 80), st.integers(0, 80), st.integers(1, 64))
 def test_uncached_tokens_follow_the_longest_cached_prefix(num_blocks: int, num_cached: int, block_tokens: int) -> None:
     prompt = num_blocks * block_tokens + 7
-    region = Region(
-        name="r",
-        role=Role.DECODE,
-        gpu_type="X",
-        num_gpus=1,
-        num_workers=1,
-        usd_per_gpu_hour=1.0,
-        kv_buffer_free_bytes=0,
-        prefill_tokens_per_s=1.0,
-        decode_tokens_per_s=1.0,
-        tpot_ms=1.0,
-        cached_prefix_hashes=frozenset(hashes(num_cached)),
-    )
+    region = sched_region("r", Role.DECODE, cached_prefix_hashes=frozenset(hashes(num_cached)))
     request = Request(
         tenant="t",
         prompt_tokens=prompt,

@@ -10,10 +10,16 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from prfaas.control_plane.errors import PolicyConfigError, UnknownPluginType
-from prfaas.control_plane.filters import CapacityFilter, HealthFilter, LinkHeadroomFilter, ResidencyFilter, SloFilter
-from prfaas.control_plane.plugins import Filter, Picker, Scorer
-from prfaas.control_plane.scorers import (
+from prfaas.control_plane.scheduling.errors import PolicyConfigError, UnknownPluginType
+from prfaas.control_plane.scheduling.filters import (
+    CapacityFilter,
+    HealthFilter,
+    LinkHeadroomFilter,
+    ResidencyFilter,
+    SloFilter,
+)
+from prfaas.control_plane.scheduling.plugins import Filter, Picker, Scorer
+from prfaas.control_plane.scheduling.scorers import (
     EgressCostScorer,
     LatencyScorer,
     LinkHeadroomScorer,
@@ -109,19 +115,32 @@ def _model_factory(cls: type[M]) -> Callable[[Mapping[str, Any]], M]:
     return factory
 
 
+# The built-in plugins by type string (docs/scheduler.md, "Plugins"); each class is its own params model.
+BUILT_IN_FILTERS: dict[str, FilterFactory] = {
+    "health": _model_factory(HealthFilter),
+    "residency": _model_factory(ResidencyFilter),
+    "capacity": _model_factory(CapacityFilter),
+    "slo": _model_factory(SloFilter),
+    "link-headroom": _model_factory(LinkHeadroomFilter),
+}
+BUILT_IN_SCORERS: dict[str, ScorerFactory] = {
+    "price": _model_factory(PriceScorer),
+    "egress-cost": _model_factory(EgressCostScorer),
+    "queue-depth": _model_factory(QueueDepthScorer),
+    "prefix-cache": _model_factory(PrefixCacheScorer),
+    "link-headroom": _model_factory(LinkHeadroomScorer),
+    "latency": _model_factory(LatencyScorer),
+}
+BUILT_IN_PICKERS: dict[str, PickerFactory] = {"max-score": _model_factory(MaxScorePicker)}
+
+
 def default_registry() -> PluginRegistry:
     """A new registry holding every built-in plugin."""
     registry = PluginRegistry()
-    registry.register_filter("health", _model_factory(HealthFilter))
-    registry.register_filter("residency", _model_factory(ResidencyFilter))
-    registry.register_filter("capacity", _model_factory(CapacityFilter))
-    registry.register_filter("slo", _model_factory(SloFilter))
-    registry.register_filter("link-headroom", _model_factory(LinkHeadroomFilter))
-    registry.register_scorer("price", _model_factory(PriceScorer))
-    registry.register_scorer("egress-cost", _model_factory(EgressCostScorer))
-    registry.register_scorer("queue-depth", _model_factory(QueueDepthScorer))
-    registry.register_scorer("prefix-cache", _model_factory(PrefixCacheScorer))
-    registry.register_scorer("link-headroom", _model_factory(LinkHeadroomScorer))
-    registry.register_scorer("latency", _model_factory(LatencyScorer))
-    registry.register_picker("max-score", _model_factory(MaxScorePicker))
+    for name, filter_factory in BUILT_IN_FILTERS.items():
+        registry.register_filter(name, filter_factory)
+    for name, scorer_factory in BUILT_IN_SCORERS.items():
+        registry.register_scorer(name, scorer_factory)
+    for name, picker_factory in BUILT_IN_PICKERS.items():
+        registry.register_picker(name, picker_factory)
     return registry

@@ -7,8 +7,8 @@ import math
 import pytest
 from sched_kit import MODEL, hashes, link, region, request
 
-from prfaas.control_plane import ModelShape, Priority, Role
-from prfaas.control_plane.costmodel import CodecOption, CostModel
+from prfaas.control_plane.scheduling import ModelShape, Priority, Role
+from prfaas.control_plane.scheduling.costmodel import CodecOption, CostModel
 
 RAW = CodecOption("raw", 1.0, False)
 LOSSLESS = CodecOption("lossless", 1.5, False, encode_bytes_per_s=2e9)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sched_kit import GiB, fleet, hashes, region, request
 
-from prfaas.control_plane import (
+from prfaas.control_plane.scheduling import (
     ClusterSnapshot,
     DisaggregationRule,
     GlobalScheduler,
@@ -23,7 +23,7 @@ from prfaas.control_plane import (
     default_policy,
     policy_from_mapping,
 )
-from prfaas.control_plane.errors import (
+from prfaas.control_plane.scheduling.errors import (
     InsufficientCapacity,
     LinksSaturated,
     NoEligibleRegion,
@@ -31,7 +31,7 @@ from prfaas.control_plane.errors import (
     ResidencyUnsatisfiable,
     SloUnattainable,
 )
-from prfaas.control_plane.snapshot import Role
+from prfaas.control_plane.scheduling.snapshot import Role
 
 SCHEDULER = build_scheduler()
 
@@ -48,187 +48,94 @@ class Case:
     id: str
     snapshot: ClusterSnapshot
     request: Request
-    mode: Mode
-    decode: str
-    prefill: str
+    placement: str  # "dec-east": local in dec-east; "pre-cheap -> dec-east": prefill there, decode here
     cut: dict[str, list[str]] = field(default_factory=dict)  # prefill-stage filter -> labels it must cut
     scheduler: GlobalScheduler = SCHEDULER
 
 
 SLOW_LINK = {"bandwidth_gbps": 0.5}  # 56 MB/s free: lossless moves 655 MB in ~8 s, TTFT ~7.9 s > 4 s
+CHEAPEST = fleet(
+    extra_regions=(region("pre-cheapest", Role.PREFILL, usd_per_gpu_hour=1.0),),
+    extra_links=(fleet().links[0].model_copy(update={"src": "pre-cheapest", **SLOW_LINK}),),
+)
+BUSY_DEC_EAST = {"dec-east": {"queue_depth": 5, "num_busy_workers": 1, "mean_prefill_s": 0.5}}
+FAST_DEAR_PREFILL = {
+    "pre-cheap": {"usd_per_gpu_hour": 18.0, "prefill_tokens_per_s": 60_000.0},
+    "pre-mid": {"usd_per_gpu_hour": 20.0},
+}
+HIGH_THRESHOLD = GlobalScheduler(
+    SCHEDULER.decode, SCHEDULER.prefill, SCHEDULER.cost_model, DisaggregationRule(min_uncached_tokens=50_000)
+)
 
+# One row a spec: name, fleet, request, expected placement, filters that must cut whom, scheduler.
 CASES = [
     # 2,000 tokens < 19,400: split is not even considered; dec-east is the cheaper decode region.
-    Case("short prompt stays local", fleet(), request(2_000), Mode.LOCAL, "dec-east", "dec-east"),
+    Case("short prompt stays local", fleet(), request(2_000), "dec-east"),
     # 40k cold tokens: local costs $0.0272; via pre-cheap $0.0139 (-49%) at TTFT 2.69 s <= 4 s.
     # pre-cheapest ($1/GPU-h) is cheaper still, but its 0.5 Gbit/s link cannot meet the 4 s TTFT.
-    Case(
-        "long cold prompt goes to the cheapest prefill region whose link meets the SLO",
-        fleet(
-            extra_regions=(region("pre-cheapest", Role.PREFILL, usd_per_gpu_hour=1.0),),
-            extra_links=(fleet().links[0].model_copy(update={"src": "pre-cheapest", **SLOW_LINK}),),
-        ),
-        request(),
-        Mode.SPLIT,
-        "dec-east",
-        "pre-cheap",
-        cut={"slo": ["pre-cheapest"]},
-    ),
+    Case("long cold prompt goes to the cheapest prefill region whose link meets the SLO", CHEAPEST, request(),
+         "pre-cheap -> dec-east", cut={"slo": ["pre-cheapest"]}),
     # pre-cheap's link to dec-east is 95% busy (> 0.9 allowed): the dearer pre-mid takes the work.
-    Case(
-        "saturated cheap link sends work to a dearer feasible region",
-        fleet(links={("pre-cheap", "dec-east"): {"utilization": 0.95}}),
-        request(),
-        Mode.SPLIT,
-        "dec-east",
-        "pre-mid",
-        cut={"link-headroom": ["pre-cheap"]},
-    ),
+    Case("saturated cheap link sends work to a dearer feasible region",
+         fleet(links={("pre-cheap", "dec-east"): {"utilization": 0.95}}), request(), "pre-mid -> dec-east",
+         cut={"link-headroom": ["pre-cheap"]}),
     # Same, with no link-headroom filter in the policy: 99.9% busy leaves 12.5 MB/s, so the
     # transfer alone takes ~36 s and the SLO filter cuts it instead.
-    Case(
-        "saturated link is cut by the SLO model when no headroom filter is configured",
-        fleet(links={("pre-cheap", "dec-east"): {"utilization": 0.999}}),
-        request(),
-        Mode.SPLIT,
-        "dec-east",
-        "pre-mid",
-        cut={"slo": ["pre-cheap"]},
-        scheduler=_without_link_headroom_filter(),
-    ),
+    Case("saturated link is cut by the SLO model when no headroom filter is configured",
+         fleet(links={("pre-cheap", "dec-east"): {"utilization": 0.999}}), request(), "pre-mid -> dec-east",
+         cut={"slo": ["pre-cheap"]}, scheduler=_without_link_headroom_filter()),
     # dec-east holds 2,400 of the prompt's 2,500 16-token blocks: 1,600 uncached < 19,400 -> local.
-    Case(
-        "prefix-cache hit shrinks the uncached length below the threshold",
-        fleet(regions={"dec-east": {"cached_prefix_hashes": frozenset(hashes(2_400))}}),
-        request(prefix_block_hashes=hashes(2_500)),
-        Mode.LOCAL,
-        "dec-east",
-        "dec-east",
-    ),
+    Case("prefix-cache hit shrinks the uncached length below the threshold",
+         fleet(regions={"dec-east": {"cached_prefix_hashes": frozenset(hashes(2_400))}}),
+         request(prefix_block_hashes=hashes(2_500)), "dec-east"),
     # pre-cheap lies outside the allowed regions; pre-mid is the only allowed prefill region.
-    Case(
-        "residency excludes a prefill region",
-        fleet(),
-        request(allowed_regions=frozenset({"dec-east", "pre-mid"})),
-        Mode.SPLIT,
-        "dec-east",
-        "pre-mid",
-        cut={"residency": ["pre-cheap"]},
-    ),
+    Case("residency excludes a prefill region", fleet(), request(allowed_regions=frozenset({"dec-east", "pre-mid"})),
+         "pre-mid -> dec-east", cut={"residency": ["pre-cheap"]}),
     # Only dec-west and pre-cheap are allowed: the dearer decode region is the only choice.
-    Case(
-        "residency excludes the cheaper decode region",
-        fleet(),
-        request(allowed_regions=frozenset({"dec-west", "pre-cheap"})),
-        Mode.SPLIT,
-        "dec-west",
-        "pre-cheap",
-        cut={"residency": ["pre-mid"]},
-    ),
+    Case("residency excludes the cheaper decode region", fleet(),
+         request(allowed_regions=frozenset({"dec-west", "pre-cheap"})), "pre-cheap -> dec-west",
+         cut={"residency": ["pre-mid"]}),
     # pre-cheap's last heartbeat is 60 s old (> 15 s): never chosen, pre-mid instead.
-    Case(
-        "prefill region that missed heartbeats is never chosen",
-        fleet(regions={"pre-cheap": {"heartbeat_age_s": 60.0}}),
-        request(),
-        Mode.SPLIT,
-        "dec-east",
-        "pre-mid",
-        cut={"health": ["pre-cheap"]},
-    ),
+    Case("prefill region that missed heartbeats is never chosen",
+         fleet(regions={"pre-cheap": {"heartbeat_age_s": 60.0}}), request(), "pre-mid -> dec-east",
+         cut={"health": ["pre-cheap"]}),
     # dec-east missed heartbeats: the dearer dec-west decodes (and pre-cheap still prefills).
-    Case(
-        "decode region that missed heartbeats is never chosen",
-        fleet(regions={"dec-east": {"heartbeat_age_s": 60.0}}),
-        request(),
-        Mode.SPLIT,
-        "dec-west",
-        "pre-cheap",
-    ),
+    Case("decode region that missed heartbeats is never chosen",
+         fleet(regions={"dec-east": {"heartbeat_age_s": 60.0}}), request(), "pre-cheap -> dec-west"),
     # dec-east has no room for 40,200 tokens * 16 KiB = 659 MB of KV: dec-west.
-    Case(
-        "decode region without KV buffer room is skipped",
-        fleet(regions={"dec-east": {"kv_buffer_free_bytes": 600_000_000}}),
-        request(),
-        Mode.SPLIT,
-        "dec-west",
-        "pre-cheap",
-    ),
+    Case("decode region without KV buffer room is skipped",
+         fleet(regions={"dec-east": {"kv_buffer_free_bytes": 600_000_000}}), request(), "pre-cheap -> dec-west"),
     # Prefill regions priced like dec-east: split saves nothing (egress makes it dearer) and is
     # slower (15k vs 20k tok/s): the margin rule keeps it local even above the threshold.
-    Case(
-        "long prompt stays local when split is neither cheaper nor faster by the margin",
-        fleet(regions={"pre-cheap": {"usd_per_gpu_hour": 6.0}, "pre-mid": {"usd_per_gpu_hour": 6.0}}),
-        request(),
-        Mode.LOCAL,
-        "dec-east",
-        "dec-east",
-    ),
+    Case("long prompt stays local when split is neither cheaper nor faster by the margin",
+         fleet(regions={"pre-cheap": {"usd_per_gpu_hour": 6.0}, "pre-mid": {"usd_per_gpu_hour": 6.0}}), request(),
+         "dec-east"),
     # Local prefill in dec-east would take 40k / 5k = 8 s > 4 s SLO: local is cut, split wins even
     # though its margin over local no longer matters.
-    Case(
-        "split when local misses the SLO",
-        fleet(regions={"dec-east": {"prefill_tokens_per_s": 5_000.0}}),
-        request(),
-        Mode.SPLIT,
-        "dec-east",
-        "pre-cheap",
-        cut={"slo": ["dec-east (local)"]},
-    ),
+    Case("split when local misses the SLO", fleet(regions={"dec-east": {"prefill_tokens_per_s": 5_000.0}}),
+         request(), "pre-cheap -> dec-east", cut={"slo": ["dec-east (local)"]}),
     # pre-cheap at $18/GPU-h but 60k tok/s: prefill 0.67 s costs what local's 2 s does, plus
     # egress, so split is 17% dearer; but TTFT 0.69 s vs 2 s is >= 10% faster: split.
     # (pre-mid at $20 and 15k tok/s is dearer and slower, so pre-cheap is the best split.)
-    Case(
-        "split when faster by the margin though not cheaper",
-        fleet(
-            regions={
-                "pre-cheap": {"usd_per_gpu_hour": 18.0, "prefill_tokens_per_s": 60_000.0},
-                "pre-mid": {"usd_per_gpu_hour": 20.0},
-            }
-        ),
-        request(),
-        Mode.SPLIT,
-        "dec-east",
-        "pre-cheap",
-    ),
+    Case("split when faster by the margin though not cheaper", fleet(regions=FAST_DEAR_PREFILL), request(),
+         "pre-cheap -> dec-east"),
     # The threshold is configuration: at 50,000 the same 40k-token prompt stays local.
-    Case(
-        "threshold comes from configuration",
-        fleet(),
-        request(),
-        Mode.LOCAL,
-        "dec-east",
-        "dec-east",
-        scheduler=GlobalScheduler(
-            SCHEDULER.decode, SCHEDULER.prefill, SCHEDULER.cost_model, DisaggregationRule(min_uncached_tokens=50_000)
-        ),
-    ),
+    Case("threshold comes from configuration", fleet(), request(), "dec-east", scheduler=HIGH_THRESHOLD),
     # dec-east: its one worker busy, 5 jobs queued, 0.5 s each. A high-priority request only
     # waits for the worker (0.5 s): queue-depth scores 1 / 1.5, dec-east totals 2 + 0.67 and
     # beats dec-west's 2 * 6/8 (price) + 1 (idle) = 2.5.
-    Case(
-        "high priority skips the queue",
-        fleet(regions={"dec-east": {"queue_depth": 5, "num_busy_workers": 1, "mean_prefill_s": 0.5}}),
-        request(2_000, priority="high"),
-        Mode.LOCAL,
-        "dec-east",
-        "dec-east",
-    ),
+    Case("high priority skips the queue", fleet(regions=BUSY_DEC_EAST), request(2_000, priority="high"), "dec-east"),
     # At normal priority it would wait (5 + 1) * 0.5 = 3 s: queue-depth scores 0.25, 2.25 < 2.5.
-    Case(
-        "normal priority waits its turn",
-        fleet(regions={"dec-east": {"queue_depth": 5, "num_busy_workers": 1, "mean_prefill_s": 0.5}}),
-        request(2_000),
-        Mode.LOCAL,
-        "dec-west",
-        "dec-west",
-    ),
-]
+    Case("normal priority waits its turn", fleet(regions=BUSY_DEC_EAST), request(2_000), "dec-west"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_placement(case: Case) -> None:
     decision = case.scheduler.decide(case.snapshot, case.request)
-    assert (decision.mode, decision.decode_region, decision.prefill_region) == (case.mode, case.decode, case.prefill)
+    prefill, _, decode = case.placement.rpartition(" -> ")
+    expected = (Mode.SPLIT, decode, prefill) if prefill else (Mode.LOCAL, decode, decode)
+    assert (decision.mode, decision.decode_region, decision.prefill_region) == expected
     assert decision.predicted_ttft_ms <= case.request.slo.ttft_ms
     last = decision.explanation.stages[-1]
     for filter_name, labels in case.cut.items():
@@ -289,71 +196,30 @@ def _all(names: tuple[str, ...], **fields: Any) -> dict[str, dict[str, Any]]:
 
 
 DECODERS = ("dec-east", "dec-west")
+ALL_LINKS_BUSY = {(p, d): {"utilization": 0.95} for p in ("pre-cheap", "pre-mid") for d in DECODERS}
+PREFILL_ONLY = ClusterSnapshot(model=fleet().model, regions=(fleet().region("pre-cheap"),))
 REJECTIONS = [
     # 100 ms TTFT: local prefill alone takes 2 s, split 2.7 s.
-    Rejection(
-        "no region meets the SLO",
-        fleet(),
-        request(slo=Slo(ttft_ms=100.0, tpot_ms=50.0)),
-        SloUnattainable,
-        RejectReason.SLO,
-    ),
+    Rejection("no region meets the SLO", fleet(), request(slo=Slo(ttft_ms=100.0, tpot_ms=50.0)), SloUnattainable,
+              RejectReason.SLO),
     # Every decode region's TPOT (30 ms) misses a 10 ms objective: cut in the decode stage.
-    Rejection(
-        "no region meets the TPOT",
-        fleet(),
-        request(slo=Slo(ttft_ms=4_000.0, tpot_ms=10.0)),
-        SloUnattainable,
-        RejectReason.SLO,
-    ),
+    Rejection("no region meets the TPOT", fleet(), request(slo=Slo(ttft_ms=4_000.0, tpot_ms=10.0)), SloUnattainable,
+              RejectReason.SLO),
     # Only a prefill region is allowed: nothing may decode.
-    Rejection(
-        "residency",
-        fleet(),
-        request(allowed_regions=frozenset({"pre-cheap"})),
-        ResidencyUnsatisfiable,
-        RejectReason.RESIDENCY,
-    ),
-    Rejection(
-        "no KV buffer room",
-        fleet(regions=_all(DECODERS, kv_buffer_free_bytes=GiB // 4)),
-        request(),
-        InsufficientCapacity,
-        RejectReason.CAPACITY,
-    ),
-    Rejection(
-        "every decode region missed heartbeats",
-        fleet(regions=_all(DECODERS, heartbeat_age_s=30.0)),
-        request(),
-        NoHealthyRegion,
-        RejectReason.UNHEALTHY,
-    ),
-    Rejection(
-        "every decode region reports unhealthy",
-        fleet(regions=_all(DECODERS, healthy=False)),
-        request(),
-        NoHealthyRegion,
-        RejectReason.UNHEALTHY,
-    ),
+    Rejection("residency", fleet(), request(allowed_regions=frozenset({"pre-cheap"})), ResidencyUnsatisfiable,
+              RejectReason.RESIDENCY),
+    Rejection("no KV buffer room", fleet(regions=_all(DECODERS, kv_buffer_free_bytes=GiB // 4)), request(),
+              InsufficientCapacity, RejectReason.CAPACITY),
+    Rejection("every decode region missed heartbeats", fleet(regions=_all(DECODERS, heartbeat_age_s=30.0)), request(),
+              NoHealthyRegion, RejectReason.UNHEALTHY),
+    Rejection("every decode region reports unhealthy", fleet(regions=_all(DECODERS, healthy=False)), request(),
+              NoHealthyRegion, RejectReason.UNHEALTHY),
     # Decode queues full (local impossible) and every link 95% busy.
-    Rejection(
-        "links saturated and local queues full",
-        fleet(
-            regions=_all(DECODERS, queue_depth=4, queue_capacity=4, num_busy_workers=1),
-            links={(p, d): {"utilization": 0.95} for p in ("pre-cheap", "pre-mid") for d in DECODERS},
-        ),
-        request(),
-        LinksSaturated,
-        RejectReason.LINK_SATURATED,
-    ),
-    Rejection(
-        "no region can decode",
-        ClusterSnapshot(model=fleet().model, regions=(fleet().region("pre-cheap"),)),
-        request(),
-        NoEligibleRegion,
-        RejectReason.NO_ELIGIBLE_REGION,
-    ),
-]
+    Rejection("links saturated and local queues full",
+              fleet(regions=_all(DECODERS, queue_depth=4, queue_capacity=4, num_busy_workers=1), links=ALL_LINKS_BUSY),
+              request(), LinksSaturated, RejectReason.LINK_SATURATED),
+    Rejection("no region can decode", PREFILL_ONLY, request(), NoEligibleRegion, RejectReason.NO_ELIGIBLE_REGION),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", REJECTIONS, ids=[c.id for c in REJECTIONS])

@@ -7,7 +7,7 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from prfaas.control_plane.snapshot import Region
+from prfaas.control_plane.scheduling.snapshot import Region
 
 
 class Priority(StrEnum):
