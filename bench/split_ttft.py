@@ -38,7 +38,7 @@ import yaml
 from prfaas.engine.models import prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from prfaas.protos.rpc import sampling_to_proto
+from prfaas.region.requests import sampling_to_proto
 from prfaas.transport.tickets import TicketSigner
 
 KEY = os.urandom(32).hex()

@@ -20,7 +20,7 @@ import uuid
 
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
-from prfaas.engine.vllm_params import LoadParams, ShipParams
+from prfaas.engine.vllm.params import LoadParams, ShipParams
 from prfaas.transport.tickets import TicketSigner
 
 
@@ -44,7 +44,7 @@ def main() -> None:
 
     import argparse as source_module
 
-    from prfaas.engine.vllm_host import VLLMHost
+    from prfaas.engine.vllm.host import VLLMHost
 
     hf = HFEngine(ns.model)
     prompt = hf.encode(inspect.getsource(source_module))[: ns.prompt_tokens]

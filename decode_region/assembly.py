@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from prfaas.engine.kv import DTYPES, LayerKV
-from prfaas.protos.rpc import DeadlineExceeded, PermissionDenied, PreconditionFailed
+from prfaas.region.errors import DeadlineExceeded, PermissionDenied, PreconditionFailed
 from prfaas.transport.errors import TransferTimeout
 from prfaas.transport.inbound import Inbound
 

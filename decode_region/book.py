@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from prfaas.protos.rpc import Exhausted
+from prfaas.region.errors import Exhausted
 
 
 class BufferFull(Exhausted):

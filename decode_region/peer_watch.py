@@ -4,7 +4,7 @@ the reservations waiting on it are failed with UNAVAILABLE and their buffers fre
 One health `Watch` stream per prefill region, shared by every reservation that waits on it
 (not one per reservation): opening and cancelling a stream per job made the prefill region's
 health servicer churn, and is where grpcio-health-checking's non-blocking servicer can
-deadlock the whole gRPC server (see protos/region_server.py). A stream lives `STREAM_S` at
+deadlock the whole gRPC server (see region/server.py). A stream lives `STREAM_S` at
 most and is reopened while reservations still wait on it, so no wait is unbounded.
 
 A killed process closes its sockets, so the health stream breaks at once; a vanished host
@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prfaas.protos.rpc import keepalive_options, replies
+from prfaas.region.channels import keepalive_options, replies
 
 log = logging.getLogger(__name__)
 PREFILL_SERVICE = "prfaas.v1.PrefillRegion"

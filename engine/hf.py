@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from prfaas.engine.base import DecodeStep, PrefillResult
+from prfaas.engine.base import DecodeStep, ModelFacts, PrefillResult, check_prompt
 from prfaas.engine.errors import (
     InvalidPrompt,
     KVDtypeMismatch,
@@ -74,6 +74,11 @@ class HFEngine:
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos_token_ids = frozenset(int(t) for t in eos_ids)
         self.cpus = frozenset(cpus) if cpus else None  # each forward runs pinned to these
+        self.facts = ModelFacts(
+            fingerprint=self._fingerprint, dtype=dtype, vocab_size=self.vocab_size, num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, max_context=self._max_context,
+            eos_token_ids=self.eos_token_ids,
+        )  # fmt: skip
 
     @property
     def fingerprint(self) -> str:
@@ -89,20 +94,11 @@ class HFEngine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=DTYPES[self._dtype]).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return self.facts.kv_bytes_per_token
 
-    def _check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        if len(token_ids) == 0:
-            raise InvalidPrompt("prompt is empty; at least one token is required")
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidPrompt(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) + params.max_new_tokens > self._max_context:
-            raise PromptTooLong(
-                f"prompt of {len(token_ids)} tokens plus max_new_tokens {params.max_new_tokens} exceeds "
-                f"the model's context of {self._max_context} tokens"
-            )
+    def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        """InvalidPrompt / PromptTooLong unless this engine can run `token_ids` with `params`."""
+        check_prompt(self.facts, token_ids, params)
 
     def _check_kv(self, kv: KVCache, params: SamplingParams) -> None:
         if kv.model_fingerprint != self._fingerprint:
@@ -140,7 +136,7 @@ class HFEngine:
         """`on_layer(layer, k, v)`, if given, runs in this thread as soon as each layer's KV is
         in the cache (before the rest of that layer computes); the tensors are the result's
         own KV, never written again. An exception it raises aborts the forward (cancel)."""
-        self._check_prompt(token_ids, params)
+        self.check_prompt(token_ids, params)
         config = self.model.config
         cache = DynamicCache(config=config) if on_layer is None else _TappedCache(config, on_layer)
         logits = self._forward(list(token_ids), cache)

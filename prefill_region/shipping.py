@@ -1,46 +1,22 @@
-"""The prefill side of KV shipment: one pooled channel per decode region (shared by
-every job to it), destination parsing, and waiting for a transfer under a job's deadline."""
+"""The prefill side of KV shipment over prfaas's own transports (the HF backend's; a vLLM
+server's connector has its own): one pooled channel per decode region (shared by every job
+to it), and waiting for a transfer under a job's deadline."""
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from prfaas.prefill_region import metrics
-from prfaas.protos.prfaas.v1 import prefill_pb2
-from prfaas.protos.rpc import DeadlineExceeded, InvalidRequest
+from prfaas.prefill_region.destination import Destination
+from prfaas.region.errors import DeadlineExceeded, InvalidRequest
 from prfaas.transport.api import Shape, ShipmentSpec, Transfer, TransferStatus
-from prfaas.transport.codecs import get_codec
-from prfaas.transport.endpoints import Endpoint, choose, parse_endpoints
-from prfaas.transport.errors import CodecError
-from prfaas.transport.shm_channel import ShmChannel
-from prfaas.transport.tcp import TcpChannel
-
-
-@dataclass(frozen=True)
-class Destination:
-    address: Endpoint  # the fastest of the decode region's endpoints usable from here
-    ticket: str
-    codec: str
-
-    @staticmethod
-    def parse(msg: prefill_pb2.Destination, default_codec: str) -> Destination:
-        try:
-            address = choose(parse_endpoints(msg.kv_endpoint))
-        except ValueError as exc:
-            raise InvalidRequest(f"destination.kv_endpoint: {exc}") from None
-        if not msg.ticket:
-            raise InvalidRequest("destination.ticket is required (signed by the control plane)")
-        codec = msg.codec or default_codec
-        try:
-            get_codec(codec)
-        except (CodecError, ValueError, KeyError):
-            raise InvalidRequest(f"destination.codec {codec!r} is not one of raw, lossless, fp8, int8") from None
-        return Destination(address, msg.ticket, codec)
+from prfaas.transport.endpoints import Endpoint
+from prfaas.transport.shm_sender import ShmChannel
+from prfaas.transport.tcp_sender import TcpChannel
 
 
 def ship_spec(
@@ -83,10 +59,10 @@ class ChannelPool:
     """One channel per decode region KV endpoint, created on first use, closed together:
     TCP, same-host shared memory, or WebRTC (signalled through `control_plane`)."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, *, control_plane: str | None = None, ice_servers: tuple[Any, ...] = ()) -> None:
         self.node = node
-        self.control_plane: str | None = None  # registry target, for WebRTC signalling
-        self.ice_servers: tuple[Any, ...] = ()  # transport.webrtc.IceServer, from the region config
+        self.control_plane = control_plane  # registry target, for WebRTC signalling
+        self.ice_servers = ice_servers  # transport.webrtc.IceServer, from the region config
         self._lock = threading.Lock()
         self._channels: dict[Endpoint, TcpChannel | ShmChannel] = {}
 
@@ -101,8 +77,8 @@ class ChannelPool:
         if endpoint.kind == "shm":
             return ShmChannel(endpoint.path, node=self.node)
         if endpoint.kind == "webrtc":
-            from prfaas.protos.signal_client import signaller
-            from prfaas.transport.webrtc import WebRtcChannel
+            from prfaas.region.signal_client import signaller
+            from prfaas.transport.webrtc_sender import WebRtcChannel
 
             if self.control_plane is None:
                 raise InvalidRequest(f"{endpoint} needs a control plane to signal through (control_plane_url)")

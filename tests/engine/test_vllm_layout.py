@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prfaas.engine.vllm_layout import PagedLayout, gather_layer, layer_index, scatter_layer
-from prfaas.engine.vllm_params import LOAD_KEY, SHIP_KEY, LoadParams, ShipParams, layerwise_for, parse_kv_params
+from prfaas.engine.vllm.layout import PagedLayout, gather_layer, layer_index, scatter_layer
+from prfaas.engine.vllm.params import LOAD_KEY, SHIP_KEY, LoadParams, ShipParams, layerwise_for, parse_kv_params
 
 HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 8, 16, 12
 

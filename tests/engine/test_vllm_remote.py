@@ -1,4 +1,4 @@
-"""Starting a region's vLLM server (engine/vllm_remote.py) when it cannot start: a missing
+"""Starting a region's vLLM server (engine/vllm/remote.py) when it cannot start: a missing
 interpreter, a server that exits, one that is never ready. Each is an EngineUnavailable
 within its deadline, and no process is left behind. (A real vLLM server: tests/vllm.)"""
 
@@ -11,7 +11,7 @@ import pytest
 
 from prfaas.engine.errors import EngineUnavailable
 from prfaas.engine.models import prepare_model
-from prfaas.engine.vllm_remote import ServerOptions, start_vllm_engine
+from prfaas.engine.vllm.remote import ServerOptions, start_vllm_engine
 
 
 @pytest.fixture(scope="module", autouse=True)

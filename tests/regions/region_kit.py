@@ -19,9 +19,11 @@ from prfaas.bench.cp_stack import RegionProcess as RegionProcess  # shared with 
 from prfaas.bench.cp_stack import spawn_region as spawn_region
 from prfaas.bench.cp_stack import wait_until as wait_until
 from prfaas.decode_region.agent import DecodeAgent
+from prfaas.decode_region.hf_backend import HFDecode
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.prefill_region.agent import PrefillAgent
+from prfaas.prefill_region.hf_backend import HFPrefill, Leases
 from prfaas.protos.prfaas.v1 import (
     common_pb2,
     decode_pb2,
@@ -30,10 +32,11 @@ from prfaas.protos.prfaas.v1 import (
     prefill_pb2_grpc,
     registry_pb2,
 )
-from prfaas.protos.region_server import RegionServer
-from prfaas.protos.rpc import sampling_to_proto
-from prfaas.transport.tcp_server import TcpReceiver
-from prfaas.transport.tickets import TicketSigner, TicketVerifier
+from prfaas.region.build import build_region
+from prfaas.region.config import config_from_mapping
+from prfaas.region.requests import sampling_to_proto
+from prfaas.region.server import RegionServer
+from prfaas.transport.tickets import TicketSigner
 
 KEY = b"region-tests-ticket-key-0123456789abcdef"
 SIGNER = TicketSigner({"k1": KEY}, "k1")
@@ -57,7 +60,6 @@ class Region:
     server: RegionServer
     prefill: PrefillAgent | None = None
     decode: DecodeAgent | None = None
-    receiver: TcpReceiver | None = None
     channel: grpc.Channel = field(init=False)
 
     def __post_init__(self) -> None:
@@ -71,11 +73,16 @@ class Region:
     def decode_stub(self) -> decode_pb2_grpc.DecodeRegionStub:
         return decode_pb2_grpc.DecodeRegionStub(self.channel)
 
+    @property
+    def leases(self) -> Leases:
+        assert self.prefill is not None and isinstance(self.prefill.backend, HFPrefill)
+        return self.prefill.backend.leases
+
     def close(self) -> None:
         self.channel.close()
         self.server.stop(0.2)
-        if self.receiver is not None:
-            self.receiver.close()
+        if self.decode is not None and isinstance(self.decode.backend, HFDecode):
+            self.decode.backend.receiver.close()
 
 
 def local_region(
@@ -91,26 +98,21 @@ def local_region(
     heartbeat_s: float = 0.5,
     registry: tuple[str, registry_pb2.RegisterRequest, float] | None = None,
 ) -> Region:
-    agents: dict[str, tuple[Any, Any]] = {}
-    p = d = None
-    receiver = None
-    if prefill:
-        p = PrefillAgent(engine, num_workers=workers, queue_depth=queue_depth, codec=codec, node="p-test")
-        agents["prfaas.v1.PrefillRegion"] = (p, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)
-    if decode:
-        receiver = TcpReceiver(TicketVerifier({"k1": KEY}), "127.0.0.1", 0, node="d-test")
-        d = DecodeAgent(
-            engine,
-            receiver,
-            kv_endpoint=f"127.0.0.1:{receiver.address[1]}",
-            kv_buffer_bytes=kv_buffer_bytes,
-            num_workers=workers,
-            heartbeat_interval_s=heartbeat_s,
-        )
-        agents["prfaas.v1.DecodeRegion"] = (d, decode_pb2_grpc.add_DecodeRegionServicer_to_server)
-    server = RegionServer("127.0.0.1:0", agents, metrics_address="127.0.0.1:0" if metrics else None)
+    """A region built as `prfaas region` builds one (region/build.py), on `engine`."""
+    role = "both" if prefill and decode else "prefill" if prefill else "decode"
+    config = config_from_mapping({
+        "name": "test", "role": role, "ticket_key": KEY.decode(), "ticket_key_id": "k1", "workers": workers,
+        "queue_depth": queue_depth, "codec": codec, "kv_buffer_bytes": kv_buffer_bytes,
+        "heartbeat_interval_s": heartbeat_s,
+        "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0" if metrics else None},
+    })  # fmt: skip
+    server, _registration = build_region(config, engine)
     server.start(registry)
-    return Region(server, p, d, receiver)
+    agents = {name: agent for name, (agent, _add) in server.agents.items()}
+    p, d = agents.get("prfaas.v1.PrefillRegion"), agents.get("prfaas.v1.DecodeRegion")
+    assert p is None or isinstance(p, PrefillAgent)
+    assert d is None or isinstance(d, DecodeAgent)
+    return Region(server, p, d)
 
 
 @dataclass

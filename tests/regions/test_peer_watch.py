@@ -12,7 +12,7 @@ import pytest
 from region_kit import wait_until
 
 from prfaas.decode_region.peer_watch import PeerWatcher
-from prfaas.protos.region_server import RegionServer
+from prfaas.region.server import RegionServer
 
 
 def test_watches_share_one_stream_and_all_hear_of_its_loss() -> None:
@@ -92,7 +92,7 @@ def test_replies_of_a_stream_end_with_its_status() -> None:
     it breaks, and a cancelled call when the caller stops reading early."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from prfaas.protos.rpc import replies
+    from prfaas.region.channels import replies
 
     server = RegionServer("127.0.0.1:0", {})
     server.start()

@@ -23,10 +23,11 @@ from region_kit import (
 )
 
 from prfaas.decode_region import metrics as decode_metrics
+from prfaas.decode_region.hf_backend import Assembly
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, prefill_pb2
-from prfaas.protos.rpc import sampling_to_proto
+from prfaas.region.requests import sampling_to_proto
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 CAPACITY = 64 << 20
@@ -82,8 +83,8 @@ def test_forged_ticket_stores_no_kv(region: Region, tiny_engine: HFEngine, long_
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "ticket" in info.value.details()
     assert region.decode is not None
-    held = region.decode._reservations[job_id]
-    assert held.layers is None and held.inbound is not None and held.inbound.info is None  # never opened
+    hold = region.decode._reservations[job_id].hold
+    assert isinstance(hold, Assembly) and hold.inbound.info is None  # never opened: no KV stored
     assert decode_metrics.KV_RECEIVED._value.get() == received
     cancel(region.decode_stub, job_id)
 
@@ -370,13 +371,12 @@ def _wait(predicate: object, timeout_s: float) -> float:
 def test_leases_past_their_byte_cap_are_dropped_oldest_first(tiny_engine: HFEngine) -> None:
     region = local_region(tiny_engine, decode=False)
     try:
-        assert region.prefill is not None
-        prefill = region.prefill
+        leases = region.leases
         one = tiny_engine.prefill(list(range(1, 33)), GREEDY)
-        prefill.kv_lease_bytes = 2 * one.kv.nbytes
+        leases.max_bytes = 2 * one.kv.nbytes
         jobs = [new_job() for _ in range(3)]
         for job_id in jobs:
-            prefill._lease(job_id, one)
-        assert list(prefill._leases) == jobs[1:]
+            leases.put(job_id, one)
+        assert leases.job_ids() == jobs[1:]
     finally:
         region.close()

@@ -19,8 +19,8 @@ from region_kit import KEY, generate_tokens, local_region, new_job, reserve, spl
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import decode_pb2, registry_pb2, registry_pb2_grpc
-from prfaas.protos.region_config import ConfigError, config_from_mapping, load_config
-from prfaas.protos.region_server import RegionServer
+from prfaas.region.config import ConfigError, config_from_mapping, load_config
+from prfaas.region.server import RegionServer
 
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
 

@@ -28,7 +28,7 @@ from region_kit import (
 from prfaas.engine.models import model_fingerprint, prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from prfaas.protos.rpc import sampling_to_proto
+from prfaas.region.requests import sampling_to_proto
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m"

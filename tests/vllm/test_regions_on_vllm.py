@@ -37,7 +37,7 @@ from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.models import model_fingerprint, prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from prfaas.protos.rpc import sampling_to_proto
+from prfaas.region.requests import sampling_to_proto
 from prfaas.transport.tickets import TicketSigner
 
 pytestmark = pytest.mark.vllm
@@ -291,7 +291,9 @@ def test_region_exits_when_its_vllm_server_dies(regions: dict[str, RegionProcess
     import psutil
 
     region = regions["vllm-d"]
-    servers = [p for p in psutil.Process(region.proc.pid).children() if "vllm_server" in " ".join(p.cmdline())]
+    servers = [
+        p for p in psutil.Process(region.proc.pid).children() if "prfaas.engine.vllm.server" in " ".join(p.cmdline())
+    ]
     assert len(servers) == 1
     servers[0].send_signal(signal.SIGKILL)
     assert region.proc.wait(30) == 3  # the region stops: its launcher sees it fail

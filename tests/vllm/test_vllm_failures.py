@@ -13,8 +13,8 @@ import pytest
 from test_vllm_split import prompt_ids, split
 from vllm_kit import VLLMPair
 
-from prfaas.engine.vllm_params import LoadParams, ShipParams
-from prfaas.engine.vllm_server import VLLMClient
+from prfaas.engine.vllm.params import LoadParams, ShipParams
+from prfaas.engine.vllm.server import VLLMClient
 from prfaas.transport.tickets import TicketSigner
 
 pytestmark = pytest.mark.vllm

@@ -13,9 +13,9 @@ from vllm_kit import MODEL, VLLMPair
 
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
-from prfaas.engine.vllm_params import LoadParams
+from prfaas.engine.vllm.params import LoadParams
 from prfaas.transport.api import Shipment, ShipmentSpec, TransferStatus
-from prfaas.transport.tcp import TcpChannel
+from prfaas.transport.tcp_sender import TcpChannel
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from vllm_kit import MODEL, VLLMPair
 
-from prfaas.engine.vllm_params import LoadParams, ShipParams
+from prfaas.engine.vllm.params import LoadParams, ShipParams
 
 pytestmark = pytest.mark.vllm
 

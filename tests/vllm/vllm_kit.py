@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prfaas.engine.vllm_server import AUTHKEY_ENV, VLLMClient
+from prfaas.engine.vllm.server import AUTHKEY_ENV, VLLMClient
 from prfaas.transport.tickets import TicketSigner
 
 MODEL = "smollm2-135m"
@@ -44,7 +44,7 @@ def start(name: str, tmp: Path, authkey: bytes, ticket_key: bytes) -> tuple[subp
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }
-    cmd = [sys.executable, "-m", "prfaas.engine.vllm_server", "--model", MODEL, "--node", name]
+    cmd = [sys.executable, "-m", "prfaas.engine.vllm.server", "--model", MODEL, "--node", name]
     cmd += ["--ticket-key", f"k1:{ticket_key.hex()}", "--ready-file", str(ready)]
     cmd += ["--enforce-eager"]  # no torch.compile: ~45 s start-up instead of ~160 s here
     cmd += ["--exit-with-parent"]  # an interrupted test session leaves no vLLM behind

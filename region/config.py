@@ -72,7 +72,7 @@ class IceServerConfig(BaseModel):
 
 
 class VLLMOptions(BaseModel):
-    """`engine: vllm`: the region starts a vLLM server (engine/vllm_server.py) with the vLLM
+    """`engine: vllm`: the region starts a vLLM server (engine/vllm/server.py) with the vLLM
     environment's python and drives it over a loopback control socket (docs/vllm.md)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -85,7 +85,7 @@ class VLLMOptions(BaseModel):
     cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1"; None: inherited / vLLM's default
     log: str | None = None  # the server's output; None: a file in a new temporary folder (logged at start)
     # prefill: ship each layer as it is computed, or the whole KV after the forward; auto:
-    # after the forward to a loopback decode region, layer by layer to any other (engine/vllm_params.py)
+    # after the forward to a loopback decode region, layer by layer to any other (engine/vllm/params.py)
     ship: Literal["auto", "layerwise", "after_forward"] = "auto"
 
 

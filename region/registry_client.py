@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
-from prfaas.protos.rpc import keepalive_options
+from prfaas.region.channels import keepalive_options
 
 log = logging.getLogger(__name__)
 

@@ -3,14 +3,14 @@
 vLLM keeps process-wide state (its KV transfer group, its parallel groups), so two vLLM
 engines need two processes; this is how tests and benchmarks run a prefill engine and a
 decode engine side by side, and how a region with `engine: vllm` runs its engine (the
-region's own environment has no vLLM; `engine/vllm_remote.py` starts this server with the
+region's own environment has no vLLM; `engine/vllm/remote.py` starts this server with the
 vLLM environment's python). The control channel is `multiprocessing.connection` (HMAC
 challenge with the authkey in `PRFAAS_VLLM_AUTHKEY`, hex), one call per connection;
 `stream` sends the tokens as they are generated and aborts the request when the caller
 closes the connection. With `--exit-with-parent` (regions pass it) the server exits when
 the process that started it goes away.
 
-    PRFAAS_VLLM_AUTHKEY=<hex> python -m prfaas.engine.vllm_server --model smollm2-135m --ticket-key k1:<hex>
+    PRFAAS_VLLM_AUTHKEY=<hex> python -m prfaas.engine.vllm.server --model smollm2-135m --ticket-key k1:<hex>
 
 writes `{"control": [host, port], "kv": [host, port]}` to `--ready-file` when ready (vLLM
 logs to stdout, so the file is the one thing a launcher has to read).
@@ -67,7 +67,7 @@ def _connect(address: tuple[str, int], authkey: bytes) -> Connection:
 
 
 def _serve_one(host: Any, conn: Connection, authkey: bytes) -> None:
-    from prfaas.engine.vllm_params import ShipParams
+    from prfaas.engine.vllm.params import ShipParams
 
     try:
         try:  # on this connection's thread: a peer that stalls the handshake holds only it
@@ -149,7 +149,7 @@ def _exit_with_parent() -> None:
 
 
 def serve(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m prfaas.engine.vllm_server")
+    parser = argparse.ArgumentParser(prog="python -m prfaas.engine.vllm.server")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -178,7 +178,7 @@ def serve(argv: list[str] | None = None) -> None:
 
     if ns.exit_with_parent:
         threading.Thread(target=_exit_with_parent, name="vllm-server-parent", daemon=True).start()
-    from prfaas.engine.vllm_host import VLLMHost
+    from prfaas.engine.vllm.host import VLLMHost
 
     host = VLLMHost(
         ns.model,

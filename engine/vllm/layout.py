@@ -10,7 +10,7 @@ that a request owns in any order (its block table). Two paged layouts are unders
   dimension-major `[head_dim, block_size]` (`k_transposed`), depending on the kernel ISA
   the backend picked (the x86 "vec" kernel transposes them, so that one vector load
   covers one dimension of many tokens). The connector finds out which by running the
-  backend's own cache-write op once (`engine/vllm_connector.py`).
+  backend's own cache-write op once (`engine/vllm/connector.py`).
 - Flash-attention style (GPU backends): `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
 
 Pure torch, no vLLM import: unit-testable on synthetic caches.

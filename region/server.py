@@ -21,9 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from prfaas.protos.prfaas.v1 import registry_pb2
-from prfaas.protos.region_config import parse_hostport
-from prfaas.protos.registry_client import Heartbeater
-from prfaas.protos.rpc import SERVER_OPTIONS
+from prfaas.region.channels import SERVER_OPTIONS
+from prfaas.region.config import parse_hostport
+from prfaas.region.registry_client import Heartbeater
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """`VLLMHost`: one vLLM engine with the prfaas connector, driven by a loop thread.
 
 The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the host
-shares the connector's `KVLink` (`engine/vllm_link.py`): it registers a decode's expected
+shares the connector's `KVLink` (`engine/vllm/link.py`): it registers a decode's expected
 shipment before vLLM sees the request, and learns a prefill's shipment outcome. Any thread
 may call `generate`; one loop thread owns the engine (vLLM's engine is not thread-safe)
 and batches whatever requests are in flight.
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from prfaas.engine.models import resolve_model
-from prfaas.engine.vllm_link import LINKS, KVLink, ShipOutcome
-from prfaas.engine.vllm_params import LoadParams, ShipParams, parse_kv_params
+from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
+from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
 
-CONNECTOR_MODULE = "prfaas.engine.vllm_connector"
+CONNECTOR_MODULE = "prfaas.engine.vllm.connector"
 IDLE_WAIT_S = 0.02  # longest idle wait (the connector wakes the loop when a load or a send ends)
 
 

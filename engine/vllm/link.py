@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from prfaas.transport.api import TransferStatus
 from prfaas.transport.inbound import Inbound
-from prfaas.transport.tcp import TcpChannel
-from prfaas.transport.tcp_server import TcpReceiver
+from prfaas.transport.tcp_receiver import TcpReceiver
+from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tickets import TicketVerifier
 
 

@@ -3,12 +3,12 @@ transport in the same wire format as the HF engine.
 
 Load it with:
 
-    KVTransferConfig(kv_connector="PrfaasConnector", kv_connector_module_path="prfaas.engine.vllm_connector",
+    KVTransferConfig(kv_connector="PrfaasConnector", kv_connector_module_path="prfaas.engine.vllm.connector",
                      kv_role="kv_both", kv_load_failure_policy="recompute", engine_id=...,
                      kv_connector_extra_config={"ticket_keys": {"k1": "<hex>"}, "kv_host": "0.0.0.0", "kv_port": 7400})
 
 One engine can do both roles; each request says which in its `kv_transfer_params`
-(`engine/vllm_params.py`):
+(`engine/vllm/params.py`):
 
 - `prfaas_ship` (prefill region). In the step where the request's prompt is complete the
   scheduler side hands the worker the request's blocks; the worker's `save_kv_layer` adds
@@ -27,7 +27,7 @@ One engine can do both roles; each request says which in its `kv_transfer_params
   instead of waiting forever.
 
 The layout adapter between paged blocks and `[kv_heads, tokens, head_dim]` tensors is
-`engine/vllm_layout.py`. Ticket keys are hex strings, kid -> key (>= 32 bytes).
+`engine/vllm/layout.py`. Ticket keys are hex strings, kid -> key (>= 32 bytes).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from prfaas.engine.vllm_layout import gather_layer, layer_index, scatter_layer
-from prfaas.engine.vllm_link import LINKS, KVLink, ShipOutcome
-from prfaas.engine.vllm_params import LoadParams, ShipParams, parse_kv_params
+from prfaas.engine.vllm.layout import gather_layer, layer_index, scatter_layer
+from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
+from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
 from prfaas.transport.api import Shipment, ShipmentSpec, Transfer, TransferStatus
 from prfaas.transport.tickets import TicketVerifier
 

@@ -1,0 +1,123 @@
+"""What the decode agent needs of an engine: the `DecodeBackend` Protocol, and what passes
+between the two.
+
+The agent (`agent.py`) owns reservations (bytes, tickets' tenant, deadlines, the watch on the
+prefill region, tombstones), the worker slots and the token stream. A backend adopts the KV
+a reservation receives and generates from it: `HFDecode` (`hf_backend.py`: the embedded
+engine; the region's KV receiver assembles each shipment layer by layer) and `VLLMDecode`
+(`vllm_backend.py`: the region's vLLM server receives the KV itself).
+
+Lifetimes: `expect` returns a `KVHold` that lives until the agent calls `end` on it, exactly
+once, when the reservation ends (whatever ends it); after `end` nothing of the shipment is
+kept. The token iterators `decode` and `generate` return are closed by the agent when the
+stream ends early (EOS, cancel, deadline), which aborts the engine's work.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from prfaas.engine.base import ModelFacts
+from prfaas.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A reservation's shipment as a backend accepts it. Units: bytes, time.monotonic()."""
+
+    job_id: str
+    attempt: int
+    tenant: str  # a ticket for another tenant is refused
+    kv_bytes: int  # the most raw KV bytes the shipment may carry
+    deadline: float
+    created: float
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """A Decode request as a backend reads it."""
+
+    job_id: str
+    attempt: int
+    first_token: int  # generation step 0, chosen by the prefill region
+    token_ids: list[int]  # the prompt the KV belongs to (required by engines that recompute)
+    num_tokens: int  # the KV's length, tokens
+    token_ids_hash: str
+
+
+class ShipmentEvents(Protocol):
+    """The agent's side of a shipment, as a backend reports to it."""
+
+    def arrived(self) -> None:
+        """The KV is in: the prefill region owes this reservation nothing more."""
+        ...
+
+    def failed(self, error: BaseException) -> None:
+        """The shipment failed or does not fit: the reservation ends with `error`."""
+        ...
+
+
+class KVHold(Protocol):
+    """A backend's hold on one reservation's shipment."""
+
+    def start(self) -> None:
+        """Begin taking the shipment in (after the agent is ready for `ShipmentEvents`)."""
+        ...
+
+    def wait(self, deadline: float, is_active: Callable[[], bool]) -> bool:
+        """Until the KV can be decoded from: True; False if the hold ended first (the
+        reservation's error says why). DeadlineExceeded at `deadline`; Canceled once
+        `is_active()` is false (the caller left)."""
+        ...
+
+    def end(self, reason: str, claimed: bool) -> None:
+        """The reservation ended (`claimed`: a Decode took its KV): free what is held."""
+        ...
+
+
+class DecodeBackend(Protocol):
+    """An engine as the decode agent drives it; thread-safe."""
+
+    @property
+    def facts(self) -> ModelFacts: ...
+
+    @property
+    def kv_endpoint(self) -> str:
+        """Where prefill regions send KV (transport/endpoints.py), returned by Reserve."""
+        ...
+
+    def expect(self, expected: Expected, ttl_s: float, events: ShipmentEvents) -> KVHold:
+        """Accept `expected`'s shipment for `ttl_s` seconds; ValueError if it cannot (one is
+        already expected for this job)."""
+        ...
+
+    def check_decode(self, call: DecodeCall, params: SamplingParams) -> None:
+        """The engine's own checks of a Decode request (raise a RegionError or engine error)."""
+        ...
+
+    def decode(self, hold: KVHold, call: DecodeCall, params: SamplingParams, deadline: float,
+               canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+        """The tokens of steps 1 .. max_new_tokens - 1 after `call.first_token`, decoded from
+        the KV `hold` took in (after `hold.wait` returned True)."""
+        ...
+
+    def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        """The engine's checks of a Generate prompt (InvalidPrompt, PromptTooLong, ...)."""
+        ...
+
+    def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
+                 canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+        """Every token of a local (end-to-end) run, from step 0."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def close_tokens(tokens: Iterator[int]) -> None:
+    """End a token iterator early (EOS, cancel, deadline): aborts the engine's work for it."""
+    close = getattr(tokens, "close", None)
+    if close is not None:
+        close()

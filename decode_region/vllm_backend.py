@@ -1,0 +1,127 @@
+"""`VLLMDecode`: the decode backend of a region with `engine: vllm`; the KV lands in the
+region's vLLM server instead of this process.
+
+- `expect` registers the shipment with the server before the prefill starts; the KV
+  endpoint is the server's KV port (the prfaas connector receives there, in the wire format
+  the HF backend receives, so either engine's prefill can feed it).
+- Decode sends vLLM `prompt + [first_token]` with the shipment covering the prompt
+  (`LoadParams.num_tokens`): vLLM computes only the first token's position and streams the
+  rest; tokens equal a single vLLM process's. A shipment that fails or misses its deadline
+  is recomputed by vLLM (late, not wrong). DecodeRequest.token_ids is required.
+- Generate runs the prompt whole in vLLM.
+Decoding is greedy (the host's only mode); sampling requests get INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from prfaas.decode_region.backend import DecodeCall, Expected, KVHold, ShipmentEvents, close_tokens
+from prfaas.engine.base import ModelFacts, check_prompt
+from prfaas.engine.kv import hash_token_ids
+from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.vllm.params import LoadParams
+from prfaas.engine.vllm.remote import VLLMEngine, check_greedy
+from prfaas.engine.vllm.server import StreamStopped
+from prfaas.region.errors import Canceled, InvalidRequest
+from prfaas.region.requests import MAX_TIMEOUT_S
+
+
+class ServerHold:
+    """A shipment registered with the vLLM server: its connector fills paged blocks as the
+    layers arrive, so there is nothing to wait for here."""
+
+    def __init__(self, engine: VLLMEngine, expected: Expected, events: ShipmentEvents) -> None:
+        self.vllm = engine
+        self.expected = expected
+        self.events = events
+        self._ended = False
+
+    def start(self) -> None:
+        pass
+
+    def wait(self, deadline: float, is_active: Callable[[], bool]) -> bool:
+        return not self._ended  # vLLM loads the KV or, failing that, recomputes it
+
+    def end(self, reason: str, claimed: bool) -> None:
+        self._ended = True
+        if not claimed:  # no vLLM request will take the shipment: drop it there
+            with contextlib.suppress(Exception):  # the server is gone or slow: the registration expires
+                self.vllm.forget(self.expected.job_id, self.expected.attempt)
+
+
+class VLLMDecode:
+    def __init__(self, engine: VLLMEngine) -> None:
+        if engine.kv_endpoint is None:
+            raise ValueError("a vLLM decode region's server needs ticket keys (it receives the KV)")
+        self.vllm = engine
+        self._kv_endpoint = engine.kv_endpoint
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self.vllm.facts
+
+    @property
+    def kv_endpoint(self) -> str:
+        return self._kv_endpoint
+
+    def expect(self, expected: Expected, ttl_s: float, events: ShipmentEvents) -> KVHold:
+        self.vllm.expect(expected.job_id, expected.attempt, ttl_s)
+        return ServerHold(self.vllm, expected, events)
+
+    def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        check_greedy(params)
+        check_prompt(self.vllm.facts, token_ids, params)
+
+    def check_decode(self, call: DecodeCall, params: SamplingParams) -> None:
+        prompt = call.token_ids
+        if not prompt:
+            raise InvalidRequest("token_ids is empty: a vLLM decode region needs the prompt the KV belongs to")
+        if len(prompt) != call.num_tokens:
+            raise InvalidRequest(f"token_ids holds {len(prompt)} tokens, the KV covers {call.num_tokens}")
+        if call.token_ids_hash and hash_token_ids(prompt) != call.token_ids_hash:
+            raise InvalidRequest("token_ids do not match the KV's token_ids_hash (another prompt's cache)")
+        self.check_prompt(prompt, params)
+
+    def decode(self, hold: KVHold, call: DecodeCall, params: SamplingParams, deadline: float,
+               canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+        assert isinstance(hold, ServerHold)  # this backend's own
+        if params.max_new_tokens <= 1:  # vLLM generates at least one token: ask for none
+            return iter(())
+        remaining = deadline - time.monotonic()
+        load = LoadParams(call.job_id, call.attempt, min(MAX_TIMEOUT_S, max(0.1, remaining)), len(call.token_ids))
+        rest = self.vllm.stream([*call.token_ids, call.first_token], params.max_new_tokens - 1, load.to_kv_params(),
+                                remaining, stop=canceled)  # fmt: skip
+        return _arrived_at_first(hold.events, rest)
+
+    def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
+                 canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+        tokens = self.vllm.stream(token_ids, params.max_new_tokens, None, deadline - time.monotonic(), stop=canceled)
+        return _canceled_on_stop(tokens)
+
+    def close(self) -> None:
+        self.vllm.close()
+
+
+def _arrived_at_first(events: ShipmentEvents, tokens: Iterator[int]) -> Iterator[int]:
+    """Once vLLM produced a token the prompt's KV is in (loaded, or recomputed): the
+    prefill region owes nothing more, and losing it must not end this decode."""
+    try:
+        for index, token in enumerate(tokens):
+            if index == 0:
+                events.arrived()
+            yield token
+    finally:
+        close_tokens(tokens)  # an early end (EOS, cancel, deadline) aborts the vLLM request
+
+
+def _canceled_on_stop(tokens: Iterator[int]) -> Iterator[int]:
+    try:
+        yield from tokens
+    except StreamStopped:
+        raise Canceled("canceled during decode") from None
+    finally:
+        close_tokens(tokens)

@@ -1,0 +1,43 @@
+"""The decode region's engine workers: a fixed number of slots, each waited for no longer
+than the call's deadline. Counts what is busy and waiting for the region's load."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+from prfaas.decode_region import metrics
+from prfaas.region.errors import DeadlineExceeded
+
+
+class WorkerSlots:
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self._slots = threading.BoundedSemaphore(num_workers)
+        self._lock = threading.Lock()
+        self.busy = 0
+        self.waiting = 0
+
+    @contextlib.contextmanager
+    def slot(self, deadline: float) -> Iterator[None]:
+        """One worker, held for the block; DeadlineExceeded if none frees up by `deadline`."""
+        with self._lock:
+            self.waiting += 1
+        try:
+            if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise DeadlineExceeded(f"all {self.num_workers} decode workers stayed busy until the deadline")
+        finally:
+            with self._lock:
+                self.waiting -= 1
+        with self._lock:
+            self.busy += 1
+            metrics.BUSY_WORKERS.set(self.busy)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.busy -= 1
+                metrics.BUSY_WORKERS.set(self.busy)
+            self._slots.release()

@@ -1,0 +1,37 @@
+"""Where a prefill job ships its KV: the decode region's endpoint, the ticket it must
+present, and the codec; parsed from the request and checked (`InvalidRequest` names the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prfaas.protos.prfaas.v1 import prefill_pb2
+from prfaas.region.errors import InvalidRequest
+from prfaas.transport.codecs import get_codec
+from prfaas.transport.endpoints import Endpoint, choose, parse_endpoints
+from prfaas.transport.errors import CodecError
+
+
+@dataclass(frozen=True)
+class Destination:
+    address: Endpoint  # the fastest of the decode region's endpoints usable from here
+    ticket: str
+    codec: str
+    endpoints: tuple[Endpoint, ...] = ()  # all the decode region offered, in its order
+    kv_endpoint: str = ""  # as the request wrote them
+
+    @staticmethod
+    def parse(msg: prefill_pb2.Destination, default_codec: str) -> Destination:
+        try:
+            endpoints = parse_endpoints(msg.kv_endpoint)
+            address = choose(endpoints)
+        except ValueError as exc:
+            raise InvalidRequest(f"destination.kv_endpoint: {exc}") from None
+        if not msg.ticket:
+            raise InvalidRequest("destination.ticket is required (signed by the control plane)")
+        codec = msg.codec or default_codec
+        try:
+            get_codec(codec)
+        except (CodecError, ValueError, KeyError):
+            raise InvalidRequest(f"destination.codec {codec!r} is not one of raw, lossless, fp8, int8") from None
+        return Destination(address, msg.ticket, codec, endpoints, msg.kv_endpoint)

@@ -1,0 +1,75 @@
+"""One admitted prefill job as the agent tracks it: its events for the caller, its cancel and
+deadline. It is the `JobProgress` its backend reports to (`backend.py`).
+
+A job ends exactly once: the first error given to `cancel` is the job's error; every later
+one is ignored. Whatever the backend attached (a transfer, a vLLM request) is canceled with it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prfaas.prefill_region.backend import JobStopped, PrefillWork
+from prfaas.protos.prfaas.v1 import common_pb2, prefill_pb2
+from prfaas.region.errors import DeadlineExceeded
+
+END = object()  # the last item of `events`: the job ended (its `error` says how)
+
+
+@dataclass(eq=False)
+class Job:
+    work: PrefillWork
+    on_prefilled: Callable[[int, float], None]  # (prompt tokens, seconds): the region's throughput
+    started: float = field(default_factory=time.monotonic)
+    events: queue.Queue[object] = field(default_factory=queue.Queue)  # PrefillEvent ..., then END
+    stop: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    _cancels: list[Callable[[], None]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def job_id(self) -> str:
+        return self.work.job_id
+
+    @property
+    def deadline(self) -> float:
+        return self.work.deadline
+
+    def emit(self, event: prefill_pb2.PrefillEvent) -> None:
+        event.elapsed_s = time.monotonic() - self.started
+        self.events.put(event)
+
+    def cancel(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            cancels = list(self._cancels)
+        self.stop.set()
+        for cancel in cancels:
+            cancel()
+
+    def attach(self, cancel: Callable[[], None]) -> None:
+        with self._lock:
+            self._cancels.append(cancel)
+        if self.stop.is_set():
+            cancel()
+            raise JobStopped
+
+    def check(self) -> None:
+        if self.stop.is_set():
+            raise JobStopped
+        if time.monotonic() >= self.work.deadline:
+            self.cancel(DeadlineExceeded("prefill job deadline reached"))
+            raise JobStopped
+
+    def layer_shipped(self, index: int) -> None:
+        self.emit(prefill_pb2.PrefillEvent(layer_shipped=prefill_pb2.LayerShipped(layer=index)))
+
+    def prefill_done(self, first_token: int, kv: common_pb2.KVDescriptor, prefill_s: float) -> None:
+        self.on_prefilled(len(self.work.token_ids), prefill_s)
+        done = prefill_pb2.PrefillDone(first_token=first_token, kv=kv, prefill_s=prefill_s)
+        self.emit(prefill_pb2.PrefillEvent(prefill_done=done))

@@ -1,0 +1,78 @@
+"""`VLLMPrefill`: the prefill backend of a region with `engine: vllm`.
+
+A job is one vLLM request for one token carrying `prfaas_ship` params: the prfaas connector
+ships each layer's KV to the decode region as vLLM computes it, or, to a decode region on
+the same machine, all of it right after the forward (`vllm.ship`; the wire format of the HF
+backend's shipments, so either engine decodes it); the backend then waits for the
+shipment's outcome. vLLM frees the KV once it is shipped, so there is nothing to reship.
+Decoding is greedy only (the vLLM host's one mode): sampling requests are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from prfaas.engine.base import ModelFacts
+from prfaas.engine.kv import hash_token_ids
+from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.vllm.params import ShipParams, layerwise_for
+from prfaas.engine.vllm.remote import VLLMEngine, check_greedy, shipment_error
+from prfaas.prefill_region.backend import JobProgress, JobStopped, PrefillWork, Reshipped, Shipped, kv_descriptor
+from prfaas.prefill_region.destination import Destination
+from prfaas.region.errors import InvalidRequest, NotFound
+
+
+class VLLMPrefill:
+    """`ship`: "auto", "layerwise" or "after_forward" (region config `vllm.ship`)."""
+
+    def __init__(self, engine: VLLMEngine, *, ship: str = "auto") -> None:
+        layerwise_for("127.0.0.1", ship)  # a bad setting fails here, not on the first job
+        self.vllm = engine
+        self.ship = ship
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self.vllm.facts
+
+    def admit(self, destination: Destination, params: SamplingParams) -> Destination:
+        check_greedy(params)
+        tcp = [e for e in destination.endpoints if e.kind == "tcp"]
+        if not tcp:
+            raise InvalidRequest(
+                f"destination.kv_endpoint {destination.kv_endpoint!r} has no TCP endpoint: a vLLM prefill "
+                "region ships KV over TCP only"
+            )
+        return dataclasses.replace(destination, address=tcp[0])
+
+    def run(self, work: PrefillWork, job: JobProgress) -> Shipped:
+        address = work.destination.address
+        ship = ShipParams(work.job_id, work.attempt, work.destination.ticket, f"{address.host}:{address.port}",
+                          work.destination.codec, min(3600.0, work.deadline - time.monotonic()),
+                          layerwise_for(address.host, self.ship))  # fmt: skip
+        kv_params = ship.to_kv_params()
+        t0 = time.monotonic()
+        result = self.vllm.generate(work.token_ids, 1, kv_params, timeout_s=max(0.1, work.deadline - t0))
+        prefill_s = time.monotonic() - t0
+        job.check()
+        kv = kv_descriptor(self.vllm.facts, len(work.token_ids), hash_token_ids(work.token_ids))
+        job.prefill_done(int(result["token_ids"][0]), kv, prefill_s)
+        outcome = None
+        while outcome is None:  # in short slices: a Cancel or the deadline ends the wait
+            job.check()
+            outcome = self.vllm.wait_shipped(kv_params, min(1.0, max(0.01, work.deadline - time.monotonic())))
+        if outcome["status"] != "completed":
+            job.cancel(shipment_error(outcome))
+            raise JobStopped
+        return Shipped(raw_bytes=outcome["raw_bytes"], wire_bytes=outcome["wire_bytes"], seconds=outcome["seconds"])
+
+    def reship(self, job_id: str, attempt: int, destination: Destination, deadline: float,
+               on_cancel: Callable[[Callable[[], None]], object]) -> Reshipped:  # fmt: skip
+        raise NotFound("no KV lease: a vLLM prefill region frees a prompt's KV once it is shipped; prefill again")
+
+    def drop(self, job_id: str) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.vllm.close()

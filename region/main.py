@@ -1,0 +1,35 @@
+"""One region process, from its config to its end (`prfaas region --config FILE`): build it,
+start serving, heartbeat to the registry, print the `ready ...` line launchers wait for
+(devstack/processes.py reads it), then serve until SIGTERM (drain: running work finishes
+within `drain_timeout_s`) or SIGINT (stop at once)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from prfaas.region.build import build_region
+from prfaas.region.config import RegionConfig
+
+GIL_SWITCH_S = 0.0005  # default of PRFAAS_GIL_SWITCH_S
+
+
+def serve(config: RegionConfig) -> None:
+    """Raises EngineError, OSError or ValueError when the region cannot start."""
+    # KV transport threads share the GIL with the forward: a short switch interval keeps the
+    # layer-wise shipment from stalling the prefill (measured in bench/split_ttft.py).
+    sys.setswitchinterval(float(os.environ.get("PRFAAS_GIL_SWITCH_S", str(GIL_SWITCH_S))))
+    server, registration = build_region(config)
+    heartbeat = None
+    if config.control_plane_url:
+        heartbeat = (config.control_plane_url, registration, config.heartbeat_interval_s)
+    server.start(heartbeat)
+    signal.signal(
+        signal.SIGTERM, lambda *_: threading.Thread(target=server.drain, args=(config.drain_timeout_s,)).start()
+    )
+    signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=server.stop).start())
+    print(f"ready region={config.name} role={config.role} grpc={server.grpc_address} "
+          f"kv={registration.kv_endpoint or '-'} metrics={server.metrics_address or '-'}", flush=True)  # fmt: skip
+    server.wait()

@@ -1,0 +1,49 @@
+"""What a region reads from a request: job ids, timeouts and sampling parameters, checked
+(an `InvalidRequest` names the field), and their proto <-> engine conversions."""
+
+from __future__ import annotations
+
+import uuid
+
+from prfaas.engine.sampling import SamplingParams
+from prfaas.protos.prfaas.v1 import common_pb2
+from prfaas.region.errors import InvalidRequest
+
+MAX_TIMEOUT_S = 3600.0  # the longest deadline any region call may ask for (seconds)
+
+
+def job_uuid(value: str) -> str:
+    """The canonical form of a job id; InvalidRequest unless it is a UUID."""
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise InvalidRequest(f"job_id must be a UUID, got {value[:64]!r}") from None
+
+
+def timeout_from(value: float, *, default_s: float, max_s: float, field: str = "timeout_s") -> float:
+    """A request's timeout: 0 (unset) means `default_s`; it must be > 0 and at most `max_s`."""
+    if value == 0:
+        return default_s
+    if not 0 < value <= max_s:  # also rejects NaN
+        raise InvalidRequest(f"{field} must be in (0, {max_s:g}] seconds, got {value}")
+    return value
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=msg.max_new_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+        ignore_eos=params.ignore_eos,
+    )  # fmt: skip
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
