@@ -136,9 +136,21 @@ def _region_output_keys(module: str) -> set[str]:
     return set(re.findall(r"^\s+(\w+)\s+=", block.group(1), re.M))
 
 
+def _module_text(module: str) -> str:
+    return "".join(p.read_text() for p in sorted((REPO / "terraform" / "modules" / module).glob("*.tf")))
+
+
 def _variables(module: str) -> set[str]:
-    text = "".join(p.read_text() for p in (REPO / "terraform" / "modules" / module).glob("*.tf"))
-    return set(re.findall(r'^variable "(\w+)"', text, re.M))
+    return set(re.findall(r'^variable "(\w+)"', _module_text(module), re.M))
+
+
+def _interface() -> set[str]:
+    """The attributes of region_config's `region` object: the region interface."""
+    block = re.search(
+        r'^variable "region" \{.*?type = object\(\{(.*?)\n  \}\)', _module_text("region_config"), re.S | re.M
+    )
+    assert block is not None
+    return set(re.findall(r"^\s+(\w+)\s+=", block.group(1), re.M))
 
 
 def test_region_modules_share_one_interface_and_the_importer_reads_it() -> None:
@@ -146,8 +158,13 @@ def test_region_modules_share_one_interface_and_the_importer_reads_it() -> None:
     assert local == aws
     assert set(parse_outputs(SAMPLE.read_text()).regions[0].model_dump()) == aws
     shared = {
-        "name", "role", "gpu_type", "usd_per_gpu_hour", "model", "workers", "kv_buffer_bytes", "codec", "grpc_port",
-        "kv_port", "metrics_port", "control_plane_url", "ticket_key_id", "heartbeat_interval_s", "drain_timeout_s",
+        "name", "role", "gpu_type", "usd_per_gpu_hour", "model", "workers", "kv_buffer_bytes", "codec", "dtype",
+        "grpc_port", "kv_port", "metrics_port", "ticket_key_id", "heartbeat_interval_s", "drain_timeout_s",
     }  # fmt: skip
-    for module in ("region_local", "region_aws", "region_config"):
-        assert shared <= _variables(module), module
+    assert _interface() == shared
+    # declared once: the host modules take the object and pass it to region_config unchanged in shape
+    for module in ("region_local", "region_aws"):
+        assert not shared & _variables(module), module
+        assert {"region", "control_plane_url"} <= _variables(module), module
+        config = re.search(r'module "config" \{(.*?)\n\}', _module_text(module), re.S)
+        assert config is not None and 'source = "../region_config"' in " ".join(config.group(1).split()), module

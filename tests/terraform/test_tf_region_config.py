@@ -13,7 +13,7 @@ import pytest
 import yaml
 from tf_kit import NETNS, REPO, have_terraform
 
-from prfaas.protos.region_config import load_config
+from prfaas.region.config import load_config
 
 pytestmark = pytest.mark.skipif(not have_terraform(), reason="needs terraform on PATH and root (ip netns)")
 MODULES = REPO / "terraform" / "modules"
@@ -21,24 +21,26 @@ SECRET = "arn:aws:secretsmanager:us-east-2:123456789012:secret:prfaas/example/ti
 
 CONFIG = f"""
 module "region" {{
-  source               = "{MODULES / "region_config"}"
-  name                 = "decode-use1"
-  role                 = "decode"
-  gpu_type             = "h100"
-  workers              = 8
-  usd_per_gpu_hour     = 12.29
-  model                = "smollm2-135m"
-  kv_buffer_bytes      = 68719476736
-  codec                = "lossless"
-  grpc_port            = 50051
-  kv_port              = 7400
-  metrics_port         = 9400
-  control_plane_url    = "prreg-0123.elb.us-east-1.amazonaws.com:7000"
-  heartbeat_interval_s = 1
-  drain_timeout_s      = 20
-  listen_host          = "0.0.0.0"
-  device               = "cuda"
-  dtype                = "bfloat16"
+  source = "{MODULES / "region_config"}"
+  region = {{
+    name                 = "decode-use1"
+    role                 = "decode"
+    gpu_type             = "h100"
+    workers              = 8
+    usd_per_gpu_hour     = 12.29
+    model                = "smollm2-135m"
+    kv_buffer_bytes      = 68719476736
+    codec                = "lossless"
+    dtype                = "bfloat16"
+    grpc_port            = 50051
+    kv_port              = 7400
+    metrics_port         = 9400
+    heartbeat_interval_s = 1
+    drain_timeout_s      = 20
+  }}
+  control_plane_url = "prreg-0123.elb.us-east-1.amazonaws.com:7000"
+  listen_host       = "0.0.0.0"
+  device            = "cuda"
 }}
 
 output "cloud_init" {{

@@ -15,18 +15,20 @@ module "decode" {
   source    = "../../modules/region_aws"
   providers = { aws = aws.decode }
 
-  name                  = var.decode.name
-  role                  = "decode"
-  gpu_type              = var.decode.gpu_type
+  region = {
+    name             = var.decode.name
+    role             = "decode"
+    gpu_type         = var.decode.gpu_type
+    usd_per_gpu_hour = var.decode.usd_per_gpu_hour
+    model            = var.model
+    kv_buffer_bytes  = var.decode.kv_buffer_bytes
+  }
+  control_plane_url     = module.control_plane.registry_target
   instance_types        = var.decode.instance_types
-  usd_per_gpu_hour      = var.decode.usd_per_gpu_hour
-  model                 = var.model
-  kv_buffer_bytes       = var.decode.kv_buffer_bytes
   vpc_cidr              = var.decode.vpc_cidr
   availability_zones    = var.decode.availability_zones
   peer_cidrs            = local.prefill_cidrs
   control_plane_cidrs   = [var.decode.vpc_cidr]
-  control_plane_url     = module.control_plane.registry_target
   ticket_key_secret_arn = local.ticket_arn
   ticket_key_kms_arn    = module.control_plane.ticket_key_kms_arn
   prfaas_package        = var.prfaas_package
@@ -56,17 +58,19 @@ module "prefill_a" {
   source    = "../../modules/region_aws"
   providers = { aws = aws.prefill_a }
 
-  name                    = var.prefill_a.name
-  role                    = "prefill"
-  gpu_type                = var.prefill_a.gpu_type
+  region = {
+    name             = var.prefill_a.name
+    role             = "prefill"
+    gpu_type         = var.prefill_a.gpu_type
+    usd_per_gpu_hour = var.prefill_a.usd_per_gpu_hour
+    model            = var.model
+  }
+  control_plane_url       = module.control_plane.registry_target
   instance_types          = var.prefill_a.instance_types
-  usd_per_gpu_hour        = var.prefill_a.usd_per_gpu_hour
-  model                   = var.model
   vpc_cidr                = var.prefill_a.vpc_cidr
   availability_zones      = var.prefill_a.availability_zones
   peer_cidrs              = [var.decode.vpc_cidr]
   control_plane_cidrs     = [var.decode.vpc_cidr]
-  control_plane_url       = module.control_plane.registry_target
   ticket_key_secret_arn   = local.replica_arn[var.prefill_a.aws_region]
   prfaas_package          = var.prfaas_package
   min_size                = var.prefill_a.min_size
@@ -79,17 +83,19 @@ module "prefill_b" {
   source    = "../../modules/region_aws"
   providers = { aws = aws.prefill_b }
 
-  name                    = var.prefill_b.name
-  role                    = "prefill"
-  gpu_type                = var.prefill_b.gpu_type
+  region = {
+    name             = var.prefill_b.name
+    role             = "prefill"
+    gpu_type         = var.prefill_b.gpu_type
+    usd_per_gpu_hour = var.prefill_b.usd_per_gpu_hour
+    model            = var.model
+  }
+  control_plane_url       = module.control_plane.registry_target
   instance_types          = var.prefill_b.instance_types
-  usd_per_gpu_hour        = var.prefill_b.usd_per_gpu_hour
-  model                   = var.model
   vpc_cidr                = var.prefill_b.vpc_cidr
   availability_zones      = var.prefill_b.availability_zones
   peer_cidrs              = [var.decode.vpc_cidr]
   control_plane_cidrs     = [var.decode.vpc_cidr]
-  control_plane_url       = module.control_plane.registry_target
   ticket_key_secret_arn   = local.replica_arn[var.prefill_b.aws_region]
   prfaas_package          = var.prfaas_package
   min_size                = var.prefill_b.min_size

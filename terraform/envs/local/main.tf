@@ -9,6 +9,11 @@ terraform {
 
 locals {
   run_dir = var.run_dir != "" ? var.run_dir : "${abspath(path.root)}/.run"
+  # what differs between the two regions (the rest is in module "region")
+  regions = {
+    prefill = { name = "prefill-local", role = "prefill", usd_per_gpu_hour = var.prefill_usd_per_gpu_hour, grpc_port = var.prefill_grpc_port, kv_port = var.prefill_kv_port }
+    decode  = { name = "decode-local", role = "decode", usd_per_gpu_hour = var.decode_usd_per_gpu_hour, grpc_port = var.decode_grpc_port, kv_port = var.decode_kv_port }
+  }
 }
 
 module "control_plane" {
@@ -29,38 +34,28 @@ module "control_plane" {
   extra_environment  = { PRFAAS_JOB_TIMEOUT_S = "120" }
 }
 
-module "prefill" {
-  source = "../../modules/region_local"
+module "region" {
+  source   = "../../modules/region_local"
+  for_each = local.regions
 
-  name                 = "prefill-local"
-  role                 = "prefill"
-  usd_per_gpu_hour     = var.prefill_usd_per_gpu_hour
-  model                = var.model
-  codec                = "raw"
-  grpc_port            = var.prefill_grpc_port
-  kv_port              = var.prefill_kv_port
-  control_plane_url    = module.control_plane.registry_target
-  ticket_key           = var.ticket_key
-  heartbeat_interval_s = 0.5
-  python               = var.python
-  run_dir              = local.run_dir
-  dev                  = var.dev
+  region = merge(each.value, {
+    model                = var.model
+    codec                = "raw"
+    heartbeat_interval_s = 0.5
+  })
+  control_plane_url = module.control_plane.registry_target
+  ticket_key        = var.ticket_key
+  python            = var.python
+  run_dir           = local.run_dir
+  dev               = var.dev
 }
 
-module "decode" {
-  source = "../../modules/region_local"
+moved {
+  from = module.prefill
+  to   = module.region["prefill"]
+}
 
-  name                 = "decode-local"
-  role                 = "decode"
-  usd_per_gpu_hour     = var.decode_usd_per_gpu_hour
-  model                = var.model
-  codec                = "raw"
-  grpc_port            = var.decode_grpc_port
-  kv_port              = var.decode_kv_port
-  control_plane_url    = module.control_plane.registry_target
-  ticket_key           = var.ticket_key
-  heartbeat_interval_s = 0.5
-  python               = var.python
-  run_dir              = local.run_dir
-  dev                  = var.dev
+moved {
+  from = module.decode
+  to   = module.region["decode"]
 }

@@ -10,17 +10,14 @@ output "control_plane" {
 
 output "regions" {
   description = "registry entries by region name"
-  value = {
-    (module.prefill.region.name) = module.prefill.region
-    (module.decode.region.name)  = module.decode.region
-  }
+  value       = { for region in module.region : region.region.name => region.region }
 }
 
 output "links" {
   description = "directed prefill -> decode links for the registry"
   value = [{
-    src               = module.prefill.region.name
-    dst               = module.decode.region.name
+    src               = module.region["prefill"].region.name
+    dst               = module.region["decode"].region.name
     rtt_ms            = var.link_rtt_ms
     bandwidth_gbps    = var.link_bandwidth_gbps
     egress_usd_per_gb = 0

@@ -13,43 +13,30 @@ data "aws_ssm_parameter" "gpu_ami" {
 }
 
 locals {
+  region        = module.config.region
   ami_id        = var.ami_id != "" ? var.ami_id : data.aws_ssm_parameter.gpu_ami[0].insecure_value
-  serves_decode = contains(["decode", "both"], var.role)
+  serves_decode = contains(["decode", "both"], local.region.role)
   user_data = templatefile("${path.module}/cloud-init.yaml.tftpl", {
     region_yaml   = module.config.yaml
     package       = var.prfaas_package
     secret_arn    = var.ticket_key_secret_arn
     aws_region    = data.aws_region.current.name
     log_group     = aws_cloudwatch_log_group.region.name
-    drain_timeout = var.drain_timeout_s
+    drain_timeout = local.region.drain_timeout_s
   })
 }
 
 module "config" {
   source = "../region_config"
 
-  name                 = var.name
-  role                 = var.role
-  gpu_type             = var.gpu_type
-  workers              = var.workers
-  usd_per_gpu_hour     = var.usd_per_gpu_hour
-  model                = var.model
-  kv_buffer_bytes      = var.kv_buffer_bytes
-  codec                = var.codec
-  grpc_port            = var.grpc_port
-  kv_port              = var.kv_port
-  metrics_port         = var.metrics_port
-  control_plane_url    = var.control_plane_url
-  ticket_key_id        = var.ticket_key_id
-  heartbeat_interval_s = var.heartbeat_interval_s
-  drain_timeout_s      = var.drain_timeout_s
-  listen_host          = "0.0.0.0"
-  device               = "cuda"
-  dtype                = var.dtype
+  region            = merge({ gpu_type = "l40s", dtype = "bfloat16" }, var.region)
+  control_plane_url = var.control_plane_url
+  listen_host       = "0.0.0.0"
+  device            = "cuda"
 }
 
 resource "aws_kms_key" "this" {
-  description             = "prfaas ${var.name}: EBS volumes and logs"
+  description             = "prfaas ${local.region.name}: EBS volumes and logs"
   enable_key_rotation     = true
   deletion_window_in_days = 30
   policy                  = data.aws_iam_policy_document.kms.json
@@ -92,7 +79,7 @@ data "aws_iam_policy_document" "kms" {
 }
 
 resource "aws_cloudwatch_log_group" "region" {
-  name              = "/prfaas/${var.name}/region"
+  name              = "/prfaas/${local.region.name}/region"
   retention_in_days = var.log_retention_days
   kms_key_id        = aws_kms_key.this.arn
   tags              = var.tags
@@ -101,8 +88,8 @@ resource "aws_cloudwatch_log_group" "region" {
 # --- network access: only the KV port from peer regions, gRPC from the control plane -----
 
 resource "aws_security_group" "region" {
-  name_prefix = "prfaas-${var.name}-"
-  description = "prfaas region ${var.name}: KV from peer regions, gRPC from the control plane"
+  name_prefix = "prfaas-${local.region.name}-"
+  description = "prfaas region ${local.region.name}: KV from peer regions, gRPC from the control plane"
   vpc_id      = local.vpc_id
   tags        = var.tags
   lifecycle {
@@ -115,8 +102,8 @@ resource "aws_vpc_security_group_ingress_rule" "kv" {
   security_group_id = aws_security_group.region.id
   description       = "KV shipments from prefill region ${each.value}"
   ip_protocol       = "tcp"
-  from_port         = var.kv_port
-  to_port           = var.kv_port
+  from_port         = local.region.kv_port
+  to_port           = local.region.kv_port
   cidr_ipv4         = each.value
 }
 
@@ -126,18 +113,18 @@ resource "aws_vpc_security_group_ingress_rule" "grpc" {
   security_group_id = aws_security_group.region.id
   description       = "prfaas gRPC from ${each.value}"
   ip_protocol       = "tcp"
-  from_port         = var.grpc_port
-  to_port           = var.grpc_port
+  from_port         = local.region.grpc_port
+  to_port           = local.region.grpc_port
   cidr_ipv4         = each.value
 }
 
 resource "aws_vpc_security_group_ingress_rule" "metrics" {
-  for_each          = var.metrics_port == 0 ? toset([]) : toset(var.metrics_cidrs)
+  for_each          = local.region.metrics_port == 0 ? toset([]) : toset(var.metrics_cidrs)
   security_group_id = aws_security_group.region.id
   description       = "Prometheus scrape from ${each.value}"
   ip_protocol       = "tcp"
-  from_port         = var.metrics_port
-  to_port           = var.metrics_port
+  from_port         = local.region.metrics_port
+  to_port           = local.region.metrics_port
   cidr_ipv4         = each.value
 }
 
@@ -158,12 +145,12 @@ resource "aws_vpc_security_group_egress_rule" "efa_self" {
 }
 
 resource "aws_vpc_security_group_egress_rule" "kv" {
-  for_each          = contains(["prefill", "both"], var.role) ? toset(var.peer_cidrs) : toset([])
+  for_each          = contains(["prefill", "both"], local.region.role) ? toset(var.peer_cidrs) : toset([])
   security_group_id = aws_security_group.region.id
   description       = "KV shipments to decode region ${each.value}"
   ip_protocol       = "tcp"
-  from_port         = var.kv_port
-  to_port           = var.kv_port
+  from_port         = local.region.kv_port
+  to_port           = local.region.kv_port
   cidr_ipv4         = each.value
 }
 
@@ -183,8 +170,8 @@ resource "aws_vpc_security_group_egress_rule" "peer_grpc" {
   security_group_id = aws_security_group.region.id
   description       = "gRPC health of peer region ${each.value}"
   ip_protocol       = "tcp"
-  from_port         = var.grpc_port
-  to_port           = var.grpc_port
+  from_port         = local.region.grpc_port
+  to_port           = local.region.grpc_port
   cidr_ipv4         = each.value
 }
 
@@ -210,7 +197,7 @@ data "aws_iam_policy_document" "assume_ec2" {
 }
 
 resource "aws_iam_role" "region" {
-  name_prefix        = "prfaas-${substr(var.name, 0, 24)}-"
+  name_prefix        = "prfaas-${substr(local.region.name, 0, 24)}-"
   assume_role_policy = data.aws_iam_policy_document.assume_ec2.json
   tags               = var.tags
 }
@@ -242,7 +229,7 @@ resource "aws_iam_role_policy" "region" {
 }
 
 resource "aws_iam_instance_profile" "region" {
-  name_prefix = "prfaas-${substr(var.name, 0, 24)}-"
+  name_prefix = "prfaas-${substr(local.region.name, 0, 24)}-"
   role        = aws_iam_role.region.name
   tags        = var.tags
 }
@@ -251,13 +238,13 @@ resource "aws_iam_instance_profile" "region" {
 
 resource "aws_placement_group" "efa" {
   count    = var.enable_efa ? 1 : 0
-  name     = "prfaas-${var.name}"
+  name     = "prfaas-${local.region.name}"
   strategy = "cluster"
   tags     = var.tags
 }
 
 resource "aws_launch_template" "region" {
-  name_prefix   = "prfaas-${var.name}-"
+  name_prefix   = "prfaas-${local.region.name}-"
   image_id      = local.ami_id
   instance_type = var.instance_types[0]
   user_data     = base64encode(local.user_data)
@@ -305,19 +292,19 @@ resource "aws_launch_template" "region" {
 
   tag_specifications {
     resource_type = "instance"
-    tags          = merge(var.tags, { Name = "prfaas-${var.name}", "prfaas:region" = var.name, "prfaas:role" = var.role })
+    tags          = merge(var.tags, { Name = "prfaas-${local.region.name}", "prfaas:region" = local.region.name, "prfaas:role" = local.region.role })
   }
 
   tag_specifications {
     resource_type = "volume"
-    tags          = merge(var.tags, { "prfaas:region" = var.name })
+    tags          = merge(var.tags, { "prfaas:region" = local.region.name })
   }
 
   tags = var.tags
 }
 
 resource "aws_autoscaling_group" "region" {
-  name_prefix               = "prfaas-${var.name}-"
+  name_prefix               = "prfaas-${local.region.name}-"
   min_size                  = var.min_size
   max_size                  = var.max_size
   desired_capacity          = var.desired_capacity
@@ -356,7 +343,7 @@ resource "aws_autoscaling_group" "region" {
   }
 
   dynamic "tag" {
-    for_each = merge(var.tags, { Name = "prfaas-${var.name}", "prfaas:region" = var.name })
+    for_each = merge(var.tags, { Name = "prfaas-${local.region.name}", "prfaas:region" = local.region.name })
     content {
       key                 = tag.key
       value               = tag.value

@@ -15,7 +15,7 @@ resource "aws_vpc" "this" {
   cidr_block           = var.vpc_cidr
   enable_dns_support   = true
   enable_dns_hostnames = true
-  tags                 = merge(var.tags, { Name = "prfaas-${var.name}" })
+  tags                 = merge(var.tags, { Name = "prfaas-${local.region.name}" })
 }
 
 # the default security group of a new VPC allows nothing (no rules)
@@ -31,7 +31,7 @@ resource "aws_subnet" "private" {
   availability_zone       = local.azs[count.index]
   cidr_block              = cidrsubnet(var.vpc_cidr, 4, count.index)
   map_public_ip_on_launch = false
-  tags                    = merge(var.tags, { Name = "prfaas-${var.name}-private-${count.index}" })
+  tags                    = merge(var.tags, { Name = "prfaas-${local.region.name}-private-${count.index}" })
 }
 
 resource "aws_subnet" "public" {
@@ -40,7 +40,7 @@ resource "aws_subnet" "public" {
   availability_zone       = local.azs[count.index]
   cidr_block              = cidrsubnet(var.vpc_cidr, 8, 240 + count.index)
   map_public_ip_on_launch = false
-  tags                    = merge(var.tags, { Name = "prfaas-${var.name}-public-${count.index}" })
+  tags                    = merge(var.tags, { Name = "prfaas-${local.region.name}-public-${count.index}" })
 }
 
 resource "aws_internet_gateway" "this" {
@@ -105,7 +105,7 @@ resource "aws_flow_log" "this" {
 
 resource "aws_cloudwatch_log_group" "flow" {
   count             = local.create_vpc ? 1 : 0
-  name              = "/prfaas/${var.name}/vpc-flow"
+  name              = "/prfaas/${local.region.name}/vpc-flow"
   retention_in_days = var.log_retention_days
   kms_key_id        = aws_kms_key.this.arn
   tags              = var.tags
@@ -123,7 +123,7 @@ data "aws_iam_policy_document" "flow_assume" {
 
 resource "aws_iam_role" "flow" {
   count              = local.create_vpc ? 1 : 0
-  name_prefix        = "prfaas-${substr(var.name, 0, 20)}-flow-"
+  name_prefix        = "prfaas-${substr(local.region.name, 0, 20)}-flow-"
   assume_role_policy = data.aws_iam_policy_document.flow_assume.json
   tags               = var.tags
 }

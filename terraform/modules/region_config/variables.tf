@@ -1,98 +1,44 @@
-# The region interface (region_local and region_aws pass theirs through).
+# The region interface, declared once: region_local and region_aws take the same `region`
+# object (type `any` there) and pass it here; what they need of it they read back from the
+# output `region` (this object with its defaults filled in). control_plane_url stays a
+# variable of its own: it comes from the control plane's resources, and inside the object it
+# would make every resource of a region wait for (and, in envs/aws-example, where the control
+# plane runs in the decode region's VPC, depend in a cycle on) the control plane.
 
-variable "name" {
-  description = "region name, [a-z0-9-], at most 63 characters"
-  type        = string
+variable "region" {
+  description = "the region interface (docs/deploy.md); name and role are required"
+  type = object({
+    name                 = string                         # [a-z0-9-], at most 63 characters
+    role                 = string                         # prefill, decode or both
+    gpu_type             = optional(string, "cpu")        # reported to the registry
+    usd_per_gpu_hour     = optional(number, 0)            # price the scheduler and the ledger use, $/GPU-hour
+    model                = optional(string, "tiny-llama") # catalog name or HF model folder; the control plane's
+    workers              = optional(number, 1)            # engine workers (concurrent prefills / decodes)
+    kv_buffer_bytes      = optional(number, 268435456)    # decode KV buffer, bytes
+    codec                = optional(string, "lossless")   # KV codec when a request names none: raw, lossless, fp8, int8
+    dtype                = optional(string, "float32")    # engine dtype: float32, bfloat16, float16
+    grpc_port            = optional(number, 50051)        # gRPC port of the region's services
+    kv_port              = optional(number, 7400)         # KV port (decode role)
+    metrics_port         = optional(number, 0)            # Prometheus /metrics port; 0: off
+    ticket_key_id        = optional(string, "k1")         # id of the ticket key
+    heartbeat_interval_s = optional(number, 1)            # heartbeat period, seconds
+    drain_timeout_s      = optional(number, 5)            # SIGTERM: seconds running jobs may finish
+  })
   validation {
-    condition     = can(regex("^[a-z0-9][a-z0-9-]{0,62}$", var.name))
-    error_message = "name: [a-z0-9-], at most 63 characters, starting with a letter or digit."
+    condition     = can(regex("^[a-z0-9][a-z0-9-]{0,62}$", var.region.name))
+    error_message = "region.name: [a-z0-9-], at most 63 characters, starting with a letter or digit."
+  }
+  validation {
+    condition     = contains(["prefill", "decode", "both"], var.region.role)
+    error_message = "region.role must be prefill, decode or both."
   }
 }
 
-variable "role" {
-  description = "prefill, decode or both"
-  type        = string
-  validation {
-    condition     = contains(["prefill", "decode", "both"], var.role)
-    error_message = "role must be prefill, decode or both."
-  }
-}
-
-variable "gpu_type" {
-  description = "reported to the registry"
-  type        = string
-  default     = "cpu"
-}
-
-variable "usd_per_gpu_hour" {
-  description = "price the scheduler and the ledger use, $/GPU-hour"
-  type        = number
-  default     = 0
-}
-
-variable "model" {
-  description = "catalog name or HF model folder; the same as the control plane's"
-  type        = string
-  default     = "tiny-llama"
-}
-
-variable "workers" {
-  description = "engine workers (concurrent prefills / decodes)"
-  type        = number
-  default     = 1
-}
-
-variable "kv_buffer_bytes" {
-  description = "decode KV buffer, bytes"
-  type        = number
-  default     = 268435456
-}
-
-variable "codec" {
-  description = "KV codec when a request names none: raw, lossless, fp8, int8"
-  type        = string
-  default     = "lossless"
-}
-
-variable "grpc_port" {
-  description = "gRPC port of the region's services"
-  type        = number
-  default     = 50051
-}
-
-variable "kv_port" {
-  description = "KV port (decode role)"
-  type        = number
-  default     = 7400
-}
-
-variable "metrics_port" {
-  description = "Prometheus /metrics port; 0: off"
-  type        = number
-  default     = 0
-}
+# --- wiring, and what the module that runs the region decides --------------------------
 
 variable "control_plane_url" {
   description = "gRPC target of the control plane's registry (host:port)"
   type        = string
-}
-
-variable "ticket_key_id" {
-  description = "id of the ticket key"
-  type        = string
-  default     = "k1"
-}
-
-variable "heartbeat_interval_s" {
-  description = "heartbeat period, seconds"
-  type        = number
-  default     = 1
-}
-
-variable "drain_timeout_s" {
-  description = "SIGTERM: seconds running jobs may finish"
-  type        = number
-  default     = 5
 }
 
 variable "listen_host" {
@@ -104,12 +50,6 @@ variable "device" {
   description = "torch device of the engine"
   type        = string
   default     = "cpu"
-}
-
-variable "dtype" {
-  description = "engine dtype: float32, bfloat16, float16"
-  type        = string
-  default     = "float32"
 }
 
 variable "dev" {

@@ -1,42 +1,30 @@
 # A region as one `prfaas region --config` process on this host. Same interface as
-# region_aws (the variables and the `region` output), minus the cloud's parts; the ticket
-# key is a value here (a Secrets Manager ARN there). It reaches the process through the
+# region_aws (the `region` variable and output), minus the cloud's parts; the ticket key is
+# a value here (a Secrets Manager ARN there). It reaches the process through the
 # environment (PRFAAS_TICKET_KEY), never the rendered YAML.
 
 terraform {
   required_version = ">= 1.4"
 }
 
-locals {
-  config_file = "${var.run_dir}/${var.name}.yaml"
-}
-
 module "config" {
   source = "../region_config"
 
-  name                 = var.name
-  role                 = var.role
-  gpu_type             = var.gpu_type
-  workers              = var.workers
-  usd_per_gpu_hour     = var.usd_per_gpu_hour
-  model                = var.model
-  kv_buffer_bytes      = var.kv_buffer_bytes
-  codec                = var.codec
-  grpc_port            = var.grpc_port
-  kv_port              = var.kv_port
-  metrics_port         = var.metrics_port
-  control_plane_url    = var.control_plane_url
-  ticket_key_id        = var.ticket_key_id
-  heartbeat_interval_s = var.heartbeat_interval_s
-  drain_timeout_s      = var.drain_timeout_s
-  listen_host          = var.host
-  dev                  = var.dev
+  region            = var.region
+  control_plane_url = var.control_plane_url
+  listen_host       = var.host
+  dev               = var.dev
+}
+
+locals {
+  region      = module.config.region
+  config_file = "${var.run_dir}/${local.region.name}.yaml"
 }
 
 module "process" {
   source = "../local_process"
 
-  name           = var.name
+  name           = local.region.name
   run_dir        = var.run_dir
   config_file    = local.config_file
   config_content = module.config.yaml
@@ -47,8 +35,8 @@ module "process" {
     OMP_NUM_THREADS   = tostring(var.omp_threads)
   }
   # `prfaas region` prints "ready region=... grpc=... kv=..." once it serves
-  ready_command   = "grep -q '^ready region=${var.name} ' '${var.run_dir}/${var.name}.log'"
+  ready_command   = "grep -q '^ready region=${local.region.name} ' '${var.run_dir}/${local.region.name}.log'"
   ready_timeout_s = var.ready_timeout_s
   # SIGTERM drains: running jobs get drain_timeout_s
-  stop_timeout_s = var.drain_timeout_s + 10
+  stop_timeout_s = local.region.drain_timeout_s + 10
 }
