@@ -169,7 +169,7 @@ def parse(data: bytes | memoryview) -> tuple[Frame, bool]:
 
 
 class Readable(Protocol):
-    def recv_into(self, buffer: memoryview, nbytes: int = ...) -> int: ...
+    def recv_into(self, buffer: memoryview, nbytes: int = ..., /) -> int: ...
 
 
 def read_exact(sock: Readable, size: int) -> bytearray:

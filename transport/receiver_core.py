@@ -13,7 +13,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
 
 from prfaas.transport.api import TransferStatus
 from prfaas.transport.errors import (
@@ -230,49 +229,3 @@ class ReceiverCore:
         if not payload_ok:
             return [Frame(FrameType.NACK, job, attempt, header.layer, header.part, chunk=header.chunk)]
         return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([(header.layer, header.part, header.chunk)]))]
-
-
-class _Served(Protocol):
-    @property
-    def thread(self) -> threading.Thread: ...
-
-
-C = TypeVar("C", bound=_Served)
-
-
-class Connections(Generic[C]):
-    """What the TCP, shared-memory and WebRTC receivers share around their `ReceiverCore`:
-    the connections they accepted (each served by its own thread) and a reaper thread that
-    ends shipments past their deadline. `add` refuses once `closing()` began."""
-
-    def __init__(self, core: ReceiverCore, reap_interval_s: float, reaper_name: str) -> None:
-        self.closed = threading.Event()
-        self._core = core
-        self._interval_s = reap_interval_s
-        self._lock = threading.Lock()
-        self._items: list[C] = []
-        self.reaper = threading.Thread(target=self._reap, name=reaper_name, daemon=True)
-        self.reaper.start()
-
-    def add(self, connection: C) -> bool:
-        """Keep `connection` (and drop the finished ones); False when the receiver is closing."""
-        with self._lock:
-            if self.closed.is_set():
-                return False
-            self._items = [c for c in self._items if c.thread.is_alive()] + [connection]
-            return True
-
-    @property
-    def live(self) -> int:
-        with self._lock:
-            return sum(1 for c in self._items if c.thread.is_alive())
-
-    def closing(self) -> list[C]:
-        """Refuse new connections; the ones kept so far, for the receiver to close."""
-        self.closed.set()
-        with self._lock:
-            return list(self._items)
-
-    def _reap(self) -> None:
-        while not self.closed.wait(self._interval_s):
-            self._core.expire_due()

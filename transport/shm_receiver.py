@@ -29,7 +29,6 @@ import os
 import select
 import socket
 import tempfile
-import threading
 import uuid
 
 from prfaas.transport import sockets
@@ -40,23 +39,21 @@ from prfaas.transport.errors import FrameError
 from prfaas.transport.framing import (
     HEADER_SIZE,
     ChunkKey,
-    ErrorCode,
     Frame,
     FrameType,
     Header,
     ack_payload,
     encode,
-    error_frame,
     json_payload,
     parse_ack,
     parse_header,
     payload_ok,
     read_exact,
-    read_into,
     to_frame,
 )
-from prfaas.transport.inbound import Inbound, OpenInfo
-from prfaas.transport.receiver_core import Connections, ReceiverCore, Session
+from prfaas.transport.inbound import OpenInfo
+from prfaas.transport.receiver_base import FrameConnection, ListeningReceiver, Payload
+from prfaas.transport.receiver_core import ReceiverCore
 from prfaas.transport.tickets import TicketVerifier
 
 log = logging.getLogger(__name__)
@@ -68,56 +65,39 @@ def default_socket_path(node: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"prfaas-kv-{node}-{uuid.uuid4().hex[:8]}.sock")
 
 
-class _Connection:
+class ShmConnection(FrameConnection):
     """One sender's control socket on the receiver."""
 
+    thread_name = "prfaas-shm-conn"
+
     def __init__(self, sock: socket.socket, receiver: ShmReceiver) -> None:
-        self.sock = sock
+        super().__init__(sock, receiver.core)
+        self.unix = sock
         self.rx = receiver
-        self.core = receiver.core
-        self._write_lock = threading.Lock()
-        self.session = Session(self.send)
         self.placed: dict[Key, Placement] = {}
-        self.thread = threading.Thread(target=self._run, name="prfaas-shm-conn", daemon=True)
 
-    def send(self, frame: Frame, fds: list[int] | None = None) -> None:
-        data = encode(frame)
-        try:
-            with self._write_lock:
-                if fds:
-                    socket.send_fds(self.sock, [data], fds)
-                else:
-                    self.sock.sendall(data)
-        except OSError:
-            self.close()  # broken, or a sender that stopped reading (part of a frame may be out): end it
-
-    def _run(self) -> None:
-        try:
-            header = parse_header(read_exact(self.sock, HEADER_SIZE))
-            payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
-            for reply in self.core.handle(to_frame(header, payload), payload_ok(header, payload), self.session):
-                body = reply.json() if reply.type is FrameType.HELLO_OK else None
-                if isinstance(body, dict):  # HELLO_OK carries the arena: its size, and its fd beside it
-                    body["arena_bytes"] = self.rx.arena.size
-                    self.send(Frame(FrameType.HELLO_OK, payload=json_payload(body)), [self.rx.arena.fd])
-                else:
-                    self.send(reply)
-            replies: list[Frame] = []
-            while True:
-                replies += self._frame(parse_header(read_exact(self.sock, HEADER_SIZE)))
-                if len(replies) >= 64 or not self._readable():
-                    self._flush(replies)  # nothing more to read now: answer all at once
-                    replies = []
-        except FrameError as exc:
-            self.send(error_frame(ErrorCode.BAD_FRAME, str(exc)))
-        except (OSError, ConnectionError):
-            pass
-        finally:
-            self.close()
+    def serve(self) -> None:
+        header = parse_header(read_exact(self.sock, HEADER_SIZE))
+        payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
+        for reply in self.core.handle(to_frame(header, payload), payload_ok(header, payload), self.session):
+            body = reply.json() if reply.type is FrameType.HELLO_OK else None
+            if isinstance(body, dict):  # HELLO_OK carries the arena: its size, and its fd beside it
+                body["arena_bytes"] = self.rx.arena.size
+                hello_ok = encode(Frame(FrameType.HELLO_OK, payload=json_payload(body)))
+                with self._write_lock:  # a failed send ends the connection (raises)
+                    socket.send_fds(self.unix, [hello_ok], [self.rx.arena.fd])
+            else:
+                self.send(reply)
+        replies: list[Frame] = []
+        while True:
+            replies += self._frame(parse_header(read_exact(self.sock, HEADER_SIZE)))
+            if len(replies) >= 64 or not self._readable():
+                self._flush(replies)  # nothing more to read now: answer all at once
+                replies = []
 
     def _readable(self) -> bool:
         try:
-            return bool(select.select([self.sock], [], [], 0)[0])
+            return bool(select.select([self.unix], [], [], 0)[0])
         except ValueError:  # fd -1: a failed send on another thread closed the socket
             raise ConnectionError("control socket closed") from None
 
@@ -141,30 +121,23 @@ class _Connection:
             for f in out
         )
         if data:
-            try:
-                with self._write_lock:
-                    self.sock.sendall(data)
-            except OSError:
-                self.close()  # as in `send`; the reader then ends the connection
+            self.write(data)
 
     def _frame(self, header: Header) -> list[Frame]:
         key = (header.job_id, header.attempt)
         if header.type is FrameType.DATA and key in self.placed:
             return self._placed_data(header, self.placed[key])
-        view = self.core.data_slot(header, self.session) if header.payload_len else None
-        if view is not None:  # an inline payload (not raw, or no room in the arena) straight into place
-            try:
-                read_into(self.sock, view)
-            except BaseException:
-                self.core.data_commit(header, payload_ok=False)
-                raise
-            return self.core.data_commit(header, _verified(header, view))
-        payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
-        replies = self.core.handle(to_frame(header, payload), _verified(header, payload), self.session)
+        return self.receive(header)  # an inline payload (not raw, or no room in the arena) straight into place
+
+    def verify(self, header: Header, payload: Payload) -> bool:
+        """A payload checksum of 0 means the sender wrote none (never on a wire); else verify it."""
+        return header.payload_xxh3 == 0 or payload_ok(header, payload)
+
+    def handled(self, header: Header, payload: bytearray, replies: list[Frame]) -> list[Frame]:
         if header.type is FrameType.OPEN and [r.type for r in replies] == [FrameType.OPEN_OK]:
             return [self._place(header, payload)]
         if header.type is FrameType.CANCEL:
-            self.placed.pop(key, None)
+            self.placed.pop((header.job_id, header.attempt), None)
         return replies
 
     def _place(self, header: Header, payload: bytearray) -> Frame:
@@ -204,27 +177,18 @@ class _Connection:
             if self.rx.arena.offset_of(view) != start:  # cannot happen while parts stay put; refuse loudly
                 self.core.data_commit(header, payload_ok=False)
                 raise FrameError("placed chunk is not where OPEN_OK said")
-            return self.core.data_commit(header, _verified(header, view))
+            return self.core.data_commit(header, self.verify(header, view))
         in_place = self.rx.arena.view(start, header.payload_len)  # duplicate, ended, unknown: the core decides
-        return self.core.handle(to_frame(header, in_place), _verified(header, in_place), self.session)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        return self.core.handle(to_frame(header, in_place), self.verify(header, in_place), self.session)
 
 
-def _verified(header: Header, payload: bytes | bytearray | memoryview) -> bool:
-    """A payload checksum of 0 means the sender wrote none (never on a wire); else verify it."""
-    return header.payload_xxh3 == 0 or payload_ok(header, payload)
-
-
-class ShmReceiver:
+class ShmReceiver(ListeningReceiver[ShmConnection]):
     """The receiving end: a Unix control socket at `path` and an arena of `arena_bytes`.
 
     Senders on this host connect with `ShmChannel(receiver.path)`. `expect` / `Inbound` as
     for TCP; the layers of a raw shipment are memoryviews of the arena, valid until
-    `Inbound.release()`.
+    `Inbound.release()`. `close()` cancels expected shipments (unless `core` was given),
+    stops listening, closes connections, joins threads, then unmaps the arena.
     """
 
     def __init__(
@@ -243,65 +207,32 @@ class ShmReceiver:
         self.arena = arena if arena is not None else Arena(arena_bytes)
         # `core`: share another receiver's expectations (a decode region's TCP port and this
         # one accept the same shipments); give it this arena as its pool, or nothing is placed
-        self.core = core if core is not None else ReceiverCore(verifier, node, pool=self.arena)
-        self._owns_core = core is None
+        owns_core = core is None
+        core = core if core is not None else ReceiverCore(verifier, node, pool=self.arena)
         self.path = path or default_socket_path(node)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a stale socket file of an earlier run
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        self._listener.listen(64)
-        self._connections: Connections[_Connection] = Connections(self.core, reap_interval_s, "prfaas-shm-reaper")
-        self._acceptor = threading.Thread(target=self._accept_loop, name="prfaas-shm-accept", daemon=True)
-        self._acceptor.start()
-
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
-        return self.core.expect(job_id, attempt, timeout_s)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(64)
+        super().__init__(listener, core, name="shm", reap_interval_s=reap_interval_s, owns_core=owns_core)
 
     @property
     def endpoint(self) -> str:
         """What a decode region advertises for it (transport/endpoints.py)."""
         return str(Endpoint("shm", path=self.path, host_id=host_id()))
 
-    def _accept_loop(self) -> None:
-        while not self._connections.closed.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            sockets.send_timeout(sock, self.send_timeout_s)  # a sender that stops reading is dropped
-            connection = _Connection(sock, self)
-            if not self._connections.add(connection):
-                connection.close()
-                return
-            connection.thread.start()
+    def connection(self, sock: socket.socket) -> ShmConnection:
+        sockets.send_timeout(sock, self.send_timeout_s)  # a sender that stops reading is dropped
+        return ShmConnection(sock, self)
 
-    @property
-    def num_connections(self) -> int:
-        return self._connections.live
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Cancel expected shipments, stop listening, close connections, join threads, unmap."""
-        if self._owns_core:
-            self.core.cancel_all("receiver shutting down")
-        connections = self._connections.closing()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
+    def _stop_accepting(self) -> None:
+        super()._stop_accepting()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        for connection in connections:
-            connection.close()
-        for thread in [self._acceptor, self._connections.reaper, *(c.thread for c in connections)]:
-            if thread.is_alive() and thread is not threading.current_thread():
-                thread.join(timeout_s)
+
+    def _release(self, timeout_s: float) -> None:
         self.arena.close()
-
-    def __enter__(self) -> ShmReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def map_arena(fd: int, size: int) -> mmap.mmap:

@@ -1,7 +1,7 @@
 """The WebRTC receiver: a decode region's KV endpoint for senders that cannot reach it by TCP.
 
 `answer(offer)` accepts a sender's peer connection; each data channel it opens is served by
-the TCP receiver's connection loop (transport/tcp_receiver.py), so the receiver rules are
+the connection loop every receiver shares (transport/receiver_base.py), so the receiver rules are
 TCP's.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from prfaas.transport.errors import TransportError
-from prfaas.transport.receiver_core import Connections, ReceiverCore
-from prfaas.transport.tcp_receiver import _Connection
+from prfaas.transport.receiver_base import FrameConnection, ReceiverBase
+from prfaas.transport.receiver_core import ReceiverCore
 from prfaas.transport.tickets import TicketVerifier
 from prfaas.transport.webrtc import (
     DataChannelStream,
@@ -23,7 +23,7 @@ from prfaas.transport.webrtc import (
 )
 
 
-class WebRtcReceiver:
+class WebRtcReceiver(ReceiverBase[FrameConnection]):
     """A decode region's KV endpoint over WebRTC: `answer(offer)` accepts a sender's peer
     connection (called by whatever carries signalling); its data channels are served like
     TCP connections."""
@@ -36,13 +36,9 @@ class WebRtcReceiver:
         ice_servers: tuple[IceServer, ...] = (),
         reap_interval_s: float = 0.05,
     ) -> None:
-        self.core = ReceiverCore(verifier, node)
         self._ice_servers = ice_servers
         self._rtc = EventLoopThread(f"prfaas-webrtc-rx-{node}")
-        self._connections: Connections[_Connection] = Connections(self.core, reap_interval_s, "prfaas-webrtc-reaper")
-
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Any:
-        return self.core.expect(job_id, attempt, timeout_s)
+        super().__init__(ReceiverCore(verifier, node), name="webrtc", reap_interval_s=reap_interval_s)
 
     def answer(self, offer: Description, timeout_s: float = 10.0) -> Description:
         """The SDP answer to a sender's offer. ValueError for a malformed offer."""
@@ -65,29 +61,7 @@ class WebRtcReceiver:
             raise ValueError(f"bad SDP offer: {exc}") from None
 
     def _accept(self, pc: Any, channel: Any) -> None:
-        stream = DataChannelStream(self._rtc, pc, channel)
-        connection = _Connection(stream, self.core)  # type: ignore[arg-type]  # socket-like
-        if not self._connections.add(connection):
-            stream.close()
-            return
-        connection.thread.start()
+        self.serve(FrameConnection(DataChannelStream(self._rtc, pc, channel), self.core))
 
-    @property
-    def num_connections(self) -> int:
-        return self._connections.live
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self.core.cancel_all("receiver shutting down")
-        connections = self._connections.closing()
-        for connection in connections:
-            connection.raw.close()  # its data channel (a finished connection closed its own)
-        for connection in connections:
-            connection.thread.join(timeout_s)
-        self._connections.reaper.join(timeout_s)
+    def _release(self, timeout_s: float) -> None:
         self._rtc.close(timeout_s)
-
-    def __enter__(self) -> WebRtcReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

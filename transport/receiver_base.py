@@ -1,0 +1,245 @@
+"""What every receiver is built on, whatever carries its frames (TCP, shared memory, WebRTC).
+
+A receiver keeps a `ReceiverCore` (the protocol rules), the connections it accepted, each
+read by its own thread (`FrameConnection`: frames in, handed to the core; replies written
+under a per-connection lock), and a reaper thread that ends shipments at their deadline.
+`ListeningReceiver` adds a listening socket and the thread that accepts from it.
+`close()` stops and joins every thread the receiver started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from typing import Generic, Protocol, Self, TypeVar
+
+from prfaas.transport.errors import FrameError
+from prfaas.transport.framing import (
+    HEADER_SIZE,
+    ErrorCode,
+    Frame,
+    Header,
+    encode,
+    error_frame,
+    parse_header,
+    payload_ok,
+    read_exact,
+    read_into,
+    to_frame,
+)
+from prfaas.transport.inbound import Inbound
+from prfaas.transport.receiver_core import ReceiverCore, Session
+
+Payload = bytes | bytearray | memoryview
+
+
+class ByteStream(Protocol):
+    """A connected socket, a `TlsSocket` or a WebRTC `DataChannelStream`."""
+
+    def recv_into(self, buffer: memoryview, nbytes: int = ..., /) -> int: ...
+    def sendall(self, data: bytes, /) -> None: ...
+    def shutdown(self, how: int, /) -> None: ...
+    def close(self) -> None: ...
+
+
+class FrameConnection:
+    """One accepted connection: its thread reads frames and hands them to the core; replies
+    (and the core's own DONE / CANCEL / ERROR, through `session`) go back under one lock.
+    A failed send closes the connection: its reader then ends, and the sender resends the
+    unacknowledged chunks on another."""
+
+    thread_name = "prfaas-kv-conn"
+
+    def __init__(self, sock: ByteStream, core: ReceiverCore) -> None:
+        self.raw = sock  # what `close` shuts down (under TLS, the socket beneath `sock`)
+        self.sock = sock
+        self.core = core
+        self._write_lock = threading.Lock()
+        self.session = Session(self.send)
+        self.thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+
+    def send(self, frame: Frame) -> None:
+        self.write(encode(frame))
+
+    def write(self, data: bytes) -> None:
+        """Send encoded frames whole, or end the connection."""
+        try:
+            with self._write_lock:
+                self.sock.sendall(data)
+        except OSError:  # broken, or a sender that stopped reading (part of a frame may be out)
+            self.close()  # the reader then ends the connection; the sender resends on another
+
+    def _run(self) -> None:
+        try:
+            self.serve()
+        except FrameError as exc:
+            self.send(error_frame(ErrorCode.BAD_FRAME, str(exc)))
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            self.close()
+
+    def serve(self) -> None:
+        """Read frames and answer each until the connection ends (by raising)."""
+        while True:
+            for reply in self.receive(parse_header(read_exact(self.sock, HEADER_SIZE))):
+                self.send(reply)
+
+    def receive(self, header: Header) -> list[Frame]:
+        """The frame whose header was just read: its payload, then the core's replies. KV goes
+        from the socket straight into its layer buffer when the core has one for it."""
+        view = self.core.data_slot(header, self.session) if header.payload_len else None
+        if view is not None:
+            try:
+                read_into(self.sock, view)
+            except BaseException:
+                self.core.data_commit(header, payload_ok=False)  # release the claim
+                raise
+            return self.core.data_commit(header, self.verify(header, view))
+        payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
+        replies = self.core.handle(to_frame(header, payload), self.verify(header, payload), self.session)
+        return self.handled(header, payload, replies)
+
+    def verify(self, header: Header, payload: Payload) -> bool:
+        """Whether the payload matches its checksum."""
+        return payload_ok(header, payload)
+
+    def handled(self, header: Header, payload: bytearray, replies: list[Frame]) -> list[Frame]:
+        """What to send back for a frame the core handled whole (a subclass may add to it)."""
+        return replies
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.raw.shutdown(socket.SHUT_RDWR)
+        self.raw.close()
+
+
+C = TypeVar("C", bound=FrameConnection)
+
+
+class Connections(Generic[C]):
+    """The connections a receiver accepted (each served by its own thread) and a reaper thread
+    that ends shipments past their deadline. `add` refuses once `closing()` began."""
+
+    def __init__(self, core: ReceiverCore, reap_interval_s: float, reaper_name: str) -> None:
+        self.closed = threading.Event()
+        self._core = core
+        self._interval_s = reap_interval_s
+        self._lock = threading.Lock()
+        self._items: list[C] = []
+        self.reaper = threading.Thread(target=self._reap, name=reaper_name, daemon=True)
+        self.reaper.start()
+
+    def add(self, connection: C) -> bool:
+        """Keep `connection` (and drop the finished ones); False when the receiver is closing."""
+        with self._lock:
+            if self.closed.is_set():
+                return False
+            self._items = [c for c in self._items if c.thread.is_alive()] + [connection]
+            return True
+
+    @property
+    def live(self) -> int:
+        with self._lock:
+            return sum(1 for c in self._items if c.thread.is_alive())
+
+    def closing(self) -> list[C]:
+        """Refuse new connections; the ones kept so far, for the receiver to close."""
+        self.closed.set()
+        with self._lock:
+            return list(self._items)
+
+    def _reap(self) -> None:
+        while not self.closed.wait(self._interval_s):
+            self._core.expire_due()
+
+
+class ReceiverBase(Generic[C]):
+    """A receiver's core, its connections and its reaper; `name` names their threads.
+
+    owns_core: whether `close` cancels the core's expected shipments (False when the core is
+    shared with another receiver, which cancels them itself)."""
+
+    def __init__(self, core: ReceiverCore, *, name: str, reap_interval_s: float, owns_core: bool = True) -> None:
+        self.core = core
+        self._owns_core = owns_core
+        self._connections: Connections[C] = Connections(core, reap_interval_s, f"prfaas-{name}-reaper")
+
+    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
+        """Register a shipment this receiver holds room for; KV for anything else is refused."""
+        return self.core.expect(job_id, attempt, timeout_s)
+
+    @property
+    def num_connections(self) -> int:
+        return self._connections.live
+
+    def serve(self, connection: C) -> bool:
+        """Start serving `connection`; False (and it is closed) once the receiver is closing."""
+        if not self._connections.add(connection):
+            connection.close()
+            return False
+        connection.thread.start()
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel expected shipments, stop accepting, close connections, join threads."""
+        if self._owns_core:
+            self.core.cancel_all("receiver shutting down")
+        connections = self._connections.closing()
+        self._stop_accepting()
+        for connection in connections:
+            connection.close()
+        threads = [*self._threads(), self._connections.reaper, *(c.thread for c in connections)]
+        for thread in threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout_s)
+        self._release(timeout_s)
+
+    def _stop_accepting(self) -> None:
+        """Accept no more connections (wake the thread that accepts them)."""
+
+    def _threads(self) -> list[threading.Thread]:
+        """Threads of the receiver's own, besides the reaper and the connections'."""
+        return []
+
+    def _release(self, timeout_s: float) -> None:
+        """Free what the receiver holds once every thread is joined."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ListeningReceiver(ReceiverBase[C]):
+    """A receiver that accepts connections on a listening socket, in a thread of its own;
+    `connection(sock)` prepares each accepted socket and wraps it."""
+
+    def __init__(self, listener: socket.socket, core: ReceiverCore, *, name: str, reap_interval_s: float,
+                 owns_core: bool = True) -> None:  # fmt: skip
+        super().__init__(core, name=name, reap_interval_s=reap_interval_s, owns_core=owns_core)
+        self._listener = listener
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"prfaas-{name}-accept", daemon=True)
+        self._acceptor.start()
+
+    def connection(self, sock: socket.socket) -> C:
+        raise NotImplementedError
+
+    def _accept_loop(self) -> None:
+        while not self._connections.closed.is_set():
+            try:
+                sock, _peer = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            if not self.serve(self.connection(sock)):
+                return
+
+    def _stop_accepting(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        self._listener.close()
+
+    def _threads(self) -> list[threading.Thread]:
+        return [self._acceptor]
