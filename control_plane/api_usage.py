@@ -8,7 +8,6 @@ to now. Dates are ISO 8601 (`2026-11-01` or `2026-11-01T12:00:00Z`)."""
 from __future__ import annotations
 
 import csv
-import dataclasses
 import datetime as dt
 import io
 import re
@@ -19,10 +18,13 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from prfaas.control_plane.billing.meter import Meter
+from prfaas.control_plane.billing.models import UsageEntry
+from prfaas.control_plane.billing.price_feeds import PriceFeed
+from prfaas.control_plane.billing.prices import quote_dict
+from prfaas.control_plane.billing.queries import GroupTotal
+from prfaas.control_plane.billing.spend import month_window
 from prfaas.control_plane.deps import AdminDep, TenantDep
-from prfaas.control_plane.ledger import GroupTotal, UsageEntry
-from prfaas.control_plane.metering import Meter, month_window
-from prfaas.control_plane.prices import PriceFeed, PriceSettings, quote_dict
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 admin_router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminDep])
@@ -43,21 +45,8 @@ To = Annotated[dt.datetime | None, Query(alias="to", description="end (exclusive
 Format = Annotated[Literal["json", "csv"], Query(description="json, or csv (the rows only)")]
 
 
-class UsageRow(BaseModel):
-    key: str
-    jobs: int
-    prefill_usd: float
-    decode_usd: float
-    egress_usd: float
-    total_usd: float
-    colocated_usd: float
-    savings_usd: float
-    tokens_in: int
-    tokens_out: int
-    kv_bytes_raw: int
-    kv_bytes_wire: int
-    prefill_gpu_s: float
-    decode_gpu_s: float
+class UsageRow(GroupTotal):
+    """One row of a usage report: the ledger's `GroupTotal`, field for field (derived, so the two cannot drift)."""
 
 
 class UsageReport(BaseModel):
@@ -133,7 +122,7 @@ def entry_public(e: UsageEntry) -> UsageEntryPublic:
 
 
 def _report(rows: list[GroupTotal], tenant: str | None, s: dt.datetime, e: dt.datetime, group_by: str) -> UsageReport:
-    data = [UsageRow.model_validate(dataclasses.asdict(r)) for r in rows]
+    data = [UsageRow(**r.model_dump()) for r in rows]
     return UsageReport(tenant=tenant, start=s, end=e, group_by=group_by, data=data)
 
 
@@ -211,4 +200,4 @@ def admin_prices(m: MeterDep) -> list[dict[str, Any]]:
 @admin_router.post("/prices/refresh")
 def refresh_prices(m: MeterDep) -> list[dict[str, Any]]:
     """Refresh now (the beat task does it every `refresh_s`)."""
-    return [quote_dict(q) for q in m.prices.refresh(PriceFeed(PriceSettings()))]
+    return [quote_dict(q) for q in m.prices.refresh(PriceFeed(m.s.settings.aws, m.s.settings.pricing))]

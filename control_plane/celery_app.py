@@ -32,7 +32,7 @@ def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
         broker_connection_retry_on_startup=True,
         task_ignore_result=True,
     )
-    from prfaas.control_plane.metering_tasks import configure
+    from prfaas.control_plane.billing.tasks import configure
 
     configure(app, settings, worker=worker)  # beat: price refresh, ledger reconciliation
     if worker:

@@ -15,10 +15,11 @@ from typing import Any
 import grpc
 import grpc.experimental
 
+from prfaas.control_plane.billing.meter import Meter
+from prfaas.control_plane.billing.usage import served_timing
 from prfaas.control_plane.celery_app import enqueue
 from prfaas.control_plane.dispatch import Channels, sampling
 from prfaas.control_plane.jobs import IllegalTransition, JobNotFound, JobState, StaleAttempt
-from prfaas.control_plane.metering import Meter, served_timing
 from prfaas.control_plane.placement import AdmissionPlacer
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -108,7 +109,7 @@ class Follower:
                     if event.index < len(output):
                         continue
                     output.append(event.token)
-                    if event.last:  # spend is billed from the ledger (metering.py), not here
+                    if event.last:  # spend is billed from the ledger (billing/meter.py), not here
                         jobs.transition(
                             job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
                             completion_tokens=len(output), finish_reason=event.finish_reason, output_ids=output,

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import redis
 
-from prfaas.control_plane.prices import PriceBook, price_book
+from prfaas.control_plane.billing.prices import PriceBook, price_book
 from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
@@ -71,7 +71,9 @@ class RegionRegistry:
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
-        self.prices = price_book(client, settings.key("prices"))  # live/table prices override registered ones
+        self.prices = price_book(
+            client, settings.key("prices"), settings.prices.path
+        )  # live/table prices override registered ones
 
     def _key(self, name: str) -> str:
         return self.settings.key("region", name)

@@ -1,22 +1,71 @@
-"""`Settings`: the control plane's configuration (pydantic-settings, env prefix `PRFAAS_`),
-validated at start. Secrets that look like placeholders are refused unless `dev` is set."""
+"""`Settings`: the control plane's one configuration (pydantic-settings, env prefix `PRFAAS_`), for every
+process of it (API, Celery worker, beat), validated at start. Secrets that look like placeholders are refused
+unless `dev` is set.
+
+Flat fields read `PRFAAS_<FIELD>` (`PRFAAS_REDIS_URL`). Sections are small models read as
+`PRFAAS_<SECTION>_<FIELD>`: `ledger` (`PRFAAS_LEDGER_URL`), `prices` (`PRFAAS_PRICES_PATH`), `aws`
+(`PRFAAS_AWS_ENDPOINT_URL`, `PRFAAS_AWS_TIMEOUT_S`) and `pricing` (`PRFAAS_PRICING_ENDPOINT_URL`,
+`PRFAAS_PRICING_REGION`). In code: `Settings(ledger={"url": ...})` or `settings.ledger.url`."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PLACEHOLDERS = ("change-me", "changeme", "placeholder", "secret", "example", "xxx")
 MIN_SECRET_CHARS = 32
 
 
+def default_ledger_url() -> str:
+    home = Path(os.environ.get("PRFAAS_HOME") or Path.home() / ".cache" / "prfaas").expanduser()
+    return f"sqlite:///{home / 'ledger.db'}"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class LedgerSection(_Section):
+    """`PRFAAS_LEDGER_URL`: where the usage ledger lives."""
+
+    url: str = Field(
+        default_factory=default_ledger_url,
+        description="SQLAlchemy URL of the usage ledger; default sqlite:///$PRFAAS_HOME/ledger.db",
+    )
+
+
+class PricesSection(_Section):
+    """`PRFAAS_PRICES_PATH`: the price table (YAML, billing/prices.py); None: regions' registered prices."""
+
+    path: Path | None = None
+
+
+class AwsSection(_Section):
+    """The live price feeds' EC2 calls (spot price history): `PRFAAS_AWS_ENDPOINT_URL` (moto's server in tests),
+    `PRFAAS_AWS_TIMEOUT_S` (connect and read timeout of every AWS call, Price List included)."""
+
+    endpoint_url: str | None = None
+    timeout_s: float = Field(default=5.0, gt=0)
+
+
+class PricingSection(_Section):
+    """The AWS Price List API (boto3's `pricing` service): `PRFAAS_PRICING_ENDPOINT_URL` (a loopback server of
+    recorded responses in tests), `PRFAAS_PRICING_REGION` (the API is served from us-east-1 and ap-south-1)."""
+
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+
+
 class Settings(BaseSettings):
     """One per control-plane deployable (API process, Celery worker, registry)."""
 
-    model_config = SettingsConfigDict(env_prefix="PRFAAS_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="PRFAAS_", extra="ignore", frozen=True, env_nested_delimiter="_", env_nested_max_split=1
+    )
 
     dev: bool = Field(default=False, description="allow placeholder secrets (never in production)")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="job store, tenants, registry, broker")
@@ -49,6 +98,10 @@ class Settings(BaseSettings):
     snapshot_ttl_s: float = Field(default=0.25, ge=0, description="how stale the API's view of the fleet may be")
     ttft_slo_ms: float = Field(default=600_000.0, gt=0, description="SLO given to the scheduler")
     tpot_slo_ms: float = Field(default=60_000.0, gt=0)
+    ledger: LedgerSection = Field(default_factory=LedgerSection)
+    prices: PricesSection = Field(default_factory=PricesSection)
+    aws: AwsSection = Field(default_factory=AwsSection)
+    pricing: PricingSection = Field(default_factory=PricingSection)
 
     @model_validator(mode="after")
     def _real_secrets(self) -> Self:

@@ -17,9 +17,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.dashboard.data import admin_view, tenant_view
 from prfaas.control_plane.dashboard.sessions import CSRF_COOKIE, SESSION_COOKIE, SESSION_TTL_S, SessionStore, same
-from prfaas.control_plane.metering import Meter
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import KEY_PREFIX, KeyNotFound, TenantNotFound, TenantStatus
 

@@ -9,9 +9,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from prfaas.control_plane.ledger import UsageEntry
-from prfaas.control_plane.metering import Meter, month_window
-from prfaas.control_plane.prices import quote_dict
+from prfaas.control_plane.billing.meter import Meter
+from prfaas.control_plane.billing.models import UsageEntry
+from prfaas.control_plane.billing.prices import quote_dict
+from prfaas.control_plane.billing.spend import month_window
 
 WINDOW = dt.timedelta(days=30)
 RECENT_JOBS = 20

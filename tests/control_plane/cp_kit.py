@@ -10,8 +10,8 @@ from pathlib import Path
 
 import redis
 
-from prfaas.bench.cp_stack import ADMIN_KEY, REDIS_URL, TICKET_KEY  # TICKET_KEY = tests/regions/region_kit.KEY
 from prfaas.control_plane.settings import Settings
+from prfaas.devstack.stack import ADMIN_KEY, REDIS_URL, TICKET_KEY  # TICKET_KEY = tests/regions/region_kit.KEY
 
 __all__ = ["ADMIN_KEY", "REDIS_URL", "TICKET_KEY", "cleanup", "ensure_redis", "make_settings", "settings_fixture"]
 

@@ -15,8 +15,9 @@ import pytest
 import yaml
 from cp_kit import ensure_redis
 
-from prfaas.bench.cp_stack import ADMIN, Stack, wait_until
-from prfaas.control_plane.ledger import Ledger, UsageEntry
+from prfaas.control_plane.billing.ledger import Ledger
+from prfaas.control_plane.billing.models import UsageEntry
+from prfaas.devstack.stack import ADMIN, Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 

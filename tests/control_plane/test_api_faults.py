@@ -15,8 +15,8 @@ import openai
 import pytest
 from cp_kit import ensure_redis
 
-from prfaas.bench.cp_stack import ADMIN, Stack, wait_until
-from prfaas.control_plane.ledger import Ledger
+from prfaas.control_plane.billing.ledger import Ledger
+from prfaas.devstack.stack import ADMIN, Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from metering_kit import Metered
 
-from prfaas.bench.cp_stack import ADMIN_KEY
+from prfaas.devstack.stack import ADMIN_KEY
 
 pytestmark = pytest.mark.e2e
 CHROMIUM = "/usr/bin/chromium"

@@ -1,5 +1,5 @@
 """Alembic migrations of the usage ledger, configured in code (no alembic.ini): `upgrade(url)` brings a
-database to head and is idempotent. From a shell: `python -m prfaas.control_plane.migrations URL`."""
+database to head and is idempotent. From a shell: `python -m prfaas.control_plane.billing.migrations URL`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
+
+from prfaas.control_plane.billing.database import make_engine
 
 HERE = Path(__file__).resolve().parent
 
@@ -24,8 +26,6 @@ def alembic_config(url: str) -> Config:
 def upgrade(url: str, *, engine: Engine | None = None, revision: str = "head") -> None:
     """Bring the database at `url` (through `engine` when given: its connect hooks, e.g. a search_path,
     apply) to `revision`."""
-    from prfaas.control_plane.ledger import make_engine
-
     cfg = alembic_config(url)
     own = engine is None
     eng = make_engine(url) if engine is None else engine

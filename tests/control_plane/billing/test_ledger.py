@@ -1,4 +1,4 @@
-"""The usage ledger (control_plane/ledger.py) against SQLite (a tmp file) and the real local PostgreSQL
+"""The usage ledger (control_plane/billing/) against SQLite (a tmp file) and the real local PostgreSQL
 (a schema of its own per test, dropped after): exactly-once entries, also from racing threads, sums
 recomputed from GPU-seconds x prices, group-by queries, wasted attempts, Alembic from empty to head."""
 
@@ -14,8 +14,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from prfaas.control_plane.ledger import JobUsage, Ledger, LedgerSettings, PriceTable, UsageEntry, make_engine
-from prfaas.control_plane.migrations import current, upgrade
+from prfaas.control_plane.billing.costs import JobUsage, PriceTable
+from prfaas.control_plane.billing.database import make_engine
+from prfaas.control_plane.billing.ledger import Ledger
+from prfaas.control_plane.billing.migrations import current, upgrade
+from prfaas.control_plane.billing.models import UsageEntry
+from prfaas.control_plane.settings import Settings
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PRICES = PriceTable(
@@ -104,7 +108,7 @@ def test_models_match_migration(ledger: Ledger) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    from prfaas.control_plane.ledger import Base
+    from prfaas.control_plane.billing.models import Base
 
     with ledger.engine.connect() as c:
         diffs = compare_metadata(MigrationContext.configure(c), Base.metadata)
@@ -243,15 +247,18 @@ def test_wasted_attempts_are_platform_cost(ledger: Ledger) -> None:
 
 
 def test_default_url(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def url() -> str:
+        return Settings(dev=True, admin_key="a", ticket_key="t").ledger.url  # type: ignore[arg-type]
+
     monkeypatch.setenv("PRFAAS_HOME", str(tmp_path))
     monkeypatch.delenv("PRFAAS_LEDGER_URL", raising=False)
-    assert LedgerSettings().ledger_url == f"sqlite:///{tmp_path / 'ledger.db'}"
-    led = Ledger()
+    assert url() == f"sqlite:///{tmp_path / 'ledger.db'}"
+    led = Ledger(url())
     led.record(_usage("x"), PRICES)
     led.close()
     assert (tmp_path / "ledger.db").exists()
     monkeypatch.setenv("PRFAAS_LEDGER_URL", "sqlite:///" + str(tmp_path / "other.db"))
-    assert LedgerSettings().ledger_url.endswith("other.db")
+    assert url().endswith("other.db")
 
 
 def test_phase_and_tenant_groupings_entries_and_spend(ledger: Ledger) -> None:

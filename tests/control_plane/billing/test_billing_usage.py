@@ -1,4 +1,4 @@
-"""The pure parts of metering (control_plane/metering.py): a job record and its timeline -> the bill of the
+"""The pure parts of metering (control_plane/billing/usage.py): a job record and its timeline -> the bill of the
 attempt that answered and the wasted work of the others; percentiles of the dashboard. Table-driven, no I/O."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from prfaas.control_plane.billing.usage import Work, job_usage, served_timing, wasted_work
 from prfaas.control_plane.dashboard.data import percentile
-from prfaas.control_plane.metering import Work, job_usage, served_timing, wasted_work
 
 T = 1_800_000_000.0  # epoch s
 

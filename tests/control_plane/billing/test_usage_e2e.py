@@ -16,11 +16,13 @@ import pytest
 from cp_kit import make_settings
 from metering_kit import EGRESS_USD_PER_GB, PRICES, Metered, wait_billed
 
-from prfaas.bench.cp_stack import ADMIN, wait_until
+from prfaas.control_plane.billing.ledger import Ledger
+from prfaas.control_plane.billing.meter import Meter
+from prfaas.control_plane.billing.models import UsageEntry
+from prfaas.control_plane.billing.reconcile import reconcile
 from prfaas.control_plane.jobs import JobState, Quota
-from prfaas.control_plane.ledger import Ledger, UsageEntry
-from prfaas.control_plane.metering import Meter
 from prfaas.control_plane.services import Services
+from prfaas.devstack.stack import ADMIN, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -134,7 +136,7 @@ def test_billing_again_changes_nothing(metered: Metered) -> None:
         for job_id in m.jobs["alpha"]:
             entry = meter.bill(job_id)
             assert entry is not None and (entry.id, entry.total_usd) == before[job_id]
-        assert meter.reconcile() == 0
+        assert reconcile(meter) == 0
         assert {e.job_id: (e.id, e.total_usd) for e in m.entries()} == before
     finally:
         ledger.close()
@@ -163,7 +165,7 @@ def test_sweep_bills_a_job_its_api_process_never_billed(metered: Metered, monkey
         time.sleep(0.2)
         jobs.transition(failed, JobState.FAILED, 1, note="prefill in prefill-a: UNAVAILABLE")
         meter = Meter(services, ledger)
-        assert meter.reconcile() == 1 and meter.reconcile() == 0
+        assert reconcile(meter) == 1 and reconcile(meter) == 0
         entry = ledger.entry(done)
         assert entry is not None and (entry.prefill_gpu_s, entry.decode_gpu_s) == (0.2, pytest.approx(0.3))
         assert entry.total_usd == pytest.approx(0.5 / 3600 * 3.5)

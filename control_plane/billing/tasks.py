@@ -11,7 +11,8 @@ from typing import Any
 
 from celery import Celery
 
-from prfaas.control_plane.prices import PriceConfig, PriceFeed, PriceSettings
+from prfaas.control_plane.billing.price_feeds import PriceFeed
+from prfaas.control_plane.billing.prices import PriceConfig
 from prfaas.control_plane.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -21,8 +22,7 @@ RECONCILE_EVERY_S = 60.0
 
 
 def configure(app: Celery, settings: Settings, *, worker: bool) -> None:
-    prices = PriceSettings()
-    config = PriceConfig.load(prices.prices_path)
+    config = PriceConfig.load(settings.prices.path)
     app.conf.beat_schedule = {
         "refresh-prices": {"task": REFRESH_PRICES, "schedule": config.refresh_s},
         "reconcile-ledger": {"task": RECONCILE_LEDGER, "schedule": RECONCILE_EVERY_S},
@@ -32,12 +32,12 @@ def configure(app: Celery, settings: Settings, *, worker: bool) -> None:
 
     @functools.cache
     def meter() -> Any:  # opened at the first task, once per worker process
-        from prfaas.control_plane.metering import open_meter
+        from prfaas.control_plane.billing.meter import open_meter
         from prfaas.control_plane.services import Services
 
         return open_meter(Services.create(settings))
 
-    feed = PriceFeed(prices)
+    feed = PriceFeed(settings.aws, settings.pricing)
 
     @app.task(name=REFRESH_PRICES)  # type: ignore[untyped-decorator]
     def refresh_prices() -> list[str]:
@@ -46,4 +46,6 @@ def configure(app: Celery, settings: Settings, *, worker: bool) -> None:
 
     @app.task(name=RECONCILE_LEDGER)  # type: ignore[untyped-decorator]
     def reconcile_ledger() -> int:
-        return int(meter().reconcile())
+        from prfaas.control_plane.billing.reconcile import reconcile
+
+        return reconcile(meter())

@@ -5,7 +5,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection
 
-from prfaas.control_plane.ledger import Base, make_engine
+from prfaas.control_plane.billing.database import make_engine
+from prfaas.control_plane.billing.models import Base
 
 
 def _run(conn: Connection) -> None:

@@ -1,7 +1,7 @@
 """Price feeds through boto3: EC2 spot price history against moto's server mode on loopback (a real
 `moto_server` process), on-demand from the Price List API against responses served on loopback (a small HTTP
 server replaying two files: botocore's own recorded GetProducts example, and a fixture in that format for
-p4d.24xlarge, labelled as such in tests/control_plane/data/). The cache in the real Redis, stale prices flagged,
+p4d.24xlarge, labelled as such in tests/control_plane/billing/data/). The cache in the real Redis, stale prices flagged,
 AWS errors falling back to the table with a logged warning, the scheduler's snapshot reading the prices, and
 the Celery beat task refreshing them in a real worker process."""
 
@@ -27,10 +27,11 @@ import redis
 import yaml
 from cp_kit import settings_fixture
 
-from prfaas.bench.cp_stack import free_port, wait_until
-from prfaas.control_plane.prices import PriceBook, PriceConfig, PriceFeed, PriceSettings
+from prfaas.control_plane.billing.price_feeds import PriceFeed
+from prfaas.control_plane.billing.prices import PriceBook, PriceConfig
 from prfaas.control_plane.region_registry import RegionRegistry
-from prfaas.control_plane.settings import Settings
+from prfaas.control_plane.settings import AwsSection, PricesSection, PricingSection, Settings
+from prfaas.devstack.stack import free_port, wait_until
 from prfaas.protos.prfaas.v1 import registry_pb2
 
 DATA = Path(__file__).parent / "data"
@@ -126,9 +127,9 @@ def test_spot_and_on_demand_parsed_and_cached(
     settings: Settings, moto: str, pricelist: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = PriceConfig.model_validate({"regions": REGIONS})
-    feed = PriceFeed(PriceSettings(aws_endpoint_url=moto, pricing_endpoint_url=pricelist))
+    feed = PriceFeed(AwsSection(endpoint_url=moto), PricingSection(endpoint_url=pricelist))
     book = _book(settings, config)
-    with caplog.at_level(logging.WARNING, logger="prfaas.control_plane.prices"):
+    with caplog.at_level(logging.WARNING, logger="prfaas.control_plane.billing.prices"):
         quotes = {(q.region, q.market): q for q in book.refresh(feed)}
     spot = quotes[("prefill-a", "spot")]
     assert (spot.source, spot.usd_per_gpu_hour, spot.stale) == ("aws-spot", MOTO_SPOT_PRICE / 8, False)
@@ -156,9 +157,9 @@ def test_aws_unreachable_falls_back_to_the_table_with_a_warning(
 ) -> None:
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     config = PriceConfig.model_validate({"regions": {"prefill-a": REGIONS["prefill-a"]}})
-    feed = PriceFeed(PriceSettings(aws_endpoint_url=closed, pricing_endpoint_url=closed, aws_timeout_s=2))
+    feed = PriceFeed(AwsSection(endpoint_url=closed, timeout_s=2), PricingSection(endpoint_url=closed))
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="prfaas.control_plane.prices"):
+    with caplog.at_level(logging.WARNING, logger="prfaas.control_plane.billing.prices"):
         quotes = {q.market: q for q in _book(settings, config).refresh(feed)}
     assert time.monotonic() - started < 20
     assert (quotes["spot"].source, quotes["spot"].usd_per_gpu_hour) == ("table", 1.0)
@@ -171,7 +172,7 @@ def test_old_prices_are_flagged_stale(settings: Settings, moto: str, pricelist: 
     now = [1_000_000.0]
     config = PriceConfig.model_validate({"max_age_s": 600, "regions": {"prefill-a": REGIONS["prefill-a"]}})
     book = _book(settings, config, clock=lambda: now[0])
-    book.refresh(PriceFeed(PriceSettings(aws_endpoint_url=moto, pricing_endpoint_url=pricelist)))
+    book.refresh(PriceFeed(AwsSection(endpoint_url=moto), PricingSection(endpoint_url=pricelist)))
     now[0] += 599
     assert not book.quote("prefill-a", "spot").stale  # type: ignore[union-attr]
     now[0] += 2
@@ -180,20 +181,17 @@ def test_old_prices_are_flagged_stale(settings: Settings, moto: str, pricelist: 
     assert spot.usd_per_gpu_hour == MOTO_SPOT_PRICE / 8  # still the last known price, flagged
 
 
-def test_scheduler_snapshot_reads_the_prices(
-    settings: Settings, moto: str, pricelist: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_scheduler_snapshot_reads_the_prices(settings: Settings, moto: str, pricelist: str, tmp_path: Path) -> None:
     path = tmp_path / "prices.yaml"
     path.write_text(yaml.safe_dump({"regions": REGIONS}))
-    monkeypatch.setenv("PRFAAS_PRICES_PATH", str(path))
     client = redis.Redis.from_url(settings.redis_url)
-    registry = RegionRegistry(client, settings)
+    registry = RegionRegistry(client, settings.model_copy(update={"prices": PricesSection(path=path)}))
     for name, price in (("prefill-a", 9.0), ("decode-b", 9.0), ("unpriced-d", 7.0)):
         registry.register(
             registry_pb2.RegisterRequest(name=name, role="both", usd_per_gpu_hour=price, heartbeat_interval_s=1.0)
         )
     registry.prices.local_ttl_s = 0.0
-    feed = PriceFeed(PriceSettings(aws_endpoint_url=moto, pricing_endpoint_url=pricelist))
+    feed = PriceFeed(AwsSection(endpoint_url=moto), PricingSection(endpoint_url=pricelist))
     registry.prices.refresh(feed)
     from prfaas.control_plane.scheduling.snapshot import ModelShape
 

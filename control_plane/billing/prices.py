@@ -2,16 +2,16 @@
 GPU instance type, the AWS Price List API for on-demand), refreshed on a schedule (the Celery beat task
 `prfaas.refresh_prices`), cached in Redis with the source and age of every price.
 
-Mechanism only: `PriceFeed` does the AWS calls, `PriceBook` the cache. The scheduler's snapshot and the ledger
-read prices through `PriceBook.on_demand` / `PriceBook.spot` (an in-process copy of the cache, re-read every
-`local_ttl_s`, so deciding a placement costs no extra Redis round trip most of the time).
+Mechanism only: `PriceFeed` (billing/price_feeds.py) does the AWS calls, `PriceBook` the cache. The scheduler's
+snapshot and the ledger read prices through `PriceBook.on_demand` / `PriceBook.spot` (an in-process copy of the
+cache, re-read every `local_ttl_s`, so deciding a placement costs no extra Redis round trip most of the time).
 
 A feed error (AWS unreachable, throttled, an instance type it does not price) is logged as a warning and the
 region's configured table price is cached in its place, with `source="table"` and the error beside it. A cached
 price older than `max_age_s` is `stale`: still used (it is the last price known), and flagged in
 `GET /admin/prices`, the dashboard and `prfaas_price_stale`.
 
-Configuration: YAML at `PRFAAS_PRICES_PATH`:
+Configuration: YAML at `PRFAAS_PRICES_PATH` (`Settings.prices.path`):
 
     max_age_s: 900          # a cached price older than this is stale
     refresh_s: 300          # the beat task's period
@@ -23,18 +23,19 @@ Configuration: YAML at `PRFAAS_PRICES_PATH`:
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from prfaas.control_plane.billing.price_feeds import PriceFeed
 
 log = logging.getLogger(__name__)
 Market = Literal["on-demand", "spot"]
@@ -42,7 +43,7 @@ MARKETS: tuple[Market, ...] = ("on-demand", "spot")
 
 
 class PriceFeedError(Exception):
-    """A live feed gave no usable price (no offer, nothing parsable)."""
+    """A live feed gave no usable price (no offer, nothing parsable, nothing to ask for)."""
 
 
 class RegionPrices(BaseModel):
@@ -70,19 +71,6 @@ class PriceConfig(BaseModel):
         return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
 
 
-class PriceSettings(BaseSettings):
-    """`PRFAAS_PRICES_PATH`, `PRFAAS_AWS_ENDPOINT_URL` (EC2; moto's server in tests), `PRFAAS_PRICING_ENDPOINT_URL`
-    (Price List; a loopback server of recorded responses in tests)."""
-
-    model_config = SettingsConfigDict(env_prefix="PRFAAS_", extra="ignore", frozen=True)
-
-    prices_path: Path | None = None
-    aws_endpoint_url: str | None = None
-    pricing_endpoint_url: str | None = None
-    pricing_region: str = "us-east-1"  # the Price List API is served from us-east-1 (and ap-south-1)
-    aws_timeout_s: float = Field(default=5.0, gt=0)
-
-
 @dataclass(frozen=True)
 class Quote:
     region: str
@@ -93,89 +81,6 @@ class Quote:
     age_s: float | None
     stale: bool
     error: str | None = None  # why a live feed fell back to the table
-
-
-class PriceFeed:
-    """The live feeds, through boto3. One client per (service, AWS region), kept."""
-
-    def __init__(self, settings: PriceSettings) -> None:
-        self.settings = settings
-        self._clients: dict[tuple[str, str], Any] = {}
-
-    def _client(self, service: str, region: str) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        key = (service, region)
-        if key not in self._clients:
-            endpoint = self.settings.aws_endpoint_url if service == "ec2" else self.settings.pricing_endpoint_url
-            cfg = Config(
-                connect_timeout=self.settings.aws_timeout_s,
-                read_timeout=self.settings.aws_timeout_s,
-                retries={"max_attempts": 1},
-            )
-            self._clients[key] = boto3.client(service, region_name=region, endpoint_url=endpoint, config=cfg)
-        return self._clients[key]
-
-    def spot(self, prices: RegionPrices) -> float:
-        """$/GPU-hour: the lowest of the latest spot price of each availability zone, per GPU."""
-        if not (prices.aws_region and prices.instance_type):
-            raise PriceFeedError("no aws_region / instance_type configured")
-        ec2 = self._client("ec2", prices.aws_region)
-        reply = ec2.describe_spot_price_history(
-            InstanceTypes=[prices.instance_type],
-            ProductDescriptions=["Linux/UNIX"],
-            StartTime=dt.datetime.now(dt.UTC) - dt.timedelta(hours=6),
-            MaxResults=1000,
-        )
-        return parse_spot(reply, prices.instance_type) / prices.gpus_per_instance
-
-    def on_demand(self, prices: RegionPrices) -> float:
-        """$/GPU-hour from the Price List (Linux, shared tenancy, no pre-installed software)."""
-        if not (prices.location and prices.instance_type):
-            raise PriceFeedError("no location / instance_type configured")
-        pricing = self._client("pricing", self.settings.pricing_region)
-        filters = {
-            "instanceType": prices.instance_type,
-            "location": prices.location,
-            "operatingSystem": "Linux",
-            "tenancy": "Shared",
-            "preInstalledSw": "NA",
-            "capacitystatus": "Used",
-        }
-        reply = pricing.get_products(
-            ServiceCode="AmazonEC2",
-            Filters=[{"Type": "TERM_MATCH", "Field": k, "Value": v} for k, v in filters.items()],
-            MaxResults=10,
-        )
-        return parse_on_demand(reply) / prices.gpus_per_instance
-
-
-def parse_spot(reply: dict[str, Any], instance_type: str) -> float:
-    """$/instance-hour: the latest price of each zone, the lowest zone."""
-    latest: dict[str, tuple[Any, float]] = {}
-    for item in reply.get("SpotPriceHistory", []):
-        if item.get("InstanceType") != instance_type:
-            continue
-        zone, at, price = item.get("AvailabilityZone", ""), item.get("Timestamp"), float(item["SpotPrice"])
-        if zone not in latest or (at is not None and at > latest[zone][0]):
-            latest[zone] = (at, price)
-    if not latest:
-        raise PriceFeedError(f"no spot price for {instance_type}")
-    return min(price for _, price in latest.values())
-
-
-def parse_on_demand(reply: dict[str, Any]) -> float:
-    """$/instance-hour of the first product's hourly on-demand term (Price List documents are JSON strings)."""
-    for doc in reply.get("PriceList", []):
-        product = json.loads(doc) if isinstance(doc, str) else doc
-        for term in product.get("terms", {}).get("OnDemand", {}).values():
-            for dim in term.get("priceDimensions", {}).values():
-                if dim.get("unit") in ("Hrs", "Hours") and "USD" in dim.get("pricePerUnit", {}):
-                    price = float(dim["pricePerUnit"]["USD"])
-                    if price > 0:
-                        return price
-    raise PriceFeedError("no hourly on-demand USD price in the Price List reply")
 
 
 class PriceBook:
@@ -268,9 +173,9 @@ def quote_dict(q: Quote) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def price_book(client: Any, key: str, settings: PriceSettings | None = None) -> PriceBook:
-    settings = settings or PriceSettings()
-    return PriceBook(client, key, PriceConfig.load(settings.prices_path))
+def price_book(client: Any, key: str, path: Path | None) -> PriceBook:
+    """The price book at Redis hash `key` over the table at `path` (`Settings.prices.path`; None: no table)."""
+    return PriceBook(client, key, PriceConfig.load(path))
 
 
 def _text(value: Any) -> str:

@@ -1,0 +1,234 @@
+"""Metering: a finished job becomes its ledger entry, exactly once, off the request path.
+
+The single hook is `Meter.job_done(job_id)`, called by the API process right after the job's `DONE`
+transition (control_plane/jobs/generation.py). It only queues the id (no I/O): a background thread reads the job
+and its timeline from Redis, prices the work (`PriceBook`: live or table $/GPU-hour, the link's egress $/GB from
+the registry) and writes the ledger (`Ledger.record_many`: idempotent on the job id, so a second API process, a
+retry or the reconciliation sweep (billing/reconcile.py) never bills twice). Attempts that did not produce the
+answer (a failover, a lost region) are recorded as the platform's cost (`Ledger.record_wasted_once`), never the
+tenant's. What each job is billed: billing/usage.py. After every write the tenants' monthly spend in Redis
+rises by the new entries' $ (billing/spend.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from prfaas.control_plane.billing.costs import JobUsage, PriceTable
+from prfaas.control_plane.billing.ledger import Ledger
+from prfaas.control_plane.billing.metrics import MeteringMetrics
+from prfaas.control_plane.billing.models import UsageEntry
+from prfaas.control_plane.billing.prices import PriceBook
+from prfaas.control_plane.billing.spend import TenantSpend
+from prfaas.control_plane.billing.usage import job_usage, wasted_work
+from prfaas.control_plane.jobs import JobState
+from prfaas.control_plane.region_registry import RegionNotFound
+from prfaas.control_plane.services import Services
+
+log = logging.getLogger(__name__)
+
+
+class Meter:
+    """Bills finished jobs into the ledger, off the request path (see the module docstring)."""
+
+    def __init__(
+        self,
+        services: Services,
+        ledger: Ledger,
+        metrics: MeteringMetrics | None = None,
+        *,
+        batch_window_s: float = 0.05,
+        max_batch: int = 256,
+    ) -> None:
+        self.s = services
+        self.batch_window_s = batch_window_s  # the writer bills what queued in this long together
+        self.max_batch = max_batch
+        self.ledger = ledger
+        self.prices: PriceBook = services.regions.prices
+        self.metrics = metrics
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.spend = TenantSpend(services.redis, services.jobs)
+
+    # -- the hook ------------------------------------------------------------------------------
+
+    def job_done(self, job_id: str) -> None:
+        """Queue a DONE job for billing; returns at once (no I/O on the caller's path)."""
+        self._queue.put_nowait(job_id)
+        if self.metrics is not None:
+            self.metrics.queue_depth.inc()
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
+                    self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            if batch[0] is not None and self.batch_window_s > 0:
+                # Let more jobs queue: every job billed with the others of its window costs one Redis round trip,
+                # one ledger transaction and one spend update per window, not per job. No waiter during the
+                # sleep, so `job_done` (on the request path) wakes nobody.
+                time.sleep(self.batch_window_s)
+            while len(batch) < self.max_batch and batch[-1] is not None:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            ids = [job_id for job_id in batch if job_id is not None]
+            try:
+                if ids:
+                    if self.metrics is not None:
+                        self.metrics.queue_depth.dec(len(ids))
+                    self._bill_batch(ids)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if len(ids) < len(batch):
+                return
+
+    def _bill_batch(self, job_ids: list[str]) -> None:
+        try:
+            self.bill_many(job_ids)
+        except Exception:
+            if self.metrics is not None:
+                self.metrics.errors.inc()
+            log.exception("billing %d jobs together failed; billing them one by one", len(job_ids))
+            for job_id in job_ids:
+                self._bill_retrying(job_id)
+
+    def _bill_retrying(self, job_id: str, tries: int = 3) -> None:
+        for i in range(tries):
+            try:
+                self.bill(job_id)
+                return
+            except Exception:
+                if self.metrics is not None:
+                    self.metrics.errors.inc()
+                log.exception("billing job %s failed (try %d of %d)", job_id, i + 1, tries)
+                time.sleep(0.2 * 2**i)
+        # the reconciliation sweep bills it later
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued job is billed (tests, shutdown); False at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.flush(timeout_s)
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+
+    # -- billing -------------------------------------------------------------------------------
+
+    def bill(self, job_id: str) -> UsageEntry | None:
+        """Write the job's entry (and its wasted attempts) if it is DONE; the stored entry if billed before."""
+        entries = self.bill_many([job_id])
+        return entries[0] if entries else None
+
+    def bill_many(self, job_ids: list[str]) -> list[UsageEntry]:
+        """`bill` for several jobs: the jobs and their timelines read in one Redis round trip, the entries
+        written in one ledger transaction, each tenant's spend raised once. Returns the entries of the jobs
+        that are DONE (written now or before), in order; jobs gone or not DONE are skipped."""
+        started = time.perf_counter()
+        jobs: list[tuple[JobUsage, PriceTable]] = []
+        tables: dict[tuple[str, str], PriceTable] = {}
+        for found in self.s.jobs.with_timelines(job_ids):
+            if found is None or found[0]["state"] != JobState.DONE:
+                continue
+            job = self._with_wire_bytes(found[0])
+            usage = job_usage(job, found[1])
+            self.record_wasted(job, found[1], range(1, usage.attempts))
+            regions = (usage.prefill_region, usage.decode_region)
+            if regions not in tables:
+                tables[regions] = self.price_table(*regions)
+            jobs.append((usage, tables[regions]))
+        results = self.ledger.record_many(jobs)
+        written = [entry for entry, inserted in results if inserted]
+        spend: dict[str, float] = {}
+        for entry in written:
+            spend[entry.tenant] = spend.get(entry.tenant, 0.0) + entry.total_usd
+        self.spend.add(spend)
+        if self.metrics is not None:
+            each_s = (time.perf_counter() - started) / max(1, len(written))
+            for entry in written:
+                self.metrics.billed(entry)
+                self.metrics.write_s.observe(each_s)
+        return [entry for entry, _ in results]
+
+    def _with_wire_bytes(self, job: dict[str, str], wait_s: float = 5.0) -> dict[str, str]:
+        """A split job's wire bytes come with the prefill region's `shipment_complete` event, which the
+        dispatcher may record after DONE: wait for them a little (this runs off the request path)."""
+        deadline = time.monotonic() + wait_s
+        while job.get("placement_chosen") == "split" and not int(job.get("bytes_wire", 0) or 0):
+            if time.monotonic() > deadline:
+                log.warning("job %s: no wire bytes recorded after %.0f s; egress billed as 0", job["id"], wait_s)
+                break
+            time.sleep(0.05)
+            job = self.s.jobs.get(job["id"])
+        return job
+
+    def record_wasted(self, job: dict[str, str], timeline: list[dict[str, Any]], attempts: range) -> None:
+        """Record the GPU time of each of `attempts` (that did not answer) as the platform's cost, once."""
+        for w in wasted_work(job, timeline, attempts):
+            if w.gpu_s <= 0:
+                continue
+            table = PriceTable({w.region: self.gpu_hour(w.region, prefill=w.phase == "prefill")})
+            row, inserted = self.ledger.record_wasted_once(
+                job_id=job["id"], attempt=w.attempt, phase=w.phase, tenant=job["tenant"], region=w.region,
+                gpu_s=w.gpu_s, prices=table, reason=w.reason[:500],
+            )  # fmt: skip
+            if inserted and self.metrics is not None:
+                self.metrics.wasted_usd.labels(w.phase, w.region).inc(row.cost_usd)
+
+    def gpu_hour(self, region: str, *, prefill: bool) -> float:
+        """The price a region's work is billed at: a split prefill at the spot price when there is one (as the
+        scheduler's cost model assumes, `prefill_on_spot`), else on-demand; the region's registered price when
+        no price is configured for it."""
+        if prefill:
+            spot = self.prices.spot(region)
+            if spot is not None:
+                return spot
+        on_demand = self.prices.on_demand(region)
+        if on_demand is not None:
+            return on_demand
+        try:
+            return self.s.regions.get(region).usd_per_gpu_hour
+        except RegionNotFound:
+            raise KeyError(f"no $/GPU-hour for region {region!r}") from None
+
+    def price_table(self, prefill_region: str, decode_region: str) -> PriceTable:
+        split = bool(prefill_region) and prefill_region != decode_region
+        gpu = {decode_region: self.gpu_hour(decode_region, prefill=False)}
+        egress: dict[tuple[str, str], float] = {}
+        if split:
+            gpu[prefill_region] = self.gpu_hour(prefill_region, prefill=True)
+            links = {(x.src, x.dst): x.egress_usd_per_gb for x in self.s.regions.links()}
+            egress[(prefill_region, decode_region)] = links.get((prefill_region, decode_region), 0.0)
+        return PriceTable(gpu, egress)
+
+
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, MeteringMetrics] = weakref.WeakKeyDictionary()
+
+
+def open_meter(services: Services, registry: CollectorRegistry | None = None) -> Meter:
+    """A Meter on the ledger at `Settings.ledger.url` (migrated to head), its metrics in `registry`."""
+    metrics = None
+    if registry is not None:  # one set per registry: an app's lifespan may run more than once (tests)
+        metrics = _METRICS.get(registry)
+        if metrics is None:
+            metrics = _METRICS[registry] = MeteringMetrics(registry)
+        metrics.prices.prices = services.regions.prices
+    return Meter(services, Ledger(services.settings.ledger.url), metrics)

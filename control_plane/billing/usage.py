@@ -1,0 +1,115 @@
+"""From a finished job's record and timeline in the job store to what it is billed (pure; no I/O).
+
+What is measured, per job (fields written into the job hash on the way, see `served_timing`):
+- split: prefill GPU-s = the prefill region's `PrefillDone.prefill_s`; decode GPU-s = the decode stream's
+  elapsed time from its first token to its last (`TokenEvent.elapsed_s`).
+- local: prefill GPU-s = `Generate`'s elapsed time to its first token; decode GPU-s as above.
+- a wasted attempt: the wall time its region held the job, from the attempt's timeline (PREFILLING -> next
+  entry in the prefill region; TRANSFERRING / DECODING -> next entry in the decode region; LOCAL -> next entry).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from prfaas.control_plane.billing.costs import JobUsage
+
+
+@dataclass(frozen=True)
+class Work:
+    """GPU time one attempt spent in one region without producing the answer."""
+
+    attempt: int
+    phase: str  # "prefill", "decode" or "local"
+    region: str
+    gpu_s: float
+    reason: str
+
+
+def served_timing(first: tuple[float, float] | None, last_elapsed_s: float) -> dict[str, float]:
+    """Job-hash fields the API records with DONE: `first` = (wall time, stream elapsed s) of token 0."""
+    if first is None:
+        return {"gen_last_s": last_elapsed_s}
+    return {"first_token_at": first[0], "gen_first_s": first[1], "gen_last_s": last_elapsed_s}
+
+
+def _f(job: dict[str, str], name: str) -> float | None:
+    value = job.get(name)
+    return None if value in (None, "") else float(value)  # type: ignore[arg-type]
+
+
+def _attempt_regions(job: dict[str, str], timeline: list[dict[str, Any]], attempt: int) -> tuple[str, str]:
+    """(prefill region, decode region) of `attempt`: dispatch's `regions_a{n}`, else the timeline's notes."""
+    recorded = job.get(f"regions_a{attempt}")
+    if recorded and ">" in recorded:
+        p, d = recorded.split(">", 1)
+        return p, d
+    prefill = decode = job.get("decode_region", "")
+    for e in timeline:
+        note = str(e.get("note", ""))
+        if e.get("attempt") == attempt and note.startswith("prefill in "):
+            prefill = note.removeprefix("prefill in ")
+        if e.get("attempt") == attempt and note.startswith("local in "):
+            prefill = decode = note.removeprefix("local in ")
+    return prefill or decode, decode
+
+
+def wasted_work(job: dict[str, str], timeline: list[dict[str, Any]], attempts: range) -> list[Work]:
+    """The GPU time each attempt in `attempts` held a region, from the timeline."""
+    out: list[Work] = []
+    entries = sorted(timeline, key=lambda e: float(e["at"]))
+    for a in attempts:
+        mine = [e for e in entries if e.get("attempt") == a]
+        later = [e for e in entries if int(e.get("attempt", 0)) > a or e["state"] in ("FAILED", "CANCELED")]
+        prefill, decode = _attempt_regions(job, timeline, a)
+        for i, e in enumerate(mine):
+            phase = {"PREFILLING": "prefill", "TRANSFERRING": "decode", "DECODING": "decode", "LOCAL": "local"}
+            if e["state"] not in phase:
+                continue
+            start = float(e["at"])
+            ends = [float(x["at"]) for x in mine[i + 1 :] + later if float(x["at"]) >= start]
+            end = min(ends) if ends else start
+            reason = next((str(x.get("note", "")) for x in later if float(x["at"]) >= start), "")
+            region = prefill if e["state"] == "PREFILLING" else decode
+            out.append(Work(a, phase[e["state"]], region, max(0.0, end - start), reason))
+    # one row per (attempt, phase): TRANSFERRING and DECODING of one attempt add up
+    merged: dict[tuple[int, str], Work] = {}
+    for w in out:
+        prev = merged.get((w.attempt, w.phase))
+        merged[(w.attempt, w.phase)] = w if prev is None else Work(w.attempt, w.phase, w.region, prev.gpu_s + w.gpu_s,
+                                                                    prev.reason)  # fmt: skip
+    return list(merged.values())
+
+
+def job_usage(job: dict[str, str], timeline: list[dict[str, Any]]) -> JobUsage:
+    """The bill of a DONE job: the work of its final attempt (the one that answered)."""
+    attempt = int(job["attempt"])
+    split = job.get("placement_chosen") == "split"
+    decode_region = job.get("decode_region", "")
+    prefill_region = job.get("prefill_region", decode_region) if split else decode_region
+    first, last = _f(job, "gen_first_s"), _f(job, "gen_last_s")
+    mine = {e["state"]: float(e["at"]) for e in timeline if e.get("attempt") == attempt}
+    decode_s = max(0.0, last - first) if last is not None and first is not None else 0.0
+    if split:
+        prefill_s = _f(job, "prefill_gpu_s")
+        if prefill_s is None and "PREFILLING" in mine and "TRANSFERRING" in mine:
+            prefill_s = mine["TRANSFERRING"] - mine["PREFILLING"]
+    else:
+        prefill_s = first
+        if prefill_s is None and "LOCAL" in mine and "DONE" in mine:
+            prefill_s = mine["DONE"] - mine["LOCAL"]
+    tokens_out = int(job.get("completion_tokens", 0) or 0)
+    first_at = _f(job, "first_token_at")
+    ttft = first_at - float(job["created_at"]) if first_at is not None else None
+    tpot = decode_s / (tokens_out - 1) if tokens_out > 1 and last is not None and first is not None else None
+    return JobUsage(
+        job_id=job["id"], tenant=job["tenant"], model=job.get("model", ""), prefill_region=prefill_region,
+        decode_region=decode_region, prefill_gpu_s=max(0.0, prefill_s or 0.0), decode_gpu_s=decode_s,
+        tokens_in=int(job.get("prompt_tokens", 0) or 0), tokens_out=tokens_out,
+        kv_bytes_raw=int(job.get("bytes_raw", 0) or 0) if split else 0,
+        kv_bytes_wire=int(job.get("bytes_wire", 0) or 0) if split else 0,
+        finished_at=dt.datetime.fromtimestamp(mine.get("DONE", float(job["updated_at"])), dt.UTC),
+        placement="split" if split else "local", attempts=attempt, ttft_s=ttft, tpot_s=tpot,
+    )  # fmt: skip
