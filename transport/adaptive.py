@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+LAN_RTT_S = 0.001  # below: same host or region, where a queue is too small to see
+
 
 @dataclass(frozen=True)
 class PathSample:
@@ -61,7 +63,7 @@ class StreamController:
     max_streams: int = 64
     gain: float = 0.05
     queue_threshold: float = 0.2
-    lan_rtt_s: float = 0.001
+    lan_rtt_s: float = LAN_RTT_S
     interval_s: float = 1.0
     hold_intervals: int = 20
     reprobe_clear: int = 3

@@ -188,10 +188,11 @@ def read_into(sock: Readable, view: memoryview) -> None:
         got += n
 
 
-def read_frame(sock: Readable) -> tuple[Frame, bool]:
-    """Read one frame: (frame, payload checksum ok). Raises FrameError on a bad header,
-    ConnectionError when the peer closes, and whatever the socket raises on timeout."""
-    header = parse_header(read_exact(sock, HEADER_SIZE))
+def read_frame(sock: Readable, head: bytes = b"") -> tuple[Frame, bool]:
+    """Read one frame: (frame, payload checksum ok); `head`: its first bytes, if read already.
+    Raises FrameError on a bad header, ConnectionError when the peer closes, and whatever the
+    socket raises on timeout."""
+    header = parse_header(head + read_exact(sock, HEADER_SIZE - len(head)))
     payload = read_exact(sock, header.payload_len) if header.payload_len else bytearray()
     return to_frame(header, payload), payload_ok(header, payload)
 

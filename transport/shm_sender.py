@@ -27,17 +27,7 @@ import numpy as np
 from prfaas.transport import metrics, sockets
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import FrameError, PeerUnavailable, TransportError
-from prfaas.transport.framing import (
-    HEADER_SIZE,
-    Frame,
-    FrameType,
-    encode,
-    json_payload,
-    parse_header,
-    read_exact,
-    read_frame,
-    to_frame,
-)
+from prfaas.transport.framing import HEADER_SIZE, Frame, FrameType, encode, json_payload, read_frame
 from prfaas.transport.outbound import Chunk, OutboundTransfer, TransferTable, encoder_pool
 from prfaas.transport.shm_receiver import Placement, map_arena
 
@@ -59,12 +49,9 @@ class _Link:
             data, fds, _flags, _addr = socket.recv_fds(sock, HEADER_SIZE, 1)
             if not data:
                 raise ConnectionError("receiver closed the connection during HELLO")
-            head = bytes(data) + bytes(read_exact(sock, HEADER_SIZE - len(data)))
-            header = parse_header(head)
-            payload = read_exact(sock, header.payload_len) if header.payload_len else bytearray()
-            hello = to_frame(header, payload)
+            hello, _ok = read_frame(sock, bytes(data))  # the rest of the frame whose start came with the fd
             if hello.type is not FrameType.HELLO_OK:
-                raise FrameError(f"receiver answered HELLO with {hello.type.name}: {bytes(payload)[:200]!r}")
+                raise FrameError(f"receiver answered HELLO with {hello.type.name}: {bytes(hello.payload)[:200]!r}")
             body = hello.json()
             if not fds or not isinstance(body, dict) or not isinstance(body.get("arena_bytes"), int):
                 raise FrameError("receiver's HELLO_OK carries no arena (is it a shared-memory receiver?)")

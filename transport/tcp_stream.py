@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from prfaas.transport import sockets
+from prfaas.transport.adaptive import LAN_RTT_S
 from prfaas.transport.errors import FrameError
 from prfaas.transport.framing import Frame, FrameType, encode, json_payload, read_frame
 from prfaas.transport.outbound import OutboundTransfer
@@ -25,8 +26,6 @@ from prfaas.transport.tls import TlsSocket
 
 if TYPE_CHECKING:
     from prfaas.transport.tcp_sender import TcpChannel
-
-LAN_RTT_S = 0.001  # below: same host or region (see StreamController.lan_rtt_s)
 
 
 class TcpStream:
