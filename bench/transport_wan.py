@@ -2,7 +2,7 @@
 
     python bench/transport_wan.py --profile continental --profile intercontinental --json out.json
 
-Two network namespaces joined by the userspace link emulator (bench/wan_netns.py); a
+Two network namespaces joined by the userspace link emulator (devstack/wanlink.py); a
 receiver process (TcpReceiver) in one, a sender process (TcpChannel) in the other, both
 driven by this process over pipes. The payload is real SmolLM2-135M KV (bf16, 2048
 tokens), repeated to --size-mb. For each congestion control, each fixed stream count and
@@ -142,7 +142,7 @@ class Proc:
 
 
 def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[dict[str, Any]]) -> None:
-    from prfaas.bench.wan_netns import wan_link
+    from prfaas.devstack.wanlink import wan_link
     from prfaas.transport.tickets import TicketSigner
 
     rtt_ms, rate_mbit, loss_pct = PROFILES[name]

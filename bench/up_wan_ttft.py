@@ -30,12 +30,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prfaas.bench import loadgen
-from prfaas.bench.workload import Planned
-from prfaas.cli.bench import prompt_corpus
-from prfaas.cli.topology import load_topology
-from prfaas.cli.up_state import read_state
+from prfaas.devstack.state import read_state
+from prfaas.devstack.topology import load_topology
 from prfaas.engine.models import prfaas_home, resolve_model
+from prfaas.loadgen import client as loadgen
+from prfaas.loadgen.bench import corpus as prompt_corpus
+from prfaas.loadgen.workload import Planned
 
 
 class _Failed(Exception):

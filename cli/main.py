@@ -115,7 +115,7 @@ def demo(
     max_new_tokens: int = typer.Option(48, min=1),
 ) -> None:
     """Generate split (prefill and decode in two processes) and colocated; compare."""
-    from prfaas.engine.demo import DEFAULT_PROMPT, run_demo
+    from prfaas.devstack.demo import DEFAULT_PROMPT, run_demo
 
     _quiet_transformers()
     try:
@@ -160,10 +160,12 @@ def region(
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
     _quiet_transformers()
+    from prfaas.decode_region.role import build_decode
+    from prfaas.prefill_region.role import build_prefill
     from prfaas.region.main import serve
 
     try:
-        serve(settings)
+        serve(settings, {"prefill": build_prefill, "decode": build_decode})
     except (EngineError, OSError, ValueError) as exc:
         console.print(f"[red]error:[/red] cannot start region {settings.name}: {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
@@ -179,9 +181,9 @@ def up(
     every region of the topology; a demo tenant. Ctrl-C (or `prfaas down`) stops everything."""
     from rich.markup import escape
 
-    from prfaas.cli.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
-    from prfaas.cli.up import run_up
-    from prfaas.cli.up_state import UpError
+    from prfaas.devstack.deployment import run_up
+    from prfaas.devstack.state import UpError
+    from prfaas.devstack.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
     from prfaas.engine.models import prfaas_home
 
     path = topology or DEFAULT_TOPOLOGY
@@ -192,7 +194,7 @@ def up(
         raise typer.Exit(2) from None
 
     def ready(state: object) -> None:
-        from prfaas.cli.up_state import UpState
+        from prfaas.devstack.state import UpState
 
         assert isinstance(state, UpState)
         table = Table("", "", show_header=False)
@@ -215,8 +217,8 @@ def down() -> None:
     """Stop what `prfaas up` started (processes, network namespaces)."""
     from rich.markup import escape
 
-    from prfaas.cli.up_state import UpError
-    from prfaas.cli.up_state import down as stop
+    from prfaas.devstack.state import UpError
+    from prfaas.devstack.state import down as stop
     from prfaas.engine.models import prfaas_home
 
     try:

@@ -1,60 +1,87 @@
-"""Builds a region process from its config: the engine, the role backends on it, the agents
-its role needs, the KV receiver of a decode role, and the server that hosts them. The only
-place that sees both roles and both engines; the agents see only their backend Protocols."""
+"""Builds a region process from its config: the engine (HF in this process, or a vLLM server
+beside it), then the agent of each role the config serves, and the server that hosts them.
+
+The roles are given, not imported: each role package provides a `RoleBuilder`
+(`prefill_region/role.py`, `decode_region/role.py`) and the process's entry point passes
+them in (`cli/main.py`: `prfaas region`), so the host depends on no role and the roles
+depend on the host (docs/ARCHITECTURE.md).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
-from prfaas.protos.prfaas.v1 import decode_pb2_grpc, prefill_pb2_grpc, registry_pb2
+import grpc
+
+from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.config import RegionConfig, parse_hostport
 from prfaas.region.server import Agent, RegionServer
 
 log = logging.getLogger(__name__)
-Agents = dict[str, tuple[Agent, Any]]
 
 
-def build_region(config: RegionConfig, engine: Any = None) -> tuple[RegionServer, registry_pb2.RegisterRequest]:
-    """The region's server (not started) and what it registers with. `engine`: an HFEngine
-    already loaded (tests share one); None loads the config's model."""
-    if config.engine == "vllm":
-        return _build_vllm_region(config)
-    from prfaas.decode_region.hf_backend import HFDecode
-    from prfaas.engine.hf import HFEngine
-    from prfaas.prefill_region.hf_backend import HFPrefill
-    from prfaas.prefill_region.shipping import ChannelPool
-    from prfaas.transport.tickets import TicketVerifier
+class BuiltRole(NamedTuple):
+    service: str  # the gRPC service it serves, e.g. "prfaas.v1.PrefillRegion"
+    agent: Agent
+    add_to_server: Callable[[Any, grpc.Server], None]  # the generated add_*Servicer_to_server
+    kv_endpoint: str = ""  # where prefill regions ship KV to this role (decode), else ""
 
-    if config.engine_cpus:  # every thread made from here on keeps off the forward's CPUs, if others exist
-        others = set(range(os.cpu_count() or 1)) - set(config.engine_cpus)
-        os.sched_setaffinity(0, others or set(config.engine_cpus))
+
+class RoleBuilder(Protocol):
+    def __call__(self, config: RegionConfig, engine: Any) -> BuiltRole:
+        """The role's agent on `engine` (an `HFEngine` or a `VLLMEngine`)."""
+        ...
+
+
+def build_region(
+    config: RegionConfig, roles: Mapping[str, RoleBuilder], engine: Any = None
+) -> tuple[RegionServer, registry_pb2.RegisterRequest]:
+    """The region's server (not started) and what it registers with. `roles` maps "prefill"
+    and "decode" to their builders; `engine`: one already loaded (tests share one), or None
+    to load the config's."""
+    owned = engine is None
     if engine is None:
-        engine = HFEngine(config.model, dtype=config.dtype, device=config.device, cpus=config.engine_cpus)
-    agents: Agents = {}
-    kv_endpoint = ""
-    if config.serves_prefill:
-        channels = ChannelPool(config.name, control_plane=config.control_plane_url, ice_servers=ice_servers(config))
-        prefill = HFPrefill(engine, channels, kv_lease_s=config.kv_lease_s, kv_lease_bytes=config.kv_lease_bytes,
-                            test_layer_delay_s=config.test_layer_delay_s)  # fmt: skip
-        _add_prefill(agents, config, prefill)
-    if config.serves_decode:
-        host, port = parse_hostport(config.listen.kv)
-        verifier = TicketVerifier({config.ticket_key_id: config.ticket_key.encode()})
-        receiver, kv_endpoint = kv_receiver(config, verifier, host, port)
-        _add_decode(agents, config, HFDecode(engine, receiver, kv_endpoint))
-    server = _server(config, agents)
-    return server, _registration(config, server, kv_endpoint, engine.fingerprint)
+        engine = load_engine(config)
+    try:
+        wanted = ("prefill", "decode") if config.role == "both" else (config.role,)
+        built = [roles[role](config, engine) for role in wanted]
+        threads = 16 + 4 * config.workers + config.queue_depth  # streams held open by queued jobs need threads too
+        server = RegionServer(
+            config.listen.grpc, {b.service: (b.agent, b.add_to_server) for b in built},
+            metrics_address=config.listen.metrics, max_rpc_threads=threads,
+        )  # fmt: skip
+    except BaseException:
+        if owned and config.engine == "vllm":
+            engine.close()
+        raise
+    registration = registry_pb2.RegisterRequest(
+        name=config.name, role=config.role, gpu_type=config.gpu_type, num_workers=config.workers,
+        usd_per_gpu_hour=config.usd_per_gpu_hour, grpc_endpoint=server.grpc_address,
+        kv_endpoint=next((b.kv_endpoint for b in built if b.kv_endpoint), ""), engine=config.engine,
+        model=config.model, model_fingerprint=engine.facts.fingerprint,
+        kv_buffer_bytes=config.kv_buffer_bytes if config.serves_decode else 0,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+    )  # fmt: skip
+    return server, registration
 
 
-def _build_vllm_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2.RegisterRequest]:
-    """`engine: vllm`: one vLLM server for the region (engine/vllm/remote.py); its KV port is
-    the region's (listen.kv) when it decodes. The region exits if the server dies."""
-    from prfaas.decode_region.vllm_backend import VLLMDecode
+def load_engine(config: RegionConfig) -> Any:
+    """`engine: hf`: the model in this process (its forwards pinned to `engine_cpus`, every
+    other thread off them). `engine: vllm`: a vLLM server beside the region
+    (engine/vllm/remote.py), its KV port the region's (listen.kv) when it decodes; the region
+    exits if the server dies."""
+    if config.engine == "hf":
+        from prfaas.engine.hf import HFEngine
+
+        if config.engine_cpus:  # every thread made from here on keeps off the forward's CPUs, if others exist
+            others = set(range(os.cpu_count() or 1)) - set(config.engine_cpus)
+            os.sched_setaffinity(0, others or set(config.engine_cpus))
+        return HFEngine(config.model, dtype=config.dtype, device=config.device, cpus=config.engine_cpus)
     from prfaas.engine.vllm.remote import DEFAULT_VLLM_PYTHON, ServerOptions, start_vllm_engine
-    from prfaas.prefill_region.vllm_backend import VLLMPrefill
 
     opts = config.vllm
     host, port = parse_hostport(config.listen.kv)
@@ -67,16 +94,6 @@ def _build_vllm_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2
             cpu_threads_bind=opts.cpu_threads_bind, log_path=Path(opts.log) if opts.log else None,
         ),
     )  # fmt: skip
-    agents: Agents = {}
-    try:
-        if config.serves_prefill:
-            _add_prefill(agents, config, VLLMPrefill(engine, ship=opts.ship))
-        if config.serves_decode:
-            _add_decode(agents, config, VLLMDecode(engine))
-        server = _server(config, agents)
-    except BaseException:
-        engine.close()
-        raise
 
     def engine_died(returncode: int) -> None:
         # A region without its engine serves nothing: exit at once (callers in flight get
@@ -86,68 +103,4 @@ def _build_vllm_region(config: RegionConfig) -> tuple[RegionServer, registry_pb2
         os._exit(3)
 
     engine.on_exit(engine_died)
-    return server, _registration(config, server, engine.kv_endpoint or "", engine.fingerprint)
-
-
-def _add_prefill(agents: Agents, config: RegionConfig, backend: Any) -> None:
-    from prfaas.prefill_region.agent import PrefillAgent
-
-    agent = PrefillAgent(backend, num_workers=config.workers, queue_depth=config.queue_depth, codec=config.codec)
-    agents["prfaas.v1.PrefillRegion"] = (agent, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)
-
-
-def _add_decode(agents: Agents, config: RegionConfig, backend: Any) -> None:
-    from prfaas.decode_region.agent import DecodeAgent
-
-    agent = DecodeAgent(
-        backend, kv_buffer_bytes=config.kv_buffer_bytes, num_workers=config.workers,
-        heartbeat_interval_s=config.heartbeat_interval_s, max_reservation_s=config.max_reservation_s,
-    )  # fmt: skip
-    agents["prfaas.v1.DecodeRegion"] = (agent, decode_pb2_grpc.add_DecodeRegionServicer_to_server)
-
-
-def _server(config: RegionConfig, agents: Agents) -> RegionServer:
-    threads = 16 + 4 * config.workers + config.queue_depth  # streams held open by queued jobs need threads too
-    return RegionServer(config.listen.grpc, agents, metrics_address=config.listen.metrics, max_rpc_threads=threads)
-
-
-def _registration(
-    config: RegionConfig, server: RegionServer, kv_endpoint: str, fingerprint: str
-) -> registry_pb2.RegisterRequest:
-    return registry_pb2.RegisterRequest(
-        name=config.name, role=config.role, gpu_type=config.gpu_type, num_workers=config.workers,
-        usd_per_gpu_hour=config.usd_per_gpu_hour, grpc_endpoint=server.grpc_address, kv_endpoint=kv_endpoint,
-        engine=config.engine, model=config.model, model_fingerprint=fingerprint,
-        kv_buffer_bytes=config.kv_buffer_bytes if config.serves_decode else 0,
-        heartbeat_interval_s=config.heartbeat_interval_s,
-    )  # fmt: skip
-
-
-def ice_servers(config: RegionConfig) -> tuple[Any, ...]:
-    from prfaas.transport.webrtc import IceServer
-
-    return tuple(IceServer(tuple(s.urls), s.username, s.credential) for s in config.ice_servers)
-
-
-def kv_receiver(config: RegionConfig, verifier: Any, host: str, port: int) -> tuple[Any, str]:
-    """The decode role's KV receiver and the endpoint(s) it registers (transport/endpoints.py):
-    TCP plus same-host shared memory sharing one set of expected shipments, or WebRTC."""
-    if config.transport == "webrtc":
-        from prfaas.region.signal_client import OfferListener
-        from prfaas.transport.webrtc_receiver import WebRtcReceiver
-
-        assert config.control_plane_url is not None  # the config validates it
-        rtc = WebRtcReceiver(verifier, node=config.name, ice_servers=ice_servers(config))
-        OfferListener(config.control_plane_url, config.name, rtc.answer).start()
-        return rtc, f"webrtc://{config.name}"
-    from prfaas.transport.arena import Arena
-    from prfaas.transport.shm_receiver import ShmReceiver
-    from prfaas.transport.tcp_receiver import TcpReceiver
-
-    arena = Arena(config.shm_arena_bytes) if config.shm else None
-    tcp = TcpReceiver(verifier, host, port, node=config.name, pool=arena)
-    endpoint = f"{host}:{tcp.address[1]}"
-    if arena is not None:
-        shm = ShmReceiver(verifier, node=config.name, arena=arena, core=tcp.core)
-        endpoint += f",{shm.endpoint}"
-    return tcp, endpoint
+    return engine

@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from prfaas.transport.webrtc import IceServer
+
 PLACEHOLDER_KEYS = {"changeme", "change-me", "secret", "dev", "placeholder"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -216,3 +218,8 @@ def load_config(path: str | Path) -> RegionConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a region config is a YAML mapping of fields (name, role, ...)")
     return config_from_mapping(data, str(path))
+
+
+def ice_servers(config: RegionConfig) -> tuple[IceServer, ...]:
+    """The config's STUN / TURN servers for `transport: webrtc` (both roles)."""
+    return tuple(IceServer(tuple(s.urls), s.username, s.credential) for s in config.ice_servers)

@@ -9,19 +9,21 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 
-from prfaas.region.build import build_region
+from prfaas.region.build import RoleBuilder, build_region
 from prfaas.region.config import RegionConfig
 
 GIL_SWITCH_S = 0.0005  # default of PRFAAS_GIL_SWITCH_S
 
 
-def serve(config: RegionConfig) -> None:
-    """Raises EngineError, OSError or ValueError when the region cannot start."""
+def serve(config: RegionConfig, roles: Mapping[str, RoleBuilder]) -> None:
+    """`roles`: the builder of each role ("prefill", "decode"). Raises EngineError, OSError
+    or ValueError when the region cannot start."""
     # KV transport threads share the GIL with the forward: a short switch interval keeps the
     # layer-wise shipment from stalling the prefill (measured in bench/split_ttft.py).
     sys.setswitchinterval(float(os.environ.get("PRFAAS_GIL_SWITCH_S", str(GIL_SWITCH_S))))
-    server, registration = build_region(config)
+    server, registration = build_region(config, roles)
     heartbeat = None
     if config.control_plane_url:
         heartbeat = (config.control_plane_url, registration, config.heartbeat_interval_s)

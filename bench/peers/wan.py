@@ -144,7 +144,7 @@ def _restore_cc(link: Any, original: str) -> Iterator[None]:
 
 
 def main() -> None:
-    from prfaas.bench.wan_netns import PROFILES, wan_link
+    from prfaas.devstack.wanlink import PROFILES, wan_link
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="continental", choices=["continental", "intercontinental"])

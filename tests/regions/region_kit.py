@@ -15,15 +15,17 @@ from typing import Any
 import grpc
 import yaml
 
-from prfaas.bench.cp_stack import RegionProcess as RegionProcess  # shared with the control-plane tests
-from prfaas.bench.cp_stack import spawn_region as spawn_region
-from prfaas.bench.cp_stack import wait_until as wait_until
 from prfaas.decode_region.agent import DecodeAgent
 from prfaas.decode_region.hf_backend import HFDecode
+from prfaas.decode_region.role import build_decode
+from prfaas.devstack.stack import RegionProcess as RegionProcess  # shared with the control-plane tests
+from prfaas.devstack.stack import spawn_region as spawn_region
+from prfaas.devstack.stack import wait_until as wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.prefill_region.agent import PrefillAgent
 from prfaas.prefill_region.hf_backend import HFPrefill, Leases
+from prfaas.prefill_region.role import build_prefill
 from prfaas.protos.prfaas.v1 import (
     common_pb2,
     decode_pb2,
@@ -39,6 +41,7 @@ from prfaas.region.server import RegionServer
 from prfaas.transport.tickets import TicketSigner
 
 KEY = b"region-tests-ticket-key-0123456789abcdef"
+ROLES = {"prefill": build_prefill, "decode": build_decode}  # as `prfaas region` builds them
 SIGNER = TicketSigner({"k1": KEY}, "k1")
 FORGER = TicketSigner({"k1": b"not-the-region-key-0123456789abcdef!!"}, "k1")
 
@@ -106,7 +109,7 @@ def local_region(
         "heartbeat_interval_s": heartbeat_s,
         "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0" if metrics else None},
     })  # fmt: skip
-    server, _registration = build_region(config, engine)
+    server, _registration = build_region(config, ROLES, engine)
     server.start(registry)
     agents = {name: agent for name, (agent, _add) in server.agents.items()}
     p, d = agents.get("prfaas.v1.PrefillRegion"), agents.get("prfaas.v1.DecodeRegion")

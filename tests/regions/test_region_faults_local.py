@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -20,10 +19,12 @@ from region_kit import (
     reserve,
     split_generate,
     ticket,
+    wait_until,
 )
 
 from prfaas.decode_region import metrics as decode_metrics
 from prfaas.decode_region.hf_backend import Assembly
+from prfaas.devstack.processes import free_port
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -142,7 +143,7 @@ def test_client_disconnect_frees_reservation(region: Region, tiny_engine: HFEngi
     stream.cancel()
     assert region.decode is not None
     decode = region.decode
-    elapsed = _wait(lambda: decode.book.used_bytes == 0, 2.0)
+    elapsed = wait_until(lambda: decode.book.used_bytes == 0, 2.0)
     assert elapsed < 1.0
 
 
@@ -151,7 +152,7 @@ def test_reservation_expires_and_decode_gets_deadline(region: Region, tiny_engin
     reserve(region.decode_stub, job_id, 1000, ttl_s=0.3)
     assert region.decode is not None
     decode = region.decode
-    _wait(lambda: decode.book.used_bytes == 0, 3.0)
+    wait_until(lambda: decode.book.used_bytes == 0, 3.0)
     request = decode_pb2.DecodeRequest(
         job_id=job_id,
         attempt=1,
@@ -291,16 +292,10 @@ def test_region_still_serves_after_bad_input(region: Region, tiny_engine: HFEngi
     assert generate_tokens(region.decode_stub, [1, 2, 3], GREEDY) == tiny_engine.generate([1, 2, 3], GREEDY)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_full_prefill_queue_is_resource_exhausted_and_cancel_stops_the_job(tiny_engine: HFEngine) -> None:
     region = local_region(tiny_engine, decode=False, workers=1, queue_depth=0)
     try:
-        dead = f"127.0.0.1:{_free_port()}"  # nothing listens: the transfer retries until PeerUnavailable (5 s)
+        dead = f"127.0.0.1:{free_port()}"  # nothing listens: the transfer retries until PeerUnavailable (5 s)
         job_id = new_job()
         stream = region.prefill_stub.Prefill(prefill_request(job_id, [1, 2, 3] * 20, GREEDY, dead), timeout=30)
         assert next(stream).HasField("started")
@@ -318,7 +313,7 @@ def test_full_prefill_queue_is_resource_exhausted_and_cancel_stops_the_job(tiny_
         assert time.monotonic() - start < 1.0
         assert region.prefill is not None
         prefill = region.prefill
-        _wait(prefill.idle, 2.0)
+        wait_until(prefill.idle, 2.0)
     finally:
         region.close()
 
@@ -357,15 +352,6 @@ def test_reship_from_lease_to_another_decode_region(tiny_engine: HFEngine, long_
     finally:
         a.close()
         b.close()
-
-
-def _wait(predicate: object, timeout_s: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():  # type: ignore[operator]
-            return time.monotonic() - start
-        time.sleep(0.01)
-    raise AssertionError(f"not within {timeout_s} s")
 
 
 def test_leases_past_their_byte_cap_are_dropped_oldest_first(tiny_engine: HFEngine) -> None:

@@ -32,7 +32,7 @@ import yaml
 from test_vllm_split import prompt_ids
 from vllm_kit import MODEL, START_TIMEOUT_S
 
-from prfaas.cli.launch import RegionProcess, spawn_region
+from prfaas.devstack.processes import RegionProcess, spawn_region
 from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.models import model_fingerprint, prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams

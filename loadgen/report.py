@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prfaas.bench.loadgen import Outcome
+from prfaas.loadgen.client import Outcome
 
 PERCENTILES = (50, 90, 99)
 

@@ -1,5 +1,7 @@
-"""Starting and stopping the deployment's processes: the API (uvicorn), Celery workers and
-`prfaas region` processes. Shared by `prfaas up` (cli/up.py), bench/cp_stack.py and the tests."""
+"""Starting and stopping a deployment's processes: the API (uvicorn), Celery workers and
+`prfaas region` processes, each by its command line; process-group bookkeeping; small waits
+(`wait_until`, `http_ok`, `free_port`). Shared by `prfaas up` (deployment.py), the stack the
+tests and benches use (stack.py) and the vLLM tests."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Build bench/linkemu/build/linkemu (idempotent: rebuilds only when linkemu.c is newer).
+# Build devstack/linkemu/build/linkemu (idempotent: rebuilds only when linkemu.c is newer).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$here/build"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import redis
 
-from prfaas.cli.launch import group_alive, pid_alive, stop_group
-from prfaas.cli.wan import remove_namespaces
+from prfaas.devstack.netns import remove_namespaces
+from prfaas.devstack.processes import group_alive, pid_alive, stop_group
 
 STATE_FILE = "up.json"
 

@@ -1,9 +1,9 @@
-"""The control plane as real processes on loopback, shared by `bench/control_plane.py` and
-tests/control_plane/test_api_e2e.py: the API (uvicorn, serving the region registry over
-gRPC), Celery workers (Redis broker) and `prfaas region` processes registering through
-heartbeats. Redis must already run (tests/ensure-services.sh starts one). The process helpers
-(`spawn_region`, `RegionProcess`, `free_port`, `wait_until`) live in cli/launch.py, shared with
-`prfaas up`, and are re-exported here."""
+"""The control plane as real processes on loopback, for the tests and the benches
+(tests/control_plane, tests/transport/test_webrtc_region_e2e.py, bench/control_plane.py,
+bench/sim_calibrate.py): the API (uvicorn, serving the region registry over gRPC), Celery
+workers (Redis broker) and `prfaas region` processes registering through heartbeats. Redis
+must already run (tests/ensure-services.sh starts one). The process helpers (`spawn_region`,
+`RegionProcess`, `free_port`, `wait_until`) are processes.py's, re-exported here."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import httpx
 import redis
 import yaml
 
-from prfaas.cli.launch import RegionProcess, api_argv, free_port, http_ok, spawn_region, wait_until, worker_argv
 from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
+from prfaas.devstack.processes import RegionProcess, api_argv, free_port, http_ok, spawn_region, wait_until, worker_argv
 
 __all__ = ["ADMIN", "ADMIN_KEY", "REDIS_URL", "TICKET_KEY", "RegionProcess", "Stack", "free_port", "spawn_region",
            "wait_until"]  # fmt: skip

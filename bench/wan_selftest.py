@@ -1,17 +1,10 @@
-"""Emulated WAN link between two network namespaces (stdlib only; needs root).
+"""The emulated WAN link itself (devstack/wanlink.py), measured: ping RTT and bulk TCP goodput
+for stream counts x congestion controls x socket buffer modes, with the emulator's own
+counters (drops, how late it released packets). Needs root.
 
-    from bench.wan_netns import wan_link
-    with wan_link(rtt_ms=40, rate_mbit=300, loss_pct=0.01) as link:
-        srv = link.run_in(link.ns_b, ["python3", "server.py", "--host", link.addr_b])
-        link.run_in(link.ns_a, ["python3", "client.py", link.addr_b]).wait()
-
-Two namespaces are joined by bench/linkemu/build/linkemu (a userspace emulator over two
-TUN devices: one-way delay, rate limit, random loss, drop-tail queue, per direction).
-The emulator creates both TUN devices in the root namespace; each is then moved into its
-namespace (the emulator's open descriptors keep working) and renamed to `wan0`.
-
-CLI: python bench/wan_netns.py --profile continental --selftest
-     python bench/wan_netns.py --rtt-ms 40 --rate-mbit 300 --loss-pct 0.01 --selftest
+    sudo .venv/bin/python bench/wan_selftest.py --profile continental --selftest
+    sudo .venv/bin/python bench/wan_selftest.py --rtt-ms 40 --rate-mbit 300 --loss-pct 0.01 --selftest
+    sudo .venv/bin/python bench/wan_selftest.py --profile continental     # hold the link up until Ctrl-C
 """
 
 from __future__ import annotations
@@ -21,7 +14,6 @@ import contextlib
 import itertools
 import json
 import os
-import select
 import signal
 import socket
 import struct
@@ -29,202 +21,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-LINKEMU_DIR = HERE / "linkemu"
-LINKEMU_BIN = LINKEMU_DIR / "build" / "linkemu"
-PROFILES = {  # name: (rtt_ms, rate_mbit, loss_pct)
-    "continental": (40.0, 300.0, 0.01),
-    "intercontinental": (80.0, 300.0, 0.1),
-    "ceiling": (0.0, 0.0, 0.0),  # no delay, no rate limit, no loss: emulator CPU ceiling
-}
+from prfaas.devstack.wanlink import PROFILES, WanLink, wan_link
+
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)  # Linux values; need CAP_NET_ADMIN
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
-_seq = itertools.count()
-
-
-def build_linkemu() -> Path:
-    """Compile the emulator if needed (bench/linkemu/build.sh is idempotent)."""
-    subprocess.run(["sh", str(LINKEMU_DIR / "build.sh")], check=True, stdout=subprocess.DEVNULL)
-    return LINKEMU_BIN
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
-
-
-def _parse_counters(lines: list[str]) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for line in lines:
-        parts = line.split()
-        if parts and parts[0] in ("a->b", "b->a"):
-            out[parts[0]] = {k: int(v) for k, v in (p.split("=", 1) for p in parts[1:])}
-    return out
-
-
-@dataclass
-class WanLink:
-    ns_a: str
-    ns_b: str
-    addr_a: str
-    addr_b: str
-    dev: str
-    rtt_ms: float
-    rate_mbit: float
-    loss_pct: float
-    mtu: int
-    queue_bytes: int | None
-    emulator: subprocess.Popen[str]
-    final_counters: dict[str, dict[str, int]] = field(default_factory=dict)
-    _procs: list[subprocess.Popen[Any]] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def _ns(self, ns: str) -> str:
-        return {"a": self.ns_a, "b": self.ns_b}.get(ns, ns)
-
-    def run_in(self, ns: str, argv: list[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
-        """Start argv inside namespace ns ("a", "b" or a full name); killed on link exit."""
-        p = subprocess.Popen(["ip", "netns", "exec", self._ns(ns), *argv], **popen_kwargs)
-        self._procs.append(p)
-        return p
-
-    def check_in(self, ns: str, argv: list[str], timeout: float | None = None) -> str:
-        """Run argv inside ns to completion; return stdout (raises on failure)."""
-        return subprocess.run(
-            ["ip", "netns", "exec", self._ns(ns), *argv], check=True, capture_output=True, text=True, timeout=timeout
-        ).stdout
-
-    def sysctl(self, key: str, value: str, ns: str | None = None) -> None:
-        """Set a per-namespace sysctl in ns, or in both namespaces when ns is None."""
-        for n in [self._ns(ns)] if ns else [self.ns_a, self.ns_b]:
-            self.check_in(n, ["sysctl", "-q", "-w", f"{key}={value}"])
-
-    def read_sysctl(self, key: str, ns: str = "a") -> str:
-        return self.check_in(ns, ["sysctl", "-n", key]).strip().replace("\t", " ")
-
-    def counters(self) -> dict[str, dict[str, int]]:
-        """Live emulator counters per direction (SIGUSR1 makes linkemu print them)."""
-        with self._lock:
-            self.emulator.send_signal(signal.SIGUSR1)
-            assert self.emulator.stdout is not None
-            lines = [self.emulator.stdout.readline() for _ in range(3)]  # "stats", a->b, b->a
-            return _parse_counters(lines)
-
-
-def _stop(p: subprocess.Popen[Any], sig: int = signal.SIGTERM, wait: float = 3.0) -> None:
-    if p.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        p.send_signal(sig)
-    try:
-        p.wait(wait)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            p.kill()
-        p.wait()
-
-
-@contextlib.contextmanager
-def wan_link(
-    rtt_ms: float,
-    rate_mbit: float,
-    loss_pct: float,
-    mtu: int = 1500,
-    queue_bytes: int | None = None,
-    name_prefix: str = "pfw",
-    seed: int = 1,
-    addr_a: str = "10.77.0.1",
-    addr_b: str = "10.77.0.2",
-    txqueuelen: int = 5000,
-    emulator_nice: int = -10,
-    emulator_rt_prio: int | None = None,
-    emulator_args: tuple[str, ...] = (),
-) -> Iterator[WanLink]:
-    """Two namespaces joined by linkemu; rtt_ms is split evenly between directions.
-
-    rate_mbit=0 means unlimited; queue_bytes=None uses the emulator default (1.5 x BDP).
-    txqueuelen sizes the TUN devices' own packet ring in front of the emulator: the default
-    500 overflows when the emulator thread is briefly descheduled (seen on 2 cores).
-    emulator_nice: the emulator plays the network, so it should not queue behind the endpoints;
-    emulator_rt_prio runs it SCHED_FIFO instead (tighter timing on a busy host).
-    emulator_args go to linkemu as is, e.g. ("--rate-mbit-ba", "50") for an asymmetric link.
-    Everything (processes from run_in, emulator, namespaces) is removed on exit, also on
-    exceptions and KeyboardInterrupt.
-    """
-    if os.geteuid() != 0:
-        raise PermissionError("wan_link needs root (netns, TUN devices)")
-    binary = build_linkemu()
-    n = next(_seq)
-    tag = f"{os.getpid()}-{n}"
-    ns_a, ns_b = f"{name_prefix}-{tag}-a", f"{name_prefix}-{tag}-b"
-    tun_a, tun_b = (f"{name_prefix[:3]}{os.getpid()}x{n}{s}"[-15:] for s in "ab")
-    created: list[str] = []
-    emu: subprocess.Popen[str] | None = None
-    link: WanLink | None = None
-    try:
-        for ns in (ns_a, ns_b):
-            _ip("netns", "add", ns)
-            created.append(ns)
-        cmd = [
-            str(binary),
-            "--tun-a",
-            tun_a,
-            "--tun-b",
-            tun_b,
-            "--delay-ms",
-            str(rtt_ms / 2),
-            "--rate-mbit",
-            str(rate_mbit),
-            "--loss-pct",
-            str(loss_pct),
-            "--seed",
-            str(seed),
-        ]
-        if queue_bytes is not None:
-            cmd += ["--queue-bytes", str(queue_bytes)]
-        if emulator_nice:
-            cmd += ["--nice", str(emulator_nice)]
-        if emulator_rt_prio:
-            cmd += ["--rt-prio", str(emulator_rt_prio)]
-        cmd += list(emulator_args)
-        # own session: a terminal Ctrl-C reaches only us, and we stop the emulator in order
-        emu = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        assert emu.stdout is not None and emu.stderr is not None
-        r, _, _ = select.select([emu.stdout], [], [], 10)
-        line = emu.stdout.readline() if r else ""
-        if not line.startswith("ready"):
-            _stop(emu)
-            raise RuntimeError(f"linkemu failed to start: {line!r} {emu.stderr.read()!r}")
-        for ns, tun, addr in ((ns_a, tun_a, addr_a), (ns_b, tun_b, addr_b)):
-            _ip("link", "set", tun, "netns", ns)
-            _ip("-n", ns, "link", "set", tun, "name", "wan0")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", "wan0")
-            _ip("-n", ns, "link", "set", "wan0", "mtu", str(mtu), "txqueuelen", str(txqueuelen), "up")
-        link = WanLink(ns_a, ns_b, addr_a, addr_b, "wan0", rtt_ms, rate_mbit, loss_pct, mtu, queue_bytes, emu)
-        yield link
-    finally:
-        if link is not None:
-            for p in link._procs:
-                _stop(p, wait=2.0)
-        if emu is not None:
-            _stop(emu)
-            if link is not None and emu.stdout is not None:
-                link.final_counters = _parse_counters(emu.stdout.read().splitlines())
-        for ns in created:  # anything else still running inside our namespaces
-            pids = _ip("netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
-            _ip("netns", "del", ns, check=False)
 
 
 # ---------------------------------------------------------------- selftest helpers
-# These run inside a namespace as `python3 wan_netns.py --_role ...`.
+# These run inside a namespace as `python3 wan_selftest.py --_role ...`.
 
 
 def _set_opts(s: socket.socket, cc: str, buf: int) -> None:

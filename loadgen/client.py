@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from prfaas.bench.workload import Planned
+from prfaas.loadgen.workload import Planned
 
 PLACEMENTS = {"colocated": "local", "split-always": "split", "prfaas": "auto"}  # --compare name -> API placement
 

@@ -1,4 +1,5 @@
-"""The main job of `make demo` today: one prompt, split across processes vs colocated."""
+"""`prfaas demo` (`make demo-split`): one prompt generated colocated and split across two
+processes (engine/split.py: prefill in one, the KV as bytes, decode in the other), compared."""
 
 from __future__ import annotations
 

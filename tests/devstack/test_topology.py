@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prfaas.cli.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology, parse_topology
+from prfaas.devstack.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology, parse_topology
 
 GOOD = {
     "regions": [
@@ -95,8 +95,8 @@ def test_prfaas_up_with_a_bad_topology_exits_2_naming_the_field(tmp_path: Path) 
 
 
 def test_emulate_wan_without_root_says_so_and_uses_loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from prfaas.cli.up import Deployment
-    from prfaas.cli.wan import LoopbackNetwork
+    from prfaas.devstack.deployment import Deployment
+    from prfaas.devstack.network import LoopbackNetwork
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # an ordinary user
     said: list[str] = []

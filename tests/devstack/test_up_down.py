@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from prfaas.cli.launch import pid_alive
+from prfaas.devstack.processes import pid_alive
 from prfaas.engine.models import models_root, prepare_model
 from prfaas.sim.workload import load_trace
 

@@ -28,7 +28,9 @@ import httpx
 import redis
 import yaml
 
-from prfaas.cli.launch import (
+from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
+from prfaas.devstack.network import LoopbackNetwork, Network, WanMesh
+from prfaas.devstack.processes import (
     api_argv,
     free_port,
     group_alive,
@@ -38,10 +40,8 @@ from prfaas.cli.launch import (
     wait_until,
     worker_argv,
 )
-from prfaas.cli.topology import Topology
-from prfaas.cli.up_state import UpError, UpState, read_state, state_path, stop_state, write_state
-from prfaas.cli.wan import LoopbackNetwork, Network, WanMesh
-from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
+from prfaas.devstack.state import UpError, UpState, read_state, state_path, stop_state, write_state
+from prfaas.devstack.topology import Topology
 
 START_TIMEOUT_S = 180.0
 

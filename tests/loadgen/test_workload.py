@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from prfaas.bench.report import percentile
-from prfaas.bench.workload import WorkloadError, WorkloadSpec, parse_lengths, plan
+from prfaas.loadgen.report import percentile
+from prfaas.loadgen.workload import WorkloadError, WorkloadSpec, parse_lengths, plan
 
 CORPUS = list(range(1000, 3000))
 

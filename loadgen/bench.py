@@ -1,0 +1,92 @@
+"""A `prfaas bench` run: the same workload under each placement policy, side by side.
+
+`corpus(model)` gives real text as the model's tokens; `run(...)` warms both paths, sends the
+planned requests once per policy and returns each policy's figures (report.summarize) and the
+per-request trace; `result(...)` is the JSON `bench.json` holds; `write(...)` writes it with
+the trace and the chart. Presentation (tables, progress) is the caller's (cli/bench.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prfaas.loadgen import client, report
+from prfaas.loadgen.workload import Planned, WorkloadSpec
+
+
+def corpus(model: str) -> tuple[list[int], int]:
+    """Real English and Python source as the model's token ids, and its context length.
+    EngineError when the model is not prepared here."""
+    import argparse
+    import ast
+    import typing
+
+    from tokenizers import Tokenizer
+
+    from prfaas.engine.models import resolve_model
+
+    folder = Path(resolve_model(model))
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    text = "\n".join(inspect.getsource(m) for m in (argparse, ast, typing))
+    config = json.loads((folder / "config.json").read_text())
+    return list(tokenizer.encode(text, add_special_tokens=False).ids), int(config.get("max_position_embeddings", 2048))
+
+
+def run(
+    api_base: str,
+    api_key: str,
+    model: str,
+    requests: list[Planned],
+    warm: list[Planned],
+    policies: list[str],
+    concurrency: int | None,
+    timeout_s: float,
+    slo_s: tuple[float, float],
+    progress: Callable[[str, int], Callable[[], None]] = lambda _name, _total: lambda: None,
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Each policy's summary (`report.summarize`; `slo_s`: TTFT and TPOT targets, seconds)
+    and the trace rows of every request. `warm` requests run first on both paths, uncounted;
+    `progress(policy, total)` returns what to call as each of that policy's requests ends."""
+    for placement in ("local", "split") if warm else ():  # both paths warm before any policy runs
+        client.run(api_base, api_key, model, warm, placement, concurrency=1, timeout_s=timeout_s)
+    summaries: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
+    for name in policies:
+        advance = progress(name, len(requests))
+        outcomes, wall_s = client.run(api_base, api_key, model, requests, client.PLACEMENTS[name], concurrency,
+                                      timeout_s, on_done=lambda _outcome, done=advance: done())  # fmt: skip
+        client.attach_jobs(api_base, api_key, outcomes)
+        summaries[name] = report.summarize(outcomes, wall_s, *slo_s)
+        rows += report.trace_rows(name, outcomes)
+    return summaries, rows
+
+
+def result(
+    api_base: str, model: str, spec: WorkloadSpec, concurrency: int | None, summaries: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """What bench.json holds: the policies' figures, the workload, and ratios to the first policy."""
+    baseline = next(iter(summaries))
+    out: dict[str, Any] = {
+        "api_base": api_base, "model": model, "policies": summaries, "baseline": baseline,
+        "workload": {"num_requests": spec.num_requests, "rate_rps": spec.rate_rps, "concurrency": concurrency,
+                     "burstiness": spec.burstiness, "input_len": spec.input_len, "output_len": spec.output_len,
+                     "mix": spec.mix, "shared_prefix_tokens": spec.shared_prefix_tokens,
+                     "prefix_groups": spec.prefix_groups, "seed": spec.seed},
+    }  # fmt: skip
+    if len(summaries) > 1:
+        out["ratios"] = report.ratios(summaries, baseline)
+    return out
+
+
+def write(folder: Path, bench: dict[str, Any], rows: list[dict[str, Any]], title: str) -> list[Path]:
+    """bench.json, trace.jsonl and bench.png in `folder`; -> their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / "bench.json", folder / "bench.png", folder / "trace.jsonl"]
+    paths[0].write_text(json.dumps(bench, indent=2) + "\n")
+    report.plot(paths[1], bench["policies"], title)
+    report.write_trace(paths[2], rows)
+    return paths
