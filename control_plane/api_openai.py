@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from prfaas.control_plane.celery_app import enqueue
 from prfaas.control_plane.deps import FollowerDep, ServicesDep, TenantDep
-from prfaas.control_plane.generation import Follower, JobEnded, Token
-from prfaas.control_plane.jobs import AdmissionRefused
+from prfaas.control_plane.jobs.celery_app import enqueue
+from prfaas.control_plane.jobs.errors import AdmissionRefused
+from prfaas.control_plane.jobs.generation import Follower, JobEnded, Token
 from prfaas.control_plane.schemas import ChatCompletionCreate, CompletionCreate, Placement
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Tenant

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 
-from prfaas.control_plane.generation import Follower
+from prfaas.control_plane.jobs.generation import Follower
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Tenant, TenantStatus
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from prfaas.control_plane.jobs import JobStore
+from prfaas.control_plane.jobs.store import JobStore
 from prfaas.control_plane.region_registry import RegionRegistry
 from prfaas.control_plane.scheduling.policy import build_scheduler, default_policy, load_policy
 from prfaas.control_plane.scheduling.scheduler import DisaggregationRule, GlobalScheduler

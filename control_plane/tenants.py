@@ -19,7 +19,6 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from prfaas.control_plane.jobs import Quota
 from prfaas.control_plane.settings import Settings
 
 KEY_PREFIX = "pfk-"
@@ -28,6 +27,16 @@ KEY_PREFIX = "pfk-"
 class TenantStatus(StrEnum):
     ACTIVE = "active"
     SUSPENDED = "suspended"
+
+
+@dataclass(frozen=True)
+class Quota:
+    """A tenant's admission limits (checked by the job store's admission script): requests per second,
+    concurrent jobs, and $ per calendar month."""
+
+    rps: float
+    concurrency: int
+    budget_usd: float
 
 
 class TenantNotFound(Exception):

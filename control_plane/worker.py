@@ -1,7 +1,7 @@
 """`celery -A prfaas.control_plane.worker worker`: the Celery app of a worker process, from
 the environment's settings (PRFAAS_*)."""
 
-from prfaas.control_plane.celery_app import make_celery
+from prfaas.control_plane.jobs.celery_app import make_celery
 from prfaas.control_plane.settings import Settings
 
 app = make_celery(Settings(), worker=True)  # type: ignore[call-arg]

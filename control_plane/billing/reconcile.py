@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 
 from prfaas.control_plane.billing.meter import Meter
-from prfaas.control_plane.jobs import JobNotFound, JobState
+from prfaas.control_plane.jobs.errors import JobNotFound
+from prfaas.control_plane.jobs.states import JobState
 
 
 def reconcile(meter: Meter, window_s: float = 3600.0) -> int:

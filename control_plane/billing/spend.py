@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prfaas.control_plane.billing.ledger import Ledger
-    from prfaas.control_plane.jobs import JobStore
+    from prfaas.control_plane.jobs.store import JobStore
 
 SPEND_TTL_S = 40 * 86400  # a month's key outlives its month
 

@@ -1,4 +1,4 @@
-"""Faults around a running job, on real processes (bench/cp_stack.py): the API, a Celery
+"""Faults around a running job, on real processes (devstack/stack.py): the API, a Celery
 worker, a prefill and a decode region (tiny-llama), real Redis, the official openai client.
 A stack of its own, so the regions' gauges (KV bytes held, leases) start at zero; its prefill
 region is slowed by the test-only `test_layer_delay_s` (0.5 s a layer: ~2 s a prefill)."""

@@ -11,8 +11,9 @@ from cp_kit import ADMIN_KEY, settings_fixture
 from fastapi.testclient import TestClient
 
 from prfaas.control_plane.app import create_app
-from prfaas.control_plane.jobs import JobState, Quota
+from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
+from prfaas.control_plane.tenants import Quota
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 

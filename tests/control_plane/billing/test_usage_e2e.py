@@ -20,8 +20,9 @@ from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.models import UsageEntry
 from prfaas.control_plane.billing.reconcile import reconcile
-from prfaas.control_plane.jobs import JobState, Quota
+from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
+from prfaas.control_plane.tenants import Quota
 from prfaas.devstack.stack import ADMIN, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -15,8 +15,9 @@ import threading
 import time
 from collections.abc import Mapping
 
-from prfaas.control_plane.dispatch import job_request, placed_fields
-from prfaas.control_plane.jobs import HandedOff, JobState
+from prfaas.control_plane.jobs.dispatch import job_request, placed_fields
+from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.store import HandedOff
 from prfaas.control_plane.region_registry import RegionRecord
 from prfaas.control_plane.scheduling.decision import Mode
 from prfaas.control_plane.scheduling.errors import PlacementRejected

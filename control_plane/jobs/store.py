@@ -1,10 +1,11 @@
 """The Redis job store: one hash per job, its timeline (a list), per-tenant indexes.
 
-Every state change is one Lua script (atomic in Redis): it checks the move is legal from the
-current state and carries the job's current attempt (a stale attempt's move is refused),
-appends to the timeline, keeps the tenant's active set, bills a `DONE` job exactly once and
-sets the TTL of finished jobs. Creation is one script too: idempotency key, rate limit,
-concurrency cap and budget are checked and the job written in the same step.
+Every state change is one Lua script (atomic in Redis; jobs/scripts.py): it checks the move is legal
+from the current state (the table of jobs/states.py) and carries the job's current attempt (a
+stale attempt's move is refused), appends to the timeline, keeps the tenant's active set, bills
+a `DONE` job exactly once and sets the TTL of finished jobs. Creation is one script too:
+idempotency key, rate limit, concurrency cap and budget are checked and the job written in the
+same step.
 
 Keys (prefix `p`): `p:job:{id}` hash, `p:job:{id}:timeline` list of JSON entries,
 `p:job:{id}:ready` list (dispatch -> API: where to decode), `p:tenant:{t}:jobs` zset (created
@@ -15,140 +16,25 @@ Pub/sub channel `p:job:{id}:notify`: a hand-off was posted or the job ended (wak
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import redis
 
+from prfaas.control_plane.jobs.errors import AdmissionRefused, IllegalTransition, JobNotFound, StaleAttempt
+from prfaas.control_plane.jobs.notifier import Notifier
+from prfaas.control_plane.jobs.scripts import CREATE, TRANSITION
+from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.settings import Settings
-
-
-class JobState(StrEnum):
-    QUEUED = "QUEUED"
-    PREFILLING = "PREFILLING"
-    TRANSFERRING = "TRANSFERRING"
-    DECODING = "DECODING"
-    LOCAL = "LOCAL"
-    DONE = "DONE"
-    FAILED = "FAILED"
-    CANCELED = "CANCELED"
-
-
-TERMINAL = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELED})
-
-
-class JobStoreError(Exception):
-    """Base of the job store's typed errors."""
-
-
-class JobNotFound(JobStoreError):
-    pass
-
-
-class IllegalTransition(JobStoreError):
-    def __init__(self, job_id: str, current: str, target: str) -> None:
-        super().__init__(f"job {job_id}: {current} -> {target} is not a legal transition")
-        self.current = current
-
-
-class StaleAttempt(JobStoreError):
-    def __init__(self, job_id: str, current: int, given: int) -> None:
-        super().__init__(f"job {job_id}: attempt {given} is stale (current attempt {current})")
-        self.current = current
-
-
-class AdmissionRefused(JobStoreError):
-    """`reason`: `rate`, `concurrency` or `budget`."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-# Moves to QUEUED start a new attempt (attempt + 1); CANCELED with attempt 0 is the tenant's cancel.
-_TRANSITION = """
-local legal = {
-  QUEUED = {PREFILLING=1, LOCAL=1, FAILED=1, CANCELED=1, QUEUED=1},
-  PREFILLING = {TRANSFERRING=1, FAILED=1, CANCELED=1, QUEUED=1},
-  TRANSFERRING = {DECODING=1, FAILED=1, CANCELED=1, QUEUED=1},
-  DECODING = {DONE=1, FAILED=1, CANCELED=1, QUEUED=1},
-  LOCAL = {DONE=1, FAILED=1, CANCELED=1, QUEUED=1},
-}
-local cur = redis.call('HMGET', KEYS[1], 'state', 'attempt')
-if not cur[1] then return {'not_found', '', 0} end
-local state, attempt = cur[1], tonumber(cur[2])
-local target, given, now = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local moves = legal[state]
-if not moves then return {'illegal', state, attempt} end
-if target == 'QUEUED' then
-  if given ~= attempt + 1 then return {'stale', state, attempt} end
-elseif not (target == 'CANCELED' and given == 0) and given ~= attempt then
-  return {'stale', state, attempt}
-end
-if not moves[target] then return {'illegal', state, attempt} end
-local new_attempt = attempt
-if target == 'QUEUED' then new_attempt = given end
-redis.call('HSET', KEYS[1], 'state', target, 'attempt', new_attempt, 'updated_at', now)
-local n = tonumber(ARGV[7])
-for i = 1, n do redis.call('HSET', KEYS[1], ARGV[7 + 2 * i - 1], ARGV[7 + 2 * i]) end
-redis.call('RPUSH', KEYS[2], cjson.encode({state=target, attempt=new_attempt, at=tonumber(now), note=ARGV[5]}))
-if target == 'DONE' or target == 'FAILED' or target == 'CANCELED' then
-  redis.call('SREM', KEYS[3], redis.call('HGET', KEYS[1], 'id'))
-  if target == 'DONE' and tonumber(ARGV[6]) > 0 then redis.call('INCRBYFLOAT', KEYS[4], ARGV[6]) end
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-  redis.call('PUBLISH', KEYS[1] .. ':notify', target)
-end
-return {'ok', target, new_attempt}
-"""
-
-# KEYS: job, timeline, tenant index, active set, spend, rate window, idempotency key ('' = none),
-#       ready list ('' = none)
-# ARGV: id, now, rps, concurrency, budget, ttl, n, field/value pairs, then the state the job
-#       starts in past QUEUED ('' = none), its timeline note, and the hand-off to post
-#       (a placement decided at admission: the job is written already handed off)
-_CREATE = """
-if KEYS[7] ~= '' then
-  local existing = redis.call('GET', KEYS[7])
-  if existing then return {'existing', existing} end
-end
-local spend = tonumber(redis.call('GET', KEYS[5]) or '0')
-if spend >= tonumber(ARGV[5]) then return {'budget', ''} end
-if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[4]) then return {'concurrency', ''} end
-local count = redis.call('INCR', KEYS[6])
-if count == 1 then redis.call('EXPIRE', KEYS[6], 2) end
-if count > tonumber(ARGV[3]) then return {'rate', ''} end
-local n = tonumber(ARGV[7])
-for i = 1, n do redis.call('HSET', KEYS[1], ARGV[7 + 2 * i - 1], ARGV[7 + 2 * i]) end
-redis.call('RPUSH', KEYS[2], cjson.encode({state='QUEUED', attempt=1, at=tonumber(ARGV[2]), note='created'}))
-local start = 8 + 2 * n
-if ARGV[start] ~= '' then
-  redis.call('RPUSH', KEYS[2], cjson.encode({state=ARGV[start], attempt=1, at=tonumber(ARGV[2]), note=ARGV[start + 1]}))
-end
-if KEYS[8] ~= '' then
-  redis.call('RPUSH', KEYS[8], ARGV[start + 2])
-  redis.call('EXPIRE', KEYS[8], ARGV[6])
-end
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
-redis.call('SADD', KEYS[4], ARGV[1])
-if KEYS[7] ~= '' then redis.call('SET', KEYS[7], ARGV[1], 'EX', ARGV[6]) end
-return {'created', ARGV[1]}
-"""
-
-
-@dataclass(frozen=True)
-class Quota:
-    rps: float
-    concurrency: int
-    budget_usd: float
+from prfaas.control_plane.tenants import Quota
 
 
 @dataclass(frozen=True)
 class Created:
+    """What `JobStore.create` wrote, or found: an Idempotency-Key seen before names the first POST's job."""
+
     job_id: str
     existing: bool  # an Idempotency-Key replay: the job created by the first POST
     record: dict[str, str]  # the job's hash as written (empty for a replay)
@@ -164,75 +50,6 @@ class HandedOff:
     ready: dict[str, Any]
 
 
-class _Notifier:
-    """One pattern subscription per process (`{prefix}:job:*:notify`), started at the first
-    `watch`: a thread wakes the `wait_ready` callers of a job when its channel gets a message.
-    Every API process gets every notice, so any of them may follow a job. When the
-    subscription breaks it wakes every waiter (a notice may have been lost), and `live` is
-    False until it is back: waiters then poll."""
-
-    def __init__(self, client: redis.Redis, pattern: str) -> None:
-        self._client: Any = client  # redis-py's `pubsub` is untyped
-        self._pattern = pattern
-        self._lock = threading.Lock()
-        self._waiters: dict[str, set[threading.Event]] = {}
-        self._live = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def live(self) -> bool:
-        return self._live.is_set()
-
-    def watch(self, channel: str) -> threading.Event:
-        """An event set at each notice on `channel`; once `live`, no notice published after this returns is missed."""
-        event = threading.Event()
-        with self._lock:
-            self._waiters.setdefault(channel, set()).add(event)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="job-notify", daemon=True)
-                self._thread.start()
-        self._live.wait(1.0)
-        return event
-
-    def unwatch(self, channel: str, event: threading.Event) -> None:
-        with self._lock:
-            events = self._waiters.get(channel)
-            if events is not None:
-                events.discard(event)
-                if not events:
-                    del self._waiters[channel]
-
-    def _wake(self, channel: str | None) -> None:
-        with self._lock:
-            if channel is None:
-                events = [e for group in self._waiters.values() for e in group]
-            else:
-                events = list(self._waiters.get(channel, ()))
-        for event in events:
-            event.set()
-
-    def _run(self) -> None:
-        while True:
-            pubsub = self._client.pubsub()
-            try:
-                pubsub.psubscribe(self._pattern)
-                while True:
-                    message = pubsub.get_message(timeout=1.0)
-                    if message is None:
-                        continue
-                    if message["type"] == "psubscribe":
-                        self._live.set()
-                        self._wake(None)  # notices of the gap before (re)subscribing are lost: re-read
-                    elif message["type"] == "pmessage":
-                        self._wake(_text(message["channel"]))
-            except (redis.RedisError, OSError, ValueError):  # ValueError: the pool closed the socket under us
-                self._live.clear()
-                self._wake(None)
-                time.sleep(0.1)
-            finally:
-                pubsub.close()
-
-
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
@@ -242,9 +59,9 @@ class JobStore:
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
-        self._notifier = _Notifier(client, _glob_escape(settings.key("job")) + ":*:notify")
-        self._transition = client.register_script(_TRANSITION)
-        self._create = client.register_script(_CREATE)
+        self._notifier = Notifier(client, _glob_escape(settings.key("job")) + ":*:notify")
+        self._transition = client.register_script(TRANSITION)
+        self._create = client.register_script(CREATE)
 
     def _job(self, job_id: str) -> str:
         return self.settings.key("job", job_id)

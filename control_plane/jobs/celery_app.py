@@ -36,7 +36,7 @@ def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
 
     configure(app, settings, worker=worker)  # beat: price refresh, ledger reconciliation
     if worker:
-        from prfaas.control_plane.dispatch import Dispatcher
+        from prfaas.control_plane.jobs.dispatch import Dispatcher
         from prfaas.control_plane.services import Services
 
         dispatcher = Dispatcher(Services.create(settings))

@@ -11,16 +11,11 @@ import pytest
 import redis
 from cp_kit import settings_fixture
 
-from prfaas.control_plane.jobs import (
-    AdmissionRefused,
-    IllegalTransition,
-    JobNotFound,
-    JobState,
-    JobStore,
-    Quota,
-    StaleAttempt,
-)
+from prfaas.control_plane.jobs.errors import AdmissionRefused, IllegalTransition, JobNotFound, StaleAttempt
+from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.store import JobStore
 from prfaas.control_plane.settings import Settings
+from prfaas.control_plane.tenants import Quota
 
 ROOMY = Quota(rps=1000, concurrency=1000, budget_usd=1000)
 

@@ -17,10 +17,11 @@ import grpc.experimental
 
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.usage import served_timing
-from prfaas.control_plane.celery_app import enqueue
-from prfaas.control_plane.dispatch import Channels, sampling
-from prfaas.control_plane.jobs import IllegalTransition, JobNotFound, JobState, StaleAttempt
-from prfaas.control_plane.placement import AdmissionPlacer
+from prfaas.control_plane.jobs.celery_app import enqueue
+from prfaas.control_plane.jobs.dispatch import Channels, sampling
+from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
+from prfaas.control_plane.jobs.placement import AdmissionPlacer
+from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 

@@ -1,0 +1,37 @@
+"""Typed errors of the job store (jobs/store.py). The HTTP layer maps `JobNotFound` to 404 and
+`AdmissionRefused` to 402 / 429 by its `reason`; the dispatcher and the API treat `IllegalTransition` and
+`StaleAttempt` as "someone else moved the job on" and stop following it."""
+
+from __future__ import annotations
+
+
+class JobStoreError(Exception):
+    """Base of the job store's typed errors."""
+
+
+class JobNotFound(JobStoreError):
+    pass
+
+
+class IllegalTransition(JobStoreError):
+    """The move is not in `states.LEGAL_MOVES` from the job's current state."""
+
+    def __init__(self, job_id: str, current: str, target: str) -> None:
+        super().__init__(f"job {job_id}: {current} -> {target} is not a legal transition")
+        self.current = current
+
+
+class StaleAttempt(JobStoreError):
+    """The move names an attempt other than the job's current one (QUEUED: other than current + 1)."""
+
+    def __init__(self, job_id: str, current: int, given: int) -> None:
+        super().__init__(f"job {job_id}: attempt {given} is stale (current attempt {current})")
+        self.current = current
+
+
+class AdmissionRefused(JobStoreError):
+    """`reason`: `rate`, `concurrency` or `budget`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
