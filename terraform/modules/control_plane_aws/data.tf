@@ -1,25 +1,6 @@
 # State: ElastiCache Redis (TLS, auth token, encrypted, multi-AZ) for jobs, tenants, the
 # registry and the Celery broker; RDS PostgreSQL (encrypted, private) for the ledger.
 
-resource "aws_security_group" "redis" {
-  name_prefix = "prfaas-${var.name}-redis-"
-  description = "prfaas ${var.name} Redis: from the API and workers only"
-  vpc_id      = var.vpc_id
-  tags        = var.tags
-  lifecycle {
-    create_before_destroy = true
-  }
-}
-
-resource "aws_vpc_security_group_ingress_rule" "redis" {
-  security_group_id            = aws_security_group.redis.id
-  description                  = "Redis TLS from control-plane tasks"
-  ip_protocol                  = "tcp"
-  from_port                    = 6379
-  to_port                      = 6379
-  referenced_security_group_id = aws_security_group.tasks.id
-}
-
 resource "aws_elasticache_subnet_group" "this" {
   name       = "prfaas-${var.name}"
   subnet_ids = var.private_subnet_ids
@@ -37,34 +18,15 @@ resource "aws_elasticache_replication_group" "this" {
   automatic_failover_enabled = true
   multi_az_enabled           = true
   subnet_group_name          = aws_elasticache_subnet_group.this.name
-  security_group_ids         = [aws_security_group.redis.id]
+  security_group_ids         = [module.security_groups.ids["redis"]]
   at_rest_encryption_enabled = true
-  kms_key_id                 = aws_kms_key.this.arn
+  kms_key_id                 = module.kms.arn
   transit_encryption_enabled = true
-  auth_token                 = random_password.redis_auth.result
+  auth_token                 = random_password.this["redis_auth"].result
   snapshot_retention_limit   = 7
   auto_minor_version_upgrade = true
   apply_immediately          = false
   tags                       = var.tags
-}
-
-resource "aws_security_group" "db" {
-  name_prefix = "prfaas-${var.name}-db-"
-  description = "prfaas ${var.name} ledger database: from the API and workers only"
-  vpc_id      = var.vpc_id
-  tags        = var.tags
-  lifecycle {
-    create_before_destroy = true
-  }
-}
-
-resource "aws_vpc_security_group_ingress_rule" "db" {
-  security_group_id            = aws_security_group.db.id
-  description                  = "PostgreSQL from control-plane tasks"
-  ip_protocol                  = "tcp"
-  from_port                    = 5432
-  to_port                      = 5432
-  referenced_security_group_id = aws_security_group.tasks.id
 }
 
 resource "aws_db_subnet_group" "this" {
@@ -100,13 +62,13 @@ resource "aws_db_instance" "ledger" {
   allocated_storage                   = var.db_allocated_storage_gb
   db_name                             = "prfaas"
   username                            = "prfaas"
-  password                            = random_password.db.result
+  password                            = random_password.this["db"].result
   db_subnet_group_name                = aws_db_subnet_group.this.name
-  vpc_security_group_ids              = [aws_security_group.db.id]
+  vpc_security_group_ids              = [module.security_groups.ids["db"]]
   parameter_group_name                = aws_db_parameter_group.ledger.name
   publicly_accessible                 = false
   storage_encrypted                   = true
-  kms_key_id                          = aws_kms_key.this.arn
+  kms_key_id                          = module.kms.arn
   multi_az                            = true
   backup_retention_period             = 14
   deletion_protection                 = true
@@ -114,32 +76,11 @@ resource "aws_db_instance" "ledger" {
   auto_minor_version_upgrade          = true
   iam_database_authentication_enabled = true
   monitoring_interval                 = 60
-  monitoring_role_arn                 = aws_iam_role.rds_monitoring.arn
+  monitoring_role_arn                 = module.roles.roles["rds-monitoring"].arn
   performance_insights_enabled        = true
-  performance_insights_kms_key_id     = aws_kms_key.this.arn
+  performance_insights_kms_key_id     = module.kms.arn
   enabled_cloudwatch_logs_exports     = ["postgresql", "upgrade"]
   skip_final_snapshot                 = false
   final_snapshot_identifier           = "prfaas-${var.name}-final"
   tags                                = var.tags
-}
-
-data "aws_iam_policy_document" "rds_monitoring_assume" {
-  statement {
-    actions = ["sts:AssumeRole"]
-    principals {
-      type        = "Service"
-      identifiers = ["monitoring.rds.amazonaws.com"]
-    }
-  }
-}
-
-resource "aws_iam_role" "rds_monitoring" {
-  name_prefix        = "prfaas-${substr(var.name, 0, 20)}-rdsmon-"
-  assume_role_policy = data.aws_iam_policy_document.rds_monitoring_assume.json
-  tags               = var.tags
-}
-
-resource "aws_iam_role_policy_attachment" "rds_monitoring" {
-  role       = aws_iam_role.rds_monitoring.name
-  policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/service-role/AmazonRDSEnhancedMonitoringRole"
 }

@@ -1,41 +1,12 @@
 # The tenant-facing ALB (HTTPS only; HTTP redirects), behind a WAF with AWS managed rules,
 # access logs in S3; and the internal NLB regions send heartbeats through.
 
-resource "aws_security_group" "alb" {
-  name_prefix = "prfaas-${var.name}-alb-"
-  description = "prfaas ${var.name} ALB: HTTPS from tenants"
-  vpc_id      = var.vpc_id
-  tags        = var.tags
-  lifecycle {
-    create_before_destroy = true
-  }
-}
-
-resource "aws_vpc_security_group_ingress_rule" "alb" {
-  for_each          = { for pair in setproduct(var.tenant_cidrs, [80, 443]) : "${pair[0]}:${pair[1]}" => pair }
-  security_group_id = aws_security_group.alb.id
-  description       = "${each.value[1] == 443 ? "HTTPS" : "HTTP (redirected to HTTPS)"} from ${each.value[0]}"
-  ip_protocol       = "tcp"
-  from_port         = each.value[1]
-  to_port           = each.value[1]
-  cidr_ipv4         = each.value[0]
-}
-
-resource "aws_vpc_security_group_egress_rule" "alb" {
-  security_group_id            = aws_security_group.alb.id
-  description                  = "to the API tasks"
-  ip_protocol                  = "tcp"
-  from_port                    = 8000
-  to_port                      = 8000
-  referenced_security_group_id = aws_security_group.tasks.id
-}
-
 resource "aws_lb" "api" {
   name_prefix                = "prfaas"
   load_balancer_type         = "application"
   internal                   = var.internal_api
   subnets                    = var.internal_api ? var.private_subnet_ids : var.public_subnet_ids
-  security_groups            = [aws_security_group.alb.id]
+  security_groups            = [module.security_groups.ids["alb"]]
   drop_invalid_header_fields = true
   enable_deletion_protection = true
   # SSE streams of long generations stay open
@@ -219,17 +190,9 @@ resource "aws_wafv2_web_acl_association" "api" {
   web_acl_arn  = aws_wafv2_web_acl.api.arn
 }
 
-resource "aws_cloudwatch_log_group" "waf" {
-  # WAF requires this name prefix
-  name              = "aws-waf-logs-prfaas-${var.name}"
-  retention_in_days = var.log_retention_days
-  kms_key_id        = aws_kms_key.this.arn
-  tags              = var.tags
-}
-
 resource "aws_wafv2_web_acl_logging_configuration" "api" {
   resource_arn            = aws_wafv2_web_acl.api.arn
-  log_destination_configs = [aws_cloudwatch_log_group.waf.arn]
+  log_destination_configs = [module.kms.log_groups["waf"].arn]
 }
 
 # --- access-log bucket --------------------------------------------------------------------------

@@ -10,20 +10,20 @@ output "registry_target" {
 
 output "ticket_key_secret_arn" {
   description = "ARN of the ticket key secret in this region (replicas: same name, their region)"
-  value       = aws_secretsmanager_secret.ticket_key.arn
+  value       = aws_secretsmanager_secret.this["ticket_key"].arn
 }
 
 output "ticket_key_kms_arn" {
   description = "KMS key of the primary secret"
-  value       = aws_kms_key.this.arn
+  value       = module.kms.arn
 }
 
 output "admin_key_secret_arn" {
   description = "ARN of the admin key secret"
-  value       = aws_secretsmanager_secret.admin_key.arn
+  value       = aws_secretsmanager_secret.this["admin_key"].arn
 }
 
 output "security_group_id" {
   description = "security group of the API and worker tasks"
-  value       = aws_security_group.tasks.id
+  value       = module.security_groups.ids["tasks"]
 }

@@ -1,29 +1,13 @@
 # A prfaas region on EC2: an auto-scaling group (spot/on-demand mix) of GPU instances whose
-# cloud-init installs prfaas and runs `prfaas region --config` rendered from these variables.
-# Each instance registers itself with the control plane's registry (heartbeats); the ticket
-# key comes from Secrets Manager at start and never lands in the rendered config.
+# cloud-init installs prfaas and runs `prfaas region --config` rendered from the `region`
+# object. Each instance registers itself with the control plane's registry (heartbeats); the
+# ticket key comes from Secrets Manager at start and never lands in the rendered config.
 
 data "aws_region" "current" {}
-data "aws_caller_identity" "current" {}
-data "aws_partition" "current" {}
 
 data "aws_ssm_parameter" "gpu_ami" {
   count = var.ami_id == "" ? 1 : 0
   name  = var.ami_ssm_parameter
-}
-
-locals {
-  region        = module.config.region
-  ami_id        = var.ami_id != "" ? var.ami_id : data.aws_ssm_parameter.gpu_ami[0].insecure_value
-  serves_decode = contains(["decode", "both"], local.region.role)
-  user_data = templatefile("${path.module}/cloud-init.yaml.tftpl", {
-    region_yaml   = module.config.yaml
-    package       = var.prfaas_package
-    secret_arn    = var.ticket_key_secret_arn
-    aws_region    = data.aws_region.current.name
-    log_group     = aws_cloudwatch_log_group.region.name
-    drain_timeout = local.region.drain_timeout_s
-  })
 }
 
 module "config" {
@@ -35,172 +19,82 @@ module "config" {
   device            = "cuda"
 }
 
-resource "aws_kms_key" "this" {
-  description             = "prfaas ${local.region.name}: EBS volumes and logs"
-  enable_key_rotation     = true
-  deletion_window_in_days = 30
-  policy                  = data.aws_iam_policy_document.kms.json
-  tags                    = var.tags
+locals {
+  region         = module.config.region
+  ami_id         = var.ami_id != "" ? var.ami_id : data.aws_ssm_parameter.gpu_ami[0].insecure_value
+  serves_decode  = contains(["decode", "both"], local.region.role)
+  serves_prefill = contains(["prefill", "both"], local.region.role)
+  user_data = templatefile("${path.module}/cloud-init.yaml.tftpl", {
+    region_yaml   = module.config.yaml
+    package       = var.prfaas_package
+    secret_arn    = var.ticket_key_secret_arn
+    aws_region    = data.aws_region.current.name
+    log_group     = module.kms.log_groups["region"].name
+    drain_timeout = local.region.drain_timeout_s
+  })
 }
 
-data "aws_iam_policy_document" "kms" {
-  # A key policy's resource "*" is the key itself (it cannot name its own ARN), and the
-  # account root must administer it or the key becomes unmanageable:
-  #checkov:skip=CKV_AWS_111:key policy; "*" is this key only
-  #checkov:skip=CKV_AWS_356:key policy; "*" is this key only
-  #checkov:skip=CKV_AWS_109:key policy; the account root keeps administration of its own key
-  statement {
-    sid       = "AccountAdministers"
-    actions   = ["kms:*"]
-    resources = ["*"] # in a key policy "*" means this key
-    principals {
-      type        = "AWS"
-      identifiers = ["arn:${data.aws_partition.current.partition}:iam::${data.aws_caller_identity.current.account_id}:root"]
-    }
-  }
-  statement {
-    sid       = "CloudWatchLogsEncrypt"
-    actions   = ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"]
-    resources = ["*"]
-    principals {
-      type        = "Service"
-      identifiers = ["logs.${data.aws_region.current.name}.amazonaws.com"]
-    }
-  }
-  statement {
-    sid       = "AutoScalingUsesForEBS"
-    actions   = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey", "kms:CreateGrant"]
-    resources = ["*"]
-    principals {
-      type        = "AWS"
-      identifiers = ["arn:${data.aws_partition.current.partition}:iam::${data.aws_caller_identity.current.account_id}:role/aws-service-role/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling"]
-    }
-  }
-}
+# the key of the EBS volumes and of the region's (and a created VPC's flow) logs
+module "kms" {
+  source = "../kms_key"
 
-resource "aws_cloudwatch_log_group" "region" {
-  name              = "/prfaas/${local.region.name}/region"
-  retention_in_days = var.log_retention_days
-  kms_key_id        = aws_kms_key.this.arn
-  tags              = var.tags
+  description     = "prfaas ${local.region.name}: EBS volumes and logs"
+  autoscaling_ebs = true
+  log_groups = merge(
+    { region = "/prfaas/${local.region.name}/region" },
+    { for key, name in { flow = "/prfaas/${local.region.name}/vpc-flow" } : key => name if local.create_vpc },
+  )
+  log_retention_days = var.log_retention_days
+  tags               = var.tags
 }
 
 # --- network access: only the KV port from peer regions, gRPC from the control plane -----
 
-resource "aws_security_group" "region" {
-  name_prefix = "prfaas-${local.region.name}-"
-  description = "prfaas region ${local.region.name}: KV from peer regions, gRPC from the control plane"
-  vpc_id      = local.vpc_id
-  tags        = var.tags
-  lifecycle {
-    create_before_destroy = true
-  }
+locals {
+  # rules on one port for each CIDR of a list (a decode region watches its prefill peer's
+  # gRPC health stream, hence gRPC both ways between peers)
+  cidr_rules = [
+    { direction = "ingress", name = "kv", port = local.region.kv_port, cidrs = local.serves_decode ? var.peer_cidrs : [], about = "KV shipments from prefill region" },
+    { direction = "ingress", name = "grpc", port = local.region.grpc_port, cidrs = concat(var.control_plane_cidrs, var.peer_cidrs), about = "prfaas gRPC from" },
+    { direction = "ingress", name = "metrics", port = local.region.metrics_port, cidrs = local.region.metrics_port == 0 ? [] : var.metrics_cidrs, about = "Prometheus scrape from" },
+    { direction = "egress", name = "kv", port = local.region.kv_port, cidrs = local.serves_prefill ? var.peer_cidrs : [], about = "KV shipments to decode region" },
+    { direction = "egress", name = "registry", port = var.registry_port, cidrs = var.control_plane_cidrs, about = "registry heartbeats to the control plane in" },
+    { direction = "egress", name = "grpc", port = local.region.grpc_port, cidrs = var.peer_cidrs, about = "gRPC health of peer region" },
+  ]
+  rules = merge(
+    merge([
+      for rule in local.cidr_rules : {
+        for cidr in distinct(rule.cidrs) : "${rule.direction}:${rule.name}:${cidr}" => {
+          direction = rule.direction, port = rule.port, cidr = cidr, description = "${rule.about} ${cidr}"
+        }
+      }
+    ]...),
+    {
+      https = { direction = "egress", port = 443, cidr = "0.0.0.0/0", description = "HTTPS: package install, Secrets Manager, CloudWatch Logs (through NAT)" }
+    },
+    {
+      for direction in(var.enable_efa ? ["ingress", "egress"] : []) : "efa-${direction}" => {
+        direction = direction, protocol = "-1", peer = "region", description = "EFA: all traffic between this region's instances (RDMA)"
+      }
+    },
+  )
 }
 
-resource "aws_vpc_security_group_ingress_rule" "kv" {
-  for_each          = local.serves_decode ? toset(var.peer_cidrs) : toset([])
-  security_group_id = aws_security_group.region.id
-  description       = "KV shipments from prefill region ${each.value}"
-  ip_protocol       = "tcp"
-  from_port         = local.region.kv_port
-  to_port           = local.region.kv_port
-  cidr_ipv4         = each.value
-}
+module "security_groups" {
+  source = "../security_groups"
 
-resource "aws_vpc_security_group_ingress_rule" "grpc" {
-  # the control plane calls Reserve/Prefill/Decode; a decode region watches its prefill peer's health
-  for_each          = toset(concat(var.control_plane_cidrs, var.peer_cidrs))
-  security_group_id = aws_security_group.region.id
-  description       = "prfaas gRPC from ${each.value}"
-  ip_protocol       = "tcp"
-  from_port         = local.region.grpc_port
-  to_port           = local.region.grpc_port
-  cidr_ipv4         = each.value
-}
-
-resource "aws_vpc_security_group_ingress_rule" "metrics" {
-  for_each          = local.region.metrics_port == 0 ? toset([]) : toset(var.metrics_cidrs)
-  security_group_id = aws_security_group.region.id
-  description       = "Prometheus scrape from ${each.value}"
-  ip_protocol       = "tcp"
-  from_port         = local.region.metrics_port
-  to_port           = local.region.metrics_port
-  cidr_ipv4         = each.value
-}
-
-resource "aws_vpc_security_group_ingress_rule" "efa_self" {
-  count                        = var.enable_efa ? 1 : 0
-  security_group_id            = aws_security_group.region.id
-  description                  = "EFA: all traffic between this region's instances (RDMA)"
-  ip_protocol                  = "-1"
-  referenced_security_group_id = aws_security_group.region.id
-}
-
-resource "aws_vpc_security_group_egress_rule" "efa_self" {
-  count                        = var.enable_efa ? 1 : 0
-  security_group_id            = aws_security_group.region.id
-  description                  = "EFA: all traffic between this region's instances (RDMA)"
-  ip_protocol                  = "-1"
-  referenced_security_group_id = aws_security_group.region.id
-}
-
-resource "aws_vpc_security_group_egress_rule" "kv" {
-  for_each          = contains(["prefill", "both"], local.region.role) ? toset(var.peer_cidrs) : toset([])
-  security_group_id = aws_security_group.region.id
-  description       = "KV shipments to decode region ${each.value}"
-  ip_protocol       = "tcp"
-  from_port         = local.region.kv_port
-  to_port           = local.region.kv_port
-  cidr_ipv4         = each.value
-}
-
-resource "aws_vpc_security_group_egress_rule" "registry" {
-  for_each          = toset(var.control_plane_cidrs)
-  security_group_id = aws_security_group.region.id
-  description       = "registry heartbeats to the control plane in ${each.value}"
-  ip_protocol       = "tcp"
-  from_port         = var.registry_port
-  to_port           = var.registry_port
-  cidr_ipv4         = each.value
-}
-
-resource "aws_vpc_security_group_egress_rule" "peer_grpc" {
-  # a decode region watches its prefill peer's gRPC health stream
-  for_each          = toset(var.peer_cidrs)
-  security_group_id = aws_security_group.region.id
-  description       = "gRPC health of peer region ${each.value}"
-  ip_protocol       = "tcp"
-  from_port         = local.region.grpc_port
-  to_port           = local.region.grpc_port
-  cidr_ipv4         = each.value
-}
-
-resource "aws_vpc_security_group_egress_rule" "https" {
-  security_group_id = aws_security_group.region.id
-  description       = "HTTPS: package install, Secrets Manager, CloudWatch Logs (through NAT)"
-  ip_protocol       = "tcp"
-  from_port         = 443
-  to_port           = 443
-  cidr_ipv4         = "0.0.0.0/0"
-}
-
-# --- least-privilege instance profile ---------------------------------------------------
-
-data "aws_iam_policy_document" "assume_ec2" {
-  statement {
-    actions = ["sts:AssumeRole"]
-    principals {
-      type        = "Service"
-      identifiers = ["ec2.amazonaws.com"]
+  vpc_id = local.vpc_id
+  groups = {
+    region = {
+      name_prefix = "prfaas-${local.region.name}-"
+      description = "prfaas region ${local.region.name}: KV from peer regions, gRPC from the control plane"
+      rules       = local.rules
     }
   }
+  tags = var.tags
 }
 
-resource "aws_iam_role" "region" {
-  name_prefix        = "prfaas-${substr(local.region.name, 0, 24)}-"
-  assume_role_policy = data.aws_iam_policy_document.assume_ec2.json
-  tags               = var.tags
-}
+# --- least-privilege instance profile (and the flow logs' role) -------------------------
 
 data "aws_iam_policy_document" "region" {
   statement {
@@ -219,18 +113,29 @@ data "aws_iam_policy_document" "region" {
   statement {
     sid       = "ShipLogs"
     actions   = ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"]
-    resources = ["${aws_cloudwatch_log_group.region.arn}:*"]
+    resources = ["${module.kms.log_groups["region"].arn}:*"]
   }
 }
 
-resource "aws_iam_role_policy" "region" {
-  role   = aws_iam_role.region.id
-  policy = data.aws_iam_policy_document.region.json
+module "roles" {
+  source = "../service_roles"
+
+  roles = merge(
+    {
+      region = { name_prefix = "prfaas-${substr(local.region.name, 0, 24)}-", service = "ec2.amazonaws.com", policies = { main = data.aws_iam_policy_document.region.json } }
+    },
+    {
+      for key, role in {
+        flow = { name_prefix = "prfaas-${substr(local.region.name, 0, 20)}-flow-", service = "vpc-flow-logs.amazonaws.com", policies = { main = one(data.aws_iam_policy_document.flow[*].json) } }
+      } : key => role if local.create_vpc
+    },
+  )
+  tags = var.tags
 }
 
 resource "aws_iam_instance_profile" "region" {
   name_prefix = "prfaas-${substr(local.region.name, 0, 24)}-"
-  role        = aws_iam_role.region.name
+  role        = module.roles.roles["region"].name
   tags        = var.tags
 }
 
@@ -270,7 +175,7 @@ resource "aws_launch_template" "region" {
       volume_size           = var.root_volume_gb
       volume_type           = "gp3"
       encrypted             = true
-      kms_key_id            = aws_kms_key.this.arn
+      kms_key_id            = module.kms.arn
       delete_on_termination = true
     }
   }
@@ -278,7 +183,7 @@ resource "aws_launch_template" "region" {
   network_interfaces {
     device_index                = 0
     interface_type              = var.enable_efa ? "efa" : null
-    security_groups             = [aws_security_group.region.id]
+    security_groups             = [module.security_groups.ids["region"]]
     associate_public_ip_address = false
     delete_on_termination       = true
   }

@@ -98,46 +98,16 @@ resource "aws_flow_log" "this" {
   count           = local.create_vpc ? 1 : 0
   vpc_id          = aws_vpc.this[0].id
   traffic_type    = "ALL"
-  log_destination = aws_cloudwatch_log_group.flow[0].arn
-  iam_role_arn    = aws_iam_role.flow[0].arn
+  log_destination = module.kms.log_groups["flow"].arn
+  iam_role_arn    = module.roles.roles["flow"].arn
   tags            = var.tags
 }
 
-resource "aws_cloudwatch_log_group" "flow" {
-  count             = local.create_vpc ? 1 : 0
-  name              = "/prfaas/${local.region.name}/vpc-flow"
-  retention_in_days = var.log_retention_days
-  kms_key_id        = aws_kms_key.this.arn
-  tags              = var.tags
-}
-
-data "aws_iam_policy_document" "flow_assume" {
-  statement {
-    actions = ["sts:AssumeRole"]
-    principals {
-      type        = "Service"
-      identifiers = ["vpc-flow-logs.amazonaws.com"]
-    }
-  }
-}
-
-resource "aws_iam_role" "flow" {
-  count              = local.create_vpc ? 1 : 0
-  name_prefix        = "prfaas-${substr(local.region.name, 0, 20)}-flow-"
-  assume_role_policy = data.aws_iam_policy_document.flow_assume.json
-  tags               = var.tags
-}
-
+# the flow logs' role (module "roles" in main.tf) may write to their log group only
 data "aws_iam_policy_document" "flow" {
   count = local.create_vpc ? 1 : 0
   statement {
     actions   = ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"]
-    resources = ["${aws_cloudwatch_log_group.flow[0].arn}:*"]
+    resources = ["${module.kms.log_groups["flow"].arn}:*"]
   }
-}
-
-resource "aws_iam_role_policy" "flow" {
-  count  = local.create_vpc ? 1 : 0
-  role   = aws_iam_role.flow[0].id
-  policy = data.aws_iam_policy_document.flow[0].json
 }

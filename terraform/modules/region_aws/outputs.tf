@@ -41,7 +41,7 @@ output "private_route_table_ids" {
 
 output "security_group_id" {
   description = "security group of the instances"
-  value       = aws_security_group.region.id
+  value       = module.security_groups.ids["region"]
 }
 
 output "autoscaling_group_name" {
@@ -51,5 +51,5 @@ output "autoscaling_group_name" {
 
 output "log_group_name" {
   description = "CloudWatch log group of the region processes"
-  value       = aws_cloudwatch_log_group.region.name
+  value       = module.kms.log_groups["region"].name
 }
