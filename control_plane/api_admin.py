@@ -6,7 +6,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import ValidationError
 
 from prfaas.control_plane.deps import AdminDep, ServicesDep
-from prfaas.control_plane.region_registry import RegionNotFound, RegionRecord
+from prfaas.control_plane.fleet.registry import RegionNotFound, RegionRecord
 from prfaas.control_plane.scheduling.snapshot import Link
 from prfaas.control_plane.schemas import (
     ApiKeyIssued,

@@ -21,9 +21,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prfaas.control_plane import api_admin, api_jobs, api_openai, api_usage, dashboard
 from prfaas.control_plane.billing.meter import open_meter
+from prfaas.control_plane.fleet.server import serve_registry
 from prfaas.control_plane.jobs.celery_app import make_celery
 from prfaas.control_plane.jobs.generation import Follower
-from prfaas.control_plane.region_registry import serve_registry
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
 

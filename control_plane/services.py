@@ -12,8 +12,8 @@ from typing import Any
 
 import redis
 
+from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.jobs.store import JobStore
-from prfaas.control_plane.region_registry import RegionRegistry
 from prfaas.control_plane.scheduling.policy import build_scheduler, default_policy, load_policy
 from prfaas.control_plane.scheduling.scheduler import DisaggregationRule, GlobalScheduler
 from prfaas.control_plane.scheduling.snapshot import ModelShape

@@ -23,9 +23,9 @@ from typing import Any
 
 import grpc
 
+from prfaas.control_plane.fleet.registry import RegionRecord
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
-from prfaas.control_plane.region_registry import RegionRecord
 from prfaas.control_plane.scheduling.decision import Decision, Mode, decision_dict
 from prfaas.control_plane.scheduling.errors import PlacementRejected
 from prfaas.control_plane.scheduling.request import Request, Slo

@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Mapping
 
+from prfaas.control_plane.fleet.registry import RegionRecord
 from prfaas.control_plane.jobs.dispatch import job_request, placed_fields
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.jobs.store import HandedOff
-from prfaas.control_plane.region_registry import RegionRecord
 from prfaas.control_plane.scheduling.decision import Mode
 from prfaas.control_plane.scheduling.errors import PlacementRejected
 from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot

@@ -29,7 +29,7 @@ from cp_kit import settings_fixture
 
 from prfaas.control_plane.billing.price_feeds import PriceFeed
 from prfaas.control_plane.billing.prices import PriceBook, PriceConfig
-from prfaas.control_plane.region_registry import RegionRegistry
+from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.settings import AwsSection, PricesSection, PricingSection, Settings
 from prfaas.devstack.stack import free_port, wait_until
 from prfaas.protos.prfaas.v1 import registry_pb2

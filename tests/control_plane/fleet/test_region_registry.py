@@ -12,7 +12,8 @@ import pytest
 import redis
 from cp_kit import settings_fixture
 
-from prfaas.control_plane.region_registry import RegionRegistry, serve_registry
+from prfaas.control_plane.fleet.registry import RegionRegistry
+from prfaas.control_plane.fleet.server import serve_registry
 from prfaas.control_plane.scheduling.snapshot import Link, ModelShape
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
 from prfaas.region.registry_client import Heartbeater

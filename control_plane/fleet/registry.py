@@ -1,8 +1,8 @@
-"""The region registry: regions `Register` and `Heartbeat` over gRPC (protos/prfaas/v1/
-registry.proto); records live in Redis so every API process and Celery worker sees the same
-fleet. A region that misses `heartbeat_misses` beats in a row is dead. Links (RTT,
-bandwidth, egress price) are configured by operators through the admin API.
-`snapshot()` assembles the scheduler's frozen `ClusterSnapshot` from all of it.
+"""The region registry: regions `Register` and `Heartbeat` over gRPC (fleet/server.py); their
+records live in Redis so every API process and Celery worker sees the same fleet. A region that
+misses `heartbeat_misses` beats in a row is dead. Links (RTT, bandwidth, egress price) are
+configured by operators through the admin API. `snapshot()` assembles the scheduler's frozen
+`ClusterSnapshot` from all of it.
 
 Keys (prefix `p`): `p:regions` set, `p:region:{name}` hash (registration, last load,
 `last_beat_at`), `p:region:{name}:drained` flag, `p:links` hash `src>dst` -> JSON.
@@ -13,19 +13,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import redis
 
 from prfaas.control_plane.billing.prices import PriceBook, price_book
 from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.control_plane.settings import Settings
-from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
-from prfaas.region.channels import SERVER_OPTIONS
+from prfaas.protos.prfaas.v1 import registry_pb2
 
 FALLBACK_PREFILL_TPS = 2000.0  # tokens/s assumed until a region measures its own
 FALLBACK_DECODE_TPS = 50.0
@@ -198,119 +194,3 @@ class RegionRegistry:
             tpot_ms=1000.0 / decode_tps, healthy=r.healthy and r.name not in exclude,
             heartbeat_age_s=r.heartbeat_age_s,
         )  # fmt: skip
-
-
-class SignalRelay:
-    """WebRTC signalling through Redis, so any registry process can take an offer and any can
-    hand it to the region's Offers stream. Keys: `p:signal:{region}` list of pending offers
-    (JSON id + sdp), `p:signal-answer:{id}` list holding the one answer. Waits block in Redis
-    for 1 s at a time (below the client's socket timeout) up to their deadline."""
-
-    MAX_WAIT_S = 30.0
-    OFFER_TTL_S = 60
-
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
-        self.redis: Any = client
-        self.settings = settings
-
-    def signal(self, region: str, offer_sdp: str, timeout_s: float) -> str:
-        """Post an offer to `region`, wait for its answer. TimeoutError: no answer in time;
-        ValueError: the region refused the offer."""
-        if not region or not offer_sdp:
-            raise ValueError("region and offer_sdp are required")
-        offer_id = uuid.uuid4().hex
-        queue = self.settings.key(f"signal:{region}")
-        with self.redis.pipeline() as pipe:
-            pipe.rpush(queue, json.dumps({"id": offer_id, "sdp": offer_sdp, "exp": time.time() + timeout_s}))
-            pipe.expire(queue, self.OFFER_TTL_S)
-            pipe.execute()
-        deadline = time.monotonic() + min(max(timeout_s, 0.1), self.MAX_WAIT_S)
-        answer_key = self.settings.key(f"signal-answer:{offer_id}")
-        while (remaining := deadline - time.monotonic()) > 0:
-            item = self.redis.blpop([answer_key], timeout=max(1, min(int(remaining), 1)))
-            if item is not None:
-                answer = json.loads(item[1])
-                if answer.get("error"):
-                    raise ValueError(f"region {region} refused the offer: {answer['error']}")
-                return str(answer["sdp"])
-        raise TimeoutError(f"region {region} did not answer the WebRTC offer within {timeout_s:.1f} s")
-
-    def next_offer(self, region: str, timeout_s: float = 1.0) -> tuple[str, str] | None:
-        """The oldest unexpired offer for `region` (id, sdp), or None after `timeout_s`."""
-        item = self.redis.blpop([self.settings.key(f"signal:{region}")], timeout=max(1, int(timeout_s)))
-        if item is None:
-            return None
-        offer = json.loads(item[1])
-        if offer.get("exp", 0) < time.time():
-            return None  # its sender gave up
-        return str(offer["id"]), str(offer["sdp"])
-
-    def answer(self, offer_id: str, answer_sdp: str, error: str = "") -> None:
-        key = self.settings.key(f"signal-answer:{offer_id}")
-        with self.redis.pipeline() as pipe:
-            pipe.rpush(key, json.dumps({"sdp": answer_sdp, "error": error}))
-            pipe.expire(key, self.OFFER_TTL_S)
-            pipe.execute()
-
-
-class RegistryServicer(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, registry: RegionRegistry) -> None:
-        self.registry = registry
-        self.relay = SignalRelay(registry.redis, registry.settings)
-
-    def Register(  # noqa: N802 (the name the .proto gives it)
-        self, request: registry_pb2.RegisterRequest, context: grpc.ServicerContext
-    ) -> registry_pb2.RegisterReply:
-        try:
-            return registry_pb2.RegisterReply(region_id=self.registry.register(request))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("unreachable") from exc
-
-    def Heartbeat(  # noqa: N802
-        self, request: registry_pb2.HeartbeatRequest, context: grpc.ServicerContext
-    ) -> registry_pb2.HeartbeatReply:
-        return registry_pb2.HeartbeatReply(reregister=self.registry.heartbeat(request))
-
-    def Signal(  # noqa: N802
-        self, request: registry_pb2.SignalRequest, context: grpc.ServicerContext
-    ) -> registry_pb2.SignalReply:
-        try:
-            sdp = self.relay.signal(request.region, request.offer_sdp, request.timeout_s or 10.0)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("unreachable") from exc
-        except TimeoutError as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-            raise AssertionError("unreachable") from exc
-        return registry_pb2.SignalReply(answer_sdp=sdp)
-
-    def Offers(  # noqa: N802
-        self, request: registry_pb2.OffersRequest, context: grpc.ServicerContext
-    ) -> Iterator[registry_pb2.SignalOffer]:
-        if not request.region:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "region is required")
-        while context.is_active():
-            offer = self.relay.next_offer(request.region)
-            if offer is not None:
-                yield registry_pb2.SignalOffer(id=offer[0], offer_sdp=offer[1])
-
-    def Answer(  # noqa: N802
-        self, request: registry_pb2.SignalAnswer, context: grpc.ServicerContext
-    ) -> registry_pb2.AnswerReply:
-        if not request.id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "id is required")
-        self.relay.answer(request.id, request.answer_sdp, request.error)
-        return registry_pb2.AnswerReply()
-
-
-def serve_registry(registry: RegionRegistry, listen: str) -> tuple[grpc.Server, str]:
-    """Start the Registry gRPC service on `listen` (port 0 picks one); returns it and its address."""
-    server = grpc.server(ThreadPoolExecutor(8, thread_name_prefix="prfaas-registry"), options=SERVER_OPTIONS)
-    registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server)
-    host = listen.rsplit(":", 1)[0]
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
-    server.start()
-    return server, f"{host}:{port}"

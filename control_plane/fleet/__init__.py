@@ -1,0 +1,7 @@
+"""prfaas.control_plane.fleet: the regions the control plane knows, as the scheduler sees them.
+
+registry.py   RegionRegistry: registrations, heartbeats, drains and links in Redis; `snapshot()`
+              builds the scheduler's ClusterSnapshot (prices from billing's PriceBook)
+server.py     the Registry gRPC service regions call (Register, Heartbeat, WebRTC signalling)
+signaling.py  SignalRelay: WebRTC offers and answers through Redis
+"""

@@ -1,0 +1,70 @@
+"""WebRTC signalling through Redis, for regions that cannot take inbound TCP (transport/webrtc_*): any
+registry process can take an offer (`Registry.Signal`) and any can hand it to the region's `Offers` stream.
+
+Keys (prefix `p`): `p:signal:{region}` list of pending offers (JSON id + sdp + expiry), `p:signal-answer:{id}`
+list holding the one answer. Waits block in Redis for 1 s at a time (below the client's socket timeout) up to
+their deadline."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from prfaas.control_plane.settings import Settings
+
+
+class SignalRelay:
+    """WebRTC signalling through Redis, so any registry process can take an offer and any can
+    hand it to the region's Offers stream. Keys: `p:signal:{region}` list of pending offers
+    (JSON id + sdp), `p:signal-answer:{id}` list holding the one answer. Waits block in Redis
+    for 1 s at a time (below the client's socket timeout) up to their deadline."""
+
+    MAX_WAIT_S = 30.0
+    OFFER_TTL_S = 60
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.redis: Any = client
+        self.settings = settings
+
+    def signal(self, region: str, offer_sdp: str, timeout_s: float) -> str:
+        """Post an offer to `region`, wait for its answer. TimeoutError: no answer in time;
+        ValueError: the region refused the offer."""
+        if not region or not offer_sdp:
+            raise ValueError("region and offer_sdp are required")
+        offer_id = uuid.uuid4().hex
+        queue = self.settings.key(f"signal:{region}")
+        with self.redis.pipeline() as pipe:
+            pipe.rpush(queue, json.dumps({"id": offer_id, "sdp": offer_sdp, "exp": time.time() + timeout_s}))
+            pipe.expire(queue, self.OFFER_TTL_S)
+            pipe.execute()
+        deadline = time.monotonic() + min(max(timeout_s, 0.1), self.MAX_WAIT_S)
+        answer_key = self.settings.key(f"signal-answer:{offer_id}")
+        while (remaining := deadline - time.monotonic()) > 0:
+            item = self.redis.blpop([answer_key], timeout=max(1, min(int(remaining), 1)))
+            if item is not None:
+                answer = json.loads(item[1])
+                if answer.get("error"):
+                    raise ValueError(f"region {region} refused the offer: {answer['error']}")
+                return str(answer["sdp"])
+        raise TimeoutError(f"region {region} did not answer the WebRTC offer within {timeout_s:.1f} s")
+
+    def next_offer(self, region: str, timeout_s: float = 1.0) -> tuple[str, str] | None:
+        """The oldest unexpired offer for `region` (id, sdp), or None after `timeout_s`."""
+        item = self.redis.blpop([self.settings.key(f"signal:{region}")], timeout=max(1, int(timeout_s)))
+        if item is None:
+            return None
+        offer = json.loads(item[1])
+        if offer.get("exp", 0) < time.time():
+            return None  # its sender gave up
+        return str(offer["id"]), str(offer["sdp"])
+
+    def answer(self, offer_id: str, answer_sdp: str, error: str = "") -> None:
+        key = self.settings.key(f"signal-answer:{offer_id}")
+        with self.redis.pipeline() as pipe:
+            pipe.rpush(key, json.dumps({"sdp": answer_sdp, "error": error}))
+            pipe.expire(key, self.OFFER_TTL_S)
+            pipe.execute()
