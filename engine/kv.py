@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,19 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise ValueError(f"unsupported KV dtype {dtype}; supported: {', '.join(DTYPES)}")
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (the view keeps the tensor alive)."""
+    array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array)
+
+
+def tensor_view(buf: bytes | bytearray | memoryview, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` over `buf`'s bytes, without a copy."""
+    view = memoryview(buf).cast("B")
+    flat = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).view(shape)
 
 
 def hash_token_ids(token_ids: Sequence[int]) -> str:

