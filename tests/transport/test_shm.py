@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from transport_kit import KEY, Kit, fill, layers_for, wait_until_sent
+from transport_kit import KEY, Kit, layers_for, ship, wait_until_sent
 
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.arena import PAGE, Arena
@@ -52,11 +52,7 @@ def test_raw_layers_are_views_of_the_arena_and_release_gives_the_memory_back(kit
     with ShmReceiver(kit.verifier, arena_bytes=8 << 20) as rx, ShmChannel(rx.path) as channel:
         rx.arena.quarantine_s = 0.0
         spec = kit.spec(num_layers=3, shape=(2, 512, 64))
-        inbound = rx.expect(spec.job_id, spec.attempt, timeout_s=10)
-        shipment = Shipment(spec)
-        transfer = channel.submit(shipment)
-        layers = layers_for(spec)
-        fill(shipment, layers)
+        transfer, inbound, layers, _ = ship(channel, rx, spec, expect_timeout_s=10)
         assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
         k, v = inbound.layer(0, 1)
         assert rx.arena.offset_of(k) is not None and rx.arena.offset_of(v) is not None  # no copy on this side
@@ -69,11 +65,7 @@ def test_raw_layers_are_views_of_the_arena_and_release_gives_the_memory_back(kit
 def test_a_full_arena_falls_back_to_inline_payloads(kit: Kit) -> None:
     with ShmReceiver(kit.verifier, arena_bytes=64 << 10) as rx, ShmChannel(rx.path) as channel:
         spec = kit.spec(num_layers=2, shape=(2, 512, 64))  # 128 KiB parts: no room
-        inbound = rx.expect(spec.job_id, spec.attempt, timeout_s=10)
-        shipment = Shipment(spec)
-        transfer = channel.submit(shipment)
-        layers = layers_for(spec)
-        fill(shipment, layers)
+        transfer, inbound, layers, _ = ship(channel, rx, spec, expect_timeout_s=10)
         assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
         assert [tuple(map(bytes, inbound.layer(i, 1))) for i in range(2)] == layers
         assert rx.arena.offset_of(inbound.layer(0, 1)[0]) is None
@@ -83,11 +75,7 @@ def test_a_full_arena_falls_back_to_inline_payloads(kit: Kit) -> None:
 def test_checksummed_shipments_arrive_verified(kit: Kit, codec: str) -> None:
     with ShmReceiver(kit.verifier, arena_bytes=8 << 20) as rx, ShmChannel(rx.path, checksums=True) as channel:
         spec = kit.spec(num_layers=2, shape=(2, 256, 64), codec=codec)
-        inbound = rx.expect(spec.job_id, spec.attempt, timeout_s=10)
-        shipment = Shipment(spec)
-        transfer = channel.submit(shipment)
-        layers = layers_for(spec)
-        fill(shipment, layers)
+        transfer, inbound, layers, _ = ship(channel, rx, spec, expect_timeout_s=10)
         assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
         assert inbound.wait(5) is TransferStatus.COMPLETED
         assert [tuple(map(bytes, inbound.layer(i, 1))) for i in range(2)] == layers
@@ -102,11 +90,7 @@ def test_a_tcp_receiver_sharing_the_arena_serves_both_transports(kit: Kit) -> No
         with TcpChannel(tcp.address, num_streams=2) as over_tcp, ShmChannel(shm.path) as over_shm:
             for channel in (over_tcp, over_shm):
                 spec = kit.spec(num_layers=2, shape=(2, 512, 64))
-                inbound = tcp.expect(spec.job_id, spec.attempt, timeout_s=10)
-                shipment = Shipment(spec)
-                transfer = channel.submit(shipment)
-                layers = layers_for(spec, seed=5)
-                fill(shipment, layers)
+                transfer, inbound, layers, _ = ship(channel, tcp, spec, seed=5, expect_timeout_s=10)
                 assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
                 assert [tuple(map(bytes, inbound.layer(i, 1))) for i in range(2)] == layers
                 assert arena.offset_of(inbound.layer(1, 1)[1]) is not None

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from transport_kit import KEY, Kit, fill, layers_for, wait_until_sent
+from transport_kit import KEY, Kit, fill, layers_for, ship, wait_until_sent
 
 from prfaas.transport import sockets
 from prfaas.transport.api import Shipment, TransferStatus
@@ -34,20 +34,10 @@ def receiver(kit: Kit) -> Iterator[TcpReceiver]:
         yield rx
 
 
-def ship(channel: TcpChannel, receiver: TcpReceiver, kit: Kit, **spec_kw: object) -> tuple[object, object, list]:
-    spec = kit.spec(**spec_kw)  # type: ignore[arg-type]
-    inbound = receiver.expect(spec.job_id, spec.attempt, timeout_s=spec.timeout_s)
-    layers = layers_for(spec)
-    shipment = Shipment(spec)
-    transfer = channel.submit(shipment)
-    fill(shipment, layers)
-    return transfer, inbound, layers
-
-
 @pytest.mark.parametrize("codec", ["raw", "lossless"])
 def test_shipment_over_four_streams_reassembles_bit_exactly(kit: Kit, receiver: TcpReceiver, codec: str) -> None:
     with TcpChannel(receiver.address, num_streams=4) as channel:
-        transfer, inbound, layers = ship(channel, receiver, kit, codec=codec)
+        transfer, inbound, layers, _ = ship(channel, receiver, kit.spec(codec=codec))
         assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
         assert inbound.wait(5) is TransferStatus.COMPLETED
         for index, pair in enumerate(layers):
@@ -63,22 +53,17 @@ def test_shipment_over_four_streams_reassembles_bit_exactly(kit: Kit, receiver: 
 
 def test_concurrent_jobs_share_the_pool(kit: Kit, receiver: TcpReceiver) -> None:
     with TcpChannel(receiver.address, num_streams=3) as channel:
-        shipped = [ship(channel, receiver, kit, num_layers=3) for _ in range(5)]
-        for transfer, inbound, layers in shipped:
-            assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error  # type: ignore[attr-defined]
-            assert inbound.layer(2, 1) == layers[2]  # type: ignore[attr-defined]
+        shipped = [ship(channel, receiver, kit.spec(num_layers=3)) for _ in range(5)]
+        for transfer, inbound, layers, _ in shipped:
+            assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
+            assert inbound.layer(2, 1) == layers[2]
         assert receiver.num_connections == 3  # no connection per job
 
 
 def test_killing_a_stream_mid_shipment_still_completes(kit: Kit, receiver: TcpReceiver) -> None:
     with TcpChannel(receiver.address, num_streams=4, max_inflight_bytes=256 << 10) as channel:
         spec = kit.spec(num_layers=8, shape=(4, 1024, 64))
-        inbound = receiver.expect(spec.job_id, spec.attempt, timeout_s=20)
-        layers = layers_for(spec)
-        shipment = Shipment(spec)
-        transfer = channel.submit(shipment)
-        for index in range(4):
-            shipment.add_layer(index, *layers[index])
+        transfer, inbound, layers, shipment = ship(channel, receiver, spec, num_filled=4)
         deadline = time.monotonic() + 5
         while transfer.stats.wire_bytes < 512 << 10 and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -148,11 +133,11 @@ def test_flipped_byte_is_detected_and_resent(kit: Kit, receiver: TcpReceiver) ->
     proxy = CorruptingProxy(receiver.address)
     try:
         with TcpChannel(proxy.address, num_streams=1) as channel:
-            transfer, inbound, layers = ship(channel, receiver, kit, num_layers=3)
-            assert transfer.wait(10) is TransferStatus.COMPLETED  # type: ignore[attr-defined]
+            transfer, inbound, layers, _ = ship(channel, receiver, kit.spec(num_layers=3))
+            assert transfer.wait(10) is TransferStatus.COMPLETED
             assert proxy.flipped == 1
-            assert transfer.stats.resent_chunks >= 1  # type: ignore[attr-defined]
-            assert [inbound.layer(i, 1) for i in range(3)] == layers  # type: ignore[attr-defined]
+            assert transfer.stats.resent_chunks >= 1
+            assert [inbound.layer(i, 1) for i in range(3)] == layers
     finally:
         proxy.close()
 
@@ -161,32 +146,32 @@ def test_forged_ticket_is_refused_before_any_kv_is_stored(kit: Kit, receiver: Tc
     base = kit.spec()
     forged = TicketSigner({"k1": b"f" * 32}, "k1").issue(base.job_id, 1, "acme", base.raw_bytes, 60)
     with TcpChannel(receiver.address, num_streams=2) as channel:
-        transfer, inbound, _ = ship(channel, receiver, kit, job_id=base.job_id, ticket=forged)
-        assert transfer.wait(5) is TransferStatus.FAILED  # type: ignore[attr-defined]
-        assert isinstance(transfer.error, TicketRejected)  # type: ignore[attr-defined]
-        assert inbound.info is None  # type: ignore[attr-defined]
-        assert inbound.wire_bytes == 0  # type: ignore[attr-defined]
+        transfer, inbound, _, _ = ship(channel, receiver, kit.spec(job_id=base.job_id, ticket=forged))
+        assert transfer.wait(5) is TransferStatus.FAILED
+        assert isinstance(transfer.error, TicketRejected)
+        assert inbound.info is None
+        assert inbound.wire_bytes == 0
 
 
 def test_expired_and_over_budget_tickets_are_refused(kit: Kit, receiver: TcpReceiver) -> None:
     base = kit.spec()
     expired = kit.signer.issue(base.job_id, 1, "acme", base.raw_bytes, ttl_s=-1)
     with TcpChannel(receiver.address, num_streams=1) as channel:
-        transfer, _inbound, _ = ship(channel, receiver, kit, job_id=base.job_id, ticket=expired)
-        assert transfer.wait(5) is TransferStatus.FAILED  # type: ignore[attr-defined]
-        assert "expired" in str(transfer.error)  # type: ignore[attr-defined]
+        transfer, _inbound, _, _ = ship(channel, receiver, kit.spec(job_id=base.job_id, ticket=expired))
+        assert transfer.wait(5) is TransferStatus.FAILED
+        assert "expired" in str(transfer.error)
         small = kit.spec(budget=1000)
-        transfer, inbound, _ = ship(channel, receiver, kit, job_id=small.job_id, ticket=small.ticket)
-        assert transfer.wait(5) is TransferStatus.FAILED  # type: ignore[attr-defined]
-        assert "budget" in str(transfer.error)  # type: ignore[attr-defined]
-        assert inbound.wire_bytes == 0  # type: ignore[attr-defined]
+        transfer, inbound, _, _ = ship(channel, receiver, kit.spec(job_id=small.job_id, ticket=small.ticket))
+        assert transfer.wait(5) is TransferStatus.FAILED
+        assert "budget" in str(transfer.error)
+        assert inbound.wire_bytes == 0
 
 
 def test_replayed_ticket_is_refused(kit: Kit, receiver: TcpReceiver) -> None:
     with TcpChannel(receiver.address, num_streams=2) as channel:
-        transfer, _, _ = ship(channel, receiver, kit, num_layers=2)
-        assert transfer.wait(5) is TransferStatus.COMPLETED  # type: ignore[attr-defined]
-        spec = transfer.spec  # type: ignore[attr-defined]
+        transfer, _, _, _ = ship(channel, receiver, kit.spec(num_layers=2))
+        assert transfer.wait(5) is TransferStatus.COMPLETED
+        spec = transfer.spec
         again = receiver.expect(spec.job_id, spec.attempt, timeout_s=5)  # even with a reservation
         replay = channel.submit(Shipment(spec))
         assert replay.wait(5) is TransferStatus.FAILED
@@ -267,12 +252,7 @@ def test_silent_peer_times_out_at_the_deadline(kit: Kit) -> None:
 def test_streams_can_be_added_and_retired_mid_shipment(kit: Kit, receiver: TcpReceiver) -> None:
     with TcpChannel(receiver.address, num_streams=2, max_inflight_bytes=256 << 10) as channel:
         spec = kit.spec(num_layers=8, shape=(4, 1024, 64))
-        inbound = receiver.expect(spec.job_id, spec.attempt, timeout_s=20)
-        layers = layers_for(spec)
-        shipment = Shipment(spec)
-        transfer = channel.submit(shipment)
-        for index in range(3):
-            shipment.add_layer(index, *layers[index])
+        transfer, inbound, layers, shipment = ship(channel, receiver, spec, num_filled=3)
         channel.resize(6)
         for index in range(3, 6):
             shipment.add_layer(index, *layers[index])
@@ -288,8 +268,8 @@ def test_default_channel_adapts_its_stream_count(kit: Kit, receiver: TcpReceiver
     with TcpChannel(receiver.address) as channel:
         assert channel.controller is not None
         assert channel.num_streams == channel.controller.initial
-        transfer, _inbound, _ = ship(channel, receiver, kit)
-        assert transfer.wait(15) is TransferStatus.COMPLETED  # type: ignore[attr-defined]
+        transfer, _inbound, _, _ = ship(channel, receiver, kit.spec())
+        assert transfer.wait(15) is TransferStatus.COMPLETED
 
 
 def test_the_stream_count_and_transfer_outcomes_are_in_the_metrics(kit: Kit, receiver: TcpReceiver) -> None:
@@ -301,7 +281,7 @@ def test_the_stream_count_and_transfer_outcomes_are_in_the_metrics(kit: Kit, rec
         return REGISTRY.get_sample_value(name, {"peer": peer, **labels})
 
     with TcpChannel(receiver.address) as channel:  # adaptive: the default
-        transfer, _inbound, _layers = ship(channel, receiver, kit, codec="lossless")
+        transfer, _inbound, _layers, _ = ship(channel, receiver, kit.spec(codec="lossless"))
         assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
         assert value("prfaas_kv_streams") == channel.num_streams == 4  # starts at 4
         assert value("prfaas_kv_transfers_total", status="completed") == 1
@@ -319,9 +299,9 @@ def test_jobs_submitted_while_the_pool_connects_all_complete(kit: Kit, receiver:
     about 1 shipment in 60 here FAILED with UNKNOWN_SHIPMENT."""
     for _ in range(20):
         with TcpChannel(receiver.address, num_streams=3) as channel:
-            shipped = [ship(channel, receiver, kit, num_layers=3) for _ in range(5)]
-            for transfer, _inbound, _layers in shipped:
-                assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error  # type: ignore[attr-defined]
+            shipped = [ship(channel, receiver, kit.spec(num_layers=3)) for _ in range(5)]
+            for transfer, _inbound, _layers, _ in shipped:
+                assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
 
 
 def test_a_receiver_that_stops_reading_does_not_wedge_the_sender(kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from transport_kit import Kit, fill, layers_for
+from transport_kit import Kit, fill, layers_for, ship
 
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable
@@ -54,12 +54,7 @@ def test_shipment_over_mutual_tls_reassembles_bit_exactly(kit: Kit, certs: dict[
         TcpReceiver(kit.verifier, ssl_context=server_context(certs["decode"])) as rx,
         TcpChannel(rx.address, num_streams=4, ssl_context=client_context(certs["prefill"])) as channel,
     ):
-        spec = kit.spec(codec=codec, num_layers=8)
-        inbound = rx.expect(spec.job_id, spec.attempt, timeout_s=spec.timeout_s)
-        shipment = Shipment(spec)
-        transfer = channel.submit(shipment)
-        layers = layers_for(spec)
-        fill(shipment, layers)
+        transfer, inbound, layers, _ = ship(channel, rx, kit.spec(codec=codec, num_layers=8))
         assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
         assert inbound.wait(5) is TransferStatus.COMPLETED
         for index, pair in enumerate(layers):
@@ -75,12 +70,8 @@ def test_a_sender_without_a_certificate_from_the_ca_is_refused(
     with TcpReceiver(kit.verifier, ssl_context=server_context(certs["decode"])) as rx:
         context = client_context(certs[client]) if client else None
         with TcpChannel(rx.address, num_streams=2, ssl_context=context, unavailable_after_s=1.0) as channel:
-            spec = kit.spec(num_layers=2)
-            inbound = rx.expect(spec.job_id, spec.attempt, timeout_s=10)
-            shipment = Shipment(spec)
             start = time.monotonic()
-            transfer = channel.submit(shipment)
-            fill(shipment, layers_for(spec))
+            transfer, inbound, _, _ = ship(channel, rx, kit.spec(num_layers=2), expect_timeout_s=10)
             assert transfer.wait(8) is TransferStatus.FAILED
             assert isinstance(transfer.error, PeerUnavailable)
             assert time.monotonic() - start < 8
@@ -107,11 +98,7 @@ def test_a_stalled_handshake_does_not_hold_up_other_senders(kit: Kit, certs: dic
         silent = socket.create_connection(rx.address)
         try:
             with TcpChannel(rx.address, num_streams=1, ssl_context=client_context(certs["prefill"])) as channel:
-                spec = kit.spec(num_layers=2)
-                inbound = rx.expect(spec.job_id, spec.attempt, timeout_s=10)
-                shipment = Shipment(spec)
-                transfer = channel.submit(shipment)
-                fill(shipment, layers_for(spec))
+                transfer, inbound, _, _ = ship(channel, rx, kit.spec(num_layers=2), expect_timeout_s=10)
                 assert transfer.wait(5) is TransferStatus.COMPLETED, transfer.error
                 assert inbound.wait(2) is TransferStatus.COMPLETED
         finally:

@@ -8,10 +8,12 @@ Everything runs in a network namespace the test creates, whose loopback also has
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -19,7 +21,7 @@ import pytest
 import redis
 from netns_kit import can_create, netns
 
-from prfaas.bench.cp_stack import Stack, wait_until
+from prfaas.devstack.stack import Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
@@ -28,22 +30,32 @@ pytestmark = pytest.mark.e2e
 REDIS_PORT = 6391
 
 
+@contextlib.contextmanager
+def _redis(folder: Path) -> Iterator[None]:
+    """A Redis of this namespace's own on REDIS_PORT, answering pings, until the block ends."""
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(REDIS_PORT), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(folder)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client = redis.Redis(port=REDIS_PORT, socket_timeout=1)
+        wait_until(lambda: _pings(client), 10, 0.05)
+        yield
+    finally:
+        server.kill()
+        server.wait(5)
+
+
 @pytest.fixture(scope="module")
 def rtc_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     if not can_create():
         pytest.skip("needs root to create a network namespace")
     prepare_model("tiny-llama")
     folder = tmp_path_factory.mktemp("webrtc-e2e")
-    with netns(f"prfaas-rtc-e2e-{os.getpid()}"):  # every process started below inherits it
-        server = subprocess.Popen(
-            ["redis-server", "--port", str(REDIS_PORT), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(folder)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+    with netns(f"prfaas-rtc-e2e-{os.getpid()}"), _redis(folder):  # every process started below inherits it
         stack = Stack(folder, PRFAAS_REDIS_URL=f"redis://127.0.0.1:{REDIS_PORT}/0")
         try:
-            client = redis.Redis(port=REDIS_PORT, socket_timeout=1)
-            wait_until(lambda: _pings(client), 10, 0.05)
             stack.start_api()
             stack.start_worker("w1")
             with ThreadPoolExecutor(2) as pool:  # both regions load their model at once
@@ -56,8 +68,6 @@ def rtc_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             yield stack
         finally:
             stack.stop()
-            server.kill()
-            server.wait(5)
 
 
 def _pings(client: redis.Redis) -> bool:

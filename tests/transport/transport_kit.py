@@ -4,8 +4,10 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from prfaas.transport.api import Shipment, ShipmentSpec, Transfer
+from prfaas.transport.api import Channel, Shipment, ShipmentSpec, Transfer
+from prfaas.transport.inbound import Inbound, Receiver
 from prfaas.transport.tickets import TicketSigner, TicketVerifier
 
 KEY = os.urandom(32)
@@ -45,6 +47,32 @@ def layers_for(spec: ShipmentSpec, seed: int = 0) -> list[tuple[bytes, bytes]]:
 def fill(shipment: Shipment, layers: list[tuple[bytes, bytes]]) -> None:
     for index, (k, v) in enumerate(layers):
         shipment.add_layer(index, k, v)
+
+
+class Shipped(NamedTuple):
+    transfer: Transfer
+    inbound: Inbound
+    layers: list[tuple[bytes, bytes]]
+    shipment: Shipment
+
+
+def ship(
+    channel: Channel,
+    receiver: Receiver,
+    spec: ShipmentSpec,
+    *,
+    num_filled: int | None = None,
+    seed: int = 0,
+    expect_timeout_s: float | None = None,
+) -> Shipped:
+    """Expect `spec` on `receiver` (for `expect_timeout_s`, by default the spec's timeout),
+    submit it on `channel` and add its first `num_filled` layers (all by default)."""
+    inbound = receiver.expect(spec.job_id, spec.attempt, timeout_s=expect_timeout_s or spec.timeout_s)
+    layers = layers_for(spec, seed)
+    shipment = Shipment(spec)
+    transfer = channel.submit(shipment)
+    fill(shipment, layers[:num_filled])
+    return Shipped(transfer, inbound, layers, shipment)
 
 
 def wait_until_sent(transfer: Transfer, timeout_s: float = 10.0) -> None:
