@@ -38,46 +38,13 @@ SYNTH_SHAPE = (3, 2048, 64)  # SmolLM2-135M's per-layer K (or V) shape, bf16
 SYNTH_LAYERS = 30
 
 
-def _reply(value: dict[str, Any]) -> None:
-    print(json.dumps(value), flush=True)
-
-
-def _hasher() -> Any:
-    import xxhash
-
-    return xxhash.xxh3_64()
-
-
 # ------------------------------------------------------------------ prfaas processes
 
 
 def role_receiver() -> None:
-    from prfaas.transport.tcp_receiver import TcpReceiver
-    from prfaas.transport.tickets import TicketVerifier
+    from prfaas.bench.transport_roles import serve_receiver
 
-    rx = TcpReceiver(TicketVerifier({"k": bytes.fromhex(os.environ["PRFAAS_BENCH_KEY"])}), "127.0.0.1", 0)
-    _reply({"ready": True, "port": rx.address[1]})
-    inbounds = {}
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "expect":
-            inbounds[cmd["job"]] = rx.expect(cmd["job"], 1, cmd["timeout_s"])
-            _reply({"ok": True, "cpu_s": time.process_time()})
-        elif cmd["op"] == "collect":
-            inbound = inbounds.pop(cmd["job"])
-            status = inbound.wait(cmd["timeout_s"])
-            cpu = time.process_time()
-            digest = ""
-            if cmd.get("layers") and status.value == "completed":
-                h = _hasher()
-                for i in range(cmd["layers"]):
-                    k, v = inbound.layer(i, 1.0)
-                    h.update(k)
-                    h.update(v)
-                digest = h.hexdigest()
-            inbound.release()
-            _reply({"status": status.value, "cpu_s": cpu, "digest": digest})
-    rx.close()
+    serve_receiver("127.0.0.1", 0)
 
 
 def load_parts(kv_path: Path | None) -> tuple[list[tuple[bytes, bytes]], tuple[int, ...]]:
@@ -93,24 +60,25 @@ def load_parts(kv_path: Path | None) -> tuple[list[tuple[bytes, bytes]], tuple[i
 
 
 def role_sender(port: int, kv: str) -> None:
+    from prfaas.bench.transport_roles import hasher, reply
     from prfaas.transport.api import Shipment, ShipmentSpec
     from prfaas.transport.tcp_sender import TcpChannel
 
     parts, shape = load_parts(Path(kv) if kv else None)
     channels: dict[str, TcpChannel] = {}
-    _reply({"ready": True, "layer_bytes": 2 * len(parts[0][0])})
+    reply({"ready": True, "layer_bytes": 2 * len(parts[0][0])})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "channel":
             t0 = time.perf_counter()
             channels[cmd["label"]] = TcpChannel(("127.0.0.1", port), num_streams=cmd["streams"])
-            _reply({"ok": True, "setup_s": time.perf_counter() - t0})
+            reply({"ok": True, "setup_s": time.perf_counter() - t0})
         elif cmd["op"] == "digest":
-            h = _hasher()
+            h = hasher()
             for i in range(cmd["layers"]):
                 h.update(parts[i % len(parts)][0])
                 h.update(parts[i % len(parts)][1])
-            _reply({"digest": h.hexdigest()})
+            reply({"digest": h.hexdigest()})
         elif cmd["op"] == "ship":
             channel = channels[cmd["label"]]
             spec = ShipmentSpec(cmd["job"], 1, cmd["ticket"], "bfloat16", (shape,) * cmd["layers"], "raw",
@@ -122,7 +90,7 @@ def role_sender(port: int, kv: str) -> None:
                 shipment.add_layer(i, *parts[i % len(parts)])
             status = transfer.wait(cmd["timeout_s"] + 1)
             elapsed = (transfer.stats.finished_s or time.monotonic()) - transfer.stats.started_s
-            _reply({"status": status.value, "seconds": elapsed, "raw_bytes": transfer.stats.raw_bytes,
+            reply({"status": status.value, "seconds": elapsed, "raw_bytes": transfer.stats.raw_bytes,
                     "cpu_s": time.process_time() - cpu0, "streams": channel.num_streams})  # fmt: skip
     for channel in channels.values():
         channel.close()

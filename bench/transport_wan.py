@@ -53,36 +53,16 @@ def real_kv(path: Path) -> None:
 # ------------------------------------------------------------------ processes in the namespaces
 
 
-def _reply(value: dict[str, Any]) -> None:
-    print(json.dumps(value), flush=True)
-
-
 def role_receiver(host: str, buf: int) -> None:
-    from prfaas.transport.tcp_receiver import TcpReceiver
-    from prfaas.transport.tickets import TicketVerifier
+    from prfaas.bench.transport_roles import serve_receiver
 
-    rx = TcpReceiver(TicketVerifier({"k": bytes.fromhex(os.environ["PRFAAS_BENCH_KEY"])}), host, 7400,
-                     sock_buf_bytes=buf or None)  # fmt: skip
-    _reply({"ready": True})
-    inbounds = {}
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "expect":
-            inbounds[cmd["job"]] = rx.expect(cmd["job"], 1, cmd["timeout_s"])
-            _reply({"ok": True, "cpu_s": time.process_time()})
-        elif cmd["op"] == "cpu":
-            _reply({"cpu_s": time.process_time()})
-        elif cmd["op"] == "collect":
-            inbound = inbounds.pop(cmd["job"])
-            status = inbound.wait(cmd["timeout_s"])
-            inbound.release()
-            _reply({"status": status.value, "cpu_s": time.process_time()})
-    rx.close()
+    serve_receiver(host, 7400, sock_buf_bytes=buf or None)
 
 
 def role_sender(host: str, kv_path: str) -> None:
     import numpy as np
 
+    from prfaas.bench.transport_roles import reply
     from prfaas.transport.api import Shipment, ShipmentSpec
     from prfaas.transport.tcp_sender import TcpChannel
 
@@ -91,7 +71,7 @@ def role_sender(host: str, kv_path: str) -> None:
     parts = [(arrays[f"{i}_0"].tobytes(), arrays[f"{i}_1"].tobytes()) for i in range(num_real)]
     shape = tuple(int(d) for d in arrays["0_0"].shape)
     channel: TcpChannel | None = None
-    _reply({"ready": True, "layer_bytes": 2 * len(parts[0][0])})
+    reply({"ready": True, "layer_bytes": 2 * len(parts[0][0])})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "channel":
@@ -99,7 +79,7 @@ def role_sender(host: str, kv_path: str) -> None:
                 channel.close()
             channel = TcpChannel((host, 7400), num_streams=cmd["streams"], congestion_control=cmd["cc"],
                                  sock_buf_bytes=cmd["buf"] or None)  # fmt: skip
-            _reply({"ok": True})
+            reply({"ok": True})
         elif cmd["op"] == "ship":
             assert channel is not None
             spec = ShipmentSpec(cmd["job"], 1, cmd["ticket"], "bfloat16", (shape,) * cmd["layers"], cmd["codec"],
@@ -111,7 +91,7 @@ def role_sender(host: str, kv_path: str) -> None:
                 shipment.add_layer(i, *parts[i % num_real])
             status = transfer.wait(cmd["timeout_s"] + 1)
             elapsed = (transfer.stats.finished_s or time.monotonic()) - transfer.stats.started_s
-            _reply({"status": status.value, "seconds": elapsed, "wall_s": time.perf_counter() - start,
+            reply({"status": status.value, "seconds": elapsed, "wall_s": time.perf_counter() - start,
                     "raw_bytes": transfer.stats.raw_bytes, "wire_bytes": transfer.stats.wire_bytes,
                     "cpu_s": time.process_time() - cpu0, "streams": channel.num_streams,
                     "resent": transfer.stats.resent_chunks,

@@ -187,8 +187,11 @@ class Nixl:
         self.peer: dict[str, Any] = {}
 
     def info(self) -> dict[str, Any]:
-        meta = base64.b64encode(self.agent.get_agent_metadata()).decode()
-        return {"name": self.name, "meta": meta, "ptr": self.buf.ctypes.data}
+        return {
+            "name": self.name,
+            "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),  # how the peer reaches this agent
+            "ptr": self.buf.ctypes.data,
+        }
 
     def connect(self, peer: dict[str, Any]) -> None:
         self.peer = peer
