@@ -2,40 +2,40 @@
 # VPCs peer with C's (KV goes prefill -> decode over the peering, gRPC both ways).
 
 locals {
+  prefill    = ["prefill_a", "prefill_b"]
   ticket_arn = module.control_plane.ticket_key_secret_arn
   # a replica secret has the primary's name and ARN suffix, in its own region
-  replica_arn = {
-    for r in [var.prefill_a.aws_region, var.prefill_b.aws_region] :
-    r => replace(local.ticket_arn, ":${var.decode.aws_region}:", ":${r}:")
+  ticket_arns = {
+    for slot, r in var.regions : slot => replace(local.ticket_arn, ":${var.regions.decode.aws_region}:", ":${r.aws_region}:")
   }
-  prefill_cidrs = [var.prefill_a.vpc_cidr, var.prefill_b.vpc_cidr]
+  prefill_cidrs = [for slot in local.prefill : var.regions[slot].vpc_cidr]
+  # each slot's region interface (modules/region_config)
+  region = {
+    for slot, r in var.regions : slot => {
+      name             = r.name, role = slot == "decode" ? "decode" : "prefill", gpu_type = r.gpu_type,
+      usd_per_gpu_hour = r.usd_per_gpu_hour, model = var.model, kv_buffer_bytes = r.kv_buffer_bytes
+    }
+  }
 }
 
 module "decode" {
   source    = "../../modules/region_aws"
   providers = { aws = aws.decode }
 
-  region = {
-    name             = var.decode.name
-    role             = "decode"
-    gpu_type         = var.decode.gpu_type
-    usd_per_gpu_hour = var.decode.usd_per_gpu_hour
-    model            = var.model
-    kv_buffer_bytes  = var.decode.kv_buffer_bytes
-  }
+  region                = local.region.decode
   control_plane_url     = module.control_plane.registry_target
-  instance_types        = var.decode.instance_types
-  vpc_cidr              = var.decode.vpc_cidr
-  availability_zones    = var.decode.availability_zones
+  instance_types        = var.regions.decode.instance_types
+  vpc_cidr              = var.regions.decode.vpc_cidr
+  availability_zones    = var.regions.decode.availability_zones
   peer_cidrs            = local.prefill_cidrs
-  control_plane_cidrs   = [var.decode.vpc_cidr]
-  ticket_key_secret_arn = local.ticket_arn
+  control_plane_cidrs   = [var.regions.decode.vpc_cidr]
+  ticket_key_secret_arn = local.ticket_arns.decode
   ticket_key_kms_arn    = module.control_plane.ticket_key_kms_arn
   prfaas_package        = var.prfaas_package
-  enable_efa            = var.decode.enable_efa
-  min_size              = var.decode.min_size
-  max_size              = var.decode.max_size
-  desired_capacity      = var.decode.min_size
+  enable_efa            = var.regions.decode.enable_efa
+  min_size              = var.regions.decode.min_size
+  max_size              = var.regions.decode.max_size
+  desired_capacity      = var.regions.decode.min_size
 }
 
 module "control_plane" {
@@ -51,31 +51,25 @@ module "control_plane" {
   container_image            = var.container_image
   model                      = var.model
   region_cidrs               = local.prefill_cidrs
-  ticket_key_replica_regions = [var.prefill_a.aws_region, var.prefill_b.aws_region]
+  ticket_key_replica_regions = [for slot in local.prefill : var.regions[slot].aws_region]
 }
 
 module "prefill_a" {
   source    = "../../modules/region_aws"
   providers = { aws = aws.prefill_a }
 
-  region = {
-    name             = var.prefill_a.name
-    role             = "prefill"
-    gpu_type         = var.prefill_a.gpu_type
-    usd_per_gpu_hour = var.prefill_a.usd_per_gpu_hour
-    model            = var.model
-  }
+  region                  = local.region.prefill_a
   control_plane_url       = module.control_plane.registry_target
-  instance_types          = var.prefill_a.instance_types
-  vpc_cidr                = var.prefill_a.vpc_cidr
-  availability_zones      = var.prefill_a.availability_zones
-  peer_cidrs              = [var.decode.vpc_cidr]
-  control_plane_cidrs     = [var.decode.vpc_cidr]
-  ticket_key_secret_arn   = local.replica_arn[var.prefill_a.aws_region]
+  instance_types          = var.regions.prefill_a.instance_types
+  vpc_cidr                = var.regions.prefill_a.vpc_cidr
+  availability_zones      = var.regions.prefill_a.availability_zones
+  peer_cidrs              = [var.regions.decode.vpc_cidr]
+  control_plane_cidrs     = [var.regions.decode.vpc_cidr]
+  ticket_key_secret_arn   = local.ticket_arns.prefill_a
   prfaas_package          = var.prfaas_package
-  min_size                = var.prefill_a.min_size
-  max_size                = var.prefill_a.max_size
-  desired_capacity        = var.prefill_a.min_size
+  min_size                = var.regions.prefill_a.min_size
+  max_size                = var.regions.prefill_a.max_size
+  desired_capacity        = var.regions.prefill_a.min_size
   on_demand_base_capacity = 0
 }
 
@@ -83,24 +77,18 @@ module "prefill_b" {
   source    = "../../modules/region_aws"
   providers = { aws = aws.prefill_b }
 
-  region = {
-    name             = var.prefill_b.name
-    role             = "prefill"
-    gpu_type         = var.prefill_b.gpu_type
-    usd_per_gpu_hour = var.prefill_b.usd_per_gpu_hour
-    model            = var.model
-  }
+  region                  = local.region.prefill_b
   control_plane_url       = module.control_plane.registry_target
-  instance_types          = var.prefill_b.instance_types
-  vpc_cidr                = var.prefill_b.vpc_cidr
-  availability_zones      = var.prefill_b.availability_zones
-  peer_cidrs              = [var.decode.vpc_cidr]
-  control_plane_cidrs     = [var.decode.vpc_cidr]
-  ticket_key_secret_arn   = local.replica_arn[var.prefill_b.aws_region]
+  instance_types          = var.regions.prefill_b.instance_types
+  vpc_cidr                = var.regions.prefill_b.vpc_cidr
+  availability_zones      = var.regions.prefill_b.availability_zones
+  peer_cidrs              = [var.regions.decode.vpc_cidr]
+  control_plane_cidrs     = [var.regions.decode.vpc_cidr]
+  ticket_key_secret_arn   = local.ticket_arns.prefill_b
   prfaas_package          = var.prfaas_package
-  min_size                = var.prefill_b.min_size
-  max_size                = var.prefill_b.max_size
-  desired_capacity        = var.prefill_b.min_size
+  min_size                = var.regions.prefill_b.min_size
+  max_size                = var.regions.prefill_b.max_size
+  desired_capacity        = var.regions.prefill_b.min_size
   on_demand_base_capacity = 0
 }
 
@@ -114,7 +102,7 @@ module "peer_a" {
   requester_cidr            = module.prefill_a.vpc_cidr
   requester_route_table_ids = module.prefill_a.private_route_table_ids
   accepter_vpc_id           = module.decode.vpc_id
-  accepter_region           = var.decode.aws_region
+  accepter_region           = var.regions.decode.aws_region
   accepter_cidr             = module.decode.vpc_cidr
   accepter_route_table_ids  = module.decode.private_route_table_ids
 }
@@ -127,7 +115,7 @@ module "peer_b" {
   requester_cidr            = module.prefill_b.vpc_cidr
   requester_route_table_ids = module.prefill_b.private_route_table_ids
   accepter_vpc_id           = module.decode.vpc_id
-  accepter_region           = var.decode.aws_region
+  accepter_region           = var.regions.decode.aws_region
   accepter_cidr             = module.decode.vpc_cidr
   accepter_route_table_ids  = module.decode.private_route_table_ids
 }

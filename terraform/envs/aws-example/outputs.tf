@@ -2,7 +2,7 @@
 # `prfaas regions import outputs.json --apply` (outputs.sample.json shows the shape).
 
 output "control_plane" {
-  description = "where tenants and regions reach the control plane"
+  description = "where tenants (the ALB) and regions (the registry's NLB) reach the control plane"
   value = {
     api_url         = module.control_plane.api_url
     registry_target = module.control_plane.registry_target
@@ -11,17 +11,12 @@ output "control_plane" {
 
 output "regions" {
   description = "registry entries by region name"
-  value = {
-    (module.prefill_a.region.name) = module.prefill_a.region
-    (module.prefill_b.region.name) = module.prefill_b.region
-    (module.decode.region.name)    = module.decode.region
-  }
+  value       = { for region in [module.prefill_a, module.prefill_b, module.decode] : region.region.name => region.region }
 }
 
 output "links" {
   description = "directed prefill -> decode links for the registry"
   value = [
-    merge({ src = module.prefill_a.region.name, dst = module.decode.region.name }, var.links["prefill_a"]),
-    merge({ src = module.prefill_b.region.name, dst = module.decode.region.name }, var.links["prefill_b"]),
+    for slot in local.prefill : merge({ src = local.region[slot].name, dst = local.region.decode.name }, var.links[slot])
   ]
 }

@@ -26,9 +26,9 @@ variable "certificate_arn" {
   type        = string
 }
 
-variable "prefill_a" {
-  description = "first prefill region: cheap compute-dense GPUs"
-  type = object({
+variable "regions" {
+  description = "the regions by slot: prefill_a and prefill_b (cheap compute-dense GPUs), decode (the control plane runs in its VPC); each slot has its provider block (versions.tf)"
+  type = map(object({
     name               = string
     aws_region         = string
     availability_zones = list(string)
@@ -38,73 +38,27 @@ variable "prefill_a" {
     usd_per_gpu_hour   = number
     min_size           = number
     max_size           = number
-  })
+    kv_buffer_bytes    = optional(number) # null: region_aws's default
+    enable_efa         = optional(bool, false)
+  }))
   default = {
-    name               = "prefill-use2"
-    aws_region         = "us-east-2"
-    availability_zones = ["us-east-2a", "us-east-2b"]
-    vpc_cidr           = "10.21.0.0/16"
-    gpu_type           = "l40s"
-    instance_types     = ["g6e.xlarge", "g6e.2xlarge"]
-    usd_per_gpu_hour   = 1.86
-    min_size           = 1
-    max_size           = 8
+    prefill_a = {
+      name     = "prefill-use2", aws_region = "us-east-2", availability_zones = ["us-east-2a", "us-east-2b"], vpc_cidr = "10.21.0.0/16",
+      gpu_type = "l40s", instance_types = ["g6e.xlarge", "g6e.2xlarge"], usd_per_gpu_hour = 1.86, min_size = 1, max_size = 8
+    }
+    prefill_b = {
+      name     = "prefill-usw2", aws_region = "us-west-2", availability_zones = ["us-west-2a", "us-west-2b"], vpc_cidr = "10.22.0.0/16",
+      gpu_type = "l40s", instance_types = ["g6e.xlarge", "g6e.2xlarge"], usd_per_gpu_hour = 1.86, min_size = 0, max_size = 8
+    }
+    decode = {
+      name            = "decode-use1", aws_region = "us-east-1", availability_zones = ["us-east-1a", "us-east-1b"], vpc_cidr = "10.20.0.0/16",
+      gpu_type        = "h100", instance_types = ["p5.48xlarge"], usd_per_gpu_hour = 12.29, min_size = 1, max_size = 2,
+      kv_buffer_bytes = 68719476736, enable_efa = true
+    }
   }
-}
-
-variable "prefill_b" {
-  description = "second prefill region"
-  type = object({
-    name               = string
-    aws_region         = string
-    availability_zones = list(string)
-    vpc_cidr           = string
-    gpu_type           = string
-    instance_types     = list(string)
-    usd_per_gpu_hour   = number
-    min_size           = number
-    max_size           = number
-  })
-  default = {
-    name               = "prefill-usw2"
-    aws_region         = "us-west-2"
-    availability_zones = ["us-west-2a", "us-west-2b"]
-    vpc_cidr           = "10.22.0.0/16"
-    gpu_type           = "l40s"
-    instance_types     = ["g6e.xlarge", "g6e.2xlarge"]
-    usd_per_gpu_hour   = 1.86
-    min_size           = 0
-    max_size           = 8
-  }
-}
-
-variable "decode" {
-  description = "decode region (the control plane runs in its VPC)"
-  type = object({
-    name               = string
-    aws_region         = string
-    availability_zones = list(string)
-    vpc_cidr           = string
-    gpu_type           = string
-    instance_types     = list(string)
-    usd_per_gpu_hour   = number
-    kv_buffer_bytes    = number
-    enable_efa         = bool
-    min_size           = number
-    max_size           = number
-  })
-  default = {
-    name               = "decode-use1"
-    aws_region         = "us-east-1"
-    availability_zones = ["us-east-1a", "us-east-1b"]
-    vpc_cidr           = "10.20.0.0/16"
-    gpu_type           = "h100"
-    instance_types     = ["p5.48xlarge"]
-    usd_per_gpu_hour   = 12.29
-    kv_buffer_bytes    = 68719476736
-    enable_efa         = true
-    min_size           = 1
-    max_size           = 2
+  validation {
+    condition     = toset(keys(var.regions)) == toset(["decode", "prefill_a", "prefill_b"])
+    error_message = "regions: exactly the slots decode, prefill_a and prefill_b (each has its provider block)."
   }
 }
 

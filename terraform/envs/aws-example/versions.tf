@@ -1,3 +1,5 @@
+# The root pins Terraform and the providers' upper bounds; the modules state only the lowest
+# provider versions they need.
 terraform {
   required_version = ">= 1.4"
   required_providers {
@@ -16,7 +18,7 @@ terraform {
 # (and the control plane) in a third.
 provider "aws" {
   alias  = "prefill_a"
-  region = var.prefill_a.aws_region
+  region = var.regions.prefill_a.aws_region
   default_tags {
     tags = var.tags
   }
@@ -24,7 +26,7 @@ provider "aws" {
 
 provider "aws" {
   alias  = "prefill_b"
-  region = var.prefill_b.aws_region
+  region = var.regions.prefill_b.aws_region
   default_tags {
     tags = var.tags
   }
@@ -32,7 +34,7 @@ provider "aws" {
 
 provider "aws" {
   alias  = "decode"
-  region = var.decode.aws_region
+  region = var.regions.decode.aws_region
   default_tags {
     tags = var.tags
   }

@@ -159,7 +159,7 @@ variable "log_retention_days" {
 }
 
 variable "tags" {
-  description = "tags on every resource"
+  description = "tags on every resource of the control plane"
   type        = map(string)
   default     = {}
 }

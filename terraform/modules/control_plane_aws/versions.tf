@@ -1,13 +1,12 @@
 terraform {
-  required_version = ">= 1.4"
   required_providers {
     aws = {
       source  = "hashicorp/aws"
-      version = ">= 5.40, < 7.0"
+      version = ">= 5.40"
     }
     random = {
       source  = "hashicorp/random"
-      version = ">= 3.5, < 4.0"
+      version = ">= 3.5"
     }
   }
 }

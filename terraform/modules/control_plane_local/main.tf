@@ -43,38 +43,56 @@ module "redis" {
   ready_timeout_s = 20
 }
 
-module "api" {
-  source = "../local_process"
-  # the API needs Redis up (readyz pings it)
+# the API and the worker: both need only Redis up (the API's readyz pings it); jobs wait in
+# Redis until the worker consumes them
+locals {
+  services = {
+    api = {
+      command = [
+        var.python, "-m", "uvicorn", "--factory", "prfaas.control_plane.app:app_from_env",
+        "--host", var.host, "--port", tostring(var.api_port), "--log-level", "warning",
+      ]
+      environment    = merge(local.settings, { PRFAAS_REGISTRY_LISTEN = "${var.host}:${var.registry_port}" })
+      config_file    = local.policy
+      config_content = var.policy_yaml
+      ready_command  = "${var.python} -c 'import sys, urllib.request; sys.exit(urllib.request.urlopen(\"http://${var.host}:${var.api_port}/readyz\", timeout=1).status != 200)'"
+    }
+    worker = {
+      command = [
+        var.python, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads",
+        "-c", tostring(var.worker_concurrency), "-n", "${local.worker_name}@%h", "--without-gossip",
+        "--without-mingle", "--loglevel", "INFO",
+      ]
+      environment    = local.settings
+      config_file    = ""
+      config_content = ""
+      # Celery logs "<name>@<host> ready." once it consumes the queue
+      ready_command = "grep -q '${local.worker_name}@.* ready\\.' '${var.run_dir}/${var.name_prefix}worker.log'"
+    }
+  }
+}
+
+module "service" {
+  source     = "../local_process"
+  for_each   = toset(keys(local.services))
   depends_on = [module.redis]
 
-  name    = "${var.name_prefix}api"
-  run_dir = var.run_dir
-  command = [
-    var.python, "-m", "uvicorn", "--factory", "prfaas.control_plane.app:app_from_env",
-    "--host", var.host, "--port", tostring(var.api_port), "--log-level", "warning",
-  ]
-  environment     = merge(local.settings, { PRFAAS_REGISTRY_LISTEN = "${var.host}:${var.registry_port}" })
-  config_file     = local.policy
-  config_content  = var.policy_yaml
-  ready_command   = "${var.python} -c 'import sys, urllib.request; sys.exit(urllib.request.urlopen(\"http://${var.host}:${var.api_port}/readyz\", timeout=1).status != 200)'"
+  name            = "${var.name_prefix}${each.key}"
+  run_dir         = var.run_dir
+  command         = local.services[each.key].command
+  environment     = local.services[each.key].environment
+  config_file     = local.services[each.key].config_file
+  config_content  = local.services[each.key].config_content
+  ready_command   = local.services[each.key].ready_command
   ready_timeout_s = var.ready_timeout_s
 }
 
-module "worker" {
-  source = "../local_process"
-  # starts beside the API (both need only Redis); jobs wait in Redis until it consumes
-  depends_on = [module.redis]
+moved {
+  from = module.api
+  to   = module.service["api"]
+}
 
-  name    = "${var.name_prefix}worker"
-  run_dir = var.run_dir
-  command = [
-    var.python, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads",
-    "-c", tostring(var.worker_concurrency), "-n", "${local.worker_name}@%h", "--without-gossip",
-    "--without-mingle", "--loglevel", "INFO",
-  ]
-  environment = local.settings
-  # Celery logs "<name>@<host> ready." once it consumes the queue
-  ready_command   = "grep -q '${local.worker_name}@.* ready\\.' '${var.run_dir}/${var.name_prefix}worker.log'"
-  ready_timeout_s = var.ready_timeout_s
+moved {
+  from = module.worker
+  to   = module.service["worker"]
 }

@@ -16,13 +16,13 @@ variable "log_groups" {
 }
 
 variable "log_retention_days" {
-  description = "retention of those log groups"
+  description = "retention of those log groups, days"
   type        = number
   default     = 365
 }
 
 variable "tags" {
-  description = "tags on every resource"
+  description = "tags on the key and its log groups"
   type        = map(string)
   default     = {}
 }

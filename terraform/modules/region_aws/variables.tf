@@ -151,7 +151,7 @@ variable "log_retention_days" {
 }
 
 variable "tags" {
-  description = "tags on every resource"
+  description = "tags on every resource of the region"
   type        = map(string)
   default     = {}
 }

@@ -1,11 +1,10 @@
 # One cross-region VPC peering and the routes both ways (private route tables only).
 
 terraform {
-  required_version = ">= 1.4"
   required_providers {
     aws = {
       source                = "hashicorp/aws"
-      version               = ">= 5.40, < 7.0"
+      version               = ">= 5.40"
       configuration_aliases = [aws.requester, aws.accepter]
     }
   }
