@@ -1,5 +1,5 @@
 # The tenant-facing ALB (HTTPS only; HTTP redirects), behind a WAF with AWS managed rules,
-# access logs in S3; and the internal NLB regions send heartbeats through.
+# access logs in S3 (the registry's NLB logs there too: registry.tf).
 
 resource "aws_lb" "api" {
   name_prefix                = "prfaas"
@@ -11,13 +11,13 @@ resource "aws_lb" "api" {
   enable_deletion_protection = true
   # SSE streams of long generations stay open
   idle_timeout = 600
+  tags         = var.tags
   access_logs {
-    bucket  = aws_s3_bucket.logs.id
+    # through the policy: the load balancer checks at creation that it may write there
+    bucket  = aws_s3_bucket_policy.logs.bucket
     prefix  = "alb"
     enabled = true
   }
-  depends_on = [aws_s3_bucket_policy.logs]
-  tags       = var.tags
 }
 
 resource "aws_lb_target_group" "api" {
@@ -58,45 +58,6 @@ resource "aws_lb_listener" "http_redirect" {
       protocol    = "HTTPS"
       status_code = "HTTP_301"
     }
-  }
-  tags = var.tags
-}
-
-resource "aws_lb" "registry" {
-  name_prefix                      = "prreg"
-  load_balancer_type               = "network"
-  internal                         = true
-  subnets                          = var.private_subnet_ids
-  enable_deletion_protection       = true
-  enable_cross_zone_load_balancing = true
-  access_logs {
-    bucket  = aws_s3_bucket.logs.id
-    prefix  = "nlb"
-    enabled = true
-  }
-  depends_on = [aws_s3_bucket_policy.logs]
-  tags       = var.tags
-}
-
-resource "aws_lb_target_group" "registry" {
-  name_prefix = "preg-"
-  port        = var.registry_port
-  protocol    = "TCP"
-  target_type = "ip"
-  vpc_id      = var.vpc_id
-  tags        = var.tags
-}
-
-resource "aws_lb_listener" "registry" {
-  #checkov:skip=CKV2_AWS_74:the registry speaks plain gRPC over TCP inside the peered private networks; a TLS listener would need region-side TLS the region agent does not speak yet
-  #checkov:skip=CKV_AWS_2:TCP listener of an internal NLB carrying gRPC, not HTTP
-  #checkov:skip=CKV_AWS_103:TCP listener of an internal NLB, no TLS policy applies
-  load_balancer_arn = aws_lb.registry.arn
-  port              = var.registry_port
-  protocol          = "TCP"
-  default_action {
-    type             = "forward"
-    target_group_arn = aws_lb_target_group.registry.arn
   }
   tags = var.tags
 }
