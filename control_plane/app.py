@@ -1,6 +1,7 @@
-"""`create_app(settings)`: the control plane's FastAPI application. The lifespan opens the
-services (Redis, tokenizer, schedulers), the Celery producer and, when `registry_listen` is
-set, the region registry's gRPC server.
+"""`create_app(settings)`: the control plane's FastAPI application, the API process (its routers:
+control_plane/api/; the dashboard: control_plane/dashboard/). The lifespan opens the services (Redis,
+tokenizer, schedulers), the meter, the Celery producer and, when `registry_listen` is set, the region
+registry's gRPC server (control_plane/fleet/server.py).
 
     uvicorn --factory prfaas.control_plane.app:app_from_env
 """
@@ -19,7 +20,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prfaas.control_plane import api_admin, api_jobs, api_openai, api_usage, dashboard
+from prfaas.control_plane import dashboard
+from prfaas.control_plane.api import completions, jobs, prices, regions, tenants, usage
 from prfaas.control_plane.billing.meter import open_meter
 from prfaas.control_plane.fleet.server import serve_registry
 from prfaas.control_plane.jobs.celery_app import make_celery
@@ -61,11 +63,10 @@ def create_app(settings: Settings) -> FastAPI:
         services.close()
 
     app = FastAPI(title="prfaas control plane", version="1", lifespan=lifespan)
-    app.include_router(api_openai.router)
-    app.include_router(api_jobs.router)
-    app.include_router(api_admin.router)
-    app.include_router(api_usage.router)
-    app.include_router(api_usage.admin_router)
+    for router in (completions.router, jobs.router, tenants.router, regions.router, usage.router):
+        app.include_router(router)
+    app.include_router(usage.admin_router)
+    app.include_router(prices.router)
     dashboard.install(app)
 
     app.add_middleware(CountResponses, counter=responses)

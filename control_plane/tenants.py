@@ -8,6 +8,7 @@ ids, `p:key:{key id}` hash (digest, tenant, revoked, created_at), `p:keyhash:{di
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 import time
@@ -58,6 +59,25 @@ class Tenant:
 
 
 @dataclass(frozen=True)
+class TenantChanges:
+    """What an operator sets on a tenant (`TenantStore.create`, `update`); None leaves a field as it is."""
+
+    status: TenantStatus | None = None
+    rps: float | None = None
+    concurrency: int | None = None
+    budget_usd: float | None = None
+    allow_placement: bool | None = None
+
+    def fields(self) -> dict[str, str | float | int]:
+        """The tenant hash's fields these changes set."""
+        values = dataclasses.asdict(self) | {
+            "status": None if self.status is None else self.status.value,
+            "allow_placement": None if self.allow_placement is None else int(self.allow_placement),
+        }
+        return {name: value for name, value in values.items() if value is not None}
+
+
+@dataclass(frozen=True)
 class ApiKey:
     id: str
     tenant: str
@@ -94,27 +114,17 @@ class TenantStore:
         self._authenticate = client.register_script(_AUTHENTICATE)
         self._async: Any = None  # (client, its script): `authenticate_async`, on the API's event loop
 
-    def create(
-        self,
-        name: str,
-        *,
-        rps: float | None = None,
-        concurrency: int | None = None,
-        budget_usd: float | None = None,
-        allow_placement: bool = False,
-    ) -> Tenant:
+    def create(self, name: str, limits: TenantChanges | None = None) -> Tenant:
+        """A new active tenant; limits left None take the settings' defaults (`default_rps`, ...)."""
         s = self.settings
         tenant_id = "t-" + uuid.uuid4().hex[:16]
-        fields = {
-            "id": tenant_id,
-            "name": name,
-            "status": TenantStatus.ACTIVE.value,
-            "rps": s.default_rps if rps is None else rps,
-            "concurrency": s.default_concurrency if concurrency is None else concurrency,
-            "budget_usd": s.default_budget_usd if budget_usd is None else budget_usd,
-            "allow_placement": int(allow_placement),
-            "created_at": time.time(),
-        }
+        defaults = {"rps": s.default_rps, "concurrency": s.default_concurrency, "budget_usd": s.default_budget_usd}
+        fields = (
+            {"id": tenant_id, "name": name, "status": TenantStatus.ACTIVE.value, "allow_placement": 0}
+            | defaults
+            | (limits or TenantChanges()).fields()
+            | {"created_at": time.time()}
+        )
         with self.redis.pipeline() as pipe:
             pipe.hset(s.key("tenant", tenant_id), mapping=fields)
             pipe.sadd(s.key("tenants"), tenant_id)
@@ -131,28 +141,10 @@ class TenantStore:
         ids = sorted(m.decode() for m in self.redis.smembers(self.settings.key("tenants")))
         return [self.get(tenant_id) for tenant_id in ids]
 
-    def update(
-        self,
-        tenant_id: str,
-        *,
-        status: TenantStatus | None = None,
-        rps: float | None = None,
-        concurrency: int | None = None,
-        budget_usd: float | None = None,
-        allow_placement: bool | None = None,
-    ) -> Tenant:
+    def update(self, tenant_id: str, changes: TenantChanges) -> Tenant:
+        """Set what `changes` gives (None: unchanged). Raises TenantNotFound."""
         self.get(tenant_id)
-        fields: dict[str, str | float | int] = {}
-        if status is not None:
-            fields["status"] = status.value
-        if rps is not None:
-            fields["rps"] = rps
-        if concurrency is not None:
-            fields["concurrency"] = concurrency
-        if budget_usd is not None:
-            fields["budget_usd"] = budget_usd
-        if allow_placement is not None:
-            fields["allow_placement"] = int(allow_placement)
+        fields = changes.fields()
         if fields:
             self.redis.hset(self.settings.key("tenant", tenant_id), mapping=fields)
         return self.get(tenant_id)

@@ -1,5 +1,6 @@
 """Helpers for the control-plane tests: settings with a key prefix of their own on the real
-Redis at 127.0.0.1:6379 (tests/ensure-services.sh starts it), removed afterwards."""
+Redis at 127.0.0.1:6379 (tests/ensure-services.sh starts it), removed afterwards; and the
+two-region stack of real processes the API's end-to-end tests run against."""
 
 from __future__ import annotations
 
@@ -7,13 +8,24 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from prfaas.control_plane.settings import Settings
-from prfaas.devstack.stack import ADMIN_KEY, REDIS_URL, TICKET_KEY  # TICKET_KEY = tests/regions/region_kit.KEY
+from prfaas.devstack.stack import ADMIN_KEY, REDIS_URL, TICKET_KEY, Stack, wait_until  # TICKET_KEY: region_kit.KEY
+from prfaas.engine.models import prepare_model
 
-__all__ = ["ADMIN_KEY", "REDIS_URL", "TICKET_KEY", "cleanup", "ensure_redis", "make_settings", "settings_fixture"]
+__all__ = [
+    "ADMIN_KEY",
+    "REDIS_URL",
+    "TICKET_KEY",
+    "cleanup",
+    "ensure_redis",
+    "make_settings",
+    "settings_fixture",
+    "two_region_stack",
+]
 
 
 def ensure_redis() -> None:
@@ -45,3 +57,23 @@ def settings_fixture(**overrides: object) -> Iterator[Settings]:
     settings = make_settings(**overrides)
     yield settings
     cleanup(settings)
+
+
+def two_region_stack(folder: Path, **prefill_fields: Any) -> Iterator[Stack]:
+    """The API (serving the registry), Celery worker `w1`, regions `prefill-a` ($0.5/GPU-h, `prefill_fields`
+    added to its config) and `decode-b` ($4), the link between them; yielded once both are healthy, stopped
+    and removed after."""
+    ensure_redis()
+    prepare_model("tiny-llama")
+    s = Stack(folder)
+    try:
+        s.start_api()
+        s.start_worker("w1")
+        s.region("prefill-a", "prefill", 0.5, **prefill_fields)
+        s.region("decode-b", "decode", 4.0)
+        s.put_link("prefill-a", "decode-b")
+        wait_until(lambda: len(s.healthy()) == 2, 20, 0.1)
+        yield s
+    finally:
+        s.stop()
+        s.cleanup()

@@ -1,5 +1,5 @@
 """The pure parts of metering (control_plane/billing/usage.py): a job record and its timeline -> the bill of the
-attempt that answered and the wasted work of the others; percentiles of the dashboard. Table-driven, no I/O."""
+attempt that answered and the wasted work of the others. Table-driven, no I/O."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from prfaas.control_plane.billing.usage import Work, job_usage, served_timing, wasted_work
-from prfaas.control_plane.dashboard.data import percentile
 
 T = 1_800_000_000.0  # epoch s
 
@@ -84,11 +83,3 @@ def test_attempt_regions_fall_back_to_timeline_notes() -> None:
 def test_served_timing_without_a_first_token() -> None:
     assert served_timing(None, 2.0) == {"gen_last_s": 2.0}
     assert served_timing((T, 0.5), 2.0) == {"first_token_at": T, "gen_first_s": 0.5, "gen_last_s": 2.0}
-
-
-@pytest.mark.parametrize(
-    ("values", "q", "expected"),
-    [([], 50, None), ([3.0], 99, 3.0), ([1, 2, 3, 4], 50, 2), ([1, 2, 3, 4], 90, 4), (list(range(1, 101)), 99, 99)],
-)
-def test_percentile_nearest_rank(values: list[float], q: float, expected: float | None) -> None:
-    assert percentile(values, q) == expected

@@ -12,14 +12,13 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from cp_kit import ensure_redis
+from cp_kit import two_region_stack
 from sqlalchemy import func, select
 
 from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.control_plane.billing.models import UsageEntry
 from prfaas.devstack.stack import ADMIN, RegionProcess, Stack, wait_until
 from prfaas.engine.hf import HFEngine
-from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -27,19 +26,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, list[RegionProcess]]]:
-    ensure_redis()
-    prepare_model("tiny-llama")
-    s = Stack(tmp_path_factory.mktemp("cp-e2e"))
-    try:
-        s.start_api()
-        s.start_worker("w1")
-        regions = [s.region("prefill-a", "prefill", 0.5), s.region("decode-b", "decode", 4.0)]
-        s.put_link("prefill-a", "decode-b")
-        wait_until(lambda: len(s.healthy()) == 2, 20, 0.1)
-        yield s, regions
-    finally:
-        s.stop()
-        s.cleanup()
+    for s in two_region_stack(tmp_path_factory.mktemp("cp-e2e")):
+        yield s, s.regions
 
 
 def _healthy(s: Stack) -> list[str]:

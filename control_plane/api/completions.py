@@ -15,18 +15,17 @@ import uuid
 from collections.abc import Generator, Iterator
 from typing import Any
 
-from fastapi import APIRouter, Header, HTTPException
+from fastapi import APIRouter, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from prfaas.control_plane.deps import FollowerDep, ServicesDep, TenantDep
+from prfaas.control_plane.api.deps import Generation, GenerationDep, ServicesDep, TenantDep
+from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
 from prfaas.control_plane.jobs.celery_app import enqueue
 from prfaas.control_plane.jobs.errors import AdmissionRefused
 from prfaas.control_plane.jobs.generation import Follower, JobEnded, Token
-from prfaas.control_plane.schemas import ChatCompletionCreate, CompletionCreate, Placement
-from prfaas.control_plane.services import Services
-from prfaas.control_plane.tenants import Tenant
+from prfaas.control_plane.services import ServedModel, Services
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -44,59 +43,37 @@ def list_models(_tenant: TenantDep, s: ServicesDep) -> dict[str, Any]:
 
 
 @router.post("/completions", response_model=None)
-def create_completion(
-    body: CompletionCreate,
-    tenant: TenantDep,
-    s: ServicesDep,
-    follower: FollowerDep,
-    idempotency_key: str | None = Header(default=None, max_length=256),
-    x_prfaas_placement: Placement | None = Header(default=None),
-) -> JSONResponse | StreamingResponse:
-    _check_model(s, body.model)
-    ids = list(body.prompt) if isinstance(body.prompt, list) else s.model.encode(body.prompt)
-    if isinstance(body.prompt, list) and max(ids) >= len(s.model.tokenizer):
+def create_completion(body: CompletionCreate, g: GenerationDep) -> JSONResponse | StreamingResponse:
+    model = _served_model(g.services, body.model)
+    ids = list(body.prompt) if isinstance(body.prompt, list) else model.encode(body.prompt)
+    if isinstance(body.prompt, list) and max(ids) >= len(model.tokenizer):
         raise HTTPException(400, "prompt token id out of the model's vocabulary")
-    return _run(s, follower, tenant, body, ids, body.max_tokens, "text_completion", idempotency_key, x_prfaas_placement)
+    return _run(g, body, ids, body.max_tokens, "text_completion")
 
 
 @router.post("/chat/completions", response_model=None)
-def create_chat_completion(
-    body: ChatCompletionCreate,
-    tenant: TenantDep,
-    s: ServicesDep,
-    follower: FollowerDep,
-    idempotency_key: str | None = Header(default=None, max_length=256),
-    x_prfaas_placement: Placement | None = Header(default=None),
-) -> JSONResponse | StreamingResponse:
-    _check_model(s, body.model)
-    ids = s.model.encode_chat([m.model_dump() for m in body.messages])
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    return _run(s, follower, tenant, body, ids, max_tokens, "chat.completion", idempotency_key, x_prfaas_placement)
+def create_chat_completion(body: ChatCompletionCreate, g: GenerationDep) -> JSONResponse | StreamingResponse:
+    ids = _served_model(g.services, body.model).encode_chat([m.model_dump() for m in body.messages])
+    return _run(g, body, ids, body.max_completion_tokens or body.max_tokens, "chat.completion")
 
 
-def _check_model(s: Services, model: str) -> None:
+def _served_model(s: Services, model: str) -> ServedModel:
     if model != s.model.name:
         raise HTTPException(404, "model not found")
+    return s.model
 
 
 def _run(
-    s: Services,
-    follower: Follower,
-    tenant: Tenant,
-    body: CompletionCreate | ChatCompletionCreate,
-    ids: list[int],
-    max_tokens: int | None,
-    kind: str,
-    idempotency_key: str | None,
-    header_placement: Placement | None,
+    g: Generation, body: CompletionCreate | ChatCompletionCreate, ids: list[int], max_tokens: int | None, kind: str
 ) -> JSONResponse | StreamingResponse:
+    s, follower, tenant, idempotency_key = g.services, g.follower, g.tenant, g.idempotency_key
     settings = s.settings
     max_new = max_tokens or settings.default_max_tokens
     if not ids:
         raise HTTPException(400, "prompt is empty")
     if max_new > settings.max_new_tokens_limit or len(ids) + max_new > s.model.max_context:
         raise HTTPException(400, "prompt too long for the model")
-    placement = header_placement or (body.prfaas.placement if body.prfaas else "auto")
+    placement = g.placement or (body.prfaas.placement if body.prfaas else "auto")
     if placement != "auto" and not tenant.allow_placement:
         raise HTTPException(403, "placement requests are not enabled for this tenant")
     seed = body.seed if body.seed is not None or body.temperature == 0 else secrets.randbits(62)

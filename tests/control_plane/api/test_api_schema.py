@@ -1,6 +1,6 @@
 """schemathesis against the app's OpenAPI schema (in-process, real Redis), authenticated as
 a tenant for /v1 and as the admin for /admin: no 5xx on any generated request. The two
-generation routes are left out here (they wait for regions; tests/control_plane/test_api_e2e.py)."""
+generation routes are left out here (they wait for regions; tests/control_plane/api/test_api_e2e.py)."""
 
 from __future__ import annotations
 

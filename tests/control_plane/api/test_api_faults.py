@@ -13,12 +13,11 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from cp_kit import ensure_redis
+from cp_kit import two_region_stack
 
 from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.devstack.stack import ADMIN, Stack, wait_until
 from prfaas.engine.hf import HFEngine
-from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -27,20 +26,7 @@ LAYER_DELAY_S = 0.5
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    ensure_redis()
-    prepare_model("tiny-llama")
-    s = Stack(tmp_path_factory.mktemp("cp-faults"))
-    try:
-        s.start_api()
-        s.start_worker("w1")
-        s.region("prefill-a", "prefill", 0.5, test_layer_delay_s=LAYER_DELAY_S)
-        s.region("decode-b", "decode", 4.0)
-        s.put_link("prefill-a", "decode-b")
-        wait_until(lambda: len(s.healthy()) == 2, 20, 0.1)
-        yield s
-    finally:
-        s.stop()
-        s.cleanup()
+    yield from two_region_stack(tmp_path_factory.mktemp("cp-faults"), test_layer_delay_s=LAYER_DELAY_S)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +49,57 @@ def job(stack: Stack, key: str, job_id: str) -> dict[str, object]:
         f"{stack.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {key}"}, timeout=5
     ).json()
     return reply
+
+
+def listed(stack: Stack, key: str) -> list[dict[str, object]]:
+    """The tenant's jobs, newest first."""
+    headers = {"Authorization": f"Bearer {key}"}
+    jobs: list[dict[str, object]] = httpx.get(f"{stack.url}/v1/jobs", headers=headers, timeout=5).json()["data"]
+    return jobs
+
+
+def split_in_background(
+    stack: Stack, key: str, prompt: list[int], timeout_s: float
+) -> tuple[threading.Thread, list[openai.types.Completion]]:
+    """A 6-token split completion asked on a thread of its own; returns once its job is PREFILLING (the
+    tenant's only job), with the thread and the list its reply lands in."""
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=timeout_s)
+    replies: list[openai.types.Completion] = []
+    split = {"prfaas": {"placement": "split"}}
+    call = threading.Thread(
+        target=lambda: replies.append(
+            client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=6, extra_body=split)
+        ),
+        daemon=True,
+    )
+    call.start()
+    wait_until(lambda: [j["state"] for j in listed(stack, key)] == ["PREFILLING"], 10, 0.02)
+    return call, replies
+
+
+def retried_once_and_answered(
+    stack: Stack,
+    key: str,
+    job_id: str,
+    call: threading.Thread,
+    replies: list[openai.types.Completion],
+    prompt: list[int],
+    wait_s: float,
+) -> dict[str, object]:
+    """Once the call returns: it answered with what a colocated run gives, and the job's timeline shows attempt
+    1 prefilling, attempt 2 queued and DONE once, by attempt 2. Returns the job's record."""
+    call.join(wait_s)
+    assert replies, "the completion did not return"
+    engine = HFEngine("tiny-llama")
+    expected = engine.generate(prompt, SamplingParams(max_new_tokens=6))
+    assert replies[0].id == job_id and replies[0].choices[0].text == engine.decode_text(expected)
+    record = job(stack, key, job_id)
+    timeline = record["timeline"]
+    assert isinstance(timeline, list)
+    states = [(e["state"], e["attempt"]) for e in timeline]
+    assert ("PREFILLING", 1) in states and ("QUEUED", 2) in states and states[-1] == ("DONE", 2), states
+    assert sum(1 for state, _ in states if state == "DONE") == 1, states
+    return record
 
 
 def test_client_disconnect_mid_stream_cancels_the_job_in_both_regions(stack: Stack, key: str, long_text: str) -> None:
@@ -103,74 +140,29 @@ def test_client_disconnect_mid_stream_cancels_the_job_in_both_regions(stack: Sta
 
 def test_celery_worker_killed_mid_dispatch_another_worker_finishes_the_job(stack: Stack, long_text: str) -> None:
     _, key = stack.tenant("worker-kill", allow_placement=True)  # its job list holds this job only
-    engine = HFEngine("tiny-llama")
-    prompt = engine.encode(long_text)[:600]
-    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=45)
-    replies: list[openai.types.Completion] = []
-    call = threading.Thread(
-        target=lambda: replies.append(
-            client.completions.create(
-                model="tiny-llama", prompt=prompt, max_tokens=6, extra_body={"prfaas": {"placement": "split"}}
-            )
-        ),
-        daemon=True,
-    )
-    call.start()
-    headers = {"Authorization": f"Bearer {key}"}
-
-    def listed() -> list[dict[str, object]]:
-        jobs: list[dict[str, object]] = httpx.get(f"{stack.url}/v1/jobs", headers=headers, timeout=5).json()["data"]
-        return jobs
-
-    wait_until(lambda: [j["state"] for j in listed()] == ["PREFILLING"], 10, 0.02)
-    job_id = str(listed()[0]["id"])
+    prompt = HFEngine("tiny-llama").encode(long_text)[:600]
+    call, replies = split_in_background(stack, key, prompt, 45)
+    job_id = str(listed(stack, key)[0]["id"])
     first = stack.workers["w1"]
     first.send_signal(signal.SIGKILL)  # the worker is following the slow prefill's events
     first.wait(5)
     stack.start_worker("w2")  # the unacked task comes back to it after dispatch_visibility_s (3 s)
-
-    call.join(40)
-    assert replies, "the completion did not return"
-    expected = engine.generate(prompt, SamplingParams(max_new_tokens=6))
-    assert replies[0].id == job_id and replies[0].choices[0].text == engine.decode_text(expected)
-    record = job(stack, key, job_id)
-    timeline = record["timeline"]
-    assert isinstance(timeline, list)
-    states = [(e["state"], e["attempt"]) for e in timeline]
-    assert ("PREFILLING", 1) in states and ("QUEUED", 2) in states and states[-1] == ("DONE", 2), states
-    assert sum(1 for state, _ in states if state == "DONE") == 1
+    retried_once_and_answered(stack, key, job_id, call, replies, prompt, 40)
 
 
 def test_prefill_region_killed_mid_shipment_job_fails_over_and_is_billed_once(stack: Stack, long_text: str) -> None:
     """Last in this module: it kills the stack's only prefill region (attempt 2 runs locally in decode-b)."""
     tenant_id, key = stack.tenant("prefill-kill", allow_placement=True)
     prefill, decode = stack.regions
-    engine = HFEngine("tiny-llama")
-    prompt = engine.encode(long_text)[:600]
-    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
-    replies: list[openai.types.Completion] = []
-    call = threading.Thread(
-        target=lambda: replies.append(
-            client.completions.create(
-                model="tiny-llama", prompt=prompt, max_tokens=6, extra_body={"prfaas": {"placement": "split"}}
-            )
-        ),
-        daemon=True,
-    )
-    call.start()
-    headers = {"Authorization": f"Bearer {key}"}
-
-    def listed() -> list[dict[str, object]]:
-        jobs: list[dict[str, object]] = httpx.get(f"{stack.url}/v1/jobs", headers=headers, timeout=5).json()["data"]
-        return jobs
+    prompt = HFEngine("tiny-llama").encode(long_text)[:600]
 
     def spend() -> float:
         tenants = httpx.get(f"{stack.url}/admin/tenants", headers=ADMIN, timeout=5).json()
         return float(next(t for t in tenants if t["id"] == tenant_id)["spend_usd_this_month"])
 
     assert spend() == 0.0
-    wait_until(lambda: [j["state"] for j in listed()] == ["PREFILLING"], 10, 0.02)
-    job_id = str(listed()[0]["id"])
+    call, replies = split_in_background(stack, key, prompt, 30)
+    job_id = str(listed(stack, key)[0]["id"])
     # Mid-shipment: layers go on the wire as they are computed (layer-wise), one per LAYER_DELAY_S
     # here, and tiny-llama has 4. The region's counters only move when a shipment ends, so the
     # timeline's PREFILLING time says when: 2.5 layer delays in, ~2 of 4 layers are shipped.
@@ -183,16 +175,7 @@ def test_prefill_region_killed_mid_shipment_job_fails_over_and_is_billed_once(st
     prefill.proc.send_signal(signal.SIGKILL)
     prefill.proc.wait(5)
 
-    call.join(20)
-    assert replies, "the completion did not return"
-    expected = engine.generate(prompt, SamplingParams(max_new_tokens=6))
-    assert replies[0].id == job_id and replies[0].choices[0].text == engine.decode_text(expected)
-    record = job(stack, key, job_id)
-    timeline = record["timeline"]
-    assert isinstance(timeline, list)
-    states = [(e["state"], e["attempt"]) for e in timeline]
-    assert ("PREFILLING", 1) in states and ("QUEUED", 2) in states and states[-1] == ("DONE", 2), states
-    assert sum(1 for s, _ in states if s == "DONE") == 1, states
+    record = retried_once_and_answered(stack, key, job_id, call, replies, prompt, 20)
     assert record["prefill_region"] != "prefill-a" or record["placement_chosen"] == "local", record
     # billed once (the ledger entry, written after DONE), for the attempt that finished; spend follows the ledger
     ledger = Ledger(stack.ledger_url, migrate=False)

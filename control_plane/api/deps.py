@@ -1,4 +1,5 @@
-"""Named FastAPI dependencies: the services, the caller's tenant, the admin check.
+"""Named FastAPI dependencies: the services, the meter, the job follower, the caller's tenant, the admin
+check, and what a generation route needs besides its body (`GenerationDep`).
 
 FastAPI runs a plain `def` dependency in its thread pool (a thread hop each, per request), so these are
 all `async def`: they read the app's state, compare a key, or look the tenant up with the asyncio Redis
@@ -7,10 +8,13 @@ client on the event loop. A sync route then costs one thread hop, its own."""
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, Header, HTTPException, Request
 
+from prfaas.control_plane.api.schemas import Placement
+from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.jobs.generation import Follower
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Tenant, TenantStatus
@@ -26,8 +30,14 @@ async def follower(request: Request) -> Follower:
     return found
 
 
+async def meter(request: Request) -> Meter:
+    found: Meter = request.app.state.meter
+    return found
+
+
 ServicesDep = Annotated[Services, Depends(services)]
 FollowerDep = Annotated[Follower, Depends(follower)]
+MeterDep = Annotated[Meter, Depends(meter)]
 
 
 def _bearer(request: Request) -> str:
@@ -55,3 +65,28 @@ async def admin(request: Request, s: ServicesDep) -> None:
 
 TenantDep = Annotated[Tenant, Depends(tenant)]
 AdminDep = Depends(admin)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a generation route (`/v1/completions`, `/v1/chat/completions`) needs besides its body: the caller,
+    the services, the follower, and the headers it honours (`Idempotency-Key`, `X-Prfaas-Placement`)."""
+
+    tenant: Tenant
+    services: Services
+    follower: Follower
+    idempotency_key: str | None
+    placement: Placement | None  # the header; None: the body's `prfaas.placement`, else auto
+
+
+async def generation(
+    tenant: TenantDep,
+    s: ServicesDep,
+    f: FollowerDep,
+    idempotency_key: str | None = Header(default=None, max_length=256),
+    x_prfaas_placement: Placement | None = Header(default=None),
+) -> Generation:
+    return Generation(tenant, s, f, idempotency_key, x_prfaas_placement)
+
+
+GenerationDep = Annotated[Generation, Depends(generation)]

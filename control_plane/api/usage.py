@@ -1,6 +1,6 @@
 """Usage from the ledger: `GET /v1/usage` (the calling tenant), `GET /v1/usage/jobs/{id}` (one job's bill), and
-the admin views over all tenants (`GET /admin/usage`, `/admin/usage/jobs/{id}` with wasted attempts,
-`GET /admin/prices`, `POST /admin/prices/refresh`). `format=csv` returns the same rows as CSV.
+the admin views over all tenants (`GET /admin/usage`, `/admin/usage/jobs/{id}` with wasted attempts).
+`format=csv` returns the same rows as CSV.
 
 Windows are [from, to) on the job's finish time, UTC; `from` defaults to the start of the current month, `to`
 to now. Dates are ISO 8601 (`2026-11-01` or `2026-11-01T12:00:00Z`)."""
@@ -11,20 +11,17 @@ import csv
 import datetime as dt
 import io
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import Response
-from pydantic import BaseModel
 
-from prfaas.control_plane.billing.meter import Meter
+from prfaas.control_plane.api.deps import AdminDep, MeterDep, TenantDep
+from prfaas.control_plane.api.schemas import AdminJobUsage, UsageEntryPublic, UsageReport, UsageRow, WastedPublic
 from prfaas.control_plane.billing.models import UsageEntry
-from prfaas.control_plane.billing.price_feeds import PriceFeed
-from prfaas.control_plane.billing.prices import quote_dict
 from prfaas.control_plane.billing.queries import GroupTotal
 from prfaas.control_plane.billing.spend import month_window
-from prfaas.control_plane.deps import AdminDep, TenantDep
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 admin_router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminDep])
@@ -34,72 +31,9 @@ TenantGroupBy = Literal["day", "region", "phase", "model"]
 AdminGroupBy = Literal["day", "region", "phase", "model", "tenant"]
 
 
-def meter(request: Request) -> Meter:
-    found: Meter = request.app.state.meter
-    return found
-
-
-MeterDep = Annotated[Meter, Depends(meter)]
 From = Annotated[dt.datetime | None, Query(alias="from", description="start (inclusive), ISO 8601; UTC if naive")]
 To = Annotated[dt.datetime | None, Query(alias="to", description="end (exclusive), ISO 8601; default now")]
 Format = Annotated[Literal["json", "csv"], Query(description="json, or csv (the rows only)")]
-
-
-class UsageRow(GroupTotal):
-    """One row of a usage report: the ledger's `GroupTotal`, field for field (derived, so the two cannot drift)."""
-
-
-class UsageReport(BaseModel):
-    object: Literal["usage"] = "usage"
-    tenant: str | None
-    start: dt.datetime
-    end: dt.datetime
-    group_by: str
-    data: list[UsageRow]
-
-
-class UsageEntryPublic(BaseModel):
-    job_id: str
-    tenant: str
-    model: str
-    placement: str
-    attempts: int
-    prefill_region: str
-    decode_region: str
-    finished_at: dt.datetime
-    prefill_gpu_s: float
-    decode_gpu_s: float
-    colocated_prefill_gpu_s: float
-    prefill_usd_per_gpu_h: float
-    decode_usd_per_gpu_h: float
-    egress_usd_per_gb: float
-    tokens_in: int
-    tokens_out: int
-    kv_bytes_raw: int
-    kv_bytes_wire: int
-    prefill_usd: float
-    decode_usd: float
-    egress_usd: float
-    total_usd: float
-    colocated_usd: float
-    savings_usd: float
-    ttft_s: float | None
-    tpot_s: float | None
-
-
-class WastedPublic(BaseModel):
-    attempt: int
-    phase: str
-    region: str
-    gpu_s: float
-    usd_per_gpu_h: float
-    cost_usd: float
-    reason: str
-
-
-class AdminJobUsage(BaseModel):
-    entry: UsageEntryPublic | None
-    wasted: list[WastedPublic]
 
 
 def window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:
@@ -189,15 +123,3 @@ def admin_job_usage(job_id: str, m: MeterDep) -> AdminJobUsage:
     if entry is None and not wasted:
         raise HTTPException(404, NOT_FOUND)
     return AdminJobUsage(entry=entry_public(entry) if entry else None, wasted=wasted)
-
-
-@admin_router.get("/prices")
-def admin_prices(m: MeterDep) -> list[dict[str, Any]]:
-    """Every price with its source (`aws-spot`, `aws-pricelist`, `table`), age and stale flag."""
-    return [quote_dict(q) for q in m.prices.quotes()]
-
-
-@admin_router.post("/prices/refresh")
-def refresh_prices(m: MeterDep) -> list[dict[str, Any]]:
-    """Refresh now (the beat task does it every `refresh_s`)."""
-    return [quote_dict(q) for q in m.prices.refresh(PriceFeed(m.s.settings.aws, m.s.settings.pricing))]

@@ -1,10 +1,15 @@
-"""Request and response schemas of the HTTP API (OpenAI-compatible and management)."""
+"""Request and response schemas of the HTTP API, a family per resource: generation (OpenAI-compatible),
+jobs, tenants and keys, regions and links, usage. Internal records (the Redis job hash, a region record, a
+ledger row) never leave as they are: routes map them onto these."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from prfaas.control_plane.billing.queries import GroupTotal
 
 Placement = Literal["auto", "local", "split"]
 
@@ -131,17 +136,19 @@ class ApiKeyIssued(ApiKeyPublic):
 
 
 class RegionPublic(BaseModel):
+    """A region as the admin API shows it: its registration, health and load as of its last heartbeat."""
+
     name: str
-    role: str
+    role: str = Field(description="prefill, decode or both")
     gpu_type: str
-    num_workers: int
-    usd_per_gpu_hour: float
-    grpc_endpoint: str
-    kv_endpoint: str
-    alive: bool
-    healthy: bool
-    draining: bool
-    drained: bool
+    num_workers: int = Field(description="model replicas serving")
+    usd_per_gpu_hour: float = Field(description="the $/GPU-hour it registered (prices: GET /admin/prices)")
+    grpc_endpoint: str = Field(description="host:port of its gRPC service")
+    kv_endpoint: str = Field(description="host:port KV caches are shipped to (decode regions)")
+    alive: bool = Field(description="a heartbeat within heartbeat_misses intervals")
+    healthy: bool = Field(description="alive, not draining and not drained: the scheduler may place work there")
+    draining: bool = Field(description="the region is stopping (SIGTERM)")
+    drained: bool = Field(description="an operator drained it (POST /admin/regions/{name}/drain)")
     heartbeat_age_s: float
     queue_depth: int
     busy_workers: int
@@ -156,3 +163,67 @@ class LinkPublic(BaseModel):
     rtt_ms: float = Field(ge=0, le=1e6, allow_inf_nan=False)
     bandwidth_gbps: float = Field(ge=0, le=1e6, allow_inf_nan=False)
     egress_usd_per_gb: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+
+
+# -- usage -------------------------------------------------------------------------------------
+
+
+class UsageRow(GroupTotal):
+    """One row of a usage report: the ledger's `GroupTotal`, field for field (derived, so the two cannot drift)."""
+
+
+class UsageReport(BaseModel):
+    object: Literal["usage"] = "usage"
+    tenant: str | None
+    start: dt.datetime
+    end: dt.datetime
+    group_by: str
+    data: list[UsageRow]
+
+
+class UsageEntryPublic(BaseModel):
+    """One job's bill (the ledger entry without its row id): the work, the prices given, the $ they make:
+    prefill_usd = prefill_gpu_s / 3600 x prefill_usd_per_gpu_h, decode_usd likewise, egress_usd =
+    kv_bytes_wire / 1e9 x egress_usd_per_gb."""
+
+    job_id: str
+    tenant: str
+    model: str
+    placement: str
+    attempts: int
+    prefill_region: str
+    decode_region: str
+    finished_at: dt.datetime
+    prefill_gpu_s: float
+    decode_gpu_s: float
+    colocated_prefill_gpu_s: float
+    prefill_usd_per_gpu_h: float
+    decode_usd_per_gpu_h: float
+    egress_usd_per_gb: float
+    tokens_in: int
+    tokens_out: int
+    kv_bytes_raw: int
+    kv_bytes_wire: int
+    prefill_usd: float
+    decode_usd: float
+    egress_usd: float
+    total_usd: float = Field(description="prefill_usd + decode_usd + egress_usd: what the tenant is billed")
+    colocated_usd: float = Field(description="(colocated_prefill_gpu_s + decode_gpu_s) / 3600 x decode_usd_per_gpu_h")
+    savings_usd: float = Field(description="colocated_usd - total_usd")
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+class WastedPublic(BaseModel):
+    attempt: int
+    phase: str
+    region: str
+    gpu_s: float
+    usd_per_gpu_h: float
+    cost_usd: float
+    reason: str
+
+
+class AdminJobUsage(BaseModel):
+    entry: UsageEntryPublic | None
+    wasted: list[WastedPublic]

@@ -8,9 +8,9 @@ import uuid
 
 from fastapi import APIRouter, HTTPException
 
-from prfaas.control_plane.deps import FollowerDep, ServicesDep, TenantDep
+from prfaas.control_plane.api.deps import FollowerDep, ServicesDep, TenantDep
+from prfaas.control_plane.api.schemas import JobList, JobPublic, TimelineEntry, Usage
 from prfaas.control_plane.jobs.errors import JobNotFound
-from prfaas.control_plane.schemas import JobList, JobPublic, TimelineEntry, Usage
 from prfaas.control_plane.services import Services
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

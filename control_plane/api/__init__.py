@@ -1,0 +1,11 @@
+"""prfaas.control_plane.api: the HTTP API, one APIRouter per resource (the app: control_plane/app.py).
+
+completions.py  /v1/completions, /v1/chat/completions (SSE with stream=true), /v1/models
+jobs.py         /v1/jobs: the caller's jobs (state, timeline, placement, cost), cancel
+usage.py        /v1/usage (the caller's) and /admin/usage (every tenant's), from the ledger
+tenants.py      /admin/tenants: tenants and their API keys
+regions.py      /admin/regions, /admin/links: the fleet, drains, links
+prices.py       /admin/prices: every price with its source and age, refresh
+deps.py         the named dependencies (ServicesDep, TenantDep, AdminDep, MeterDep, GenerationDep)
+schemas.py      the request and response models, a family per resource
+"""
