@@ -129,13 +129,6 @@ def test_apply_without_a_reachable_control_plane_exits_1(tmp_path: Path) -> None
     assert no_key.returncode == 2 and "needs the admin key" in no_key.stdout
 
 
-def _region_output_keys(module: str) -> set[str]:
-    text = (REPO / "terraform" / "modules" / module / "outputs.tf").read_text()
-    block = re.search(r'output "region" \{.*?value = \{(.*?)\n  \}', text, re.S)
-    assert block is not None, module
-    return set(re.findall(r"^\s+(\w+)\s+=", block.group(1), re.M))
-
-
 def _module_text(module: str) -> str:
     return "".join(p.read_text() for p in sorted((REPO / "terraform" / "modules" / module).glob("*.tf")))
 
@@ -144,27 +137,37 @@ def _variables(module: str) -> set[str]:
     return set(re.findall(r'^variable "(\w+)"', _module_text(module), re.M))
 
 
-def _interface() -> set[str]:
-    """The attributes of region_config's `region` object: the region interface."""
-    block = re.search(
-        r'^variable "region" \{.*?type = object\(\{(.*?)\n  \}\)', _module_text("region_config"), re.S | re.M
-    )
-    assert block is not None
+def _object_attributes(module: str, variable: str) -> set[str]:
+    """The attributes of an object-typed variable of `module`."""
+    text = _module_text(module)
+    block = re.search(rf'^variable "{variable}" \{{.*?type = object\(\{{(.*?)\n  \}}\)', text, re.S | re.M)
+    assert block is not None, (module, variable)
     return set(re.findall(r"^\s+(\w+)\s+=", block.group(1), re.M))
 
 
+def _entry_keys() -> set[str]:
+    """region_config's output `entry`: the `registry` object merged with four interface attributes."""
+    entry = re.search(
+        r'^output "entry" \{.*?merge\(var\.registry, \{(.*?)\n  \}\)', _module_text("region_config"), re.S | re.M
+    )
+    assert entry is not None
+    return _object_attributes("region_config", "registry") | set(re.findall(r"^\s+(\w+)\s+=", entry.group(1), re.M))
+
+
 def test_region_modules_share_one_interface_and_the_importer_reads_it() -> None:
-    local, aws = _region_output_keys("region_local"), _region_output_keys("region_aws")
-    assert local == aws
-    assert set(parse_outputs(SAMPLE.read_text()).regions[0].model_dump()) == aws
+    keys = _entry_keys()
+    assert set(parse_outputs(SAMPLE.read_text()).regions[0].model_dump()) == keys
     shared = {
         "name", "role", "gpu_type", "usd_per_gpu_hour", "model", "workers", "kv_buffer_bytes", "codec", "dtype",
         "grpc_port", "kv_port", "metrics_port", "ticket_key_id", "heartbeat_interval_s", "drain_timeout_s",
     }  # fmt: skip
-    assert _interface() == shared
+    assert _object_attributes("region_config", "region") == shared
     # declared once: the host modules take the object and pass it to region_config unchanged in shape
     for module in ("region_local", "region_aws"):
         assert not shared & _variables(module), module
         assert {"region", "control_plane_url"} <= _variables(module), module
         config = re.search(r'module "config" \{(.*?)\n\}', _module_text(module), re.S)
         assert config is not None and 'source = "../region_config"' in " ".join(config.group(1).split()), module
+        # the registry entry too: both `region` outputs are region_config's `entry`
+        output = re.search(r'output "region" \{(.*?)\n\}', _module_text(module), re.S)
+        assert output is not None and "value = module.config.entry" in " ".join(output.group(1).split()), module

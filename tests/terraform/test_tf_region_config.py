@@ -38,6 +38,7 @@ module "region" {{
     heartbeat_interval_s = 1
     drain_timeout_s      = 20
   }}
+  registry          = {{ provider = "aws", location = "us-east-1", instance_type = "p5.48xlarge" }}
   control_plane_url = "prreg-0123.elb.us-east-1.amazonaws.com:7000"
   listen_host       = "0.0.0.0"
   device            = "cuda"

@@ -17,6 +17,12 @@ module "config" {
   control_plane_url = var.control_plane_url
   listen_host       = "0.0.0.0"
   device            = "cuda"
+  registry = {
+    provider      = "aws"
+    location      = data.aws_region.current.name
+    instance_type = var.instance_types[0]
+    cidr          = local.vpc_cidr # each instance registers its own endpoints
+  }
 }
 
 locals {

@@ -1,17 +1,6 @@
 output "region" {
-  description = "the registry entry of this region (same shape as region_local's)"
-  value = {
-    name             = local.region.name
-    role             = local.region.role
-    provider         = "aws"
-    location         = data.aws_region.current.name
-    gpu_type         = local.region.gpu_type
-    instance_type    = var.instance_types[0]
-    usd_per_gpu_hour = local.region.usd_per_gpu_hour
-    grpc_endpoint    = null # each instance registers its own address
-    kv_endpoint      = null
-    cidr             = local.vpc_cidr
-  }
+  description = "the registry entry of this region (region_config's `entry`, as region_local's)"
+  value       = module.config.entry
 }
 
 output "vpc_id" {

@@ -1,4 +1,5 @@
-# The `prfaas region --config` YAML of one region, from the region interface (variables.tf).
+# The `prfaas region --config` YAML of one region, from the region interface (variables.tf),
+# and the region's registry entry.
 # Pure (no resources, no provider): region_local and region_aws both render through it, so
 # the two cannot drift, and the tests render it offline and load it with the real parser.
 # The ticket key is never part of it (PRFAAS_TICKET_KEY in the process environment).
@@ -27,6 +28,16 @@ locals {
 output "yaml" {
   description = "the region config file's content"
   value       = yamlencode(local.config)
+}
+
+output "entry" {
+  description = "the region's registry entry: region_local's and region_aws's output `region`, the same shape by construction"
+  value = merge(var.registry, {
+    name             = var.region.name
+    role             = var.region.role
+    gpu_type         = var.region.gpu_type
+    usd_per_gpu_hour = var.region.usd_per_gpu_hour
+  })
 }
 
 output "region" {

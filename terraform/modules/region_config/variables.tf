@@ -41,6 +41,18 @@ variable "control_plane_url" {
   type        = string
 }
 
+variable "registry" {
+  description = "what the host module knows of the region for its registry entry (output `entry`): provider, location, instance_type, grpc_endpoint, kv_endpoint, cidr"
+  type = object({
+    provider      = string
+    location      = string
+    instance_type = optional(string)
+    grpc_endpoint = optional(string) # null: each instance registers its own address
+    kv_endpoint   = optional(string)
+    cidr          = optional(string)
+  })
+}
+
 variable "listen_host" {
   description = "address the region binds"
   type        = string

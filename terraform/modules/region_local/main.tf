@@ -14,6 +14,12 @@ module "config" {
   control_plane_url = var.control_plane_url
   listen_host       = var.host
   dev               = var.dev
+  registry = {
+    provider      = "local"
+    location      = var.host
+    grpc_endpoint = "${var.host}:${local.region.grpc_port}"
+    kv_endpoint   = local.region.role == "prefill" ? null : "${var.host}:${local.region.kv_port}"
+  }
 }
 
 locals {
