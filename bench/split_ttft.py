@@ -31,9 +31,8 @@ import uuid
 from pathlib import Path
 
 import grpc
-import yaml
 
-from prfaas.devstack.processes import RegionProcess, spawn_region
+from prfaas.devstack.processes import RegionProcess, spawn_region, write_region_config
 from prfaas.engine.models import prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -49,9 +48,7 @@ def start_region(folder: Path, name: str, role: str, codec: str) -> RegionProces
         "name": name, "role": role, "model": MODEL, "ticket_key": KEY, "codec": codec, "kv_buffer_bytes": "2GiB",
         "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0"},
     }  # fmt: skip
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return spawn_region(path, timeout_s=180)
+    return spawn_region(write_region_config(folder / f"{name}.yaml", config), timeout_s=180)
 
 
 def prompt_ids(num_tokens: int) -> list[int]:

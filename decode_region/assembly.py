@@ -8,6 +8,7 @@ copied out first (one copy, straight into a tensor of the engine's dtype).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,14 +28,14 @@ def _tensor(buf: bytes | bytearray | memoryview, shape: Shape, dtype: torch.dtyp
     return out
 
 
+@dataclass(frozen=True)
 class LayoutCheck:
     """What this decode engine accepts: its dtype and per-layer head layout."""
 
-    def __init__(self, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
-        self.dtype = dtype
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
     def check(self, inbound: Inbound, max_bytes: int, tenant: str) -> tuple[Shape, ...]:
         info, ticket = inbound.info, inbound.ticket

@@ -87,18 +87,10 @@ class HFDecode:
 
     def __init__(self, engine: HFEngine, receiver: Receiver, kv_endpoint: str) -> None:
         self.engine = engine
+        self.facts: ModelFacts = engine.facts
         self.receiver = receiver
-        self._kv_endpoint = kv_endpoint
-        facts = engine.facts
-        self.layout = LayoutCheck(facts.dtype, facts.num_layers, facts.num_kv_heads, facts.head_dim)
-
-    @property
-    def facts(self) -> ModelFacts:
-        return self.engine.facts
-
-    @property
-    def kv_endpoint(self) -> str:
-        return self._kv_endpoint
+        self.kv_endpoint = kv_endpoint
+        self.layout = LayoutCheck(self.facts.dtype, self.facts.num_layers, self.facts.num_kv_heads, self.facts.head_dim)
 
     def expect(self, expected: Expected, ttl_s: float, events: ShipmentEvents) -> KVHold:
         inbound = self.receiver.expect(expected.job_id, expected.attempt, ttl_s)

@@ -58,15 +58,8 @@ class VLLMDecode:
         if engine.kv_endpoint is None:
             raise ValueError("a vLLM decode region's server needs ticket keys (it receives the KV)")
         self.vllm = engine
-        self._kv_endpoint = engine.kv_endpoint
-
-    @property
-    def facts(self) -> ModelFacts:
-        return self.vllm.facts
-
-    @property
-    def kv_endpoint(self) -> str:
-        return self._kv_endpoint
+        self.facts: ModelFacts = engine.facts
+        self.kv_endpoint: str = engine.kv_endpoint
 
     def expect(self, expected: Expected, ttl_s: float, events: ShipmentEvents) -> KVHold:
         self.vllm.expect(expected.job_id, expected.attempt, ttl_s)

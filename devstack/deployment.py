@@ -26,7 +26,6 @@ from typing import Any
 
 import httpx
 import redis
-import yaml
 
 from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
 from prfaas.devstack.network import LoopbackNetwork, Network, WanMesh
@@ -39,6 +38,7 @@ from prfaas.devstack.processes import (
     spawn_region,
     wait_until,
     worker_argv,
+    write_region_config,
 )
 from prfaas.devstack.state import UpError, UpState, read_state, state_path, stop_state, write_state
 from prfaas.devstack.topology import Topology
@@ -200,9 +200,7 @@ class Deployment:
             "listen": {"grpc": grpc, "kv": kv}, "control_plane_url": self.state.registry,
             "heartbeat_interval_s": 1.0, "drain_timeout_s": 3.0,
         } | spec.extra  # fmt: skip
-        path = self.run_dir / f"region-{name}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        path.chmod(0o600)  # holds the ticket key
+        path = write_region_config(self.run_dir / f"region-{name}.yaml", config)
         log = self.run_dir / f"region-{name}.log"
         timeout_s = START_TIMEOUT_S
         vllm = config.get("vllm")

@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+import yaml
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,6 +54,22 @@ def worker_argv(name: str, concurrency: int) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads",
             "-c", str(concurrency), "-n", f"{name}@%h", "--without-gossip", "--without-mingle",
             "--loglevel", "WARNING"]  # fmt: skip
+
+
+# A region on this host for a test or a bench: every port picked free, metrics on, raw KV.
+LOOPBACK_REGION: dict[str, Any] = {
+    "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0"}, "codec": "raw",
+    "ticket_key_id": "k1", "heartbeat_interval_s": 0.5,
+}  # fmt: skip
+
+
+def write_region_config(path: Path, config: dict[str, Any]) -> Path:
+    """`config` as the YAML file `prfaas region --config` reads; mode 0600 from the start (it
+    holds the ticket key)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        yaml.safe_dump(config, out)
+    return path
 
 
 def region_argv(config: Path, python: str | None = None) -> list[str]:
@@ -132,13 +150,20 @@ def spawn_region(
     return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines)
 
 
-def pid_alive(pid: int) -> bool:
+def _exists(probe: Callable[[int, int], None], target: int) -> bool:
+    """Signal 0 to a process or group: False only if there is none (another user's counts)."""
     try:
-        os.kill(pid, 0)
+        probe(target, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    if not _exists(os.kill, pid):
+        return False
     with contextlib.suppress(OSError):  # a zombie (exited, not yet reaped) counts as gone
         if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
             return False
@@ -146,13 +171,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return any(pid_alive(pid) for pid in group_members(pgid))
+    return _exists(os.killpg, pgid) and any(pid_alive(pid) for pid in group_members(pgid))
 
 
 def group_members(pgid: int) -> list[int]:

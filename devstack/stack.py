@@ -15,10 +15,19 @@ from typing import Any
 
 import httpx
 import redis
-import yaml
 
 from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
-from prfaas.devstack.processes import RegionProcess, api_argv, free_port, http_ok, spawn_region, wait_until, worker_argv
+from prfaas.devstack.processes import (
+    LOOPBACK_REGION,
+    RegionProcess,
+    api_argv,
+    free_port,
+    http_ok,
+    spawn_region,
+    wait_until,
+    worker_argv,
+    write_region_config,
+)
 
 __all__ = ["ADMIN", "ADMIN_KEY", "REDIS_URL", "TICKET_KEY", "RegionProcess", "Stack", "free_port", "spawn_region",
            "wait_until"]  # fmt: skip
@@ -73,14 +82,11 @@ class Stack:
 
     def region(self, name: str, role: str, price: float, **fields: Any) -> RegionProcess:
         """A `prfaas region` of tiny-llama registering with this stack; `fields` override its config."""
-        config: dict[str, Any] = {
-            "name": name, "role": role, "model": "tiny-llama", "ticket_key": TICKET_KEY, "ticket_key_id": "k1",
-            "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0"}, "codec": "raw",
-            "heartbeat_interval_s": 0.5, "usd_per_gpu_hour": price, "control_plane_url": self.registry,
-            "kv_buffer_bytes": "256MiB",
+        config = LOOPBACK_REGION | {
+            "name": name, "role": role, "model": "tiny-llama", "ticket_key": TICKET_KEY, "usd_per_gpu_hour": price,
+            "control_plane_url": self.registry, "kv_buffer_bytes": "256MiB",
         } | fields  # fmt: skip
-        path = self.folder / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path = write_region_config(self.folder / f"{name}.yaml", config)
         region = spawn_region(path, timeout_s=120)
         self.regions.append(region)
         return region

@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Self
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from prfaas.region.config import field_errors, read_yaml_mapping, yaml_mapping
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[1] / "examples" / "topology.yaml"
 _NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -108,42 +109,21 @@ class Topology(_Strict):
         return next((x for x in self.links if (x.src, x.dst) == (src, dst)), None)
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path or "(top level)"
-
-
-def topology_from_mapping(data: object, source: str = "topology") -> Topology:
-    if not isinstance(data, dict):
-        raise TopologyError(f"{source}: a topology is a YAML mapping (name, model, regions, links, ...)")
+def topology_from_mapping(data: dict[str, Any], source: str = "topology") -> Topology:
     try:
         return Topology(**data)
     except ValidationError as exc:
-        lines = []
-        for e in exc.errors():
-            message = str(e["msg"]).removeprefix("Value error, ")
-            lines.append(f"{_field_path(e['loc'])}: {message}" if e["loc"] else message)
-        raise TopologyError(f"{source}: invalid topology:\n  " + "\n  ".join(lines)) from None
+        raise TopologyError(f"{source}: invalid topology:\n  " + "\n  ".join(field_errors(exc))) from None
 
 
 def parse_topology(text: str, source: str = "topology") -> Topology:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise TopologyError(f"{source}: not valid YAML: {exc}") from None
-    return topology_from_mapping(data, source)
+    return topology_from_mapping(yaml_mapping(text, source, "topology", TopologyError), source)
 
 
 def load_topology(path: str | Path) -> Topology:
     """Read and validate a topology file; `TopologyError` names the file and each bad field."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise TopologyError(f"{path}: cannot read the topology: {exc.strerror}") from None
-    topology = parse_topology(text, str(path))
+    topology = topology_from_mapping(read_yaml_mapping(path, "topology", TopologyError), str(path))
     if topology.policy.path is not None and not topology.policy.path.is_absolute():
         policy = topology.policy.model_copy(update={"path": (path.parent / topology.policy.path).resolve()})
         topology = topology.model_copy(update={"policy": policy})

@@ -57,8 +57,12 @@ def run(
     rows: list[dict[str, Any]] = []
     for name in policies:
         advance = progress(name, len(requests))
+
+        def on_done(_outcome: client.Outcome, advance: Callable[[], None] = advance) -> None:
+            advance()
+
         outcomes, wall_s = client.run(api_base, api_key, model, requests, client.PLACEMENTS[name], concurrency,
-                                      timeout_s, on_done=lambda _outcome, done=advance: done())  # fmt: skip
+                                      timeout_s, on_done=on_done)  # fmt: skip
         client.attach_jobs(api_base, api_key, outcomes)
         summaries[name] = report.summarize(outcomes, wall_s, *slo_s)
         rows += report.trace_rows(name, outcomes)

@@ -111,13 +111,10 @@ class HFPrefill:
         test_layer_delay_s: float = 0.0,
     ) -> None:
         self.engine = engine
+        self.facts: ModelFacts = engine.facts
         self.channels = channels
         self.leases = Leases(kv_lease_s, kv_lease_bytes)
         self.test_layer_delay_s = test_layer_delay_s
-
-    @property
-    def facts(self) -> ModelFacts:
-        return self.engine.facts
 
     def admit(self, destination: Destination, params: SamplingParams) -> Destination:
         return destination  # every codec and transport; the engine samples any way

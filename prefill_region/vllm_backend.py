@@ -30,11 +30,8 @@ class VLLMPrefill:
     def __init__(self, engine: VLLMEngine, *, ship: str = "auto") -> None:
         layerwise_for("127.0.0.1", ship)  # a bad setting fails here, not on the first job
         self.vllm = engine
+        self.facts: ModelFacts = engine.facts
         self.ship = ship
-
-    @property
-    def facts(self) -> ModelFacts:
-        return self.vllm.facts
 
     def admit(self, destination: Destination, params: SamplingParams) -> Destination:
         check_greedy(params)

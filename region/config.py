@@ -192,32 +192,49 @@ class RegionConfig(BaseSettings):
         return self.role in ("decode", "both")
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in loc) or "(top level)"
+def field_errors(exc: ValidationError) -> list[str]:
+    """One `field.path[index]: message` line per error of `exc` (a config's bad fields)."""
+    lines = []
+    for error in exc.errors():
+        path = ""
+        for part in error["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        message = str(error["msg"]).removeprefix("Value error, ")
+        lines.append(f"{path or '(top level)'}: {message}")
+    return lines
+
+
+def read_yaml_mapping(path: Path, what: str, error: type[ValueError]) -> dict[str, Any]:
+    """The top-level mapping of the YAML file `path`; `error` names the file and `what` it
+    should hold when it cannot be read, is not YAML, or is not a mapping."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise error(f"{path}: cannot read the {what}: {exc.strerror}") from None
+    return yaml_mapping(text, str(path), what, error)
+
+
+def yaml_mapping(text: str, source: str, what: str, error: type[ValueError]) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"{source}: a {what} is a YAML mapping of fields")
+    return data
 
 
 def config_from_mapping(data: dict[str, Any], source: str = "config") -> RegionConfig:
     try:
         return RegionConfig(**data)
     except ValidationError as exc:
-        lines = [f"{_field_path(e['loc'])}: {e['msg']}" for e in exc.errors()]
-        raise ConfigError(f"{source}: invalid region config:\n  " + "\n  ".join(lines)) from None
+        raise ConfigError(f"{source}: invalid region config:\n  " + "\n  ".join(field_errors(exc))) from None
 
 
 def load_config(path: str | Path) -> RegionConfig:
     """Read and validate a region YAML file; ConfigError names the file and each bad field."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the region config: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a region config is a YAML mapping of fields (name, role, ...)")
-    return config_from_mapping(data, str(path))
+    return config_from_mapping(read_yaml_mapping(path, "region config", ConfigError), str(path))
 
 
 def ice_servers(config: RegionConfig) -> tuple[IceServer, ...]:

@@ -105,15 +105,15 @@ def _verifier(extra: dict[str, Any]) -> TicketVerifier | None:
     return TicketVerifier({str(kid): bytes.fromhex(str(key)) for kid, key in dict(keys).items()})
 
 
+@dataclass(eq=False)
 class _Outbound:
     """One request's shipment while its layers are being computed and sent."""
 
-    def __init__(self, job: ShipJob, spec: ShipmentSpec, transfer: Transfer, shipment: Shipment) -> None:
-        self.job = job
-        self.spec = spec
-        self.transfer = transfer
-        self.shipment = shipment
-        self.layers_added: set[int] = set()
+    job: ShipJob
+    spec: ShipmentSpec
+    transfer: Transfer
+    shipment: Shipment
+    layers_added: set[int] = field(default_factory=set)
 
 
 class PrfaasConnector(KVConnectorBase_V1):

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
 
 from prfaas.decode_region.agent import DecodeAgent
 from prfaas.decode_region.hf_backend import HFDecode
 from prfaas.decode_region.role import build_decode
+from prfaas.devstack.processes import LOOPBACK_REGION, write_region_config
 from prfaas.devstack.stack import RegionProcess as RegionProcess  # shared with the control-plane tests
 from prfaas.devstack.stack import spawn_region as spawn_region
 from prfaas.devstack.stack import wait_until as wait_until
@@ -197,15 +197,7 @@ def split_generate(
     def run_decode(first: prefill_pb2.PrefillDone) -> None:
         nonlocal ttft
         try:
-            request = decode_pb2.DecodeRequest(
-                job_id=job_id,
-                attempt=1,
-                first_token=first.first_token,
-                kv=first.kv,
-                sampling=sampling_to_proto(params),
-                timeout_s=120,
-            )
-            for event in decode.Decode(request, timeout=120):
+            for event in decode.Decode(decode_request(job_id, params, first), timeout=120):
                 if event.index == 0:
                     ttft = time.perf_counter() - start
                 token_events.append(event)
@@ -225,6 +217,22 @@ def split_generate(
     return SplitRun(job_id, [e.token for e in token_events], events, token_events, ttft)
 
 
+def decode_request(
+    job_id: str,
+    params: SamplingParams,
+    done: prefill_pb2.PrefillDone | prefill_pb2.ReshipReply | None = None,
+    *,
+    attempt: int = 1,
+    kv: common_pb2.KVDescriptor | None = None,
+    timeout_s: float = 120.0,
+) -> decode_pb2.DecodeRequest:
+    """A Decode of `job_id` from what its prefill (or re-shipment) reported; `kv` without one."""
+    first_token = done.first_token if done is not None else 0
+    descriptor = done.kv if done is not None else kv
+    return decode_pb2.DecodeRequest(job_id=job_id, attempt=attempt, first_token=first_token, kv=descriptor,
+                                    sampling=sampling_to_proto(params), timeout_s=timeout_s)  # fmt: skip
+
+
 def generate_tokens(
     decode: decode_pb2_grpc.DecodeRegionStub, token_ids: list[int], params: SamplingParams
 ) -> list[int]:
@@ -242,18 +250,8 @@ def cancel(stub: Any, job_id: str) -> bool:
 
 
 def write_config(folder: Path, **fields: Any) -> Path:
-    config = {
-        "role": "both",
-        "model": "tiny-llama",
-        "ticket_key": KEY.decode(),
-        "ticket_key_id": "k1",
-        "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0"},
-        "codec": "raw",
-        "heartbeat_interval_s": 0.5,
-    } | fields
-    path = folder / f"{config['name']}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    config = LOOPBACK_REGION | {"role": "both", "model": "tiny-llama", "ticket_key": KEY.decode()} | fields
+    return write_region_config(folder / f"{config['name']}.yaml", config)
 
 
 def metric(metrics_address: str, name: str) -> float:

@@ -12,6 +12,7 @@ from region_kit import (
     FORGER,
     Region,
     cancel,
+    decode_request,
     generate_tokens,
     local_region,
     new_job,
@@ -100,15 +101,7 @@ def test_cancel_mid_decode_frees_buffer_at_once(region: Region, tiny_engine: HFE
     for event in region.prefill_stub.Prefill(prefill_request(job_id, ids, params, reply.kv_endpoint), timeout=30):
         done = event.prefill_done if event.HasField("prefill_done") else done
     assert done is not None
-    request = decode_pb2.DecodeRequest(
-        job_id=job_id,
-        attempt=1,
-        first_token=done.first_token,
-        kv=done.kv,
-        sampling=sampling_to_proto(params),
-        timeout_s=60,
-    )
-    stream = region.decode_stub.Decode(request, timeout=60)
+    stream = region.decode_stub.Decode(decode_request(job_id, params, done, timeout_s=60), timeout=60)
     seen = [next(stream) for _ in range(5)]
     assert region.decode is not None and region.decode.book.used_bytes == kv_bytes
 
@@ -128,17 +121,7 @@ def test_client_disconnect_frees_reservation(region: Region, tiny_engine: HFEngi
     reply = reserve(region.decode_stub, job_id, len(ids) * tiny_engine.kv_bytes_per_token)
     events = region.prefill_stub.Prefill(prefill_request(job_id, ids, params, reply.kv_endpoint), timeout=30)
     done = next(e for e in events if e.HasField("prefill_done")).prefill_done
-    stream = region.decode_stub.Decode(
-        decode_pb2.DecodeRequest(
-            job_id=job_id,
-            attempt=1,
-            first_token=done.first_token,
-            kv=done.kv,
-            sampling=sampling_to_proto(params),
-            timeout_s=60,
-        ),
-        timeout=60,
-    )
+    stream = region.decode_stub.Decode(decode_request(job_id, params, done, timeout_s=60), timeout=60)
     next(stream)
     stream.cancel()
     assert region.decode is not None
@@ -153,14 +136,15 @@ def test_reservation_expires_and_decode_gets_deadline(region: Region, tiny_engin
     assert region.decode is not None
     decode = region.decode
     wait_until(lambda: decode.book.used_bytes == 0, 3.0)
-    request = decode_pb2.DecodeRequest(
-        job_id=job_id,
-        attempt=1,
-        first_token=1,
-        sampling=sampling_to_proto(GREEDY),
-        kv=common_pb2.KVDescriptor(model_fingerprint=tiny_engine.fingerprint, dtype="float32", num_tokens=4),
-    )
+    kv = common_pb2.KVDescriptor(model_fingerprint=tiny_engine.fingerprint, dtype="float32", num_tokens=4)
+    request = decode_request(job_id, GREEDY, kv=kv)
     assert _code(lambda: region.decode_stub.Decode(request, timeout=5)) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def _decode_of(fingerprint: str) -> decode_pb2.DecodeRequest:
+    """A Decode of a new job whose KV (float32) came from the model `fingerprint`."""
+    kv = common_pb2.KVDescriptor(model_fingerprint=fingerprint, dtype="float32")
+    return decode_request(new_job(), GREEDY, kv=kv, timeout_s=0)
 
 
 @pytest.mark.parametrize(
@@ -210,32 +194,12 @@ def test_reservation_expires_and_decode_gets_deadline(region: Region, tiny_engin
             "seed is required",
         ),
         (
-            lambda s, e: list(
-                s.decode_stub.Decode(
-                    decode_pb2.DecodeRequest(
-                        job_id=new_job(),
-                        attempt=1,
-                        sampling=sampling_to_proto(GREEDY),
-                        kv=common_pb2.KVDescriptor(model_fingerprint=e.fingerprint, dtype="float32"),
-                    ),
-                    timeout=5,
-                )
-            ),
+            lambda s, e: list(s.decode_stub.Decode(_decode_of(e.fingerprint), timeout=5)),
             grpc.StatusCode.NOT_FOUND,
             "no reservation for job",
         ),
         (
-            lambda s, e: list(
-                s.decode_stub.Decode(
-                    decode_pb2.DecodeRequest(
-                        job_id=new_job(),
-                        attempt=1,
-                        sampling=sampling_to_proto(GREEDY),
-                        kv=common_pb2.KVDescriptor(model_fingerprint="f" * 64, dtype="float32"),
-                    ),
-                    timeout=5,
-                )
-            ),
+            lambda s, e: list(s.decode_stub.Decode(_decode_of("f" * 64), timeout=5)),
             grpc.StatusCode.FAILED_PRECONDITION,
             "cannot be decoded by this region",
         ),
@@ -340,14 +304,7 @@ def test_reship_from_lease_to_another_decode_region(tiny_engine: HFEngine, long_
             timeout=30,
         )
         assert shipped.shipment.raw_bytes == kv_bytes
-        request = decode_pb2.DecodeRequest(
-            job_id=job_id,
-            attempt=2,
-            first_token=shipped.first_token,
-            kv=shipped.kv,
-            sampling=sampling_to_proto(GREEDY),
-            timeout_s=30,
-        )
+        request = decode_request(job_id, GREEDY, shipped, attempt=2, timeout_s=30)
         assert [e.token for e in b.decode_stub.Decode(request, timeout=30)] == first.tokens
     finally:
         a.close()

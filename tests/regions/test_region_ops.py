@@ -164,7 +164,7 @@ def test_prfaas_region_with_malformed_config_exits_naming_the_field(tmp_path: Pa
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "listen.kv: Value error, 'nowhere' is not host:port" in result.stdout
+    assert "listen.kv: 'nowhere' is not host:port" in result.stdout
     missing = subprocess.run(
         [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(tmp_path / "absent.yaml")],
         capture_output=True, text=True, timeout=60,

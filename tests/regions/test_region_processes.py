@@ -14,6 +14,7 @@ import grpc
 import pytest
 from region_kit import (
     RegionProcess,
+    decode_request,
     generate_tokens,
     metric,
     new_job,
@@ -27,8 +28,7 @@ from region_kit import (
 
 from prfaas.engine.models import model_fingerprint, prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
-from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from prfaas.region.requests import sampling_to_proto
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m"
@@ -118,10 +118,8 @@ def test_kill_prefill_region_mid_shipment_frees_the_reservation(
         list(stream)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     freed_s = wait_until(lambda: metric(decode.metrics, "prfaas_decode_kv_used_bytes") == 0, 2 * HEARTBEAT_S)
-    request = decode_pb2.DecodeRequest(
-        job_id=job_id, attempt=1, first_token=0, sampling=sampling_to_proto(GREEDY), timeout_s=10,
-        kv=common_pb2.KVDescriptor(model_fingerprint=_fingerprint(), dtype="float32", num_tokens=2048),
-    )  # fmt: skip
+    kv = common_pb2.KVDescriptor(model_fingerprint=_fingerprint(), dtype="float32", num_tokens=2048)
+    request = decode_request(job_id, GREEDY, kv=kv, timeout_s=10)
     with pytest.raises(grpc.RpcError) as info:
         list(decode_stub.Decode(request, timeout=10))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE

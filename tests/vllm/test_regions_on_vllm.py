@@ -28,11 +28,10 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
 from test_vllm_split import prompt_ids
 from vllm_kit import MODEL, START_TIMEOUT_S
 
-from prfaas.devstack.processes import RegionProcess, spawn_region
+from prfaas.devstack.processes import LOOPBACK_REGION, RegionProcess, spawn_region, write_region_config
 from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.models import model_fingerprint, prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
@@ -53,17 +52,8 @@ KV_BYTES = NUM_TOKENS * 2 * 30 * 3 * 64 * 4  # SmolLM2-135M fp32: K,V x 30 layer
 
 
 def _config(folder: Path, **fields: Any) -> Path:
-    config = {
-        "model": MODEL,
-        "ticket_key": KEY,
-        "ticket_key_id": "k1",
-        "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0"},
-        "codec": "raw",
-        "heartbeat_interval_s": 0.5,
-    } | fields
-    path = folder / f"{config['name']}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    config = LOOPBACK_REGION | {"model": MODEL, "ticket_key": KEY} | fields
+    return write_region_config(folder / f"{config['name']}.yaml", config)
 
 
 def _vllm(folder: Path, name: str) -> dict[str, Any]:

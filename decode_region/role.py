@@ -1,0 +1,61 @@
+"""The decode role of a region process: its agent on the region's engine, from the region
+config (`region.build.RoleBuilder`). HF engine: `HFDecode` with this process's KV receiver
+(TCP plus same-host shared memory, or WebRTC); vLLM server: `VLLMDecode`, whose server
+receives the KV on the region's KV port."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prfaas.decode_region.agent import DecodeAgent
+from prfaas.decode_region.backend import DecodeBackend
+from prfaas.protos.prfaas.v1 import decode_pb2_grpc
+from prfaas.region.build import BuiltRole
+from prfaas.region.config import RegionConfig, ice_servers, parse_hostport
+from prfaas.transport.inbound import Receiver
+from prfaas.transport.tickets import TicketVerifier
+
+
+def build_decode(config: RegionConfig, engine: Any) -> BuiltRole:
+    backend: DecodeBackend
+    if config.engine == "vllm":
+        from prfaas.decode_region.vllm_backend import VLLMDecode
+
+        backend = VLLMDecode(engine)
+    else:
+        from prfaas.decode_region.hf_backend import HFDecode
+
+        receiver, kv_endpoint = kv_receiver(config)
+        backend = HFDecode(engine, receiver, kv_endpoint)
+    agent = DecodeAgent(
+        backend, kv_buffer_bytes=config.kv_buffer_bytes, num_workers=config.workers,
+        heartbeat_interval_s=config.heartbeat_interval_s, max_reservation_s=config.max_reservation_s,
+    )  # fmt: skip
+    add = decode_pb2_grpc.add_DecodeRegionServicer_to_server
+    return BuiltRole("prfaas.v1.DecodeRegion", agent, add, backend.kv_endpoint)
+
+
+def kv_receiver(config: RegionConfig) -> tuple[Receiver, str]:
+    """The decode role's KV receiver and the endpoint(s) it registers (transport/endpoints.py):
+    TCP plus same-host shared memory sharing one set of expected shipments, or WebRTC."""
+    verifier = TicketVerifier({config.ticket_key_id: config.ticket_key.encode()})
+    if config.transport == "webrtc":
+        from prfaas.region.signal_client import OfferListener
+        from prfaas.transport.webrtc_receiver import WebRtcReceiver
+
+        assert config.control_plane_url is not None  # the config validates it
+        rtc = WebRtcReceiver(verifier, node=config.name, ice_servers=ice_servers(config))
+        OfferListener(config.control_plane_url, config.name, rtc.answer).start()
+        return rtc, f"webrtc://{config.name}"
+    from prfaas.transport.arena import Arena
+    from prfaas.transport.shm_receiver import ShmReceiver
+    from prfaas.transport.tcp_receiver import TcpReceiver
+
+    host, port = parse_hostport(config.listen.kv)
+    arena = Arena(config.shm_arena_bytes) if config.shm else None
+    tcp = TcpReceiver(verifier, host, port, node=config.name, pool=arena)
+    endpoint = f"{host}:{tcp.address[1]}"
+    if arena is not None:
+        shm = ShmReceiver(verifier, node=config.name, arena=arena, core=tcp.core)
+        endpoint += f",{shm.endpoint}"
+    return tcp, endpoint
