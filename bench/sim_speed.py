@@ -20,7 +20,7 @@ import argparse
 import collections
 import time
 
-from prfaas.control_plane.scheduling.request import Slo
+from prfaas.control_plane.scheduling import Slo
 from prfaas.sim.experiment import summarize
 from prfaas.sim.fleet import FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.policies import prfaas_policy

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from prfaas.control_plane.scheduling.request import Slo
+from prfaas.control_plane.scheduling import Slo
 from prfaas.sim.experiment import percentile
 from prfaas.sim.fleet import FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.hardware import ModelProfile

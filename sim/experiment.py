@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from prfaas.control_plane.scheduling.request import Slo
+from prfaas.control_plane.scheduling import Slo
 from prfaas.sim.fleet import FleetSpec
 from prfaas.sim.policies import SimPolicy
 from prfaas.sim.simulator import Outcome, RequestRecord, Simulation

@@ -22,16 +22,18 @@ from typing import Any, ClassVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from prfaas.control_plane.scheduling.errors import RejectReason
-from prfaas.control_plane.scheduling.plugin_registry import PluginRegistry, default_registry
-from prfaas.control_plane.scheduling.plugins import Candidate, Context
-from prfaas.control_plane.scheduling.policy import (
+from prfaas.control_plane.scheduling import (
     DEFAULT_POLICY_YAML,
+    Candidate,
+    Context,
+    GlobalScheduler,
+    PluginRegistry,
     PolicyConfig,
+    RejectReason,
     build_scheduler,
+    default_registry,
     policy_from_mapping,
 )
-from prfaas.control_plane.scheduling.scheduler import GlobalScheduler
 from prfaas.sim.fleet import FleetSpec
 
 

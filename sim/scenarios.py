@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from prfaas.control_plane.scheduling.request import Slo
+from prfaas.control_plane.scheduling import Slo
 from prfaas.sim.fleet import FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.profiles import PRFAAS_PROFILES
 from prfaas.sim.workload import Workload, chat_workload, prfaas_paper_workload

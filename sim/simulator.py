@@ -20,15 +20,19 @@ from enum import StrEnum
 
 import simpy
 
-from prfaas.control_plane.scheduling.decision import Mode
-from prfaas.control_plane.scheduling.errors import PlacementRejected
-from prfaas.control_plane.scheduling.request import Request, Slo
-from prfaas.control_plane.scheduling.scheduler import GlobalScheduler
-from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
-from prfaas.sim.decode import DecodePool, DecodeResult
-from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec, LinkSpec, RegionSpec
+from prfaas.control_plane.scheduling import (
+    ClusterSnapshot,
+    GlobalScheduler,
+    Mode,
+    ModelShape,
+    PlacementRejected,
+    Request,
+    Slo,
+)
+from prfaas.sim.decode import DecodeResult
+from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec
+from prfaas.sim.fleet_state import LinkState, RegionState
 from prfaas.sim.hardware import WorkerTimings
-from prfaas.sim.links import FluidLink
 from prfaas.sim.workload import Arrival
 
 _EMA = 0.2  # weight of the newest prefill in the measured means a heartbeat would report
@@ -56,98 +60,6 @@ class RequestRecord:
     wire_bytes: int = 0
     kv_raw_bytes: int = 0  # the shipment's KV before the codec (0: not split)
     egress_usd: float = 0.0
-
-
-class _RegionState:
-    def __init__(self, env: simpy.Environment, spec: RegionSpec, worker: WorkerTimings) -> None:
-        self.spec = spec
-        self.worker = worker
-        self.prefill = simpy.Resource(env, capacity=spec.num_prefill_workers) if spec.num_prefill_workers else None
-        self.decode = DecodePool(env, worker, spec.num_decode_workers)
-        self.kv_capacity = worker.kv_capacity_bytes * spec.num_decode_workers
-        self.kv_free = self.kv_capacity
-        self.mean_prefill_s = 0.0
-        self.prefill_tps = worker.prefill_tokens_per_s()
-        self.prefill_busy_s = 0.0
-        self._cached: tuple[tuple[object, ...], Region] | None = None
-
-    def snapshot_region(self) -> Region:
-        """What this region's heartbeat would report now (rebuilt only when something changed)."""
-        prefill = self.prefill
-        key = (
-            len(prefill.queue) if prefill else 0,
-            prefill.count if prefill else 0,
-            self.kv_free,
-            self.decode.version,
-            self.mean_prefill_s,
-        )
-        if self._cached is not None and self._cached[0] == key:
-            return self._cached[1]
-        spec = self.spec
-        num_workers = max(1, spec.num_prefill_workers)
-        step = self.decode.step_with(extra_sequences=1)
-        batch = max(1, math.ceil((self.decode.num_sequences + 1) / self.decode.num_workers))
-        if self.worker.max_batch is not None:
-            batch = min(batch, self.worker.max_batch)
-        # Built without validation: every field comes from this model, not from input.
-        region = Region.model_construct(
-            name=spec.name,
-            role=_role(spec),
-            gpu_type=spec.gpu,
-            num_gpus=num_workers * spec.gpus_per_worker,
-            num_workers=num_workers,
-            usd_per_gpu_hour=spec.price,
-            spot_usd_per_gpu_hour=spec.spot_price,
-            queue_depth=key[0] if prefill else 1,  # no prefill worker: reported as a full queue
-            queue_capacity=None if prefill else 1,
-            num_busy_workers=prefill.count if prefill else num_workers,
-            mean_prefill_s=self.mean_prefill_s,
-            kv_buffer_free_bytes=self.kv_free,
-            prefill_tokens_per_s=self.prefill_tps,
-            decode_tokens_per_s=batch / step,
-            tpot_ms=step * 1000.0,
-            healthy=True,
-            heartbeat_age_s=0.0,
-            cached_prefix_hashes=frozenset(),
-        )
-        self._cached = (key, region)
-        return region
-
-
-def _role(spec: RegionSpec) -> Role:
-    if not spec.num_decode_workers:
-        return Role.PREFILL
-    return Role.BOTH if spec.num_prefill_workers else Role.DECODE
-
-
-class _LinkState:
-    def __init__(self, env: simpy.Environment, spec: LinkSpec, num_layers: int) -> None:
-        self.spec = spec
-        self.pipe = FluidLink(env, spec, num_layers)
-        self._cached: tuple[int, Link] | None = None
-
-    @property
-    def bytes_carried(self) -> int:
-        return self.pipe.bytes_carried
-
-    @property
-    def num_splits(self) -> int:
-        return self.pipe.num_splits
-
-    def snapshot_link(self) -> Link:
-        """What a link probe would measure now: goodput, RTT, the share in use."""
-        if self._cached is not None and self._cached[0] == self.pipe.version:
-            return self._cached[1]
-        link = Link.model_construct(
-            src=self.spec.src,
-            dst=self.spec.dst,
-            rtt_ms=self.spec.rtt_ms,
-            bandwidth_gbps=self.pipe.capacity * 8 / 1e9,
-            utilization=self.pipe.utilization,
-            egress_usd_per_gb=self.spec.egress_usd_per_gb,
-        )
-        self._cached = (self.pipe.version, link)
-        return link
 
 
 class DoubleRecord(AssertionError):
@@ -182,11 +94,11 @@ class Simulation:
         )
         workers = workers or {}
         self.regions = {
-            r.name: _RegionState(self.env, r, workers[r.name] if r.name in workers else fleet.worker(r))
+            r.name: RegionState(self.env, r, workers[r.name] if r.name in workers else fleet.worker(r))
             for r in fleet.regions
         }
         self.dispatch_overhead_s = dispatch_overhead_s
-        self.links = {(lk.src, lk.dst): _LinkState(self.env, lk, model.num_layers) for lk in fleet.links}
+        self.links = {(lk.src, lk.dst): LinkState(self.env, lk, model.num_layers) for lk in fleet.links}
         self.records: dict[int, RequestRecord] = {}
         self.decisions_s = 0.0
 

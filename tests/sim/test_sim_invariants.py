@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from prfaas.control_plane.scheduling.request import Slo
+from prfaas.control_plane.scheduling import Slo
 from prfaas.sim.experiment import measure
 from prfaas.sim.fleet import FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.policies import BASELINES
