@@ -254,8 +254,8 @@ def regions_import(
     import httpx
     from rich.markup import escape
 
-    from prfaas.cli.regions_import import OutputsError, parse_outputs
-    from prfaas.cli.regions_import import apply as apply_links
+    from prfaas.control_plane.fleet.terraform_outputs import OutputsError, parse_outputs
+    from prfaas.control_plane.fleet.terraform_outputs import apply as apply_links
 
     try:
         deployment = parse_outputs(file.read_text())

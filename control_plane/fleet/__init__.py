@@ -4,4 +4,5 @@ registry.py   RegionRegistry: registrations, heartbeats, drains and links in Red
               builds the scheduler's ClusterSnapshot (prices from billing's PriceBook)
 server.py     the Registry gRPC service regions call (Register, Heartbeat, WebRTC signalling)
 signaling.py  SignalRelay: WebRTC offers and answers through Redis
+terraform_outputs.py  the entries and links a Terraform environment describes (`prfaas regions import`)
 """

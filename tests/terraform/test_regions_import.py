@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from prfaas.cli.regions_import import OutputsError, parse_outputs
+from prfaas.control_plane.fleet.terraform_outputs import OutputsError, parse_outputs
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "terraform" / "envs" / "aws-example" / "outputs.sample.json"

@@ -1,4 +1,4 @@
-"""`prfaas regions import FILE`: the region registry entries a Terraform environment
+"""What a Terraform environment tells the registry (`prfaas regions import FILE`): the entries it
 describes, read from `terraform output -json` (terraform/envs/*: outputs `regions`, `links`
 and `control_plane`; docs/deploy.md).
 
