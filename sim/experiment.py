@@ -77,7 +77,7 @@ def summarize(sim: Simulation, records: list[RequestRecord], slo: Slo, rate_rps:
             raw_by_link[key] = raw_by_link.get(key, 0) + r.kv_raw_bytes
     link_util = 0.0
     for (src, dst), link in sim.links.items():
-        gbps = link.bytes_carried * 8 / duration / 1e9
+        gbps = link.pipe.bytes_carried * 8 / duration / 1e9
         link_gbps[f"{src}->{dst}"] = gbps
         link_raw_gbps[f"{src}->{dst}"] = raw_by_link.get(f"{src}->{dst}", 0) * 8 / duration / 1e9
         if link.spec.bandwidth_gbps > 0:

@@ -82,20 +82,12 @@ def role(spec: RegionSpec) -> Role:
 
 
 class LinkState:
-    """One modelled link: the fluid flow its shipments share."""
+    """One modelled link: `pipe`, the fluid flow its shipments share (bytes carried, splits so far)."""
 
     def __init__(self, env: simpy.Environment, spec: LinkSpec, num_layers: int) -> None:
         self.spec = spec
         self.pipe = FluidLink(env, spec, num_layers)
         self._cached: tuple[int, Link] | None = None
-
-    @property
-    def bytes_carried(self) -> int:
-        return self.pipe.bytes_carried
-
-    @property
-    def num_splits(self) -> int:
-        return self.pipe.num_splits
 
     def snapshot_link(self) -> Link:
         """What a link probe would measure now: goodput, RTT, the share in use."""

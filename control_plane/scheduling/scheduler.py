@@ -32,12 +32,17 @@ class PluginContractError(SchedulerError):
 
 @dataclass(frozen=True)
 class NamedFilter:
+    """A filter and the name its cuts are traced under (the policy's plugin name)."""
+
     name: str
     plugin: Filter
 
 
 @dataclass(frozen=True)
 class WeightedScorer:
+    """A scorer, the name its points are traced under, and its weight. A candidate's points from it:
+    weight x its score clamped to [0, 1] (the framework clamps, weights and sums; see `_rank`)."""
+
     name: str
     weight: float
     plugin: Scorer

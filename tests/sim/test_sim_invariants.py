@@ -63,7 +63,7 @@ def test_zero_bandwidth_link_never_carries_a_split(policy: str) -> None:
     sim = Simulation(fleet, chosen.scheduler(), scenario.slo)
     records = sim.run(scenario.workload.generate(0.3, 150, seed=1))
     assert not [r for r in records if r.mode == "split"]
-    assert all(link.bytes_carried == 0 and link.num_splits == 0 for link in sim.links.values())
+    assert all(link.pipe.bytes_carried == 0 and link.pipe.num_splits == 0 for link in sim.links.values())
     if policy == "naive-heterogeneous":  # it may only split, and no split is possible
         assert all(r.outcome is Outcome.REJECTED for r in records)
 
@@ -76,7 +76,7 @@ def test_a_live_link_does_carry_splits() -> None:
     sim = Simulation(fleet, chosen.scheduler(), scenario.slo)
     records = sim.run(scenario.workload.generate(0.3, 150, seed=1))
     assert any(r.mode == "split" for r in records)
-    assert sum(link.bytes_carried for link in sim.links.values()) == sum(r.wire_bytes for r in records)
+    assert sum(link.pipe.bytes_carried for link in sim.links.values()) == sum(r.wire_bytes for r in records)
 
 
 def test_a_shipment_longer_than_a_second_of_goodput_does_not_shut_the_link() -> None:
