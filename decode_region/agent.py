@@ -41,7 +41,7 @@ from prfaas.region.errors import (
     streaming,
     unary,
 )
-from prfaas.region.requests import MAX_TIMEOUT_S, job_uuid, sampling_from_proto, timeout_from
+from prfaas.region.requests import MAX_TIMEOUT_S, cancel_of, job_uuid, sampling_from_proto, timeout_from
 
 log = logging.getLogger(__name__)
 TOMBSTONE_S = 120.0
@@ -143,12 +143,12 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
 
     @unary
     def Cancel(self, request: common_pb2.CancelRequest, context: grpc.ServicerContext) -> common_pb2.CancelReply:
-        job_id = job_uuid(request.job_id)
+        job_id, canceled = cancel_of(request)
         with self._lock:
             res = self._reservations.get(job_id)
             local = self._local.get(job_id)
         if res is not None:
-            self._end(res, Canceled(f"canceled: {request.reason or 'by the caller'}"))
+            self._end(res, canceled)
         if local is not None:
             local.set()
         return common_pb2.CancelReply(found=res is not None or local is not None)

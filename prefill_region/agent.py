@@ -34,7 +34,7 @@ from prfaas.region.errors import (
     streaming,
     unary,
 )
-from prfaas.region.requests import MAX_TIMEOUT_S, job_uuid, sampling_from_proto, timeout_from
+from prfaas.region.requests import MAX_TIMEOUT_S, cancel_of, job_uuid, sampling_from_proto, timeout_from
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
@@ -168,12 +168,12 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
 
     @unary
     def Cancel(self, request: common_pb2.CancelRequest, context: grpc.ServicerContext) -> common_pb2.CancelReply:
-        job_id = job_uuid(request.job_id)
+        job_id, canceled = cancel_of(request)
         with self._lock:
             job = self._jobs.get(job_id)
         kept = self.backend.drop(job_id)
         if job is not None:
-            job.cancel(Canceled(f"canceled: {request.reason or 'by the caller'}"))
+            job.cancel(canceled)
         return common_pb2.CancelReply(found=job is not None or kept)
 
     # -- region ----------------------------------------------------------------------------

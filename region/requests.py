@@ -7,7 +7,7 @@ import uuid
 
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2
-from prfaas.region.errors import InvalidRequest
+from prfaas.region.errors import Canceled, InvalidRequest
 
 MAX_TIMEOUT_S = 3600.0  # the longest deadline any region call may ask for (seconds)
 
@@ -47,3 +47,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.seed is not None:
         msg.seed = params.seed
     return msg
+
+
+def cancel_of(request: common_pb2.CancelRequest) -> tuple[str, Canceled]:
+    """A Cancel call's job id (checked) and the error the job ends with."""
+    return job_uuid(request.job_id), Canceled(f"canceled: {request.reason or 'by the caller'}")

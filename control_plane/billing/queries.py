@@ -46,7 +46,7 @@ class GroupTotal(BaseModel):
 SUMMED = tuple(GroupTotal.model_fields)[2:]  # every field past key and jobs is a column's sum
 
 
-_CASTS: dict[str, type] = {name: f.annotation for name, f in GroupTotal.model_fields.items() if f.annotation}
+_CASTS: dict[str, Any] = {name: f.annotation for name, f in GroupTotal.model_fields.items() if f.annotation}
 
 
 def _typed(values: dict[str, Any]) -> GroupTotal:
