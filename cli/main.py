@@ -20,7 +20,7 @@ model_app = typer.Typer(help="Prepare and list the offline model catalog.", no_a
 app.add_typer(model_app, name="model")
 sched_app = typer.Typer(help="The global scheduler: explain a placement.", no_args_is_help=True)
 app.add_typer(sched_app, name="sched")
-certs_app = typer.Typer(help="Certificates for mutual TLS on KV connections.", no_args_is_help=True)
+certs_app = typer.Typer(help="Certificates for mutual TLS between components.", no_args_is_help=True)
 app.add_typer(certs_app, name="certs")
 console = Console()
 
@@ -88,24 +88,35 @@ def certs_init(
     sans: list[str] = typer.Option(
         ["localhost", "127.0.0.1"], "--san", help="DNS name or IP peers dial this node at (repeatable)"
     ),
+    identity: str = typer.Option(
+        None,
+        help="the node's identity, e.g. prfaas://prefill/REGION/INSTANCE or prfaas://control-plane/NAME "
+        "(one --name with it)",
+    ),
     days: int = typer.Option(825, help="validity of node certificates"),
     force: bool = typer.Option(False, help="replace the CA too (every node needs new certificates then)"),
 ) -> None:
     """Create the deployment's CA (kept if present) and a certificate + key per node name.
-    A receiver and a sender each load their node files and the CA (transport/tls.py)."""
+    Every connection between components loads its node files and the CA: gRPC between the
+    control plane and regions, and KV (transport/tls.py; identities: transport/identity.py)."""
     from prfaas.engine.models import prfaas_home
+    from prfaas.transport.identity import Identity, IdentityError
     from prfaas.transport.tls import init_certs
 
     target = directory or prfaas_home() / "certs"
     existed = (target / "ca.pem").exists() and not force
     try:
-        ca, nodes = init_certs(target, names, sans, days=days, force=force)
-    except (ValueError, OSError) as exc:
+        if identity is not None and len(names) != 1:
+            raise ValueError("--identity names one node: give exactly one --name with it")
+        identities = {names[0]: Identity.parse(identity)} if identity is not None else {}
+        ca, nodes = init_certs(target, names, sans, identities=identities, days=days, force=force)
+    except (ValueError, OSError, IdentityError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
     console.print(f"CA {'kept' if existed else 'created'}: {ca}")
     for node in nodes:
-        console.print(f"issued {node.cert} (key {node.key}, 0600) for {', '.join(sans)}")
+        console.print(f"issued {node.cert} (key {node.key}, 0600) for {', '.join(sans)}"
+                      + (f" as {identity}" if identity else ""))  # fmt: skip
 
 
 @app.command()

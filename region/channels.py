@@ -1,18 +1,96 @@
 """gRPC plumbing both ends of a region's calls use (the regions, and the control plane that
-calls them and serves their registry): channel and server options, and reading a stream
-with a bounded wait."""
+calls them and serves their registry): mutual TLS material and credentials, channel and
+server options, and reading a stream with a bounded wait."""
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from prfaas.transport.identity import Identity, identity_of
+from prfaas.transport.tls import NodeCert
 
 log = logging.getLogger(__name__)
+PEM_PREFIX = "-----BEGIN"
+
+
+class TlsFiles(BaseModel):
+    """A node's mutual-TLS material from `prfaas certs init`: the deployment's CA, the node's
+    certificate (naming its identity, transport/identity.py) and its key. Each is a file path,
+    or the PEM text itself (from a secret store). Checked when loaded: readable, a
+    certificate with exactly one prfaas identity."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ca: str
+    cert: str
+    key: str = Field(repr=False)
+
+    def pem(self, which: str) -> bytes:
+        value: str = getattr(self, which)
+        if value.lstrip().startswith(PEM_PREFIX):
+            return value.encode()
+        try:
+            return Path(value).expanduser().read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{which}: cannot read {value}: {exc.strerror}") from None
+
+    @model_validator(mode="after")
+    def _readable(self) -> TlsFiles:
+        for which in ("ca", "key"):
+            self.pem(which)
+        if identity_of_pem(self.pem("cert")) is None:
+            raise ValueError("cert names no prfaas identity (issue it with `prfaas certs init --identity ...`)")
+        return self
+
+    @property
+    def identity(self) -> Identity:
+        identity = identity_of_pem(self.pem("cert"))
+        assert identity is not None  # checked when loaded
+        return identity
+
+    def node_cert(self) -> NodeCert:
+        """The files the KV transport's TLS contexts load (PEM text is written to a private
+        temporary folder first: Python's ssl module reads files only)."""
+        paths = {}
+        folder: Path | None = None
+        for which in ("ca", "cert", "key"):
+            value: str = getattr(self, which)
+            if not value.lstrip().startswith(PEM_PREFIX):
+                paths[which] = Path(value).expanduser()
+                continue
+            folder = folder or Path(tempfile.mkdtemp(prefix="prfaas-tls-"))
+            paths[which] = folder / f"{which}.pem"
+            fd = os.open(paths[which], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(value)
+        return NodeCert(cert=paths["cert"], key=paths["key"], ca=paths["ca"])
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """A server that requires a client certificate from the deployment's CA."""
+        return grpc.ssl_server_credentials(
+            [(self.pem("key"), self.pem("cert"))], root_certificates=self.pem("ca"), require_client_auth=True
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.pem("ca"), self.pem("key"), self.pem("cert"))
+
+
+def identity_of_pem(pem: bytes) -> Identity | None:
+    try:
+        return identity_of(pem)
+    except ValueError:  # not a certificate at all
+        return None
+
 
 CONNECT_TIMEOUT_FLOOR_MS = 2000  # a loaded host's loopback handshake must never count as a dead peer
 

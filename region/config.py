@@ -8,8 +8,10 @@ set from the environment, `PRFAAS_` + the field path joined by `__` (e.g.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from prfaas.region.channels import TlsFiles
 from prfaas.transport.webrtc import IceServer
 
 PLACEHOLDER_KEYS = {"changeme", "change-me", "secret", "dev", "placeholder"}
@@ -39,6 +42,22 @@ def parse_bytes(value: object) -> int:
     if match is None:
         raise ValueError(f"{value!r} is not a byte count like 1073741824 or '1GiB'")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+
+
+def _host_instance() -> str:
+    """This host's name as an instance id (a region's instances run on hosts of their own)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._")
+    return name[:128] or "instance"
+
+
+def is_loopback(hostport: str) -> bool:
+    host, _port = parse_hostport(hostport)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
@@ -133,6 +152,16 @@ class RegionConfig(BaseSettings):
     shm: bool = False
     shm_arena_bytes: int = Field(default=256 << 20, ge=1 << 20)
     ice_servers: list[IceServerConfig] = Field(default_factory=list)  # webrtc, both roles
+    # This instance of the region (a region is a pool of instances, each registered on its own)
+    # and the address peers dial it at; None: the listen host, or where the route to the
+    # registry leaves this host when the listen host is a wildcard (region/addresses.py).
+    instance: str = Field(default_factory=lambda: _host_instance(), pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    advertise: str | None = None
+    # Mutual TLS on every connection (gRPC both ways, KV): `prfaas certs init --identity
+    # prfaas://ROLE/NAME/INSTANCE` (or `/*`, shared by the region's instances). Without it, only
+    # loopback listen addresses are allowed unless `insecure: true`.
+    tls: TlsFiles | None = None
+    insecure: bool = False
     # TEST ONLY: a prefill waits this long after each layer, so fault tests can act mid-prefill
     test_layer_delay_s: float = Field(default=0.0, ge=0.0, le=10.0)
 
@@ -173,6 +202,24 @@ class RegionConfig(BaseSettings):
             raise ValueError("engine 'vllm' sends and receives KV over TCP only: set transport: tcp and shm: false")
         if self.engine == "vllm" and self.engine_cpus:
             raise ValueError("engine_cpus pins the HF engine; a vLLM server's cores are vllm.cpu_threads_bind")
+        return self
+
+    @model_validator(mode="after")
+    def _tls(self) -> RegionConfig:
+        if self.tls is None:
+            exposed = [f"listen.{k}" for k in ("grpc", "kv") if not is_loopback(getattr(self.listen, k))]
+            if exposed and not self.insecure:
+                raise ValueError(
+                    f"{', '.join(exposed)} not on loopback without tls: set tls (certificates from "
+                    "`prfaas certs init`), or insecure: true to serve in plaintext"
+                )
+            return self
+        identity = self.tls.identity
+        if identity.kind != self.role or identity.region != self.name or identity.instance not in ("*", self.instance):
+            raise ValueError(
+                f"tls.cert is for {identity.uri}, this is prfaas://{self.role}/{self.name}/{self.instance} "
+                "(its own instance, or * for every instance of the region)"
+            )
         return self
 
     @model_validator(mode="after")

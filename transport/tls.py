@@ -20,7 +20,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, cast
@@ -29,6 +29,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from prfaas.transport.identity import Identity
 
 T = TypeVar("T")
 RECV_BYTES = 256 << 10
@@ -58,8 +60,10 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(pem, pkcs8, serialization.NoEncryption())
 
 
-def _san(names: list[str]) -> x509.SubjectAlternativeName:
+def _san(names: list[str], identity: Identity | None) -> x509.SubjectAlternativeName:
     entries: list[x509.GeneralName] = []
+    if identity is not None:
+        entries += [x509.UniformResourceIdentifier(identity.uri), x509.DNSName(identity.server_name)]
     for name in names:
         try:
             entries.append(x509.IPAddress(ipaddress.ip_address(name)))
@@ -69,11 +73,22 @@ def _san(names: list[str]) -> x509.SubjectAlternativeName:
 
 
 def init_certs(
-    directory: Path, names: list[str], sans: list[str], *, days: int = 825, force: bool = False
+    directory: Path,
+    names: list[str],
+    sans: list[str],
+    *,
+    identities: Mapping[str, Identity] | None = None,
+    days: int = 825,
+    force: bool = False,
 ) -> tuple[Path, list[NodeCert]]:
     """Create the CA in `directory` (kept if present, unless `force`) and a certificate for
     each node name, valid for client and server use, with `sans` (DNS names or IPs) as the
-    names peers may dial. Keys are written 0600. Returns (CA path, node certificates)."""
+    names peers may dial and, where `identities` names one, the node's identity URI
+    (transport/identity.py). Keys are written 0600. Returns (CA path, node certificates)."""
+    identities = identities or {}
+    unknown = sorted(set(identities) - set(names))
+    if unknown:
+        raise ValueError(f"identities for nodes not issued: {', '.join(unknown)}")
     if not names:
         raise ValueError("name at least one node")
     if not sans:
@@ -119,7 +134,7 @@ def init_certs(
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(_san(sans), critical=False)
+            .add_extension(_san(sans, identities.get(name)), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),

@@ -21,6 +21,8 @@ from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import decode_pb2, registry_pb2, registry_pb2_grpc
 from prfaas.region.config import ConfigError, config_from_mapping, load_config
 from prfaas.region.server import RegionServer
+from prfaas.transport.identity import Identity
+from prfaas.transport.tls import init_certs
 
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
@@ -151,7 +153,54 @@ def test_config_sizes_env_and_roles(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.kv_buffer_bytes == 2 << 30 and config.control_plane_url == "cp:7000"
     assert config.serves_decode and not config.serves_prefill
     monkeypatch.setenv("PRFAAS_LISTEN__GRPC", "0.0.0.0:9000")
+    monkeypatch.setenv("PRFAAS_INSECURE", "true")
     assert config_from_mapping(VALID).listen.grpc == "0.0.0.0:9000"
+
+
+@pytest.fixture(scope="module")
+def tls_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("certs")
+    issue = {"dec-a-1": "prfaas://decode/dec-a/1", "dec-a-all": "prfaas://decode/dec-a/*",
+             "pre-b-1": "prfaas://prefill/pre-b/1"}  # fmt: skip
+    init_certs(directory, list(issue), ["127.0.0.1"], identities={n: Identity.parse(u) for n, u in issue.items()})
+    return directory
+
+
+def _tls(directory: Path, node: str) -> dict[str, str]:
+    return {"ca": str(directory / "ca.pem"), "cert": str(directory / f"{node}.pem"),
+            "key": str(directory / f"{node}-key.pem")}  # fmt: skip
+
+
+def test_a_region_off_loopback_needs_tls_or_says_it_is_insecure(tls_dir: Path) -> None:
+    exposed = VALID | {"listen": {"grpc": "0.0.0.0:9000", "kv": "10.0.0.5:7400"}, "instance": "1"}
+    with pytest.raises(ConfigError, match=r"listen.grpc, listen.kv not on loopback without tls"):
+        config_from_mapping(exposed)
+    assert config_from_mapping(exposed | {"insecure": True}).tls is None
+    assert config_from_mapping(exposed | {"tls": _tls(tls_dir, "dec-a-1")}).tls is not None
+    shared = config_from_mapping(exposed | {"instance": "i-0abc", "tls": _tls(tls_dir, "dec-a-all")})
+    assert shared.tls is not None and shared.tls.identity.instance == "*"  # an auto-scaling group's
+
+
+@pytest.mark.parametrize(
+    ("node", "instance", "error"),
+    [
+        ("pre-b-1", "1", "tls.cert is for prfaas://prefill/pre-b/1, this is prfaas://decode/dec-a/1"),
+        ("dec-a-1", "2", "tls.cert is for prfaas://decode/dec-a/1, this is prfaas://decode/dec-a/2"),
+    ],
+)
+def test_a_certificate_for_another_region_or_instance_is_refused(
+    tls_dir: Path, node: str, instance: str, error: str
+) -> None:
+    with pytest.raises(ConfigError, match=error):
+        config_from_mapping(VALID | {"instance": instance, "tls": _tls(tls_dir, node)})
+
+
+def test_unreadable_or_identityless_tls_material_is_refused(tls_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"tls: .*key: cannot read"):
+        config_from_mapping(VALID | {"tls": _tls(tls_dir, "dec-a-1") | {"key": str(tmp_path / "absent.pem")}})
+    init_certs(tmp_path, ["plain"], ["127.0.0.1"])
+    with pytest.raises(ConfigError, match="names no prfaas identity"):
+        config_from_mapping(VALID | {"tls": _tls(tmp_path, "plain") | {"ca": str(tls_dir / "ca.pem")}})
 
 
 def test_prfaas_region_with_malformed_config_exits_naming_the_field(tmp_path: Path) -> None:
