@@ -1,11 +1,17 @@
 """The region config the AWS module's cloud-init writes is one `prfaas region` accepts:
 terraform/modules/region_config and region_aws's cloud-init template, rendered offline by
-Terraform itself (pure module, built-in functions, no provider), then loaded with the real
-parser (`load_config`)."""
+Terraform itself (pure module, built-in functions, no provider). The instance's start script
+is then run as cloud-init writes it (in a loopback-only network namespace, with stand-ins for
+`curl` on the instance metadata, `aws secretsmanager` and the `prfaas` binary, and /etc/prfaas
+moved under a temporary folder), and the config it writes is loaded with the real parser
+(`load_config`): the instance id and private address from IMDSv2 become `instance` and
+`advertise`, the TLS secret becomes files 0600 that `tls` names."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -14,15 +20,18 @@ import yaml
 from tf_kit import NETNS, REPO, have_terraform
 
 from prfaas.region.config import load_config
+from prfaas.transport.identity import Identity
+from prfaas.transport.tls import init_certs
 
 pytestmark = pytest.mark.skipif(not have_terraform(), reason="needs terraform on PATH and root (ip netns)")
 MODULES = REPO / "terraform" / "modules"
-SECRET = "arn:aws:secretsmanager:us-east-2:123456789012:secret:prfaas/example/ticket-key-AbCdEf"
+TICKET_ARN = "arn:aws:secretsmanager:us-east-2:123456789012:secret:prfaas/example/ticket-key-AbCdEf"
+TLS_ARN = "arn:aws:secretsmanager:us-east-1:123456789012:secret:prfaas/decode-use1/tls-GhIjKl"
+TICKET_KEY = "a-real-looking-ticket-key-0123456789abcdef"
+INSTANCE, ADDRESS = "i-0123456789abcdef0", "10.20.1.23"
+START = "/usr/local/bin/prfaas-region-start"
 
-CONFIG = f"""
-module "region" {{
-  source = "{MODULES / "region_config"}"
-  region = {{
+REGION = """
     name                 = "decode-use1"
     role                 = "decode"
     gpu_type             = "h100"
@@ -37,51 +46,216 @@ module "region" {{
     metrics_port         = 9400
     heartbeat_interval_s = 1
     drain_timeout_s      = 20
-  }}
+"""
+
+
+def _config(pki: Path) -> str:
+    """region_aws's call of region_config and its template (the arguments it passes), and
+    region_local's way: `tls` files in the rendered config on a non-loopback host."""
+    return f"""
+module "region" {{
+  source = "{MODULES / "region_config"}"
+  region = {{ {REGION} }}
   registry          = {{ provider = "aws", location = "us-east-1", instance_type = "p5.48xlarge" }}
   control_plane_url = "prreg-0123.elb.us-east-1.amazonaws.com:7000"
   listen_host       = "0.0.0.0"
   device            = "cuda"
 }}
 
+module "files" {{
+  source = "{MODULES / "region_config"}"
+  region = {{ {REGION} }}
+  registry          = {{ provider = "local", location = "10.0.0.5" }}
+  control_plane_url = "10.0.0.1:7000"
+  listen_host       = "10.0.0.5"
+  tls = {{
+    ca   = "{pki / "ca.pem"}"
+    cert = "{pki / "decode-use1.pem"}"
+    key  = "{pki / "decode-use1-key.pem"}"
+  }}
+}}
+
 output "cloud_init" {{
   value = templatefile("{MODULES / "region_aws" / "cloud-init.yaml.tftpl"}", {{
-    region_yaml = module.region.yaml, package = "prfaas==0.1.0", secret_arn = "{SECRET}",
-    aws_region = "us-east-2", log_group = "/prfaas/decode-use1/region", drain_timeout = 20
+    region_yaml = module.region.yaml, package = "prfaas==0.1.0", ticket_secret_arn = "{TICKET_ARN}",
+    tls_secret_arn = "{TLS_ARN}", tls_secret_region = "us-east-1", aws_region = "us-east-2",
+    log_group = "/prfaas/decode-use1/region", drain_timeout = 20
   }})
+}}
+
+output "files_yaml" {{
+  value = module.files.yaml
 }}
 """
 
 
-def test_cloud_init_writes_a_region_config_prfaas_region_accepts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (tmp_path / "main.tf").write_text(CONFIG)
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The region's certificate as the operator issues it for its secret (docs/deploy.md)."""
+    folder = tmp_path_factory.mktemp("pki")
+    identity = Identity.parse("prfaas://decode/decode-use1/*")
+    init_certs(folder, ["decode-use1"], ["decode-use1.region.prfaas"], identities={"decode-use1": identity})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> dict[str, str]:
+    """The outputs of _config(pki), rendered once by Terraform offline."""
+    work = tmp_path_factory.mktemp("tf")
+    (work / "main.tf").write_text(_config(pki))
     script = "terraform init -input=false >/dev/null && terraform apply -auto-approve -input=false >/dev/null && terraform output -json"  # noqa: E501
-    out = subprocess.run(
-        [str(NETNS), "run", "sh", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([str(NETNS), "run", "sh", "-c", script], cwd=work, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    cloud_init = yaml.safe_load(json.loads(out.stdout)["cloud_init"]["value"])
-    files = {f["path"]: f["content"] for f in cloud_init["write_files"]}
-    (tmp_path / "region.yaml").write_text(files["/etc/prfaas/region.yaml"])
-    monkeypatch.setenv("PRFAAS_TICKET_KEY", "a-real-looking-ticket-key-0123456789abcdef")  # the start script's job
-    config = load_config(tmp_path / "region.yaml")
+    return {name: value["value"] for name, value in json.loads(out.stdout).items()}
+
+
+def _files(rendered: dict[str, str]) -> dict[str, str]:
+    return {f["path"]: f["content"] for f in yaml.safe_load(rendered["cloud_init"])["write_files"]}
+
+
+# stand-ins on PATH: they log their arguments to $LOG and answer as AWS would
+CURL = """#!/bin/bash
+echo "$*" >> "$LOG/curl"
+case "$*" in
+  *"-X PUT http://169.254.169.254/latest/api/token"*"X-aws-ec2-metadata-token-ttl-seconds"*) printf TOKEN123 ;;
+  *"X-aws-ec2-metadata-token: TOKEN123 http://169.254.169.254/latest/meta-data/instance-id") printf '%s' "$INSTANCE" ;;
+  *"X-aws-ec2-metadata-token: TOKEN123 http://169.254.169.254/latest/meta-data/local-ipv4") printf '%s' "$ADDRESS" ;;
+  *) echo "curl: (22) unexpected: $*" >&2; exit 22 ;;
+esac
+"""
+AWS = """#!/bin/bash
+echo "$*" >> "$LOG/aws"
+case "$*" in
+  "secretsmanager get-secret-value --region us-east-1 --secret-id $TLS_ARN --query SecretString --output text")
+    cat "$TLS_JSON" ;;
+  "secretsmanager get-secret-value --region us-east-2 --secret-id $TICKET_ARN --query SecretString --output text")
+    printf '%s\\n' "$TICKET_KEY" ;;
+  *) echo "An error occurred (ResourceNotFoundException): $*" >&2; exit 254 ;;
+esac
+"""
+PRFAAS = """#!/bin/bash
+printf '%s\\n' "$@" > "$LOG/prfaas.args"
+printf '%s' "$PRFAAS_TICKET_KEY" > "$LOG/ticket_key"
+"""
+
+
+def _boot(tmp_path: Path, files: dict[str, str], secret: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run the start script as cloud-init wrote it; returns its result and the $LOG folder."""
+    root, bin_dir, log = tmp_path / "etc-prfaas", tmp_path / "bin", tmp_path / "log"
+    for folder in (root, bin_dir, log):
+        folder.mkdir()
+    (root / "region.base.yaml").write_text(files["/etc/prfaas/region.base.yaml"])
+    for name, text in {"curl": CURL, "aws": AWS, "prfaas": PRFAAS,
+                       "prfaas-write-tls": files["/usr/local/bin/prfaas-write-tls"]}.items():  # fmt: skip
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    start = files[START]
+    for line, moved in (
+        ("conf=/etc/prfaas\n", f"conf={root}\n"),
+        ('exec /opt/prfaas/bin/prfaas region --config "$conf/region.yaml"\n',
+         f'exec {bin_dir}/prfaas region --config "$conf/region.yaml"\n'),
+    ):  # fmt: skip
+        assert start.count(line) == 1, line
+        start = start.replace(line, moved)
+    (tmp_path / "start").write_text(start)
+    (tmp_path / "tls.json").write_text(secret)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(log), "INSTANCE": INSTANCE, "ADDRESS": ADDRESS,
+        "TLS_ARN": TLS_ARN, "TICKET_ARN": TICKET_ARN, "TICKET_KEY": TICKET_KEY, "TLS_JSON": str(tmp_path / "tls.json"),
+    }  # fmt: skip
+    proc = subprocess.run(
+        [str(NETNS), "run", "bash", str(tmp_path / "start")], env=env, capture_output=True, text=True, timeout=60
+    )
+    return proc, log
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _secret(pki: Path) -> dict[str, str]:
+    return {
+        "ca": (pki / "ca.pem").read_text(),
+        "cert": (pki / "decode-use1.pem").read_text(),
+        "key": (pki / "decode-use1-key.pem").read_text(),
+    }
+
+
+def test_cloud_init_writes_a_region_config_prfaas_region_accepts(
+    tmp_path: Path, pki: Path, rendered: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert len(rendered["cloud_init"].encode()) < 16384  # EC2's user-data limit
+    cloud_init = yaml.safe_load(rendered["cloud_init"])
+    files = _files(rendered)
+    base = files["/etc/prfaas/region.base.yaml"]
+    assert "ticket_key" not in base.replace("ticket_key_id", "")  # the key comes from Secrets Manager at start
+    assert not {"instance", "advertise", "tls", "insecure"} & set(yaml.safe_load(base))  # the instance adds them
+
+    proc, log = _boot(tmp_path, files, json.dumps(_secret(pki)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # IMDSv2: a session token first, then each read carries it
+    curl = (log / "curl").read_text().splitlines()
+    assert len(curl) == 3 and "-X PUT" in curl[0] and all("X-aws-ec2-metadata-token: TOKEN123" in c for c in curl[1:])
+    # the TLS secret from its own region, the ticket key's replica from this one
+    assert [line.split("--secret-id ")[1].split()[0] for line in (log / "aws").read_text().splitlines()] == [
+        TLS_ARN, TICKET_ARN,
+    ]  # fmt: skip
+    root = tmp_path / "etc-prfaas"
+    assert _mode(root / "tls") == 0o700
+    for name, text in _secret(pki).items():
+        assert (root / "tls" / f"{name}.pem").read_text() == text and _mode(root / "tls" / f"{name}.pem") == 0o600
+    assert not list((root / "tls").glob("*.new")) and _mode(root / "region.yaml") == 0o600
+    assert (log / "prfaas.args").read_text().split() == ["region", "--config", str(root / "region.yaml")]
+    assert (log / "ticket_key").read_text() == TICKET_KEY  # in the environment, never on disk
+    assert TICKET_KEY not in "".join(p.read_text() for p in root.rglob("*") if p.is_file())
+
+    monkeypatch.setenv("PRFAAS_TICKET_KEY", TICKET_KEY)
+    config = load_config(root / "region.yaml")
     assert (config.name, config.role, config.workers, config.device, config.dtype) == (
         "decode-use1", "decode", 8, "cuda", "bfloat16",
     )  # fmt: skip
+    assert (config.instance, config.advertise, config.insecure) == (INSTANCE, ADDRESS, False)
     assert (config.listen.grpc, config.listen.kv, config.listen.metrics) == (
         "0.0.0.0:50051",
         "0.0.0.0:7400",
         "0.0.0.0:9400",
     )
+    assert config.tls is not None and config.tls.identity.uri == "prfaas://decode/decode-use1/*"
+    assert (config.tls.ca, config.tls.cert, config.tls.key) == tuple(
+        str(root / "tls" / f"{name}.pem") for name in ("ca", "cert", "key")
+    )
     assert config.kv_buffer_bytes == 64 << 30 and config.usd_per_gpu_hour == 12.29
     assert config.control_plane_url == "prreg-0123.elb.us-east-1.amazonaws.com:7000"
-    assert "ticket_key:" not in files["/etc/prfaas/region.yaml"]  # the key comes from Secrets Manager at start
-    start = files["/usr/local/bin/prfaas-region-start"]
-    assert (
-        f"--secret-id '{SECRET}'" in start
-        and "exec /opt/prfaas/bin/prfaas region --config /etc/prfaas/region.yaml" in start
-    )
     assert "TimeoutStopSec=30" in files["/etc/systemd/system/prfaas-region.service"]  # drain + 10 s
     assert "/opt/prfaas/bin/pip install --quiet 'prfaas==0.1.0'" in cloud_init["runcmd"]
+
+    # region_local's way: `tls` files in the rendered config let a region listen off loopback
+    (tmp_path / "files.yaml").write_text(rendered["files_yaml"])
+    local = load_config(tmp_path / "files.yaml")
+    assert local.listen.grpc == "10.0.0.5:50051" and local.tls is not None
+    assert local.tls.key == str(pki / "decode-use1-key.pem")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("no key", "'key' is missing or not PEM text"),
+        ("key not PEM", "'key' is missing or not PEM text"),
+        ("a list", "'ca' is missing or not PEM text"),
+        ("not JSON", "TLS secret: not JSON"),
+    ],
+)
+def test_a_bad_tls_secret_stops_the_start_before_anything_is_written(
+    tmp_path: Path, pki: Path, rendered: dict[str, str], change: str, message: str
+) -> None:
+    good = _secret(pki)
+    secret = {
+        "no key": json.dumps({"ca": good["ca"], "cert": good["cert"]}),
+        "key not PEM": json.dumps(good | {"key": "/etc/prfaas/tls/key.pem"}),
+        "a list": json.dumps(list(good.values())),
+        "not JSON": good["cert"],
+    }[change]
+    proc, log = _boot(tmp_path, _files(rendered), secret)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert not (log / "prfaas.args").exists() and not (tmp_path / "etc-prfaas" / "region.yaml").exists()
+    assert not os.listdir(tmp_path / "etc-prfaas" / "tls")

@@ -30,6 +30,7 @@ module "decode" {
   peer_cidrs            = local.prefill_cidrs
   control_plane_cidrs   = [var.regions.decode.vpc_cidr]
   ticket_key_secret_arn = local.ticket_arns.decode
+  tls_secret            = var.tls_secrets.decode
   ticket_key_kms_arn    = module.control_plane.ticket_key_kms_arn
   prfaas_package        = var.prfaas_package
   enable_efa            = var.regions.decode.enable_efa
@@ -52,6 +53,7 @@ module "control_plane" {
   model                      = var.model
   region_cidrs               = local.prefill_cidrs
   ticket_key_replica_regions = [for slot in local.prefill : var.regions[slot].aws_region]
+  tls_secret                 = var.tls_secrets.control_plane
 }
 
 module "prefill_a" {
@@ -66,6 +68,7 @@ module "prefill_a" {
   peer_cidrs              = [var.regions.decode.vpc_cidr]
   control_plane_cidrs     = [var.regions.decode.vpc_cidr]
   ticket_key_secret_arn   = local.ticket_arns.prefill_a
+  tls_secret              = var.tls_secrets.prefill_a
   prfaas_package          = var.prfaas_package
   min_size                = var.regions.prefill_a.min_size
   max_size                = var.regions.prefill_a.max_size
@@ -85,6 +88,7 @@ module "prefill_b" {
   peer_cidrs              = [var.regions.decode.vpc_cidr]
   control_plane_cidrs     = [var.regions.decode.vpc_cidr]
   ticket_key_secret_arn   = local.ticket_arns.prefill_b
+  tls_secret              = var.tls_secrets.prefill_b
   prfaas_package          = var.prfaas_package
   min_size                = var.regions.prefill_b.min_size
   max_size                = var.regions.prefill_b.max_size

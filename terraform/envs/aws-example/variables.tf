@@ -62,6 +62,18 @@ variable "regions" {
   }
 }
 
+variable "tls_secrets" {
+  description = "the mutual-TLS secrets (JSON: ca, cert, key; docs/deploy.md, \"Certificates\"), each in its slot's AWS region: control_plane (prfaas://control-plane/NAME) and one per region slot (prfaas://ROLE/REGION/*)"
+  type = map(object({
+    arn     = string               # the secret's full ARN
+    kms_arn = optional(string, "") # its KMS key; empty: the AWS-managed aws/secretsmanager key
+  }))
+  validation {
+    condition     = toset(keys(var.tls_secrets)) == toset(["control_plane", "decode", "prefill_a", "prefill_b"])
+    error_message = "tls_secrets: exactly control_plane, decode, prefill_a and prefill_b."
+  }
+}
+
 variable "links" {
   description = "estimated prefill -> decode paths until measured (rtt ms, Gbit/s per region pair, egress $/GB)"
   type = map(object({

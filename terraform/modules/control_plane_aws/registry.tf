@@ -1,5 +1,5 @@
 # The internal NLB regions send heartbeats through: TCP to the API tasks' registry port
-# (gRPC), inside the peered private networks.
+# (gRPC over mutual TLS, end to end), inside the peered private networks.
 
 resource "aws_lb_target_group" "registry" {
   name_prefix = "preg-"
@@ -11,9 +11,9 @@ resource "aws_lb_target_group" "registry" {
 }
 
 resource "aws_lb_listener" "registry" {
-  #checkov:skip=CKV2_AWS_74:the registry speaks plain gRPC over TCP inside the peered private networks; a TLS listener would need region-side TLS the region agent does not speak yet
+  #checkov:skip=CKV2_AWS_74:the registry speaks mutual TLS end to end; TCP pass-through keeps the region's client certificate for the registry to check, a TLS listener would end TLS at the NLB
   #checkov:skip=CKV_AWS_2:TCP listener of an internal NLB carrying gRPC, not HTTP
-  #checkov:skip=CKV_AWS_103:TCP listener of an internal NLB, no TLS policy applies
+  #checkov:skip=CKV_AWS_103:TCP pass-through of the mutual TLS between region and task, no listener TLS policy applies
   load_balancer_arn = aws_lb.registry.arn
   port              = var.registry_port
   protocol          = "TCP"

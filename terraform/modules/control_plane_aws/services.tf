@@ -1,6 +1,8 @@
 # The API (uvicorn; also the registry's gRPC on registry_port) and the Celery workers as ECS
 # Fargate services in private subnets. Tenants reach the API through the ALB (HTTPS); regions
-# reach the registry through an internal NLB (TCP).
+# reach the registry through an internal NLB (TCP pass-through: mutual TLS from the region to
+# the task, so the registry sees the region's certificate). Both services dial regions with
+# the control plane's certificate (PRFAAS_TLS_*, ECS reads them at task start).
 
 locals {
   env = [
@@ -8,7 +10,12 @@ locals {
     { name = "PRFAAS_TICKET_KEY_ID", value = var.ticket_key_id },
     { name = "PRFAAS_KEY_PREFIX", value = "prfaas" },
   ]
-  secrets = [for name in local.secret_names : { name = "PRFAAS_${upper(name)}", valueFrom = aws_secretsmanager_secret.this[name].arn }]
+  # this module's secrets, then the control plane's certificate, key and CA: the JSON keys of
+  # the operator's TLS secret (PEM text in PRFAAS_TLS_*, which the settings accept)
+  secrets = concat(
+    [for name in local.secret_names : { name = "PRFAAS_${upper(name)}", valueFrom = aws_secretsmanager_secret.this[name].arn }],
+    [for key in ["ca", "cert", "key"] : { name = "PRFAAS_TLS_${upper(key)}", valueFrom = "${var.tls_secret.arn}:${key}::" }],
+  )
   log_options = {
     awslogs-group         = module.kms.log_groups["control-plane"].name
     awslogs-region        = data.aws_region.current.name
@@ -58,11 +65,11 @@ resource "aws_ecs_cluster" "this" {
 data "aws_iam_policy_document" "execution_secrets" {
   statement {
     actions   = ["secretsmanager:GetSecretValue"]
-    resources = [for s in local.secrets : s.valueFrom]
+    resources = concat([for name in local.secret_names : aws_secretsmanager_secret.this[name].arn], [var.tls_secret.arn])
   }
   statement {
     actions   = ["kms:Decrypt"]
-    resources = [module.kms.arn]
+    resources = compact([module.kms.arn, var.tls_secret.kms_arn])
   }
 }
 

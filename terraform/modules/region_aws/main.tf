@@ -1,7 +1,11 @@
 # A prfaas region on EC2: an auto-scaling group (spot/on-demand mix) of GPU instances whose
 # cloud-init installs prfaas and runs `prfaas region --config` rendered from the `region`
-# object. Each instance registers itself with the control plane's registry (heartbeats); the
-# ticket key comes from Secrets Manager at start and never lands in the rendered config.
+# object. Each instance registers itself with the control plane's registry (heartbeats) as
+# (region, its EC2 instance id), advertising its private address; both come from the
+# instance metadata at start. Every connection is mutual TLS: the region's certificate
+# (shared by its instances, prfaas://ROLE/NAME/*), its key and the CA come from one Secrets
+# Manager secret at start (files 0600). The ticket key comes from Secrets Manager at start
+# and never lands on disk.
 
 data "aws_region" "current" {}
 
@@ -15,7 +19,7 @@ module "config" {
 
   region            = merge({ gpu_type = "l40s", dtype = "bfloat16" }, var.region)
   control_plane_url = var.control_plane_url
-  listen_host       = "0.0.0.0"
+  listen_host       = "0.0.0.0" # all addresses; peers dial the private one it advertises
   device            = "cuda"
   registry = {
     provider      = "aws"
@@ -31,13 +35,20 @@ locals {
   serves_decode  = contains(["decode", "both"], local.region.role)
   serves_prefill = contains(["prefill", "both"], local.region.role)
   user_data = templatefile("${path.module}/cloud-init.yaml.tftpl", {
-    region_yaml   = module.config.yaml
-    package       = var.prfaas_package
-    secret_arn    = var.ticket_key_secret_arn
-    aws_region    = data.aws_region.current.name
-    log_group     = module.kms.log_groups["region"].name
-    drain_timeout = local.region.drain_timeout_s
+    region_yaml       = module.config.yaml
+    package           = var.prfaas_package
+    ticket_secret_arn = var.ticket_key_secret_arn
+    tls_secret_arn    = var.tls_secret.arn
+    tls_secret_region = local.tls_secret_region
+    aws_region        = data.aws_region.current.name
+    log_group         = module.kms.log_groups["region"].name
+    drain_timeout     = local.region.drain_timeout_s
   })
+  # the two secrets an instance reads, and the keys they are encrypted with (empty: the
+  # AWS-managed aws/secretsmanager key, which needs no grant here)
+  secret_arns       = [var.ticket_key_secret_arn, var.tls_secret.arn]
+  secret_kms        = compact(distinct([var.ticket_key_kms_arn, var.tls_secret.kms_arn]))
+  tls_secret_region = split(":", var.tls_secret.arn)[3] # the ticket key's replica is in this region
 }
 
 # the key of the EBS volumes and of the region's (and a created VPC's flow) logs
@@ -104,16 +115,22 @@ module "security_groups" {
 
 data "aws_iam_policy_document" "region" {
   statement {
-    sid       = "ReadTicketKey"
+    sid       = "ReadTicketKeyAndTls"
     actions   = ["secretsmanager:GetSecretValue"]
-    resources = [var.ticket_key_secret_arn]
+    resources = local.secret_arns
   }
   dynamic "statement" {
-    for_each = var.ticket_key_kms_arn == "" ? [] : [var.ticket_key_kms_arn]
+    for_each = length(local.secret_kms) == 0 ? [] : [local.secret_kms]
     content {
-      sid       = "DecryptTicketKey"
+      sid       = "DecryptThoseSecrets"
       actions   = ["kms:Decrypt"]
-      resources = [statement.value]
+      resources = statement.value
+      # only for Secrets Manager reading them, in the secrets' own AWS regions
+      condition {
+        test     = "StringEquals"
+        variable = "kms:ViaService"
+        values   = distinct([for r in [data.aws_region.current.name, local.tls_secret_region] : "secretsmanager.${r}.amazonaws.com"])
+      }
     }
   }
   statement {

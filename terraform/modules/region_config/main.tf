@@ -2,7 +2,11 @@
 # and the region's registry entry.
 # Pure (no resources, no provider): region_local and region_aws both render through it, so
 # the two cannot drift, and the tests render it offline and load it with the real parser.
-# The ticket key is never part of it (PRFAAS_TICKET_KEY in the process environment).
+# The ticket key is never part of it (PRFAAS_TICKET_KEY in the process environment). `tls`
+# (files from `prfaas certs init`) is what region_local passes. What only a running instance
+# knows region_aws's start script appends at boot: `instance` and `advertise` from the
+# instance metadata, `tls` naming the files it wrote from Secrets Manager. region_local keeps
+# the config's defaults for those two (the host name, the listen host).
 
 terraform {
   required_version = ">= 1.4"
@@ -22,6 +26,7 @@ locals {
         metrics = var.region.metrics_port == 0 ? null : "${var.listen_host}:${var.region.metrics_port}"
       }
     },
+    var.tls == null ? {} : { tls = var.tls },
   )
 }
 

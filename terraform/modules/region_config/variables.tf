@@ -69,3 +69,13 @@ variable "dev" {
   type        = bool
   default     = false
 }
+
+variable "tls" {
+  description = "mutual TLS of the region (config `tls`): the deployment's CA, this region's certificate (identity prfaas://ROLE/NAME/* or /INSTANCE) and its key, each a file path or PEM text; null: none (then the region allows only loopback listen addresses)"
+  type = object({
+    ca   = string
+    cert = string
+    key  = string
+  })
+  default = null
+}

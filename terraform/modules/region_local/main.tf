@@ -1,7 +1,9 @@
 # A region as one `prfaas region --config` process on this host. Same interface as
 # region_aws (the `region` variable and output), minus the cloud's parts; the ticket key is
 # a value here (a Secrets Manager ARN there). It reaches the process through the
-# environment (PRFAAS_TICKET_KEY), never the rendered YAML.
+# environment (PRFAAS_TICKET_KEY), never the rendered YAML. On loopback (the default host)
+# the region needs no TLS; on another address it needs `tls` (files from `prfaas certs init`).
+# The instance id is the region's default (the host name), the advertised address the host.
 
 terraform {
   required_version = ">= 1.4"
@@ -14,6 +16,7 @@ module "config" {
   control_plane_url = var.control_plane_url
   listen_host       = var.host
   dev               = var.dev
+  tls               = var.tls
   registry = {
     provider      = "local"
     location      = var.host

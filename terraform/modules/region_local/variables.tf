@@ -33,6 +33,20 @@ variable "host" {
   default     = "127.0.0.1"
 }
 
+variable "tls" {
+  description = "mutual TLS files of the region (`prfaas certs init --identity prfaas://ROLE/NAME/*`): paths of the CA, the certificate and its key; null: plaintext, which the region allows only on a loopback host"
+  type = object({
+    ca   = string
+    cert = string
+    key  = string
+  })
+  default = null
+  validation {
+    condition     = alltrue([for path in values(coalesce(var.tls, { ca = "/", cert = "/", key = "/" })) : startswith(path, "/")])
+    error_message = "tls: absolute file paths (PEM text would land in the rendered config file, which is not private)."
+  }
+}
+
 variable "dev" {
   description = "allow placeholder secrets (never in production)"
   type        = bool
