@@ -50,6 +50,7 @@ class ErrorCode:
     OVER_BUDGET = "OVER_BUDGET"
     DEADLINE = "DEADLINE"
     INTERNAL = "INTERNAL"
+    PEER_REFUSED = "PEER_REFUSED"  # a TLS peer whose certificate names no prefill identity (then closed)
 
 
 ChunkKey = tuple[int, int, int]  # (layer, part, chunk)

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Protocol
 
 from prfaas.transport.api import Shape, StatusCell, TransferStatus
+from prfaas.transport.buffers import POOL, PartPool
 from prfaas.transport.codecs import DTYPE_SIZES, CodecId, TensorMeta, get_codec
 from prfaas.transport.errors import CodecError, FrameError, TicketRejected, TransferTimeout, TransportError
 from prfaas.transport.tickets import Ticket
@@ -62,52 +63,6 @@ class OpenInfo:
         return OpenInfo(dtype, shapes, int(codec), chunk_bytes), ticket  # type: ignore[arg-type]
 
 
-class BufferPool:
-    """Part buffers kept for reuse, by exact size (a model's KV parts come in few sizes).
-
-    A fresh multi-megabyte buffer costs a page fault per 4 KiB page when first written; on
-    loopback that was most of the receiver's CPU. Bounded by `max_bytes`; thread-safe.
-    """
-
-    def __init__(self, max_bytes: int = 256 << 20) -> None:
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._free: dict[int, list[bytearray]] = {}
-        self._bytes = 0
-
-    def get(self, size: int) -> bytearray:
-        """A buffer of `size` bytes, reused (stale content) or new."""
-        with self._lock:
-            free = self._free.get(size)
-            if free:
-                self._bytes -= size
-                return free.pop()
-        return bytearray(size)
-
-    def put(self, buf: bytearray | memoryview) -> None:
-        with self._lock:
-            if not isinstance(buf, bytearray) or not buf or self._bytes + len(buf) > self.max_bytes:
-                return
-            self._free.setdefault(len(buf), []).append(buf)
-            self._bytes += len(buf)
-
-    @property
-    def pooled_bytes(self) -> int:
-        with self._lock:
-            return self._bytes
-
-
-POOL = BufferPool()
-
-
-class PartPool(Protocol):
-    """Where part buffers come from: `POOL` (heap), or a shared-memory arena (transport/shm_receiver.py)."""
-
-    def get(self, size: int) -> bytearray | memoryview: ...
-
-    def put(self, buf: bytearray | memoryview) -> None: ...
-
-
 class _Part:
     """One layer part being assembled: chunk i lands at i * chunk_bytes of one buffer."""
 
@@ -134,12 +89,30 @@ LayerBuffer = bytes | bytearray | memoryview  # memoryview: a part in a shared-m
 
 
 class Inbound:
-    """One expected shipment on a receiver. Thread-safe."""
+    """One expected shipment on a receiver. Thread-safe.
 
-    def __init__(self, job_id: str, attempt: int, timeout_s: float, pool: PartPool | None = None) -> None:
+    tenant, max_bytes: what the reservation allows. An OPEN whose ticket names another
+    tenant, or whose declared raw bytes exceed its ticket's budget or `max_bytes`, is refused
+    and ends the shipment with that `TicketRejected` (the ticket verified: this is the job's
+    own shipment, and no later OPEN can make it right). The part buffers a shipment takes
+    stay within `allowance`, whatever its DATA headers claim."""
+
+    def __init__(
+        self,
+        job_id: str,
+        attempt: int,
+        timeout_s: float,
+        pool: PartPool | None = None,
+        *,
+        tenant: str | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         self.job_id = job_id
         self.pool: PartPool = pool if pool is not None else POOL
         self.attempt = attempt
+        self.tenant = tenant
+        self.max_bytes = max_bytes
+        self.stored_bytes = 0  # part buffers taken for this shipment (bounded by `allowance`)
         self.cell = StatusCell(timeout_s)
         self.info: OpenInfo | None = None
         self.ticket: Ticket | None = None
@@ -155,9 +128,13 @@ class Inbound:
     # -- receiver side -------------------------------------------------------------------
 
     def open(self, info: OpenInfo, ticket: Ticket) -> bool:
-        """Accept an OPEN (one per connection that carries the shipment). True on the first."""
-        if info.raw_bytes > ticket.budget:
-            raise TicketRejected(f"shipment of {info.raw_bytes} raw bytes exceeds the ticket budget {ticket.budget}")
+        """Accept an OPEN (one per connection that carries the shipment). True on the first.
+        Raises TicketRejected (and ends the shipment with it) when the ticket or the OPEN
+        exceeds what the ticket or the reservation allows."""
+        refusal = self._refusal(info, ticket)
+        if refusal is not None:
+            self.fail(refusal)
+            raise refusal
         with self._lock:
             if self.cell.status().terminal:
                 raise TicketRejected(f"shipment already {self.cell.status().value}")
@@ -168,6 +145,24 @@ class Inbound:
             self.info, self.ticket = info, ticket
         self.cell.start()
         return True
+
+    def _refusal(self, info: OpenInfo, ticket: Ticket) -> TicketRejected | None:
+        if self.tenant is not None and ticket.tenant != self.tenant:
+            return TicketRejected(f"ticket is for tenant {ticket.tenant!r}, the reservation for {self.tenant!r}")
+        if info.raw_bytes > ticket.budget:
+            return TicketRejected(f"shipment of {info.raw_bytes} raw bytes exceeds the ticket budget {ticket.budget}")
+        if self.max_bytes is not None and info.raw_bytes > self.max_bytes:
+            return TicketRejected(
+                f"shipment of {info.raw_bytes} raw bytes exceeds the reservation's budget of {self.max_bytes}"
+            )
+        return None
+
+    def allowance(self, info: OpenInfo, ticket: Ticket) -> int:
+        """The most part-buffer bytes the shipment may take: the smaller of its ticket's and
+        its reservation's budgets, plus one chunk per part (an encoded part's buffer is whole
+        chunks, and an incompressible part encodes a little larger than raw)."""
+        budget = ticket.budget if self.max_bytes is None else min(ticket.budget, self.max_bytes)
+        return budget + 2 * len(info.layer_shapes) * (info.chunk_bytes + 4096)
 
     def slot(
         self, layer: int, part: int, chunk: int, count: int, codec: int, raw_len: int, payload_len: int
@@ -201,9 +196,16 @@ class Inbound:
                 return Slot.DUPLICATE
             entry = self._parts.get((layer, part))
             if entry is None:
-                entry = self._parts[(layer, part)] = _Part(
-                    count, raw_len if codec == CodecId.RAW else count * size, self.pool
-                )
+                nbytes = raw_len if codec == CodecId.RAW else count * size
+                assert self.ticket is not None  # set with `info`
+                allowed = self.allowance(info, self.ticket)
+                if self.stored_bytes + nbytes > allowed:
+                    raise TicketRejected(
+                        f"layer {layer} part {part} would take the shipment past its budget "
+                        f"({self.stored_bytes + nbytes} bytes of part buffers, {allowed} allowed)"
+                    )
+                self.stored_bytes += nbytes
+                entry = self._parts[(layer, part)] = _Part(count, nbytes, self.pool)
             if entry.count != count:
                 raise FrameError(f"chunk_count {count} disagrees with {entry.count} for layer {layer} part {part}")
             if chunk in entry.done:
@@ -359,4 +361,11 @@ class Inbound:
 class Receiver(Protocol):
     """What a decode region needs of any receiver (TCP, shared memory, WebRTC, in-process)."""
 
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound: ...
+    def expect(
+        self, job_id: str, attempt: int, timeout_s: float, *, tenant: str | None = None, max_bytes: int | None = None
+    ) -> Inbound:
+        """Register a shipment the decode region holds room for: KV for anything else is
+        refused. With `tenant` / `max_bytes`, an OPEN whose ticket names another tenant, or
+        whose ticket budget or raw bytes exceed `max_bytes`, is refused before any KV is
+        stored (the sender's transfer fails with `TicketRejected`; the inbound ends with it)."""
+        ...

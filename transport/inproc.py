@@ -22,8 +22,10 @@ class InProcessReceiver:
     def __init__(self, verifier: TicketVerifier, node: str = "inproc-receiver") -> None:
         self.core = ReceiverCore(verifier, node)
 
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
-        return self.core.expect(job_id, attempt, timeout_s)
+    def expect(
+        self, job_id: str, attempt: int, timeout_s: float, *, tenant: str | None = None, max_bytes: int | None = None
+    ) -> Inbound:
+        return self.core.expect(job_id, attempt, timeout_s, tenant=tenant, max_bytes=max_bytes)
 
 
 class InProcessChannel:

@@ -2,7 +2,9 @@
 
 A receiver keeps a `ReceiverCore` (the protocol rules), the connections it accepted, each
 read by its own thread (`FrameConnection`: frames in, handed to the core; replies written
-under a per-connection lock), and a reaper thread that ends shipments at their deadline.
+under a per-connection lock), and a reaper thread that ends shipments at their deadline and
+closes connections past their handshake deadline. What a connection may do before it has
+proven itself (caps, deadline, frame sizes) is `ReceiverLimits` (transport/admission.py).
 `ListeningReceiver` adds a listening socket and the thread that accepts from it.
 `close()` stops and joins every thread the receiver started.
 """
@@ -10,15 +12,19 @@ under a per-connection lock), and a reaper thread that ends shipments at their d
 from __future__ import annotations
 
 import contextlib
+import enum
 import socket
 import threading
+import time
 from typing import Generic, Protocol, Self, TypeVar
 
+from prfaas.transport.admission import REFUSED, SCRATCH_BYTES, ReceiverLimits, Throttled, discard
 from prfaas.transport.errors import FrameError
 from prfaas.transport.framing import (
     HEADER_SIZE,
     ErrorCode,
     Frame,
+    FrameType,
     Header,
     encode,
     error_frame,
@@ -29,7 +35,7 @@ from prfaas.transport.framing import (
     to_frame,
 )
 from prfaas.transport.inbound import Inbound
-from prfaas.transport.receiver_core import ReceiverCore, Session
+from prfaas.transport.receiver_core import Discard, ReceiverCore, Session
 
 Payload = bytes | bytearray | memoryview
 
@@ -51,11 +57,14 @@ class FrameConnection:
 
     thread_name = "prfaas-kv-conn"
 
-    def __init__(self, sock: ByteStream, core: ReceiverCore) -> None:
+    def __init__(self, sock: ByteStream, core: ReceiverCore, limits: ReceiverLimits) -> None:
         self.raw = sock  # what `close` shuts down (under TLS, the socket beneath `sock`)
         self.sock = sock
         self.core = core
+        self.limits = limits
+        self.accepted_at = time.monotonic()
         self._write_lock = threading.Lock()
+        self._scratch: bytearray | None = None  # what unwanted payloads are read through
         self.session = Session(self.send)
         self.thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
@@ -83,20 +92,32 @@ class FrameConnection:
     def serve(self) -> None:
         """Read frames and answer each until the connection ends (by raising)."""
         while True:
-            for reply in self.receive(parse_header(read_exact(self.sock, HEADER_SIZE))):
+            for reply in self.receive(self.next_header()):
                 self.send(reply)
+
+    def next_header(self) -> Header:
+        """The next frame's header, checked against the limits before its payload is read."""
+        session = self.session
+        header = parse_header(read_exact(self.sock, HEADER_SIZE))
+        return self.limits.check(header, hello=session.hello, chunk_bytes=session.chunk_bytes)
 
     def receive(self, header: Header) -> list[Frame]:
         """The frame whose header was just read: its payload, then the core's replies. KV goes
-        from the socket straight into its layer buffer when the core has one for it."""
-        view = self.core.data_slot(header, self.session) if header.payload_len else None
-        if view is not None:
-            try:
-                read_into(self.sock, view)
-            except BaseException:
-                self.core.data_commit(header, payload_ok=False)  # release the claim
-                raise
-            return self.core.data_commit(header, self.verify(header, view))
+        from the socket straight into its layer buffer when the core has one for it; a payload
+        nothing wants is read past, never into memory sized by its header."""
+        if header.type is FrameType.DATA and header.payload_len:
+            slot = self.core.data_slot(header, self.session)
+            if isinstance(slot, Discard):
+                self._scratch = self._scratch or bytearray(min(SCRATCH_BYTES, self.limits.max_control_bytes))
+                discard(self.sock, header.payload_len, self._scratch)
+                return slot.replies
+            if slot is not None:
+                try:
+                    read_into(self.sock, slot)
+                except BaseException:
+                    self.core.data_commit(header, payload_ok=False)  # release the claim
+                    raise
+                return self.core.data_commit(header, self.verify(header, slot))
         payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
         replies = self.core.handle(to_frame(header, payload), self.verify(header, payload), self.session)
         return self.handled(header, payload, replies)
@@ -109,35 +130,63 @@ class FrameConnection:
         """What to send back for a frame the core handled whole (a subclass may add to it)."""
         return replies
 
-    def close(self) -> None:
+    def abort(self) -> None:
+        """End the connection from another thread: its reader wakes, and closes it."""
         with contextlib.suppress(OSError):
             self.raw.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.abort()
         self.raw.close()
 
 
 C = TypeVar("C", bound=FrameConnection)
 
 
+class Admission(enum.Enum):
+    ADMITTED = "admitted"
+    REFUSED = "refused"  # over `max_connections`, every connection verified
+    CLOSING = "closing"  # the receiver is closing
+
+
 class Connections(Generic[C]):
     """The connections a receiver accepted (each served by its own thread) and a reaper thread
-    that ends shipments past their deadline. `add` refuses once `closing()` began."""
+    that ends shipments past their deadline and connections past their handshake deadline.
+    `add` admits within `limits` (transport/admission.py), and refuses all once `closing()` began."""
 
-    def __init__(self, core: ReceiverCore, reap_interval_s: float, reaper_name: str) -> None:
+    def __init__(self, core: ReceiverCore, reap_interval_s: float, reaper_name: str, limits: ReceiverLimits) -> None:
         self.closed = threading.Event()
         self._core = core
         self._interval_s = reap_interval_s
+        self._limits = limits
         self._lock = threading.Lock()
         self._items: list[C] = []
+        self._warn = Throttled()
         self.reaper = threading.Thread(target=self._reap, name=reaper_name, daemon=True)
         self.reaper.start()
 
-    def add(self, connection: C) -> bool:
-        """Keep `connection` (and drop the finished ones); False when the receiver is closing."""
+    def add(self, connection: C) -> Admission:
+        """Keep `connection` (and drop the finished ones) within the limits: past them the
+        oldest unverified connection is evicted, or, when every one is verified, `connection`
+        is refused (the caller closes it)."""
+        limits = self._limits
         with self._lock:
             if self.closed.is_set():
-                return False
-            self._items = [c for c in self._items if c.thread.is_alive()] + [connection]
-            return True
+                return Admission.CLOSING
+            self._items = [c for c in self._items if c.thread.is_alive()]
+            unverified = [c for c in self._items if not c.session.verified]
+            if len(self._items) >= limits.max_connections or len(unverified) >= limits.max_unverified:
+                if not unverified:
+                    REFUSED.labels("over_capacity").inc()
+                    self._warn.warn("KV receiver at %d connections, all verified: refusing more", len(self._items))
+                    return Admission.REFUSED
+                oldest = unverified[0]  # the longest given to prove itself
+                self._items.remove(oldest)
+                oldest.abort()
+                REFUSED.labels("evicted").inc()
+                self._warn.warn("KV receiver full of unverified connections: closing the oldest")
+            self._items.append(connection)
+            return Admission.ADMITTED
 
     @property
     def live(self) -> int:
@@ -153,6 +202,17 @@ class Connections(Generic[C]):
     def _reap(self) -> None:
         while not self.closed.wait(self._interval_s):
             self._core.expire_due()
+            self._end_late_handshakes()
+
+    def _end_late_handshakes(self) -> None:
+        """Close connections that have not said HELLO (over TLS: finished the handshake with a
+        prefill identity, then HELLO) within the handshake deadline."""
+        cutoff = time.monotonic() - self._limits.handshake_timeout_s
+        with self._lock:
+            late = [c for c in self._items if not c.session.hello and c.accepted_at < cutoff]
+        for connection in late:
+            REFUSED.labels("handshake_timeout").inc()
+            connection.abort()
 
 
 class ReceiverBase(Generic[C]):
@@ -161,24 +221,31 @@ class ReceiverBase(Generic[C]):
     owns_core: whether `close` cancels the core's expected shipments (False when the core is
     shared with another receiver, which cancels them itself)."""
 
-    def __init__(self, core: ReceiverCore, *, name: str, reap_interval_s: float, owns_core: bool = True) -> None:
+    def __init__(self, core: ReceiverCore, *, name: str, reap_interval_s: float, owns_core: bool = True,
+                 limits: ReceiverLimits | None = None) -> None:  # fmt: skip
         self.core = core
+        self.limits = limits or ReceiverLimits()
         self._owns_core = owns_core
-        self._connections: Connections[C] = Connections(core, reap_interval_s, f"prfaas-{name}-reaper")
+        self._connections: Connections[C] = Connections(core, reap_interval_s, f"prfaas-{name}-reaper", self.limits)
 
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
-        """Register a shipment this receiver holds room for; KV for anything else is refused."""
-        return self.core.expect(job_id, attempt, timeout_s)
+    def expect(
+        self, job_id: str, attempt: int, timeout_s: float, *, tenant: str | None = None, max_bytes: int | None = None
+    ) -> Inbound:
+        """Register a shipment this receiver holds room for; KV for anything else is refused
+        (`Receiver.expect`: `tenant` and `max_bytes` are checked at OPEN)."""
+        return self.core.expect(job_id, attempt, timeout_s, tenant=tenant, max_bytes=max_bytes)
 
     @property
     def num_connections(self) -> int:
         return self._connections.live
 
     def serve(self, connection: C) -> bool:
-        """Start serving `connection`; False (and it is closed) once the receiver is closing."""
-        if not self._connections.add(connection):
+        """Start serving `connection` if the limits admit it (else it is closed); False once
+        the receiver is closing."""
+        admission = self._connections.add(connection)
+        if admission is not Admission.ADMITTED:
             connection.close()
-            return False
+            return admission is not Admission.CLOSING
         connection.thread.start()
         return True
 
@@ -218,8 +285,8 @@ class ListeningReceiver(ReceiverBase[C]):
     `connection(sock)` prepares each accepted socket and wraps it."""
 
     def __init__(self, listener: socket.socket, core: ReceiverCore, *, name: str, reap_interval_s: float,
-                 owns_core: bool = True) -> None:  # fmt: skip
-        super().__init__(core, name=name, reap_interval_s=reap_interval_s, owns_core=owns_core)
+                 owns_core: bool = True, limits: ReceiverLimits | None = None) -> None:  # fmt: skip
+        super().__init__(core, name=name, reap_interval_s=reap_interval_s, owns_core=owns_core, limits=limits)
         self._listener = listener
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"prfaas-{name}-accept", daemon=True)
         self._acceptor.start()
@@ -232,7 +299,10 @@ class ListeningReceiver(ReceiverBase[C]):
             try:
                 sock, _peer = self._listener.accept()
             except OSError:
-                return  # listener closed
+                if self._connections.closed.is_set():
+                    return  # listener closed
+                time.sleep(0.05)  # out of file descriptors or memory: a flood must not end accepting
+                continue
             if not self.serve(self.connection(sock)):
                 return
 

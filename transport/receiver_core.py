@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prfaas.transport.api import TransferStatus
 from prfaas.transport.errors import (
@@ -24,21 +25,43 @@ from prfaas.transport.errors import (
 )
 from prfaas.transport.framing import SUPPORTED_VERSIONS, ErrorCode, Frame, FrameType, Header, error_frame, json_payload
 from prfaas.transport.framing import ack_payload as _ack_payload
-from prfaas.transport.inbound import Inbound, OpenInfo, PartPool, Slot
+from prfaas.transport.buffers import PartPool
+from prfaas.transport.inbound import Inbound, OpenInfo, Slot
 from prfaas.transport.tickets import ReplayGuard, TicketVerifier
 
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]  # (job_id bytes, attempt)
+_NOT_OPEN = "DATA for a shipment that is not open on this connection"
 RECENT_SHIPMENTS = 4096  # ended shipments remembered, so late frames of a delivered one get DONE / ACK
 
 
 class Session:
-    """One connection's state on the receiver. `send` delivers frames back to the sender."""
+    """One connection's state on the receiver. `send` delivers frames back to the sender.
+
+    verified: the peer has proven it is a prefill region (transport/admission.py): its TLS
+    certificate's identity was checked (`authenticated`, set by the connection) and it said
+    HELLO, or an OPEN on it carried a ticket that verifies (`ticketed`)."""
 
     def __init__(self, send: Callable[[Frame], None]) -> None:
         self.send = send
         self.hello = False
         self.version = 0
+        self.authenticated = False
+        self.ticketed = False
+        self.opened: dict[Key, int] = {}  # shipments whose OPEN was accepted here -> their chunk_bytes
+        self.chunk_bytes = 0  # the largest chunk_bytes accepted here: the bound of its DATA frames
+
+    @property
+    def verified(self) -> bool:
+        return self.hello and (self.authenticated or self.ticketed)
+
+
+@dataclass(frozen=True)
+class Discard:
+    """A DATA frame whose payload is not wanted (unknown, ended, duplicate, or refused): read
+    it past, then send `replies`."""
+
+    replies: list[Frame]
 
 
 class ReceiverCore:
@@ -54,10 +77,13 @@ class ReceiverCore:
         self._sessions: dict[Key, set[Session]] = {}
         self._recent: OrderedDict[Key, TransferStatus] = OrderedDict()  # ended shipments, newest last
 
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
-        """Register a shipment this receiver holds room for; KV for anything else is refused."""
+    def expect(
+        self, job_id: str, attempt: int, timeout_s: float, *, tenant: str | None = None, max_bytes: int | None = None
+    ) -> Inbound:
+        """Register a shipment this receiver holds room for; KV for anything else is refused.
+        `tenant`, `max_bytes`: what the reservation allows (`Inbound.open` checks the OPEN)."""
         key = (uuid.UUID(job_id).bytes, attempt)
-        inbound = Inbound(job_id, attempt, timeout_s, self.pool)
+        inbound = Inbound(job_id, attempt, timeout_s, self.pool, tenant=tenant, max_bytes=max_bytes)
         with self._lock:
             if key in self._inbounds:
                 raise ValueError(f"job {job_id} attempt {attempt} is already expected")
@@ -93,6 +119,8 @@ class ReceiverCore:
             while len(self._recent) > RECENT_SHIPMENTS:
                 self._recent.popitem(last=False)
             sessions = self._sessions.pop(key, set())
+        for session in sessions:
+            session.opened.pop(key, None)
         if inbound.ticket is not None:
             self._replay.retire(inbound.ticket)
         job, attempt = key
@@ -103,6 +131,8 @@ class ReceiverCore:
             reply = Frame(FrameType.CANCEL, job, attempt, payload=str(inbound.error).encode())
         elif isinstance(inbound.error, TransferTimeout):
             reply = error_frame(ErrorCode.DEADLINE, str(inbound.error), job, attempt)
+        elif isinstance(inbound.error, TicketRejected):
+            reply = error_frame(_ticket_code(inbound.error), str(inbound.error), job, attempt)
         elif inbound.error is not None:
             reply = error_frame(ErrorCode.INTERNAL, str(inbound.error), job, attempt)
         if reply is not None:
@@ -118,7 +148,7 @@ class ReceiverCore:
         if frame.type is FrameType.OPEN:
             return self._open(frame, key, session)
         if frame.type is FrameType.DATA:
-            return self._data(frame, payload_ok, key)
+            return self._data(frame, payload_ok, key, session)
         if frame.type is FrameType.CANCEL:
             with self._lock:
                 inbound = self._inbounds.get(key)
@@ -153,6 +183,7 @@ class ReceiverCore:
         try:
             info, token = OpenInfo.from_json(frame.json())
             ticket = self._verifier.verify(token, job=str(uuid.UUID(bytes=job)), attempt=attempt)
+            session.ticketed = True  # a ticket the control plane signed: the peer is a prefill region
             if self._completed(key, inbound):
                 # A stream that opened late, after the other streams finished the shipment: it is
                 # done, say so on this connection too (the sender may read this before the DONE
@@ -161,15 +192,16 @@ class ReceiverCore:
             if inbound is None:
                 return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, "no reservation for this job attempt", job, attempt)]
             self._replay.check(ticket)
-            inbound.open(info, ticket)
+            inbound.open(info, ticket)  # a ticket for another tenant or over the reservation ends it
         except TicketRejected as exc:
-            code = ErrorCode.OVER_BUDGET if "budget" in str(exc) else ErrorCode.TICKET_REJECTED
-            return [error_frame(code, str(exc), job, attempt)]
+            return [error_frame(_ticket_code(exc), str(exc), job, attempt)]
         except FrameError as exc:
             return [error_frame(ErrorCode.BAD_FRAME, str(exc), job, attempt)]
         with self._lock:
             if key in self._sessions:
                 self._sessions[key].add(session)
+                session.opened[key] = info.chunk_bytes
+                session.chunk_bytes = max(session.chunk_bytes, info.chunk_bytes)
         return [Frame(FrameType.OPEN_OK, job, attempt)]
 
     def _completed(self, key: Key, inbound: Inbound | None) -> bool:
@@ -179,14 +211,14 @@ class ReceiverCore:
         with self._lock:
             return self._recent.get(key) is TransferStatus.COMPLETED
 
-    def _data(self, frame: Frame, payload_ok: bool, key: Key) -> list[Frame]:
+    def _data(self, frame: Frame, payload_ok: bool, key: Key, session: Session) -> list[Frame]:
         job, attempt = key
         with self._lock:
             inbound = self._inbounds.get(key)
         if inbound is None and self._completed(key, None):
             return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([frame.key]))]  # a late duplicate
-        if inbound is None or inbound.info is None:
-            return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, "DATA for a shipment that is not open", job, attempt)]
+        if inbound is None or inbound.info is None or key not in session.opened:
+            return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, _NOT_OPEN, job, attempt)]
         if not payload_ok:
             return [Frame(FrameType.NACK, job, attempt, frame.layer, frame.part, chunk=frame.chunk)]
         try:
@@ -200,24 +232,36 @@ class ReceiverCore:
             return [Frame(FrameType.NACK, job, attempt, frame.layer, frame.part, chunk=frame.chunk)]
         return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([frame.key]))]
 
-    def data_slot(self, header: Header, session: Session) -> memoryview | None:
+    def data_slot(self, header: Header, session: Session) -> memoryview | Discard | None:
         """For a DATA frame whose header was read: the buffer its payload belongs in, claimed
-        (read the payload into it, then call `data_commit`), or None to read the payload
-        into memory of its own and pass the whole frame to `handle` (errors, duplicates)."""
-        if not session.hello or header.type is not FrameType.DATA:
-            return None
+        (read the payload into it, then call `data_commit`); or `Discard` when the payload
+        is not wanted (read it past, send the replies); or None, for a chunk another connection
+        is still reading: read the payload into memory of its own (bounded by this shipment's
+        chunk size, which a verified ticket allowed) and pass the whole frame to `handle`."""
+        if not session.hello:
+            raise FrameError("first frame must be HELLO, got DATA")
+        key = (header.job_id, header.attempt)
+        job, attempt = key
+        chunk = (header.layer, header.part, header.chunk)
         with self._lock:
-            inbound = self._inbounds.get((header.job_id, header.attempt))
-        if inbound is None or inbound.info is None:
-            return None
+            inbound = self._inbounds.get(key)
+        if inbound is None and self._completed(key, None):
+            return Discard([Frame(FrameType.ACK, job, attempt, payload=_ack_payload([chunk]))])  # a late duplicate
+        if inbound is None or inbound.info is None or key not in session.opened:
+            return Discard([error_frame(ErrorCode.UNKNOWN_SHIPMENT, _NOT_OPEN, job, attempt)])
         try:
             view = inbound.slot(
                 header.layer, header.part, header.chunk, header.chunk_count, header.codec, header.raw_len,
                 header.payload_len,
             )  # fmt: skip
-        except TransportError:
-            return None  # `handle` fails the shipment with the same error
-        return view if isinstance(view, memoryview) else None
+        except TransportError as exc:
+            inbound.fail(exc)
+            return Discard([])  # _ended tells the sender
+        if view is Slot.PENDING:
+            return None
+        if isinstance(view, Slot):  # a duplicate, or the shipment ended: acknowledge it again
+            return Discard([Frame(FrameType.ACK, job, attempt, payload=_ack_payload([chunk]))])
+        return view
 
     def data_commit(self, header: Header, payload_ok: bool) -> list[Frame]:
         """The payload of a `data_slot` frame is in place: ACK it, or NACK a bad checksum."""
@@ -229,3 +273,7 @@ class ReceiverCore:
         if not payload_ok:
             return [Frame(FrameType.NACK, job, attempt, header.layer, header.part, chunk=header.chunk)]
         return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([(header.layer, header.part, header.chunk)]))]
+
+
+def _ticket_code(error: TicketRejected) -> str:
+    return ErrorCode.OVER_BUDGET if "budget" in str(error) else ErrorCode.TICKET_REJECTED

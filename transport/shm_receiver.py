@@ -32,12 +32,12 @@ import tempfile
 import uuid
 
 from prfaas.transport import sockets
+from prfaas.transport.admission import ReceiverLimits
 from prfaas.transport.arena import POPULATE, Arena
 from prfaas.transport.codecs import DTYPE_SIZES, CodecId
 from prfaas.transport.endpoints import Endpoint, host_id
 from prfaas.transport.errors import FrameError
 from prfaas.transport.framing import (
-    HEADER_SIZE,
     ChunkKey,
     Frame,
     FrameType,
@@ -46,14 +46,13 @@ from prfaas.transport.framing import (
     encode,
     json_payload,
     parse_ack,
-    parse_header,
     payload_ok,
     read_exact,
     to_frame,
 )
 from prfaas.transport.inbound import OpenInfo
 from prfaas.transport.receiver_base import FrameConnection, ListeningReceiver, Payload
-from prfaas.transport.receiver_core import ReceiverCore
+from prfaas.transport.receiver_core import Discard, ReceiverCore
 from prfaas.transport.tickets import TicketVerifier
 
 log = logging.getLogger(__name__)
@@ -71,13 +70,13 @@ class ShmConnection(FrameConnection):
     thread_name = "prfaas-shm-conn"
 
     def __init__(self, sock: socket.socket, receiver: ShmReceiver) -> None:
-        super().__init__(sock, receiver.core)
+        super().__init__(sock, receiver.core, receiver.limits)
         self.unix = sock
         self.rx = receiver
         self.placed: dict[Key, Placement] = {}
 
     def serve(self) -> None:
-        header = parse_header(read_exact(self.sock, HEADER_SIZE))
+        header = self.next_header()
         payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
         for reply in self.core.handle(to_frame(header, payload), payload_ok(header, payload), self.session):
             body = reply.json() if reply.type is FrameType.HELLO_OK else None
@@ -90,7 +89,7 @@ class ShmConnection(FrameConnection):
                 self.send(reply)
         replies: list[Frame] = []
         while True:
-            replies += self._frame(parse_header(read_exact(self.sock, HEADER_SIZE)))
+            replies += self._frame(self.next_header())
             if len(replies) >= 64 or not self._readable():
                 self._flush(replies)  # nothing more to read now: answer all at once
                 replies = []
@@ -156,8 +155,8 @@ class ShmConnection(FrameConnection):
                 probe = Header(FrameType.DATA, job, attempt, layer, part, int(CodecId.RAW), 0, count, raw_len,
                                min(raw_len, info.chunk_bytes), 0)  # fmt: skip
                 view = self.core.data_slot(probe, self.session)
-                offset = self.rx.arena.offset_of(view) if view is not None else None
-                if view is not None:
+                offset = self.rx.arena.offset_of(view) if isinstance(view, memoryview) else None
+                if isinstance(view, memoryview):
                     self.core.data_commit(probe, payload_ok=False)
                 if offset is None:
                     return Frame(FrameType.OPEN_OK, job, attempt)  # heap part (arena full): inline
@@ -173,6 +172,8 @@ class ShmConnection(FrameConnection):
             return self.core.handle(to_frame(header, b""), False, self.session)  # the core refuses it
         start = offsets[header.layer][header.part] + header.chunk * chunk_bytes
         view = self.core.data_slot(header, self.session)
+        if isinstance(view, Discard):  # unknown, ended or duplicate: the payload in the arena is not read
+            return view.replies
         if view is not None:
             if self.rx.arena.offset_of(view) != start:  # cannot happen while parts stay put; refuse loudly
                 self.core.data_commit(header, payload_ok=False)
@@ -202,6 +203,7 @@ class ShmReceiver(ListeningReceiver[ShmConnection]):
         core: ReceiverCore | None = None,
         reap_interval_s: float = 0.05,
         send_timeout_s: float = 10.0,
+        limits: ReceiverLimits | None = None,
     ) -> None:
         self.send_timeout_s = send_timeout_s
         self.arena = arena if arena is not None else Arena(arena_bytes)
@@ -215,7 +217,9 @@ class ShmReceiver(ListeningReceiver[ShmConnection]):
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.path)
         listener.listen(64)
-        super().__init__(listener, core, name="shm", reap_interval_s=reap_interval_s, owns_core=owns_core)
+        super().__init__(
+            listener, core, name="shm", reap_interval_s=reap_interval_s, owns_core=owns_core, limits=limits
+        )
 
     @property
     def endpoint(self) -> str:

@@ -42,6 +42,11 @@ class TcpChannel:
     transport/adaptive.py); `num_streams`, `controller.history` and the `prfaas_kv_streams`
     metric show the choice.
 
+    ssl_context: mutual TLS (transport/tls.py `client_context`). The receiver's certificate
+    must name `server_hostname` when given (a decode region's `identity.server_name(region)`:
+    every instance of the region shares that name, whatever its address), else the address
+    dialled.
+
     A transfer that cannot reach the receiver fails with `PeerUnavailable` once every
     stream has failed to connect for `unavailable_after_s`, or times out at its deadline,
     whichever comes first.
@@ -59,6 +64,7 @@ class TcpChannel:
         sock_buf_bytes: int | None = None,
         congestion_control: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
         encode_threads: int = 2,
         node: str = "sender",
         dialer: Callable[[float], Any] | None = None,
@@ -72,6 +78,7 @@ class TcpChannel:
         self.sock_buf_bytes = sock_buf_bytes
         self.congestion_control = congestion_control
         self.ssl_context = ssl_context
+        self.server_hostname = server_hostname  # what the receiver's certificate must name (TLS)
         self.node = node
         self.dialer = dialer  # (timeout_s) -> a connected socket-like stream; None: TCP to `address`
         self.peer = f"{address[0]}:{address[1]}"

@@ -53,7 +53,8 @@ class TcpStream:
         conn: socket.socket | TlsSocket = sock
         if ch.ssl_context is not None:
             try:
-                conn = TlsSocket.wrap(sock, ch.ssl_context, server_side=False, server_hostname=ch.address[0],
+                name = ch.server_hostname or ch.address[0]
+                conn = TlsSocket.wrap(sock, ch.ssl_context, server_side=False, server_hostname=name,
                                       timeout_s=ch.connect_timeout_s)  # fmt: skip
             except BaseException:
                 sock.close()

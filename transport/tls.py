@@ -268,6 +268,10 @@ class TlsSocket:
             except ssl.SSLZeroReturnError:
                 return 0
 
+    def peer_certificate(self) -> bytes | None:
+        """The peer's certificate (DER), as verified by the handshake; None if it sent none."""
+        return self._tls.getpeercert(binary_form=True)
+
     def settimeout(self, timeout_s: float | None) -> None:
         self._sock.settimeout(timeout_s)
 

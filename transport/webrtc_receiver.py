@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prfaas.transport.admission import ReceiverLimits
 from prfaas.transport.errors import TransportError
 from prfaas.transport.receiver_base import FrameConnection, ReceiverBase
 from prfaas.transport.receiver_core import ReceiverCore
@@ -35,10 +36,11 @@ class WebRtcReceiver(ReceiverBase[FrameConnection]):
         node: str = "receiver",
         ice_servers: tuple[IceServer, ...] = (),
         reap_interval_s: float = 0.05,
+        limits: ReceiverLimits | None = None,
     ) -> None:
         self._ice_servers = ice_servers
         self._rtc = EventLoopThread(f"prfaas-webrtc-rx-{node}")
-        super().__init__(ReceiverCore(verifier, node), name="webrtc", reap_interval_s=reap_interval_s)
+        super().__init__(ReceiverCore(verifier, node), name="webrtc", reap_interval_s=reap_interval_s, limits=limits)
 
     def answer(self, offer: Description, timeout_s: float = 10.0) -> Description:
         """The SDP answer to a sender's offer. ValueError for a malformed offer."""
@@ -61,7 +63,7 @@ class WebRtcReceiver(ReceiverBase[FrameConnection]):
             raise ValueError(f"bad SDP offer: {exc}") from None
 
     def _accept(self, pc: Any, channel: Any) -> None:
-        self.serve(FrameConnection(DataChannelStream(self._rtc, pc, channel), self.core))
+        self.serve(FrameConnection(DataChannelStream(self._rtc, pc, channel), self.core, self.limits))
 
     def _release(self, timeout_s: float) -> None:
         self._rtc.close(timeout_s)

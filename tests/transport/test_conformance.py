@@ -203,6 +203,27 @@ def test_forged_ticket_is_refused_before_any_kv_is_stored(pair: Pair, kit: Kit) 
     assert inbound.wire_bytes == 0
 
 
+@pytest.mark.parametrize(
+    ("tenant", "max_bytes", "message"),
+    [("globex", None, "ticket is for tenant 'acme'"), ("acme", 1000, "exceeds the reservation's budget")],
+)
+def test_a_ticket_for_another_tenant_or_past_the_reservation_is_refused_at_open(
+    pair: Pair, kit: Kit, tenant: str, max_bytes: int | None, message: str
+) -> None:
+    """The reservation's tenant and size are checked at OPEN, before any KV is stored: the
+    transfer fails with TicketRejected and the inbound ends with the same error."""
+    spec = kit.spec(num_layers=2)  # its ticket is for tenant "acme"
+    inbound = pair.receiver.expect(spec.job_id, spec.attempt, spec.timeout_s, tenant=tenant, max_bytes=max_bytes)
+    shipment = Shipment(spec)
+    transfer = pair.channel().submit(shipment)
+    fill(shipment, layers_for(spec))
+    assert transfer.wait(10) is TransferStatus.FAILED
+    assert isinstance(transfer.error, TicketRejected) and message in str(transfer.error)
+    assert inbound.wait(5) is TransferStatus.FAILED
+    assert isinstance(inbound.error, TicketRejected) and message in str(inbound.error)
+    assert inbound.wire_bytes == 0
+
+
 def test_shipment_without_reservation_is_refused(pair: Pair, kit: Kit) -> None:
     transfer = pair.channel().submit(Shipment(kit.spec()))
     assert transfer.wait(10) is TransferStatus.FAILED

@@ -9,7 +9,7 @@ import pytest
 
 from prfaas.transport.api import TransferStatus
 from prfaas.transport.codecs import CodecId
-from prfaas.transport.errors import FrameError
+from prfaas.transport.errors import FrameError, TicketRejected
 from prfaas.transport.inbound import Inbound, OpenInfo, Slot
 from prfaas.transport.tickets import Ticket
 
@@ -122,7 +122,7 @@ def test_an_ended_shipment_takes_no_more_chunks() -> None:
 
 
 def test_released_raw_layers_are_reused_and_the_pool_is_bounded() -> None:
-    from prfaas.transport.inbound import POOL, BufferPool
+    from prfaas.transport.buffers import POOL, BufferPool
 
     pool = BufferPool(max_bytes=3 * CHUNK)
     a, b = pool.get(CHUNK), pool.get(CHUNK)
@@ -145,3 +145,57 @@ def test_released_raw_layers_are_reused_and_the_pool_is_bounded() -> None:
     view = again.slot(0, 0, 0, 4, int(CodecId.RAW), PART, CHUNK)
     assert isinstance(view, memoryview) and any(view.obj is buf for buf in (got_k, _got_v))  # reused
     assert POOL.pooled_bytes <= POOL.max_bytes
+
+
+def _ticket(job: str, tenant: str = "acme", budget: int = 1 << 30) -> Ticket:
+    return Ticket(job, 1, tenant, budget, time.time() + 60, "n", "k")
+
+
+@pytest.mark.parametrize(
+    ("tenant", "max_bytes", "message"),
+    [
+        ("globex", None, "ticket is for tenant 'globex', the reservation for 'acme'"),
+        ("acme", 2 * PART - 1, "exceeds the reservation's budget of 32767"),  # one layer is 2 * PART raw bytes
+    ],
+)
+def test_an_open_past_the_reservation_is_refused_and_ends_the_shipment(
+    tenant: str, max_bytes: int | None, message: str
+) -> None:
+    job = str(uuid.uuid4())
+    inbound = Inbound(job, 1, timeout_s=10, tenant="acme", max_bytes=max_bytes)
+    with pytest.raises(TicketRejected, match=message):
+        inbound.open(OpenInfo("bfloat16", (SHAPE,), int(CodecId.RAW), CHUNK), _ticket(job, tenant))
+    assert inbound.status() is TransferStatus.FAILED and isinstance(inbound.error, TicketRejected)
+    assert inbound.info is None and inbound.stored_bytes == 0
+
+
+def test_a_ticket_budget_above_the_reservation_is_fine_when_the_kv_fits() -> None:
+    """The control plane signs tickets with headroom (2x + 1 MiB): the OPEN's raw bytes count."""
+    job = str(uuid.uuid4())
+    inbound = Inbound(job, 1, timeout_s=10, tenant="acme", max_bytes=2 * PART)
+    assert inbound.open(OpenInfo("bfloat16", (SHAPE,), int(CodecId.RAW), CHUNK), _ticket(job, budget=5 * PART))
+
+
+def test_an_encoded_shipment_takes_no_more_part_memory_than_its_budget() -> None:
+    """Encoded parts are sized by the chunk count their DATA headers claim (at most 2x raw + 64 KiB
+    each): whatever they claim, the parts of one shipment take at most its budget plus one
+    chunk (and 4 KiB) per part; an honest incompressible shipment fits."""
+    job = str(uuid.uuid4())
+    raw = 4 * 2 * PART
+    inbound = Inbound(job, 1, timeout_s=10, max_bytes=raw)
+    info = OpenInfo("bfloat16", (SHAPE,) * 4, int(CodecId.LOSSLESS), CHUNK)
+    inbound.open(info, _ticket(job, budget=2 * raw))
+    assert inbound.allowance(info, _ticket(job, budget=2 * raw)) == raw + 8 * (CHUNK + 4096)
+    claimed = -(-(2 * PART + 65536) // CHUNK)  # the most chunks a part may claim: 24 (96 KiB)
+    assert isinstance(inbound.slot(0, 0, 0, claimed, int(CodecId.LOSSLESS), PART, CHUNK), memoryview)
+    assert isinstance(inbound.slot(0, 1, 0, claimed, int(CodecId.LOSSLESS), PART, CHUNK), memoryview)
+    with pytest.raises(TicketRejected, match="past its budget"):
+        inbound.slot(1, 0, 0, claimed, int(CodecId.LOSSLESS), PART, CHUNK)
+    assert inbound.stored_bytes == 2 * claimed * CHUNK
+
+    honest = Inbound(job, 2, timeout_s=10, max_bytes=raw)
+    honest.open(info, Ticket(job, 2, "acme", raw, time.time() + 60, "m", "k"))
+    count = -(-(PART + 56) // CHUNK)  # lossless of random bytes: raw + 56 bytes
+    for layer in range(4):
+        for part in (0, 1):
+            assert isinstance(honest.slot(layer, part, 0, count, int(CodecId.LOSSLESS), PART, CHUNK), memoryview)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -13,20 +15,29 @@ from pathlib import Path
 import pytest
 from transport_kit import Kit, fill, layers_for, ship
 
+from prfaas.transport.admission import ReceiverLimits
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable
-from prfaas.transport.framing import Frame, FrameType, encode, json_payload
+from prfaas.transport.framing import ErrorCode, Frame, FrameType, encode, json_payload, read_frame
+from prfaas.transport.identity import Identity, server_name
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
-from prfaas.transport.tls import NodeCert, client_context, init_certs, server_context
+from prfaas.transport.tls import NodeCert, TlsSocket, client_context, init_certs, server_context
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, NodeCert]:
+    """Certificates of one CA: a decode and a prefill region (with their identities), a node
+    without an identity, a decode region reached only by its server name (no loopback SAN);
+    and one from another CA."""
     directory = tmp_path_factory.mktemp("certs")
-    _ca, nodes = init_certs(directory, ["decode", "prefill"], ["127.0.0.1", "localhost"])
+    identities = {"decode": Identity("decode", "decode-a", "*"), "prefill": Identity("prefill", "prefill-a", "1"),
+                  "both": Identity("both", "local", "1")}  # fmt: skip
+    _ca, nodes = init_certs(directory, [*identities, "anonymous"], ["127.0.0.1", "localhost"], identities=identities)
+    named = {"named": Identity("decode", "decode-b", "*")}
+    _ca, (by_name,) = init_certs(directory, ["named"], ["10.255.0.1"], identities=named)
     _other_ca, (stranger,) = init_certs(directory / "other", ["stranger"], ["127.0.0.1"])
-    return {"decode": nodes[0], "prefill": nodes[1], "stranger": stranger}
+    return {**dict(zip([*identities, "anonymous"], nodes, strict=True)), "named": by_name, "stranger": stranger}
 
 
 def test_certs_init_cli_keeps_the_ca_and_writes_private_keys_0600(tmp_path: Path) -> None:
@@ -113,5 +124,86 @@ def test_plaintext_frames_to_a_tls_receiver_get_no_reply(kit: Kit, certs: dict[s
             assert sock.recv(64) == b""  # the receiver closes: no HELLO_OK, nothing parsed as KV
         except ConnectionResetError:
             pass
+        finally:
+            sock.close()
+
+
+@pytest.mark.parametrize("client", ["decode", "anonymous"])
+def test_a_sender_whose_certificate_serves_no_prefill_is_refused(
+    kit: Kit, certs: dict[str, NodeCert], client: str
+) -> None:
+    """A decode region's certificate, or one that names no identity (both from the right CA):
+    the receiver answers HELLO with ERROR PEER_REFUSED and closes; no shipment opens."""
+    with TcpReceiver(kit.verifier, ssl_context=server_context(certs["decode"])) as rx:
+        sock = socket.create_connection(rx.address, timeout=5)
+        tls = TlsSocket.wrap(sock, client_context(certs[client]), server_side=False, server_hostname="127.0.0.1",
+                             timeout_s=5)  # fmt: skip
+        try:
+            tls.settimeout(5)
+            tls.sendall(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": "x"}))))
+            reply, _ok = read_frame(tls)
+            assert reply.type is FrameType.ERROR and reply.json()["code"] == ErrorCode.PEER_REFUSED
+            assert "accepts prefill regions only" in reply.json()["message"]
+            assert tls.recv_into(memoryview(bytearray(64))) == 0  # then closed
+        finally:
+            sock.close()
+        with TcpChannel(rx.address, num_streams=1, ssl_context=client_context(certs[client]),
+                        unavailable_after_s=1.0) as channel:  # fmt: skip
+            transfer, inbound, _, _ = ship(channel, rx, kit.spec(num_layers=2), expect_timeout_s=10)
+            assert transfer.wait(8) is TransferStatus.FAILED
+            assert isinstance(transfer.error, PeerUnavailable) and "PEER_REFUSED" in str(transfer.error)
+            assert inbound.info is None and inbound.wire_bytes == 0
+
+
+def test_a_region_serving_both_roles_may_send(kit: Kit, certs: dict[str, NodeCert]) -> None:
+    with (
+        TcpReceiver(kit.verifier, ssl_context=server_context(certs["decode"])) as rx,
+        TcpChannel(rx.address, num_streams=1, ssl_context=client_context(certs["both"])) as channel,
+    ):
+        transfer, _inbound, _, _ = ship(channel, rx, kit.spec(num_layers=2))
+        assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+
+
+@pytest.mark.parametrize(("hostname", "ok"), [(server_name("decode-b"), True), (None, False),
+                                              (server_name("decode-a"), False)])  # fmt: skip
+def test_the_sender_checks_the_regions_server_name_instead_of_the_dialled_address(
+    kit: Kit, certs: dict[str, NodeCert], hostname: str | None, ok: bool
+) -> None:
+    """The receiver's certificate names decode-b.region.prfaas and 10.255.0.1, not the loopback
+    address dialled: with `server_hostname` the name is what counts; without it, the dialled
+    address, which it does not name; another region's name does not do either."""
+    with (
+        TcpReceiver(kit.verifier, ssl_context=server_context(certs["named"])) as rx,
+        TcpChannel(
+            rx.address,
+            num_streams=1,
+            ssl_context=client_context(certs["prefill"]),
+            server_hostname=hostname,
+            unavailable_after_s=1.0,
+        ) as channel,  # fmt: skip
+    ):
+        transfer, _inbound, _, _ = ship(channel, rx, kit.spec(num_layers=2), expect_timeout_s=10)
+        status = transfer.wait(8)
+        if ok:
+            assert status is TransferStatus.COMPLETED, transfer.error
+        else:
+            assert status is TransferStatus.FAILED and isinstance(transfer.error, PeerUnavailable)
+            assert "certificate verify failed" in str(transfer.error) or "match" in str(transfer.error)
+
+
+def test_a_tls_handshake_that_stalls_is_closed_at_the_handshake_deadline(kit: Kit, certs: dict[str, NodeCert]) -> None:
+    limits = ReceiverLimits(handshake_timeout_s=0.5)
+    with TcpReceiver(kit.verifier, ssl_context=server_context(certs["decode"]), limits=limits) as rx:
+        sock = socket.create_connection(rx.address, timeout=5)
+        context = client_context(certs["prefill"])
+        tls = context.wrap_bio(ssl.MemoryBIO(), outgoing := ssl.MemoryBIO(), server_hostname="127.0.0.1")
+        with contextlib.suppress(ssl.SSLWantReadError):
+            tls.do_handshake()
+        try:
+            sock.sendall(outgoing.read())  # the ClientHello, then nothing more
+            start = time.monotonic()
+            while sock.recv(65536):  # the server's first flight, then EOF
+                pass
+            assert 0.3 < time.monotonic() - start < 2.0
         finally:
             sock.close()
