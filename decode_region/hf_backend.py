@@ -93,7 +93,9 @@ class HFDecode:
         self.layout = LayoutCheck(self.facts.dtype, self.facts.num_layers, self.facts.num_kv_heads, self.facts.head_dim)
 
     def expect(self, expected: Expected, ttl_s: float, events: ShipmentEvents) -> KVHold:
-        inbound = self.receiver.expect(expected.job_id, expected.attempt, ttl_s)
+        inbound = self.receiver.expect(
+            expected.job_id, expected.attempt, ttl_s, tenant=expected.tenant, max_bytes=expected.kv_bytes
+        )
         return Assembly(expected, inbound, self.layout, events)
 
     def check_decode(self, call: DecodeCall, params: SamplingParams) -> None:

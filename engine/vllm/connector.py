@@ -5,7 +5,8 @@ Load it with:
 
     KVTransferConfig(kv_connector="PrfaasConnector", kv_connector_module_path="prfaas.engine.vllm.connector",
                      kv_role="kv_both", kv_load_failure_policy="recompute", engine_id=...,
-                     kv_connector_extra_config={"ticket_keys": {"k1": "<hex>"}, "kv_host": "0.0.0.0", "kv_port": 7400})
+                     kv_connector_extra_config={"ticket_keys": {"k1": "<hex>"}, "kv_host": "0.0.0.0", "kv_port": 7400,
+                                                "tls": {"cert": "<path>", "key": "<path>", "ca": "<path>"}})
 
 One engine can do both roles; each request says which in its `kv_transfer_params`
 (`engine/vllm/params.py`):
@@ -27,7 +28,9 @@ One engine can do both roles; each request says which in its `kv_transfer_params
   instead of waiting forever.
 
 The layout adapter between paged blocks and `[kv_heads, tokens, head_dim]` tensors is
-`engine/vllm/layout.py`. Ticket keys are hex strings, kid -> key (>= 32 bytes).
+`engine/vllm/layout.py`. Ticket keys are hex strings, kid -> key (>= 32 bytes). With `tls`
+(the engine's certificate, key and CA: file paths) the KV port and the outbound channels
+speak mutual TLS; a shipment's `server_name` is what the decode region's certificate names.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +56,7 @@ from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
 from prfaas.transport.api import Shipment, ShipmentSpec, Transfer, TransferStatus
 from prfaas.transport.tickets import TicketVerifier
+from prfaas.transport.tls import NodeCert
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -105,6 +110,14 @@ def _verifier(extra: dict[str, Any]) -> TicketVerifier | None:
     return TicketVerifier({str(kid): bytes.fromhex(str(key)) for kid, key in dict(keys).items()})
 
 
+def _tls(extra: dict[str, Any]) -> NodeCert | None:
+    """The engine's certificate: `tls: {"cert", "key", "ca"}` (file paths), or None: plaintext."""
+    files = extra.get("tls")
+    if not files:
+        return None
+    return NodeCert(Path(files["cert"]), Path(files["key"]), Path(files["ca"]))
+
+
 @dataclass(eq=False)
 class _Outbound:
     """One request's shipment while its layers are being computed and sent."""
@@ -140,7 +153,7 @@ class PrfaasConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             node = str(extra.get("node", f"vllm-{self._engine_id[:8]}"))
             host, port = str(extra.get("kv_host", "127.0.0.1")), int(extra.get("kv_port", 0))
-            self._link = LINKS.open(self._engine_id, node, _verifier(extra), host, port)
+            self._link = LINKS.open(self._engine_id, node, _verifier(extra), host, port, _tls(extra))
 
     # ---------------- scheduler side ----------------
 
@@ -248,7 +261,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             p.job_id, p.attempt, p.ticket, TORCH_DTYPES[kv_layer.dtype], tuple(shapes), p.codec, p.timeout_s
         )
         shipment = Shipment(spec)
-        transfer = self._link.channel(p.address).submit(shipment)
+        transfer = self._link.channel(p.address, p.server_name).submit(shipment)
         link = self._link
         transfer.cell.on_terminal(lambda _status: link.activity.set())  # a step then reports it, frees the blocks
         out = _Outbound(job, spec, transfer, shipment)

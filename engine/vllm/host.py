@@ -26,6 +26,7 @@ from typing import Any
 from prfaas.engine.models import resolve_model
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
+from prfaas.transport.tls import NodeCert
 
 CONNECTOR_MODULE = "prfaas.engine.vllm.connector"
 IDLE_WAIT_S = 0.02  # longest idle wait (the connector wakes the loop when a load or a send ends)
@@ -62,7 +63,9 @@ class VLLMHost:
     (port 0 picks a free one, see `kv_address`).
     kv_transfer_config: another KV connector instead of prfaas's (the fields of vLLM's
     `KVTransferConfig`, e.g. NixlConnector in bench/vs_vllm_pd.py); the host then has no
-    prfaas link (`link` raises) and passes `kv_transfer_params` to vLLM as they are."""
+    prfaas link (`link` raises) and passes `kv_transfer_params` to vLLM as they are.
+    tls: the engine's certificate (transport/tls.py): its KV port and outbound channels then
+    speak mutual TLS (engine/vllm/link.py)."""
 
     def __init__(
         self,
@@ -77,6 +80,7 @@ class VLLMHost:
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = False,
         kv_transfer_config: dict[str, Any] | None = None,
+        tls: NodeCert | None = None,
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's KVLink must be ours
         try:
@@ -93,6 +97,8 @@ class VLLMHost:
         extra: dict[str, Any] = {"kv_host": kv_host, "kv_port": kv_port, "node": node}
         if ticket_keys:
             extra["ticket_keys"] = {kid: key.hex() for kid, key in ticket_keys.items()}
+        if tls is not None:  # paths only: the connector loads the files
+            extra["tls"] = {"cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)}
         if kv_transfer_config is None:
             transfer = KVTransferConfig(
                 kv_connector="PrfaasConnector",

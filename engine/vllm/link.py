@@ -20,6 +20,7 @@ from prfaas.transport.inbound import Inbound
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tickets import TicketVerifier
+from prfaas.transport.tls import NodeCert, client_context, server_context
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,22 @@ class ShipOutcome:
 
 
 class KVLink:
-    """Receiver (optional) and outbound channels of one engine."""
+    """Receiver (optional) and outbound channels of one engine; with `tls` (the engine's
+    certificate: transport/tls.py) both speak mutual TLS, and the receiver accepts only
+    prefill-region certificates (transport/tcp_receiver.py)."""
 
-    def __init__(self, node: str, verifier: TicketVerifier | None, host: str, port: int) -> None:
+    def __init__(
+        self, node: str, verifier: TicketVerifier | None, host: str, port: int, tls: NodeCert | None = None
+    ) -> None:
         self.node = node
-        self.receiver = TcpReceiver(verifier, host, port, node=node) if verifier is not None else None
+        self._client_tls = client_context(tls) if tls is not None else None
+        server_tls = server_context(tls) if tls is not None else None
+        self.receiver = (
+            TcpReceiver(verifier, host, port, node=node, ssl_context=server_tls) if verifier is not None else None
+        )
         self._lock = threading.Condition()
         self._expected: dict[tuple[str, int], Inbound] = {}
-        self._channels: dict[tuple[str, int], TcpChannel] = {}
+        self._channels: dict[tuple[tuple[str, int], str | None], TcpChannel] = {}
         self._outcomes: dict[str, ShipOutcome] = {}
         # Set when the connector's background work ends (a load, a shipment) and when a
         # request arrives: the host's loop waits on it instead of stepping an engine that has
@@ -51,9 +60,12 @@ class KVLink:
     def kv_address(self) -> tuple[str, int] | None:
         return self.receiver.address if self.receiver is not None else None
 
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
-        """Register a shipment now (the decode region's reservation); the connector's load
-        picks it up (`take`). Idempotent: a second call returns the first registration."""
+    def expect(
+        self, job_id: str, attempt: int, timeout_s: float, *, tenant: str | None = None, max_bytes: int | None = None
+    ) -> Inbound:
+        """Register a shipment now (the decode region's reservation: its `tenant` and
+        `max_bytes` are checked at OPEN, `Receiver.expect`); the connector's load picks it up
+        (`take`). Idempotent: a second call returns the first registration."""
         if self.receiver is None:
             raise RuntimeError("this engine has no KV receiver (kv_connector_extra_config.ticket_keys is unset)")
         key = (job_id, attempt)
@@ -61,7 +73,9 @@ class KVLink:
             inbound = self._expected.get(key)
             if inbound is not None:
                 return inbound
-            inbound = self._expected[key] = self.receiver.expect(job_id, attempt, timeout_s)
+            inbound = self._expected[key] = self.receiver.expect(
+                job_id, attempt, timeout_s, tenant=tenant, max_bytes=max_bytes
+            )
         inbound.cell.on_terminal(lambda status: self._forget_failed(key, status))
         return inbound
 
@@ -94,11 +108,16 @@ class KVLink:
             raise RuntimeError("this engine has no KV receiver (kv_connector_extra_config.ticket_keys is unset)")
         return self.receiver.expect(job_id, attempt, timeout_s)
 
-    def channel(self, address: tuple[str, int]) -> TcpChannel:
+    def channel(self, address: tuple[str, int], server_name: str | None = None) -> TcpChannel:
+        """The pooled channel to a decode region's KV port; over TLS its certificate must name
+        `server_name` (None: the address)."""
+        key = (address, server_name)
         with self._lock:
-            channel = self._channels.get(address)
+            channel = self._channels.get(key)
             if channel is None or channel.closed.is_set():
-                channel = self._channels[address] = TcpChannel(address, node=self.node)
+                channel = self._channels[key] = TcpChannel(
+                    address, node=self.node, ssl_context=self._client_tls, server_hostname=server_name
+                )
             return channel
 
     def record_shipped(self, job_id: str, outcome: ShipOutcome) -> None:
@@ -139,11 +158,12 @@ class LinkRegistry:
         self._lock = threading.Lock()
         self._links: dict[str, KVLink] = {}
 
-    def open(self, engine_id: str, node: str, verifier: TicketVerifier | None, host: str, port: int) -> KVLink:
+    def open(self, engine_id: str, node: str, verifier: TicketVerifier | None, host: str, port: int,
+             tls: NodeCert | None = None) -> KVLink:  # fmt: skip
         with self._lock:
             link = self._links.get(engine_id)
             if link is None:
-                link = self._links[engine_id] = KVLink(node, verifier, host, port)
+                link = self._links[engine_id] = KVLink(node, verifier, host, port, tls)
             return link
 
     def get(self, engine_id: str) -> KVLink:

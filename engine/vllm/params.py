@@ -4,7 +4,8 @@ No vLLM import: the region agents and tests build these without vLLM installed.
 
 - A prefill (producer) request carries `{"prfaas_ship": ShipParams}`: ship the prompt's
   KV, layer by layer as it is computed (or all of it after the forward: `layerwise`), to
-  the decode region's KV port under `ticket`.
+  the decode region's KV port under `ticket` (over TLS when the engine has a certificate:
+  `server_name` is the name the decode region's certificate must carry).
 - A decode (consumer) request carries `{"prfaas_load": LoadParams}`: the prompt's KV comes
   as the shipment (`job_id`, `attempt`); vLLM waits for it instead of computing the
   prompt, and recomputes the prompt if the shipment fails or misses `timeout_s`.
@@ -19,6 +20,7 @@ No vLLM import: the region agents and tests build these without vLLM installed.
 from __future__ import annotations
 
 import ipaddress
+import re
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,6 +30,8 @@ from prfaas.transport.errors import CodecError
 
 SHIP_KEY = "prfaas_ship"
 LOAD_KEY = "prfaas_load"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 
 
 def _job_id(value: Any) -> str:
@@ -62,6 +66,9 @@ class ShipParams:
     # the forward's path (a same-host link, where streaming saves nothing and its sends would
     # take CPU from the forward): see `layerwise_for`.
     layerwise: bool = True
+    # With TLS on the KV link: the name the decode region's certificate must carry
+    # (`transport.identity.server_name(region)`); None: the address dialled.
+    server_name: str | None = None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -86,6 +93,9 @@ class ShipParams:
         layerwise = value.get("layerwise", True)
         if not isinstance(layerwise, bool):
             raise ValueError(f"{SHIP_KEY}.layerwise must be true or false, got {layerwise!r}")
+        server_name = value.get("server_name")
+        if server_name is not None and (not isinstance(server_name, str) or not _DNS_NAME.match(server_name)):
+            raise ValueError(f"{SHIP_KEY}.server_name must be a DNS name, got {server_name!r}")
         return ShipParams(
             _job_id(value.get("job_id")),
             _attempt(value.get("attempt", 0)),
@@ -94,6 +104,7 @@ class ShipParams:
             str(codec),
             _timeout(value.get("timeout_s", 30.0)),
             layerwise,
+            server_name,
         )
 
     def to_kv_params(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from prfaas.engine.models import resolve_model
 from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.vllm.server import AUTHKEY_ENV, TICKET_KEYS_ENV, RemoteError, VLLMClient
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferCanceled, TransferTimeout, TransportError
+from prfaas.transport.tls import NodeCert
 
 log = logging.getLogger(__name__)
 # Where `make vllm-install` puts the vLLM environment: the repository root (editable install).
@@ -126,8 +127,12 @@ class VLLMEngine:
         finally:
             steps.close()
 
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> None:
-        self._call(lambda: self.client.expect(job_id, attempt, timeout_s))
+    def expect(
+        self, job_id: str, attempt: int, timeout_s: float, *, tenant: str | None = None, max_bytes: int | None = None
+    ) -> None:
+        """Register a reservation's shipment: an OPEN for another tenant, or past `max_bytes`
+        raw bytes, is refused before any KV is stored (`Receiver.expect`)."""
+        self._call(lambda: self.client.expect(job_id, attempt, timeout_s, tenant=tenant, max_bytes=max_bytes))
 
     def forget(self, job_id: str, attempt: int) -> bool:
         result: bool = self._call(lambda: self.client.forget(job_id, attempt))
@@ -173,10 +178,13 @@ def start_vllm_engine(
     kv_port: int = 0,
     node: str = "vllm",
     options: ServerOptions | None = None,
+    tls: NodeCert | None = None,
 ) -> VLLMEngine:
     """Start a vLLM server for `model` and wait until it is ready. With `ticket_keys` it
-    receives KV shipments on kv_host:kv_port (a decode region). Raises EngineUnavailable
-    (the interpreter is missing, the server exited or was not ready in time)."""
+    receives KV shipments on kv_host:kv_port (a decode region). With `tls` (files: their
+    paths go on the server's command line, never their contents) its KV port and its
+    outbound KV channels speak mutual TLS. Raises EngineUnavailable (the interpreter is
+    missing, the server exited or was not ready in time)."""
     opts = options or ServerOptions()
     python = Path(opts.python).expanduser()
     if not python.is_file() or not os.access(python, os.X_OK):
@@ -205,6 +213,8 @@ def start_vllm_engine(
             "--node", node, "--ready-file", str(ready), "--exit-with-parent"]  # fmt: skip
     if opts.enforce_eager:
         argv.append("--enforce-eager")
+    if tls is not None:
+        argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
     with log_path.open("ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.info("vLLM server starting (pid %d, log %s)", proc.pid, log_path)

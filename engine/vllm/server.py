@@ -13,7 +13,8 @@ the process that started it goes away.
     PRFAAS_VLLM_AUTHKEY=<hex> python -m prfaas.engine.vllm.server --model smollm2-135m --ticket-key k1:<hex>
 
 writes `{"control": [host, port], "kv": [host, port]}` to `--ready-file` when ready (vLLM
-logs to stdout, so the file is the one thing a launcher has to read).
+logs to stdout, so the file is the one thing a launcher has to read). `--tls-cert`,
+`--tls-key`, `--tls-ca` (paths) put the KV port and the outbound KV channels on mutual TLS.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ import uuid
 from collections.abc import Generator
 from dataclasses import asdict
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from pathlib import Path
 from typing import Any
+
+from prfaas.transport.tls import NodeCert
 
 AUTHKEY_ENV = "PRFAAS_VLLM_AUTHKEY"
 TICKET_KEYS_ENV = "PRFAAS_VLLM_TICKET_KEYS"  # kid:hexkey[,kid:hexkey...]: keys off the command line
@@ -84,8 +88,8 @@ def _serve_one(host: Any, conn: Connection, authkey: bytes) -> None:
                 token_ids, max_tokens, kv_params, timeout_s = args
                 result: Any = asdict(host.generate(token_ids, max_tokens, kv_params, timeout_s))
             elif op == "expect":
-                job_id, attempt, timeout_s = args
-                host.link.expect(job_id, attempt, timeout_s)
+                job_id, attempt, timeout_s, tenant, max_bytes = args
+                host.link.expect(job_id, attempt, timeout_s, tenant=tenant, max_bytes=max_bytes)
                 result = None
             elif op == "forget":
                 job_id, attempt = args
@@ -162,6 +166,8 @@ def serve(argv: list[str] | None = None) -> None:
         "--ticket-key", action="append", default=[], help=f"kid:hexkey (repeatable; or {TICKET_KEYS_ENV})"
     )
     parser.add_argument("--enforce-eager", action="store_true")
+    for part in ("cert", "key", "ca"):  # paths, never the key itself on a command line
+        parser.add_argument(f"--tls-{part}", type=Path, help="KV over mutual TLS: this node's certificate, key, CA")
     parser.add_argument(
         "--kv-transfer-config", type=json.loads, help="JSON: another KV connector instead of prfaas's (benchmarks)"
     )
@@ -175,6 +181,11 @@ def serve(argv: list[str] | None = None) -> None:
     for item in ns.ticket_key + [x for x in os.environ.get(TICKET_KEYS_ENV, "").split(",") if x]:
         kid, _, hexkey = item.partition(":")
         keys[kid] = bytes.fromhex(hexkey)
+
+    tls_files = (ns.tls_cert, ns.tls_key, ns.tls_ca)
+    if any(tls_files) and not all(tls_files):
+        parser.error("--tls-cert, --tls-key and --tls-ca go together")
+    tls = NodeCert(ns.tls_cert, ns.tls_key, ns.tls_ca) if all(tls_files) else None
 
     if ns.exit_with_parent:
         threading.Thread(target=_exit_with_parent, name="vllm-server-parent", daemon=True).start()
@@ -190,6 +201,7 @@ def serve(argv: list[str] | None = None) -> None:
         node=ns.node,
         enforce_eager=ns.enforce_eager,
         kv_transfer_config=ns.kv_transfer_config,
+        tls=tls,
     )
     listener = Listener((ns.control_host, ns.control_port))  # authenticated per connection (_serve_one)
     ready = {"control": list(listener.address), "kv": list(host.kv_address or ())}
@@ -272,9 +284,12 @@ class VLLMClient:
         result: dict[str, Any] = self._call("generate", (token_ids, max_tokens, kv_params, timeout_s), timeout_s + 5)
         return result
 
-    def expect(self, job_id: str, attempt: int, timeout_s: float) -> None:
-        """Register a shipment before its prefill starts (the decode region's reservation)."""
-        self._call("expect", (job_id, attempt, timeout_s), 30.0)
+    def expect(
+        self, job_id: str, attempt: int, timeout_s: float, *, tenant: str | None = None, max_bytes: int | None = None
+    ) -> None:
+        """Register a shipment before its prefill starts (the decode region's reservation: an
+        OPEN for another tenant, or past `max_bytes`, is refused: `Receiver.expect`)."""
+        self._call("expect", (job_id, attempt, timeout_s, tenant, max_bytes), 30.0)
 
     def forget(self, job_id: str, attempt: int) -> bool:
         """Drop a registered shipment no request took (the reservation ended)."""

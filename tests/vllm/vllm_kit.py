@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prfaas.engine.vllm.server import AUTHKEY_ENV, VLLMClient
+from prfaas.transport.identity import Identity, server_name
 from prfaas.transport.tickets import TicketSigner
+from prfaas.transport.tls import NodeCert, init_certs
 
 MODEL = "smollm2-135m"
 START_TIMEOUT_S = 420.0
@@ -29,12 +31,36 @@ class VLLMProcess:
 
 @dataclass
 class VLLMPair:
+    """Two engines whose KV links speak mutual TLS: the prefill's certificate names a prefill
+    region, the decode's a decode region (`certs`, with `stranger`: a decode-region identity
+    from the same CA, which a KV receiver refuses)."""
+
     prefill: VLLMProcess
     decode: VLLMProcess
     signer: TicketSigner
+    certs: dict[str, NodeCert]
+
+    @property
+    def decode_server_name(self) -> str:
+        return server_name(DECODE_REGION)
 
 
-def start(name: str, tmp: Path, authkey: bytes, ticket_key: bytes) -> tuple[subprocess.Popen[bytes], Path, Path]:
+DECODE_REGION = "vllm-decode"
+
+
+def make_certs(tmp: Path) -> dict[str, NodeCert]:
+    identities = {
+        "prefill": Identity("prefill", "vllm-prefill", "1"),
+        "decode": Identity("decode", DECODE_REGION, "1"),
+        "stranger": Identity("decode", "vllm-other", "1"),
+    }
+    _ca, nodes = init_certs(tmp / "certs", list(identities), ["127.0.0.1"], identities=identities)
+    return dict(zip(identities, nodes, strict=True))
+
+
+def start(
+    name: str, tmp: Path, authkey: bytes, ticket_key: bytes, tls: NodeCert | None = None
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
     ready, log = tmp / f"{name}.ready", tmp / f"{name}.log"
     env = {
         **os.environ,
@@ -48,6 +74,8 @@ def start(name: str, tmp: Path, authkey: bytes, ticket_key: bytes) -> tuple[subp
     cmd += ["--ticket-key", f"k1:{ticket_key.hex()}", "--ready-file", str(ready)]
     cmd += ["--enforce-eager"]  # no torch.compile: ~45 s start-up instead of ~160 s here
     cmd += ["--exit-with-parent"]  # an interrupted test session leaves no vLLM behind
+    if tls is not None:
+        cmd += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, ready, log
