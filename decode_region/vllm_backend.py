@@ -62,7 +62,7 @@ class VLLMDecode:
         self.kv_endpoint: str = engine.kv_endpoint
 
     def expect(self, expected: Expected, ttl_s: float, events: ShipmentEvents) -> KVHold:
-        self.vllm.expect(expected.job_id, expected.attempt, ttl_s)
+        self.vllm.expect(expected.job_id, expected.attempt, ttl_s, tenant=expected.tenant, max_bytes=expected.kv_bytes)
         return ServerHold(self.vllm, expected, events)
 
     def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
