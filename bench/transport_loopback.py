@@ -1,6 +1,7 @@
 """KV transport on plain loopback: prfaas beside Mooncake's transfer engine (TCP) and NIXL (UCX/TCP).
 
     python bench/transport_loopback.py --size-mb 256 --rounds 3 --json out.json
+    python bench/transport_loopback.py --systems prfaas --tls both --json out.json   # the cost of TLS
 
 One run, interleaved rounds (each round moves one payload with every system, in an order
 rotated per round), best and median per system. Every system runs as two processes
@@ -8,6 +9,8 @@ rotated per round), best and median per system. Every system runs as two process
 
     prfaas-N         TcpChannel -> TcpReceiver, raw codec, N fixed streams (--streams)
     prfaas-adaptive  the same with the channel's own stream count (warmed --adaptive-warmup-s)
+    prfaas-*-tls     the same over mutual TLS 1.3 (--tls on|both; both: plaintext and TLS
+                     interleaved in every round, rows carry "tls": true/false)
     mooncake         TransferEngine, P2PHANDSHAKE, "tcp" protocol, transfer_sync_write
     nixl             nixl_agent, UCX backend with UCX_TLS=tcp, one WRITE + notification
 
@@ -59,8 +62,8 @@ def load_parts(kv_path: Path | None) -> tuple[list[tuple[bytes, bytes]], tuple[i
     return [(rng.bytes(n), rng.bytes(n)) for _ in range(SYNTH_LAYERS)], SYNTH_SHAPE
 
 
-def role_sender(port: int, kv: str) -> None:
-    from prfaas.bench.transport_roles import hasher, reply
+def role_sender(port: int, tls_port: int | None, kv: str) -> None:
+    from prfaas.bench.transport_roles import client_tls, hasher, reply
     from prfaas.transport.api import Shipment, ShipmentSpec
     from prfaas.transport.tcp_sender import TcpChannel
 
@@ -71,7 +74,9 @@ def role_sender(port: int, kv: str) -> None:
         cmd = json.loads(line)
         if cmd["op"] == "channel":
             t0 = time.perf_counter()
-            channels[cmd["label"]] = TcpChannel(("127.0.0.1", port), num_streams=cmd["streams"])
+            tls = client_tls(os.environ["PRFAAS_BENCH_TLS"]) if cmd["tls"] else {}
+            address = ("127.0.0.1", tls_port if cmd["tls"] and tls_port else port)
+            channels[cmd["label"]] = TcpChannel(address, num_streams=cmd["streams"], **tls)
             reply({"ok": True, "setup_s": time.perf_counter() - t0})
         elif cmd["op"] == "digest":
             h = hasher()
@@ -144,27 +149,33 @@ class Proc:
 
 
 class Prfaas:
-    def __init__(self, kv_path: Path | None, run_timeout_s: float) -> None:
+    """The prfaas sender and receiver processes; with `certs` (bench_certs) the receiver also
+    listens with TLS, and channels opened with `tls` use it."""
+
+    def __init__(self, kv_path: Path | None, run_timeout_s: float, certs: Path | None = None) -> None:
         from prfaas.transport.tickets import TicketSigner
 
         self.signer = TicketSigner({"k": KEY}, "k")
         self.timeout_s = run_timeout_s
-        env = {**os.environ, "PRFAAS_BENCH_KEY": KEY.hex()}
+        env = {**os.environ, "PRFAAS_BENCH_KEY": KEY.hex(), "PRFAAS_BENCH_TLS": str(certs or "")}
         me = [sys.executable, str(Path(__file__).resolve())]
         self.rx = Proc([*me, "--_role", "receiver"], env)
-        port = self.rx.read()["port"]
-        self.tx = Proc([*me, "--_role", "sender", "--_port", str(port), "--_kv", str(kv_path or "")], env)
+        ready = self.rx.read()
+        ports = ["--_port", str(ready["port"]), "--_tls-port", str(ready["tls_port"] or 0)]
+        self.tx = Proc([*me, "--_role", "sender", *ports, "--_kv", str(kv_path or "")], env)
         self.layer_bytes: int = self.tx.read()["layer_bytes"]
         self.setup: dict[str, float] = {}
+        self.tls: dict[str, bool] = {}
         self.digests: dict[int, str] = {}
 
-    def channel(self, label: str, streams: int | None) -> None:
-        self.setup[label] = self.tx.ask(op="channel", label=label, streams=streams)["setup_s"]
+    def channel(self, label: str, streams: int | None, tls: bool = False) -> None:
+        self.tls[label] = tls
+        self.setup[label] = self.tx.ask(op="channel", label=label, streams=streams, tls=tls)["setup_s"]
 
     def ship(self, label: str, layers: int, verify: bool = True) -> dict[str, Any]:
         job = str(uuid.uuid4())
         wait = self.timeout_s + 10
-        self.rx.ask(wait, op="expect", job=job, timeout_s=self.timeout_s + 5)
+        self.rx.ask(wait, op="expect", job=job, timeout_s=self.timeout_s + 5, tls=self.tls[label])
         ticket = self.signer.issue(job, 1, "bench", 1 << 40, ttl_s=600)
         r = self.tx.ask(wait, op="ship", label=label, job=job, ticket=ticket, layers=layers, timeout_s=self.timeout_s)
         got = self.rx.ask(wait, op="collect", job=job, timeout_s=5, layers=layers if verify else 0)
@@ -183,7 +194,10 @@ class Prfaas:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import tempfile
+
     from prfaas.bench.peers.driver import PeerError, PeerPair, peers_python
+    from prfaas.bench.transport_roles import bench_certs
 
     kv_path = args.kv if args.kv and args.kv.exists() else None
     print(f"# payload: {kv_path or 'random bytes (no SmolLM2 KV at ' + str(args.kv) + ')'}", flush=True)
@@ -192,21 +206,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if peers and py is None:
         print("# .venv-peers is missing (bash bench/peers/setup.sh): running prfaas only", flush=True)
         peers = []
-    pr = Prfaas(kv_path, args.run_timeout_s)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
+    certs = bench_certs(Path(tempfile.mkdtemp(prefix="prfaas-bench-certs-")), ["127.0.0.1"]) if any(modes) else None
+    pr = Prfaas(kv_path, args.run_timeout_s, certs)
     layers = max(1, int(args.size_mb * 2**20 / pr.layer_bytes))
     size = layers * pr.layer_bytes  # the peers move exactly as many bytes as prfaas
-    labels: list[tuple[str, int | None]] = []
+    labels: list[tuple[str, int | None, bool]] = []
     if "prfaas" in args.systems:
-        labels = [(f"prfaas-{n}", n) for n in args.streams] + [("prfaas-adaptive", None)]
-    for label, streams in labels:
-        pr.channel(label, streams)
+        configs = [(f"prfaas-{n}", n) for n in args.streams] + [("prfaas-adaptive", None)]
+        labels = [(label + ("-tls" if tls else ""), streams, tls) for label, streams in configs for tls in modes]
+    for label, streams, tls in labels:
+        pr.channel(label, streams, tls)
         pr.ship(label, max(1, layers // 8), verify=False)  # connections open, windows grown
         warm_until = time.monotonic() + (args.adaptive_warmup_s if streams is None else 0)
         while time.monotonic() < warm_until:
             pr.ship(label, max(1, layers // 2), verify=False)
     print(f"# {size / 2**20:.0f} MiB per transfer, {args.rounds} rounds, host loadavg "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)  # fmt: skip
-    systems = [label for label, _ in labels] + peers
+    systems = [label for label, _, _ in labels] + peers
     rows: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
@@ -215,8 +232,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if name.startswith("prfaas"):
                 r = pr.ship(name, layers)
                 ok = r["status"] == "completed" and r["verified"]
-                row.update(streams=r["streams"], adaptive=name.endswith("adaptive"), seconds=r["seconds"], ok=ok,
-                           cpu_s_send=r["cpu_s"], setup_s=pr.setup[name],
+                row.update(streams=r["streams"], adaptive="adaptive" in name, tls=pr.tls[name], seconds=r["seconds"],
+                           ok=ok, cpu_s_send=r["cpu_s"], setup_s=pr.setup[name],
                            error="" if ok else f"status {r['status']}, verified {r['verified']}")  # fmt: skip
             else:
                 assert py is not None
@@ -227,7 +244,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         setup_s = pair.setup["total_wall_s"]
                 except PeerError as exc:
                     p, setup_s = {"ok": False, "error": str(exc)[:400], "seconds": 0.0, "tcp_conns": 0}, 0.0
-                row.update(streams=p["tcp_conns"], adaptive=False, seconds=p["seconds"], ok=p["ok"],
+                row.update(streams=p["tcp_conns"], adaptive=False, tls=False, seconds=p["seconds"], ok=p["ok"],
                            cpu_s_send=p.get("cpu_s_send"), cpu_s_recv=p.get("cpu_s_recv"), setup_s=setup_s,
                            error=p["error"])  # fmt: skip
             row["gb_per_s"] = size / row["seconds"] / 1e9 if row["ok"] and row["seconds"] > 0 else 0.0
@@ -251,6 +268,12 @@ def table(rows: list[dict[str, Any]]) -> None:
         vs = f"  {best / best_peer:4.2f}x best peer" if label.startswith("prfaas") and best_peer else ""
         print(f"{label:18} {streams:>7} {best:9.2f} {med:7.2f} {len(rates):>3}/{len(mine):<3} "
               f"{statistics.median(r['setup_s'] for r in mine):7.2f}{vs}")  # fmt: skip
+    for label in labels:  # the cost of TLS: each configuration's median over its plaintext twin's
+        plain = [r["gb_per_s"] for r in rows if r["label"] == label.removesuffix("-tls") and r["ok"]]
+        tls = [r["gb_per_s"] for r in rows if r["label"] == label and r["ok"]]
+        if label.endswith("-tls") and plain and tls:
+            print(f"{label:18} TLS/plaintext median {statistics.median(tls) / statistics.median(plain):.2f}x "
+                  f"(best {max(tls) / max(plain):.2f}x)")  # fmt: skip
 
 
 def main() -> None:
@@ -261,17 +284,20 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=["prfaas", "mooncake", "nixl"],
                         choices=["prfaas", "mooncake", "nixl"])  # fmt: skip
     parser.add_argument("--adaptive-warmup-s", type=float, default=3.0)
+    parser.add_argument("--tls", choices=["off", "on", "both"], default="off",
+                        help="prfaas over mutual TLS: on, or both (plaintext and TLS interleaved)")  # fmt: skip
     parser.add_argument("--run-timeout-s", type=float, default=60.0, help="deadline of one transfer")
     parser.add_argument("--kv", type=Path, default=KV_PATH, help="SmolLM2 KV .npz (default: transport_wan's)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--_role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--_port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--_tls-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--_kv", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._role == "receiver":
         return role_receiver()
     if args._role == "sender":
-        return role_sender(args._port, args._kv)
+        return role_sender(args._port, args._tls_port or None, args._kv)
     rows = run(args)
     table(rows)
     if args.json:

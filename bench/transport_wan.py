@@ -1,6 +1,7 @@
 """KV transport over an emulated WAN: goodput vs link rate for stream counts x codecs.
 
     python bench/transport_wan.py --profile continental --profile intercontinental --json out.json
+    python bench/transport_wan.py --profile continental --tls both --cc cubic --streams --codec raw --rounds 4
 
 Two network namespaces joined by the userspace link emulator (devstack/wanlink.py); a
 receiver process (TcpReceiver) in one, a sender process (TcpChannel) in the other, both
@@ -12,7 +13,10 @@ the adaptive default, and each codec, it prints and records:
     effective_ratio  raw KV bytes/s / link rate (what compression adds)
     cpu_s_per_gb     sender + receiver CPU seconds per GB of raw KV
 
-Needs root (namespaces, TUN). Every run is bounded by --run-timeout-s.
+`--tls both` runs every configuration over plaintext and over mutual TLS 1.3 side by side
+(both channels warmed, the measured shipments interleaved, the order alternating per round);
+every row carries `tls` (true/false) and `round`. Needs root (namespaces, TUN). Every run is
+bounded by --run-timeout-s.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def real_kv(path: Path) -> None:
 # ------------------------------------------------------------------ processes in the namespaces
 
 
-def role_receiver(host: str, buf: int) -> None:
+def role_receiver(host: str, buf: int) -> None:  # plaintext on 7400; with certificates, TLS on 7401
     from prfaas.bench.transport_roles import serve_receiver
 
     serve_receiver(host, 7400, sock_buf_bytes=buf or None)
@@ -62,7 +66,7 @@ def role_receiver(host: str, buf: int) -> None:
 def role_sender(host: str, kv_path: str) -> None:
     import numpy as np
 
-    from prfaas.bench.transport_roles import reply
+    from prfaas.bench.transport_roles import client_tls, reply
     from prfaas.transport.api import Shipment, ShipmentSpec
     from prfaas.transport.tcp_sender import TcpChannel
 
@@ -70,18 +74,22 @@ def role_sender(host: str, kv_path: str) -> None:
     num_real = len(arrays.files) // 2
     parts = [(arrays[f"{i}_0"].tobytes(), arrays[f"{i}_1"].tobytes()) for i in range(num_real)]
     shape = tuple(int(d) for d in arrays["0_0"].shape)
-    channel: TcpChannel | None = None
+    channels: dict[bool, TcpChannel] = {}  # by tls
     reply({"ready": True, "layer_bytes": 2 * len(parts[0][0])})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "channel":
-            if channel is not None:
-                channel.close()
-            channel = TcpChannel((host, 7400), num_streams=cmd["streams"], congestion_control=cmd["cc"],
-                                 sock_buf_bytes=cmd["buf"] or None)  # fmt: skip
+            for old in channels.values():
+                old.close()
+            channels = {}
+            for tls in cmd["tls"]:
+                options = client_tls(os.environ["PRFAAS_BENCH_TLS"]) if tls else {}
+                channels[tls] = TcpChannel((host, 7401 if tls else 7400), num_streams=cmd["streams"],
+                                           congestion_control=cmd["cc"], sock_buf_bytes=cmd["buf"] or None,
+                                           **options)  # fmt: skip
             reply({"ok": True})
         elif cmd["op"] == "ship":
-            assert channel is not None
+            channel = channels[bool(cmd.get("tls"))]
             spec = ShipmentSpec(cmd["job"], 1, cmd["ticket"], "bfloat16", (shape,) * cmd["layers"], cmd["codec"],
                                 cmd["timeout_s"])  # fmt: skip
             cpu0, start = time.process_time(), time.perf_counter()
@@ -96,7 +104,7 @@ def role_sender(host: str, kv_path: str) -> None:
                     "cpu_s": time.process_time() - cpu0, "streams": channel.num_streams,
                     "resent": transfer.stats.resent_chunks,
                     "history": channel.controller.history[-40:] if channel.controller else None})  # fmt: skip
-    if channel is not None:
+    for channel in channels.values():
         channel.close()
 
 
@@ -122,12 +130,16 @@ class Proc:
 
 
 def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[dict[str, Any]]) -> None:
+    import tempfile
+
+    from prfaas.bench.transport_roles import bench_certs
     from prfaas.devstack.wanlink import wan_link
     from prfaas.transport.tickets import TicketSigner
 
     rtt_ms, rate_mbit, loss_pct = PROFILES[name]
     signer = TicketSigner({"k": KEY}, "k")
-    env = {**os.environ, "PRFAAS_BENCH_KEY": KEY.hex()}
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
+    env = {**os.environ, "PRFAAS_BENCH_KEY": KEY.hex(), "PRFAAS_BENCH_TLS": ""}
     me = [sys.executable, str(Path(__file__).resolve())]
     buf = 0  # sockets keep kernel autotuning; --big-buffers raises its ceiling instead
     with wan_link(rtt_ms=rtt_ms, rate_mbit=rate_mbit, loss_pct=loss_pct) as link:
@@ -138,6 +150,9 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
         if args.big_buffers:
             link.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {BIG_BUF}")
             link.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {BIG_BUF}")
+        if any(modes):
+            certs = bench_certs(Path(tempfile.mkdtemp(prefix="prfaas-bench-certs-")), [link.addr_b])
+            env["PRFAAS_BENCH_TLS"] = str(certs)
         pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
         rx = Proc(link.run_in("b", [*me, "--_role", "receiver", "--_host", link.addr_b, "--_buf", str(buf)], **pipes))
         rx.read()
@@ -146,30 +161,34 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
         layers = max(1, int(args.size_mb * 2**20 / layer_bytes))
         link_bps = rate_mbit * 1e6 / 8
 
-        def ship(codec: str, layers: int) -> dict[str, Any]:
+        def ship(codec: str, layers: int, tls: bool) -> dict[str, Any]:
             job = str(uuid.uuid4())
-            rx.ask(op="expect", job=job, timeout_s=args.run_timeout_s + 5)
+            rx.ask(op="expect", job=job, timeout_s=args.run_timeout_s + 5, tls=tls)
             ticket = signer.issue(job, 1, "bench", 1 << 40, ttl_s=600)
-            result = tx.ask(op="ship", job=job, ticket=ticket, codec=codec, layers=layers, timeout_s=args.run_timeout_s)
+            result = tx.ask(op="ship", job=job, ticket=ticket, codec=codec, layers=layers, timeout_s=args.run_timeout_s,
+                            tls=tls)  # fmt: skip
             result["rx_cpu_s"] = rx.ask(op="collect", job=job, timeout_s=5)["cpu_s"]
             return result
 
         for cc in args.cc:
             for streams in [*args.streams, None]:
-                tx.ask(op="channel", streams=streams, cc=cc, buf=buf)
-                # warm the pool (connections open, windows grown; the adaptive count settles)
-                warm_until = time.monotonic() + (args.adaptive_warmup_s if streams is None else args.fixed_warmup_s)
-                ship("raw", max(1, layers // 8))
-                while time.monotonic() < warm_until:
-                    ship("raw", layers // 2)
-                for codec in args.codec:
+                tx.ask(op="channel", streams=streams, cc=cc, buf=buf, tls=modes)
+                # warm each pool (connections open, windows grown; the adaptive count settles)
+                for tls in modes:
+                    warm_until = time.monotonic() + (args.adaptive_warmup_s if streams is None else args.fixed_warmup_s)
+                    ship("raw", max(1, layers // 8), tls)
+                    while time.monotonic() < warm_until:
+                        ship("raw", layers // 2, tls)
+                runs = [(codec, rnd, tls) for codec in args.codec for rnd in range(args.rounds)
+                        for tls in (modes if rnd % 2 == 0 else modes[::-1])]  # fmt: skip
+                for codec, rnd, tls in runs:
                     rx_cpu0 = rx.ask(op="cpu")["cpu_s"]
-                    r = ship(codec, layers)
+                    r = ship(codec, layers, tls)
                     seconds = max(r["seconds"], 1e-9)
                     row = {
                         "profile": name, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "loss_pct": loss_pct, "cc": cc,
                         "streams": r["streams"] if streams is None else streams, "adaptive": streams is None,
-                        "codec": codec, "status": r["status"], "raw_mb": r["raw_bytes"] / 1e6,
+                        "codec": codec, "tls": tls, "round": rnd, "status": r["status"], "raw_mb": r["raw_bytes"] / 1e6,
                         "wire_ratio": r["wire_bytes"] / seconds / link_bps,
                         "effective_ratio": r["raw_bytes"] / seconds / link_bps,
                         "cpu_s_per_gb": (r["cpu_s"] + r["rx_cpu_s"] - rx_cpu0) / max(r["raw_bytes"] / 1e9, 1e-9),
@@ -179,6 +198,7 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
                     }  # fmt: skip
                     rows.append(row)
                     label = f"adaptive({row['streams']})" if streams is None else str(streams)
+                    label += " tls" if tls else ""
                     print(f"{name:16} {cc:5} {label:>12} {codec:9} {row['status']:9} wire {row['wire_ratio']:5.2f}  "
                           f"effective {row['effective_ratio']:5.2f}  cpu {row['cpu_s_per_gb']:5.1f} s/GB  "
                           f"resent {row['resent_chunks']}", flush=True)  # fmt: skip
@@ -190,7 +210,8 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
             for row in rows:
                 row.setdefault("system", "prfaas")
             rows.extend(
-                run_peers(
+                {"tls": False, **row}
+                for row in run_peers(
                     link,
                     name,
                     ccs=args.cc,
@@ -204,6 +225,24 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
             )
 
 
+def tls_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each configuration's TLS goodput over its plaintext twin's (medians of the rounds)."""
+    import statistics
+
+    def key(row: dict[str, Any]) -> tuple[Any, ...]:
+        return row["profile"], row["cc"], row["adaptive"] or row["streams"], row["codec"]
+
+    for config in dict.fromkeys(key(r) for r in rows if r.get("tls")):
+        by_tls = {tls: [r for r in rows if key(r) == config and r.get("tls") is tls and r["status"] == "completed"]
+                  for tls in (False, True)}  # fmt: skip
+        if by_tls[False] and by_tls[True]:
+            plain, tls = (statistics.median(r["effective_ratio"] for r in by_tls[t]) for t in (False, True))
+            cpu = [statistics.median(r["cpu_s_per_gb"] for r in by_tls[t]) for t in (False, True)]
+            runs = f"{len(by_tls[True])}/{len(by_tls[False])}"
+            print(f"{' '.join(map(str, config))}: TLS/plaintext goodput {tls / plain:.2f}x (medians of {runs}); "
+                  f"CPU s/GB {cpu[1]:.2f} vs {cpu[0]:.2f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", action="append", choices=sorted(PROFILES), help="default: both")
@@ -214,6 +253,9 @@ def main() -> None:
         "--streams", type=int, nargs="*", default=[1, 4, 8, 16, 32, 64], help="fixed counts; none: adaptive only"
     )
     parser.add_argument("--codec", nargs="+", default=["raw", "lossless", "fp8"])
+    parser.add_argument("--tls", choices=["off", "on", "both"], default="off",
+                        help="over mutual TLS: on, or both (plaintext and TLS interleaved)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="measured shipments per configuration and codec")
     parser.add_argument("--cc", nargs="+", default=["cubic", "bbr"], choices=["cubic", "bbr", "reno"])
     parser.add_argument("--size-mb", type=float, default=96.0, help="raw KV per measured shipment")
     parser.add_argument("--run-timeout-s", type=float, default=20.0)
@@ -251,6 +293,7 @@ def main() -> None:
     try:
         for name in profiles:
             run_profile(name, args, kv_path, rows)
+        tls_ratios(rows)
     finally:
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))

@@ -187,6 +187,8 @@ class TlsSocket:
         self._out = outgoing
         self._tls_lock = threading.Lock()  # the SSLObject and its BIOs
         self._send_lock = threading.Lock()  # the order of records on the socket
+        self._rbuf = bytearray(RECV_BYTES)  # what the reading thread receives into
+        self._rview = memoryview(self._rbuf)
 
     @classmethod
     def wrap(
@@ -242,11 +244,13 @@ class TlsSocket:
         return result  # type: ignore[return-value]
 
     def _receive(self) -> bool:
-        data = self._sock.recv(RECV_BYTES)
-        if not data:
+        """Move what the socket has (up to RECV_BYTES) into the TLS engine; False at EOF. Only
+        the reading thread calls it, so its buffer is its own."""
+        n = self._sock.recv_into(self._rbuf)
+        if not n:
             return False
         with self._tls_lock:
-            self._in.write(data)
+            self._in.write(self._rview[:n])
         return True
 
     def sendall(self, data: bytes | bytearray | memoryview) -> None:
@@ -256,17 +260,37 @@ class TlsSocket:
             self._locked(lambda piece=piece: self._tls.write(piece))  # type: ignore[misc]
 
     def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
-        """Up to `nbytes` (or len(buffer)) decrypted bytes into `buffer`; 0 when the peer closed."""
-        nbytes = nbytes or len(buffer)
-        read_into = cast(Callable[[int, memoryview], int], self._tls.read)  # with a buffer: a count
+        """Up to `nbytes` (or len(buffer)) decrypted bytes into `buffer`; 0 when the peer closed.
+        Decrypts every whole record already received in one hold of the lock (a record is at
+        most 16 KiB: one lock and call per record cost the reader a third of its CPU)."""
+        view = memoryview(buffer).cast("B")
+        view = view[: nbytes or len(view)]
         while True:
             try:
-                return self._locked(lambda: read_into(nbytes, buffer))
-            except ssl.SSLWantReadError:
-                if not self._receive():
-                    return 0
+                got = self._locked(lambda: self._decrypt_into(view))
             except ssl.SSLZeroReturnError:
                 return 0
+            if got:
+                return got
+            if not self._receive():
+                return 0
+
+    def _decrypt_into(self, view: memoryview) -> int:
+        """Under the lock: records into `view` until it is full or no whole record is left;
+        0 when none was (receive more)."""
+        read_into = cast(Callable[[int, memoryview], int], self._tls.read)  # with a buffer: a count
+        got = 0
+        while got < len(view):
+            try:
+                n = read_into(len(view) - got, view[got:])
+            except ssl.SSLWantReadError:
+                return got
+            except ssl.SSLZeroReturnError:
+                if got:
+                    return got
+                raise
+            got += n
+        return got
 
     def peer_certificate(self) -> bytes | None:
         """The peer's certificate (DER), as verified by the handshake; None if it sent none."""
