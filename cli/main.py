@@ -187,9 +187,16 @@ def up(
     topology: Path = typer.Option(None, "--topology", help="topology YAML (default examples/topology.yaml)"),
     emulate_wan: bool = typer.Option(False, help="regions in network namespaces joined by emulated WAN links (root)"),
     detach: bool = typer.Option(False, help="return once up; `prfaas down` stops it"),
+    hosts: bool = typer.Option(
+        False,
+        help="every region instance in a namespace of its own, decode regions with two instances (root; "
+        "implies --emulate-wan)",
+    ),
+    insecure: bool = typer.Option(False, help="plaintext between components (no certificates, no identities)"),
 ) -> None:
     """Start a whole deployment on this machine: Redis, the control plane, a Celery worker and
-    every region of the topology; a demo tenant. Ctrl-C (or `prfaas down`) stops everything."""
+    every region of the topology, with mutual TLS between them; a demo tenant. Ctrl-C (or
+    `prfaas down`) stops everything."""
     from rich.markup import escape
 
     from prfaas.devstack.deployment import run_up
@@ -217,7 +224,8 @@ def up(
         console.print("[green]up[/green]" + ("" if detach else "; Ctrl-C or `prfaas down` stops it"))
 
     try:
-        run_up(spec, str(path), prfaas_home(), emulate_wan, detach, lambda m: console.print(escape(m)), ready)
+        run_up(spec, str(path), prfaas_home(), emulate_wan, detach, lambda m: console.print(escape(m)), ready,
+               hosts=hosts, insecure=insecure)  # fmt: skip
     except UpError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None

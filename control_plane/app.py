@@ -50,7 +50,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.follower = Follower(services, celery, meter)
         server = None
         if settings.registry_listen:
-            server, address = serve_registry(services.regions, settings.registry_listen)
+            server, address = serve_registry(services.regions, settings.registry_listen, settings.tls)
             app.state.registry_address = address
             log.info("region registry on %s", address)
         yield

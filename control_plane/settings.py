@@ -5,7 +5,9 @@ unless `dev` is set.
 Flat fields read `PRFAAS_<FIELD>` (`PRFAAS_REDIS_URL`). Sections are small models read as
 `PRFAAS_<SECTION>_<FIELD>`: `ledger` (`PRFAAS_LEDGER_URL`), `prices` (`PRFAAS_PRICES_PATH`), `aws`
 (`PRFAAS_AWS_ENDPOINT_URL`, `PRFAAS_AWS_TIMEOUT_S`) and `pricing` (`PRFAAS_PRICING_ENDPOINT_URL`,
-`PRFAAS_PRICING_REGION`). In code: `Settings(ledger={"url": ...})` or `settings.ledger.url`."""
+`PRFAAS_PRICING_REGION`) and `tls` (`PRFAAS_TLS_CA`, `PRFAAS_TLS_CERT`, `PRFAAS_TLS_KEY`: the control plane's
+certificate, its key and the deployment's CA, each a path or the PEM itself). In code:
+`Settings(ledger={"url": ...})` or `settings.ledger.url`."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from prfaas.region.channels import TlsFiles
 
 PLACEHOLDERS = ("change-me", "changeme", "placeholder", "secret", "example", "xxx")
 MIN_SECRET_CHARS = 32
@@ -102,6 +106,17 @@ class Settings(BaseSettings):
     prices: PricesSection = Field(default_factory=PricesSection)
     aws: AwsSection = Field(default_factory=AwsSection)
     pricing: PricingSection = Field(default_factory=PricingSection)
+    tls: TlsFiles | None = Field(
+        default=None,
+        description="mutual TLS to the regions and on the registry: PRFAAS_TLS_CA, PRFAAS_TLS_CERT, PRFAAS_TLS_KEY "
+        "(paths or PEM); the certificate names prfaas://control-plane/NAME. None: plaintext (one host)",
+    )
+
+    @model_validator(mode="after")
+    def _control_plane_certificate(self) -> Self:
+        if self.tls is not None and not self.tls.identity.is_control_plane:
+            raise ValueError(f"tls.cert names {self.tls.identity.uri}, not a prfaas://control-plane/NAME identity")
+        return self
 
     @model_validator(mode="after")
     def _real_secrets(self) -> Self:

@@ -28,6 +28,7 @@ from prfaas.decode_region.reservations import Reservation, Tombstone, raise_as_r
 from prfaas.decode_region.workers import WorkerSlots
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from prfaas.region.channels import TlsFiles
 from prfaas.region.errors import (
     Canceled,
     Conflict,
@@ -79,12 +80,13 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         num_workers: int = 1,
         heartbeat_interval_s: float = 1.0,
         max_reservation_s: float = 600.0,
+        tls: TlsFiles | None = None,  # this region's: the prefill regions it watches are checked by name
     ) -> None:
         self.backend = backend
         self.book = KVBook(kv_buffer_bytes)
         self.workers = WorkerSlots(num_workers)
         self.max_reservation_s = max_reservation_s
-        self.watcher = PeerWatcher(heartbeat_interval_s)
+        self.watcher = PeerWatcher(heartbeat_interval_s, tls)
         self.draining = False
         self._lock = threading.Lock()
         self._reservations: dict[str, Reservation] = {}
@@ -128,7 +130,9 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             self._end(res, exc)
             raise
         if request.prefill_grpc:
-            res.watch = self.watcher.watch(request.prefill_grpc, lambda why: self._end(res, Unavailable(why)))
+            res.watch = self.watcher.watch(
+                request.prefill_grpc, lambda why: self._end(res, Unavailable(why)), request.prefill_region
+            )
         res.hold.start()  # after the watch: the shipment's arrival stops it
         self._gauges()
         return decode_pb2.ReserveReply(kv_endpoint=self.backend.kv_endpoint, free_bytes=free, expires_in_s=ttl_s)

@@ -22,7 +22,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prfaas.region.channels import keepalive_options, replies
+from prfaas.region.channels import TlsFiles, keepalive_options, replies
+from prfaas.region.channels import channel as open_channel
+from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
 PREFILL_SERVICE = "prfaas.v1.PrefillRegion"
@@ -105,22 +107,27 @@ class _Stream:
 
 
 class PeerWatcher:
-    def __init__(self, heartbeat_interval_s: float) -> None:
+    """`tls`: this region's material; a watched region must then present its own server name."""
+
+    def __init__(self, heartbeat_interval_s: float, tls: TlsFiles | None = None) -> None:
         self._options = keepalive_options(heartbeat_interval_s)
+        self._tls = tls
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._streams: dict[str, _Stream] = {}
 
-    def watch(self, target: str, on_lost: Callable[[str], None]) -> Watch:
-        """Call `on_lost(reason)` once if `target` stops answering, unless the watch was
-        stopped first. The caller's own deadline bounds how long it waits for the KV."""
+    def watch(self, target: str, on_lost: Callable[[str], None], region: str = "") -> Watch:
+        """Call `on_lost(reason)` once if `target` (an instance of prefill region `region`)
+        stops answering, unless the watch was stopped first. The caller's own deadline bounds
+        how long it waits for the KV."""
         with self._lock:
             stream = self._streams.get(target)
             start = stream is None or stream.ended
             if start:
                 channel = self._channels.get(target)
                 if channel is None:
-                    channel = self._channels[target] = grpc.insecure_channel(target, options=self._options)
+                    name = server_name(region) if region else target.rsplit(":", 1)[0]
+                    channel = self._channels[target] = open_channel(target, self._tls, name, self._options)
                 stream = self._streams[target] = _Stream(target, health_pb2_grpc.HealthStub(channel), self._lock)
             assert stream is not None
             watch = Watch(stream, on_lost)

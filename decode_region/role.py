@@ -10,6 +10,7 @@ from typing import Any
 from prfaas.decode_region.agent import DecodeAgent
 from prfaas.decode_region.backend import DecodeBackend
 from prfaas.protos.prfaas.v1 import decode_pb2_grpc
+from prfaas.region.addresses import advertised_host, hostport
 from prfaas.region.build import BuiltRole
 from prfaas.region.config import RegionConfig, ice_servers, parse_hostport
 from prfaas.transport.inbound import Receiver
@@ -21,7 +22,7 @@ def build_decode(config: RegionConfig, engine: Any) -> BuiltRole:
     if config.engine == "vllm":
         from prfaas.decode_region.vllm_backend import VLLMDecode
 
-        backend = VLLMDecode(engine)
+        backend = VLLMDecode(engine, kv_host=advertised_host(config, "kv"))
     else:
         from prfaas.decode_region.hf_backend import HFDecode
 
@@ -30,6 +31,7 @@ def build_decode(config: RegionConfig, engine: Any) -> BuiltRole:
     agent = DecodeAgent(
         backend, kv_buffer_bytes=config.kv_buffer_bytes, num_workers=config.workers,
         heartbeat_interval_s=config.heartbeat_interval_s, max_reservation_s=config.max_reservation_s,
+        tls=config.tls,
     )  # fmt: skip
     add = decode_pb2_grpc.add_DecodeRegionServicer_to_server
     return BuiltRole("prfaas.v1.DecodeRegion", agent, add, backend.kv_endpoint)
@@ -45,16 +47,18 @@ def kv_receiver(config: RegionConfig) -> tuple[Receiver, str]:
 
         assert config.control_plane_url is not None  # the config validates it
         rtc = WebRtcReceiver(verifier, node=config.name, ice_servers=ice_servers(config))
-        OfferListener(config.control_plane_url, config.name, rtc.answer).start()
+        OfferListener(config.control_plane_url, config.name, rtc.answer, config.tls).start()
         return rtc, f"webrtc://{config.name}"
     from prfaas.transport.arena import Arena
     from prfaas.transport.shm_receiver import ShmReceiver
     from prfaas.transport.tcp_receiver import TcpReceiver
+    from prfaas.transport.tls import server_context
 
     host, port = parse_hostport(config.listen.kv)
     arena = Arena(config.shm_arena_bytes) if config.shm else None
-    tcp = TcpReceiver(verifier, host, port, node=config.name, pool=arena)
-    endpoint = f"{host}:{tcp.address[1]}"
+    tls = server_context(config.tls.node_cert()) if config.tls is not None else None
+    tcp = TcpReceiver(verifier, host, port, node=config.name, pool=arena, ssl_context=tls)
+    endpoint = hostport(advertised_host(config, "kv"), tcp.address[1])
     if arena is not None:
         shm = ShmReceiver(verifier, node=config.name, arena=arena, core=tcp.core)
         endpoint += f",{shm.endpoint}"

@@ -54,12 +54,15 @@ class ServerHold:
 
 
 class VLLMDecode:
-    def __init__(self, engine: VLLMEngine) -> None:
+    def __init__(self, engine: VLLMEngine, kv_host: str | None = None) -> None:
+        """`kv_host`: the address senders dial the server's KV port at (the region's advertised
+        one), when it is not the address the server listens on (a wildcard)."""
         if engine.kv_endpoint is None:
             raise ValueError("a vLLM decode region's server needs ticket keys (it receives the KV)")
         self.vllm = engine
         self.facts: ModelFacts = engine.facts
-        self.kv_endpoint: str = engine.kv_endpoint
+        port = engine.kv_endpoint.rsplit(":", 1)[1]
+        self.kv_endpoint: str = f"{kv_host}:{port}" if kv_host else engine.kv_endpoint
 
     def expect(self, expected: Expected, ttl_s: float, events: ShipmentEvents) -> KVHold:
         self.vllm.expect(expected.job_id, expected.attempt, ttl_s, tenant=expected.tenant, max_bytes=expected.kv_bytes)

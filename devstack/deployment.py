@@ -2,11 +2,14 @@
 
 Redis (PRFAAS_REDIS_URL when it answers, else a private `redis-server` on a free port), the
 API (uvicorn, which also serves the region registry), Celery workers and one `prfaas region`
-per topology region, each started in a process group of its own; then the demo tenant, its
-key and the topology's links. `$PRFAAS_HOME/up.json` (mode 0600) holds what a client needs
-(`api_base`, `api_key`, `admin_key`, `dashboard_url`) and what `down` needs (process groups,
-network namespaces, the Redis key prefix). `down` stops every group (SIGTERM, then SIGKILL
-after a deadline), removes the namespaces and the file.
+per instance of each topology region (`instances`; with `--hosts` a decode region runs at
+least two, each in a network namespace of its own), each started in a process group of its
+own; then the demo tenant, its key and the topology's links. Every link between components
+runs mutual TLS with certificates made for the deployment (pki.py), unless `--insecure`.
+`$PRFAAS_HOME/up.json` (mode 0600) holds what a client needs (`api_base`, `api_key`,
+`admin_key`, `dashboard_url`) and what `down` needs (process groups, network namespaces, the
+Redis key prefix). `down` stops every group (SIGTERM, then SIGKILL after a deadline), removes
+the namespaces and the file.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import redis
 
 from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
 from prfaas.devstack.network import LoopbackNetwork, Network, WanMesh
+from prfaas.devstack.pki import DeploymentPki
 from prfaas.devstack.processes import (
     api_argv,
     free_port,
@@ -72,7 +76,15 @@ class Deployment:
     """Starts the processes of one topology; `stop()` (also after a failed start) removes all of them."""
 
     def __init__(
-        self, topology: Topology, topology_path: str, home: Path, emulate_wan: bool, say: Callable[[str], None]
+        self,
+        topology: Topology,
+        topology_path: str,
+        home: Path,
+        emulate_wan: bool,
+        say: Callable[[str], None],
+        *,
+        hosts: bool = False,
+        insecure: bool = False,
     ) -> None:
         self.topology = topology
         self.home = home
@@ -80,10 +92,17 @@ class Deployment:
         self.run_dir = home / "up"
         self.admin_key = secrets.token_urlsafe(32)
         self.ticket_key = secrets.token_urlsafe(32)
-        if emulate_wan and os.geteuid() != 0:
-            say("--emulate-wan needs root (network namespaces, TUN devices); running every region on loopback")
-            emulate_wan = False
-        self.network: Network = WanMesh(topology, self.run_dir) if emulate_wan else LoopbackNetwork()
+        self.insecure = insecure
+        if (emulate_wan or hosts) and os.geteuid() != 0:
+            say("--emulate-wan and --hosts need root (network namespaces, TUN devices); running on loopback")
+            emulate_wan = hosts = False
+        emulate_wan = emulate_wan or hosts  # hosts of their own are joined by the emulated WAN
+        # how many instances each region runs: --hosts gives a decode region two at least
+        self.instances = {
+            r.name: max(r.instances, 2 if hosts and r.role == "decode" else 1) for r in topology.regions
+        }  # fmt: skip
+        self.network: Network = WanMesh(topology, self.run_dir, self.instances) if emulate_wan else LoopbackNetwork()
+        self.pki: DeploymentPki | None = None
         self.state = UpState(
             api_base="", api_key="", admin_key=self.admin_key, dashboard_url="", url="", tenant_id="",
             topology=topology_path, redis_url="", key_prefix=f"prfaas-up-{topology.name}", registry="",
@@ -99,6 +118,10 @@ class Deployment:
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True)
         write_state(self.home, self.state)  # from here on `prfaas down` can clean up a half-started deployment
+        if not self.insecure:
+            nodes = [(r.role, r.name, str(k)) for r in self.topology.regions for k in range(self.instances[r.name])]
+            self.pki = DeploymentPki(self.run_dir / "pki", self.topology.name, nodes)
+            self.say(f"mutual TLS between components: certificates in {self.pki.folder}")
         self._start_redis()
         try:
             self.network.setup()
@@ -109,14 +132,16 @@ class Deployment:
             self.state.groups |= self.network.groups
             write_state(self.home, self.state)
         self._start_control_plane()
-        with ThreadPoolExecutor(len(self.topology.regions)) as pool:  # model loads overlap
-            list(pool.map(self._start_region, [r.name for r in self.topology.regions]))
-        self.say(f"waiting for {len(self.topology.regions)} regions to register")
+        instances = [(name, k) for name, count in self.instances.items() for k in range(count)]
+        with ThreadPoolExecutor(len(instances)) as pool:  # model loads overlap
+            list(pool.map(lambda instance: self._start_region(*instance), instances))
+        self.say(f"waiting for {len(instances)} region instances to register")
+        wanted = {f"{name}/{k}" for name, k in instances}
         try:
-            wait_until(lambda: len(self._healthy()) == len(self.topology.regions), 60, 0.2)
+            wait_until(lambda: self._healthy() >= wanted, 60, 0.2)
         except AssertionError:
-            missing = sorted({r.name for r in self.topology.regions} - set(self._healthy()))
-            raise UpError(f"regions not healthy after 60 s: {', '.join(missing)} (logs in {self.run_dir})") from None
+            missing = sorted(wanted - self._healthy())
+            raise UpError(f"instances not healthy after 60 s: {', '.join(missing)} (logs in {self.run_dir})") from None
         self._configure()
         write_state(self.home, self.state)
         return self.state
@@ -164,6 +189,8 @@ class Deployment:
             PRFAAS_TICKET_KEY=self.ticket_key, PRFAAS_POLICY_PATH=str(policy), PRFAAS_MODEL=self.topology.model,
         )  # fmt: skip
         env.pop("PRFAAS_DEV", None)
+        if self.pki is not None:
+            env |= self.pki.control_plane_env()
         if self.topology.control_plane.ttft_slo_ms is not None:
             env["PRFAAS_TTFT_SLO_MS"] = str(self.topology.control_plane.ttft_slo_ms)
         return env
@@ -190,33 +217,43 @@ class Deployment:
             raise UpError(f"{name} exited with status {self.procs[name].returncode} (log {self.run_dir / name}.log)")
         return True
 
-    def _start_region(self, name: str) -> None:
+    def _process(self, name: str, k: int) -> str:
+        """`region-NAME` (one instance), `region-NAME-K` (several): its process, config and log name."""
+        return f"region-{name}" if self.instances[name] == 1 else f"region-{name}-{k}"
+
+    def _start_region(self, name: str, k: int) -> None:
         spec = next(r for r in self.topology.regions if r.name == name)
-        grpc, kv = self.network.region_listen(name)
+        grpc, kv = self.network.instance_listen(name, k)
         config = {
-            "name": name, "role": spec.role, "gpu_type": spec.gpu_type, "usd_per_gpu_hour": spec.usd_per_gpu_hour,
-            "workers": spec.workers, "codec": spec.codec, "kv_buffer_bytes": spec.kv_buffer_bytes,
-            "model": self.topology.model, "ticket_key": self.ticket_key, "ticket_key_id": "k1",
-            "listen": {"grpc": grpc, "kv": kv}, "control_plane_url": self.state.registry,
+            "name": name, "instance": str(k), "role": spec.role, "gpu_type": spec.gpu_type,
+            "usd_per_gpu_hour": spec.usd_per_gpu_hour, "workers": spec.workers, "codec": spec.codec,
+            "kv_buffer_bytes": spec.kv_buffer_bytes, "model": self.topology.model, "ticket_key": self.ticket_key,
+            "ticket_key_id": "k1", "listen": {"grpc": grpc, "kv": kv}, "control_plane_url": self.state.registry,
             "heartbeat_interval_s": 1.0, "drain_timeout_s": 3.0,
         } | spec.extra  # fmt: skip
-        path = write_region_config(self.run_dir / f"region-{name}.yaml", config)
-        log = self.run_dir / f"region-{name}.log"
+        if self.pki is not None:
+            config["tls"] = self.pki.instance(name, str(k))
+        else:
+            config["insecure"] = True  # off loopback too, as --insecure asked
+        process = self._process(name, k)
+        path = write_region_config(self.run_dir / f"{process}.yaml", config)
+        log = self.run_dir / f"{process}.log"
         timeout_s = START_TIMEOUT_S
         vllm = config.get("vllm")
         if config.get("engine") == "vllm":  # the region waits for its vLLM server first
             timeout_s += float(vllm.get("start_timeout_s", 600.0) if isinstance(vllm, dict) else 600.0)
         try:
-            region = spawn_region(path, timeout_s, argv_prefix=self.network.argv_prefix(name), log=log,
+            region = spawn_region(path, timeout_s, argv_prefix=self.network.argv_prefix(name, k), log=log,
                                   new_session=True)  # fmt: skip
         except RuntimeError as exc:
             raise UpError(str(exc)) from None
         with self.lock:
-            self.procs[f"region-{name}"] = region.proc
-            self.state.groups[f"region-{name}"] = region.proc.pid
-            self.state.regions[name] = region.grpc
+            self.procs[process] = region.proc
+            self.state.groups[process] = region.proc.pid
+            self.state.regions[f"{name}/{k}"] = region.grpc
             write_state(self.home, self.state)
-        self.say(f"region {name} ({spec.role}, ${spec.usd_per_gpu_hour}/GPU-h): grpc {region.grpc} kv {region.kv}")
+        which = f"region {name}" if self.instances[name] == 1 else f"region {name} instance {k}"
+        self.say(f"{which} ({spec.role}, ${spec.usd_per_gpu_hour}/GPU-h): grpc {region.grpc} kv {region.kv}")
 
     def _admin(self, method: str, path: str, body: object = None) -> Any:
         headers = {"Authorization": f"Bearer {self.admin_key}"}
@@ -225,8 +262,10 @@ class Deployment:
             raise UpError(f"{method} {path}: HTTP {reply.status_code} {reply.text}")
         return reply.json()
 
-    def _healthy(self) -> list[str]:
-        return [r["name"] for r in self._admin("GET", "/admin/regions") if r["healthy"]]
+    def _healthy(self) -> set[str]:
+        """`region/instance` of every healthy instance."""
+        regions = self._admin("GET", "/admin/regions")
+        return {f"{r['name']}/{i['instance']}" for r in regions for i in r["instances"] if i["healthy"]}
 
     def _configure(self) -> None:
         for link in self.topology.links:
@@ -268,6 +307,9 @@ def run_up(
     detach: bool,
     say: Callable[[str], None],
     on_ready: Callable[[UpState], None],
+    *,
+    hosts: bool = False,
+    insecure: bool = False,
 ) -> UpState | None:
     """Start the deployment; unless `detach`, keep it up until SIGINT/SIGTERM, then stop it.
     Returns the state (None once a foreground run has stopped). Raises `UpError`."""
@@ -278,7 +320,7 @@ def run_up(
         stop_state(old, lambda _: None)  # a crashed run's leftovers (namespaces, keys)
         state_path(home).unlink()
     home.mkdir(parents=True, exist_ok=True)
-    deployment = Deployment(topology, topology_path, home, emulate_wan, say)
+    deployment = Deployment(topology, topology_path, home, emulate_wan, say, hosts=hosts, insecure=insecure)
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt

@@ -1,15 +1,23 @@
-"""Where `prfaas up` puts each region on the network.
+"""Where `prfaas up` puts each region instance on the network.
 
 `LoopbackNetwork`: every process on 127.0.0.1 (the default).
 
-`WanMesh` (`--emulate-wan`, root): one network namespace per region. Control traffic (the
-API and Celery worker calling regions, regions' heartbeats to the registry) crosses a Linux
-bridge in the root namespace, unshaped: `10.79.S.1` is the root side (the registry listens
-there), `10.79.S.(i+1)` region i. KV traffic crosses one userspace link emulator
-(`netns.py`: linkemu, the emulator the benches' `wanlink.wan_link` drives too) per topology link, with that link's
-RTT (split evenly between directions), rate and loss, both ways: region i's KV port listens on
-its own address `10.78.S.i` (on `lo`), which other namespaces reach only through an emulated
-link (`10.77.j.1` <-> `10.77.j.2`, /30, device `wanj`). A pair without a link cannot ship KV.
+`WanMesh` (`--emulate-wan`, root): every region instance in a network namespace of its own,
+as if on a machine of its own, and each region a site behind its own router:
+
+- control traffic (the API and Celery workers calling instances, instances' heartbeats to
+  the registry, health watches between regions) crosses a Linux bridge in the root
+  namespace, unshaped: `10.79.S.1` is the root side (the registry listens there), each
+  instance's `cp0` has `10.79.S.n`;
+- each region is a site: a router namespace whose bridge joins the region's instances
+  (`kv0`: `10.(100+i).S.(k+2)`, where KV ports listen; a LAN, so a region's instances
+  reach each other directly), and whose default route takes everything else;
+- KV between regions crosses one userspace link emulator (`netns.py`: linkemu) per topology
+  link, between the two sites' routers, with that link's RTT (split evenly between
+  directions), rate and loss, both ways (`10.77.j.1` <-> `10.77.j.2`, /30, device `wanj`).
+  A pair of regions without a link cannot ship KV.
+
+S is a third octet picked from the process id, so two meshes on one host rarely collide.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from prfaas.devstack.netns import add_namespace, attach_tun, ip, linkemu_argv, s
 from prfaas.devstack.topology import Topology
 
 WAN_SYSCTLS = {"net.ipv4.tcp_rmem": "4096 131072 67108864", "net.ipv4.tcp_wmem": "4096 16384 67108864"}
+ROUTER_SYSCTLS = {"net.ipv4.ip_forward": "1"}
 
 
 class Network(Protocol):
@@ -32,11 +41,12 @@ class Network(Protocol):
 
     def setup(self) -> None: ...
 
-    def region_listen(self, name: str) -> tuple[str, str]:
-        """(gRPC listen, KV listen) host:port of a region; port 0 picks a free one."""
+    def instance_listen(self, region: str, k: int) -> tuple[str, str]:
+        """(gRPC listen, KV listen) host:port of instance `k` (0-based) of `region`; port 0
+        picks a free one."""
         ...
 
-    def argv_prefix(self, name: str) -> list[str]: ...
+    def argv_prefix(self, region: str, k: int) -> list[str]: ...
 
 
 class LoopbackNetwork:
@@ -49,28 +59,40 @@ class LoopbackNetwork:
     def setup(self) -> None:
         pass
 
-    def region_listen(self, name: str) -> tuple[str, str]:
+    def instance_listen(self, region: str, k: int) -> tuple[str, str]:
         return "127.0.0.1:0", "127.0.0.1:0"
 
-    def argv_prefix(self, name: str) -> list[str]:
+    def argv_prefix(self, region: str, k: int) -> list[str]:
         return []
 
 
 class WanMesh:
-    def __init__(self, topology: Topology, run_dir: Path) -> None:
+    def __init__(self, topology: Topology, run_dir: Path, instances: dict[str, int] | None = None) -> None:
+        """`instances`: how many instances each region runs (default: the topology's)."""
         self.topology = topology
         self.run_dir = run_dir
         pid = os.getpid()
         self.tag = f"pu{pid}"
-        self.subnet = pid % 250 + 1  # the third octet: two meshes on one host rarely collide
+        self.subnet = pid % 250 + 1
         self.index = {r.name: i + 1 for i, r in enumerate(topology.regions)}
+        self.instances = instances or {r.name: r.instances for r in topology.regions}
+        hosts = [(name, k) for name in self.index for k in range(self.instances[name])]
+        self._host = {host: n + 2 for n, host in enumerate(hosts)}  # the last octet of each instance's cp0
+        if len(hosts) > 250:
+            raise ValueError(f"{len(hosts)} instances: at most 250 fit one emulated mesh")
         self.namespaces: list[str] = []
         self.devices: list[str] = []
         self.groups: dict[str, int] = {}
         self.registry_host = f"10.79.{self.subnet}.1"
 
-    def _ns(self, name: str) -> str:
-        return f"{self.tag}-{self.index[name]}"
+    def _ns(self, region: str, k: int) -> str:
+        return f"{self.tag}-{self.index[region]}-{k}"
+
+    def _site(self, region: str) -> str:
+        return f"{self.tag}-s{self.index[region]}"
+
+    def _lan(self, region: str) -> str:
+        return f"10.{100 + self.index[region]}.{self.subnet}"
 
     def setup(self) -> None:
         if os.geteuid() != 0:
@@ -80,24 +102,40 @@ class WanMesh:
         self.devices.append(bridge)
         ip("addr", "add", f"{self.registry_host}/24", "dev", bridge)
         ip("link", "set", bridge, "up")
-        for name, i in self.index.items():
-            ns = self._ns(name)
-            add_namespace(ns, WAN_SYSCTLS)
-            self.namespaces.append(ns)
-            host_end, ns_end = f"{self.tag}h{i}"[-15:], f"{self.tag}n{i}"[-15:]
-            ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
-            ip("link", "set", host_end, "master", bridge, "up")
-            ip("link", "set", ns_end, "netns", ns)
-            ip("-n", ns, "link", "set", ns_end, "name", "cp0")
-            ip("-n", ns, "addr", "add", f"10.79.{self.subnet}.{i + 1}/24", "dev", "cp0")
-            ip("-n", ns, "link", "set", "cp0", "up")
-            ip("-n", ns, "addr", "add", f"10.78.{self.subnet}.{i}/32", "dev", "lo")
+        for region in self.index:
+            site = self._site(region)
+            add_namespace(site, ROUTER_SYSCTLS)
+            self.namespaces.append(site)
+            ip("-n", site, "link", "add", "br0", "type", "bridge")
+            ip("-n", site, "addr", "add", f"{self._lan(region)}.1/24", "dev", "br0")
+            ip("-n", site, "link", "set", "br0", "up")
+            for k in range(self.instances[region]):
+                self._instance(region, k, bridge)
         pairs: set[frozenset[str]] = set()
         for j, link in enumerate(self.topology.links, start=1):
             if frozenset((link.src, link.dst)) in pairs:
                 continue  # the reverse direction already has an emulated path
             pairs.add(frozenset((link.src, link.dst)))
             self._link(j, link.src, link.dst, link.rtt_ms, link.rate_mbit, link.loss_pct)
+
+    def _instance(self, region: str, k: int, bridge: str) -> None:
+        ns, site, n = self._ns(region, k), self._site(region), self._host[(region, k)]
+        add_namespace(ns, WAN_SYSCTLS)
+        self.namespaces.append(ns)
+        host_end, ns_end = f"{self.tag}h{n}"[-15:], f"{self.tag}n{n}"[-15:]  # control: the root bridge
+        ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+        ip("link", "set", host_end, "master", bridge, "up")
+        ip("link", "set", ns_end, "netns", ns)
+        ip("-n", ns, "link", "set", ns_end, "name", "cp0")
+        ip("-n", ns, "addr", "add", f"10.79.{self.subnet}.{n}/24", "dev", "cp0")
+        ip("-n", ns, "link", "set", "cp0", "up")
+        ip("-n", site, "link", "add", f"p{k}", "type", "veth", "peer", "name", f"i{k}")  # KV: the site's LAN
+        ip("-n", site, "link", "set", f"p{k}", "master", "br0", "up")
+        ip("-n", site, "link", "set", f"i{k}", "netns", ns)
+        ip("-n", ns, "link", "set", f"i{k}", "name", "kv0")
+        ip("-n", ns, "addr", "add", f"{self._lan(region)}.{k + 2}/24", "dev", "kv0")
+        ip("-n", ns, "link", "set", "kv0", "up")
+        ip("-n", ns, "route", "add", "default", "via", f"{self._lan(region)}.1")
 
     def _link(self, j: int, src: str, dst: str, rtt_ms: float, rate_mbit: float, loss: float) -> None:
         tun_a, tun_b = f"{self.tag}t{j}a"[-15:], f"{self.tag}t{j}b"[-15:]
@@ -108,14 +146,13 @@ class WanMesh:
             raise OSError(f"link {src} -> {dst}: {exc}") from None
         self.groups[f"linkemu-{j}"] = proc.pid
         ends = ((src, tun_a, f"10.77.{j}.1", dst, f"10.77.{j}.2"), (dst, tun_b, f"10.77.{j}.2", src, f"10.77.{j}.1"))
-        for name, tun, addr, peer, peer_addr in ends:
-            ns = self._ns(name)
-            attach_tun(tun, ns, f"wan{j}", f"{addr}/30")
-            ip("-n", ns, "route", "add", f"10.78.{self.subnet}.{self.index[peer]}/32", "via", peer_addr)
+        for region, tun, addr, peer, peer_addr in ends:
+            site = self._site(region)
+            attach_tun(tun, site, f"wan{j}", f"{addr}/30")
+            ip("-n", site, "route", "add", f"{self._lan(peer)}.0/24", "via", peer_addr)
 
-    def region_listen(self, name: str) -> tuple[str, str]:
-        i = self.index[name]
-        return f"10.79.{self.subnet}.{i + 1}:0", f"10.78.{self.subnet}.{i}:0"
+    def instance_listen(self, region: str, k: int) -> tuple[str, str]:
+        return f"10.79.{self.subnet}.{self._host[(region, k)]}:0", f"{self._lan(region)}.{k + 2}:0"
 
-    def argv_prefix(self, name: str) -> list[str]:
-        return ["ip", "netns", "exec", self._ns(name)]
+    def argv_prefix(self, region: str, k: int) -> list[str]:
+        return ["ip", "netns", "exec", self._ns(region, k)]

@@ -19,6 +19,7 @@ class Destination:
     codec: str
     endpoints: tuple[Endpoint, ...] = ()  # all the decode region offered, in its order
     kv_endpoint: str = ""  # as the request wrote them
+    decode_region: str = ""  # its name: the TLS server name its KV port presents
 
     @staticmethod
     def parse(msg: prefill_pb2.Destination, default_codec: str) -> Destination:
@@ -34,4 +35,4 @@ class Destination:
             get_codec(codec)
         except (CodecError, ValueError, KeyError):
             raise InvalidRequest(f"destination.codec {codec!r} is not one of raw, lossless, fp8, int8") from None
-        return Destination(address, msg.ticket, codec, endpoints, msg.kv_endpoint)
+        return Destination(address, msg.ticket, codec, endpoints, msg.kv_endpoint, msg.decode_region)

@@ -125,7 +125,7 @@ class HFPrefill:
         spec = ship_spec(work.job_id, work.attempt, work.destination, facts.dtype, (shape,) * facts.num_layers,
                          work.deadline - time.monotonic())  # fmt: skip
         shipment = Shipment(spec)
-        transfer = self.channels.get(work.destination.address).submit(shipment)
+        transfer = self.channels.get(work.destination).submit(shipment)
         job.attach(transfer.cancel)
 
         def on_layer(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -165,7 +165,7 @@ class HFPrefill:
             shapes = tuple((layer.k.shape[0], layer.k.shape[1], layer.k.shape[2]) for layer in kv.layers)
             spec = ship_spec(job_id, attempt, destination, kv.dtype, shapes, deadline - time.monotonic())
             shipment = Shipment(spec)
-            transfer = self.channels.get(destination.address).submit(shipment)
+            transfer = self.channels.get(destination).submit(shipment)
             on_cancel(transfer.cancel)
             for index, layer in enumerate(kv.layers):
                 shipment.add_layer(index, byte_view(layer.k), byte_view(layer.v))

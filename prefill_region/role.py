@@ -23,7 +23,8 @@ def build_prefill(config: RegionConfig, engine: Any) -> BuiltRole:
         from prfaas.prefill_region.hf_backend import HFPrefill
         from prfaas.prefill_region.shipping import ChannelPool
 
-        channels = ChannelPool(config.name, control_plane=config.control_plane_url, ice_servers=ice_servers(config))
+        channels = ChannelPool(config.name, control_plane=config.control_plane_url, ice_servers=ice_servers(config),
+                               tls=config.tls)  # fmt: skip
         backend = HFPrefill(engine, channels, kv_lease_s=config.kv_lease_s, kv_lease_bytes=config.kv_lease_bytes,
                             test_layer_delay_s=config.test_layer_delay_s)  # fmt: skip
     agent = PrefillAgent(backend, num_workers=config.workers, queue_depth=config.queue_depth, codec=config.codec)

@@ -10,11 +10,14 @@ from typing import Any
 
 from prfaas.prefill_region import metrics
 from prfaas.prefill_region.destination import Destination
+from prfaas.region.channels import TlsFiles
 from prfaas.region.errors import DeadlineExceeded, InvalidRequest
 from prfaas.transport.api import Shape, ShipmentSpec, Transfer, TransferStatus
 from prfaas.transport.endpoints import Endpoint
+from prfaas.transport.identity import server_name
 from prfaas.transport.shm_sender import ShmChannel
 from prfaas.transport.tcp_sender import TcpChannel
+from prfaas.transport.tls import client_context
 
 
 def ship_spec(
@@ -49,23 +52,34 @@ def wait_transfer(transfer: Transfer, deadline: float, stop: threading.Event, *,
 
 class ChannelPool:
     """One channel per decode region KV endpoint, created on first use, closed together:
-    TCP, same-host shared memory, or WebRTC (signalled through `control_plane`)."""
+    TCP (mutual TLS with `tls`: the receiver must present its region's server name), same-host
+    shared memory, or WebRTC (signalled through `control_plane`)."""
 
-    def __init__(self, node: str, *, control_plane: str | None = None, ice_servers: tuple[Any, ...] = ()) -> None:
+    def __init__(
+        self,
+        node: str,
+        *,
+        control_plane: str | None = None,
+        ice_servers: tuple[Any, ...] = (),
+        tls: TlsFiles | None = None,
+    ) -> None:
         self.node = node
         self.control_plane = control_plane  # registry target, for WebRTC signalling
         self.ice_servers = ice_servers  # transport.webrtc.IceServer, from the region config
+        self.tls = tls
+        self._ssl = client_context(tls.node_cert()) if tls is not None else None
         self._lock = threading.Lock()
-        self._channels: dict[Endpoint, TcpChannel | ShmChannel] = {}
+        self._channels: dict[tuple[Endpoint, str], TcpChannel | ShmChannel] = {}
 
-    def get(self, address: Endpoint) -> TcpChannel | ShmChannel:
+    def get(self, destination: Destination) -> TcpChannel | ShmChannel:
+        key = (destination.address, destination.decode_region)
         with self._lock:
-            channel = self._channels.get(address)
+            channel = self._channels.get(key)
             if channel is None or channel.closed.is_set():
-                channel = self._channels[address] = self._open(address)
+                channel = self._channels[key] = self._open(destination.address, destination.decode_region)
             return channel
 
-    def _open(self, endpoint: Endpoint) -> TcpChannel | ShmChannel:
+    def _open(self, endpoint: Endpoint, region: str) -> TcpChannel | ShmChannel:
         if endpoint.kind == "shm":
             return ShmChannel(endpoint.path, node=self.node)
         if endpoint.kind == "webrtc":
@@ -74,9 +88,14 @@ class ChannelPool:
 
             if self.control_plane is None:
                 raise InvalidRequest(f"{endpoint} needs a control plane to signal through (control_plane_url)")
-            signal = signaller(self.control_plane, endpoint.region)
+            signal = signaller(self.control_plane, endpoint.region, self.tls)
             return WebRtcChannel(signal, peer=endpoint.region, node=self.node, ice_servers=self.ice_servers)
-        return TcpChannel((endpoint.host, endpoint.port), node=self.node)
+        if self._ssl is None:
+            return TcpChannel((endpoint.host, endpoint.port), node=self.node)
+        if not region:
+            raise InvalidRequest("destination.decode_region is required with mutual TLS: the KV port's server name")
+        return TcpChannel((endpoint.host, endpoint.port), node=self.node, ssl_context=self._ssl,
+                          server_hostname=server_name(region))  # fmt: skip
 
     def close(self) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Protocol
 import grpc
 
 from prfaas.protos.prfaas.v1 import registry_pb2
+from prfaas.region.addresses import advertised_host, hostport
 from prfaas.region.config import RegionConfig, parse_hostport
 from prfaas.region.server import Agent, RegionServer
 
@@ -52,15 +53,17 @@ def build_region(
         threads = 16 + 4 * config.workers + config.queue_depth  # streams held open by queued jobs need threads too
         server = RegionServer(
             config.listen.grpc, {b.service: (b.agent, b.add_to_server) for b in built},
-            metrics_address=config.listen.metrics, max_rpc_threads=threads,
+            metrics_address=config.listen.metrics, max_rpc_threads=threads, tls=config.tls,
         )  # fmt: skip
     except BaseException:
         if owned and config.engine == "vllm":
             engine.close()
         raise
+    grpc_port = parse_hostport(server.grpc_address)[1]
     registration = registry_pb2.RegisterRequest(
         name=config.name, role=config.role, gpu_type=config.gpu_type, num_workers=config.workers,
-        usd_per_gpu_hour=config.usd_per_gpu_hour, grpc_endpoint=server.grpc_address,
+        usd_per_gpu_hour=config.usd_per_gpu_hour, grpc_endpoint=hostport(advertised_host(config), grpc_port),
+        instance=config.instance,
         kv_endpoint=next((b.kv_endpoint for b in built if b.kv_endpoint), ""), engine=config.engine,
         model=config.model, model_fingerprint=engine.facts.fingerprint,
         kv_buffer_bytes=config.kv_buffer_bytes if config.serves_decode else 0,

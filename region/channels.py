@@ -9,7 +9,7 @@ import os
 import queue
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,35 @@ class TlsFiles(BaseModel):
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.pem("ca"), self.pem("key"), self.pem("cert"))
+
+
+def channel(
+    target: str, tls: TlsFiles | None, server_name: str, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
+    """A channel to `target`: with `tls`, mutual TLS checking that the server's certificate
+    names `server_name` (transport.identity.server_name: the peer's region, or the control
+    plane) whatever address `target` dials; without, plaintext."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=list(options))
+    named = [*options, ("grpc.ssl_target_name_override", server_name)]
+    return grpc.secure_channel(target, tls.channel_credentials(), options=named)
+
+
+class ChannelCache:
+    """Channels kept for the process's life, one per (target, server name); thread-safe."""
+
+    def __init__(self, tls: TlsFiles | None, options: Sequence[tuple[str, Any]] = ()) -> None:
+        self.tls = tls
+        self.options = tuple(options)
+        self._lock = threading.Lock()
+        self._channels: dict[tuple[str, str], grpc.Channel] = {}
+
+    def get(self, target: str, server_name: str) -> grpc.Channel:
+        with self._lock:
+            found = self._channels.get((target, server_name))
+            if found is None:
+                found = self._channels[(target, server_name)] = channel(target, self.tls, server_name, self.options)
+            return found
 
 
 def identity_of_pem(pem: bytes) -> Identity | None:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import grpc
 
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
-from prfaas.region.channels import keepalive_options
+from prfaas.region.channels import TlsFiles, channel, keepalive_options
+from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,9 @@ class Heartbeater:
         registration: registry_pb2.RegisterRequest,
         load: Callable[[], registry_pb2.Load],
         interval_s: float = 1.0,
+        tls: TlsFiles | None = None,
     ) -> None:
+        """`tls`: this instance's certificate; the registry must present the control plane's."""
         self.target = target
         self.registration = registration
         self.interval_s = interval_s
@@ -38,7 +41,7 @@ class Heartbeater:
             ("grpc.max_reconnect_backoff_ms", backoff_ms),
             ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 500)),
         ]
-        self._channel = grpc.insecure_channel(target, options=options)
+        self._channel = channel(target, tls, server_name(None), options)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self.region_id = ""
         self.seq = 0
@@ -56,8 +59,9 @@ class Heartbeater:
             log.info("registered with %s as %s", self.target, self.region_id)
         self.seq += 1
         request = registry_pb2.HeartbeatRequest(
-            name=self.registration.name, region_id=self.region_id, seq=self.seq, load=self._load()
-        )
+            name=self.registration.name, region_id=self.region_id, seq=self.seq, load=self._load(),
+            instance=self.registration.instance,
+        )  # fmt: skip
         if self._stub.Heartbeat(request, timeout=self.interval_s).reregister:
             self.region_id = ""
 

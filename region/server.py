@@ -21,7 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from prfaas.protos.prfaas.v1 import registry_pb2
-from prfaas.region.channels import SERVER_OPTIONS
+from prfaas.region.authz import Authorizer, region_policy
+from prfaas.region.channels import SERVER_OPTIONS, TlsFiles
 from prfaas.region.config import parse_hostport
 from prfaas.region.registry_client import Heartbeater
 
@@ -49,11 +50,16 @@ class RegionServer:
         *,
         metrics_address: str | None = None,
         max_rpc_threads: int = 64,
+        tls: TlsFiles | None = None,
     ) -> None:
+        """`tls`: serve mutual TLS, control calls from the control plane's certificate only
+        (region/authz.py); None: plaintext (loopback, or a region configured `insecure`)."""
         self.agents = agents
+        self.tls = tls
         self.server = grpc.server(
-            ThreadPoolExecutor(max_rpc_threads, thread_name_prefix="prfaas-rpc"), options=SERVER_OPTIONS
-        )
+            ThreadPoolExecutor(max_rpc_threads, thread_name_prefix="prfaas-rpc"), options=SERVER_OPTIONS,
+            interceptors=[Authorizer(region_policy)] if tls is not None else None,
+        )  # fmt: skip
         # Blocking health Watch streams (a thread of the RPC pool each; decode regions hold one
         # per prefill region): the non-blocking servicer sends a Watch's first reply holding
         # its lock and waits for the server's completion-queue thread, which may itself wait
@@ -64,7 +70,12 @@ class RegionServer:
         for agent, add in agents.values():
             add(agent, self.server)
         host, port = parse_hostport(grpc_address)
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = (
+            self.server.add_insecure_port(address)
+            if tls is None
+            else self.server.add_secure_port(address, tls.server_credentials())
+        )
         if bound == 0:
             raise OSError(f"cannot listen for gRPC on {grpc_address}")
         self.grpc_address = f"{host}:{bound}"
@@ -99,7 +110,7 @@ class RegionServer:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if heartbeat is not None:
             target, registration, interval_s = heartbeat
-            self.heartbeater = Heartbeater(target, registration, self.load, interval_s)
+            self.heartbeater = Heartbeater(target, registration, self.load, interval_s, self.tls)
             self.heartbeater.start()
         log.info("region serving gRPC on %s (metrics %s)", self.grpc_address, self.metrics_address or "off")
 

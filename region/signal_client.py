@@ -17,13 +17,15 @@ from typing import Any
 import grpc
 
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
+from prfaas.region.channels import TlsFiles, channel
+from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
 Description = dict[str, str]
 
 
-def signaller(target: str, region: str) -> Callable[[Description, float], Description]:
-    stub = registry_pb2_grpc.RegistryStub(grpc.insecure_channel(target))
+def signaller(target: str, region: str, tls: TlsFiles | None = None) -> Callable[[Description, float], Description]:
+    stub = registry_pb2_grpc.RegistryStub(channel(target, tls, server_name(None)))
 
     def signal(offer: Description, timeout_s: float) -> Description:
         request = registry_pb2.SignalRequest(region=region, offer_sdp=offer["sdp"], timeout_s=timeout_s)
@@ -39,10 +41,16 @@ def signaller(target: str, region: str) -> Callable[[Description, float], Descri
 class OfferListener:
     """Answers offers for `region` with `answer(offer, timeout_s) -> answer` until `stop`."""
 
-    def __init__(self, target: str, region: str, answer: Callable[[Description, float], Description]) -> None:
+    def __init__(
+        self,
+        target: str,
+        region: str,
+        answer: Callable[[Description, float], Description],
+        tls: TlsFiles | None = None,
+    ) -> None:
         self.region = region
         self._answer = answer
-        self._stub = registry_pb2_grpc.RegistryStub(grpc.insecure_channel(target))
+        self._stub = registry_pb2_grpc.RegistryStub(channel(target, tls, server_name(None)))
         self._stop = threading.Event()
         self._call: Any = None  # the Offers stream while open (cancel() ends it)
         self._thread = threading.Thread(target=self._loop, name="prfaas-webrtc-offers", daemon=True)

@@ -25,15 +25,16 @@ ALLOWED: dict[str, set[str]] = {
     "control_plane": {"transport", "protos", "engine", "region"},  # region: see NARROW
     "sim": {"control_plane"},
     "loadgen": {"engine"},  # the model's tokenizer for real prompts
-    "devstack": {"region", "control_plane", "engine"},  # region configs; the default policy file; the demo
+    # region configs; the default policy file; the demo; the deployment's certificates
+    "devstack": {"region", "control_plane", "engine", "transport"},
     "cli": {"engine", "transport", "protos", "region", "prefill_region", "decode_region", "control_plane", "sim"}
     | {"loadgen", "devstack"},
     "bench": {"engine", "transport", "protos", "region", "control_plane", "sim", "loadgen", "devstack"},
 }
 # Arrows allowed to some modules of a package only: (importer, imported) -> those modules.
 NARROW: dict[tuple[str, str], set[str]] = {
-    # gRPC plumbing both ends of a region's calls use, not the region host itself
-    ("control_plane", "region"): {"prfaas.region.channels"},
+    # gRPC plumbing both ends of a region's calls use (channels, TLS, authorization), not the host itself
+    ("control_plane", "region"): {"prfaas.region.channels", "prfaas.region.authz"},
     ("sim", "control_plane"): {"prfaas.control_plane.scheduling"},  # the very policies the control plane runs
 }
 PACKAGES = sorted(ALLOWED)

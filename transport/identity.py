@@ -95,7 +95,7 @@ class Identity:
         kind = parts[0]
         if kind not in KINDS:
             raise IdentityError(f"{uri!r}: kind {kind!r} is not one of {', '.join(KINDS)}")
-        return Identity(kind, parts[1], parts[2] if len(parts) == 3 else "")  # type: ignore[arg-type]
+        return Identity(kind, parts[1], parts[2] if len(parts) == 3 else "")
 
     def __str__(self) -> str:
         return self.uri

@@ -25,6 +25,7 @@ def job_public(s: Services, job: dict[str, str]) -> JobPublic:
         created_at=float(job["created_at"]), updated_at=float(job["updated_at"]),
         placement_asked=job.get("placement_asked", "auto"), placement_chosen=job.get("placement_chosen"),
         prefill_region=job.get("prefill_region"), decode_region=job.get("decode_region"),
+        prefill_instance=job.get("prefill_instance"), decode_instance=job.get("decode_instance"),
         bytes_raw=int(job.get("bytes_raw", 0)), bytes_wire=int(job.get("bytes_wire", 0)),
         cost_usd=float(job.get("cost_usd", 0.0)), colocated_cost_usd=float(job.get("colocated_cost_usd", 0.0)),
         usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),

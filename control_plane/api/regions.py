@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from prfaas.control_plane.api.deps import AdminDep, ServicesDep
 from prfaas.control_plane.api.schemas import LinkPublic, RegionPublic
-from prfaas.control_plane.fleet.registry import RegionNotFound, RegionRecord
+from prfaas.control_plane.fleet.records import RegionNotFound, RegionRecord
 from prfaas.control_plane.scheduling.snapshot import Link
 from prfaas.control_plane.services import Services
 

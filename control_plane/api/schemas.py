@@ -78,6 +78,8 @@ class JobPublic(BaseModel):
     placement_chosen: str | None
     prefill_region: str | None
     decode_region: str | None
+    prefill_instance: str | None = Field(default=None, description="the prefill region's instance that ran it")
+    decode_instance: str | None = Field(default=None, description="the decode region's instance that ran it")
     bytes_raw: int
     bytes_wire: int
     cost_usd: float
@@ -135,25 +137,42 @@ class ApiKeyIssued(ApiKeyPublic):
     key: str = Field(description="the full key: shown once, only its hash is stored")
 
 
-class RegionPublic(BaseModel):
-    """A region as the admin API shows it: its registration, health and load as of its last heartbeat."""
+class InstancePublic(BaseModel):
+    """One instance of a region: its endpoints, health and load as of its last heartbeat."""
 
-    name: str
-    role: str = Field(description="prefill, decode or both")
-    gpu_type: str
-    num_workers: int = Field(description="model replicas serving")
-    usd_per_gpu_hour: float = Field(description="the $/GPU-hour it registered (prices: GET /admin/prices)")
-    grpc_endpoint: str = Field(description="host:port of its gRPC service")
-    kv_endpoint: str = Field(description="host:port KV caches are shipped to (decode regions)")
+    instance: str = Field(description="its id within the region")
+    grpc_endpoint: str = Field(description="host:port of its gRPC service (its advertised address)")
+    kv_endpoint: str = Field(description="where KV caches are shipped to it (decode roles)")
     alive: bool = Field(description="a heartbeat within heartbeat_misses intervals")
-    healthy: bool = Field(description="alive, not draining and not drained: the scheduler may place work there")
-    draining: bool = Field(description="the region is stopping (SIGTERM)")
-    drained: bool = Field(description="an operator drained it (POST /admin/regions/{name}/drain)")
+    healthy: bool = Field(description="alive, not draining and its region not drained: it may get new work")
+    draining: bool = Field(description="the instance is stopping (SIGTERM)")
     heartbeat_age_s: float
+    num_workers: int
     queue_depth: int
     busy_workers: int
     kv_used_bytes: int
     kv_free_bytes: int
+
+
+class RegionPublic(BaseModel):
+    """A region as the admin API shows it: a pool of instances, its capacity and load summed over the healthy
+    ones."""
+
+    name: str
+    role: str = Field(description="prefill, decode or both")
+    gpu_type: str
+    num_workers: int = Field(description="model replicas serving, over its healthy instances")
+    usd_per_gpu_hour: float = Field(description="the $/GPU-hour it registered (prices: GET /admin/prices)")
+    alive: bool = Field(description="at least one instance beats")
+    healthy: bool = Field(description="at least one healthy instance, and not drained: the scheduler may place work")
+    draining: bool = Field(description="every live instance is stopping (SIGTERM)")
+    drained: bool = Field(description="an operator drained it (POST /admin/regions/{name}/drain)")
+    heartbeat_age_s: float = Field(description="since its most recent instance's last beat")
+    queue_depth: int
+    busy_workers: int
+    kv_used_bytes: int
+    kv_free_bytes: int
+    instances: list[InstancePublic]
 
 
 class LinkPublic(BaseModel):

@@ -28,7 +28,7 @@ from prfaas.control_plane.billing.models import UsageEntry
 from prfaas.control_plane.billing.prices import PriceBook
 from prfaas.control_plane.billing.spend import TenantSpend
 from prfaas.control_plane.billing.usage import job_usage, wasted_work
-from prfaas.control_plane.fleet.registry import RegionNotFound
+from prfaas.control_plane.fleet.records import RegionNotFound
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
 

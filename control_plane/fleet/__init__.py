@@ -1,5 +1,6 @@
 """prfaas.control_plane.fleet: the regions the control plane knows, as the scheduler sees them.
 
+records.py    InstanceRecord, RegionRecord: a region as the sum of its instances; `pick`
 registry.py   RegionRegistry: registrations, heartbeats, drains and links in Redis; `snapshot()`
               builds the scheduler's ClusterSnapshot (prices from billing's PriceBook)
 server.py     the Registry gRPC service regions call (Register, Heartbeat, WebRTC signalling)

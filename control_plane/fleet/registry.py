@@ -1,11 +1,19 @@
-"""The region registry: regions `Register` and `Heartbeat` over gRPC (fleet/server.py); their
-records live in Redis so every API process and Celery worker sees the same fleet. A region that
-misses `heartbeat_misses` beats in a row is dead. Links (RTT, bandwidth, egress price) are
-configured by operators through the admin API. `snapshot()` assembles the scheduler's frozen
-`ClusterSnapshot` from all of it.
+"""The region registry. A region is a named pool of instances (an auto-scaling group's
+machines, or one process on a laptop); each instance `Register`s and `Heartbeat`s over gRPC
+(fleet/server.py) as (region, instance), with its own endpoints and load. Records live in
+Redis so every API process and Celery worker sees the same fleet. An instance that misses
+`heartbeat_misses` beats in a row is dead; one silent for `forget_after_s` is forgotten.
 
-Keys (prefix `p`): `p:regions` set, `p:region:{name}` hash (registration, last load,
-`last_beat_at`), `p:region:{name}:drained` flag, `p:links` hash `src>dst` -> JSON.
+The scheduler sees regions (`snapshot()`: each region's capacity and load summed over its
+healthy instances); a placement then runs on one instance of each chosen region (`pick`:
+the least loaded healthy one), so an instance that joins or dies changes where new work
+goes and nothing else. Links (RTT, bandwidth, egress price) between regions are configured
+by operators through the admin API.
+
+Keys (prefix `p`): `p:instances` set of `region/instance`, `p:instance:{region}/{instance}`
+hash (registration, last load, `last_beat_at`), `p:suspect:{region}/{instance}` (a call to it
+failed UNAVAILABLE; expires after `heartbeat_misses` intervals), `p:region:{name}:drained`
+flag (an operator drained the region), `p:links` hash `src>dst` -> JSON.
 """
 
 from __future__ import annotations
@@ -13,53 +21,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from prfaas.control_plane.billing.prices import PriceBook, price_book
+from prfaas.control_plane.fleet.records import DEFAULT_INSTANCE, InstanceRecord, RegionNotFound, RegionRecord
 from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import registry_pb2
 
 FALLBACK_PREFILL_TPS = 2000.0  # tokens/s assumed until a region measures its own
 FALLBACK_DECODE_TPS = 50.0
-
-
-class RegionNotFound(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class RegionRecord:
-    name: str
-    region_id: str
-    role: str
-    gpu_type: str
-    num_workers: int
-    usd_per_gpu_hour: float
-    grpc_endpoint: str
-    kv_endpoint: str
-    model: str
-    model_fingerprint: str
-    kv_buffer_bytes: int
-    heartbeat_interval_s: float
-    last_beat_at: float
-    queue_depth: int
-    busy_workers: int
-    kv_used_bytes: int
-    kv_free_bytes: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    draining: bool  # the region says so (SIGTERM)
-    drained: bool  # an operator drained it
-    alive: bool  # a beat within heartbeat_misses intervals
-    heartbeat_age_s: float
-
-    @property
-    def healthy(self) -> bool:
-        return self.alive and not self.draining and not self.drained
+FORGET_AFTER_BEATS = 60  # an instance silent this many intervals (at least 5 minutes) is forgotten
 
 
 class RegionRegistry:
@@ -71,37 +45,56 @@ class RegionRegistry:
             client, settings.key("prices"), settings.prices.path
         )  # live/table prices override registered ones
 
-    def _key(self, name: str) -> str:
-        return self.settings.key("region", name)
+    def _key(self, name: str, instance: str) -> str:
+        return self.settings.key("instance", f"{name}/{instance}")
+
+    def _drained_key(self, name: str) -> str:
+        return self.settings.key("region", name, "drained")
 
     def register(self, request: registry_pb2.RegisterRequest) -> str:
+        """Record an instance (again, if it restarted); -> the token its heartbeats carry.
+        ValueError for a bad registration, or one that contradicts the region's other live
+        instances (another role or model: a region's instances are interchangeable)."""
         if not request.name or request.role not in ("prefill", "decode", "both"):
             raise ValueError("name is required and role must be prefill, decode or both")
-        region_id = f"{request.name}-{uuid.uuid4().hex[:8]}"
+        instance = request.instance or DEFAULT_INSTANCE
+        for other in self.region_instances(request.name):
+            if other.instance != instance and other.alive and (other.role, other.model_fingerprint) != (
+                request.role, request.model_fingerprint
+            ):  # fmt: skip
+                raise ValueError(
+                    f"instance {instance} of region {request.name} registers role {request.role} and model "
+                    f"{request.model_fingerprint[:16]}; its instance {other.instance} serves {other.role}, "
+                    f"{other.model_fingerprint[:16]}"
+                )
+        token = uuid.uuid4().hex[:16]
         fields: dict[str, Any] = {
-            "name": request.name, "region_id": region_id, "role": request.role, "gpu_type": request.gpu_type or "cpu",
-            "num_workers": max(1, request.num_workers), "usd_per_gpu_hour": request.usd_per_gpu_hour,
-            "grpc_endpoint": request.grpc_endpoint, "kv_endpoint": request.kv_endpoint, "model": request.model,
-            "model_fingerprint": request.model_fingerprint, "kv_buffer_bytes": request.kv_buffer_bytes,
-            "heartbeat_interval_s": request.heartbeat_interval_s or 1.0, "last_beat_at": time.time(),
-            "queue_depth": 0, "busy_workers": 0, "kv_used_bytes": 0, "kv_free_bytes": request.kv_buffer_bytes,
-            "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0, "draining": 0,
+            "name": request.name, "instance": instance, "token": token, "role": request.role,
+            "gpu_type": request.gpu_type or "cpu", "num_workers": max(1, request.num_workers),
+            "usd_per_gpu_hour": request.usd_per_gpu_hour, "grpc_endpoint": request.grpc_endpoint,
+            "kv_endpoint": request.kv_endpoint, "model": request.model, "model_fingerprint": request.model_fingerprint,
+            "kv_buffer_bytes": request.kv_buffer_bytes, "heartbeat_interval_s": request.heartbeat_interval_s or 1.0,
+            "last_beat_at": time.time(), "queue_depth": 0, "busy_workers": 0, "kv_used_bytes": 0,
+            "kv_free_bytes": request.kv_buffer_bytes, "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0,
+            "draining": 0,
         }  # fmt: skip
+        key = self._key(request.name, instance)
         with self.redis.pipeline() as pipe:
-            pipe.delete(self._key(request.name))
-            pipe.hset(self._key(request.name), mapping=fields)
-            pipe.sadd(self.settings.key("regions"), request.name)
+            pipe.delete(key)
+            pipe.hset(key, mapping=fields)
+            pipe.sadd(self.settings.key("instances"), f"{request.name}/{instance}")
             pipe.execute()
-        return region_id
+        return token
 
     def heartbeat(self, request: registry_pb2.HeartbeatRequest) -> bool:
-        """Record a beat; True when the region must register again (unknown or stale id)."""
-        known = self.redis.hget(self._key(request.name), "region_id")
+        """Record a beat; True when the instance must register again (unknown or stale token)."""
+        key = self._key(request.name, request.instance or DEFAULT_INSTANCE)
+        known = self.redis.hget(key, "token")
         if known is None or known.decode() != request.region_id:
             return True
         load = request.load
         self.redis.hset(
-            self._key(request.name),
+            key,
             mapping={
                 "last_beat_at": time.time(), "queue_depth": load.queue_depth, "busy_workers": load.busy_workers,
                 "kv_used_bytes": load.kv_used_bytes, "kv_free_bytes": load.kv_free_bytes,
@@ -111,21 +104,63 @@ class RegionRegistry:
         )  # fmt: skip
         return False
 
-    def get(self, name: str, now: float | None = None) -> RegionRecord:
-        with self.redis.pipeline() as pipe:
-            pipe.hgetall(self._key(name))
-            pipe.exists(self._key(name) + ":drained")
-            raw, drained = pipe.execute()
-        if not raw:
-            raise RegionNotFound(name)
-        return self._record(raw, bool(drained), time.time() if now is None else now)
+    def instances(self) -> list[InstanceRecord]:
+        """Every registered instance (two Redis round trips however many there are); those
+        silent for FORGET_AFTER_BEATS intervals (at least 5 minutes) are forgotten here."""
+        keys = sorted(m.decode() for m in self.redis.smembers(self.settings.key("instances")))
+        regions = sorted({k.split("/", 1)[0] for k in keys})
+        with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hgetall(self.settings.key("instance", key))
+                pipe.exists(self.settings.key("suspect", key))
+            for name in regions:
+                pipe.exists(self._drained_key(name))
+            replies = pipe.execute()
+        drained = {name: bool(flag) for name, flag in zip(regions, replies[2 * len(keys) :], strict=True)}
+        now = time.time()
+        records, gone = [], []
+        for key, raw, suspect in zip(keys, replies[: 2 * len(keys) : 2], replies[1 : 2 * len(keys) : 2], strict=True):
+            record = self._record(raw, drained.get(key.split("/", 1)[0], False), now, bool(suspect)) if raw else None
+            if record is None or record.heartbeat_age_s > max(300.0, FORGET_AFTER_BEATS * record.heartbeat_interval_s):
+                gone.append(key)
+            else:
+                records.append(record)
+        if gone:
+            self.redis.srem(self.settings.key("instances"), *gone)
+            self.redis.delete(*(self.settings.key("instance", key) for key in gone))
+        return records
 
-    def _record(self, raw: dict[bytes, bytes], drained: bool, now: float) -> RegionRecord:
+    def region_instances(self, name: str) -> list[InstanceRecord]:
+        return [i for i in self.instances() if i.name == name]
+
+    def regions(self) -> list[RegionRecord]:
+        """Every region with at least one known instance, by name."""
+        by_name: dict[str, list[InstanceRecord]] = {}
+        for record in self.instances():
+            by_name.setdefault(record.name, []).append(record)
+        return [RegionRecord.of(by_name[name]) for name in sorted(by_name)]
+
+    def get(self, name: str) -> RegionRecord:
+        instances = self.region_instances(name)
+        if not instances:
+            raise RegionNotFound(name)
+        return RegionRecord.of(instances)
+
+    def suspect(self, key: str) -> None:
+        """An instance (`region/instance`) just refused a call: give it no new work for
+        `heartbeat_misses` intervals (a dead one is declared dead by then; a live one is back)."""
+        name, _, instance = key.partition("/")
+        raw = self.redis.hget(self._key(name, instance), "heartbeat_interval_s")
+        if raw is not None:
+            ttl_ms = int(float(raw) * self.settings.heartbeat_misses * 1000)
+            self.redis.set(self.settings.key("suspect", key), 1, px=max(100, ttl_ms))
+
+    def _record(self, raw: dict[bytes, bytes], drained: bool, now: float, suspect: bool = False) -> InstanceRecord:
         f = {k.decode(): v.decode() for k, v in raw.items()}
         interval = float(f["heartbeat_interval_s"])
         age = max(0.0, now - float(f["last_beat_at"]))
-        return RegionRecord(
-            name=f["name"], region_id=f["region_id"], role=f["role"], gpu_type=f["gpu_type"],
+        return InstanceRecord(
+            name=f["name"], instance=f["instance"], token=f["token"], role=f["role"], gpu_type=f["gpu_type"],
             num_workers=int(f["num_workers"]), usd_per_gpu_hour=float(f["usd_per_gpu_hour"]),
             grpc_endpoint=f["grpc_endpoint"], kv_endpoint=f["kv_endpoint"], model=f["model"],
             model_fingerprint=f["model_fingerprint"], kv_buffer_bytes=int(f["kv_buffer_bytes"]),
@@ -134,27 +169,15 @@ class RegionRegistry:
             kv_used_bytes=int(f["kv_used_bytes"]), kv_free_bytes=int(f["kv_free_bytes"]),
             prefill_tokens_per_s=float(f["prefill_tokens_per_s"]), decode_tokens_per_s=float(f["decode_tokens_per_s"]),
             draining=f["draining"] == "1", drained=drained,
-            alive=age <= self.settings.heartbeat_misses * interval, heartbeat_age_s=age,
+            alive=age <= self.settings.heartbeat_misses * interval, heartbeat_age_s=age, suspect=suspect,
         )  # fmt: skip
-
-    def regions(self) -> list[RegionRecord]:
-        """Every registered region, by name (two Redis round trips however many there are)."""
-        names = sorted(m.decode() for m in self.redis.smembers(self.settings.key("regions")))
-        with self.redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.hgetall(self._key(name))
-                pipe.exists(self._key(name) + ":drained")
-            replies = pipe.execute()
-        now = time.time()
-        pairs = zip(replies[::2], replies[1::2], strict=True)
-        return [self._record(raw, bool(drained), now) for raw, drained in pairs if raw]
 
     def set_drained(self, name: str, drained: bool) -> RegionRecord:
         self.get(name)
         if drained:
-            self.redis.set(self._key(name) + ":drained", 1)
+            self.redis.set(self._drained_key(name), 1)
         else:
-            self.redis.delete(self._key(name) + ":drained")
+            self.redis.delete(self._drained_key(name))
         return self.get(name)
 
     def set_link(self, link: Link) -> None:
@@ -168,8 +191,9 @@ class RegionRegistry:
         return sorted((Link.model_validate(json.loads(v)) for v in raw.values()), key=lambda x: (x.src, x.dst))
 
     def snapshot(self, model: ModelShape, exclude: frozenset[str] = frozenset()) -> ClusterSnapshot:
-        """The fleet as the scheduler sees it: regions serving `model`'s fingerprint-free name
-        (dead, drained or excluded ones marked unhealthy) and the links between them."""
+        """The fleet as the scheduler sees it: regions (dead, drained or excluded ones marked
+        unhealthy) and the links between them. `exclude`: regions by name, or instances by
+        `region/instance` key (a region is left out once none of its healthy instances is left)."""
         return self.snapshot_of(self.regions(), self.links(), model, exclude)
 
     def snapshot_of(
@@ -182,15 +206,17 @@ class RegionRegistry:
 
     @staticmethod
     def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook) -> Region:
+        left = [i for i in r.healthy_instances if i.key not in exclude]
         decode_tps = r.decode_tokens_per_s or FALLBACK_DECODE_TPS
         on_demand = prices.on_demand(r.name)
+        workers = max(1, r.num_workers)
         return Region(
-            name=r.name, role=Role(r.role), gpu_type=r.gpu_type, num_gpus=r.num_workers, num_workers=r.num_workers,
+            name=r.name, role=Role(r.role), gpu_type=r.gpu_type, num_gpus=workers, num_workers=workers,
             usd_per_gpu_hour=r.usd_per_gpu_hour if on_demand is None else on_demand,
             spot_usd_per_gpu_hour=prices.spot(r.name), queue_depth=r.queue_depth,
-            num_busy_workers=min(r.busy_workers, r.num_workers),
+            num_busy_workers=min(r.busy_workers, workers),
             kv_buffer_free_bytes=r.kv_free_bytes if r.role != "prefill" else 0,
             prefill_tokens_per_s=r.prefill_tokens_per_s or FALLBACK_PREFILL_TPS, decode_tokens_per_s=decode_tps,
-            tpot_ms=1000.0 / decode_tps, healthy=r.healthy and r.name not in exclude,
+            tpot_ms=1000.0 / decode_tps, healthy=bool(left) and r.name not in exclude,
             heartbeat_age_s=r.heartbeat_age_s,
         )  # fmt: skip

@@ -1,6 +1,11 @@
 """The region registry's gRPC service (protos/prfaas/v1/registry.proto): `Register`, `Heartbeat` into the
 `RegionRegistry`, and the WebRTC signalling calls (`Signal`, `Offers`, `Answer`) through the `SignalRelay`.
-Served by the API process when `registry_listen` is set (control_plane/app.py)."""
+Served by the API process when `registry_listen` is set (control_plane/app.py).
+
+With mutual TLS (`Settings.tls`) only regions may call (region/authz.py), and each only about itself: an
+instance registers and beats only as the region, role and instance its certificate names (a certificate for
+`*` may speak for any instance of its region), and reads only the WebRTC offers addressed to its region. Anyone
+else gets PERMISSION_DENIED before the registry is touched, so the real instance's record stands."""
 
 from __future__ import annotations
 
@@ -9,20 +14,39 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from prfaas.control_plane.fleet.records import DEFAULT_INSTANCE
 from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.fleet.signaling import SignalRelay
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
-from prfaas.region.channels import SERVER_OPTIONS
+from prfaas.region.authz import Authorizer, peer_identity, registry_policy
+from prfaas.region.channels import SERVER_OPTIONS, TlsFiles
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, registry: RegionRegistry) -> None:
+    def __init__(self, registry: RegionRegistry, tls: bool = False) -> None:
         self.registry = registry
         self.relay = SignalRelay(registry.redis, registry.settings)
+        self.tls = tls  # callers then carry identities, checked against what they say of themselves
+
+    def _speaks_for(
+        self, context: grpc.ServicerContext, region: str, *, role: str | None = None, instance: str | None = None
+    ) -> None:
+        if not self.tls:
+            return
+        caller = peer_identity(context)
+        wrong = (
+            caller is None or caller.region != region or (role is not None and caller.kind != role)
+            or (instance is not None and caller.instance not in ("*", instance or DEFAULT_INSTANCE))
+        )  # fmt: skip
+        if wrong:
+            named = "*" if instance is None else instance or DEFAULT_INSTANCE
+            what = f"prfaas://{role or '*'}/{region}/{named}"
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{caller} may not speak for {what}")
 
     def Register(  # noqa: N802 (the name the .proto gives it)
         self, request: registry_pb2.RegisterRequest, context: grpc.ServicerContext
     ) -> registry_pb2.RegisterReply:
+        self._speaks_for(context, request.name, role=request.role, instance=request.instance)
         try:
             return registry_pb2.RegisterReply(region_id=self.registry.register(request))
         except ValueError as exc:
@@ -32,6 +56,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     def Heartbeat(  # noqa: N802
         self, request: registry_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> registry_pb2.HeartbeatReply:
+        self._speaks_for(context, request.name, instance=request.instance)
         return registry_pb2.HeartbeatReply(reregister=self.registry.heartbeat(request))
 
     def Signal(  # noqa: N802
@@ -52,6 +77,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     ) -> Iterator[registry_pb2.SignalOffer]:
         if not request.region:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "region is required")
+        self._speaks_for(context, request.region)
         while context.is_active():
             offer = self.relay.next_offer(request.region)
             if offer is not None:
@@ -66,12 +92,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         return registry_pb2.AnswerReply()
 
 
-def serve_registry(registry: RegionRegistry, listen: str) -> tuple[grpc.Server, str]:
-    """Start the Registry gRPC service on `listen` (port 0 picks one); returns it and its address."""
-    server = grpc.server(ThreadPoolExecutor(8, thread_name_prefix="prfaas-registry"), options=SERVER_OPTIONS)
-    registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server)
+def serve_registry(registry: RegionRegistry, listen: str, tls: TlsFiles | None = None) -> tuple[grpc.Server, str]:
+    """Start the Registry gRPC service on `listen` (port 0 picks one), with mutual TLS when `tls`
+    is given; returns it and its address."""
+    server = grpc.server(
+        ThreadPoolExecutor(8, thread_name_prefix="prfaas-registry"), options=SERVER_OPTIONS,
+        interceptors=[Authorizer(registry_policy)] if tls is not None else None,
+    )  # fmt: skip
+    registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry, tls is not None), server)
     host = listen.rsplit(":", 1)[0]
-    port = server.add_insecure_port(listen)
+    port = server.add_insecure_port(listen) if tls is None else server.add_secure_port(listen, tls.server_credentials())
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     server.start()

@@ -18,12 +18,11 @@ import logging
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from prfaas.control_plane.fleet.registry import RegionRecord
+from prfaas.control_plane.fleet.records import InstanceRecord, RegionNotFound
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.scheduling.decision import Decision, Mode, decision_dict
@@ -32,7 +31,8 @@ from prfaas.control_plane.scheduling.request import Request, Slo
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from prfaas.region.channels import replies
+from prfaas.region.channels import ChannelCache, replies
+from prfaas.transport.identity import server_name
 from prfaas.transport.tickets import TicketSigner
 
 log = logging.getLogger(__name__)
@@ -43,39 +43,29 @@ RETRYABLE = frozenset({
 
 
 class AttemptFailed(Exception):
-    """This attempt cannot finish; `region` is left out of the next one."""
+    """This attempt cannot finish; the instance (`region/instance` key) is left out of the next one."""
 
-    def __init__(self, region: str, reason: str) -> None:
+    def __init__(self, where: str, reason: str) -> None:
         super().__init__(reason)
-        self.region = region
+        self.where = where
 
 
 class Superseded(Exception):
     """The job moved on without us (canceled, or a newer attempt)."""
 
 
-@dataclass
-class Channels:
-    """gRPC channels by target, kept for the worker's life (one per region); `options` for each."""
-
-    _by_target: dict[str, grpc.Channel]
-    options: tuple[tuple[str, Any], ...] = ()
-
-    def get(self, target: str) -> grpc.Channel:
-        channel = self._by_target.get(target)
-        if channel is None:
-            channel = self._by_target[target] = grpc.insecure_channel(target, options=self.options)
-        return channel
-
-
 class Dispatcher:
     def __init__(self, services: Services) -> None:
         self.s = services
-        self.channels = Channels({})
+        self.channels = ChannelCache(services.settings.tls)
         settings = services.settings
         self.signer = TicketSigner(
             {settings.ticket_key_id: settings.ticket_key.get_secret_value().encode()}, settings.ticket_key_id
         )
+
+    def channel(self, target: str, region: str) -> grpc.Channel:
+        """To an instance of `region` at `target` (with TLS, it must present that region's name)."""
+        return self.channels.get(target, server_name(region))
 
     def run(self, job_id: str) -> str:
         """Dispatch `job_id` to the end of its prefill (or its hand-off); returns the outcome."""
@@ -99,7 +89,7 @@ class Dispatcher:
                     return "dispatched"
                 except AttemptFailed as exc:
                     log.warning("job %s attempt %d failed: %s", job_id, attempt, exc)
-                    excluded.add(exc.region)
+                    excluded.add(exc.where)
                     if attempt >= self.s.settings.max_attempts:
                         jobs.transition(job_id, JobState.FAILED, attempt, note=str(exc), error=str(exc))
                         return "failed"
@@ -123,38 +113,44 @@ class Dispatcher:
     def _attempt(self, job_id: str, job: dict[str, str], attempt: int, excluded: frozenset[str]) -> None:
         jobs = self.s.jobs
         decision = self.decide(job, excluded)
-        decode = self.s.regions.get(decision.decode_region)
-        prefill = self.s.regions.get(decision.prefill_region)
+        try:  # one instance of each region: the least loaded of those not excluded
+            decode = self.s.regions.get(decision.decode_region).pick(excluded)
+            prefill = self.s.regions.get(decision.prefill_region).pick(excluded)
+        except RegionNotFound as exc:  # it died since the snapshot: try again without it
+            raise AttemptFailed(decision.decode_region, str(exc)) from exc
         where = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}"}  # metering: where each attempt ran
         if not jobs.update(job_id, attempt, **placed_fields(decision, decode, prefill), **where):
             raise Superseded(job_id)
         if decision.mode is Mode.LOCAL:
-            jobs.transition(job_id, JobState.LOCAL, attempt, note=f"local in {decode.name}")
-            jobs.post_ready(job_id, attempt, {"mode": "local", "decode_grpc": decode.grpc_endpoint})
+            jobs.transition(job_id, JobState.LOCAL, attempt, note=f"local in {decode.key}")
+            jobs.post_ready(job_id, attempt, ready_info("local", decode))
             return
-        self._split(job_id, job, attempt, decision, decode.grpc_endpoint, prefill.grpc_endpoint)
+        self._split(job_id, job, attempt, decision, decode, prefill)
 
     def _split(
-        self, job_id: str, job: dict[str, str], attempt: int, decision: Decision, decode_grpc: str, prefill_grpc: str
-    ) -> None:
+        self, job_id: str, job: dict[str, str], attempt: int, decision: Decision, decode: InstanceRecord,
+        prefill: InstanceRecord,
+    ) -> None:  # fmt: skip
         jobs, settings = self.s.jobs, self.s.settings
         timeout_s = settings.dispatch_timeout_s
         kv_bytes = int(job["prompt_tokens"]) * self.s.model.shape.kv_bytes_per_token
-        decode_stub = decode_pb2_grpc.DecodeRegionStub(self.channels.get(decode_grpc))
-        prefill_stub = prefill_pb2_grpc.PrefillRegionStub(self.channels.get(prefill_grpc))
+        decode_stub = decode_pb2_grpc.DecodeRegionStub(self.channel(decode.grpc_endpoint, decode.name))
+        prefill_stub = prefill_pb2_grpc.PrefillRegionStub(self.channel(prefill.grpc_endpoint, prefill.name))
         try:
             reply = decode_stub.Reserve(
                 decode_pb2.ReserveRequest(
                     job_id=job_id, attempt=attempt, tenant=job["tenant"], kv_bytes=kv_bytes, ttl_s=timeout_s,
-                    prefill_grpc=prefill_grpc,
+                    prefill_grpc=prefill.grpc_endpoint, prefill_region=prefill.name,
                 ),
                 timeout=10,
             )  # fmt: skip
         except grpc.RpcError as exc:
-            raise self._failed(decision.decode_region, "reserve", exc) from exc
+            raise self._failed(decode.key, "reserve", exc) from exc
         jobs.transition(job_id, JobState.PREFILLING, attempt, note=f"prefill in {decision.prefill_region}")
         ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes * 2 + (1 << 20), ttl_s=timeout_s)
-        destination = prefill_pb2.Destination(kv_endpoint=reply.kv_endpoint, ticket=ticket, codec=decision.codec or "")
+        destination = prefill_pb2.Destination(
+            kv_endpoint=reply.kv_endpoint, ticket=ticket, codec=decision.codec or "", decode_region=decode.name
+        )
         request = prefill_pb2.PrefillRequest(
             job_id=job_id, attempt=attempt, tenant=job["tenant"], token_ids=json.loads(job["token_ids"]),
             sampling=sampling(job), destination=destination, timeout_s=timeout_s,
@@ -170,25 +166,25 @@ class Dispatcher:
                     # hand-off (the prefill region's shipment_complete event may come after DONE).
                     jobs.update(job_id, attempt, bytes_raw=kv_bytes, prefill_gpu_s=done.prefill_s)
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
-                    info = {"mode": "split", "decode_grpc": decode_grpc, "first_token": done.first_token, "kv": kv}
-                    jobs.post_ready(job_id, attempt, info)
+                    jobs.post_ready(job_id, attempt, ready_info("split", decode, first_token=done.first_token, kv=kv))
                 elif kind == "shipment_complete":
                     shipped = event.shipment_complete
                     jobs.update(job_id, attempt, bytes_raw=shipped.raw_bytes, bytes_wire=shipped.wire_bytes)
         except grpc.RpcError as exc:
             self._release(decode_stub, job_id)
-            raise self._failed(decision.prefill_region, "prefill", exc) from exc
+            raise self._failed(prefill.key, "prefill", exc) from exc
 
     @staticmethod
     def _release(stub: decode_pb2_grpc.DecodeRegionStub, job_id: str) -> None:
         with contextlib.suppress(grpc.RpcError):  # else the reservation expires on its own (ttl_s)
             stub.Release(decode_pb2.ReleaseRequest(job_id=job_id), timeout=5)
 
-    @staticmethod
-    def _failed(region: str, step: str, exc: grpc.RpcError) -> Exception:
+    def _failed(self, where: str, step: str, exc: grpc.RpcError) -> Exception:
         # every code costs the attempt (RETRYABLE ones are the expected ones); the next tries elsewhere
-        reason = f"{step} in {region}: {exc.code().name} {exc.details() or ''}".strip()
-        return AttemptFailed(region, reason)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self.s.regions.suspect(where)  # and no one sends it new work until it beats again
+        reason = f"{step} in {where}: {exc.code().name} {exc.details() or ''}".strip()
+        return AttemptFailed(where, reason)
 
 
 def job_request(job: Mapping[str, str], settings: Settings) -> Request:
@@ -202,13 +198,19 @@ def job_request(job: Mapping[str, str], settings: Settings) -> Request:
     )
 
 
-def placed_fields(decision: Decision, decode: RegionRecord, prefill: RegionRecord) -> dict[str, Any]:
-    """The job fields that record `decision` (GET /v1/jobs shows them)."""
+def placed_fields(decision: Decision, decode: InstanceRecord, prefill: InstanceRecord) -> dict[str, Any]:
+    """The job fields that record `decision` and the instances running it (GET /v1/jobs shows them)."""
     return {
         "decision": decision_dict(decision), "placement_chosen": decision.mode.value, "decode_region": decode.name,
-        "prefill_region": prefill.name, "decode_grpc": decode.grpc_endpoint, "prefill_grpc": prefill.grpc_endpoint,
+        "prefill_region": prefill.name, "decode_instance": decode.instance, "prefill_instance": prefill.instance,
+        "decode_grpc": decode.grpc_endpoint, "prefill_grpc": prefill.grpc_endpoint,
         "cost_usd": decision.cost.total_usd, "colocated_cost_usd": decision.colocated_cost.total_usd,
     }  # fmt: skip
+
+
+def ready_info(mode: str, decode: InstanceRecord, **fields: Any) -> dict[str, Any]:
+    """An attempt's hand-off: where the API process streams its tokens from."""
+    return {"mode": mode, "decode_grpc": decode.grpc_endpoint, "decode_region": decode.name} | fields
 
 
 def sampling(job: dict[str, str]) -> common_pb2.SamplingParams:

@@ -18,12 +18,14 @@ import grpc.experimental
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.usage import served_timing
 from prfaas.control_plane.jobs.celery_app import enqueue
-from prfaas.control_plane.jobs.dispatch import Channels, sampling
+from prfaas.control_plane.jobs.dispatch import sampling
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from prfaas.region.channels import ChannelCache
+from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,10 @@ class Follower:
         self.celery = celery
         # A token stream is read on the thread that asked for it: without this option every stream call
         # on an idle channel starts a thread of its own to pump the channel's events (~0.2 ms a request).
-        self.channels = Channels({}, ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),))
-        self._decode_stubs: dict[str, decode_pb2_grpc.DecodeRegionStub] = {}  # by target, like the channels
+        self.channels = ChannelCache(
+            services.settings.tls, ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
+        )
+        self._decode_stubs: dict[tuple[str, str], decode_pb2_grpc.DecodeRegionStub] = {}  # by target and region
         self.placer = AdmissionPlacer(services, services.settings.snapshot_ttl_s)
         self.meter = meter  # bills each job once it is DONE (off this thread)
 
@@ -82,7 +86,7 @@ class Follower:
             if job is None:
                 job = jobs.get(job_id)
             handed, info = info, None
-            stub = self._decode_stub(handed["decode_grpc"])
+            stub = self._decode_stub(handed["decode_grpc"], handed.get("decode_region", ""))
             remaining = max(1.0, deadline - time.monotonic())
             try:
                 if handed["mode"] == "local":
@@ -123,15 +127,18 @@ class Follower:
                         return
             except grpc.RpcError as exc:
                 log.warning("job %s attempt %d: decode stream ended: %s", job_id, attempt, exc.code().name)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and job.get("decode_instance"):
+                    self.s.regions.suspect(f"{job['decode_region']}/{job['decode_instance']}")
                 if handed["mode"] == "local":  # nobody else notices a lost local run: start the next attempt
                     self._retry(job_id, attempt, f"local run: {exc.code().name}")
             except (StaleAttempt, IllegalTransition):
                 continue  # a newer attempt (or a cancel) took over
 
-    def _decode_stub(self, target: str) -> decode_pb2_grpc.DecodeRegionStub:
-        stub = self._decode_stubs.get(target)
+    def _decode_stub(self, target: str, region: str) -> decode_pb2_grpc.DecodeRegionStub:
+        stub = self._decode_stubs.get((target, region))
         if stub is None:
-            stub = self._decode_stubs[target] = decode_pb2_grpc.DecodeRegionStub(self.channels.get(target))
+            channel = self.channels.get(target, server_name(region))
+            stub = self._decode_stubs[(target, region)] = decode_pb2_grpc.DecodeRegionStub(channel)
         return stub
 
     def _retry(self, job_id: str, attempt: int, reason: str) -> None:
@@ -152,14 +159,14 @@ class Follower:
             return False
         job = self.s.jobs.get(job_id)
         request = common_pb2.CancelRequest(job_id=job_id, reason=reason)
-        for target, stub_type in (
-            (job.get("decode_grpc"), decode_pb2_grpc.DecodeRegionStub),
-            (job.get("prefill_grpc"), prefill_pb2_grpc.PrefillRegionStub),
+        for target, region, stub_type in (
+            (job.get("decode_grpc"), job.get("decode_region", ""), decode_pb2_grpc.DecodeRegionStub),
+            (job.get("prefill_grpc"), job.get("prefill_region", ""), prefill_pb2_grpc.PrefillRegionStub),
         ):
             if not target:
                 continue
             try:
-                stub_type(self.channels.get(target)).Cancel(request, timeout=2)
+                stub_type(self.channels.get(target, server_name(region))).Cancel(request, timeout=2)
             except grpc.RpcError as exc:
                 log.warning("cancel of %s in %s: %s", job_id, target, exc.code().name)
         return True

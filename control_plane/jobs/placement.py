@@ -15,8 +15,8 @@ import threading
 import time
 from collections.abc import Mapping
 
-from prfaas.control_plane.fleet.registry import RegionRecord
-from prfaas.control_plane.jobs.dispatch import job_request, placed_fields
+from prfaas.control_plane.fleet.records import RegionNotFound, RegionRecord
+from prfaas.control_plane.jobs.dispatch import job_request, placed_fields, ready_info
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.jobs.store import HandedOff
 from prfaas.control_plane.scheduling.decision import Mode
@@ -56,7 +56,10 @@ class AdmissionPlacer:
             return None
         if decision.mode is not Mode.LOCAL:
             return None
-        decode = records[decision.decode_region]
-        fields = placed_fields(decision, decode, records[decision.prefill_region])
-        ready = {"mode": "local", "decode_grpc": decode.grpc_endpoint}
-        return HandedOff(JobState.LOCAL, f"local in {decode.name}", ready), fields
+        try:
+            decode = records[decision.decode_region].pick()
+            prefill = records[decision.prefill_region].pick()
+        except RegionNotFound:
+            return None  # gone since the view was read: Celery decides on a fresh one
+        fields = placed_fields(decision, decode, prefill)
+        return HandedOff(JobState.LOCAL, f"local in {decode.key}", ready_info("local", decode)), fields

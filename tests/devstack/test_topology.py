@@ -103,4 +103,4 @@ def test_emulate_wan_without_root_says_so_and_uses_loopback(tmp_path: Path, monk
     deployment = Deployment(load_topology(DEFAULT_TOPOLOGY), "t.yaml", tmp_path, True, said.append)
     assert isinstance(deployment.network, LoopbackNetwork)
     assert not deployment.state.emulate_wan
-    assert said == ["--emulate-wan needs root (network namespaces, TUN devices); running every region on loopback"]
+    assert said == ["--emulate-wan and --hosts need root (network namespaces, TUN devices); running on loopback"]

@@ -148,7 +148,8 @@ def test_ctrl_c_stops_everything_also_with_an_emulated_wan(home: Path) -> None:
             time.sleep(0.2)
         assert state.get("dashboard_url"), proc.stdout.read() if proc.poll() is not None and proc.stdout else ""
         if wan:
-            assert len(state["namespaces"]) == 2 and set(state["namespaces"]) <= _namespaces()  # type: ignore[arg-type]
+            # each of the two regions: a site router and one instance, each a namespace
+            assert len(state["namespaces"]) == 4 and set(state["namespaces"]) <= _namespaces()  # type: ignore[arg-type]
         client = openai.OpenAI(base_url=str(state["api_base"]), api_key=str(state["api_key"]), max_retries=0,
                                timeout=60)  # fmt: skip
         reply = client.completions.create(model="tiny-llama", prompt=list(range(100, 400)), max_tokens=3,
@@ -164,5 +165,45 @@ def test_ctrl_c_stops_everything_also_with_an_emulated_wan(home: Path) -> None:
     assert proc.returncode == 0, output
     assert "stopping" in output and "stopped region-dec" in output
     if not wan:
-        assert "--emulate-wan needs root" in output
+        assert "--emulate-wan and --hosts need root" in output
+    _assert_all_gone(state, home)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="--hosts needs root (network namespaces, TUN devices)")
+def test_hosts_split_across_namespaces_and_a_killed_decode_instance_leaves_the_other_serving(home: Path) -> None:
+    up = _run(["up", "--topology", str(home.parent / "topology.yaml"), "--hosts", "--emulate-wan", "--detach"], home)
+    state = json.loads((home / "up.json").read_text()) if (home / "up.json").exists() else {}
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "mutual TLS between components" in up.stdout
+        assert {"region-dec-0", "region-dec-1", "region-pre"} <= set(state["groups"])
+        assert len(state["namespaces"]) == 5  # two sites, three instances: a host of its own each
+        client = openai.OpenAI(base_url=state["api_base"], api_key=state["api_key"], max_retries=0, timeout=90)
+        admin = {"Authorization": f"Bearer {state['admin_key']}"}
+
+        def complete(i: int) -> dict[str, str]:
+            reply = client.completions.create(model="tiny-llama", prompt=list(range(100 + i, 400 + i)), max_tokens=3,
+                                              extra_body={"prfaas": {"placement": "split"}})  # fmt: skip
+            assert reply.usage is not None and reply.usage.completion_tokens == 3
+            tenant = {"Authorization": f"Bearer {state['api_key']}"}
+            job: dict[str, str] = httpx.get(f"{state['url']}/v1/jobs/{reply.id}", headers=tenant, timeout=10).json()
+            assert job["placement_chosen"] == "split"
+            assert (job["prefill_region"], job["decode_region"]) == ("pre", "dec")
+            return job
+
+        served = {complete(i)["decode_instance"] for i in range(6)}  # the least loaded instance gets each
+        assert served <= {"0", "1"} and served, served
+        regions = httpx.get(f"{state['url']}/admin/regions", headers=admin, timeout=10).json()
+        dec = next(r for r in regions if r["name"] == "dec")
+        addresses = {i["grpc_endpoint"].rsplit(":", 1)[0] for i in dec["instances"]}
+        assert len(addresses) == 2  # two hosts (namespaces), each its own address
+
+        os.killpg(int(state["groups"]["region-dec-0"]), signal.SIGKILL)
+        started = time.monotonic()
+        after = [complete(100 + i) for i in range(6)]  # none may fail or hang
+        assert {job["decode_instance"] for job in after} == {"1"}
+        assert time.monotonic() - started < 6 * 60, "a request waited past its deadline"
+    finally:
+        down = _run(["down"], home, timeout_s=120)
+    assert down.returncode == 0, down.stdout + down.stderr
     _assert_all_gone(state, home)

@@ -100,11 +100,15 @@ def local_region(
     metrics: bool = False,
     heartbeat_s: float = 0.5,
     registry: tuple[str, registry_pb2.RegisterRequest, float] | None = None,
+    name: str = "test",
+    tls: dict[str, str] | None = None,
 ) -> Region:
-    """A region built as `prfaas region` builds one (region/build.py), on `engine`."""
+    """A region built as `prfaas region` builds one (region/build.py), on `engine`; `tls`: its
+    ca / cert / key files (mutual TLS on gRPC and KV)."""
     role = "both" if prefill and decode else "prefill" if prefill else "decode"
     config = config_from_mapping({
-        "name": "test", "role": role, "ticket_key": KEY.decode(), "ticket_key_id": "k1", "workers": workers,
+        "name": name, "role": role, "ticket_key": KEY.decode(), "ticket_key_id": "k1", "workers": workers, "tls": tls,
+        "instance": "1",
         "queue_depth": queue_depth, "codec": codec, "kv_buffer_bytes": kv_buffer_bytes,
         "heartbeat_interval_s": heartbeat_s,
         "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0" if metrics else None},

@@ -29,6 +29,7 @@ class ReserveRequest(_message.Message):
     KV_BYTES_FIELD_NUMBER: _builtins.int
     TTL_S_FIELD_NUMBER: _builtins.int
     PREFILL_GRPC_FIELD_NUMBER: _builtins.int
+    PREFILL_REGION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """UUID"""
     attempt: _builtins.int
@@ -39,6 +40,8 @@ class ReserveRequest(_message.Message):
     """the reservation (and its shipment) expires after this"""
     prefill_grpc: _builtins.str
     """optional: the prefill region's gRPC address, watched while KV is owed"""
+    prefill_region: _builtins.str
+    """its region's name: the TLS server name the watch checks (mutual TLS)"""
     def __init__(
         self,
         *,
@@ -48,10 +51,11 @@ class ReserveRequest(_message.Message):
         kv_bytes: _builtins.int = ...,
         ttl_s: _builtins.float = ...,
         prefill_grpc: _builtins.str = ...,
+        prefill_region: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "job_id", b"job_id", "kv_bytes", b"kv_bytes", "prefill_grpc", b"prefill_grpc", "tenant", b"tenant", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "job_id", b"job_id", "kv_bytes", b"kv_bytes", "prefill_grpc", b"prefill_grpc", "prefill_region", b"prefill_region", "tenant", b"tenant", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

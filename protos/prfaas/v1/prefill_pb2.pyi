@@ -26,22 +26,26 @@ class Destination(_message.Message):
     KV_ENDPOINT_FIELD_NUMBER: _builtins.int
     TICKET_FIELD_NUMBER: _builtins.int
     CODEC_FIELD_NUMBER: _builtins.int
+    DECODE_REGION_FIELD_NUMBER: _builtins.int
     kv_endpoint: _builtins.str
     """host:port of the decode region's KV port"""
     ticket: _builtins.str
     """transfer ticket signed by the control plane"""
     codec: _builtins.str
     """"raw", "lossless", "fp8", "int8"; empty = the region's default"""
+    decode_region: _builtins.str
+    """the decode region's name: the TLS server name its KV port must present"""
     def __init__(
         self,
         *,
         kv_endpoint: _builtins.str = ...,
         ticket: _builtins.str = ...,
         codec: _builtins.str = ...,
+        decode_region: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "kv_endpoint", b"kv_endpoint", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "decode_region", b"decode_region", "kv_endpoint", b"kv_endpoint", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

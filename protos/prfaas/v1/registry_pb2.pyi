@@ -32,6 +32,7 @@ class RegisterRequest(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     KV_BUFFER_BYTES_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     role: _builtins.str
     """"prefill", "decode", "both" """
@@ -46,6 +47,8 @@ class RegisterRequest(_message.Message):
     model_fingerprint: _builtins.str
     kv_buffer_bytes: _builtins.int
     heartbeat_interval_s: _builtins.float
+    instance: _builtins.str
+    """this instance of the region (a region is a pool of them); empty = "0" """
     def __init__(
         self,
         *,
@@ -61,10 +64,11 @@ class RegisterRequest(_message.Message):
         model_fingerprint: _builtins.str = ...,
         kv_buffer_bytes: _builtins.int = ...,
         heartbeat_interval_s: _builtins.float = ...,
+        instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "gpu_type", b"gpu_type", "grpc_endpoint", b"grpc_endpoint", "heartbeat_interval_s", b"heartbeat_interval_s", "kv_buffer_bytes", b"kv_buffer_bytes", "kv_endpoint", b"kv_endpoint", "model", b"model", "model_fingerprint", b"model_fingerprint", "name", b"name", "num_workers", b"num_workers", "role", b"role", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "gpu_type", b"gpu_type", "grpc_endpoint", b"grpc_endpoint", "heartbeat_interval_s", b"heartbeat_interval_s", "instance", b"instance", "kv_buffer_bytes", b"kv_buffer_bytes", "kv_endpoint", b"kv_endpoint", "model", b"model", "model_fingerprint", b"model_fingerprint", "name", b"name", "num_workers", b"num_workers", "role", b"role", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -137,9 +141,13 @@ class HeartbeatRequest(_message.Message):
     REGION_ID_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     region_id: _builtins.str
+    """what Register answered: the registration's token"""
     seq: _builtins.int
+    instance: _builtins.str
+    """as registered"""
     @_builtins.property
     def load(self) -> Global___Load: ...
     def __init__(
@@ -149,10 +157,11 @@ class HeartbeatRequest(_message.Message):
         region_id: _builtins.str = ...,
         seq: _builtins.int = ...,
         load: Global___Load | None = ...,
+        instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "name", b"name", "region_id", b"region_id", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "load", b"load", "name", b"name", "region_id", b"region_id", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

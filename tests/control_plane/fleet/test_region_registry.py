@@ -1,11 +1,14 @@
 """The region registry over real gRPC (the regions' own `Heartbeater` client) on the real
 Redis: register, heartbeats carry load into the ClusterSnapshot, three missed beats -> dead,
-a registry that forgot a region asks it to register again, operator drain."""
+a registry that forgot a region asks it to register again, operator drain; a region as a
+pool of instances (summed, the least loaded picked, one dying leaves the others); with
+mutual TLS, only a certificate naming the region may register or beat as it."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,7 +19,10 @@ from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.fleet.server import serve_registry
 from prfaas.control_plane.scheduling.snapshot import Link, ModelShape
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
+from prfaas.region.channels import TlsFiles, channel
 from prfaas.region.registry_client import Heartbeater
+from prfaas.transport.identity import Identity, server_name
+from prfaas.transport.tls import init_certs
 
 INTERVAL_S = 0.2
 MODEL = ModelShape(name="tiny-llama", num_layers=4, kv_bytes_per_token=1024)
@@ -33,11 +39,12 @@ def registry() -> Iterator[tuple[RegionRegistry, str]]:
         client.close()
 
 
-def _registration(name: str, role: str, price: float) -> registry_pb2.RegisterRequest:
+def _registration(name: str, role: str, price: float, instance: str = "") -> registry_pb2.RegisterRequest:
     return registry_pb2.RegisterRequest(
         name=name, role=role, gpu_type="cpu", num_workers=2, usd_per_gpu_hour=price,
         grpc_endpoint="127.0.0.1:1", kv_endpoint="127.0.0.1:2" if role != "prefill" else "",
         model="tiny-llama", kv_buffer_bytes=1 << 20 if role != "prefill" else 0, heartbeat_interval_s=INTERVAL_S,
+        instance=instance,
     )  # fmt: skip
 
 
@@ -75,12 +82,12 @@ def test_three_missed_beats_mark_a_region_dead(registry: tuple[RegionRegistry, s
     assert reg.get("d-b").alive
     beater._stop.set()  # the region goes silent (no farewell beat)
     beater._thread.join(2)
-    last = reg.get("d-b").last_beat_at
+    last = reg.get("d-b").instances[0].last_beat_at
     time.sleep(2 * INTERVAL_S)
     assert reg.get("d-b").alive  # two missed beats: still alive
     time.sleep(1.5 * INTERVAL_S)
     record = reg.get("d-b")
-    assert not record.alive and record.last_beat_at == last
+    assert not record.alive and record.instances[0].last_beat_at == last
     assert not reg.snapshot(MODEL).region("d-b").healthy
     beater._channel.close()
 
@@ -90,7 +97,7 @@ def test_unknown_region_is_asked_to_register_again(registry: tuple[RegionRegistr
     beater = Heartbeater(address, _registration("d-b", "decode", 4.0), lambda: _load(0), INTERVAL_S)
     beater.beat()
     first_id = beater.region_id
-    reg.redis.delete(reg.settings.key("region", "d-b"))  # the registry lost its record
+    reg.redis.delete(reg.settings.key("instance", "d-b/0"))  # the registry lost its record
     beater.beat()
     assert beater.region_id == ""  # told to re-register
     beater.beat()
@@ -116,3 +123,128 @@ def test_register_with_a_bad_role_is_invalid_argument(registry: tuple[RegionRegi
         with pytest.raises(grpc.RpcError) as info:
             stub.Register(registry_pb2.RegisterRequest(name="x", role="everything"), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_region_is_the_sum_of_its_instances_and_work_goes_to_the_least_loaded(
+    registry: tuple[RegionRegistry, str],
+) -> None:
+    reg, address = registry
+    busy = Heartbeater(address, _registration("d-b", "decode", 4.0, "i-1"), lambda: _load(5), INTERVAL_S)
+    idle = Heartbeater(address, _registration("d-b", "decode", 4.0, "i-2"), lambda: _load(0), INTERVAL_S)
+    for beater in (busy, idle):
+        beater.beat()
+    region = reg.get("d-b")
+    assert [i.instance for i in region.instances] == ["i-1", "i-2"]
+    assert region.num_workers == 4 and region.queue_depth == 5 and region.kv_free_bytes == 2000  # summed
+    assert region.pick().instance == "i-2"  # (0 + 1) / 2 workers beats (5 + 1) / 2
+    assert region.pick(frozenset({"d-b/i-2"})).instance == "i-1"  # the one a failed attempt excludes
+    snap = reg.snapshot(MODEL, exclude=frozenset({"d-b/i-2"})).region("d-b")
+    assert snap.healthy and snap.num_workers == 4  # one instance excluded: the region still serves
+    assert not reg.snapshot(MODEL, exclude=frozenset({"d-b/i-1", "d-b/i-2"})).region("d-b").healthy
+    for beater in (busy, idle):
+        beater._channel.close()
+
+
+def test_an_instance_that_dies_leaves_its_region_to_the_others(registry: tuple[RegionRegistry, str]) -> None:
+    reg, address = registry
+    dying = Heartbeater(address, _registration("d-b", "decode", 4.0, "i-1"), lambda: _load(0), INTERVAL_S)
+    staying = Heartbeater(address, _registration("d-b", "decode", 4.0, "i-2"), lambda: _load(3), INTERVAL_S)
+    dying.beat()
+    staying.start()
+    time.sleep(4.5 * INTERVAL_S)  # i-1 missed three beats; i-2 beat every interval
+    region = reg.get("d-b")
+    assert [(i.instance, i.alive) for i in region.instances] == [("i-1", False), ("i-2", True)]
+    assert region.healthy and region.pick().instance == "i-2" and region.num_workers == 2
+    staying.stop()
+    dying._channel.close()
+
+
+def test_instances_silent_for_long_are_forgotten(registry: tuple[RegionRegistry, str]) -> None:
+    reg, address = registry
+    Heartbeater(address, _registration("d-b", "decode", 4.0, "gone"), lambda: _load(0), INTERVAL_S).beat()
+    Heartbeater(address, _registration("d-b", "decode", 4.0, "here"), lambda: _load(0), INTERVAL_S).beat()
+    reg.redis.hset(reg.settings.key("instance", "d-b/gone"), "last_beat_at", time.time() - 301)
+    assert [i.instance for i in reg.get("d-b").instances] == ["here"]
+    assert not reg.redis.exists(reg.settings.key("instance", "d-b/gone"))
+
+
+def test_an_instance_cannot_join_a_region_as_another_role(registry: tuple[RegionRegistry, str]) -> None:
+    _reg, address = registry
+    Heartbeater(address, _registration("d-b", "decode", 4.0, "i-1"), lambda: _load(0), INTERVAL_S).beat()
+    with grpc.insecure_channel(address) as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Register(_registration("d-b", "prefill", 4.0, "i-2"), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "its instance i-1 serves decode" in (info.value.details() or "")
+
+
+@pytest.fixture
+def tls_registry(tmp_path: Path) -> Iterator[tuple[RegionRegistry, str, dict[str, TlsFiles]]]:
+    issue = {"cp": "prfaas://control-plane/prod", "d-b": "prfaas://decode/d-b/1", "p-a": "prfaas://prefill/p-a/*"}
+    init_certs(tmp_path, list(issue), ["127.0.0.1"], identities={n: Identity.parse(u) for n, u in issue.items()})
+    files = {n: TlsFiles(ca=str(tmp_path / "ca.pem"), cert=str(tmp_path / f"{n}.pem"),
+                         key=str(tmp_path / f"{n}-key.pem")) for n in issue}  # fmt: skip
+    for settings in settings_fixture(tls=files["cp"]):
+        client = redis.Redis.from_url(settings.redis_url)
+        reg = RegionRegistry(client, settings)
+        server, address = serve_registry(reg, "127.0.0.1:0", settings.tls)
+        yield reg, address, files
+        server.stop(0)
+        client.close()
+
+
+def test_only_a_regions_certificate_registers_it_and_the_real_instance_keeps_serving(
+    tls_registry: tuple[RegionRegistry, str, dict[str, TlsFiles]],
+) -> None:
+    reg, address, files = tls_registry
+    real = Heartbeater(address, _registration("d-b", "decode", 4.0, "1"), lambda: _load(0), INTERVAL_S, files["d-b"])
+    real.beat()
+    token = reg.get("d-b").instances[0].token
+
+    def register_as_d_b(tls: TlsFiles | None) -> grpc.StatusCode:
+        stub = registry_pb2_grpc.RegistryStub(channel(address, tls, server_name(None)))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Register(_registration("d-b", "decode", 0.01, "1"), timeout=5)
+        return info.value.code()
+
+    assert register_as_d_b(files["p-a"]) == grpc.StatusCode.PERMISSION_DENIED  # another region's certificate
+    assert register_as_d_b(files["cp"]) == grpc.StatusCode.PERMISSION_DENIED  # not a region at all
+    assert register_as_d_b(None) == grpc.StatusCode.UNAVAILABLE  # no certificate: no handshake
+    region = reg.get("d-b")
+    assert [(i.instance, i.token, i.usd_per_gpu_hour) for i in region.instances] == [("1", token, 4.0)]
+    real.beat()  # still its own
+    assert real.region_id == token and reg.get("d-b").healthy
+    with pytest.raises(grpc.RpcError) as info:  # nor may another region beat for it
+        registry_pb2_grpc.RegistryStub(channel(address, files["p-a"], server_name(None))).Heartbeat(
+            registry_pb2.HeartbeatRequest(name="d-b", instance="1", region_id=token), timeout=5
+        )
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    shared = Heartbeater(address, _registration("p-a", "prefill", 1.0, "i-7"), lambda: _load(0), INTERVAL_S,
+                         files["p-a"])  # fmt: skip
+    shared.beat()  # a certificate for every instance of p-a (*) registers any of them
+    assert [i.instance for i in reg.get("p-a").instances] == ["i-7"]
+    for beater in (real, shared):
+        beater._channel.close()
+
+
+def test_an_instance_that_refused_a_call_gets_no_new_work_until_its_mark_expires(
+    registry: tuple[RegionRegistry, str],
+) -> None:
+    reg, address = registry
+    beaters = [
+        Heartbeater(address, _registration("d-b", "decode", 4.0, name), lambda: _load(0), INTERVAL_S)
+        for name in ("i-1", "i-2")
+    ]
+    for beater in beaters:
+        beater.beat()
+    reg.suspect("d-b/i-1")  # the dispatcher's Reserve got UNAVAILABLE from it
+    region = reg.get("d-b")
+    assert region.healthy and [i.instance for i in region.healthy_instances] == ["i-2"]
+    assert region.pick().instance == "i-2"
+    time.sleep(reg.settings.heartbeat_misses * INTERVAL_S + 0.1)
+    for beater in beaters:
+        beater.beat()
+    assert reg.get("d-b").pick().instance == "i-1"  # back: the least loaded again (ties go by id)
+    for beater in beaters:
+        beater._channel.close()

@@ -1,0 +1,99 @@
+"""Mutual TLS on a region's gRPC services (region/authz.py): only the control plane's
+certificate may drive a region; a peer region may watch its health; a caller without a
+certificate from the deployment's CA does not get past the handshake. Nothing is reserved
+by a refused call. Real gRPC servers and certificates from `init_certs`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from region_kit import Region, local_region, new_job
+
+from prfaas.engine.hf import HFEngine
+from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc
+from prfaas.region.channels import TlsFiles, channel
+from prfaas.transport.identity import Identity, server_name
+from prfaas.transport.tls import init_certs
+
+IDENTITIES = {
+    "cp": "prfaas://control-plane/prod",
+    "tls-a": "prfaas://both/tls-a/1",
+    "pre-b": "prfaas://prefill/pre-b/1",
+}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsFiles]:
+    folder = tmp_path_factory.mktemp("pki")
+    identities = {name: Identity.parse(uri) for name, uri in IDENTITIES.items()}
+    init_certs(folder, list(identities), ["127.0.0.1"], identities=identities)
+    init_certs(folder / "other", ["cp"], ["127.0.0.1"], identities={"cp": identities["cp"]})  # another CA
+    files = {name: _files(folder, name) for name in identities}
+    files["stranger"] = _files(folder / "other", "cp")
+    return files
+
+
+def _files(folder: Path, name: str) -> TlsFiles:
+    return TlsFiles(ca=str(folder / "ca.pem"), cert=str(folder / f"{name}.pem"), key=str(folder / f"{name}-key.pem"))
+
+
+@pytest.fixture(scope="module")
+def region(tiny_engine: HFEngine, pki: dict[str, TlsFiles]) -> Iterator[Region]:
+    found = local_region(tiny_engine, name="tls-a", tls=pki["tls-a"].model_dump(), kv_buffer_bytes=1 << 20)
+    yield found
+    found.close()
+
+
+def _stub(region: Region, tls: TlsFiles | None, name: str = "tls-a") -> decode_pb2_grpc.DecodeRegionStub:
+    return decode_pb2_grpc.DecodeRegionStub(channel(region.server.grpc_address, tls, server_name(name)))
+
+
+def _reserve(region: Region, tls: TlsFiles | None, name: str = "tls-a", job_id: str = "") -> decode_pb2.ReserveReply:
+    request = decode_pb2.ReserveRequest(job_id=job_id or new_job(), attempt=1, tenant="acme", kv_bytes=1000, ttl_s=30)
+    reply: decode_pb2.ReserveReply = _stub(region, tls, name).Reserve(request, timeout=5)
+    return reply
+
+
+def _code(call: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()  # type: ignore[operator]
+    return info.value.code()
+
+
+def test_the_control_planes_certificate_drives_the_region(region: Region, pki: dict[str, TlsFiles]) -> None:
+    job_id = new_job()
+    reply = _reserve(region, pki["cp"], job_id=job_id)
+    assert reply.free_bytes == (1 << 20) - 1000
+    assert region.decode is not None and region.decode.book.used_bytes == 1000
+    assert _stub(region, pki["cp"]).Release(decode_pb2.ReleaseRequest(job_id=job_id), timeout=5).found
+    assert region.decode.book.used_bytes == 0
+
+
+def test_a_prefill_regions_certificate_may_not_reserve(region: Region, pki: dict[str, TlsFiles]) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        _reserve(region, pki["pre-b"])
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "prfaas://prefill/pre-b/1 may not call /prfaas.v1.DecodeRegion/Reserve" in (info.value.details() or "")
+    assert region.decode is not None and region.decode.book.used_bytes == 0  # nothing reserved
+
+
+@pytest.mark.parametrize("who", ["plaintext", "stranger"])
+def test_callers_without_a_certificate_of_the_deployment_do_not_get_in(
+    region: Region, pki: dict[str, TlsFiles], who: str
+) -> None:
+    assert _code(lambda: _reserve(region, pki.get(who))) == grpc.StatusCode.UNAVAILABLE  # the handshake fails
+    assert region.decode is not None and region.decode.book.used_bytes == 0
+
+
+def test_a_server_that_is_not_the_region_dialled_is_refused(region: Region, pki: dict[str, TlsFiles]) -> None:
+    assert _code(lambda: _reserve(region, pki["cp"], name="decode-elsewhere")) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_peer_regions_may_watch_its_health(region: Region, pki: dict[str, TlsFiles]) -> None:
+    stub = health_pb2_grpc.HealthStub(channel(region.server.grpc_address, pki["pre-b"], server_name("tls-a")))
+    reply = stub.Check(health_pb2.HealthCheckRequest(service="prfaas.v1.DecodeRegion"), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
