@@ -40,7 +40,7 @@ def build_decode(config: RegionConfig, engine: Any) -> BuiltRole:
 def kv_receiver(config: RegionConfig) -> tuple[Receiver, str]:
     """The decode role's KV receiver and the endpoint(s) it registers (transport/endpoints.py):
     TCP plus same-host shared memory sharing one set of expected shipments, or WebRTC."""
-    verifier = TicketVerifier({config.ticket_key_id: config.ticket_key.encode()})
+    verifier = TicketVerifier(config.ticket_keys)
     if config.transport == "webrtc":
         from prfaas.region.signal_client import OfferListener
         from prfaas.transport.webrtc_receiver import WebRtcReceiver

@@ -90,7 +90,7 @@ def load_engine(config: RegionConfig) -> Any:
     host, port = parse_hostport(config.listen.kv)
     engine = start_vllm_engine(
         config.model, dtype=config.dtype, node=config.name, kv_host=host, kv_port=port,
-        ticket_keys={config.ticket_key_id: config.ticket_key.encode()} if config.serves_decode else None,
+        ticket_keys=config.ticket_keys if config.serves_decode else None,
         options=ServerOptions(
             python=Path(opts.python) if opts.python else DEFAULT_VLLM_PYTHON, start_timeout_s=opts.start_timeout_s,
             enforce_eager=opts.enforce_eager, max_model_len=opts.max_model_len, kv_cache_gib=opts.kv_cache_gib,

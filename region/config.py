@@ -134,6 +134,10 @@ class RegionConfig(BaseSettings):
     kv_buffer_bytes: int = Field(default=4 << 30, gt=0)
     ticket_key: str = Field(min_length=32, repr=False)  # HMAC key the control plane signs tickets with
     ticket_key_id: str = "k1"
+    # More keys accepted on tickets (key id -> key), for rotating the control plane's key without
+    # a window: regions accept the new key first, then the control plane signs with it, then the
+    # old one goes (docs/deploy.md). PRFAAS_TICKET_KEYS_ACCEPTED='{"k2": "..."}'.
+    ticket_keys_accepted: dict[str, str] = Field(default_factory=dict, repr=False)
     dev: bool = False  # allows placeholder secrets
     queue_depth: int = Field(default=8, ge=0, le=10_000)  # prefill jobs waiting beyond `workers`
     codec: Literal["raw", "lossless", "fp8", "int8"] = "lossless"  # default when a request names none
@@ -224,11 +228,23 @@ class RegionConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _secrets(self) -> RegionConfig:
-        if not self.dev and self.ticket_key.strip().lower().strip("x-_ ") in PLACEHOLDER_KEYS | {""}:
-            raise ValueError("ticket_key is a placeholder; set a real secret (or dev: true for development)")
-        if not self.dev and len(set(self.ticket_key)) < 8:
-            raise ValueError("ticket_key looks like a placeholder (fewer than 8 distinct characters)")
+        keys = {"ticket_key": self.ticket_key} | {
+            f"ticket_keys_accepted.{k}": v for k, v in self.ticket_keys_accepted.items()
+        }
+        for field, key in keys.items():
+            if len(key) < 32:
+                raise ValueError(f"{field} is shorter than 32 characters")
+            if not self.dev and key.strip().lower().strip("x-_ ") in PLACEHOLDER_KEYS | {""}:
+                raise ValueError(f"{field} is a placeholder; set a real secret (or dev: true for development)")
+            if not self.dev and len(set(key)) < 8:
+                raise ValueError(f"{field} looks like a placeholder (fewer than 8 distinct characters)")
         return self
+
+    @property
+    def ticket_keys(self) -> dict[str, bytes]:
+        """Every key a ticket may be signed with, by key id."""
+        accepted = {kid: key.encode() for kid, key in self.ticket_keys_accepted.items()}
+        return accepted | {self.ticket_key_id: self.ticket_key.encode()}
 
     @property
     def serves_prefill(self) -> bool:

@@ -3,6 +3,7 @@ server), /metrics, health and drain, config validation, generated stubs up to da
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -283,3 +284,12 @@ def test_health_watch_churn_does_not_stall_the_server() -> None:
         channel.close()
         server.stop(0)
     assert not any(thread.is_alive() for thread in threads)
+
+
+def test_a_region_accepts_tickets_signed_with_the_keys_it_is_told_to_accept(monkeypatch: pytest.MonkeyPatch) -> None:
+    new_key = "rotated-ticket-key-0123456789abcdefghij"
+    monkeypatch.setenv("PRFAAS_TICKET_KEYS_ACCEPTED", json.dumps({"k2": new_key}))
+    config = config_from_mapping(VALID)
+    assert config.ticket_keys == {"k1": KEY, "k2": new_key.encode()}
+    with pytest.raises(ConfigError, match=r"ticket_keys_accepted.k3 is shorter than 32 characters"):
+        config_from_mapping(VALID | {"ticket_keys_accepted": {"k3": "short"}})
