@@ -175,10 +175,11 @@ class Prfaas:
     def ship(self, label: str, layers: int, verify: bool = True) -> dict[str, Any]:
         job = str(uuid.uuid4())
         wait = self.timeout_s + 10
-        self.rx.ask(wait, op="expect", job=job, timeout_s=self.timeout_s + 5, tls=self.tls[label])
+        expected = self.rx.ask(wait, op="expect", job=job, timeout_s=self.timeout_s + 5, tls=self.tls[label])
         ticket = self.signer.issue(job, 1, "bench", 1 << 40, ttl_s=600)
         r = self.tx.ask(wait, op="ship", label=label, job=job, ticket=ticket, layers=layers, timeout_s=self.timeout_s)
         got = self.rx.ask(wait, op="collect", job=job, timeout_s=5, layers=layers if verify else 0)
+        r["cpu_s_recv"] = got["cpu_s"] - expected["cpu_s"]  # the receiver process, expect to the shipment's end
         if verify:
             if layers not in self.digests:
                 self.digests[layers] = self.tx.ask(op="digest", layers=layers)["digest"]
@@ -233,7 +234,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 r = pr.ship(name, layers)
                 ok = r["status"] == "completed" and r["verified"]
                 row.update(streams=r["streams"], adaptive="adaptive" in name, tls=pr.tls[name], seconds=r["seconds"],
-                           ok=ok, cpu_s_send=r["cpu_s"], setup_s=pr.setup[name],
+                           ok=ok, cpu_s_send=r["cpu_s"], cpu_s_recv=r["cpu_s_recv"], setup_s=pr.setup[name],
                            error="" if ok else f"status {r['status']}, verified {r['verified']}")  # fmt: skip
             else:
                 assert py is not None
@@ -256,8 +257,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def cpu_per_gb(rows: list[dict[str, Any]], side: str) -> str:
+    """Median CPU seconds per GB moved of one end (`send`, `recv`), or "-" if not measured."""
+    values = [r[f"cpu_s_{side}"] / (r["size_bytes"] / 1e9) for r in rows if r["ok"] and r.get(f"cpu_s_{side}")]
+    return f"{statistics.median(values):.2f}" if values else "-"
+
+
 def table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'system':18} {'streams':>7} {'best GB/s':>9} {'median':>7} {'ok/runs':>7} {'setup s':>7}")
+    print(f"\n{'system':18} {'streams':>7} {'best GB/s':>9} {'median':>7} {'ok/runs':>7} {'setup s':>7} "
+          f"{'CPU s/GB send':>13} {'recv':>5}")  # fmt: skip
     labels = list(dict.fromkeys(r["label"] for r in rows))
     best_peer = max((r["gb_per_s"] for r in rows if r["system"] != "prfaas"), default=0.0)
     for label in labels:
@@ -267,7 +275,8 @@ def table(rows: list[dict[str, Any]]) -> None:
         best, med = (max(rates), statistics.median(rates)) if rates else (0.0, 0.0)
         vs = f"  {best / best_peer:4.2f}x best peer" if label.startswith("prfaas") and best_peer else ""
         print(f"{label:18} {streams:>7} {best:9.2f} {med:7.2f} {len(rates):>3}/{len(mine):<3} "
-              f"{statistics.median(r['setup_s'] for r in mine):7.2f}{vs}")  # fmt: skip
+              f"{statistics.median(r['setup_s'] for r in mine):7.2f} {cpu_per_gb(mine, 'send'):>13} "
+              f"{cpu_per_gb(mine, 'recv'):>5}{vs}")  # fmt: skip
     for label in labels:  # the cost of TLS: each configuration's median over its plaintext twin's
         plain = [r["gb_per_s"] for r in rows if r["label"] == label.removesuffix("-tls") and r["ok"]]
         tls = [r["gb_per_s"] for r in rows if r["label"] == label and r["ok"]]

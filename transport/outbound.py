@@ -87,7 +87,7 @@ class OutboundTransfer:
         checksum_payload: bool = True,
     ) -> None:
         spec: ShipmentSpec = shipment.spec
-        self.checksum_payload = checksum_payload  # False only where payloads never cross a wire (shm)
+        self.checksum_payload = checksum_payload  # False only where no payload crosses a wire in the clear (shm, TLS)
         self.spec = spec
         self.job = job_bytes(spec.job_id)
         self.stats = TransferStats()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prfaas.transport.api import TransferStatus
+from prfaas.transport.buffers import PartPool
 from prfaas.transport.errors import (
     FrameError,
     TicketRejected,
@@ -25,7 +26,6 @@ from prfaas.transport.errors import (
 )
 from prfaas.transport.framing import SUPPORTED_VERSIONS, ErrorCode, Frame, FrameType, Header, error_frame, json_payload
 from prfaas.transport.framing import ack_payload as _ack_payload
-from prfaas.transport.buffers import PartPool
 from prfaas.transport.inbound import Inbound, OpenInfo, Slot
 from prfaas.transport.tickets import ReplayGuard, TicketVerifier
 

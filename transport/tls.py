@@ -33,7 +33,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from prfaas.transport.identity import Identity
 
 T = TypeVar("T")
-RECV_BYTES = 256 << 10
+RECV_BYTES = 1 << 20  # ciphertext moved into the TLS engine per receive (bulk transfer)
+HANDSHAKE_RECV_BYTES = 16 << 10  # per receive during the handshake: no peer is known yet
 WRITE_SLICE = 256 << 10  # plaintext encrypted per lock hold: large writes interleave with reads
 
 
@@ -172,6 +173,15 @@ def client_context(node: NodeCert) -> ssl.SSLContext:
 
 # ------------------------------------------------------------------ the socket
 
+_RECEIVE_BUFFERS: list[bytearray] = []  # RECV_BYTES each, lent to a reading thread for one receive
+
+
+def _borrow() -> bytearray:
+    try:
+        return _RECEIVE_BUFFERS.pop()  # atomic under the GIL
+    except IndexError:
+        return bytearray(RECV_BYTES)
+
 
 class TlsSocket:
     """TLS over a connected socket, safe for one reading and one writing thread at a time.
@@ -187,8 +197,6 @@ class TlsSocket:
         self._out = outgoing
         self._tls_lock = threading.Lock()  # the SSLObject and its BIOs
         self._send_lock = threading.Lock()  # the order of records on the socket
-        self._rbuf = bytearray(RECV_BYTES)  # what the reading thread receives into
-        self._rview = memoryview(self._rbuf)
 
     @classmethod
     def wrap(
@@ -215,8 +223,11 @@ class TlsSocket:
                 self._locked(tls.do_handshake)
                 break
             except ssl.SSLWantReadError:
-                if not self._receive():
+                data = sock.recv(HANDSHAKE_RECV_BYTES)
+                if not data:
                     raise ConnectionError("peer closed the connection during the TLS handshake") from None
+                with self._tls_lock:
+                    incoming.write(data)
         sock.settimeout(None)
         return self
 
@@ -244,14 +255,24 @@ class TlsSocket:
         return result  # type: ignore[return-value]
 
     def _receive(self) -> bool:
-        """Move what the socket has (up to RECV_BYTES) into the TLS engine; False at EOF. Only
-        the reading thread calls it, so its buffer is its own."""
-        n = self._sock.recv_into(self._rbuf)
-        if not n:
+        """Move what the socket has (up to RECV_BYTES) into the TLS engine; False at EOF.
+
+        Waits for data holding no buffer (a peek), then receives into a buffer borrowed from a
+        small pool: large receives make the reader decrypt in large batches (1 MiB instead of
+        256 KiB cut its CPU per GB by a sixth on loopback), and idle connections, of which a
+        receiver has hundreds, hold no megabyte each."""
+        if not self._sock.recv(1, socket.MSG_PEEK):
             return False
-        with self._tls_lock:
-            self._in.write(self._rview[:n])
-        return True
+        buffer = _borrow()
+        try:
+            n = self._sock.recv_into(buffer, RECV_BYTES)  # data is waiting: returns at once
+            if n:
+                with self._tls_lock:
+                    self._in.write(memoryview(buffer)[:n])
+        finally:
+            if len(_RECEIVE_BUFFERS) < 8:  # a few kept for reuse; more readers at once allocate
+                _RECEIVE_BUFFERS.append(buffer)
+        return n > 0
 
     def sendall(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")

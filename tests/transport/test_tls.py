@@ -20,6 +20,7 @@ from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable
 from prfaas.transport.framing import ErrorCode, Frame, FrameType, encode, json_payload, read_frame
 from prfaas.transport.identity import Identity, server_name
+from prfaas.transport.outbound import OutboundTransfer
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tls import NodeCert, TlsSocket, client_context, init_certs, server_context
@@ -70,6 +71,7 @@ def test_shipment_over_mutual_tls_reassembles_bit_exactly(kit: Kit, certs: dict[
         assert inbound.wait(5) is TransferStatus.COMPLETED
         for index, pair in enumerate(layers):
             assert inbound.layer(index, 1) == pair
+        assert isinstance(transfer, OutboundTransfer) and not transfer.checksum_payload  # TLS authenticates it
 
 
 @pytest.mark.parametrize("client", ["stranger", None])
