@@ -137,41 +137,36 @@ class ApiKeyIssued(ApiKeyPublic):
     key: str = Field(description="the full key: shown once, only its hash is stored")
 
 
-class InstancePublic(BaseModel):
-    """One instance of a region: its endpoints, health and load as of its last heartbeat."""
+class LoadPublic(BaseModel):
+    """Health and load as of the last heartbeat (a region's: summed over its healthy instances)."""
+
+    alive: bool = Field(description="a heartbeat within heartbeat_misses intervals (a region: of an instance)")
+    healthy: bool = Field(description="alive, not draining, not drained: the scheduler may place new work there")
+    draining: bool = Field(description="stopping (SIGTERM; a region: every live instance)")
+    heartbeat_age_s: float = Field(description="seconds since the last beat (a region: its most recent)")
+    num_workers: int = Field(description="model replicas serving")
+    queue_depth: int = Field(description="prefill jobs waiting for a worker")
+    busy_workers: int
+    kv_used_bytes: int = Field(description="KV buffer reserved")
+    kv_free_bytes: int
+
+
+class InstancePublic(LoadPublic):
+    """One instance of a region."""
 
     instance: str = Field(description="its id within the region")
     grpc_endpoint: str = Field(description="host:port of its gRPC service (its advertised address)")
     kv_endpoint: str = Field(description="where KV caches are shipped to it (decode roles)")
-    alive: bool = Field(description="a heartbeat within heartbeat_misses intervals")
-    healthy: bool = Field(description="alive, not draining and its region not drained: it may get new work")
-    draining: bool = Field(description="the instance is stopping (SIGTERM)")
-    heartbeat_age_s: float
-    num_workers: int
-    queue_depth: int
-    busy_workers: int
-    kv_used_bytes: int
-    kv_free_bytes: int
 
 
-class RegionPublic(BaseModel):
-    """A region as the admin API shows it: a pool of instances, its capacity and load summed over the healthy
-    ones."""
+class RegionPublic(LoadPublic):
+    """A region as the admin API shows it: a pool of instances."""
 
     name: str
     role: str = Field(description="prefill, decode or both")
     gpu_type: str
-    num_workers: int = Field(description="model replicas serving, over its healthy instances")
     usd_per_gpu_hour: float = Field(description="the $/GPU-hour it registered (prices: GET /admin/prices)")
-    alive: bool = Field(description="at least one instance beats")
-    healthy: bool = Field(description="at least one healthy instance, and not drained: the scheduler may place work")
-    draining: bool = Field(description="every live instance is stopping (SIGTERM)")
     drained: bool = Field(description="an operator drained it (POST /admin/regions/{name}/drain)")
-    heartbeat_age_s: float = Field(description="since its most recent instance's last beat")
-    queue_depth: int
-    busy_workers: int
-    kv_used_bytes: int
-    kv_free_bytes: int
     instances: list[InstancePublic]
 
 

@@ -14,8 +14,24 @@ class RegionNotFound(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class InstanceRecord:
+@dataclass(frozen=True, kw_only=True)
+class Load:
+    """Health and load as of the last heartbeat: an instance's, or a region's over its instances."""
+
+    alive: bool  # a beat within heartbeat_misses intervals (a region: of an instance)
+    draining: bool  # stopping, SIGTERM (a region: every live instance)
+    heartbeat_age_s: float  # since the last beat (a region: its most recent)
+    num_workers: int
+    queue_depth: int
+    busy_workers: int
+    kv_used_bytes: int
+    kv_free_bytes: int
+    prefill_tokens_per_s: float  # one job's recent rate
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceRecord(Load):
     """One instance of a region, as of its last heartbeat."""
 
     name: str  # the region's
@@ -23,7 +39,6 @@ class InstanceRecord:
     token: str  # what Register answered; heartbeats must carry it
     role: str
     gpu_type: str
-    num_workers: int
     usd_per_gpu_hour: float
     grpc_endpoint: str
     kv_endpoint: str
@@ -32,16 +47,7 @@ class InstanceRecord:
     kv_buffer_bytes: int
     heartbeat_interval_s: float
     last_beat_at: float
-    queue_depth: int
-    busy_workers: int
-    kv_used_bytes: int
-    kv_free_bytes: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    draining: bool  # the instance says so (SIGTERM)
     drained: bool  # an operator drained its region
-    alive: bool  # a beat within heartbeat_misses intervals
-    heartbeat_age_s: float
     suspect: bool = False  # a call to it just failed UNAVAILABLE: no new work until that mark expires
 
     @property
@@ -58,9 +64,13 @@ class InstanceRecord:
         return (self.queue_depth + self.busy_workers) / max(1, self.num_workers)
 
 
-@dataclass(frozen=True)
-class RegionRecord:
-    """A region over its instances: capacity and load summed over the healthy ones."""
+SUMMED = ("num_workers", "queue_depth", "busy_workers", "kv_used_bytes", "kv_free_bytes")  # over healthy instances
+RATES = ("prefill_tokens_per_s", "decode_tokens_per_s")  # one job's rate: the mean of those measured
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionRecord(Load):
+    """A region over its instances: capacity and load summed over the healthy ones (`of`)."""
 
     name: str
     role: str
@@ -73,67 +83,26 @@ class RegionRecord:
     @staticmethod
     def of(instances: list[InstanceRecord]) -> RegionRecord:
         newest = max(instances, key=lambda i: i.last_beat_at)  # a region's facts as its latest registration says
-        return RegionRecord(newest.name, newest.role, newest.gpu_type, newest.usd_per_gpu_hour, newest.model,
-                            tuple(sorted(instances, key=lambda i: i.instance)), newest.drained)  # fmt: skip
-
-    def _sum(self, field: str) -> Any:
-        return sum(getattr(i, field) for i in self.instances if i.healthy)
+        healthy = [i for i in instances if i.healthy]
+        live = [i for i in instances if i.alive]
+        totals: dict[str, Any] = {field: sum(getattr(i, field) for i in healthy) for field in SUMMED}
+        for field in RATES:
+            rates = [getattr(i, field) for i in healthy if getattr(i, field) > 0]
+            totals[field] = sum(rates) / len(rates) if rates else 0.0
+        return RegionRecord(
+            name=newest.name, role=newest.role, gpu_type=newest.gpu_type, usd_per_gpu_hour=newest.usd_per_gpu_hour,
+            model=newest.model, instances=tuple(sorted(instances, key=lambda i: i.instance)), drained=newest.drained,
+            alive=bool(live), draining=bool(live) and all(i.draining for i in live),
+            heartbeat_age_s=min(i.heartbeat_age_s for i in instances), **totals,
+        )  # fmt: skip
 
     @property
     def healthy_instances(self) -> tuple[InstanceRecord, ...]:
         return tuple(i for i in self.instances if i.healthy)
 
     @property
-    def alive(self) -> bool:
-        return any(i.alive for i in self.instances)
-
-    @property
     def healthy(self) -> bool:
         return bool(self.healthy_instances)
-
-    @property
-    def draining(self) -> bool:
-        """Every live instance is stopping."""
-        live = [i for i in self.instances if i.alive]
-        return bool(live) and all(i.draining for i in live)
-
-    @property
-    def heartbeat_age_s(self) -> float:
-        return min(i.heartbeat_age_s for i in self.instances)
-
-    @property
-    def num_workers(self) -> int:
-        return int(self._sum("num_workers"))
-
-    @property
-    def queue_depth(self) -> int:
-        return int(self._sum("queue_depth"))
-
-    @property
-    def busy_workers(self) -> int:
-        return int(self._sum("busy_workers"))
-
-    @property
-    def kv_used_bytes(self) -> int:
-        return int(self._sum("kv_used_bytes"))
-
-    @property
-    def kv_free_bytes(self) -> int:
-        return int(self._sum("kv_free_bytes"))
-
-    def _mean_rate(self, field: str) -> float:
-        rates = [getattr(i, field) for i in self.healthy_instances if getattr(i, field) > 0]
-        return sum(rates) / len(rates) if rates else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """One job's recent prefill rate (each instance measures its own; the mean of those)."""
-        return self._mean_rate("prefill_tokens_per_s")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """One request's recent decode rate (as prefill_tokens_per_s)."""
-        return self._mean_rate("decode_tokens_per_s")
 
     def pick(self, exclude: frozenset[str] = frozenset()) -> InstanceRecord:
         """The healthy instance new work goes to: the least loaded, then the most KV room;
