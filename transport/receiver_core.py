@@ -75,7 +75,8 @@ class ReceiverCore:
         self._lock = threading.Lock()
         self._inbounds: dict[Key, Inbound] = {}
         self._sessions: dict[Key, set[Session]] = {}
-        self._recent: OrderedDict[Key, TransferStatus] = OrderedDict()  # ended shipments, newest last
+        # ended shipments, newest last: how each ended, and the frame that told its sender
+        self._recent: OrderedDict[Key, tuple[TransferStatus, Frame | None]] = OrderedDict()
 
     def expect(
         self, job_id: str, attempt: int, timeout_s: float, *, tenant: str | None = None, max_bytes: int | None = None
@@ -113,9 +114,10 @@ class ReceiverCore:
             return len(self._inbounds)
 
     def _ended(self, key: Key, inbound: Inbound, status: TransferStatus) -> None:
+        reply = _end_frame(key, status, inbound.error)
         with self._lock:
             self._inbounds.pop(key, None)
-            self._recent[key] = status
+            self._recent[key] = (status, reply)
             while len(self._recent) > RECENT_SHIPMENTS:
                 self._recent.popitem(last=False)
             sessions = self._sessions.pop(key, set())
@@ -123,18 +125,6 @@ class ReceiverCore:
             session.opened.pop(key, None)
         if inbound.ticket is not None:
             self._replay.retire(inbound.ticket)
-        job, attempt = key
-        reply: Frame | None = None
-        if status is TransferStatus.COMPLETED:
-            reply = Frame(FrameType.DONE, job, attempt)
-        elif isinstance(inbound.error, TransferCanceled):
-            reply = Frame(FrameType.CANCEL, job, attempt, payload=str(inbound.error).encode())
-        elif isinstance(inbound.error, TransferTimeout):
-            reply = error_frame(ErrorCode.DEADLINE, str(inbound.error), job, attempt)
-        elif isinstance(inbound.error, TicketRejected):
-            reply = error_frame(_ticket_code(inbound.error), str(inbound.error), job, attempt)
-        elif inbound.error is not None:
-            reply = error_frame(ErrorCode.INTERNAL, str(inbound.error), job, attempt)
         if reply is not None:
             for session in sessions:  # every connection that carried it: one may be broken
                 session.send(reply)
@@ -189,12 +179,18 @@ class ReceiverCore:
                 # done, say so on this connection too (the sender may read this before the DONE
                 # that went to the others; an error here would fail a delivered shipment).
                 return [Frame(FrameType.OPEN_OK, job, attempt), Frame(FrameType.DONE, job, attempt)]
+            ended = self._end_of(key, inbound)
+            if ended is not None:
+                # A stream that opened late, after the shipment ended otherwise (canceled, refused,
+                # past its deadline): tell it how, as the streams that carried it were told.
+                return [ended]
             if inbound is None:
                 return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, "no reservation for this job attempt", job, attempt)]
             self._replay.check(ticket)
             inbound.open(info, ticket)  # a ticket for another tenant or over the reservation ends it
         except TicketRejected as exc:
-            return [error_frame(_ticket_code(exc), str(exc), job, attempt)]
+            ended = self._end_of(key, inbound) if inbound is not None else None  # it ended meanwhile: how
+            return [ended or error_frame(_ticket_code(exc), str(exc), job, attempt)]
         except FrameError as exc:
             return [error_frame(ErrorCode.BAD_FRAME, str(exc), job, attempt)]
         with self._lock:
@@ -209,7 +205,17 @@ class ReceiverCore:
         if inbound is not None:
             return inbound.status() is TransferStatus.COMPLETED
         with self._lock:
-            return self._recent.get(key) is TransferStatus.COMPLETED
+            recent = self._recent.get(key)
+        return recent is not None and recent[0] is TransferStatus.COMPLETED
+
+    def _end_of(self, key: Key, inbound: Inbound | None) -> Frame | None:
+        """The frame that ended shipment `key` other than delivered, if it has ended so."""
+        if inbound is not None:
+            status = inbound.status()
+            return _end_frame(key, status, inbound.error) if status.terminal else None
+        with self._lock:
+            recent = self._recent.get(key)
+        return recent[1] if recent is not None else None
 
     def _data(self, frame: Frame, payload_ok: bool, key: Key, session: Session) -> list[Frame]:
         job, attempt = key
@@ -277,3 +283,19 @@ class ReceiverCore:
 
 def _ticket_code(error: TicketRejected) -> str:
     return ErrorCode.OVER_BUDGET if "budget" in str(error) else ErrorCode.TICKET_REJECTED
+
+
+def _end_frame(key: Key, status: TransferStatus, error: TransportError | None) -> Frame | None:
+    """What tells a sender how its shipment ended: DONE, CANCEL, or ERROR with its code."""
+    job, attempt = key
+    if status is TransferStatus.COMPLETED:
+        return Frame(FrameType.DONE, job, attempt)
+    if isinstance(error, TransferCanceled):
+        return Frame(FrameType.CANCEL, job, attempt, payload=str(error).encode())
+    if isinstance(error, TransferTimeout):
+        return error_frame(ErrorCode.DEADLINE, str(error), job, attempt)
+    if isinstance(error, TicketRejected):
+        return error_frame(_ticket_code(error), str(error), job, attempt)
+    if error is not None:
+        return error_frame(ErrorCode.INTERNAL, str(error), job, attempt)
+    return None

@@ -5,7 +5,10 @@ from transport_kit import Kit, fill, layers_for
 
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import TicketRejected, TransferCanceled
+from prfaas.transport.framing import ErrorCode, Frame, FrameType, json_payload, parse
 from prfaas.transport.inproc import InProcessChannel, InProcessReceiver
+from prfaas.transport.outbound import OutboundTransfer
+from prfaas.transport.receiver_core import Session
 from prfaas.transport.tickets import TicketSigner
 
 
@@ -104,3 +107,38 @@ def test_a_late_open_or_chunk_of_a_delivered_shipment_is_answered_done_not_error
         payload=transfer.open_frame[64:].replace(spec.ticket.encode(), forged.ticket.encode()),
     )
     assert [r.type for r in receiver.core.handle(*parse(encode(bad)), late)] == [FrameType.ERROR]
+
+
+@pytest.mark.parametrize(
+    ("end", "expected"),
+    [
+        ("cancel", (FrameType.CANCEL, None)),  # canceled by the receiver
+        ("tenant", (FrameType.ERROR, ErrorCode.TICKET_REJECTED)),  # refused at the first OPEN
+        ("deliver", (FrameType.DONE, None)),  # OPEN_OK, then DONE
+    ],
+)
+def test_a_late_open_on_another_connection_is_told_how_the_shipment_ended(
+    kit: Kit, end: str, expected: tuple[FrameType, str | None]
+) -> None:
+    """A pooled sender opens a shipment on each connection that carries a chunk of it; an OPEN
+    that arrives after the shipment ended must be answered as the shipment ended (not "no
+    reservation", which would fail a canceled or refused transfer with the wrong error)."""
+    core = InProcessReceiver(kit.verifier).core
+    spec = kit.spec(num_layers=1, shape=(1, 8, 64), chunk_bytes=4096)
+    inbound = core.expect(spec.job_id, spec.attempt, 10, tenant="globex" if end == "tenant" else "acme")
+    open_frame = parse(OutboundTransfer(Shipment(spec), lambda chunks: None).open_frame)[0]
+    first, late = Session(lambda frame: None), Session(lambda frame: None)
+    hello = Frame(FrameType.HELLO, payload=json_payload({"versions": [1]}))
+    for session in (first, late):
+        core.handle(hello, True, session)
+    core.handle(open_frame, True, first)
+    if end == "cancel":
+        inbound.cancel("client went away")
+    elif end == "deliver":
+        layer = layers_for(spec)[0]
+        inbound.accept(0, 0, 0, 1, 0, len(layer[0]), layer[0])
+        inbound.accept(0, 1, 0, 1, 0, len(layer[1]), layer[1])
+    assert inbound.status().terminal
+    reply = core.handle(open_frame, True, late)[-1]
+    code = reply.json()["code"] if reply.type is FrameType.ERROR else None
+    assert (reply.type, code) == expected
