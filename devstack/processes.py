@@ -84,6 +84,7 @@ class RegionProcess:
     kv: str
     metrics: str
     lines: list[str] = field(default_factory=list)
+    name: str = ""  # the region's, as its ready line says
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -147,7 +148,7 @@ def spawn_region(
         proc.kill()
         proc.wait(5)
         raise RuntimeError(f"region {config.stem} did not start:\n" + "\n".join(lines[-30:]))
-    return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines)
+    return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines, ready.get("region", ""))
 
 
 def _exists(probe: Callable[[int, int], None], target: int) -> bool:

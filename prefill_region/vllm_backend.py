@@ -22,6 +22,7 @@ from prfaas.engine.vllm.remote import VLLMEngine, check_greedy, shipment_error
 from prfaas.prefill_region.backend import JobProgress, JobStopped, PrefillWork, Reshipped, Shipped, kv_descriptor
 from prfaas.prefill_region.destination import Destination
 from prfaas.region.errors import InvalidRequest, NotFound
+from prfaas.transport.identity import server_name
 
 
 class VLLMPrefill:
@@ -45,9 +46,11 @@ class VLLMPrefill:
 
     def run(self, work: PrefillWork, job: JobProgress) -> Shipped:
         address = work.destination.address
+        region = work.destination.decode_region
         ship = ShipParams(work.job_id, work.attempt, work.destination.ticket, f"{address.host}:{address.port}",
                           work.destination.codec, min(3600.0, work.deadline - time.monotonic()),
-                          layerwise_for(address.host, self.ship))  # fmt: skip
+                          layerwise_for(address.host, self.ship),
+                          server_name=server_name(region) if region else None)  # fmt: skip
         kv_params = ship.to_kv_params()
         t0 = time.monotonic()
         result = self.vllm.generate(work.token_ids, 1, kv_params, timeout_s=max(0.1, work.deadline - t0))

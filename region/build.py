@@ -96,6 +96,7 @@ def load_engine(config: RegionConfig) -> Any:
             enforce_eager=opts.enforce_eager, max_model_len=opts.max_model_len, kv_cache_gib=opts.kv_cache_gib,
             cpu_threads_bind=opts.cpu_threads_bind, log_path=Path(opts.log) if opts.log else None,
         ),
+        tls=config.tls.node_cert() if config.tls is not None else None,
     )  # fmt: skip
 
     def engine_died(returncode: int) -> None:

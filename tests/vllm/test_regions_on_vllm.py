@@ -1,7 +1,8 @@
 """Regions with `engine: vllm` as real `prfaas region` processes (prfaas's environment, each
 starting its vLLM server with .venv-vllm's python), driven through the region gRPC surface
 the way the control plane drives a split job (Reserve -> Prefill -> Decode), fp32 greedy
-SmolLM2, a 512-token prompt:
+SmolLM2, a 512-token prompt, with mutual TLS on every link (gRPC and KV, the vLLM servers'
+KV ports included) as in production:
 
 - vLLM prefill region -> vLLM decode region: tokens equal the prompt run whole in one vLLM
   process (the decode region's own Generate);
@@ -36,8 +37,11 @@ from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.models import model_fingerprint, prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prfaas.region.channels import TlsFiles, channel
 from prfaas.region.requests import sampling_to_proto
+from prfaas.transport.identity import Identity, server_name
 from prfaas.transport.tickets import TicketSigner
+from prfaas.transport.tls import init_certs
 
 pytestmark = pytest.mark.vllm
 
@@ -51,9 +55,25 @@ NUM_TOKENS = 512
 KV_BYTES = NUM_TOKENS * 2 * 30 * 3 * 64 * 4  # SmolLM2-135M fp32: K,V x 30 layers x 3 KV heads x 64
 
 
+# Every link mutual TLS, as in production: the regions' certificates and the one this module
+# calls them with as the control plane (filled by the `regions` fixture).
+TLS: dict[str, TlsFiles] = {}
+IDENTITIES = {"cp": "prfaas://control-plane/tests", "vllm-p": "prfaas://prefill/vllm-p/1",
+              "vllm-d": "prfaas://decode/vllm-d/1", "hf": "prfaas://both/hf/1"}  # fmt: skip
+
+
 def _config(folder: Path, **fields: Any) -> Path:
-    config = LOOPBACK_REGION | {"model": MODEL, "ticket_key": KEY} | fields
-    return write_region_config(folder / f"{config['name']}.yaml", config)
+    name = fields["name"]
+    config = LOOPBACK_REGION | {"model": MODEL, "ticket_key": KEY, "instance": "1"} | fields
+    return write_region_config(folder / f"{name}.yaml", config | {"tls": TLS[name].model_dump()})
+
+
+def _issue_certificates(folder: Path) -> None:
+    identities = {name: Identity.parse(uri) for name, uri in IDENTITIES.items()}
+    init_certs(folder, list(identities), ["127.0.0.1"], identities=identities)
+    for name in identities:
+        TLS[name] = TlsFiles(ca=str(folder / "ca.pem"), cert=str(folder / f"{name}.pem"),
+                             key=str(folder / f"{name}-key.pem"))  # fmt: skip
 
 
 def _vllm(folder: Path, name: str) -> dict[str, Any]:
@@ -74,6 +94,7 @@ def regions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Regi
         pytest.fail(f"{REGION_PYTHON} is missing: the regions run in prfaas's environment (`make install`)")
     prepare_model(MODEL)
     folder = tmp_path_factory.mktemp("vllm-regions")
+    _issue_certificates(folder / "pki")
     configs = {
         "vllm-p": _config(folder, name="vllm-p", role="prefill", engine="vllm", vllm=_vllm(folder, "vllm-p")),
         "vllm-d": _config(
@@ -111,11 +132,11 @@ def prompt(long_text: str) -> list[int]:
 
 
 def _prefill(region: RegionProcess) -> prefill_pb2_grpc.PrefillRegionStub:
-    return prefill_pb2_grpc.PrefillRegionStub(grpc.insecure_channel(region.grpc))
+    return prefill_pb2_grpc.PrefillRegionStub(channel(region.grpc, TLS["cp"], server_name(region.name)))
 
 
 def _decode(region: RegionProcess) -> decode_pb2_grpc.DecodeRegionStub:
-    return decode_pb2_grpc.DecodeRegionStub(grpc.insecure_channel(region.grpc))
+    return decode_pb2_grpc.DecodeRegionStub(channel(region.grpc, TLS["cp"], server_name(region.name)))
 
 
 def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int]) -> tuple[list[int], list[Any]]:
@@ -123,7 +144,13 @@ def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int]) -> 
     job = str(uuid.uuid4())
     reply = _decode(decode).Reserve(
         decode_pb2.ReserveRequest(
-            job_id=job, attempt=1, tenant="acme", kv_bytes=KV_BYTES, ttl_s=120, prefill_grpc=prefill.grpc
+            job_id=job,
+            attempt=1,
+            tenant="acme",
+            kv_bytes=KV_BYTES,
+            ttl_s=120,
+            prefill_grpc=prefill.grpc,
+            prefill_region=prefill.name,
         ),
         timeout=30,
     )
@@ -135,7 +162,10 @@ def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int]) -> 
         sampling=sampling_to_proto(GREEDY),
         timeout_s=120,
         destination=prefill_pb2.Destination(
-            kv_endpoint=reply.kv_endpoint, codec="raw", ticket=SIGNER.issue(job, 1, "acme", 1 << 34, ttl_s=120)
+            kv_endpoint=reply.kv_endpoint,
+            codec="raw",
+            ticket=SIGNER.issue(job, 1, "acme", 1 << 34, ttl_s=120),
+            decode_region=decode.name,  # the KV port's TLS server name
         ),
     )
     events, tokens, errors = [], [], []
