@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import secrets
 import socket
 import ssl
 import threading
@@ -99,7 +100,9 @@ def init_certs(
     now = datetime.datetime.now(datetime.UTC)
     if force or not ca_path.exists() or not ca_key_path.exists():
         ca_key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "prfaas KV CA")])
+        # A name of its own per CA (and key identifiers below): during a rotation peers trust a
+        # bundle of the old and the new CA, and OpenSSL picks the issuer by name and key id.
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"prfaas CA {secrets.token_hex(4)}")])
         ca_cert = (
             x509.CertificateBuilder()
             .subject_name(subject)
@@ -109,6 +112,7 @@ def init_certs(
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=3650))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
             .add_extension(
                 x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
             )  # key_cert_sign, crl_sign
@@ -137,6 +141,8 @@ def init_certs(
             .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(_san(sans, identities.get(name)), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .add_extension(
                 x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                 critical=False,

@@ -209,3 +209,20 @@ def test_a_tls_handshake_that_stalls_is_closed_at_the_handshake_deadline(kit: Ki
             assert 0.3 < time.monotonic() - start < 2.0
         finally:
             sock.close()
+
+
+def test_a_bundle_of_the_old_and_the_new_ca_trusts_both_during_a_rotation(kit: Kit, tmp_path: Path) -> None:
+    """CA rotation without downtime: every node trusts old + new CA for a while; certificates of
+    either then verify (each CA has a name and key identifier of its own)."""
+    _old_ca, (old,) = init_certs(tmp_path / "old", ["decode"], ["127.0.0.1"])
+    prefill = {"prefill": Identity.parse("prfaas://prefill/pre-a/1")}  # a KV receiver takes prefill peers only
+    _new_ca, (new,) = init_certs(tmp_path / "new", ["prefill"], ["127.0.0.1"], identities=prefill)
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(old.ca.read_bytes() + new.ca.read_bytes())
+    with (
+        TcpReceiver(kit.verifier, ssl_context=server_context(NodeCert(old.cert, old.key, bundle))) as rx,
+        TcpChannel(rx.address, ssl_context=client_context(NodeCert(new.cert, new.key, bundle))) as channel,
+    ):
+        transfer, inbound, _layers, _ = ship(channel, rx, kit.spec(num_layers=2))
+        assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
+        assert inbound.wait(5) is TransferStatus.COMPLETED
