@@ -92,7 +92,8 @@ class Inbound:
     """One expected shipment on a receiver. Thread-safe.
 
     tenant, max_bytes: what the reservation allows. An OPEN whose ticket names another
-    tenant, or whose declared raw bytes exceed its ticket's budget or `max_bytes`, is refused
+    tenant or grants more than `max_bytes`, or whose declared raw bytes exceed its ticket's
+    budget, is refused
     and ends the shipment with that `TicketRejected` (the ticket verified: this is the job's
     own shipment, and no later OPEN can make it right). The part buffers a shipment takes
     stay within `allowance`, whatever its DATA headers claim."""
@@ -149,6 +150,8 @@ class Inbound:
     def _refusal(self, info: OpenInfo, ticket: Ticket) -> TicketRejected | None:
         if self.tenant is not None and ticket.tenant != self.tenant:
             return TicketRejected(f"ticket is for tenant {ticket.tenant!r}, the reservation for {self.tenant!r}")
+        if self.max_bytes is not None and ticket.budget > self.max_bytes:
+            return TicketRejected(f"ticket budget {ticket.budget} exceeds the reservation's budget of {self.max_bytes}")
         if info.raw_bytes > ticket.budget:
             return TicketRejected(f"shipment of {info.raw_bytes} raw bytes exceeds the ticket budget {ticket.budget}")
         if self.max_bytes is not None and info.raw_bytes > self.max_bytes:
@@ -158,11 +161,10 @@ class Inbound:
         return None
 
     def allowance(self, info: OpenInfo, ticket: Ticket) -> int:
-        """The most part-buffer bytes the shipment may take: the smaller of its ticket's and
-        its reservation's budgets, plus one chunk per part (an encoded part's buffer is whole
+        """The most part-buffer bytes the shipment may take: its ticket's budget (no more than
+        its reservation's), plus one chunk per part (an encoded part's buffer is whole
         chunks, and an incompressible part encodes a little larger than raw)."""
-        budget = ticket.budget if self.max_bytes is None else min(ticket.budget, self.max_bytes)
-        return budget + 2 * len(info.layer_shapes) * (info.chunk_bytes + 4096)
+        return ticket.budget + 2 * len(info.layer_shapes) * (info.chunk_bytes + 4096)
 
     def slot(
         self, layer: int, part: int, chunk: int, count: int, codec: int, raw_len: int, payload_len: int

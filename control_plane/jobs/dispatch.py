@@ -147,7 +147,7 @@ class Dispatcher:
         except grpc.RpcError as exc:
             raise self._failed(decode.key, "reserve", exc) from exc
         jobs.transition(job_id, JobState.PREFILLING, attempt, note=f"prefill in {decision.prefill_region}")
-        ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes * 2 + (1 << 20), ttl_s=timeout_s)
+        ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes, ttl_s=timeout_s)  # = the reservation
         destination = prefill_pb2.Destination(
             kv_endpoint=reply.kv_endpoint, ticket=ticket, codec=decision.codec or "", decode_region=decode.name
         )

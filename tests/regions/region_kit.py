@@ -158,7 +158,10 @@ def prefill_request(
     whole: bool = False,
     signer: TicketSigner = SIGNER,
     timeout_s: float = 60,
+    budget: int = 1 << 34,
 ) -> prefill_pb2.PrefillRequest:
+    """`budget`: the ticket's, which must equal the decode reservation's KV bytes (as the
+    control plane signs it) wherever a reservation names them."""
     return prefill_pb2.PrefillRequest(
         job_id=job_id,
         attempt=attempt,
@@ -166,7 +169,7 @@ def prefill_request(
         token_ids=token_ids,
         sampling=sampling_to_proto(params),
         destination=prefill_pb2.Destination(
-            kv_endpoint=kv_endpoint, ticket=ticket(job_id, attempt, signer=signer), codec=codec
+            kv_endpoint=kv_endpoint, ticket=ticket(job_id, attempt, signer=signer, budget=budget), codec=codec
         ),
         timeout_s=timeout_s,
         ship_whole=whole,
@@ -191,7 +194,8 @@ def split_generate(
     events: list[prefill_pb2.PrefillEvent] = []
     done: prefill_pb2.PrefillDone | None = None
     stream = prefill.Prefill(
-        prefill_request(job_id, token_ids, params, reply.kv_endpoint, codec=codec, whole=whole), timeout=120
+        prefill_request(job_id, token_ids, params, reply.kv_endpoint, codec=codec, whole=whole, budget=kv_bytes),
+        timeout=120,
     )
     token_events: list[decode_pb2.TokenEvent] = []
     ttft = 0.0

@@ -98,7 +98,8 @@ def test_cancel_mid_decode_frees_buffer_at_once(region: Region, tiny_engine: HFE
     kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
     reply = reserve(region.decode_stub, job_id, kv_bytes)
     done = None
-    for event in region.prefill_stub.Prefill(prefill_request(job_id, ids, params, reply.kv_endpoint), timeout=30):
+    request = prefill_request(job_id, ids, params, reply.kv_endpoint, budget=kv_bytes)
+    for event in region.prefill_stub.Prefill(request, timeout=30):
         done = event.prefill_done if event.HasField("prefill_done") else done
     assert done is not None
     stream = region.decode_stub.Decode(decode_request(job_id, params, done, timeout_s=60), timeout=60)
@@ -118,8 +119,11 @@ def test_client_disconnect_frees_reservation(region: Region, tiny_engine: HFEngi
     ids = tiny_engine.encode(long_text)[:32]
     params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
     job_id = new_job()
-    reply = reserve(region.decode_stub, job_id, len(ids) * tiny_engine.kv_bytes_per_token)
-    events = region.prefill_stub.Prefill(prefill_request(job_id, ids, params, reply.kv_endpoint), timeout=30)
+    kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+    reply = reserve(region.decode_stub, job_id, kv_bytes)
+    events = region.prefill_stub.Prefill(
+        prefill_request(job_id, ids, params, reply.kv_endpoint, budget=kv_bytes), timeout=30
+    )
     done = next(e for e in events if e.HasField("prefill_done")).prefill_done
     stream = region.decode_stub.Decode(decode_request(job_id, params, done, timeout_s=60), timeout=60)
     next(stream)
@@ -297,7 +301,7 @@ def test_reship_from_lease_to_another_decode_region(tiny_engine: HFEngine, long_
                 job_id=job_id,
                 attempt=2,
                 destination=prefill_pb2.Destination(
-                    kv_endpoint=reply.kv_endpoint, ticket=ticket(job_id, 2), codec="raw"
+                    kv_endpoint=reply.kv_endpoint, ticket=ticket(job_id, 2, budget=kv_bytes), codec="raw"
                 ),
                 timeout_s=30,
             ),

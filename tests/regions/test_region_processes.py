@@ -103,7 +103,9 @@ def test_kill_prefill_region_mid_shipment_frees_the_reservation(
     kv_bytes = _kv_bytes(len(prompt))
     reply = reserve(decode_stub, job_id, kv_bytes, ttl_s=120, prefill_grpc=prefill.grpc)
     assert metric(decode.metrics, "prfaas_decode_kv_used_bytes") == kv_bytes
-    stream = prefill_stub.Prefill(prefill_request(job_id, prompt, GREEDY, reply.kv_endpoint), timeout=60)
+    stream = prefill_stub.Prefill(
+        prefill_request(job_id, prompt, GREEDY, reply.kv_endpoint, budget=kv_bytes), timeout=60
+    )
     shipped = 0
     for event in stream:
         if event.HasField("layer_shipped"):

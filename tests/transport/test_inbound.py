@@ -169,11 +169,17 @@ def test_an_open_past_the_reservation_is_refused_and_ends_the_shipment(
     assert inbound.info is None and inbound.stored_bytes == 0
 
 
-def test_a_ticket_budget_above_the_reservation_is_fine_when_the_kv_fits() -> None:
-    """The control plane signs tickets with headroom (2x + 1 MiB): the OPEN's raw bytes count."""
+def test_a_ticket_granting_more_than_the_reservation_is_refused_even_when_the_kv_fits() -> None:
+    """The control plane signs a ticket for exactly the bytes it reserved: a ticket for more
+    is not this reservation's, whatever the OPEN declares."""
     job = str(uuid.uuid4())
+    info = OpenInfo("bfloat16", (SHAPE,), int(CodecId.RAW), CHUNK)  # 2 * PART raw bytes
     inbound = Inbound(job, 1, timeout_s=10, tenant="acme", max_bytes=2 * PART)
-    assert inbound.open(OpenInfo("bfloat16", (SHAPE,), int(CodecId.RAW), CHUNK), _ticket(job, budget=5 * PART))
+    with pytest.raises(TicketRejected, match=f"ticket budget {2 * PART + 1} exceeds the reservation's budget"):
+        inbound.open(info, _ticket(job, budget=2 * PART + 1))
+    assert inbound.status() is TransferStatus.FAILED and inbound.stored_bytes == 0
+    exact = Inbound(job, 2, timeout_s=10, tenant="acme", max_bytes=2 * PART)
+    assert exact.open(info, _ticket(job, budget=2 * PART))
 
 
 def test_an_encoded_shipment_takes_no_more_part_memory_than_its_budget() -> None:
@@ -184,8 +190,8 @@ def test_an_encoded_shipment_takes_no_more_part_memory_than_its_budget() -> None
     raw = 4 * 2 * PART
     inbound = Inbound(job, 1, timeout_s=10, max_bytes=raw)
     info = OpenInfo("bfloat16", (SHAPE,) * 4, int(CodecId.LOSSLESS), CHUNK)
-    inbound.open(info, _ticket(job, budget=2 * raw))
-    assert inbound.allowance(info, _ticket(job, budget=2 * raw)) == raw + 8 * (CHUNK + 4096)
+    inbound.open(info, _ticket(job, budget=raw))
+    assert inbound.allowance(info, _ticket(job, budget=raw)) == raw + 8 * (CHUNK + 4096)
     claimed = -(-(2 * PART + 65536) // CHUNK)  # the most chunks a part may claim: 24 (96 KiB)
     assert isinstance(inbound.slot(0, 0, 0, claimed, int(CodecId.LOSSLESS), PART, CHUNK), memoryview)
     assert isinstance(inbound.slot(0, 1, 0, claimed, int(CodecId.LOSSLESS), PART, CHUNK), memoryview)

@@ -164,7 +164,7 @@ def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int]) -> 
         destination=prefill_pb2.Destination(
             kv_endpoint=reply.kv_endpoint,
             codec="raw",
-            ticket=SIGNER.issue(job, 1, "acme", 1 << 34, ttl_s=120),
+            ticket=SIGNER.issue(job, 1, "acme", KV_BYTES, ttl_s=120),  # for the bytes reserved
             decode_region=decode.name,  # the KV port's TLS server name
         ),
     )

@@ -41,7 +41,7 @@ def split(
     decode continues from `prompt + [first token]` with the shipped KV.
     -> (tokens, decode result, ship outcome)"""
     job = str(uuid.uuid4())
-    ticket = pair.signer.issue(job, 0, "tenant-a", 1 << 30, ttl_s=120)
+    ticket = pair.signer.issue(job, 0, "tenant-a", len(prompt) * KV_BYTES_PER_TOKEN, ttl_s=120)  # = the reservation
     ship = ShipParams(
         job, 0, ticket, pair.decode.kv_endpoint, "lossless", timeout_s, layerwise, pair.decode_server_name
     ).to_kv_params()  # over TLS: the decode region's certificate must name its server name
