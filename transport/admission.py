@@ -16,6 +16,10 @@ Until then it is **unverified**, and the receiver keeps it cheap and short-lived
   the time a new connection has to prove itself. Verified connections are never evicted.
 - `max_connections`: at most this many connections in all; beyond it a new connection
   evicts the oldest unverified one, or is closed at once if every connection is verified.
+- `max_per_peer`: at most this many verified connections from one peer (over TLS the
+  identity its certificate names, in plaintext its address: a peer that verified holds a
+  ticket, so no stranger shares its count). The newest beyond it are closed within one reap
+  interval: one compromised or runaway prefill instance cannot take every slot.
 - Frame sizes (a header is checked before any byte of its payload is read, and no payload
   buffer is ever sized by a header the receiver has not authenticated): before HELLO at most
   `max_hello_bytes`; control frames (OPEN, CANCEL, PING, ERROR) at most `max_control_bytes`;
@@ -43,7 +47,7 @@ SCRATCH_BYTES = 64 << 10  # what an unwanted payload is read through, a piece at
 REFUSED = Counter(
     "prfaas_kv_connections_refused_total",
     "KV connections a receiver closed before they proved themselves, by reason",
-    ["reason"],  # over_capacity, evicted, handshake_timeout, frame_too_large, peer_identity
+    ["reason"],  # over_capacity, evicted, handshake_timeout, frame_too_large, peer_identity, per_peer
 )
 
 
@@ -53,6 +57,7 @@ class ReceiverLimits:
 
     max_connections: int = 1024  # in all; 64 streams from each of 16 prefill regions
     max_unverified: int = 128  # not yet proven (TLS handshake, HELLO, plaintext without a ticket)
+    max_per_peer: int = 256  # verified, from one prefill instance (its channels' streams, with room)
     handshake_timeout_s: float = 2.0  # accept -> TLS handshake and HELLO done
     max_hello_bytes: int = 4 << 10  # any frame before HELLO (a HELLO is ~60 bytes)
     max_control_bytes: int = 64 << 10  # OPEN (a 200-layer OPEN is ~4 KB), CANCEL, PING, ERROR
@@ -61,6 +66,8 @@ class ReceiverLimits:
         if not 1 <= self.max_unverified <= self.max_connections:
             raise ValueError(f"need 1 <= max_unverified ({self.max_unverified}) <= max_connections "
                              f"({self.max_connections})")  # fmt: skip
+        if self.max_per_peer < 1:
+            raise ValueError(f"max_per_peer must be >= 1, got {self.max_per_peer}")
         if self.handshake_timeout_s <= 0:
             raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if not 64 <= self.max_hello_bytes <= self.max_control_bytes:

@@ -203,6 +203,7 @@ class Connections(Generic[C]):
         while not self.closed.wait(self._interval_s):
             self._core.expire_due()
             self._end_late_handshakes()
+            self._cap_peers()
 
     def _end_late_handshakes(self) -> None:
         """Close connections that have not said HELLO (over TLS: finished the handshake with a
@@ -213,6 +214,20 @@ class Connections(Generic[C]):
         for connection in late:
             REFUSED.labels("handshake_timeout").inc()
             connection.abort()
+
+    def _cap_peers(self) -> None:
+        """Close the newest verified connections of a peer past `max_per_peer` (its oldest
+        carry its pooled streams)."""
+        by_peer: dict[str, list[C]] = {}
+        with self._lock:
+            for c in self._items:
+                if c.session.peer and c.session.verified and c.thread.is_alive():
+                    by_peer.setdefault(c.session.peer, []).append(c)
+        for peer, connections in by_peer.items():
+            for connection in connections[self._limits.max_per_peer :]:
+                REFUSED.labels("per_peer").inc()
+                self._warn.warn("KV peer %s over %d connections: closing its newest", peer, self._limits.max_per_peer)
+                connection.abort()
 
 
 class ReceiverBase(Generic[C]):

@@ -48,6 +48,7 @@ class Session:
         self.version = 0
         self.authenticated = False
         self.ticketed = False
+        self.peer = ""  # who counts against `max_per_peer` once verified ("": no one), set by the connection
         self.opened: dict[Key, int] = {}  # shipments whose OPEN was accepted here -> their chunk_bytes
         self.chunk_bytes = 0  # the largest chunk_bytes accepted here: the bound of its DATA frames
 

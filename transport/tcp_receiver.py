@@ -16,7 +16,7 @@ from prfaas.transport import sockets
 from prfaas.transport.admission import REFUSED, ReceiverLimits, Throttled, discard
 from prfaas.transport.buffers import PartPool
 from prfaas.transport.framing import ErrorCode, Header, error_frame, payload_ok
-from prfaas.transport.identity import identity_of
+from prfaas.transport.identity import Identity, identity_of
 from prfaas.transport.receiver_base import FrameConnection, ListeningReceiver, Payload
 from prfaas.transport.receiver_core import ReceiverCore
 from prfaas.transport.tickets import TicketVerifier
@@ -35,6 +35,7 @@ class TcpConnection(FrameConnection):
         super().__init__(sock, core, limits)
         self.tcp = sock  # `sock` becomes the TlsSocket over it
         self.tls = tls
+        self.session.peer = _peer(sock).rpartition(":")[0]  # its address; over TLS, its identity
 
     def serve(self) -> None:
         if self.tls is not None:  # in this connection's thread: a slow handshake holds up no one else
@@ -44,13 +45,16 @@ class TcpConnection(FrameConnection):
                 _refusals.warn("TLS handshake from %s failed: %s", _peer(self.tcp), exc)
                 return
             self.sock = tls
-            refusal = _refusal(tls.peer_certificate())
+            certificate = tls.peer_certificate()
+            identity = identity_of(certificate) if certificate else None
+            refusal = _refusal(identity)
             if refusal is not None:
                 REFUSED.labels("peer_identity").inc()
                 _refusals.warn("KV connection from %s refused: %s", _peer(self.tcp), refusal)
                 self._refuse(refusal)
                 return
             self.session.authenticated = True
+            self.session.peer = identity.uri if identity else ""  # (never None here: refused)
         super().serve()
 
     def verify(self, header: Header, payload: Payload) -> bool:
@@ -71,10 +75,9 @@ class TcpConnection(FrameConnection):
         self.send(error_frame(ErrorCode.PEER_REFUSED, message))
 
 
-def _refusal(certificate: bytes | None) -> str | None:
-    """Why a KV receiver refuses a TLS peer with this certificate (DER), or None: it accepts
-    prefill regions only (`prfaas://prefill/...` or `prfaas://both/...`)."""
-    identity = identity_of(certificate) if certificate else None
+def _refusal(identity: Identity | None) -> str | None:
+    """Why a KV receiver refuses a TLS peer whose certificate names `identity`, or None: it
+    accepts prefill regions only (`prfaas://prefill/...` or `prfaas://both/...`)."""
     if identity is None:
         return "the peer's certificate names no prfaas identity; a KV receiver accepts prefill regions only"
     if not identity.serves_prefill:

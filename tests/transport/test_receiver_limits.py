@@ -307,3 +307,25 @@ def test_when_every_connection_is_verified_new_ones_are_refused(kit: Kit) -> Non
             assert third.recv(1) == b""  # refused at once
         transfer, _inbound, _, _ = ship(channels[0], rx, kit.spec(num_layers=1))
         assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+
+
+def test_a_peers_verified_connections_past_its_cap_are_closed_newest_first(kit: Kit) -> None:
+    """Plaintext: a peer is its address (every channel here is 127.0.0.1). Three one-stream
+    channels prove themselves one after the other; with `max_per_peer` 2 the third's
+    connection is closed, the first two keep theirs."""
+    limits = ReceiverLimits(max_connections=8, max_unverified=4, max_per_peer=2, handshake_timeout_s=30)
+    with TcpReceiver(kit.verifier, limits=limits) as rx, contextlib.ExitStack() as stack:
+        channels = [stack.enter_context(TcpChannel(rx.address, num_streams=1)) for _ in range(3)]
+        sockets = []
+        for channel in channels:
+            transfer, _inbound, _, _ = ship(channel, rx, kit.spec(num_layers=1))
+            assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+            sockets.append(channel.streams[0].sock)
+        deadline = time.monotonic() + 5
+        while rx.num_connections > 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rx.num_connections == 2
+        for channel, sock in zip(channels[:2], sockets[:2], strict=True):
+            transfer, _inbound, _, _ = ship(channel, rx, kit.spec(num_layers=1))
+            assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+            assert channel.streams[0].sock is sock  # never closed

@@ -167,6 +167,31 @@ def test_a_region_serving_both_roles_may_send(kit: Kit, certs: dict[str, NodeCer
         assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
 
 
+def test_over_tls_a_peer_is_the_identity_its_certificate_names(kit: Kit, certs: dict[str, NodeCert]) -> None:
+    """`max_per_peer` 1, every sender on 127.0.0.1: one connection each for two identities
+    stays; a second connection of the same identity is closed."""
+    limits = ReceiverLimits(max_per_peer=1, handshake_timeout_s=30)
+    with (
+        TcpReceiver(kit.verifier, ssl_context=server_context(certs["decode"]), limits=limits) as rx,
+        contextlib.ExitStack() as stack,
+    ):
+        senders = ["prefill", "both", "prefill"]
+        channels = [stack.enter_context(TcpChannel(rx.address, num_streams=1, ssl_context=client_context(certs[name])))
+                    for name in senders]  # fmt: skip
+        for channel in channels:
+            transfer, _inbound, _, _ = ship(channel, rx, kit.spec(num_layers=1))
+            assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+        deadline = time.monotonic() + 5
+        while rx.num_connections > 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rx.num_connections == 2
+        sockets = [channel.streams[0].sock for channel in channels[:2]]
+        for channel, sock in zip(channels[:2], sockets, strict=True):
+            transfer, _inbound, _, _ = ship(channel, rx, kit.spec(num_layers=1))
+            assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+            assert channel.streams[0].sock is sock
+
+
 @pytest.mark.parametrize(("hostname", "ok"), [(server_name("decode-b"), True), (None, False),
                                               (server_name("decode-a"), False)])  # fmt: skip
 def test_the_sender_checks_the_regions_server_name_instead_of_the_dialled_address(
