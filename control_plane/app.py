@@ -26,6 +26,7 @@ from prfaas.control_plane.billing.meter import open_meter
 from prfaas.control_plane.fleet.server import serve_registry
 from prfaas.control_plane.jobs.celery_app import make_celery
 from prfaas.control_plane.jobs.generation import Follower
+from prfaas.control_plane.jobs.leases import Heartbeats
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
 
@@ -47,7 +48,8 @@ def create_app(settings: Settings) -> FastAPI:
         celery = make_celery(settings)
         app.state.services = services
         app.state.meter = meter = open_meter(services, metrics)
-        app.state.follower = Follower(services, celery, meter)
+        beats = Heartbeats(services.redis, settings, "api").start()  # its jobs are swept if it stops beating
+        app.state.follower = Follower(services, celery, meter, beats.me)
         server = None
         if settings.registry_listen:
             server, address = serve_registry(services.regions, settings.registry_listen, settings.tls)
@@ -56,6 +58,7 @@ def create_app(settings: Settings) -> FastAPI:
         yield
         if server is not None:
             server.stop(1)
+        beats.stop()
         meter.close()
         meter.ledger.close()
         services.tenants.use_async(None)

@@ -87,9 +87,14 @@ class Settings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1, description="dispatch attempts before a job is FAILED")
     backoff_s: float = Field(default=0.2, ge=0, description="first retry backoff; doubles each attempt, +-50% jitter")
     dispatch_visibility_s: int = Field(
-        default=60, ge=1, description="a dispatch whose worker vanished is handed to another after this long"
+        default=60, ge=1, description="a dispatch task not acknowledged this long is handed to another worker"
     )
-    dispatch_timeout_s: float = Field(default=120.0, gt=0, description="deadline of one attempt's prefill")
+    dispatch_timeout_s: float = Field(default=120.0, gt=0, description="longest lease of one attempt's prefill")
+    lease_floor_s: float = Field(default=30.0, gt=0, description="shortest lease of a prefill (or reship) stage")
+    lease_factor: float = Field(default=4.0, ge=1, description="a stage's lease: this x the scheduler's prediction")
+    beat_s: float = Field(default=1.0, gt=0, description="workers and API processes beat this often")
+    dead_after_s: float = Field(default=3.0, gt=0, description="a worker or API process silent this long is dead")
+    sweep_s: float = Field(default=1.0, gt=0, description="the sweeper looks for overrun leases this often")
     job_timeout_s: float = Field(default=300.0, gt=0, description="deadline of a whole job, as the API waits")
     default_rps: float = Field(default=50.0, gt=0, description="tenant default: requests per second")
     default_concurrency: int = Field(default=16, ge=1, description="tenant default: concurrent jobs")

@@ -97,6 +97,16 @@ def channel(
     return grpc.secure_channel(target, tls.channel_credentials(), options=named)
 
 
+def aio_channel(
+    target: str, tls: TlsFiles | None, server_name: str, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    """`channel`'s asyncio twin (create it on the event loop that will use it)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=list(options))
+    named = [*options, ("grpc.ssl_target_name_override", server_name)]
+    return grpc.aio.secure_channel(target, tls.channel_credentials(), options=named)
+
+
 class ChannelCache:
     """Channels kept for the process's life, one per (target, server name); thread-safe."""
 

@@ -104,6 +104,13 @@ class RegionRecord(Load):
     def healthy(self) -> bool:
         return bool(self.healthy_instances)
 
+    def instance(self, name: str) -> InstanceRecord:
+        """The live instance `name` (RegionNotFound if it is gone or dead)."""
+        for i in self.instances:
+            if i.instance == name and i.alive:
+                return i
+        raise RegionNotFound(f"instance {self.name}/{name} is not alive")
+
     def pick(self, exclude: frozenset[str] = frozenset()) -> InstanceRecord:
         """The healthy instance new work goes to: the least loaded, then the most KV room;
         RegionNotFound when none is left (all dead, draining or in `exclude`, by key)."""

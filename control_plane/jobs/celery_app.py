@@ -1,7 +1,10 @@
-"""The Celery application (Redis broker): `dispatch_job(job_id)`, `acks_late` and
-requeued when its worker dies, so another worker finishes the job. A worker process:
+"""The Celery application (Redis broker): `dispatch_job(job_id)`, a short task (claim, place,
+reserve, start the prefill; jobs/dispatch.py) with `acks_late`, so a task whose worker died
+before it ran is handed to another. In a worker process, from `worker_init` on: its heartbeat
+(jobs/leases.py), the watcher that reads the prefill streams it started (jobs/watcher.py) and
+the sweeper (jobs/sweeper.py). A worker process:
 
-    PRFAAS_ADMIN_KEY=... PRFAAS_TICKET_KEY=... celery -A prfaas.control_plane.worker worker
+    PRFAAS_ADMIN_KEY=... PRFAAS_TICKET_KEY=... celery -A prfaas.control_plane.worker worker --pool threads
 """
 
 from __future__ import annotations
@@ -36,17 +39,37 @@ def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
 
     configure(app, settings, worker=worker)  # beat: price refresh, ledger reconciliation
     if worker:
-        from prfaas.control_plane.jobs.dispatch import Dispatcher
-        from prfaas.control_plane.services import Services
-
-        dispatcher = Dispatcher(Services.create(settings))
-
-        @app.task(name=TASK)  # type: ignore[untyped-decorator]
-        def dispatch_job(job_id: str) -> str:
-            return dispatcher.run(job_id)
-
+        _worker_side(app, settings)
     return app
 
 
-def enqueue(app: Celery, job_id: str) -> Any:
-    return app.send_task(TASK, args=[job_id])
+def _worker_side(app: Celery, settings: Settings) -> None:
+    from celery.signals import worker_init, worker_shutdown
+
+    from prfaas.control_plane.jobs.dispatch import Dispatcher
+    from prfaas.control_plane.jobs.leases import Heartbeats
+    from prfaas.control_plane.jobs.sweeper import Sweeper
+    from prfaas.control_plane.services import Services
+
+    services = Services.create(settings)
+    beats = {kind: Heartbeats(services.redis, settings, kind) for kind in ("worker", "api")}  # api: read only
+    dispatcher = Dispatcher(services, lambda job_id, countdown: enqueue(app, job_id, countdown), beats["worker"].me)
+    sweeper = Sweeper(services.jobs, dispatcher.leases, dispatcher.attempts, beats, dispatcher.channels)
+
+    @app.task(name=TASK)  # type: ignore[untyped-decorator]
+    def dispatch_job(job_id: str) -> str:
+        return dispatcher.run(job_id)
+
+    @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _started(**_: object) -> None:  # before the first task: its leases' owner must be beating
+        beats["worker"].start()
+        sweeper.start()
+
+    @worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _stopping(**_: object) -> None:  # its streams end with it: say so, and the others sweep at once
+        sweeper.stop()
+        beats["worker"].stop()
+
+
+def enqueue(app: Celery, job_id: str, countdown_s: float = 0.0) -> Any:
+    return app.send_task(TASK, args=[job_id], countdown=countdown_s or None)

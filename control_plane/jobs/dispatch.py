@@ -1,12 +1,21 @@
-"""Carrying out a placement (the Celery task's body): decide on a fresh snapshot, reserve
-on the decode region, run the prefill and follow its events, record every transition.
-Tokens do not pass through here: at `prefill_done` (split) or at once (local) the attempt's
-hand-off is posted to Redis and the API process streams from the decode region itself.
+"""Carrying out a placement (the Celery task's body), without waiting on it: claim the attempt,
+decide on a fresh snapshot, reserve on the decode region, start the prefill, and return. The
+prefill region's event stream is read by the worker's watcher (jobs/watcher.py: one asyncio
+loop per worker process), which records each transition. Tokens do not pass through here: at
+`prefill_done` (split) or at once (local) the attempt's hand-off is posted to Redis and the API
+process streams from the decode region itself.
 
-Failures: a region that is unreachable, full or too slow costs the attempt; the next one
-(attempt + 1, after backoff with jitter) excludes it, up to `max_attempts`, then FAILED
-with the reason. A rerun of the task (the worker died; `acks_late`) starts a new attempt, so
-the dead worker's late messages are stale and ignored.
+Each stage runs under a lease (jobs/leases.py) whose deadline is the scheduler's prediction for
+it times `lease_factor` (at least `lease_floor_s`, at most `dispatch_timeout_s`), and the
+prefill region is given the same deadline. The sweeper (jobs/sweeper.py) takes back what
+overran its lease or whose worker stopped beating. A failed attempt goes to jobs/attempts.py:
+the next attempt, after a backoff, leaving out the instances that failed it, up to
+`max_attempts`, then FAILED with the reason. A task delivered twice (acks_late) finds its
+attempt claimed and leaves it to the lease's owner or the sweeper.
+
+Decode failover: an attempt queued with `reship_from` (the API lost its decode instance
+mid-stream, jobs/generation.py) first asks the prefill region that still leases the job's KV
+to ship it to a new decode instance (`Reship`); only if that fails is the prompt prefilled again.
 """
 
 from __future__ import annotations
@@ -15,27 +24,31 @@ import base64
 import contextlib
 import json
 import logging
-import random
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from prfaas.control_plane.fleet.records import InstanceRecord, RegionNotFound
+from prfaas.control_plane.jobs.attempts import Attempts, Enqueue
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
+from prfaas.control_plane.jobs.leases import Lease, Leases, process_id
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
+from prfaas.control_plane.jobs.watcher import Watcher
 from prfaas.control_plane.scheduling.decision import Decision, Mode, decision_dict
 from prfaas.control_plane.scheduling.errors import PlacementRejected
 from prfaas.control_plane.scheduling.request import Request, Slo
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from prfaas.region.channels import ChannelCache, replies
+from prfaas.region.channels import ChannelCache
 from prfaas.transport.identity import server_name
 from prfaas.transport.tickets import TicketSigner
 
 log = logging.getLogger(__name__)
+PLACING_LEASE_S = 30.0  # claim -> prefill started: a snapshot read, a Reserve (10 s at most)
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED, grpc.StatusCode.ALREADY_EXISTS,
@@ -55,20 +68,36 @@ class Superseded(Exception):
 
 
 class Dispatcher:
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, enqueue: Enqueue, owner: str | None = None,
+                 watcher: Watcher | None = None) -> None:  # fmt: skip
         self.s = services
-        self.channels = ChannelCache(services.settings.tls)
         settings = services.settings
+        self.channels = ChannelCache(settings.tls)
         self.signer = TicketSigner(
             {settings.ticket_key_id: settings.ticket_key.get_secret_value().encode()}, settings.ticket_key_id
         )
+        self.leases = Leases(services.redis, settings)
+        self.owner = owner or process_id("worker")  # whose beats keep this process's leases alive
+        self.attempts = Attempts(services.jobs, self.leases, enqueue, self.owner)
+        self.watcher = watcher or Watcher(settings.tls)
 
     def channel(self, target: str, region: str) -> grpc.Channel:
         """To an instance of `region` at `target` (with TLS, it must present that region's name)."""
         return self.channels.get(target, server_name(region))
 
+    def lease(self, job_id: str, attempt: int, stage: str, where: str, seconds: float) -> Lease:
+        return Lease(job_id, attempt, stage, self.owner, where, time.time() + seconds)
+
+    def lease_s(self, decision: Decision) -> float:
+        """A stage's lease: `lease_factor` x the scheduler's predicted TTFT (queue, prefill and
+        transfer), within [lease_floor_s, dispatch_timeout_s]."""
+        settings = self.s.settings
+        predicted = decision.predicted_ttft_ms / 1000.0
+        wanted = settings.lease_factor * predicted if predicted == predicted else settings.dispatch_timeout_s
+        return min(settings.dispatch_timeout_s, max(settings.lease_floor_s, wanted))
+
     def run(self, job_id: str) -> str:
-        """Dispatch `job_id` to the end of its prefill (or its hand-off); returns the outcome."""
+        """Start `job_id`'s current attempt (its prefill, or its hand-off); returns the outcome."""
         jobs = self.s.jobs
         try:
             job = jobs.get(job_id)
@@ -77,32 +106,25 @@ class Dispatcher:
         if job["state"] in TERMINAL:
             return "already " + job["state"]
         attempt = int(job["attempt"])
+        claimed = self.leases.claim_dispatch(self.lease(job_id, attempt, "placing", "", PLACING_LEASE_S))
+        if claimed != "ok":  # a second delivery: the attempt is in flight under its lease
+            return {"gone": "gone"}.get(claimed, "in flight")
         try:
-            if job["state"] != JobState.QUEUED or job.get("dispatched") == str(attempt):
-                # a previous run of this task died mid-attempt: its attempt is abandoned
-                attempt = jobs.transition(job_id, JobState.QUEUED, attempt + 1, note="dispatch restarted")
-            excluded: set[str] = set()
-            while True:
-                jobs.update(job_id, attempt, dispatched=attempt)
-                try:
-                    self._attempt(job_id, job, attempt, frozenset(excluded))
-                    return "dispatched"
-                except AttemptFailed as exc:
-                    log.warning("job %s attempt %d failed: %s", job_id, attempt, exc)
-                    excluded.add(exc.where)
-                    if attempt >= self.s.settings.max_attempts:
-                        jobs.transition(job_id, JobState.FAILED, attempt, note=str(exc), error=str(exc))
-                        return "failed"
-                    time.sleep(self.s.settings.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
-                    attempt = jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=str(exc))
+            self._attempt(job_id, job, attempt)
+            return "started"
+        except AttemptFailed as exc:
+            self.leases.take(job_id, attempt)
+            return self.attempts.fail(job_id, attempt, exc.where, str(exc))
         except PlacementRejected as exc:
+            self.leases.take(job_id, attempt)
             reason = f"no placement: {exc}"
             try:
                 jobs.transition(job_id, JobState.FAILED, attempt, note=reason, error=reason)
-            except (StaleAttempt, IllegalTransition):
+            except (StaleAttempt, IllegalTransition, JobNotFound):
                 return "superseded"
             return "rejected"
         except (StaleAttempt, IllegalTransition, Superseded, JobNotFound):
+            self.leases.take(job_id, attempt)
             return "superseded"
 
     def decide(self, job: dict[str, str], excluded: frozenset[str]) -> Decision:
@@ -110,81 +132,153 @@ class Dispatcher:
         scheduler = self.s.schedulers[job.get("placement_asked", "auto")]
         return scheduler.decide(snapshot, job_request(job, self.s.settings))
 
-    def _attempt(self, job_id: str, job: dict[str, str], attempt: int, excluded: frozenset[str]) -> None:
+    def _attempt(self, job_id: str, job: dict[str, str], attempt: int) -> None:
         jobs = self.s.jobs
+        excluded = frozenset(json.loads(job.get("excluded") or "[]"))
+        reship = json.loads(job.get("reship_from") or "null")
         decision = self.decide(job, excluded)
         try:  # one instance of each region: the least loaded of those not excluded
             decode = self.s.regions.get(decision.decode_region).pick(excluded)
             prefill = self.s.regions.get(decision.prefill_region).pick(excluded)
         except RegionNotFound as exc:  # it died since the snapshot: try again without it
             raise AttemptFailed(decision.decode_region, str(exc)) from exc
+        if reship is not None:  # the KV is leased in the prefill region that computed it
+            with contextlib.suppress(RegionNotFound):
+                prefill = self.s.regions.get(reship["region"]).instance(reship["instance"])
         where = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}"}  # metering: where each attempt ran
         if not jobs.update(job_id, attempt, **placed_fields(decision, decode, prefill), **where):
             raise Superseded(job_id)
-        if decision.mode is Mode.LOCAL:
+        if decision.mode is Mode.LOCAL and reship is None:
             jobs.transition(job_id, JobState.LOCAL, attempt, note=f"local in {decode.key}")
             jobs.post_ready(job_id, attempt, ready_info("local", decode))
+            self.leases.take(job_id, attempt)
             return
-        self._split(job_id, job, attempt, decision, decode, prefill)
+        self._split(job_id, job, attempt, decision, decode, prefill, reship=reship is not None)
 
     def _split(
         self, job_id: str, job: dict[str, str], attempt: int, decision: Decision, decode: InstanceRecord,
-        prefill: InstanceRecord,
+        prefill: InstanceRecord, *, reship: bool,
     ) -> None:  # fmt: skip
-        jobs, settings = self.s.jobs, self.s.settings
-        timeout_s = settings.dispatch_timeout_s
+        jobs = self.s.jobs
+        lease_s = self.lease_s(decision)
         kv_bytes = int(job["prompt_tokens"]) * self.s.model.shape.kv_bytes_per_token
         decode_stub = decode_pb2_grpc.DecodeRegionStub(self.channel(decode.grpc_endpoint, decode.name))
-        prefill_stub = prefill_pb2_grpc.PrefillRegionStub(self.channel(prefill.grpc_endpoint, prefill.name))
         try:
             reply = decode_stub.Reserve(
                 decode_pb2.ReserveRequest(
-                    job_id=job_id, attempt=attempt, tenant=job["tenant"], kv_bytes=kv_bytes, ttl_s=timeout_s,
+                    job_id=job_id, attempt=attempt, tenant=job["tenant"], kv_bytes=kv_bytes, ttl_s=lease_s,
                     prefill_grpc=prefill.grpc_endpoint, prefill_region=prefill.name,
                 ),
                 timeout=10,
             )  # fmt: skip
         except grpc.RpcError as exc:
             raise self._failed(decode.key, "reserve", exc) from exc
-        jobs.transition(job_id, JobState.PREFILLING, attempt, note=f"prefill in {decision.prefill_region}")
-        ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes, ttl_s=timeout_s)  # = the reservation
+        ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes, ttl_s=lease_s)  # = the reservation
         destination = prefill_pb2.Destination(
             kv_endpoint=reply.kv_endpoint, ticket=ticket, codec=decision.codec or "", decode_region=decode.name
         )
+        stage = "reship" if reship else "prefill"
+        try:
+            note = f"reship from {prefill.key}" if reship else f"prefill in {decision.prefill_region}"
+            jobs.transition(job_id, JobState.PREFILLING, attempt, note=note)
+        except (StaleAttempt, IllegalTransition, JobNotFound):
+            self._release(decode_stub, job_id)
+            raise
+        self.leases.grant(self.lease(job_id, attempt, stage, prefill.key, lease_s))
+        started = Started(job_id, job["tenant"], attempt, kv_bytes, decode, prefill, lease_s)
+        if reship:
+            again = prefill_pb2.ReshipRequest(job_id=job_id, attempt=attempt, destination=destination)
+            again.timeout_s = lease_s
+            self.watcher.submit(self._follow_reship(started, again))
+            return
         request = prefill_pb2.PrefillRequest(
             job_id=job_id, attempt=attempt, tenant=job["tenant"], token_ids=json.loads(job["token_ids"]),
-            sampling=sampling(job), destination=destination, timeout_s=timeout_s,
+            sampling=sampling(job), destination=destination, timeout_s=lease_s,
         )  # fmt: skip
+        self.watcher.submit(self._follow_prefill(started, request))
+
+    async def _follow_prefill(self, run: Started, request: prefill_pb2.PrefillRequest) -> None:
+        """On the watcher's loop: the prefill's events, to the end of its shipment."""
+        jobs = self.s.jobs
+        channel = self.watcher.channel(run.prefill.grpc_endpoint, server_name(run.prefill.name))
+        call = prefill_pb2_grpc.PrefillRegionStub(channel).Prefill(request, timeout=run.lease_s + 5)
         try:
-            for event in replies(prefill_stub.Prefill(request, timeout=timeout_s + 5)):
+            async for event in call:
                 kind = event.WhichOneof("event")
                 if kind == "prefill_done":
                     done = event.prefill_done
-                    jobs.transition(job_id, JobState.TRANSFERRING, attempt, note="prefill done, KV shipping")
+                    jobs.transition(run.job_id, JobState.TRANSFERRING, run.attempt, note="prefill done, KV shipping",
+                                    tenant=run.tenant)  # fmt: skip
                     # The decode region answers only once all KV arrived, so by the time the job
                     # can read DONE its raw bytes have been shipped: record them now, before the
                     # hand-off (the prefill region's shipment_complete event may come after DONE).
-                    jobs.update(job_id, attempt, bytes_raw=kv_bytes, prefill_gpu_s=done.prefill_s)
+                    jobs.update(run.job_id, run.attempt, bytes_raw=run.kv_bytes, prefill_gpu_s=done.prefill_s)
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
-                    jobs.post_ready(job_id, attempt, ready_info("split", decode, first_token=done.first_token, kv=kv))
+                    jobs.post_ready(run.job_id, run.attempt,
+                                    ready_info("split", run.decode, first_token=done.first_token, kv=kv))  # fmt: skip
                 elif kind == "shipment_complete":
                     shipped = event.shipment_complete
-                    jobs.update(job_id, attempt, bytes_raw=shipped.raw_bytes, bytes_wire=shipped.wire_bytes)
-        except grpc.RpcError as exc:
-            self._release(decode_stub, job_id)
-            raise self._failed(prefill.key, "prefill", exc) from exc
+                    jobs.update(run.job_id, run.attempt, bytes_raw=shipped.raw_bytes, bytes_wire=shipped.wire_bytes)
+        except grpc.aio.AioRpcError as exc:
+            await self._stage_failed(run, "prefill", exc)
+        except (StaleAttempt, IllegalTransition, JobNotFound):
+            call.cancel()  # the job moved on (canceled, or the sweeper started the next attempt)
+        finally:
+            self.leases.take(run.job_id, run.attempt)
+
+    async def _follow_reship(self, run: Started, request: prefill_pb2.ReshipRequest) -> None:
+        """On the watcher's loop: the leased KV shipped to the new decode instance, then its hand-off."""
+        jobs = self.s.jobs
+        channel = self.watcher.channel(run.prefill.grpc_endpoint, server_name(run.prefill.name))
+        try:
+            reply = await prefill_pb2_grpc.PrefillRegionStub(channel).Reship(request, timeout=run.lease_s + 5)
+            jobs.transition(run.job_id, JobState.TRANSFERRING, run.attempt, note="reshipped", tenant=run.tenant)
+            jobs.update(run.job_id, run.attempt, bytes_raw=reply.shipment.raw_bytes,
+                        bytes_wire=reply.shipment.wire_bytes, reship_from="")  # fmt: skip
+            kv = base64.b64encode(reply.kv.SerializeToString()).decode()
+            jobs.post_ready(run.job_id, run.attempt,
+                            ready_info("split", run.decode, first_token=reply.first_token, kv=kv))  # fmt: skip
+        except grpc.aio.AioRpcError as exc:  # lease gone, region down: the next attempt computes the prompt again
+            await self._stage_failed(run, "reship", exc, reship_from="")
+        except (StaleAttempt, IllegalTransition, JobNotFound):
+            pass
+        finally:
+            self.leases.take(run.job_id, run.attempt)
+
+    async def _stage_failed(self, run: Started, step: str, exc: grpc.aio.AioRpcError, **fields: Any) -> None:
+        if self.leases.take(run.job_id, run.attempt) is None:
+            return  # the sweeper took the lease back (overrun): it decided the attempt's fate
+        channel = self.watcher.channel(run.decode.grpc_endpoint, server_name(run.decode.name))
+        with contextlib.suppress(grpc.aio.AioRpcError):  # else the reservation expires on its own (ttl_s)
+            await decode_pb2_grpc.DecodeRegionStub(channel).Release(decode_pb2.ReleaseRequest(job_id=run.job_id),
+                                                                    timeout=5)  # fmt: skip
+        failed = self._failed(run.prefill.key, step, exc)
+        self.attempts.fail(run.job_id, run.attempt, failed.where, str(failed), **fields)
 
     @staticmethod
     def _release(stub: decode_pb2_grpc.DecodeRegionStub, job_id: str) -> None:
         with contextlib.suppress(grpc.RpcError):  # else the reservation expires on its own (ttl_s)
             stub.Release(decode_pb2.ReleaseRequest(job_id=job_id), timeout=5)
 
-    def _failed(self, where: str, step: str, exc: grpc.RpcError) -> Exception:
+    def _failed(self, where: str, step: str, exc: grpc.RpcError) -> AttemptFailed:
         # every code costs the attempt (RETRYABLE ones are the expected ones); the next tries elsewhere
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             self.s.regions.suspect(where)  # and no one sends it new work until it beats again
         reason = f"{step} in {where}: {exc.code().name} {exc.details() or ''}".strip()
         return AttemptFailed(where, reason)
+
+
+@dataclass(frozen=True)
+class Started:
+    """An attempt whose prefill (or reship) is under way, as its watcher coroutine knows it."""
+
+    job_id: str
+    tenant: str
+    attempt: int
+    kv_bytes: int
+    decode: InstanceRecord
+    prefill: InstanceRecord
+    lease_s: float
 
 
 def job_request(job: Mapping[str, str], settings: Settings) -> Request:

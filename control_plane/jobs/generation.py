@@ -1,7 +1,15 @@
 """API side of a job: wait for the dispatcher's hand-off of the current attempt, stream the
 tokens from the decode region (gRPC), record DECODING and DONE (billed once by the store).
-A failed attempt's stream is dropped and the next attempt's picked up; tokens already sent
-are skipped (greedy decoding, or a seeded sampler, gives the same tokens again)."""
+
+A decode stream that breaks (its instance died, or its region) costs the attempt: the next
+one is queued (jobs/attempts.py) leaving that instance out and, for a split job, naming the
+prefill instance that still leases its KV (`reship_from`: the dispatcher reships it rather
+than prefill again). The next attempt's stream is picked up and the tokens already sent are
+skipped, so the client's stream goes on without repeating or skipping a token (greedy
+decoding, or the seeded sampler every job gets, gives the same tokens again).
+
+While it streams a job, this process is its follower (`JobStore.follow`); the sweeper ends
+the jobs of a follower that stopped beating (jobs/sweeper.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +25,11 @@ import grpc.experimental
 
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.usage import served_timing
+from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.celery_app import enqueue
 from prfaas.control_plane.jobs.dispatch import sampling
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
+from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
@@ -47,9 +57,15 @@ class Token:
 
 
 class Follower:
-    def __init__(self, services: Services, celery: object, meter: Meter | None = None) -> None:
+    def __init__(self, services: Services, celery: Any, meter: Meter | None = None, owner: str = "") -> None:
         self.s = services
         self.celery = celery
+        self.owner = owner  # this API process, as it beats (jobs/leases.py); "" follows nothing
+
+        def enqueue_job(job_id: str, countdown_s: float) -> object:
+            return enqueue(celery, job_id, countdown_s)
+
+        self.attempts = Attempts(services.jobs, Leases(services.redis, services.settings), enqueue_job, owner)
         # A token stream is read on the thread that asked for it: without this option every stream call
         # on an idle channel starts a thread of its own to pump the channel's events (~0.2 ms a request).
         self.channels = ChannelCache(
@@ -64,6 +80,15 @@ class Follower:
     ) -> Iterator[Token]:
         """The job's tokens, from whichever attempt delivers them. `ready` (with `job`, its
         record) is a hand-off the caller already holds: the first attempt starts from it."""
+        if self.owner:
+            self.s.jobs.follow(job_id, self.owner)
+        try:
+            yield from self._tokens(job_id, job, ready)
+        finally:
+            if self.owner:
+                self.s.jobs.unfollow(job_id, self.owner)
+
+    def _tokens(self, job_id: str, job: dict[str, str] | None, ready: dict[str, Any] | None) -> Iterator[Token]:
         jobs = self.s.jobs
         deadline = time.monotonic() + self.s.settings.job_timeout_s
         after = 0
@@ -126,11 +151,7 @@ class Follower:
                     if event.last:
                         return
             except grpc.RpcError as exc:
-                log.warning("job %s attempt %d: decode stream ended: %s", job_id, attempt, exc.code().name)
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and job.get("decode_instance"):
-                    self.s.regions.suspect(f"{job['decode_region']}/{job['decode_instance']}")
-                if handed["mode"] == "local":  # nobody else notices a lost local run: start the next attempt
-                    self._retry(job_id, attempt, f"local run: {exc.code().name}")
+                self._lost(job_id, attempt, handed["mode"], exc, after_tokens=len(output))
             except (StaleAttempt, IllegalTransition):
                 continue  # a newer attempt (or a cancel) took over
 
@@ -141,15 +162,24 @@ class Follower:
             stub = self._decode_stubs[(target, region)] = decode_pb2_grpc.DecodeRegionStub(channel)
         return stub
 
-    def _retry(self, job_id: str, attempt: int, reason: str) -> None:
+    def _lost(self, job_id: str, attempt: int, mode: str, exc: grpc.RpcError, after_tokens: int) -> None:
+        """The decode stream of `attempt` broke: queue the next attempt (decode failover)."""
         try:
-            if attempt >= self.s.settings.max_attempts:
-                self.s.jobs.transition(job_id, JobState.FAILED, attempt, note=reason, error=reason)
-                return
-            self.s.jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=reason)
-        except (StaleAttempt, IllegalTransition, JobNotFound):
+            job = self.s.jobs.get(job_id)
+        except JobNotFound:
             return
-        enqueue(self.celery, job_id)
+        if int(job.get("attempt", 0)) != attempt:
+            return  # a newer attempt (or the sweeper) already took over
+        where = f"{job['decode_region']}/{job['decode_instance']}" if job.get("decode_instance") else ""
+        log.warning("job %s attempt %d: decode stream in %s ended after %d tokens: %s", job_id, attempt,
+                    where or "?", after_tokens, exc.code().name)  # fmt: skip
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and where:
+            self.s.regions.suspect(where)
+        reason = f"{mode} decode in {where or '?'} lost after {after_tokens} tokens: {exc.code().name}"
+        reship: dict[str, str] | str = ""
+        if mode == "split" and job.get("prefill_instance"):  # its KV is still leased there a while
+            reship = {"region": job["prefill_region"], "instance": job["prefill_instance"]}
+        self.attempts.fail(job_id, attempt, where, reason, reship_from=reship)
 
     def cancel(self, job_id: str, reason: str) -> bool:
         """CANCELED in the store, then Cancel in both regions (idempotent there)."""

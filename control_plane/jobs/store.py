@@ -62,6 +62,7 @@ class JobStore:
         self._notifier = Notifier(client, _glob_escape(settings.key("job")) + ":*:notify")
         self._transition = client.register_script(TRANSITION)
         self._create = client.register_script(CREATE)
+        self._unfollow = client.register_script(_UNFOLLOW)
 
     def _job(self, job_id: str) -> str:
         return self.settings.key("job", job_id)
@@ -252,6 +253,25 @@ class JobStore:
                 notified.wait(min(remaining, 1.0 if self._notifier.live else 0.02))
         finally:
             self._notifier.unwatch(channel, notified)
+
+    # -- which API process streams each job's tokens (a dead one's jobs: jobs/sweeper.py) ----
+
+    def follow(self, job_id: str, owner: str) -> None:
+        self.redis.hset(self.settings.key("following"), job_id, owner)
+
+    def unfollow(self, job_id: str, owner: str) -> bool:
+        """Drop `job_id` from the followed jobs if `owner` follows it; True when this call did."""
+        return bool(self._unfollow(keys=[self.settings.key("following")], args=[job_id, owner]))
+
+    def following(self) -> dict[str, str]:
+        """Job id -> the API process following it."""
+        return {_text(k): _text(v) for k, v in self.redis.hgetall(self.settings.key("following")).items()}
+
+
+_UNFOLLOW = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
 
 
 def _encode(value: Any) -> str | int | float:

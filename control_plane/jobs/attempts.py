@@ -1,0 +1,77 @@
+"""What becomes of an attempt that cannot finish, whoever finds out (the prefill watcher, the
+sweeper, the API process following the tokens): the job's next attempt, queued for Celery after
+a backoff with jitter and leaving out the instances that failed it, or FAILED with the reason
+once `max_attempts` are spent. One rule, in one place.
+
+The instances an attempt failed on accumulate in the job's `excluded` field (JSON list of
+`region/instance` keys), so every later attempt leaves them all out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
+from prfaas.control_plane.jobs.leases import Lease, Leases
+from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+Enqueue = Callable[[str, float], object]  # (job id, countdown s): queue the job's dispatch
+
+
+class Attempts:
+    """`owner`: the process whose beats keep the `queued` leases it grants alive (a queued job
+    whose dispatch is lost with its process is queued again by the sweeper)."""
+
+    def __init__(self, jobs: JobStore, leases: Leases, enqueue: Enqueue, owner: str) -> None:
+        self.jobs = jobs
+        self.leases = leases
+        self.settings = jobs.settings
+        self.enqueue = enqueue
+        self.owner = owner
+
+    def backoff_s(self, attempt: int) -> float:
+        return float(self.settings.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+
+    def fail(self, job_id: str, attempt: int, where: str, reason: str, **fields: Any) -> str:
+        """Attempt `attempt` of `job_id` ended without finishing, on `where` ("" when no
+        instance is to blame). Returns "retrying", "failed", or "superseded" when the job had
+        already moved on (a newer attempt, a cancel, DONE). `fields` go with the move to QUEUED."""
+        log.warning("job %s attempt %d failed on %s: %s", job_id, attempt, where or "-", reason)
+        try:
+            job = self.jobs.get(job_id)
+            excluded = set(json.loads(job.get("excluded") or "[]"))
+            if where:
+                excluded.add(where)
+            if attempt >= self.settings.max_attempts:
+                self.jobs.transition(job_id, JobState.FAILED, attempt, note=reason, error=reason, tenant=job["tenant"])
+                return "failed"
+        except (StaleAttempt, IllegalTransition, JobNotFound):
+            return "superseded"
+        backoff = self.backoff_s(attempt)
+        queued = self._queued_lease(job_id, attempt + 1, backoff)  # before the move: never a QUEUED job unwatched
+        try:
+            self.jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=reason, tenant=job["tenant"],
+                                 excluded=sorted(excluded), **fields)  # fmt: skip
+        except (StaleAttempt, IllegalTransition, JobNotFound):
+            self.leases.take(job_id, queued.attempt)
+            return "superseded"
+        self.enqueue(job_id, backoff)
+        return "retrying"
+
+    def requeue(self, job_id: str, attempt: int) -> None:
+        """Queue the dispatch of `attempt` (QUEUED, not yet claimed) again."""
+        self._queued_lease(job_id, attempt, 0.0)
+        self.enqueue(job_id, 0.0)
+
+    def _queued_lease(self, job_id: str, attempt: int, countdown_s: float) -> Lease:
+        deadline = time.time() + countdown_s + self.settings.dispatch_visibility_s
+        lease = Lease(job_id, attempt, "queued", self.owner, "", deadline)
+        self.leases.grant(lease)
+        return lease

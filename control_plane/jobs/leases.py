@@ -1,0 +1,180 @@
+"""Who is working on a job's attempt, until when: leases and heartbeats in Redis.
+
+A worker that starts an attempt's stage (placing it, its prefill, its transfer) holds a lease on
+the attempt: `p:leases`, a sorted set of job ids by deadline, and `p:leases:info`, a hash of job
+id -> {attempt, stage, owner, where, granted_s}. The deadline comes from the scheduler's
+prediction for the stage (jobs/dispatch.py); the owner is the worker process, which beats in
+`p:beats:worker` every `beat_s`. The sweeper (jobs/sweeper.py) takes back a lease past its
+deadline or whose owner stopped beating, and retries or fails the attempt with the reason. API
+processes beat in `p:beats:api` and the jobs they follow are in `p:following` (job -> API id),
+so the jobs of a dead API process are found too.
+
+Every take-back is a claim (`ZREM` of one member, or a script checking the attempt): of two
+sweepers, exactly one acts on a lease.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from prfaas.control_plane.settings import Settings
+
+# KEYS: job hash, leases zset, leases info hash. ARGV: attempt, job id, deadline, lease info JSON.
+# Claims the attempt's dispatch and, in the same step, the lease on placing it: only a QUEUED job
+# at that attempt not yet claimed. Returns 'ok', or why not: 'gone', 'moved' (another state or
+# attempt), 'claimed' (another run of the task has it: its lease, or the sweeper, decides).
+_CLAIM_DISPATCH = """
+local cur = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'dispatched')
+if not cur[1] then return 'gone' end
+if cur[1] ~= 'QUEUED' or cur[2] ~= ARGV[1] then return 'moved' end
+if cur[3] == ARGV[1] then return 'claimed' end
+redis.call('HSET', KEYS[1], 'dispatched', ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[4])
+return 'ok'
+"""
+
+# KEYS: leases zset, leases info hash. ARGV: job id, attempt, deadline, info JSON. Grants (or
+# renews) the lease unless a lease of a later attempt is held. Returns 1 when granted.
+_GRANT = """
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+if held and cjson.decode(held)['attempt'] > tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+return 1
+"""
+
+# KEYS: leases zset, leases info hash. ARGV: job id, attempt (0: any). Removes the lease if it is
+# that attempt's. Returns the lease's info JSON when removed (the caller now owns its fate), else false.
+_TAKE = """
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+if not held then return false end
+if tonumber(ARGV[2]) ~= 0 and cjson.decode(held)['attempt'] ~= tonumber(ARGV[2]) then return false end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return held
+"""
+
+
+@dataclass(frozen=True)
+class Lease:
+    job_id: str
+    attempt: int
+    stage: str  # queued (waiting for its dispatch), placing, prefill, reship
+    owner: str  # the worker process holding it
+    where: str  # the instance the stage runs on (region/instance), "" while placing
+    deadline: float  # epoch seconds
+
+    def info(self) -> str:
+        return json.dumps({"attempt": self.attempt, "stage": self.stage, "owner": self.owner, "where": self.where,
+                           "deadline": self.deadline})  # fmt: skip
+
+    @classmethod
+    def of(cls, job_id: str, info: str | bytes) -> Lease:
+        d = json.loads(info)
+        return cls(job_id, int(d["attempt"]), d["stage"], d["owner"], d.get("where", ""), float(d["deadline"]))
+
+
+def process_id(kind: str) -> str:
+    """A name for this process that no other process ever had: kind, host, pid, a random tail."""
+    return f"{kind}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Leases:
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.redis: Any = client  # redis-py types replies as Awaitable | Any
+        self.settings = settings
+        self._zset = settings.key("leases")
+        self._info = settings.key("leases", "info")
+        self._claim = client.register_script(_CLAIM_DISPATCH)
+        self._grant = client.register_script(_GRANT)
+        self._take = client.register_script(_TAKE)
+
+    def claim_dispatch(self, lease: Lease) -> str:
+        """'ok' when this caller is the one to dispatch `lease.attempt`, now under `lease`
+        (see _CLAIM_DISPATCH)."""
+        keys = [self.settings.key("job", lease.job_id), self._zset, self._info]
+        return _text(self._claim(keys=keys, args=[lease.attempt, lease.job_id, lease.deadline, lease.info()]))
+
+    def grant(self, lease: Lease) -> bool:
+        granted = self._grant(keys=[self._zset, self._info], args=[lease.job_id, lease.attempt, lease.deadline,
+                                                                  lease.info()])  # fmt: skip
+        return bool(granted)
+
+    def take(self, job_id: str, attempt: int = 0) -> Lease | None:
+        """Remove the lease of `attempt` (0: whatever attempt); the lease if this call removed it."""
+        held = self._take(keys=[self._zset, self._info], args=[job_id, attempt])
+        return Lease.of(job_id, held) if held else None
+
+    def get(self, job_id: str) -> Lease | None:
+        held = self.redis.hget(self._info, job_id)
+        return Lease.of(job_id, held) if held else None
+
+    def all(self) -> list[Lease]:
+        return [Lease.of(_text(job), info) for job, info in self.redis.hgetall(self._info).items()]
+
+    def count(self) -> int:
+        return int(self.redis.zcard(self._zset))
+
+
+class Heartbeats:
+    """Processes of one kind (`worker`, `api`) beating in a sorted set (id -> last beat, epoch s).
+    `start` beats every `beat_s` from a daemon thread; a process is alive while its last beat
+    is under `dead_after_s` old. Ids of processes dead for an hour are dropped."""
+
+    def __init__(self, client: redis.Redis, settings: Settings, kind: str) -> None:
+        self.redis: Any = client
+        self.settings = settings
+        self.key = settings.key("beats", kind)
+        self.me = process_id(kind)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self) -> None:
+        now = time.time()
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.key, {self.me: now})
+            pipe.zremrangebyscore(self.key, "-inf", now - 3600)
+            pipe.execute()
+
+    def start(self) -> Heartbeats:
+        if self._thread is None:
+            self.beat()
+            self._thread = threading.Thread(target=self._run, name=f"beat-{self.key}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop beating and say so (the others need not wait for the beats to age)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.redis.zrem(self.key, self.me)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.beat_s):
+            try:
+                self.beat()
+            except redis.RedisError:  # Redis away for a moment: the next beat tries again
+                continue
+
+    def alive(self) -> set[str]:
+        cutoff = time.time() - self.settings.dead_after_s
+        return {_text(m) for m in self.redis.zrangebyscore(self.key, cutoff, "+inf")}
+
+    def known(self) -> set[str]:
+        """Every process that beat in the last hour, alive or not."""
+        return {_text(m) for m in self.redis.zrange(self.key, 0, -1)}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,130 @@
+"""The sweeper: every `sweep_s`, in every worker process, it takes back what nobody will finish.
+
+- A lease past its deadline (the stage overran the scheduler's prediction x `lease_factor`), or
+  whose owner stopped beating (its worker died: SIGKILL, OOM, host lost): the attempt is
+  stopped in its regions (prefill canceled, decode reservation released, both best effort) and
+  handed to jobs/attempts.py: the next attempt (an overrun leaves its instance out), or FAILED.
+- A `queued` lease past its deadline or whose owner died: the job's dispatch was never started
+  (the task was lost between the move to QUEUED and the enqueue): it is queued again.
+- A job followed by an API process that stopped beating: nobody streams its tokens any more,
+  so it is stopped in its regions and ends FAILED with the reason; its concurrency slot
+  returns with the move (jobs/store.py).
+
+Every take-back is a claim in Redis (jobs/leases.py), so two sweepers never act on one lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import grpc
+import redis
+
+from prfaas.control_plane.jobs.attempts import Attempts
+from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
+from prfaas.control_plane.jobs.leases import Heartbeats, Lease, Leases
+from prfaas.control_plane.jobs.states import TERMINAL, JobState
+from prfaas.control_plane.jobs.store import JobStore
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from prfaas.region.channels import ChannelCache
+from prfaas.transport.identity import server_name
+
+log = logging.getLogger(__name__)
+
+
+class Sweeper:
+    def __init__(self, jobs: JobStore, leases: Leases, attempts: Attempts, beats: dict[str, Heartbeats],
+                 channels: ChannelCache) -> None:  # fmt: skip
+        self.jobs = jobs
+        self.leases = leases
+        self.attempts = attempts
+        self.beats = beats  # by kind: "worker", "api"
+        self.channels = channels
+        self.settings = jobs.settings
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Sweeper:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="prfaas-sweeper", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.sweep_s):
+            try:
+                self.sweep()
+            except (redis.RedisError, OSError):
+                log.exception("sweep failed; the next one tries again")
+
+    def sweep(self) -> list[str]:
+        """One pass; what it did, a line per job."""
+        now = time.time()
+        alive = set().union(*(b.alive() for b in self.beats.values()))
+        done = []
+        for lease in self.leases.all():
+            overran, orphaned = lease.deadline < now, lease.owner not in alive
+            if not (overran or orphaned) or self.leases.take(lease.job_id, lease.attempt) is None:
+                continue
+            done.append(self._recover(lease, overran))
+        api = self.beats.get("api")
+        if api is not None:
+            for job_id, owner in self.jobs.following().items():
+                if owner not in alive and self.jobs.unfollow(job_id, owner):
+                    done.append(self._orphaned(job_id, owner))
+        return done
+
+    def _recover(self, lease: Lease, overran: bool) -> str:
+        try:
+            job = self.jobs.get(lease.job_id)
+        except JobNotFound:
+            return f"{lease.job_id}: gone"
+        if job["state"] in TERMINAL or int(job["attempt"]) != lease.attempt:
+            return f"{lease.job_id}: moved on"
+        late = f"overran its lease by {time.time() - lease.deadline:.1f} s" if overran else f"lost {lease.owner}"
+        if lease.stage == "queued":  # its dispatch never started: queue it again
+            self.attempts.requeue(lease.job_id, lease.attempt)
+            return f"{lease.job_id}: dispatch {late}, queued again"
+        self._stop_in_regions(job, f"{lease.stage} {late}")
+        where = lease.where if overran else ""  # a dead worker is no fault of the instance
+        reason = f"{lease.stage} of attempt {lease.attempt} on {lease.where or 'a worker'} {late}"
+        return f"{lease.job_id}: {self.attempts.fail(lease.job_id, lease.attempt, where, reason)} ({reason})"
+
+    def _orphaned(self, job_id: str, owner: str) -> str:
+        reason = f"the API process following it ({owner}) stopped"
+        for _ in range(3):  # a concurrent move (a region's event) makes the attempt stale: read again
+            try:
+                job = self.jobs.get(job_id)
+                if job["state"] in TERMINAL:
+                    return f"{job_id}: already {job['state']}"
+                self._stop_in_regions(job, reason)
+                self.jobs.transition(job_id, JobState.FAILED, int(job["attempt"]), note=reason, error=reason,
+                                     tenant=job["tenant"])  # fmt: skip
+                return f"{job_id}: FAILED ({reason})"
+            except (StaleAttempt, IllegalTransition):
+                continue
+            except JobNotFound:
+                return f"{job_id}: gone"
+        return f"{job_id}: moved on"
+
+    def _stop_in_regions(self, job: dict[str, str], reason: str) -> None:
+        """Cancel the job in its prefill and its decode region (idempotent there: a prefill
+        stops, a reservation is released, a decode ends; a region that does not answer lets
+        them expire on their own)."""
+        request = common_pb2.CancelRequest(job_id=job["id"], reason=reason)
+        if job.get("prefill_grpc"):
+            channel = self.channels.get(job["prefill_grpc"], server_name(job.get("prefill_region", "")))
+            with contextlib.suppress(grpc.RpcError):
+                prefill_pb2_grpc.PrefillRegionStub(channel).Cancel(request, timeout=2)
+        if job.get("decode_grpc"):
+            channel = self.channels.get(job["decode_grpc"], server_name(job.get("decode_region", "")))
+            with contextlib.suppress(grpc.RpcError):
+                decode_pb2_grpc.DecodeRegionStub(channel).Cancel(request, timeout=2)
