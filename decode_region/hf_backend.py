@@ -83,9 +83,11 @@ class Assembly:
 
 class HFDecode:
     """`receiver` takes the KV (TCP + shared memory, or WebRTC); `kv_endpoint` is where
-    senders reach it."""
+    senders reach it. `test_token_delay_s` (TEST ONLY, RegionConfig.test_token_delay_s) paces
+    the tokens so fault tests can act mid-stream."""
 
-    def __init__(self, engine: HFEngine, receiver: Receiver, kv_endpoint: str) -> None:
+    def __init__(self, engine: HFEngine, receiver: Receiver, kv_endpoint: str, test_token_delay_s: float = 0.0) -> None:
+        self.test_token_delay_s = test_token_delay_s
         self.engine = engine
         self.facts: ModelFacts = engine.facts
         self.receiver = receiver
@@ -109,7 +111,7 @@ class HFDecode:
             raise PreconditionFailed(f"KV covers {layers[0].k.shape[1]} tokens, the request says {call.num_tokens}")
         facts = self.engine.facts
         kv = KVCache(facts.fingerprint, facts.dtype, tuple(layers), call.num_tokens, call.token_ids_hash)
-        return self.engine.decode(kv, call.first_token, params)
+        return self._paced(self.engine.decode(kv, call.first_token, params), canceled)
 
     def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         self.engine.check_prompt(token_ids, params)
@@ -118,7 +120,18 @@ class HFDecode:
                  canceled: threading.Event) -> Iterator[int]:  # fmt: skip
         result = self.engine.prefill(token_ids, params)
         first = result.first_token
-        return itertools.chain((first,), self.engine.decode(result.kv, first, params))
+        return self._paced(itertools.chain((first,), self.engine.decode(result.kv, first, params)), canceled)
+
+    def _paced(self, tokens: Iterator[int], canceled: threading.Event) -> Iterator[int]:
+        if not self.test_token_delay_s:
+            return tokens
+
+        def paced() -> Iterator[int]:
+            for token in tokens:
+                yield token
+                canceled.wait(self.test_token_delay_s)
+
+        return paced()
 
     def close(self) -> None:
         pass  # the receiver is its creator's to close (a region process ends with it)

@@ -85,6 +85,7 @@ class RegionProcess:
     metrics: str
     lines: list[str] = field(default_factory=list)
     name: str = ""  # the region's, as its ready line says
+    instance: str = ""  # the instance's, as its ready line says
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -148,7 +149,8 @@ def spawn_region(
         proc.kill()
         proc.wait(5)
         raise RuntimeError(f"region {config.stem} did not start:\n" + "\n".join(lines[-30:]))
-    return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines, ready.get("region", ""))
+    return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines, ready.get("region", ""),
+                         ready.get("instance", ""))  # fmt: skip
 
 
 def _exists(probe: Callable[[int, int], None], target: int) -> bool:

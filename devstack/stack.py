@@ -86,7 +86,8 @@ class Stack:
             "name": name, "role": role, "model": "tiny-llama", "ticket_key": TICKET_KEY, "usd_per_gpu_hour": price,
             "control_plane_url": self.registry, "kv_buffer_bytes": "256MiB",
         } | fields  # fmt: skip
-        path = write_region_config(self.folder / f"{name}.yaml", config)
+        instance = f"-{fields['instance']}" if "instance" in fields else ""  # a region's instances: a file each
+        path = write_region_config(self.folder / f"{name}{instance}.yaml", config)
         region = spawn_region(path, timeout_s=120)
         self.regions.append(region)
         return region

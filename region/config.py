@@ -168,6 +168,8 @@ class RegionConfig(BaseSettings):
     insecure: bool = False
     # TEST ONLY: a prefill waits this long after each layer, so fault tests can act mid-prefill
     test_layer_delay_s: float = Field(default=0.0, ge=0.0, le=10.0)
+    # TEST ONLY: a decode waits this long after each token, so fault tests can act mid-stream
+    test_token_delay_s: float = Field(default=0.0, ge=0.0, le=10.0)
 
     @field_validator("kv_buffer_bytes", "kv_lease_bytes", "shm_arena_bytes", mode="before")
     @classmethod

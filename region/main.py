@@ -32,6 +32,6 @@ def serve(config: RegionConfig, roles: Mapping[str, RoleBuilder]) -> None:
         signal.SIGTERM, lambda *_: threading.Thread(target=server.drain, args=(config.drain_timeout_s,)).start()
     )
     signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=server.stop).start())
-    print(f"ready region={config.name} role={config.role} grpc={server.grpc_address} "
+    print(f"ready region={config.name} instance={config.instance} role={config.role} grpc={server.grpc_address} "
           f"kv={registration.kv_endpoint or '-'} metrics={server.metrics_address or '-'}", flush=True)  # fmt: skip
     server.wait()

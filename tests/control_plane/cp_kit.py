@@ -59,18 +59,21 @@ def settings_fixture(**overrides: object) -> Iterator[Settings]:
     cleanup(settings)
 
 
-def two_region_stack(folder: Path, **prefill_fields: Any) -> Iterator[Stack]:
+def two_region_stack(
+    folder: Path, *, env: dict[str, str] | None = None, worker_concurrency: int = 4,
+    decode_fields: dict[str, Any] | None = None, **prefill_fields: Any,
+) -> Iterator[Stack]:  # fmt: skip
     """The API (serving the registry), Celery worker `w1`, regions `prefill-a` ($0.5/GPU-h, `prefill_fields`
-    added to its config) and `decode-b` ($4), the link between them; yielded once both are healthy, stopped
-    and removed after."""
+    added to its config) and `decode-b` ($4, `decode_fields` added), the link between them; yielded once both
+    are healthy, stopped and removed after. `env`: settings of the control plane's processes (PRFAAS_*)."""
     ensure_redis()
     prepare_model("tiny-llama")
-    s = Stack(folder)
+    s = Stack(folder, **(env or {}))
     try:
         s.start_api()
-        s.start_worker("w1")
+        s.start_worker("w1", worker_concurrency)
         s.region("prefill-a", "prefill", 0.5, **prefill_fields)
-        s.region("decode-b", "decode", 4.0)
+        s.region("decode-b", "decode", 4.0, **(decode_fields or {}))
         s.put_link("prefill-a", "decode-b")
         wait_until(lambda: len(s.healthy()) == 2, 20, 0.1)
         yield s

@@ -1,0 +1,156 @@
+"""A job's life through the faults no other test walks (issue 22), on real processes: the API,
+one Celery worker of concurrency 2, a prefill region that takes 3 s a prompt (`test_layer_delay_s`
+0.75 s x 4 layers of tiny-llama) with a dispatch visibility timeout of 1 s, and a decode region
+of two instances that pace their tokens (`test_token_delay_s`), so a test can act mid-stream."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import redis
+from cp_kit import two_region_stack
+
+from prfaas.devstack.stack import ADMIN, REDIS_URL, Stack, wait_until
+from prfaas.engine.hf import HFEngine
+from prfaas.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.e2e
+LAYER_DELAY_S = 0.75  # 4 layers: 3 s a prefill, 3x the visibility timeout
+TOKEN_DELAY_S = 0.1
+SPLIT = {"prfaas": {"placement": "split"}}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    for s in two_region_stack(
+        tmp_path_factory.mktemp("cp-lifecycle"), test_layer_delay_s=LAYER_DELAY_S,
+        env={"PRFAAS_DISPATCH_VISIBILITY_S": "1"}, worker_concurrency=2,
+        decode_fields={"instance": "d1", "test_token_delay_s": TOKEN_DELAY_S},
+    ):  # fmt: skip
+        s.region("decode-b", "decode", 4.0, instance="d2", test_token_delay_s=TOKEN_DELAY_S)
+        wait_until(lambda: _instances(s, "decode-b") == 2, 20, 0.1)
+        yield s
+
+
+def _instances(stack: Stack, region: str) -> int:
+    regions = httpx.get(stack.url + "/admin/regions", headers=ADMIN, timeout=5).json()
+    found = [r for r in regions if r["name"] == region]
+    return sum(1 for i in found[0]["instances"] if i["healthy"]) if found else 0
+
+
+def _job(stack: Stack, key: str, job_id: str) -> dict[str, object]:
+    reply: dict[str, object] = httpx.get(
+        f"{stack.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {key}"}, timeout=5
+    ).json()
+    return reply
+
+
+def _states(record: dict[str, object]) -> list[tuple[str, int]]:
+    timeline = record["timeline"]
+    assert isinstance(timeline, list)
+    return [(e["state"], e["attempt"]) for e in timeline]
+
+
+def _reference(prompt: list[int], tokens: int) -> str:
+    engine = HFEngine("tiny-llama")
+    return engine.decode_text(engine.generate(prompt, SamplingParams(max_new_tokens=tokens)))
+
+
+def test_a_prefill_three_times_the_visibility_timeout_completes_in_one_attempt(stack: Stack, long_text: str) -> None:
+    _, key = stack.tenant("slow-prefill", allow_placement=True)
+    prompt = HFEngine("tiny-llama").encode(long_text)[:400]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    started = time.monotonic()
+    reply = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=4, extra_body=SPLIT)
+    assert time.monotonic() - started > 3 * 1.0  # the prefill alone took 3x the visibility timeout
+    assert reply.choices[0].text == _reference(prompt, 4)
+    states = _states(_job(stack, key, reply.id))
+    assert {attempt for _, attempt in states} == {1}, states  # never redelivered, never restarted
+    assert [s for s, _ in states] == ["QUEUED", "PREFILLING", "TRANSFERRING", "DECODING", "DONE"], states
+
+
+def test_a_decode_instance_killed_mid_stream_the_client_text_equals_an_undisturbed_run(
+    stack: Stack, long_text: str
+) -> None:
+    _, key = stack.tenant("decode-kill", allow_placement=True)
+    prompt = HFEngine("tiny-llama").encode(long_text)[:400]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=90)
+    stream = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=40, stream=True,
+                                       extra_body=SPLIT)  # fmt: skip
+    pieces, job_id, killed = [], "", None
+    for chunk in stream:
+        job_id = chunk.id
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+        if len(pieces) == 5 and killed is None:  # mid-stream: kill the instance serving it
+            record = _job(stack, key, job_id)
+            killed = next(r for r in stack.regions if r.name == "decode-b" and r.instance == record["decode_instance"])
+            killed.proc.send_signal(signal.SIGKILL)
+            killed.proc.wait(5)
+    assert killed is not None
+    try:
+        assert "".join(pieces) == _reference(prompt, 40)  # not a token repeated, none skipped
+        record = _job(stack, key, job_id)
+        states = _states(record)
+        assert states[-1] == ("DONE", 2) and ("QUEUED", 2) in states, states
+        notes = [e["note"] for e in record["timeline"] if e["attempt"] == 2]  # type: ignore[union-attr]
+        assert any(str(n).startswith("reship from prefill-a/") for n in notes), notes  # KV reshipped, not recomputed
+        assert record["decode_instance"] != killed.instance
+    finally:
+        stack.regions.remove(killed)
+        stack.region("decode-b", "decode", 4.0, instance=killed.instance, test_token_delay_s=TOKEN_DELAY_S)
+        wait_until(lambda: _instances(stack, "decode-b") == 2, 30, 0.1)
+
+
+def test_an_api_process_killed_with_jobs_in_flight_ends_them_with_a_reason_and_frees_the_tenant(
+    stack: Stack, long_text: str
+) -> None:
+    """Last: it replaces the stack's API process."""
+    tenant, key = stack.tenant("api-kill", allow_placement=True)
+    prompt = HFEngine("tiny-llama").encode(long_text)[:400]
+    url = stack.url
+
+    def ask(placement: str) -> None:
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 200, "stream": True,
+                "prfaas": {"placement": placement}}  # fmt: skip
+        headers = {"Authorization": f"Bearer {key}"}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as reply:
+                for _ in reply.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # the API died under it
+
+    callers = [threading.Thread(target=ask, args=(p,), daemon=True) for p in ("split", "split", "local")]
+    for call in callers:
+        call.start()
+    client = redis.Redis.from_url(REDIS_URL)
+    active = f"{stack.prefix}:tenant:{tenant}:active"
+    wait_until(lambda: client.scard(active) == 3, 10, 0.05)
+    time.sleep(1.0)  # one job decoding, two prefilling or waiting for it
+    assert stack.api is not None
+    stack.api.send_signal(signal.SIGKILL)
+    stack.api.wait(5)
+    killed_at = time.monotonic()
+    job_ids = [j.decode() for j in client.zrange(f"{stack.prefix}:tenant:{tenant}:jobs", 0, -1)]
+    assert len(job_ids) == 3
+
+    def ended() -> bool:
+        return all(client.hget(f"{stack.prefix}:job:{j}", "state") in (b"DONE", b"FAILED") for j in job_ids)
+
+    wait_until(ended, 30, 0.2)
+    assert time.monotonic() - killed_at < 30
+    assert client.scard(active) == 0
+    for job_id in job_ids:
+        job = {k.decode(): v.decode() for k, v in client.hgetall(f"{stack.prefix}:job:{job_id}").items()}
+        assert job["state"] == "DONE" or "API process" in job.get("error", ""), job
+        timeline = [json.loads(e) for e in client.lrange(f"{stack.prefix}:job:{job_id}:timeline", 0, -1)]
+        assert timeline[-1]["state"] == job["state"]
+    client.close()
+    stack.start_api()  # for whatever runs after
