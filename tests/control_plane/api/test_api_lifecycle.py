@@ -35,7 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         decode_fields={"instance": "d1", "test_token_delay_s": TOKEN_DELAY_S},
     ):  # fmt: skip
         s.region("decode-b", "decode", 4.0, instance="d2", test_token_delay_s=TOKEN_DELAY_S)
-        wait_until(lambda: _instances(s, "decode-b") == 2, 20, 0.1)
+        wait_until(lambda s=s: _instances(s, "decode-b") == 2, 20, 0.1)  # type: ignore[misc]
         yield s
 
 
