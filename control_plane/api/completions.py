@@ -97,29 +97,28 @@ def _run(
         status, detail = REFUSALS[exc.reason]
         raise HTTPException(status, detail) from None
     job_id = created.job_id
-    record: dict[str, str] | None = None
-    ready: dict[str, Any] | None = None
-    if created.existing:
+    if created.existing:  # the same Idempotency-Key again: the first request's job, never a second run
         job = s.jobs.get(job_id)
-        if job["state"] == "DONE" and job.get("output_ids"):
-            # a replay of a finished job: the same answer, not a new run
+        if not body.stream and job["state"] == "DONE" and job.get("output_ids"):
             output = json.loads(job["output_ids"])
             return JSONResponse(_full(s, job_id, kind, output, job.get("finish_reason", "length"), len(ids)))
+        stream, leader = follower.attached(job_id), False  # its tokens as its follower logs them
     elif handed_off is not None:
-        record, ready = created.record, {"attempt": 1} | handed_off.ready
+        stream, leader = follower.tokens(job_id, created.record, {"attempt": 1} | handed_off.ready), True
     else:
         enqueue(follower.celery, job_id)
+        stream, leader = follower.tokens(job_id), True
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
         return ClosingStreamingResponse(
-            _sse(s, follower.tokens(job_id, record, ready), follower, job_id, kind, len(ids), include_usage),
+            _sse(s, stream, follower, job_id, kind, len(ids), include_usage, leader),
             media_type="text/event-stream",
             headers={"X-Prfaas-Job-Id": job_id, "Cache-Control": "no-cache"},
         )
     tokens: list[int] = []
     finish = "length"
     try:
-        for token in follower.tokens(job_id, record, ready):
+        for token in stream:
             tokens.append(token.token)
             finish = token.finish_reason or finish
     except JobEnded as exc:
@@ -176,7 +175,9 @@ def _sse(
     kind: str,
     prompt: int,
     include_usage: bool,
+    leader: bool,
 ) -> Generator[str, None, None]:
+    """`leader`: this request's stream is the job's own (its follower); else attached to it."""
     chat = kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
@@ -212,5 +213,5 @@ def _sse(
         finished = True
         yield f"data: {json.dumps({'error': {'message': f'job {exc.state.lower()}: {exc}', 'code': exc.state}})}\n\n"
     finally:
-        if not finished:  # the client went away mid-stream: free both regions
-            follower.cancel(job_id, "client disconnected")
+        if not finished and leader:  # the client went away mid-stream
+            follower.disconnected(job_id, stream)

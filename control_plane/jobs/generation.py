@@ -14,7 +14,9 @@ the jobs of a follower that stopped beating (jobs/sweeper.py)."""
 from __future__ import annotations
 
 import base64
+import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, Sta
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
 from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.tokenlog import TokenLog
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from prfaas.region.channels import ChannelCache
@@ -66,6 +69,7 @@ class Follower:
             return enqueue(celery, job_id, countdown_s)
 
         self.attempts = Attempts(services.jobs, Leases(services.redis, services.settings), enqueue_job, owner)
+        self.log = TokenLog(services.jobs)
         # A token stream is read on the thread that asked for it: without this option every stream call
         # on an idle channel starts a thread of its own to pump the channel's events (~0.2 ms a request).
         self.channels = ChannelCache(
@@ -139,6 +143,7 @@ class Follower:
                     if event.index < len(output):
                         continue
                     output.append(event.token)
+                    self.log.log_token(job_id, event.token, event.last, event.finish_reason)  # before DONE
                     if event.last:  # spend is billed from the ledger (billing/meter.py), not here
                         jobs.transition(
                             job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
@@ -154,6 +159,55 @@ class Follower:
                 self._lost(job_id, attempt, handed["mode"], exc, after_tokens=len(output))
             except (StaleAttempt, IllegalTransition):
                 continue  # a newer attempt (or a cancel) took over
+
+    def attached(self, job_id: str) -> Iterator[Token]:
+        """The tokens of a job another request follows (an Idempotency-Key retry while it runs),
+        from its token log: the same tokens, without a decode of its own, billed once."""
+        deadline = time.monotonic() + self.s.settings.job_timeout_s
+        self.log.attach(job_id, 1)
+        try:
+            seen = 0
+            while True:
+                found = self.log.wait_tokens(job_id, seen, max(0.0, deadline - time.monotonic()))
+                for token, last, finish in found:
+                    yield Token(seen, token, last, finish)
+                    seen += 1
+                    if last:
+                        return
+                if found:
+                    continue
+                job = self.s.jobs.get(job_id)
+                if job["state"] in (JobState.FAILED, JobState.CANCELED):
+                    raise JobEnded(job["state"], job.get("error") or job["state"].lower())
+                if job["state"] == JobState.DONE:  # its log is gone (expired): its record has the tokens
+                    output = _ids(job, "output_ids")
+                    for index in range(seen, len(output)):
+                        yield Token(index, output[index], index == len(output) - 1, job.get("finish_reason", ""))
+                    return
+                if time.monotonic() >= deadline:
+                    raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job_timeout_s:g} s")
+        finally:
+            self.log.attach(job_id, -1)
+
+    def disconnected(self, job_id: str, stream: Iterator[Token]) -> None:
+        """The client of the job's own stream (`tokens`) went away mid-stream: the job is
+        canceled in both regions, unless requests are attached to it, for which `stream` is
+        read to its end on a thread of its own."""
+        if self.log.readers(job_id) <= 0:
+            self.cancel(job_id, "client disconnected")
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()  # its end: no longer this process's to follow
+            return
+
+        def drain() -> None:
+            try:
+                for _ in stream:
+                    pass
+            except JobEnded as exc:
+                log.info("job %s, followed for attached requests only, ended: %s", job_id, exc)
+
+        threading.Thread(target=drain, name=f"drain-{job_id[:8]}", daemon=True).start()
 
     def _decode_stub(self, target: str, region: str) -> decode_pb2_grpc.DecodeRegionStub:
         stub = self._decode_stubs.get((target, region))
@@ -202,8 +256,6 @@ class Follower:
         return True
 
 
-def _ids(job: dict[str, str]) -> list[int]:
-    import json
-
-    ids: list[int] = json.loads(job["token_ids"])
+def _ids(job: dict[str, str], field: str = "token_ids") -> list[int]:
+    ids: list[int] = json.loads(job.get(field) or "[]")
     return ids

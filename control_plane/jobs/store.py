@@ -59,7 +59,7 @@ class JobStore:
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
-        self._notifier = Notifier(client, _glob_escape(settings.key("job")) + ":*:notify")
+        self.notifier = Notifier(client, _glob_escape(settings.key("job")) + ":*:notify")
         self._transition = client.register_script(TRANSITION)
         self._create = client.register_script(CREATE)
         self._unfollow = client.register_script(_UNFOLLOW)
@@ -236,7 +236,7 @@ class JobStore:
         deadline = time.monotonic() + timeout_s
         key = self._job(job_id) + ":ready"
         channel = self._job(job_id) + ":notify"
-        notified = self._notifier.watch(channel)  # before the first read: a notice after it is kept
+        notified = self.notifier.watch(channel)  # before the first read: a notice after it is kept
         try:
             seen = 0
             while True:
@@ -250,9 +250,9 @@ class JobStore:
                 remaining = deadline - time.monotonic()
                 if state is None or _text(state) in TERMINAL or remaining <= 0:
                     return None
-                notified.wait(min(remaining, 1.0 if self._notifier.live else 0.02))
+                notified.wait(min(remaining, 1.0 if self.notifier.live else 0.02))
         finally:
-            self._notifier.unwatch(channel, notified)
+            self.notifier.unwatch(channel, notified)
 
     # -- which API process streams each job's tokens (a dead one's jobs: jobs/sweeper.py) ----
 

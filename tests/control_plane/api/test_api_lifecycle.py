@@ -17,6 +17,7 @@ import pytest
 import redis
 from cp_kit import two_region_stack
 
+from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.devstack.stack import ADMIN, REDIS_URL, Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
@@ -106,6 +107,82 @@ def test_a_decode_instance_killed_mid_stream_the_client_text_equals_an_undisturb
         stack.regions.remove(killed)
         stack.region("decode-b", "decode", 4.0, instance=killed.instance, test_token_delay_s=TOKEN_DELAY_S)
         wait_until(lambda: _instances(stack, "decode-b") == 2, 30, 0.1)
+
+
+def _sse_text(reply: httpx.Response, stop_after: int | None = None) -> tuple[str, str, int]:
+    """(text, job id, chunks read) of a streamed completion; stops reading after `stop_after` chunks."""
+    text, chunks = "", 0
+    for line in reply.iter_lines():
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        text += chunk["choices"][0]["text"] if chunk.get("choices") else ""
+        chunks += 1
+        if stop_after is not None and chunks >= stop_after:
+            break
+    return text, reply.headers["X-Prfaas-Job-Id"], chunks
+
+
+def test_two_requests_with_one_idempotency_key_share_one_job_one_bill_one_text(stack: Stack, long_text: str) -> None:
+    tenant_id, key = stack.tenant("idem", allow_placement=True)
+    prompt = HFEngine("tiny-llama").encode(long_text)[:400]
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 20, "prfaas": {"placement": "split"}}
+    headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "retry-1"}
+    results: dict[str, tuple[str, str]] = {}
+
+    def streamed() -> None:
+        with httpx.stream("POST", stack.url + "/v1/completions", json=body | {"stream": True}, headers=headers,
+                          timeout=60) as reply:  # fmt: skip
+            text, job_id, _ = _sse_text(reply)
+            results["stream"] = (text, job_id)
+
+    def whole() -> None:
+        reply = httpx.post(stack.url + "/v1/completions", json=body, headers=headers, timeout=60).json()
+        results["whole"] = (reply["choices"][0]["text"], reply["id"])
+
+    first = threading.Thread(target=streamed)
+    first.start()
+    time.sleep(1.0)  # the first one's job is prefilling: the second comes while it runs
+    second = threading.Thread(target=whole)
+    second.start()
+    first.join(60)
+    second.join(60)
+    expected = _reference(prompt, 20)
+    assert results["stream"] == (expected, results["whole"][1]) and results["whole"][0] == expected, results
+    job_id = results["whole"][1]
+    jobs = httpx.get(stack.url + "/v1/jobs", headers=headers, timeout=5).json()["data"]
+    assert [j["id"] for j in jobs] == [job_id]  # one job
+    states = _states(_job(stack, key, job_id))
+    assert states.count(("DONE", 1)) == 1 and {a for _, a in states} == {1}, states  # one run, never restarted
+    ledger = Ledger(stack.ledger_url, migrate=False)
+    try:
+        wait_until(lambda: ledger.entry(job_id) is not None, 10, 0.05)
+        entry = ledger.entry(job_id)
+        assert entry is not None and entry.attempts == 1
+        tenants = httpx.get(f"{stack.url}/admin/tenants", headers=ADMIN, timeout=5).json()
+        spend = next(t for t in tenants if t["id"] == tenant_id)["spend_usd_this_month"]
+        assert spend == pytest.approx(entry.total_usd, rel=1e-9)  # one bill
+    finally:
+        ledger.close()
+
+
+def test_the_first_stream_going_away_does_not_cancel_a_job_a_retry_still_reads(stack: Stack, long_text: str) -> None:
+    _, key = stack.tenant("idem-disconnect", allow_placement=True)
+    prompt = HFEngine("tiny-llama").encode(long_text)[:400]
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 30, "stream": True, "prfaas": {"placement": "split"}}
+    headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "retry-2"}
+    url = stack.url + "/v1/completions"
+    with (
+        httpx.stream("POST", url, json=body, headers=headers, timeout=60) as first,
+        httpx.stream("POST", url, json=body, headers=headers, timeout=60) as retry,
+    ):
+        _, job_id, read = _sse_text(first, stop_after=3)  # then the first client hangs up
+        first.close()
+        text, retry_job, _ = _sse_text(retry)
+    assert read == 3 and retry_job == job_id
+    assert text == _reference(prompt, 30)  # the retry got every token
+    record = _job(stack, key, job_id)
+    assert record["state"] == "DONE", record
 
 
 def test_an_api_process_killed_with_jobs_in_flight_ends_them_with_a_reason_and_frees_the_tenant(

@@ -1,0 +1,78 @@
+"""The token log of a job: what its follower streamed, a Redis list of [token, last, finish
+reason] whose index is the token's (`p:job:{id}:tokens`). A request that attaches to a running
+job (an Idempotency-Key retry) reads its tokens from here instead of decoding again; attached
+readers are counted (`p:job:{id}:readers`) and woken through the job's notify channel, which
+the log publishes to only while someone is attached. Both keys live `job_ttl_s`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from prfaas.control_plane.jobs.states import TERMINAL
+from prfaas.control_plane.jobs.store import JobStore
+
+# KEYS: token log, readers count, notify channel. ARGV: entry, TTL.
+_LOG_TOKEN = """
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('PUBLISH', KEYS[3], 'token') end
+return 1
+"""
+
+
+class TokenLog:
+    def __init__(self, jobs: JobStore) -> None:
+        self.redis: Any = jobs.redis
+        self.settings = jobs.settings
+        self.notifier = jobs.notifier
+        self._log = jobs.redis.register_script(_LOG_TOKEN)
+
+    def log_token(self, job_id: str, token: int, last: bool, finish_reason: str) -> None:
+        """Append the job's next token (its index is its place in the log); wakes attached
+        readers, if any (a job nobody attached to publishes nothing)."""
+        key = self.settings.key("job", job_id)
+        entry = json.dumps([token, int(last), finish_reason])
+        self._log(keys=[key + ":tokens", key + ":readers", key + ":notify"], args=[entry, self.settings.job_ttl_s])
+
+    def logged_tokens(self, job_id: str, start: int) -> list[tuple[int, bool, str]]:
+        """The logged tokens from index `start` on: (token, last, finish reason)."""
+        items = self.redis.lrange(self.settings.key("job", job_id) + ":tokens", start, -1)
+        return [(int(t), bool(last), str(finish)) for t, last, finish in (json.loads(i) for i in items)]
+
+    def attach(self, job_id: str, readers: int) -> int:
+        """Add `readers` (1: one more, -1: one fewer) to the job's attached readers; -> how many now."""
+        key = self.settings.key("job", job_id) + ":readers"
+        with self.redis.pipeline() as pipe:
+            pipe.incrby(key, readers)
+            pipe.expire(key, self.settings.job_ttl_s)
+            count, _ = pipe.execute()
+        return int(count)
+
+    def readers(self, job_id: str) -> int:
+        return int(self.redis.get(self.settings.key("job", job_id) + ":readers") or 0)
+
+    def wait_tokens(self, job_id: str, start: int, timeout_s: float) -> list[tuple[int, bool, str]]:
+        """Tokens from index `start` on, waiting up to `timeout_s` for some; [] at the deadline
+        or when the job ended with no more logged (the caller reads its state)."""
+        deadline = time.monotonic() + timeout_s
+        channel = self.settings.key("job", job_id) + ":notify"
+        notified = self.notifier.watch(channel)
+        try:
+            while True:
+                notified.clear()
+                found = self.logged_tokens(job_id, start)
+                if found:
+                    return found
+                state = self.redis.hget(self.settings.key("job", job_id), "state")
+                remaining = deadline - time.monotonic()
+                if state is None or _text(state) in TERMINAL or remaining <= 0:
+                    return self.logged_tokens(job_id, start)  # a last one may have come with the end
+                notified.wait(min(remaining, 1.0 if self.notifier.live else 0.02))
+        finally:
+            self.notifier.unwatch(channel, notified)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
