@@ -6,7 +6,12 @@ scripts.py     the store's Lua: the transition script generated from states.py, 
 notifier.py    pub/sub wake-ups for waiters on a job
 store.py       JobStore: create (admission), transition, hand-offs between dispatch and the API
 placement.py   AdmissionPlacer: local jobs placed by the API process at admission
-dispatch.py    Dispatcher: the Celery task's body (reserve, prefill, follow, retry elsewhere)
-generation.py  Follower: the API side (stream the tokens, record DONE, cancel both regions)
+dispatch.py    Dispatcher: the Celery task's body (claim, place, reserve, start; the watcher follows)
+watcher.py     the worker's asyncio loop that reads the prefill streams (no thread per job)
+leases.py      leases on an attempt's stages, heartbeats of workers and API processes
+attempts.py    a failed attempt: the next one (backoff, excluded instances) or FAILED
+sweeper.py     takes back overrun leases, dead workers' attempts, dead API processes' jobs
+generation.py  Follower: the API side (stream the tokens, record DONE, decode failover, cancel)
+tokenlog.py    a job's streamed tokens, for the requests that attach (Idempotency-Key)
 celery_app.py  the Celery application and `enqueue` (the worker process: control_plane/worker.py)
 """
