@@ -24,7 +24,8 @@ from prfaas.transport.identity import Identity, server_name
 from prfaas.transport.outbound import OutboundTransfer
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
-from prfaas.transport.tls import NodeCert, RecordFraming, TlsSocket, client_context, init_certs, server_context
+from prfaas.transport.tls import NodeCert, TlsSocket, client_context, init_certs, server_context
+from prfaas.transport.tls_records import RecordFraming
 
 
 @pytest.fixture(scope="module")
