@@ -14,14 +14,15 @@ from contextlib import asynccontextmanager
 
 import redis
 import redis.asyncio
-from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prfaas.control_plane import dashboard
-from prfaas.control_plane.api import completions, jobs, prices, regions, tenants, usage
+from prfaas.control_plane.api import completions, errors, jobs, prices, regions, tenants, usage
+from prfaas.control_plane.api.body_limit import BodyLimit
+from prfaas.control_plane.api.errors import STORE_UNAVAILABLE
+from prfaas.control_plane.api.metrics import ApiMetrics
 from prfaas.control_plane.billing.meter import open_meter
 from prfaas.control_plane.fleet.server import serve_registry
 from prfaas.control_plane.jobs.celery_app import make_celery
@@ -35,9 +36,7 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings) -> FastAPI:
     metrics = CollectorRegistry()
-    responses = Counter(
-        "prfaas_api_responses", "HTTP responses by route and status", ["route", "status"], registry=metrics
-    )
+    api_metrics = ApiMetrics(metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -47,6 +46,7 @@ def create_app(settings: Settings) -> FastAPI:
         services.tenants.use_async(auth_redis)  # on this event loop: the tenant lookup costs no thread hop
         celery = make_celery(settings)
         app.state.services = services
+        app.state.api_metrics = api_metrics
         app.state.meter = meter = open_meter(services, metrics)
         beats = Heartbeats(services.redis, settings, "api").start()  # its jobs are swept if it stops beating
         app.state.follower = Follower(services, celery, meter, beats.me)
@@ -72,17 +72,9 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(prices.router)
     dashboard.install(app)
 
-    app.add_middleware(CountResponses, counter=responses)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return JSONResponse({"detail": f"invalid request: {where}: {first.get('msg', 'invalid')}"}, status_code=422)
-
-    @app.exception_handler(redis.RedisError)
-    async def store_down(_request: Request, _exc: redis.RedisError) -> JSONResponse:
-        return JSONResponse({"detail": "job store unavailable"}, status_code=503)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CountResponses, counter=api_metrics.responses)  # outermost: counts early 413s too
+    errors.install(app)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:
@@ -94,7 +86,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             services.redis.ping()
         except redis.RedisError:
-            raise HTTPException(503, "job store unavailable") from None
+            raise STORE_UNAVAILABLE.error() from None
         return {"status": "ready"}
 
     @app.get("/metrics", tags=["ops"])

@@ -101,6 +101,17 @@ class Settings(BaseSettings):
     default_budget_usd: float = Field(default=100.0, ge=0, description="tenant default: monthly $ budget")
     default_max_tokens: int = Field(default=16, ge=1)
     max_new_tokens_limit: int = Field(default=4096, ge=1)
+    max_body_bytes: int = Field(
+        default=8 * 2**20,
+        ge=1024,
+        description="largest request body (413 beyond, counted while reading, chunked bodies too); 8 MiB holds a "
+        "128k-token prompt as token ids (~1 MB of JSON) several times over",
+    )
+    admission_hold_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a request admitted before its prompt is tokenized holds its concurrency slot this long at most",
+    )
     admission_placement: bool = Field(
         default=True, description="the API places local jobs itself at admission (no Celery round trip)"
     )

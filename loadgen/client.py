@@ -151,7 +151,7 @@ def attach_jobs(api_base: str, api_key: str, outcomes: list[Outcome], ledger_wai
         if not done:
             return
         probe = http.get(f"/usage/jobs/{done[0].job_id}")
-        if probe.status_code == 404 and probe.json().get("detail") == "Not Found":
+        if probe.status_code == 404 and _unknown_route(probe.json()):
             return  # no such route: this API has no ledger
         deadline = time.monotonic() + ledger_wait_s
         waiting = done
@@ -163,6 +163,12 @@ def attach_jobs(api_base: str, api_key: str, outcomes: list[Outcome], ledger_wai
             waiting = [o for o in waiting if not o.usage]
             if waiting:
                 time.sleep(0.2)
+
+
+def _unknown_route(body: dict[str, object]) -> bool:
+    """A 404 for the route itself (OpenAI's error object; FastAPI's default before it), not for the entry."""
+    error = body.get("error")
+    return body.get("detail") == "Not Found" or (isinstance(error, dict) and error.get("code") == "unknown_url")
 
 
 def fetch_models(api_base: str, api_key: str) -> list[str]:

@@ -8,4 +8,7 @@ regions.py      /admin/regions, /admin/links: the fleet, drains, links
 prices.py       /admin/prices: every price with its source and age, refresh
 deps.py         the named dependencies (ServicesDep, TenantDep, AdminDep, MeterDep, GenerationDep)
 schemas.py      the request and response models, a family per resource
+errors.py       OpenAI's error object on every /v1 4xx/5xx: the catalogue and the handlers
+body_limit.py   BodyLimit: 413 past Settings.max_body_bytes, before the body is read or parsed
+metrics.py      ApiMetrics: responses, tokenizer time, admission refusals
 """

@@ -1,40 +1,53 @@
 """OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions` (the model's chat
 template), `stream=true` as server-sent events, `usage`, `/v1/models`.
 
-Admission, in order: model known (404), prompt fits the model (400), placement allowed for
-the tenant (403), then in one Redis step idempotency, budget (402), concurrency (429) and
-rate (429). The job is then queued for dispatch and its tokens streamed back here."""
+Admission, cheapest first, so that a refused request costs no tokenizer time: model known (404),
+`max_tokens` within limits and a token-id prompt within the vocabulary and the context (400),
+placement allowed for the tenant (403); then one Redis step (`JobStore.admit`): Idempotency-Key (a
+replay answers from its job; the key with another body: 422), budget headroom (402), concurrency
+(429) and rate (429). Only then is the prompt tokenized and checked (400; the admission's slot and
+rate count are given back), the job placed, its predicted $ reserved in the budget (402 when it does
+not fit) and the job written (`JobStore.create`). The job is then queued for dispatch and its tokens
+streamed back here. Error bodies: api/errors.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
 import time
-import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from prfaas.control_plane.api.deps import Generation, GenerationDep, ServicesDep, TenantDep
+from prfaas.control_plane.api.errors import (
+    ADMISSION_REFUSALS,
+    JOB_ENDED,
+    JOB_NOT_FOUND,
+    MODEL_NOT_FOUND,
+    PLACEMENT_NOT_ALLOWED,
+    PROMPT_EMPTY,
+    PROMPT_TOO_LONG,
+    TOKEN_OUT_OF_VOCAB,
+    ApiError,
+    sse_error,
+)
 from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
 from prfaas.control_plane.jobs.celery_app import enqueue
-from prfaas.control_plane.jobs.errors import AdmissionRefused
+from prfaas.control_plane.jobs.errors import AdmissionRefused, JobNotFound
 from prfaas.control_plane.jobs.generation import Follower, JobEnded, Token
+from prfaas.control_plane.jobs.store import Admission, HandedOff
 from prfaas.control_plane.services import ServedModel, Services
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
-REFUSALS = {
-    "rate": (429, "rate limit exceeded"),
-    "concurrency": (429, "too many concurrent jobs"),
-    "budget": (402, "monthly budget exhausted"),
-}
-ENDED = {"FAILED": 503, "CANCELED": 409, "TIMEOUT": 504, "DONE": 409}
+Prompt = list[int] | Callable[[], list[int]]  # token ids, or how to tokenize the prompt (after admission)
 
 
 @router.get("/models")
@@ -45,37 +58,101 @@ def list_models(_tenant: TenantDep, s: ServicesDep) -> dict[str, Any]:
 @router.post("/completions", response_model=None)
 def create_completion(body: CompletionCreate, g: GenerationDep) -> JSONResponse | StreamingResponse:
     model = _served_model(g.services, body.model)
-    ids = list(body.prompt) if isinstance(body.prompt, list) else model.encode(body.prompt)
-    if isinstance(body.prompt, list) and max(ids) >= len(model.tokenizer):
-        raise HTTPException(400, "prompt token id out of the model's vocabulary")
-    return _run(g, body, ids, body.max_tokens, "text_completion")
+    if isinstance(body.prompt, list):
+        ids = list(body.prompt)
+        if max(ids) >= len(model.tokenizer):
+            raise TOKEN_OUT_OF_VOCAB.error(param="prompt")
+        return _run(g, body, ids, body.max_tokens, "text_completion")
+    text = body.prompt
+    return _run(g, body, lambda: model.encode(text), body.max_tokens, "text_completion")
 
 
 @router.post("/chat/completions", response_model=None)
 def create_chat_completion(body: ChatCompletionCreate, g: GenerationDep) -> JSONResponse | StreamingResponse:
-    ids = _served_model(g.services, body.model).encode_chat([m.model_dump() for m in body.messages])
-    return _run(g, body, ids, body.max_completion_tokens or body.max_tokens, "chat.completion")
+    model = _served_model(g.services, body.model)
+    messages = [m.model_dump() for m in body.messages]
+    return _run(
+        g, body, lambda: model.encode_chat(messages), body.max_completion_tokens or body.max_tokens, "chat.completion"
+    )
 
 
 def _served_model(s: Services, model: str) -> ServedModel:
     if model != s.model.name:
-        raise HTTPException(404, "model not found")
+        raise MODEL_NOT_FOUND.error(param="model")
     return s.model
 
 
+def _param(kind: str) -> str:
+    return "messages" if kind == "chat.completion" else "prompt"
+
+
+def _body_hash(g: Generation, body: CompletionCreate | ChatCompletionCreate, kind: str) -> str:
+    """SHA-256 of the request as the API reads it (route, placement header, the body's fields in schema
+    order with defaults filled in): what an Idempotency-Key is bound to."""
+    canonical = f"{kind}\n{g.placement or ''}\n{body.model_dump_json()}"
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _refused(g: Generation, exc: AdmissionRefused) -> ApiError:
+    g.metrics.refused.labels(exc.reason).inc()
+    return ADMISSION_REFUSALS[exc.reason].error()
+
+
 def _run(
-    g: Generation, body: CompletionCreate | ChatCompletionCreate, ids: list[int], max_tokens: int | None, kind: str
+    g: Generation, body: CompletionCreate | ChatCompletionCreate, prompt: Prompt, max_tokens: int | None, kind: str
 ) -> JSONResponse | StreamingResponse:
-    s, follower, tenant, idempotency_key = g.services, g.follower, g.tenant, g.idempotency_key
-    settings = s.settings
-    max_new = max_tokens or settings.default_max_tokens
-    if not ids:
-        raise HTTPException(400, "prompt is empty")
-    if max_new > settings.max_new_tokens_limit or len(ids) + max_new > s.model.max_context:
-        raise HTTPException(400, "prompt too long for the model")
+    s, tenant = g.services, g.tenant
+    max_new = max_tokens or s.settings.default_max_tokens
+    if max_new > s.settings.max_new_tokens_limit:
+        raise PROMPT_TOO_LONG.error(param="max_tokens")
+    if isinstance(prompt, list) and len(prompt) + max_new > s.model.max_context:
+        raise PROMPT_TOO_LONG.error(param=_param(kind))
     placement = g.placement or (body.prfaas.placement if body.prfaas else "auto")
     if placement != "auto" and not tenant.allow_placement:
-        raise HTTPException(403, "placement requests are not enabled for this tenant")
+        raise PLACEMENT_NOT_ALLOWED.error(param="prfaas.placement")
+    body_hash = _body_hash(g, body, kind) if g.idempotency_key else ""
+    try:
+        admission = s.jobs.admit(tenant.id, tenant.quota, idempotency_key=g.idempotency_key, body_hash=body_hash)
+    except AdmissionRefused as exc:
+        raise _refused(g, exc) from None
+    if admission.existing:
+        return _replay(g, body, admission.job_id, kind)
+    try:  # from here on, a refusal gives the admission's slot and rate count back
+        ids = prompt if isinstance(prompt, list) else g.metrics.tokenize(prompt)
+        job_id, handed_off, record = _create(g, body, admission, ids, max_new, placement, kind)
+    except AdmissionRefused as exc:
+        s.jobs.release(admission)
+        raise _refused(g, exc) from None
+    except BaseException:
+        s.jobs.release(admission)
+        raise
+    if record is None:  # a concurrent request with the same Idempotency-Key and body created the job
+        return _replay(g, body, job_id, kind)
+    ready: dict[str, Any] | None = None
+    if handed_off is not None:
+        ready = {"attempt": 1} | handed_off.ready
+    else:
+        enqueue(g.follower.celery, job_id)
+        record = None
+    return _respond(g, body, job_id, kind, len(ids), record, ready)
+
+
+def _create(
+    g: Generation,
+    body: CompletionCreate | ChatCompletionCreate,
+    admission: Admission,
+    ids: list[int],
+    max_new: int,
+    placement: str,
+    kind: str,
+) -> tuple[str, HandedOff | None, dict[str, str] | None]:
+    """Check the tokenized prompt, place the job, reserve its predicted $ and write it: (job id, its
+    hand-off when placed locally at admission, its record; None when another request's job answers)."""
+    s, tenant = g.services, g.tenant
+    if not ids:
+        raise PROMPT_EMPTY.error(param=_param(kind))
+    if len(ids) + max_new > s.model.max_context:
+        raise PROMPT_TOO_LONG.error(param=_param(kind))
     seed = body.seed if body.seed is not None or body.temperature == 0 else secrets.randbits(62)
     fields: dict[str, Any] = {
         "model": s.model.name, "kind": kind, "token_ids": ids, "prompt_tokens": len(ids), "max_new_tokens": max_new,
@@ -83,35 +160,54 @@ def _run(
     }  # fmt: skip
     if seed is not None:
         fields["seed"] = seed
-    job_id = str(uuid.uuid4())
-    placed = None
-    if s.settings.admission_placement:
-        asked = {"id": job_id, "tenant": tenant.id, "prompt_tokens": str(len(ids)), "max_new_tokens": str(max_new)}
-        placed = follower.placer.place(asked | {"placement_asked": placement})  # not the prompt: str() of 100k ids
-    handed_off = placed[0] if placed else None
-    if placed:
-        fields |= placed[1]
+    asked = {"id": admission.job_id, "tenant": tenant.id, "prompt_tokens": str(len(ids))}
+    asked |= {"max_new_tokens": str(max_new), "placement_asked": placement}  # not the prompt: str() of 100k ids
+    placed = g.follower.placer.place(asked, hand_off=s.settings.admission_placement)
+    created = s.jobs.create(
+        tenant.id, fields | placed.fields, tenant.quota, handed_off=placed.handed_off, admission=admission,
+        reserve_usd=placed.predicted_usd,
+    )  # fmt: skip
+    if created.existing:
+        return created.job_id, None, None
+    return created.job_id, placed.handed_off, created.record
+
+
+def _replay(
+    g: Generation, body: CompletionCreate | ChatCompletionCreate, job_id: str, kind: str
+) -> JSONResponse | StreamingResponse:
+    """The answer to a request whose Idempotency-Key (and body) an earlier request used: that job's."""
+    s = g.services
     try:
-        created = s.jobs.create(tenant.id, fields, tenant.quota, idempotency_key, handed_off, job_id=job_id)
-    except AdmissionRefused as exc:
-        status, detail = REFUSALS[exc.reason]
-        raise HTTPException(status, detail) from None
-    job_id = created.job_id
-    if created.existing:  # the same Idempotency-Key again: the first request's job, never a second run
         job = s.jobs.get(job_id)
-        if not body.stream and job["state"] == "DONE" and job.get("output_ids"):
-            output = json.loads(job["output_ids"])
-            return JSONResponse(_full(s, job_id, kind, output, job.get("finish_reason", "length"), len(ids)))
-        stream, leader = follower.attached(job_id), False  # its tokens as its follower logs them
-    elif handed_off is not None:
-        stream, leader = follower.tokens(job_id, created.record, {"attempt": 1} | handed_off.ready), True
-    else:
-        enqueue(follower.celery, job_id)
-        stream, leader = follower.tokens(job_id), True
+    except JobNotFound:
+        raise JOB_NOT_FOUND.error() from None
+    prompt = int(job.get("prompt_tokens", 0) or 0)
+    if not body.stream and job["state"] == "DONE" and job.get("output_ids"):  # the same answer, not a new run
+        output = json.loads(job["output_ids"])
+        reply = _full(s, job_id, kind, output, job.get("finish_reason", "length"), prompt)
+        return JSONResponse(reply, headers={"X-Prfaas-Job-Id": job_id})
+    return _respond(g, body, job_id, kind, prompt, None, None, attach=True)  # never a second run
+
+
+def _respond(
+    g: Generation,
+    body: CompletionCreate | ChatCompletionCreate,
+    job_id: str,
+    kind: str,
+    prompt: int,
+    record: dict[str, str] | None,
+    ready: dict[str, Any] | None,
+    *,
+    attach: bool = False,
+) -> JSONResponse | StreamingResponse:
+    """`attach`: the job is another request's (the same Idempotency-Key): read its token log
+    (jobs/tokenlog.py) rather than follow it."""
+    s, follower = g.services, g.follower
+    stream = follower.attached(job_id) if attach else follower.tokens(job_id, record, ready)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
         return ClosingStreamingResponse(
-            _sse(s, stream, follower, job_id, kind, len(ids), include_usage, leader),
+            _sse(s, stream, follower, job_id, kind, prompt, include_usage, leader=not attach),
             media_type="text/event-stream",
             headers={"X-Prfaas-Job-Id": job_id, "Cache-Control": "no-cache"},
         )
@@ -122,8 +218,12 @@ def _run(
             tokens.append(token.token)
             finish = token.finish_reason or finish
     except JobEnded as exc:
-        raise HTTPException(ENDED[exc.state], f"job {exc.state.lower()}: {exc}") from None
-    return JSONResponse(_full(s, job_id, kind, tokens, finish, len(ids)), headers={"X-Prfaas-Job-Id": job_id})
+        raise _ended(exc) from None
+    return JSONResponse(_full(s, job_id, kind, tokens, finish, prompt), headers={"X-Prfaas-Job-Id": job_id})
+
+
+def _ended(exc: JobEnded) -> ApiError:
+    return JOB_ENDED[exc.state].error(f"job {exc.state.lower()}: {exc}")
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -175,6 +275,7 @@ def _sse(
     kind: str,
     prompt: int,
     include_usage: bool,
+    *,
     leader: bool,
 ) -> Generator[str, None, None]:
     """`leader`: this request's stream is the job's own (its follower); else attached to it."""
@@ -211,7 +312,7 @@ def _sse(
         yield "data: [DONE]\n\n"
     except JobEnded as exc:
         finished = True
-        yield f"data: {json.dumps({'error': {'message': f'job {exc.state.lower()}: {exc}', 'code': exc.state}})}\n\n"
+        yield sse_error(_ended(exc))
     finally:
         if not finished and leader:  # the client went away mid-stream
             follower.disconnected(job_id, stream)

@@ -11,8 +11,10 @@ import hmac
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Header, HTTPException, Request
+from fastapi import Depends, Header, Request
 
+from prfaas.control_plane.api.errors import ADMIN_REQUIRED, INVALID_API_KEY, MISSING_API_KEY, TENANT_SUSPENDED
+from prfaas.control_plane.api.metrics import ApiMetrics
 from prfaas.control_plane.api.schemas import Placement
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.jobs.generation import Follower
@@ -44,23 +46,23 @@ def _bearer(request: Request) -> str:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise HTTPException(401, "missing API key", headers={"WWW-Authenticate": "Bearer"})
+        raise MISSING_API_KEY.error()
     return token.strip()
 
 
 async def tenant(request: Request, s: ServicesDep) -> Tenant:
     found = await s.tenants.authenticate_async(_bearer(request))
     if found is None:
-        raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
+        raise INVALID_API_KEY.error()
     if found.status is TenantStatus.SUSPENDED:
-        raise HTTPException(403, "tenant suspended")
+        raise TENANT_SUSPENDED.error()
     return found
 
 
 async def admin(request: Request, s: ServicesDep) -> None:
     token = _bearer(request)
     if not hmac.compare_digest(token.encode(), s.settings.admin_key.get_secret_value().encode()):
-        raise HTTPException(403, "admin key required")
+        raise ADMIN_REQUIRED.error()
 
 
 TenantDep = Annotated[Tenant, Depends(tenant)]
@@ -70,23 +72,27 @@ AdminDep = Depends(admin)
 @dataclass(frozen=True)
 class Generation:
     """What a generation route (`/v1/completions`, `/v1/chat/completions`) needs besides its body: the caller,
-    the services, the follower, and the headers it honours (`Idempotency-Key`, `X-Prfaas-Placement`)."""
+    the services, the follower, the API's metrics, and the headers it honours (`Idempotency-Key`,
+    `X-Prfaas-Placement`)."""
 
     tenant: Tenant
     services: Services
     follower: Follower
+    metrics: ApiMetrics
     idempotency_key: str | None
     placement: Placement | None  # the header; None: the body's `prfaas.placement`, else auto
 
 
 async def generation(
+    request: Request,
     tenant: TenantDep,
     s: ServicesDep,
     f: FollowerDep,
     idempotency_key: str | None = Header(default=None, max_length=256),
     x_prfaas_placement: Placement | None = Header(default=None),
 ) -> Generation:
-    return Generation(tenant, s, f, idempotency_key, x_prfaas_placement)
+    metrics: ApiMetrics = request.app.state.api_metrics
+    return Generation(tenant, s, f, metrics, idempotency_key, x_prfaas_placement)
 
 
 GenerationDep = Annotated[Generation, Depends(generation)]

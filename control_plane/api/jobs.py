@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 import uuid
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 
 from prfaas.control_plane.api.deps import FollowerDep, ServicesDep, TenantDep
+from prfaas.control_plane.api.errors import JOB_NOT_FOUND
 from prfaas.control_plane.api.schemas import JobList, JobPublic, TimelineEntry, Usage
 from prfaas.control_plane.jobs.errors import JobNotFound
 from prfaas.control_plane.services import Services
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-NOT_FOUND = "job not found"
 
 
 def job_public(s: Services, job: dict[str, str]) -> JobPublic:
@@ -40,7 +40,7 @@ def _owned(s: Services, tenant_id: str, job_id: str) -> dict[str, str]:
         uuid.UUID(job_id)
         return s.jobs.get_for(tenant_id, job_id)
     except (ValueError, JobNotFound):
-        raise HTTPException(404, NOT_FOUND) from None
+        raise JOB_NOT_FOUND.error() from None
 
 
 @router.get("")

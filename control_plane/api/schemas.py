@@ -123,6 +123,9 @@ class TenantPublic(BaseModel):
     budget_usd: float
     allow_placement: bool
     spend_usd_this_month: float
+    reserved_usd: float = Field(
+        description="$ of the budget held by jobs in flight (their predicted cost) until billed"
+    )
     active_jobs: int
 
 

@@ -16,7 +16,7 @@ def _tenant(s: Services, t: Tenant) -> TenantPublic:
     return TenantPublic(
         id=t.id, name=t.name, status=t.status.value, rps=t.quota.rps, concurrency=t.quota.concurrency,
         budget_usd=t.quota.budget_usd, allow_placement=t.allow_placement, spend_usd_this_month=s.jobs.spend(t.id),
-        active_jobs=s.jobs.active_count(t.id),
+        reserved_usd=s.jobs.reserved(t.id), active_jobs=s.jobs.active_count(t.id),
     )  # fmt: skip
 
 

@@ -14,10 +14,11 @@ import re
 from typing import Annotated, Literal
 from urllib.parse import quote
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from prfaas.control_plane.api.deps import AdminDep, MeterDep, TenantDep
+from prfaas.control_plane.api.errors import INVALID_RANGE, USAGE_NOT_FOUND
 from prfaas.control_plane.api.schemas import AdminJobUsage, UsageEntryPublic, UsageReport, UsageRow, WastedPublic
 from prfaas.control_plane.billing.models import UsageEntry
 from prfaas.control_plane.billing.queries import GroupTotal
@@ -26,7 +27,6 @@ from prfaas.control_plane.billing.spend import month_window
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 admin_router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminDep])
 MAX_WINDOW = dt.timedelta(days=400)
-NOT_FOUND = "usage entry not found"
 TenantGroupBy = Literal["day", "region", "phase", "model"]
 AdminGroupBy = Literal["day", "region", "phase", "model", "tenant"]
 
@@ -43,9 +43,9 @@ def window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datet
     s = utc(start) if start is not None else month_window()[0]
     e = utc(end) if end is not None else dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
     if e <= s:
-        raise HTTPException(400, "invalid range: to must be after from")
+        raise INVALID_RANGE.error("invalid range: to must be after from", param="to")
     if e - s > MAX_WINDOW:
-        raise HTTPException(400, f"invalid range: at most {MAX_WINDOW.days} days")
+        raise INVALID_RANGE.error(f"invalid range: at most {MAX_WINDOW.days} days", param="from")
     return s, e
 
 
@@ -97,7 +97,7 @@ def tenant_usage(
 def tenant_job_usage(job_id: str, tenant: TenantDep, m: MeterDep) -> UsageEntryPublic:
     entry = m.ledger.entry(job_id) if len(job_id) <= 64 else None
     if entry is None or entry.tenant != tenant.id:
-        raise HTTPException(404, NOT_FOUND)
+        raise USAGE_NOT_FOUND.error()
     return entry_public(entry)
 
 
@@ -117,9 +117,9 @@ def admin_usage(
 @admin_router.get("/usage/jobs/{job_id}")
 def admin_job_usage(job_id: str, m: MeterDep) -> AdminJobUsage:
     if len(job_id) > 64:
-        raise HTTPException(404, NOT_FOUND)
+        raise USAGE_NOT_FOUND.error()
     entry = m.ledger.entry(job_id)
     wasted = [WastedPublic.model_validate(w, from_attributes=True) for w in m.ledger.wasted(job_id)]
     if entry is None and not wasted:
-        raise HTTPException(404, NOT_FOUND)
+        raise USAGE_NOT_FOUND.error()
     return AdminJobUsage(entry=entry_public(entry) if entry else None, wasted=wasted)

@@ -7,7 +7,7 @@ the registry) and writes the ledger (`Ledger.record_many`: idempotent on the job
 retry or the reconciliation sweep (billing/reconcile.py) never bills twice). Attempts that did not produce the
 answer (a failover, a lost region) are recorded as the platform's cost (`Ledger.record_wasted_once`), never the
 tenant's. What each job is billed: billing/usage.py. After every write the tenants' monthly spend in Redis
-rises by the new entries' $ (billing/spend.py).
+rises by the new entries' $ and their jobs' budget reservations end, in one step (billing/spend.py).
 """
 
 from __future__ import annotations
@@ -140,8 +140,9 @@ class Meter:
 
     def bill_many(self, job_ids: list[str]) -> list[UsageEntry]:
         """`bill` for several jobs: the jobs and their timelines read in one Redis round trip, the entries
-        written in one ledger transaction, each tenant's spend raised once. Returns the entries of the jobs
-        that are DONE (written now or before), in order; jobs gone or not DONE are skipped."""
+        written in one ledger transaction, each tenant's spend raised (its jobs' reservations settled) once.
+        Returns the entries of the jobs that are DONE (written now or before), in order; jobs gone or not DONE
+        are skipped."""
         started = time.perf_counter()
         jobs: list[tuple[JobUsage, PriceTable]] = []
         tables: dict[tuple[str, str], PriceTable] = {}
@@ -157,10 +158,8 @@ class Meter:
             jobs.append((usage, tables[regions]))
         results = self.ledger.record_many(jobs)
         written = [entry for entry, inserted in results if inserted]
-        spend: dict[str, float] = {}
-        for entry in written:
-            spend[entry.tenant] = spend.get(entry.tenant, 0.0) + entry.total_usd
-        self.spend.add(spend)
+        # only the writer of an entry settles it: the spend rises once per job (a crash in between: reconcile)
+        self.spend.settle((entry.tenant, entry.job_id, entry.total_usd) for entry in written)
         if self.metrics is not None:
             each_s = (time.perf_counter() - started) / max(1, len(written))
             for entry in written:

@@ -1,7 +1,9 @@
 """The reconciliation sweep (the beat task `prfaas.reconcile_ledger`, every minute): bills DONE jobs that have
 no ledger entry (their API process died between DONE and the write), records the wasted attempts of FAILED /
-CANCELED jobs, and raises every tenant's monthly spend in Redis to the ledger's sum. Idempotent: the ledger
-writes once per job and once per (job, attempt, phase)."""
+CANCELED jobs, raises every tenant's monthly spend in Redis to the ledger's sum, and ends budget reservations
+left behind (a job gone from Redis, a FAILED / CANCELED one, a DONE one billed over `SETTLE_GRACE_S` ago whose
+writer died before settling it). Idempotent: the ledger writes once per job and once per (job, attempt, phase).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import time
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.jobs.errors import JobNotFound
 from prfaas.control_plane.jobs.states import JobState
+
+SETTLE_GRACE_S = 60.0  # a DONE job's biller settles it within this long of billing it, or not at all
 
 
 def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
@@ -30,4 +34,22 @@ def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
             elif job["state"] in (JobState.FAILED, JobState.CANCELED):
                 meter.record_wasted(job, s.jobs.timeline(job_id), range(1, int(job["attempt"]) + 1))
         meter.spend.sync(tenant.id, meter.ledger)
+        meter.spend.release(tenant.id, left_behind(meter, tenant.id, now))
     return written
+
+
+def left_behind(meter: Meter, tenant: str, now: float) -> list[str]:
+    """The tenant's jobs holding a budget reservation that nothing will end any more."""
+    stale = []
+    for job_id in meter.spend.reservations(tenant):
+        try:
+            job = meter.s.jobs.get(job_id)
+        except JobNotFound:
+            stale.append(job_id)
+            continue
+        ended_unbilled = job["state"] in (JobState.FAILED, JobState.CANCELED)
+        billed_long_ago = job["state"] == JobState.DONE and now - float(job["updated_at"]) > SETTLE_GRACE_S
+        # billed_long_ago and in the ledger: the spend sync above counted it
+        if ended_unbilled or (billed_long_ago and meter.ledger.entry(job_id) is not None):
+            stale.append(job_id)
+    return stale

@@ -1,14 +1,19 @@
-"""Each tenant's monthly spend in Redis (`p:tenant:{t}:spend:{YYYYMM}`, the key the job store's admission
-script checks budgets against: 402). Every new ledger entry adds its $ (`add`: O(1) a job, one round trip
-for a batch); the reconciliation sweep raises the key to the ledger's sum for the month (`sync`: a
+"""Each tenant's monthly spend in Redis (`p:tenant:{t}:spend:{YYYYMM}`, what the job store's admission
+scripts check budgets against, with the $ reserved by jobs in flight: 402). Every new ledger entry settles
+its job (`settle`: one script per tenant adds the entries' $ to the spend and ends their jobs'
+reservations, so the budget never sees a job both reserved and spent, nor neither; one round trip for a
+batch); the reconciliation sweep raises the key to the ledger's sum for the month (`sync`: a
 set-if-greater script, so racing writers never lower it, and a bill whose increment was lost in a crash
-is caught up)."""
+is caught up) and ends reservations left behind (`release`)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+
+from prfaas.control_plane.jobs.scripts import RELEASE_RESERVATION_FN
 
 if TYPE_CHECKING:
     from prfaas.control_plane.billing.ledger import Ledger
@@ -22,6 +27,28 @@ local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
 return tostring(math.max(cur, tonumber(ARGV[1])))
 """
+
+# KEYS: spend, reservations hash, their sum. ARGV: $ billed, TTL of the spend key, then the billed jobs' ids:
+# the $ joins the spend and each job's reservation ends, in one step.
+_SETTLE = (
+    RELEASE_RESERVATION_FN
+    + """
+redis.call('INCRBYFLOAT', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+for i = 3, #ARGV do release_reservation(KEYS[2], KEYS[3], ARGV[i]) end
+return 1
+"""
+)
+
+# KEYS: reservations hash, their sum. ARGV: job ids. Ends those reservations; returns how many it ended.
+_RELEASE = (
+    RELEASE_RESERVATION_FN
+    + """
+local n = 0
+for i = 1, #ARGV do n = n + release_reservation(KEYS[1], KEYS[2], ARGV[i]) end
+return n
+"""
+)
 
 
 def month_window(now: float | None = None) -> tuple[dt.datetime, dt.datetime]:
@@ -37,17 +64,34 @@ class TenantSpend:
         self.redis: Any = client
         self.jobs = jobs
         self._raise_spend = client.register_script(_RAISE_SPEND)
+        self._settle = client.register_script(_SETTLE)
+        self._release = client.register_script(_RELEASE)
 
-    def add(self, usd_by_tenant: dict[str, float]) -> None:
-        """Add newly written entries' $ to each tenant's monthly spend, in one round trip."""
-        if not usd_by_tenant:
+    def settle(self, billed: Iterable[tuple[str, str, float]]) -> None:
+        """Newly written entries, (tenant, job id, $) each: add their $ to each tenant's monthly spend and end
+        their jobs' reservations (actual replaces reserved), atomically per tenant, in one round trip."""
+        by_tenant: dict[str, tuple[float, list[str]]] = {}
+        for tenant, job_id, usd in billed:
+            total, ids = by_tenant.get(tenant, (0.0, []))
+            by_tenant[tenant] = (total + usd, [*ids, job_id])
+        if not by_tenant:
             return
-        with self.redis.pipeline() as pipe:
-            for tenant, usd in usd_by_tenant.items():
-                key = self.jobs.spend_key(tenant)
-                pipe.incrbyfloat(key, usd)
-                pipe.expire(key, SPEND_TTL_S)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for tenant, (usd, ids) in by_tenant.items():
+                keys = [self.jobs.spend_key(tenant), *self.jobs.reservation_keys(tenant)]
+                self._settle(keys=keys, args=[repr(usd), SPEND_TTL_S, *ids], client=pipe)
             pipe.execute()
+
+    def reservations(self, tenant: str) -> dict[str, float]:
+        """Job id -> $ reserved, for the tenant's jobs admitted and not yet billed or ended."""
+        raw = self.redis.hgetall(self.jobs.reservation_keys(tenant)[0])
+        return {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in raw.items()}
+
+    def release(self, tenant: str, job_ids: list[str]) -> int:
+        """End these jobs' reservations (without spend); returns how many were still held."""
+        if not job_ids:
+            return 0
+        return int(self._release(keys=list(self.jobs.reservation_keys(tenant)), args=job_ids))
 
     def sync(self, tenant: str, ledger: Ledger) -> float:
         """Raise the tenant's monthly spend to the ledger's sum for the month; returns the spend now."""

@@ -1,5 +1,5 @@
 """Typed errors of the job store (jobs/store.py). The HTTP layer maps `JobNotFound` to 404 and
-`AdmissionRefused` to 402 / 429 by its `reason`; the dispatcher and the API treat `IllegalTransition` and
+`AdmissionRefused` to 402 / 422 / 429 by its `reason`; the dispatcher and the API treat `IllegalTransition` and
 `StaleAttempt` as "someone else moved the job on" and stop following it."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class StaleAttempt(JobStoreError):
 
 
 class AdmissionRefused(JobStoreError):
-    """`reason`: `rate`, `concurrency` or `budget`."""
+    """`reason`: `rate`, `concurrency`, `budget` (no headroom, or the job's reservation does not fit) or
+    `idempotency` (the Idempotency-Key was used with another body)."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)

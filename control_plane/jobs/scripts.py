@@ -1,8 +1,15 @@
 """The job store's Lua scripts: each state change and each admission is one script, atomic in Redis.
 
 `TRANSITION` is generated from the state machine's table (jobs/states.py: `LEGAL_MOVES`, `TERMINAL`), so
-the legal moves are written once, in Python. `CREATE` admits a job (idempotency, budget, concurrency,
-rate) and writes it in the same step."""
+the legal moves are written once, in Python. Admission is two steps around tokenizing: `ADMIT` (idempotency,
+budget headroom, concurrency, rate; holds a concurrency slot) before the prompt is tokenized, `CREATE`
+(reserves the job's predicted $ within the budget, writes the job) after; `RELEASE` gives the slot and the
+rate count back when the request is refused in between.
+
+Budget reservations: `p:tenant:{t}:reserved` (hash, job id -> $ reserved at admission) and
+`p:tenant:{t}:reserved_usd` (their sum). Admission counts spend + reserved against the budget; a
+reservation ends exactly once (`HDEL` decides): released by a FAILED / CANCELED move, settled when the
+job is billed (billing/spend.py: the bill's $ added to spend in the same script)."""
 
 from __future__ import annotations
 
@@ -21,11 +28,30 @@ def lua_legal_table(moves: Mapping[JobState, frozenset[JobState]]) -> str:
     return f"local legal = {{\n{rows}}}\nlocal terminal = {_lua_set(TERMINAL)}\n"
 
 
-# KEYS: job, timeline, tenant's active set, tenant's spend. ARGV: target state, attempt, now, TTL of a
-# finished job, timeline note, $ to bill at DONE, n, then n field/value pairs to set with the move.
+# Lua function: end a job's budget reservation, once. Returns 1 when it held one. Resets the sum when no
+# reservation is left (INCRBYFLOAT rounding never accumulates).
+RELEASE_RESERVATION_FN = """
+local function release_reservation(reserved, total, id)
+  local usd = redis.call('HGET', reserved, id)
+  if not usd then return 0 end
+  redis.call('HDEL', reserved, id)
+  if redis.call('HLEN', reserved) == 0 then
+    redis.call('DEL', total)
+  elseif tonumber(redis.call('INCRBYFLOAT', total, '-' .. usd)) < 0 then
+    redis.call('SET', total, '0')
+  end
+  return 1
+end
+"""
+
+# KEYS: job, timeline, tenant's active set, tenant's spend, tenant's reservations hash, their sum.
+# ARGV: target state, attempt, now, TTL of a finished job, timeline note, $ to bill at DONE, n, then n
+# field/value pairs to set with the move.
 # Returns {'ok', state, attempt} or {'not_found' | 'illegal' | 'stale', current state, current attempt}.
+# A FAILED / CANCELED move releases the job's budget reservation; DONE keeps it until the job is billed
+# (or settles it here when the move itself bills a $).
 _TRANSITION_TEMPLATE = """
-@LEGAL@local cur = redis.call('HMGET', KEYS[1], 'state', 'attempt')
+@LEGAL@@RELEASE@local cur = redis.call('HMGET', KEYS[1], 'state', 'attempt')
 if not cur[1] then return {'not_found', '', 0} end
 local state, attempt = cur[1], tonumber(cur[2])
 local target, given, now = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -44,45 +70,116 @@ local n = tonumber(ARGV[7])
 for i = 1, n do redis.call('HSET', KEYS[1], ARGV[7 + 2 * i - 1], ARGV[7 + 2 * i]) end
 redis.call('RPUSH', KEYS[2], cjson.encode({state=target, attempt=new_attempt, at=tonumber(now), note=ARGV[5]}))
 if terminal[target] then
-  redis.call('SREM', KEYS[3], redis.call('HGET', KEYS[1], 'id'))
-  if target == 'DONE' and tonumber(ARGV[6]) > 0 then redis.call('INCRBYFLOAT', KEYS[4], ARGV[6]) end
+  local id = redis.call('HGET', KEYS[1], 'id')
+  redis.call('SREM', KEYS[3], id)
+  local billed = target == 'DONE' and tonumber(ARGV[6]) > 0
+  if billed then redis.call('INCRBYFLOAT', KEYS[4], ARGV[6]) end
+  if billed or target ~= 'DONE' then release_reservation(KEYS[5], KEYS[6], id) end
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
   redis.call('PUBLISH', KEYS[1] .. ':notify', target)
 end
 return {'ok', target, new_attempt}
 """
-TRANSITION = _TRANSITION_TEMPLATE.replace("@LEGAL@", lua_legal_table(LEGAL_MOVES))
+TRANSITION = _TRANSITION_TEMPLATE.replace("@LEGAL@", lua_legal_table(LEGAL_MOVES)).replace(
+    "@RELEASE@", RELEASE_RESERVATION_FN
+)
 
-# KEYS: job, timeline, tenant index, active set, spend, rate window, idempotency key ('' = none),
-#       ready list ('' = none)
-# ARGV: id, now, rps, concurrency, budget, ttl, n, field/value pairs, then the state the job
-#       starts in past QUEUED ('' = none), its timeline note, and the hand-off to post
-#       (a placement decided at admission: the job is written already handed off)
-CREATE = """
-if KEYS[7] ~= '' then
-  local existing = redis.call('GET', KEYS[7])
-  if existing then return {'existing', existing} end
+# Lua function: the job an Idempotency-Key names, and whether the request's body hash matches the one
+# stored with it ('id hash'; a value written before hashes were stored matches any body).
+_IDEMPOTENCY_FN = """
+local function idempotent(key, body_hash)
+  local stored = redis.call('GET', key)
+  if not stored then return nil end
+  local id, hash = string.match(stored, '^(%S+) ?(%S*)$')
+  if hash ~= '' and body_hash ~= '' and hash ~= body_hash then return {'idempotency', id} end
+  return {'existing', id}
 end
-local spend = tonumber(redis.call('GET', KEYS[5]) or '0')
-if spend >= tonumber(ARGV[5]) then return {'budget', ''} end
-if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[4]) then return {'concurrency', ''} end
+"""
+
+# Before tokenizing. KEYS: idempotency key ('' = none), spend, reservations' sum, active set, admitting
+# zset (job id -> until when its slot is held), rate window.
+# ARGV: job id, now, rps, concurrency, budget, hold until, body hash, TTL of the admitting zset.
+# Returns {'admitted', id}, {'existing' | 'idempotency', the key's job id} or {'budget' | 'concurrency' | 'rate', ''}.
+ADMIT = (
+    _IDEMPOTENCY_FN
+    + """
+if KEYS[1] ~= '' then
+  local found = idempotent(KEYS[1], ARGV[7])
+  if found then return found end
+end
+local used = tonumber(redis.call('GET', KEYS[2]) or '0') + tonumber(redis.call('GET', KEYS[3]) or '0')
+if used >= tonumber(ARGV[5]) then return {'budget', ''} end
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', ARGV[2])
+if redis.call('SCARD', KEYS[4]) + redis.call('ZCARD', KEYS[5]) >= tonumber(ARGV[4]) then return {'concurrency', ''} end
 local count = redis.call('INCR', KEYS[6])
 if count == 1 then redis.call('EXPIRE', KEYS[6], 2) end
 if count > tonumber(ARGV[3]) then return {'rate', ''} end
-local n = tonumber(ARGV[7])
-for i = 1, n do redis.call('HSET', KEYS[1], ARGV[7 + 2 * i - 1], ARGV[7 + 2 * i]) end
+redis.call('ZADD', KEYS[5], ARGV[6], ARGV[1])
+redis.call('EXPIRE', KEYS[5], ARGV[8])
+return {'admitted', ARGV[1]}
+"""
+)
+
+# Lua function: give an admission's concurrency slot and its rate count back (once: the ZREM decides).
+_GIVE_BACK_FN = """
+local function give_back(admitting, rate, id)
+  if redis.call('ZREM', admitting, id) == 1 and redis.call('EXISTS', rate) == 1 then
+    if redis.call('DECR', rate) < 0 then redis.call('SET', rate, '0', 'KEEPTTL') end
+  end
+end
+"""
+
+# A request refused after ADMIT (tokenizing or validation failed). KEYS: admitting zset, rate window. ARGV: job id.
+RELEASE = _GIVE_BACK_FN + "give_back(KEYS[1], KEYS[2], ARGV[1])\nreturn 1\n"
+
+# After tokenizing. KEYS: job, timeline, tenant index, active set, admitting zset, rate window, spend,
+#       reservations hash, their sum, idempotency key ('' = none), ready list ('' = none)
+# ARGV: id, now, budget, $ to reserve, TTL of the job's keys, index entries scored below this are trimmed,
+#       TTL of the idempotency key and of the hand-off list, body hash, n, field/value pairs, then the state
+#       the job starts in past QUEUED ('' = none), its timeline note, and the hand-off to post (a placement
+#       decided at admission: the job is written already handed off)
+# Refusals ('existing' / 'idempotency': a concurrent request with the same key won; 'budget': the
+# reservation does not fit) give the admission back. Returns {'created', id} or {refusal, id or ''}.
+CREATE = (
+    _IDEMPOTENCY_FN
+    + _GIVE_BACK_FN
+    + """
+if KEYS[10] ~= '' then
+  local found = idempotent(KEYS[10], ARGV[8])
+  if found then
+    give_back(KEYS[5], KEYS[6], ARGV[1])
+    return found
+  end
+end
+local used = tonumber(redis.call('GET', KEYS[7]) or '0') + tonumber(redis.call('GET', KEYS[9]) or '0')
+local budget, reserve = tonumber(ARGV[3]), tonumber(ARGV[4])
+if used >= budget or used + reserve > budget then
+  give_back(KEYS[5], KEYS[6], ARGV[1])
+  return {'budget', ''}
+end
+redis.call('ZREM', KEYS[5], ARGV[1])
+local n = tonumber(ARGV[9])
+for i = 1, n do redis.call('HSET', KEYS[1], ARGV[9 + 2 * i - 1], ARGV[9 + 2 * i]) end
 redis.call('RPUSH', KEYS[2], cjson.encode({state='QUEUED', attempt=1, at=tonumber(ARGV[2]), note='created'}))
-local start = 8 + 2 * n
+local start = 10 + 2 * n
 if ARGV[start] ~= '' then
   redis.call('RPUSH', KEYS[2], cjson.encode({state=ARGV[start], attempt=1, at=tonumber(ARGV[2]), note=ARGV[start + 1]}))
 end
-if KEYS[8] ~= '' then
-  redis.call('RPUSH', KEYS[8], ARGV[start + 2])
-  redis.call('EXPIRE', KEYS[8], ARGV[6])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+if KEYS[11] ~= '' then
+  redis.call('RPUSH', KEYS[11], ARGV[start + 2])
+  redis.call('EXPIRE', KEYS[11], ARGV[7])
 end
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[6])
 redis.call('SADD', KEYS[4], ARGV[1])
-if KEYS[7] ~= '' then redis.call('SET', KEYS[7], ARGV[1], 'EX', ARGV[6]) end
+if reserve > 0 then
+  redis.call('HSET', KEYS[8], ARGV[1], ARGV[4])
+  redis.call('INCRBYFLOAT', KEYS[9], ARGV[4])
+end
+if KEYS[10] ~= '' then redis.call('SET', KEYS[10], ARGV[1] .. ' ' .. ARGV[8], 'EX', ARGV[7]) end
 return {'created', ARGV[1]}
 """
+)

@@ -2,14 +2,22 @@
 
 Every state change is one Lua script (atomic in Redis; jobs/scripts.py): it checks the move is legal
 from the current state (the table of jobs/states.py) and carries the job's current attempt (a
-stale attempt's move is refused), appends to the timeline, keeps the tenant's active set, bills
-a `DONE` job exactly once and sets the TTL of finished jobs. Creation is one script too:
-idempotency key, rate limit, concurrency cap and budget are checked and the job written in the
-same step.
+stale attempt's move is refused), appends to the timeline, keeps the tenant's active set, ends a
+FAILED / CANCELED job's budget reservation and sets the TTL of finished jobs.
 
-Keys (prefix `p`): `p:job:{id}` hash, `p:job:{id}:timeline` list of JSON entries,
-`p:job:{id}:ready` list (dispatch -> API: where to decode), `p:tenant:{t}:jobs` zset (created
-at), `p:tenant:{t}:active` set, `p:tenant:{t}:spend:{YYYYMM}` float, `p:idem:{t}:{key}`.
+Admission is two scripts around tokenizing (api/completions.py): `admit` (idempotency key, budget
+headroom, concurrency cap, rate limit; the request then holds a concurrency slot) runs before the
+prompt is tokenized, so a tenant over a limit costs no tokenizer time; `create` reserves the job's
+predicted $ within the budget and writes the job. A request refused in between (`release`) gives its
+slot and its rate count back; a slot never given back (the process died) lapses after `admission_hold_s`.
+
+Keys (prefix `p`): `p:job:{id}` hash, `p:job:{id}:timeline` list of JSON entries (both expire
+`job_timeout_s + job_ttl_s` after creation, `job_ttl_s` after a terminal move), `p:job:{id}:ready`
+list (dispatch -> API: where to decode), `p:tenant:{t}:jobs` zset (created at; entries past the keys'
+TTL trimmed at each creation), `p:tenant:{t}:active` set, `p:tenant:{t}:admitting` zset (admitted,
+not yet created: job id -> hold deadline), `p:tenant:{t}:spend:{YYYYMM}` float,
+`p:tenant:{t}:reserved` hash (job id -> $ reserved) and `p:tenant:{t}:reserved_usd` (their sum),
+`p:tenant:{t}:rate:{epoch s}` counter, `p:idem:{t}:{key}` ('job id body-sha256').
 Pub/sub channel `p:job:{id}:notify`: a hand-off was posted or the job ended (wakes `wait_ready`).
 """
 
@@ -25,10 +33,24 @@ import redis
 
 from prfaas.control_plane.jobs.errors import AdmissionRefused, IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.notifier import Notifier
-from prfaas.control_plane.jobs.scripts import CREATE, TRANSITION
+from prfaas.control_plane.jobs.scripts import ADMIT, CREATE, RELEASE, TRANSITION
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.settings import Settings
 from prfaas.control_plane.tenants import Quota
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request let in before its prompt is tokenized (`JobStore.admit`). Unless `existing`, it holds a
+    concurrency slot and a rate count until `JobStore.create` writes its job or `JobStore.release` gives
+    them back (or `admission_hold_s` passes)."""
+
+    tenant: str
+    job_id: str  # the job to create; `existing`: the job an earlier request with the same key created
+    existing: bool
+    rate_key: str
+    idempotency_key: str | None = None
+    body_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,6 +83,8 @@ class JobStore:
         self.settings = settings
         self.notifier = Notifier(client, _glob_escape(settings.key("job")) + ":*:notify")
         self._transition = client.register_script(TRANSITION)
+        self._admit = client.register_script(ADMIT)
+        self._release = client.register_script(RELEASE)
         self._create = client.register_script(CREATE)
         self._unfollow = client.register_script(_UNFOLLOW)
 
@@ -70,6 +94,51 @@ class JobStore:
     def spend_key(self, tenant: str, now: float | None = None) -> str:
         return self.settings.key("tenant", tenant, "spend", time.strftime("%Y%m", time.gmtime(now or time.time())))
 
+    def reservation_keys(self, tenant: str) -> tuple[str, str]:
+        """The tenant's budget reservations: (hash job id -> $, their sum)."""
+        return self.settings.key("tenant", tenant, "reserved"), self.settings.key("tenant", tenant, "reserved_usd")
+
+    def _idem(self, tenant: str, idempotency_key: str | None) -> str:
+        return self.settings.key("idem", tenant, idempotency_key) if idempotency_key else ""
+
+    def admit(
+        self,
+        tenant: str,
+        quota: Quota,
+        job_id: str | None = None,
+        idempotency_key: str | None = None,
+        body_hash: str = "",
+    ) -> Admission:
+        """Let a request in before its prompt is tokenized: an Idempotency-Key seen before names its job
+        (`existing`; with another `body_hash`: refused, `idempotency`), else the budget must have headroom
+        (spend + reserved < budget), the tenant be under its concurrency cap (active jobs and admissions in
+        progress) and its rate. Raises AdmissionRefused (`idempotency`, `budget`, `concurrency`, `rate`)."""
+        job_id = job_id or str(uuid.uuid4())
+        now = time.time()
+        k = self.settings.key
+        rate_key = k("tenant", tenant, "rate", str(int(now)))
+        hold_s = self.settings.admission_hold_s
+        keys = [
+            self._idem(tenant, idempotency_key), self.spend_key(tenant, now), self.reservation_keys(tenant)[1],
+            k("tenant", tenant, "active"), k("tenant", tenant, "admitting"), rate_key,
+        ]  # fmt: skip
+        args: list[Any] = [job_id, now, max(1, int(quota.rps)), quota.concurrency, quota.budget_usd, now + hold_s]
+        code, value = self._admit(keys=keys, args=[*args, body_hash, int(hold_s) + 1])
+        code, value = _text(code), _text(value)
+        if code == "admitted":
+            return Admission(tenant, job_id, False, rate_key, idempotency_key, body_hash)
+        if code == "existing":
+            return Admission(tenant, value, True, rate_key, idempotency_key, body_hash)
+        raise AdmissionRefused(code)
+
+    def release(self, admission: Admission) -> None:
+        """Give an admission's concurrency slot and rate count back (its request was refused after `admit`).
+        Idempotent; a no-op once `create` wrote the job."""
+        if admission.existing:
+            return
+        admitting = self.settings.key("tenant", admission.tenant, "admitting")
+        self._release(keys=[admitting, admission.rate_key], args=[admission.job_id])
+
     def create(
         self,
         tenant: str,
@@ -78,37 +147,48 @@ class JobStore:
         idempotency_key: str | None = None,
         handed_off: HandedOff | None = None,
         job_id: str | None = None,
+        *,
+        admission: Admission | None = None,
+        reserve_usd: float = 0.0,
     ) -> Created:
-        """Admit and write a QUEUED job (attempt 1), or one already `handed_off`. Raises AdmissionRefused."""
-        job_id = job_id or str(uuid.uuid4())
+        """Write a QUEUED job (attempt 1), or one already `handed_off`, reserving `reserve_usd` of the tenant's
+        budget until it is billed or ends unbilled. `admission`: what `admit` let in (None: admitted here,
+        `admit` with `idempotency_key` and `job_id`). Refused (AdmissionRefused, the admission given back):
+        `budget` when spend + reserved + `reserve_usd` would pass the budget; `idempotency` when a concurrent
+        request with the same key and another body won; a concurrent one with the same body is `existing`."""
+        if admission is None:
+            admission = self.admit(tenant, quota, job_id, idempotency_key)
+        if admission.existing:
+            return Created(admission.job_id, existing=True, record={})
+        job_id, s = admission.job_id, self.settings
         now = time.time()
         state = handed_off.state if handed_off else JobState.QUEUED
         record: dict[str, Any] = {"id": job_id, "tenant": tenant, "state": state.value, "attempt": 1}
         record |= {"created_at": now, "updated_at": now} | fields
+        if reserve_usd > 0:
+            record["reserved_usd"] = reserve_usd
         encoded = {name: _text(_encode(value)) for name, value in record.items()}
         flat = [x for pair in encoded.items() for x in pair]
-        k = self.settings.key
+        k = s.key
         keys = [
-            self._job(job_id),
-            self._job(job_id) + ":timeline",
-            k("tenant", tenant, "jobs"),
-            k("tenant", tenant, "active"),
-            self.spend_key(tenant, now),
-            k("tenant", tenant, "rate", str(int(now))),
-            k("idem", tenant, idempotency_key) if idempotency_key else "",
+            self._job(job_id), self._job(job_id) + ":timeline", k("tenant", tenant, "jobs"),
+            k("tenant", tenant, "active"), k("tenant", tenant, "admitting"), admission.rate_key,
+            self.spend_key(tenant, now), *self.reservation_keys(tenant), self._idem(tenant, admission.idempotency_key),
             self._job(job_id) + ":ready" if handed_off else "",
-        ]
-        args: list[Any] = [job_id, now, max(1, int(quota.rps)), quota.concurrency, quota.budget_usd]
-        args.append(self.settings.job_ttl_s)
+        ]  # fmt: skip
+        keep_s = int(s.job_timeout_s) + s.job_ttl_s  # a live job's keys: its deadline, then as long as a finished one
+        args: list[Any] = [job_id, now, quota.budget_usd, repr(float(reserve_usd)), keep_s, now - keep_s, s.job_ttl_s]
+        args.append(admission.body_hash)
         start: list[Any] = ["", "", ""]
         if handed_off:
             start = [state.value, handed_off.note, json.dumps({"attempt": 1} | handed_off.ready)]
         code, value = self._create(keys=keys, args=[*args, len(record), *flat, *start])
         code, value = _text(code), _text(value)
-        if code in ("rate", "concurrency", "budget"):
+        if code == "existing":
+            return Created(value, existing=True, record={})
+        if code != "created":
             raise AdmissionRefused(code)
-        existing = code == "existing"
-        return Created(value, existing=existing, record={} if existing else encoded)
+        return Created(value, existing=False, record=encoded)
 
     def transition(
         self,
@@ -133,6 +213,7 @@ class JobStore:
             self._job(job_id) + ":timeline",
             self.settings.key("tenant", _text(tenant), "active"),
             self.spend_key(_text(tenant)),
+            *self.reservation_keys(_text(tenant)),
         ]
         args: list[Any] = [
             target.value,
@@ -217,6 +298,10 @@ class JobStore:
 
     def spend(self, tenant: str) -> float:
         return float(self.redis.get(self.spend_key(tenant)) or 0.0)
+
+    def reserved(self, tenant: str) -> float:
+        """$ of the tenant's budget reserved by jobs admitted and not yet billed (or ended unbilled)."""
+        return float(self.redis.get(self.reservation_keys(tenant)[1]) or 0.0)
 
     # -- dispatch -> API hand-off: where the tokens of the current attempt come from -------
 

@@ -20,6 +20,7 @@ __all__ = [
     "ADMIN_KEY",
     "REDIS_URL",
     "TICKET_KEY",
+    "api_stack",
     "cleanup",
     "ensure_redis",
     "make_settings",
@@ -57,6 +58,20 @@ def settings_fixture(**overrides: object) -> Iterator[Settings]:
     settings = make_settings(**overrides)
     yield settings
     cleanup(settings)
+
+
+def api_stack(folder: Path, **env: str) -> Iterator[Stack]:
+    """The API process alone (uvicorn; `env` added to its environment): no Celery worker, no region, so a
+    job it admits stays QUEUED until the test moves it or the API's deadline (`PRFAAS_JOB_TIMEOUT_S`)."""
+    ensure_redis()
+    prepare_model("tiny-llama")
+    s = Stack(folder, **env)
+    try:
+        s.start_api()
+        yield s
+    finally:
+        s.stop()
+        s.cleanup()
 
 
 def two_region_stack(

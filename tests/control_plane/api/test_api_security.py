@@ -1,6 +1,7 @@
 """The API's security rules and admission against the real Redis (the app in-process):
 another tenant's jobs are 404 like missing ones, a revoked key is 401, admin routes refuse
-tenant keys, bad input is a 4xx with a stable detail, keys are stored hashed."""
+tenant keys, bad input is a 4xx with a stable message (OpenAI's error object under /v1, `detail`
+under /admin), keys are stored hashed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Quota
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def openai_error(message: str, type: str, code: str, param: str | None = None) -> dict[str, object]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 @pytest.fixture
@@ -52,7 +57,9 @@ def test_other_tenants_jobs_are_not_found(client: TestClient) -> None:
     mine = client.get(f"/v1/jobs/{job_b}", headers=a)
     missing = client.get("/v1/jobs/00000000-0000-4000-8000-000000000000", headers=a)
     assert (
-        (mine.status_code, mine.json()) == (missing.status_code, missing.json()) == (404, {"detail": "job not found"})
+        (mine.status_code, mine.json())
+        == (missing.status_code, missing.json())
+        == (404, openai_error("job not found", "not_found_error", "job_not_found"))
     )
     assert client.delete(f"/v1/jobs/{job_b}", headers=a).status_code == 404
     assert client.get(f"/v1/jobs/{job_b}", headers=b).json()["state"] == "QUEUED"  # not canceled by A
@@ -80,8 +87,13 @@ def test_revoked_key_is_401_and_keys_are_stored_hashed(client: TestClient) -> No
     assert not any(key.encode() in (stored.dump(k) or b"") for k in stored.scan_iter(f"{_prefix(client)}:*"))
     assert client.delete(f"/admin/tenants/{t_id}/keys/{keys[0]['id']}", headers=ADMIN).json()["revoked"]
     revoked = client.get("/v1/models", headers=t)
-    assert (revoked.status_code, revoked.json()) == (401, {"detail": "invalid API key"})
-    assert client.get("/v1/models").json() == {"detail": "missing API key"}
+    assert (revoked.status_code, revoked.json()) == (
+        401,
+        openai_error("invalid API key", "authentication_error", "invalid_api_key"),
+    )
+    assert revoked.headers["www-authenticate"] == "Bearer"
+    missing = openai_error("missing API key", "authentication_error", "missing_api_key")
+    assert client.get("/v1/models").json() == missing
     assert client.get("/v1/models", headers={"Authorization": "Bearer pfk-nope"}).status_code == 401
 
 
@@ -96,39 +108,51 @@ def test_admin_routes_refuse_tenant_keys(client: TestClient) -> None:
 def test_suspended_tenant_is_refused(client: TestClient) -> None:
     t_id, t = _tenant(client, "a")
     assert client.post(f"/admin/tenants/{t_id}/suspend", headers=ADMIN).json()["status"] == "suspended"
-    assert client.get("/v1/models", headers=t).json() == {"detail": "tenant suspended"}
+    suspended = openai_error("tenant suspended", "permission_error", "tenant_suspended")
+    assert client.get("/v1/models", headers=t).json() == suspended
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "detail"),
+    ("body", "status", "message", "code", "param"),
     [
-        ({"model": "nope", "prompt": "hi"}, 404, "model not found"),
-        ({"model": "tiny-llama", "prompt": "hi " * 5000}, 400, "prompt too long for the model"),
-        ({"model": "tiny-llama", "prompt": [999999]}, 400, "prompt token id out of the model's vocabulary"),
-        ({"model": "tiny-llama", "prompt": "hi", "max_tokens": 0}, 422, "invalid request: max_tokens:"),
-        ({"model": "tiny-llama", "prompt": ""}, 422, "invalid request: prompt"),
-        ({"model": "tiny-llama", "prompt": "hi", "prfaas": {"placement": "split"}}, 403, "placement requests are"),
+        ({"model": "nope", "prompt": "hi"}, 404, "model not found", "model_not_found", "model"),
+        ({"model": "tiny-llama", "prompt": "hi " * 5000}, 400, "prompt too long for the model",
+         "context_length_exceeded", "prompt"),
+        ({"model": "tiny-llama", "prompt": [999999]}, 400, "prompt token id out of the model's vocabulary",
+         "invalid_token_id", "prompt"),
+        ({"model": "tiny-llama", "prompt": "hi", "max_tokens": 0}, 400, "invalid request: max_tokens:",
+         "invalid_request", "max_tokens"),
+        ({"model": "tiny-llama", "prompt": ""}, 400, "invalid request: prompt", "invalid_request", "prompt"),
+        ({"model": "tiny-llama", "prompt": "hi", "prfaas": {"placement": "split"}}, 403, "placement requests are",
+         "placement_not_allowed", "prfaas.placement"),
     ],
-)
+)  # fmt: skip
 def test_bad_completion_requests_get_a_stable_4xx(
-    client: TestClient, body: dict[str, object], status: int, detail: str
+    client: TestClient, body: dict[str, object], status: int, message: str, code: str, param: str
 ) -> None:
     _t_id, t = _tenant(client, "a")
     response = client.post("/v1/completions", json=body, headers=t)
     assert response.status_code == status
-    assert response.json()["detail"].startswith(detail)
+    error = response.json()["error"]
+    assert error["message"].startswith(message) and (error["code"], error["param"]) == (code, param), error
 
 
 def test_budget_and_concurrency_refusals(client: TestClient) -> None:
     t_id, t = _tenant(client, "a", concurrency=1, budget_usd=1)
     job = _job(client, t_id)  # holds the one concurrent slot
     busy = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi"}, headers=t)
-    assert (busy.status_code, busy.json()) == (429, {"detail": "too many concurrent jobs"})
+    assert (busy.status_code, busy.json()) == (
+        429,
+        openai_error("too many concurrent jobs", "rate_limit_error", "concurrency_limit_exceeded"),
+    )
     jobs = _services(client).jobs
     jobs.transition(job, JobState.LOCAL, 1)
     jobs.transition(job, JobState.DONE, 1, cost_usd=2.0)
     broke = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi"}, headers=t)
-    assert (broke.status_code, broke.json()) == (402, {"detail": "monthly budget exhausted"})
+    assert (broke.status_code, broke.json()) == (
+        402,
+        openai_error("monthly budget exhausted", "insufficient_quota", "budget_exhausted"),
+    )
 
 
 def test_health_ready_metrics(client: TestClient) -> None:

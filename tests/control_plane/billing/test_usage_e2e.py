@@ -97,7 +97,13 @@ def test_tenants_see_only_their_usage(metered: Metered) -> None:
     own = httpx.get(f"{m.stack.url}/v1/usage/jobs/{m.jobs['alpha'][0]}", headers=m.headers("alpha"), timeout=5)
     assert own.status_code == 200 and own.json()["tenant"] == m.ids["alpha"]
     other = httpx.get(f"{m.stack.url}/v1/usage/jobs/{m.jobs['alpha'][0]}", headers=m.headers("beta"), timeout=5)
-    assert (other.status_code, other.json()) == (404, {"detail": "usage entry not found"})
+    not_found = {
+        "message": "usage entry not found",
+        "type": "not_found_error",
+        "param": None,
+        "code": "usage_entry_not_found",
+    }
+    assert (other.status_code, other.json()) == (404, {"error": not_found})
     admin = httpx.get(m.stack.url + "/admin/usage", params={"group_by": "tenant"}, headers=ADMIN, timeout=5).json()
     assert {r["key"]: r["jobs"] for r in admin["data"]} == {m.ids["alpha"]: alpha_jobs, m.ids["beta"]: beta_jobs}
     assert httpx.get(m.stack.url + "/admin/usage", headers=m.headers("alpha"), timeout=5).status_code == 403
@@ -111,18 +117,20 @@ def test_tenants_see_only_their_usage(metered: Metered) -> None:
 
 
 @pytest.mark.parametrize(
-    ("params", "status", "detail"),
+    ("params", "message", "param"),
     [
-        ({"group_by": "week"}, 422, "invalid request: query.group_by"),
-        ({"from": "yesterday"}, 422, "invalid request: query.from"),
-        ({"from": "2026-11-10", "to": "2026-11-01"}, 400, "invalid range: to must be after from"),
-        ({"from": "2020-01-01", "to": "2026-01-01"}, 400, "invalid range: at most 400 days"),
-        ({"format": "xml"}, 422, "invalid request: query.format"),
+        ({"group_by": "week"}, "invalid request: group_by: Input should be", "group_by"),
+        ({"from": "yesterday"}, "invalid request: from: Input should be", "from"),
+        ({"from": "2026-11-10", "to": "2026-11-01"}, "invalid range: to must be after from", "to"),
+        ({"from": "2020-01-01", "to": "2026-01-01"}, "invalid range: at most 400 days", "from"),
+        ({"format": "xml"}, "invalid request: format: Input should be", "format"),
     ],
 )
-def test_bad_usage_parameters_are_4xx(metered: Metered, params: dict[str, str], status: int, detail: str) -> None:
+def test_bad_usage_parameters_are_400(metered: Metered, params: dict[str, str], message: str, param: str) -> None:
     reply = _usage(metered, "alpha", **params)
-    assert reply.status_code == status and reply.json()["detail"].startswith(detail), reply.text
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["message"].startswith(message) and error["param"] == param, reply.text
+    assert error["type"] == "invalid_request_error"
 
 
 def test_billing_again_changes_nothing(metered: Metered) -> None:
@@ -180,26 +188,29 @@ def test_sweep_bills_a_job_its_api_process_never_billed(metered: Metered, monkey
 
 
 def test_budget_is_enforced_from_the_ledger(metered: Metered) -> None:
+    """A job reserves its predicted $ at admission; its bill (the ledger entry) replaces the reservation in the
+    spend; once the spend reaches the budget, admission refuses (402) before tokenizing."""
     m = metered
-    tenant_id, key = m.stack.tenant("gamma", budget_usd=1e-9)
+    tenant_id, key = m.stack.tenant("gamma", budget_usd=1.0)
     m.keys["gamma"], m.ids["gamma"] = key, tenant_id
     client = openai.OpenAI(base_url=m.stack.url + "/v1", api_key=key, max_retries=0, timeout=60)
-    first = client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=4)  # spend 0: admitted
+    first = client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=4)
     m.jobs["gamma"] = [first.id]
     wait_billed(m)
     entry = next(e for e in m.entries() if e.job_id == first.id)
 
-    def refused() -> bool:
-        try:
-            client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=4)
-        except openai.APIStatusError as exc:
-            return exc.status_code == 402 and exc.body == {"detail": "monthly budget exhausted"}  # type: ignore[comparison-overlap]
-        return False
+    def tenant() -> dict[str, float]:
+        tenants = httpx.get(m.stack.url + "/admin/tenants", headers=ADMIN, timeout=5).json()
+        return next(t for t in tenants if t["id"] == tenant_id)  # type: ignore[no-any-return]
 
-    wait_until(refused, 10, 0.1)
-    tenants = httpx.get(m.stack.url + "/admin/tenants", headers=ADMIN, timeout=5).json()
-    spend = next(t["spend_usd_this_month"] for t in tenants if t["id"] == tenant_id)
-    assert spend == pytest.approx(entry.total_usd)
+    wait_until(lambda: tenant()["reserved_usd"] == 0, 10, 0.05)  # settled: the bill replaced the prediction
+    assert tenant()["spend_usd_this_month"] == pytest.approx(entry.total_usd)  # billed once
+    patch = {"budget_usd": entry.total_usd}  # the budget is now exactly what was spent
+    httpx.patch(f"{m.stack.url}/admin/tenants/{tenant_id}", json=patch, headers=ADMIN, timeout=5).raise_for_status()
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=4)
+    assert (info.value.status_code, info.value.type, info.value.code) == (402, "insufficient_quota", "budget_exhausted")
+    assert tenant()["spend_usd_this_month"] == pytest.approx(entry.total_usd)
 
 
 def test_metering_metrics(metered: Metered) -> None:

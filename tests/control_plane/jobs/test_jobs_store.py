@@ -171,3 +171,106 @@ def test_ready_hand_off_wakes_waiters_of_every_process_and_a_terminal_move_ends_
     finally:
         for client in clients:
             client.close()
+
+
+# -- admission around tokenizing, budget reservations, idempotency, key lifetimes ---------------------
+
+
+def test_a_refused_admission_gives_its_slot_and_rate_count_back(store: JobStore) -> None:
+    quota = Quota(rps=1, concurrency=1, budget_usd=10)
+    held = store.admit("acme", quota)  # tokenizing: it holds the tenant's only slot and its one request a second
+    with pytest.raises(AdmissionRefused, match="concurrency"):
+        store.admit("acme", quota)
+    store.release(held)  # the prompt was too long for the model, say
+    store.release(held)  # idempotent: gives back nothing more
+    again = store.admit("acme", quota)  # the slot and the rate count are free again (same second or next)
+    created = store.create("acme", {"model": "tiny-llama"}, quota, admission=again)
+    assert not created.existing and store.active_count("acme") == 1
+    store.release(again)  # after create: a no-op, the job keeps its slot
+    with pytest.raises(AdmissionRefused, match="concurrency"):
+        store.admit("acme", quota)
+
+
+def test_an_admission_never_created_lapses_after_the_hold(settings: Settings) -> None:
+    client = redis.Redis.from_url(settings.redis_url)
+    store = JobStore(client, settings.model_copy(update={"admission_hold_s": 0.3}))
+    quota = Quota(rps=100, concurrency=1, budget_usd=10)
+    store.admit("acme", quota)  # its process died while tokenizing: nobody releases it
+    with pytest.raises(AdmissionRefused, match="concurrency"):
+        store.admit("acme", quota)
+    time.sleep(0.4)
+    store.admit("acme", quota)
+    client.close()
+
+
+def test_budget_reservations_prevent_overshoot_with_concurrent_jobs(store: JobStore) -> None:
+    """16 jobs of a predicted $0.30 each race for a $1.00 budget: 3 fit (0.90), the 4th would pass it."""
+    quota = Quota(rps=1000, concurrency=1000, budget_usd=1.0)
+
+    def submit(_: int) -> str:
+        try:
+            return store.create("acme", {"model": "tiny-llama"}, quota, reserve_usd=0.3).job_id
+        except AdmissionRefused as exc:
+            return exc.reason
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(submit, range(16)))
+    admitted = [job for job in outcomes if job != "budget"]
+    assert len(admitted) == 3 and outcomes.count("budget") == 13
+    assert store.reserved("acme") == pytest.approx(0.9)
+    assert store.active_count("acme") == 3 and store.redis.zcard(store.settings.key("tenant", "acme", "admitting")) == 0
+    failed, canceled, done = admitted
+    store.transition(failed, JobState.FAILED, 1, note="no region")  # ended unbilled: released
+    store.transition(canceled, JobState.CANCELED, 0, note="tenant")
+    assert store.reserved("acme") == pytest.approx(0.3)
+    store.transition(done, JobState.LOCAL, 1)
+    store.transition(done, JobState.DONE, 1)  # not billed yet: still reserved
+    assert store.reserved("acme") == pytest.approx(0.3)
+    with pytest.raises(AdmissionRefused, match="budget"):  # 0.3 reserved + 0.8 > 1.0
+        store.create("acme", {}, quota, reserve_usd=0.8)
+    assert not store.create("acme", {}, quota, reserve_usd=0.7).existing  # 0.3 + 0.7 fits exactly
+
+
+def test_billing_settles_the_reservation_once(store: JobStore) -> None:
+    from prfaas.control_plane.billing.spend import TenantSpend
+
+    spend = TenantSpend(store.redis, store)
+    quota = Quota(rps=1000, concurrency=1000, budget_usd=1.0)
+    job = store.create("acme", {}, quota, reserve_usd=0.4).job_id
+    store.transition(job, JobState.LOCAL, 1)
+    store.transition(job, JobState.DONE, 1)
+    spend.settle([("acme", job, 0.25)])  # the ledger entry's $ replaces the prediction
+    assert (store.spend("acme"), store.reserved("acme")) == (pytest.approx(0.25), 0.0)
+    assert spend.release("acme", [job]) == 0 and spend.reservations("acme") == {}
+    later = store.create("acme", {}, quota, reserve_usd=0.75).job_id  # 0.25 spent + 0.75 fits
+    with pytest.raises(AdmissionRefused, match="budget"):
+        store.create("acme", {}, quota)  # no headroom left at all
+    assert spend.reservations("acme") == {later: pytest.approx(0.75)}
+
+
+def test_idempotency_key_with_another_body_is_refused(store: JobStore) -> None:
+    first = store.create("acme", {}, ROOMY, admission=store.admit("acme", ROOMY, idempotency_key="k", body_hash="a"))
+    same = store.admit("acme", ROOMY, idempotency_key="k", body_hash="a")
+    assert (same.existing, same.job_id) == (True, first.job_id)
+    with pytest.raises(AdmissionRefused, match="idempotency"):
+        store.admit("acme", ROOMY, idempotency_key="k", body_hash="b")
+    # two requests with a new key race: both admitted before either wrote its job; the second to write loses
+    quota = Quota(rps=1000, concurrency=2, budget_usd=10)
+    racers = [store.admit("globex", quota, idempotency_key="r", body_hash=h) for h in ("x", "y")]
+    won = store.create("globex", {}, quota, admission=racers[0])
+    with pytest.raises(AdmissionRefused, match="idempotency"):
+        store.create("globex", {}, quota, admission=racers[1])
+    # the loser's slot was given back: one job active, one slot free
+    assert not won.existing and store.admit("globex", quota).existing is False
+
+
+def test_job_keys_expire_from_creation_and_the_index_is_trimmed(store: JobStore) -> None:
+    index = store.settings.key("tenant", "acme", "jobs")
+    keep_s = int(store.settings.job_timeout_s) + store.settings.job_ttl_s
+    store.redis.zadd(index, {"long-gone": time.time() - keep_s - 1, "recent": time.time() - 10})
+    job = store.create("acme", {}, ROOMY).job_id
+    assert set(store.redis.zrange(index, 0, -1)) == {b"recent", job.encode()}  # trimmed in the creating script
+    for key in (store.settings.key("job", job), store.settings.key("job", job) + ":timeline"):
+        assert keep_s - 5 < store.redis.ttl(key) <= keep_s  # a job nobody ends still goes away
+    store.transition(job, JobState.CANCELED, 0)
+    assert store.redis.ttl(store.settings.key("job", job)) <= store.settings.job_ttl_s  # the shorter TTL

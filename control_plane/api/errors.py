@@ -1,0 +1,187 @@
+"""Errors of the HTTP API. Under `/v1` every 4xx and 5xx has OpenAI's shape, so the official clients raise
+their typed errors (`openai.RateLimitError` for 429, ...) with `.type`, `.code` and `.param` set:
+
+    {"error": {"message": "rate limit exceeded", "type": "rate_limit_error", "param": null,
+               "code": "rate_limit_exceeded"}}
+
+The `/admin` routes and the dashboard keep FastAPI's `{"detail": message}` (same messages). Routes raise
+`Problem`s of the catalogue below (`raise RATE_LIMITED.error()`); `install(app)` renders them, FastAPI's
+own errors (an unknown route, a pydantic validation error: 400 with the field in `param`, as vLLM's OpenAI
+server does), a Redis outage (503) and anything unexpected (500). A streamed response that fails after
+its first byte sends the same object as an SSE line (`sse_error`). Messages are stable: clients may match
+on `code`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = logging.getLogger(__name__)
+OPENAI_PREFIX = "/v1"
+# the type of a status without an entry in the catalogue (a framework error, an admin route's detail)
+TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 402: "insufficient_quota", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+    422: "invalid_request_error", 429: "rate_limit_error",
+}  # fmt: skip
+
+
+class ApiError(StarletteHTTPException):
+    """An HTTP error with OpenAI's fields. `detail` is the message (what `/admin` routes show)."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(status_code, message, dict(headers) if headers else None)
+        self.message, self.type, self.code, self.param = message, type, code, param
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One entry of the catalogue: status, type, code and the stable message."""
+
+    status: int
+    type: str
+    code: str | None
+    message: str
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def error(self, message: str | None = None, *, param: str | None = None) -> ApiError:
+        """The exception to raise; `message` replaces the stable one only where it adds a detail."""
+        return ApiError(self.status, message or self.message, self.type, self.code, param, dict(self.headers))
+
+
+def problem(status: int, type: str, code: str | None, message: str, **headers: str) -> Problem:
+    return Problem(status, type, code, message, tuple((k.replace("_", "-"), v) for k, v in headers.items()))
+
+
+_BEARER = {"WWW_Authenticate": "Bearer"}
+INVALID_REQUEST = problem(400, "invalid_request_error", "invalid_request", "invalid request")
+PROMPT_EMPTY = problem(400, "invalid_request_error", "empty_prompt", "prompt is empty")
+PROMPT_TOO_LONG = problem(400, "invalid_request_error", "context_length_exceeded", "prompt too long for the model")
+TOKEN_OUT_OF_VOCAB = problem(
+    400, "invalid_request_error", "invalid_token_id", "prompt token id out of the model's vocabulary"
+)
+INVALID_RANGE = problem(400, "invalid_request_error", "invalid_range", "invalid range")
+MISSING_API_KEY = problem(401, "authentication_error", "missing_api_key", "missing API key", **_BEARER)
+INVALID_API_KEY = problem(401, "authentication_error", "invalid_api_key", "invalid API key", **_BEARER)
+BUDGET_EXHAUSTED = problem(402, "insufficient_quota", "budget_exhausted", "monthly budget exhausted")
+TENANT_SUSPENDED = problem(403, "permission_error", "tenant_suspended", "tenant suspended")
+ADMIN_REQUIRED = problem(403, "permission_error", "admin_key_required", "admin key required")
+PLACEMENT_NOT_ALLOWED = problem(
+    403, "permission_error", "placement_not_allowed", "placement requests are not enabled for this tenant"
+)
+MODEL_NOT_FOUND = problem(404, "not_found_error", "model_not_found", "model not found")
+JOB_NOT_FOUND = problem(404, "not_found_error", "job_not_found", "job not found")
+USAGE_NOT_FOUND = problem(404, "not_found_error", "usage_entry_not_found", "usage entry not found")
+UNKNOWN_URL = problem(404, "invalid_request_error", "unknown_url", "unknown URL")
+METHOD_NOT_ALLOWED = problem(405, "invalid_request_error", "method_not_allowed", "method not allowed")
+JOB_CANCELED = problem(409, "conflict_error", "job_canceled", "job canceled")
+JOB_FINISHED = problem(409, "conflict_error", "job_finished", "job finished elsewhere")
+BODY_TOO_LARGE = problem(413, "invalid_request_error", "request_too_large", "request body too large")
+IDEMPOTENCY_KEY_REUSED = problem(
+    422, "invalid_request_error", "idempotency_key_reused", "Idempotency-Key already used with a different request body"
+)
+RATE_LIMITED = problem(429, "rate_limit_error", "rate_limit_exceeded", "rate limit exceeded", Retry_After="1")
+TOO_MANY_JOBS = problem(
+    429, "rate_limit_error", "concurrency_limit_exceeded", "too many concurrent jobs", Retry_After="1"
+)
+INTERNAL = problem(500, "server_error", "internal_error", "internal server error")
+JOB_FAILED = problem(503, "server_error", "job_failed", "job failed")
+STORE_UNAVAILABLE = problem(503, "server_error", "store_unavailable", "job store unavailable")
+JOB_TIMEOUT = problem(504, "server_error", "job_timeout", "job timeout")
+
+ADMISSION_REFUSALS = {
+    "rate": RATE_LIMITED, "concurrency": TOO_MANY_JOBS, "budget": BUDGET_EXHAUSTED,
+    "idempotency": IDEMPOTENCY_KEY_REUSED,
+}  # fmt: skip
+JOB_ENDED = {"FAILED": JOB_FAILED, "CANCELED": JOB_CANCELED, "TIMEOUT": JOB_TIMEOUT, "DONE": JOB_FINISHED}
+
+
+def error_object(exc: ApiError) -> dict[str, Any]:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+
+
+def sse_error(exc: ApiError) -> str:
+    """The error as a server-sent event, for a stream that fails after it started."""
+    return f"data: {json.dumps(error_object(exc))}\n\n"
+
+
+def _openai(request: Request) -> bool:
+    return request.url.path == OPENAI_PREFIX or request.url.path.startswith(OPENAI_PREFIX + "/")
+
+
+def render(request: Request, exc: ApiError) -> Response:
+    """OpenAI's shape under /v1, FastAPI's `{"detail"}` elsewhere."""
+    if _openai(request):
+        return JSONResponse(error_object(exc), exc.status_code, headers=exc.headers)
+    return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
+
+
+def _from_http(request: Request, exc: StarletteHTTPException) -> ApiError:
+    """An HTTPException raised by the framework (routing) or a route that raised a bare one."""
+    if isinstance(exc, ApiError):
+        return exc
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        return UNKNOWN_URL.error(f"unknown URL: {request.method} {request.url.path}")
+    if exc.status_code == 405:
+        return METHOD_NOT_ALLOWED.error(f"method not allowed: {request.method} {request.url.path}")
+    kind = TYPES.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
+    return ApiError(exc.status_code, str(exc.detail), kind, None, None, exc.headers)
+
+
+def _union_member(part: str) -> bool:
+    """A pydantic location part naming which member of a union failed (`str`, `constrained-str`,
+    `list[int]`), not a field: the `param` names fields only (`prompt`, `messages.0.role`, `group_by`)."""
+    return any(c in part for c in "[-") or part in ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+def _invalid(request: Request, exc: RequestValidationError) -> Response:
+    first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ())]
+    why = first.get("msg", "invalid")
+    if not _openai(request):  # the admin routes keep FastAPI's 422
+        return JSONResponse({"detail": f"invalid request: {'.'.join(p for p in loc if p != 'body')}: {why}"}, 422)
+    if first.get("type") == "json_invalid":
+        return render(request, INVALID_REQUEST.error(f"invalid request: body: {why}"))
+    param = ".".join(loc[1:2] + [p for p in loc[2:] if not _union_member(p)]) or None
+    return render(request, INVALID_REQUEST.error(f"invalid request: {param or 'body'}: {why}", param=param))
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that render every error of `app` (see the module docstring)."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code in (204, 304):  # FastAPI's own rule: no body
+            return Response(status_code=exc.status_code, headers=exc.headers)
+        return render(request, _from_http(request, exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        return _invalid(request, exc)
+
+    @app.exception_handler(redis.RedisError)
+    async def store_down(request: Request, _exc: redis.RedisError) -> Response:
+        return render(request, STORE_UNAVAILABLE.error())
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> Response:  # Starlette logs it and re-raises
+        return render(request, INTERNAL.error())

@@ -1,0 +1,33 @@
+"""`ApiMetrics`: the API process's own Prometheus metrics (`GET /metrics`, with the metering metrics):
+responses by route and status, the time spent tokenizing prompts (its `_count` is how many prompts were
+tokenized: a request refused at admission adds none), and admission refusals by reason."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+TOKENIZE_BUCKETS_S = (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0)
+
+
+class ApiMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.responses = Counter(
+            "prfaas_api_responses", "HTTP responses by route and status", ["route", "status"], registry=registry
+        )
+        self.tokenize_s = Histogram(
+            "prfaas_api_tokenize_seconds", "time to tokenize one prompt", buckets=TOKENIZE_BUCKETS_S, registry=registry
+        )
+        self.refused = Counter(
+            "prfaas_api_admission_refused", "requests refused at admission, by reason", ["reason"], registry=registry
+        )
+
+    def tokenize(self, encode: Callable[[], list[int]]) -> list[int]:
+        """`encode()`, timed."""
+        started = time.perf_counter()
+        try:
+            return encode()
+        finally:
+            self.tokenize_s.observe(time.perf_counter() - started)

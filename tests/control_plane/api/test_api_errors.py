@@ -1,0 +1,212 @@
+"""Every 4xx and 5xx of the /v1 API has OpenAI's error object, as the official `openai` client sees it
+(its typed exception, `.type`, `.code`, `.param`), on a real API process (uvicorn) with no worker and no
+region: an admitted job stays QUEUED until the test moves it or the API's 3 s deadline passes. Also the
+body cap (413, with and without Content-Length), an Idempotency-Key reused with another body (422), and
+a stream that fails after it started (the same object as an SSE line)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from cp_kit import api_stack, make_settings
+
+from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.services import Services
+from prfaas.devstack.stack import ADMIN, Stack, wait_until
+
+pytestmark = pytest.mark.e2e
+MAX_BODY_BYTES = 1 << 20  # 1 MiB here (default 8 MiB), so the oversize bodies stay small
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    env = {"PRFAAS_JOB_TIMEOUT_S": "3", "PRFAAS_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}
+    yield from api_stack(tmp_path_factory.mktemp("cp-errors"), **env)
+
+
+@pytest.fixture(scope="module")
+def services(stack: Stack) -> Iterator[Services]:
+    s = Services.create(make_settings(key_prefix=stack.prefix))  # the stack's Redis keys, from the test
+    yield s
+    s.close()
+
+
+def client(stack: Stack, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def refused(call: Callable[[], object], kind: type[openai.APIStatusError]) -> openai.APIStatusError:
+    with pytest.raises(kind) as info:
+        call()
+    assert set(info.value.body) == {"message", "type", "param", "code"}, info.value.body  # type: ignore[arg-type]
+    return info.value
+
+
+def fields(e: openai.APIStatusError) -> tuple[int, str | None, str | None, str | None, str]:
+    return e.status_code, e.type, e.code, e.param, e.body["message"]  # type: ignore[index]
+
+
+def test_client_errors_have_openai_shape(stack: Stack) -> None:
+    _, key = stack.tenant("shapes", allow_placement=False)
+    c = client(stack, key)
+    m = "tiny-llama"
+    cases: list[tuple[Callable[[], object], type[openai.APIStatusError], tuple[Any, ...]]] = [
+        (lambda: c.completions.create(model=m, prompt="hi", max_tokens=0), openai.BadRequestError,
+         (400, "invalid_request_error", "invalid_request", "max_tokens",
+          "invalid request: max_tokens: Input should be greater than or equal to 1")),
+        (lambda: c.chat.completions.create(model=m, messages=[{"role": "robot", "content": "hi"}]),  # type: ignore[misc, list-item]
+         openai.BadRequestError, (400, "invalid_request_error", "invalid_request", "messages.0.role", None)),
+        (lambda: c.completions.create(model=m, prompt="hi " * 5000), openai.BadRequestError,
+         (400, "invalid_request_error", "context_length_exceeded", "prompt", "prompt too long for the model")),
+        (lambda: client(stack, "pfk-unknown").models.list(), openai.AuthenticationError,
+         (401, "authentication_error", "invalid_api_key", None, "invalid API key")),
+        (lambda: c.completions.create(model=m, prompt="hi", extra_body={"prfaas": {"placement": "split"}}),
+         openai.PermissionDeniedError, (403, "permission_error", "placement_not_allowed", "prfaas.placement",
+                                        "placement requests are not enabled for this tenant")),
+        (lambda: c.completions.create(model="gpt-9", prompt="hi"), openai.NotFoundError,
+         (404, "not_found_error", "model_not_found", "model", "model not found")),
+        (lambda: c.get("/jobs/00000000-0000-4000-8000-000000000000", cast_to=object), openai.NotFoundError,
+         (404, "not_found_error", "job_not_found", None, "job not found")),
+        (lambda: c.get("/nowhere", cast_to=object), openai.NotFoundError,
+         (404, "invalid_request_error", "unknown_url", None, "unknown URL: GET /v1/nowhere")),
+    ]  # fmt: skip
+    for call, kind, expected in cases:
+        got = fields(refused(call, kind))
+        assert got[:4] == expected[:4] and (expected[4] is None or got[4] == expected[4]), (got, expected)
+
+
+def test_suspended_budget_rate_and_concurrency_refusals(stack: Stack) -> None:
+    tenant_id, key = stack.tenant("suspended")
+    httpx.post(f"{stack.url}/admin/tenants/{tenant_id}/suspend", headers=ADMIN, timeout=5).raise_for_status()
+    e = refused(lambda: client(stack, key).models.list(), openai.PermissionDeniedError)
+    assert fields(e) == (403, "permission_error", "tenant_suspended", None, "tenant suspended")
+
+    _, broke = stack.tenant("broke", budget_usd=0)
+    e = refused(lambda: client(stack, broke).completions.create(model="tiny-llama", prompt="hi"), openai.APIStatusError)
+    assert fields(e) == (402, "insufficient_quota", "budget_exhausted", None, "monthly budget exhausted")
+
+    tenant_id, busy = stack.tenant("busy", concurrency=1)
+    held = client(stack, busy).completions.create(model="tiny-llama", prompt="hi", stream=True)  # QUEUED: holds it
+    e = refused(lambda: client(stack, busy).completions.create(model="tiny-llama", prompt="hi"), openai.RateLimitError)
+    assert fields(e) == (429, "rate_limit_error", "concurrency_limit_exceeded", None, "too many concurrent jobs")
+    assert e.response.headers["retry-after"] == "1"
+    held.close()
+
+    _, fast = stack.tenant("fast", rps=1)
+    streams, limited = [], []
+    for _ in range(4):  # 4 requests within at most two 1 s windows of 1: at least 2 refused
+        try:
+            streams.append(client(stack, fast).completions.create(model="tiny-llama", prompt="hi", stream=True))
+        except openai.RateLimitError as exc:
+            limited.append(fields(exc))
+    assert len(limited) >= 2 and set(limited) == {
+        (429, "rate_limit_error", "rate_limit_exceeded", None, "rate limit exceeded")
+    }
+    for s in streams:
+        s.close()
+
+
+def test_oversize_body_is_413_with_or_without_content_length(stack: Stack) -> None:
+    _, key = stack.tenant("big")
+    too_big = [5] * (MAX_BODY_BYTES // 2)  # "5, " x 512 Ki: 1.5 MiB of JSON
+    e = refused(
+        lambda: client(stack, key).completions.create(model="tiny-llama", prompt=too_big), openai.APIStatusError
+    )
+    assert fields(e) == (
+        413, "invalid_request_error", "request_too_large", None,
+        f"request body too large: more than {MAX_BODY_BYTES} bytes",
+    )  # fmt: skip
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted while read, refused mid-body
+        yield b'{"model": "tiny-llama", "prompt": [5'
+        for _ in range(64):
+            yield b", 5" * 10_000
+        yield b"]}"
+
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    reply = httpx.post(f"{stack.url}/v1/completions", content=chunked(), headers=headers, timeout=30)
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large", reply.text
+    admin = httpx.post(f"{stack.url}/admin/tenants", content=b"{" + b" " * MAX_BODY_BYTES + b"}", headers=ADMIN)
+    assert admin.status_code == 413 and admin.json() == {
+        "detail": f"request body too large: more than {MAX_BODY_BYTES} bytes"
+    }
+
+
+def test_idempotency_key_reused_with_another_body_is_422(stack: Stack) -> None:
+    _, key = stack.tenant("idem")
+    c = client(stack, key)
+    headers = {"Idempotency-Key": "order-17"}
+    first = c.completions.create(model="tiny-llama", prompt="once", max_tokens=4, stream=True, extra_headers=headers)
+    job_id = first.response.headers["x-prfaas-job-id"]
+    again = c.completions.create(model="tiny-llama", prompt="once", max_tokens=4, stream=True, extra_headers=headers)
+    assert again.response.headers["x-prfaas-job-id"] == job_id  # the same body: the same job
+    e = refused(
+        lambda: c.completions.create(model="tiny-llama", prompt="twice", max_tokens=4, extra_headers=headers),
+        openai.UnprocessableEntityError,
+    )
+    assert fields(e) == (
+        422, "invalid_request_error", "idempotency_key_reused", None,
+        "Idempotency-Key already used with a different request body",
+    )  # fmt: skip
+    for s in (first, again):
+        s.close()
+
+
+def _waiting(stack: Stack, key: str, stream: bool = False) -> tuple[threading.Thread, list[object], str]:
+    """A completion asked on a thread of its own; returns once its job is QUEUED (the tenant's only job)."""
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            reply = client(stack, key).completions.create(model="tiny-llama", prompt="wait", stream=stream)
+            outcome.append(list(reply) if stream else reply)  # type: ignore[call-overload]
+        except openai.APIError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    jobs: list[dict[str, Any]] = []
+
+    def queued() -> bool:
+        jobs[:] = httpx.get(f"{stack.url}/v1/jobs", headers={"Authorization": f"Bearer {key}"}, timeout=5).json()[
+            "data"
+        ]
+        return bool(jobs) and jobs[0]["state"] == "QUEUED"
+
+    wait_until(queued, 10, 0.02)
+    return thread, outcome, str(jobs[0]["id"])
+
+
+def test_job_endings_have_openai_shape(stack: Stack, services: Services) -> None:
+    _, key = stack.tenant("endings")
+    thread, outcome, job_id = _waiting(stack, key)
+    httpx.delete(f"{stack.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {key}"}, timeout=5)
+    thread.join(10)
+    e = outcome[0]
+    assert isinstance(e, openai.ConflictError)
+    assert fields(e) == (409, "conflict_error", "job_canceled", None, "job canceled: canceled: canceled by the tenant")
+
+    thread, outcome, job_id = _waiting(stack, key)
+    services.jobs.transition(job_id, JobState.FAILED, 1, note="no region", error="no placement: no region")
+    thread.join(10)
+    e = outcome[0]
+    assert isinstance(e, openai.InternalServerError)
+    assert fields(e) == (503, "server_error", "job_failed", None, "job failed: no placement: no region")
+
+    e = refused(
+        lambda: client(stack, key).completions.create(model="tiny-llama", prompt="slow"), openai.InternalServerError
+    )
+    assert fields(e) == (504, "server_error", "job_timeout", None, "job timeout: no result within 3 s")
+
+    thread, outcome, job_id = _waiting(stack, key, stream=True)  # the stream started: the error is an SSE line
+    services.jobs.transition(job_id, JobState.FAILED, 1, note="no region", error="no placement: no region")
+    thread.join(10)
+    e = outcome[0]
+    assert type(e) is openai.APIError, e
+    assert e.body == {"message": "job failed: no placement: no region", "type": "server_error", "param": None,
+                      "code": "job_failed"}  # fmt: skip
