@@ -160,6 +160,8 @@ def _create(
     }  # fmt: skip
     if seed is not None:
         fields["seed"] = seed
+    if g.idempotency_key:  # a retry can attach to it: adopted if its API process dies (jobs/sweeper.py)
+        fields["idempotent"] = 1
     asked = {"id": admission.job_id, "tenant": tenant.id, "prompt_tokens": str(len(ids))}
     asked |= {"max_new_tokens": str(max_new), "placement_asked": placement}  # not the prompt: str() of 100k ids
     placed = g.follower.placer.place(asked, hand_off=s.settings.admission_placement)

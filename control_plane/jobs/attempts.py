@@ -65,6 +65,16 @@ class Attempts:
         self.enqueue(job_id, backoff)
         return "retrying"
 
+    def unclaim(self, job_id: str, attempt: int, countdown_s: float) -> bool:
+        """Give back the claim on `attempt` (still QUEUED: it was not placed) and queue its
+        dispatch again after `countdown_s`; False if the job moved on meanwhile."""
+        self._queued_lease(job_id, attempt, countdown_s)
+        if not self.leases.unclaim(job_id, attempt):
+            self.leases.take(job_id, attempt)
+            return False
+        self.enqueue(job_id, countdown_s)
+        return True
+
     def requeue(self, job_id: str, attempt: int) -> None:
         """Queue the dispatch of `attempt` (QUEUED, not yet claimed) again."""
         self._queued_lease(job_id, attempt, 0.0)

@@ -9,12 +9,14 @@ the sweeper (jobs/sweeper.py). A worker process:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery
 
 from prfaas.control_plane.settings import Settings
 
+log = logging.getLogger(__name__)
 TASK = "prfaas.dispatch_job"
 
 
@@ -54,7 +56,9 @@ def _worker_side(app: Celery, settings: Settings) -> None:
     services = Services.create(settings)
     beats = {kind: Heartbeats(services.redis, settings, kind) for kind in ("worker", "api")}  # api: read only
     dispatcher = Dispatcher(services, lambda job_id, countdown: enqueue(app, job_id, countdown), beats["worker"].me)
-    sweeper = Sweeper(services.jobs, dispatcher.leases, dispatcher.attempts, beats, dispatcher.channels)
+    adoptions = Adoptions(services, app, beats["worker"].me)
+    sweeper = Sweeper(services.jobs, dispatcher.leases, dispatcher.attempts, beats, dispatcher.channels,
+                      adoptions.adopt)  # fmt: skip
 
     @app.task(name=TASK)  # type: ignore[untyped-decorator]
     def dispatch_job(job_id: str) -> str:
@@ -69,6 +73,37 @@ def _worker_side(app: Celery, settings: Settings) -> None:
     def _stopping(**_: object) -> None:  # its streams end with it: say so, and the others sweep at once
         sweeper.stop()
         beats["worker"].stop()
+
+
+class Adoptions:
+    """Jobs this worker follows in place of a dead API process (jobs/sweeper.py), each on a
+    thread of its own, into the job's token log; billed at DONE like any other."""
+
+    def __init__(self, services: Any, app: Celery, owner: str) -> None:
+        self.s = services
+        self.app = app
+        self.owner = owner
+        self._follower: Any = None
+
+    def adopt(self, job_id: str, stale_attempt: int) -> None:
+        import threading
+
+        from prfaas.control_plane.billing.meter import open_meter
+        from prfaas.control_plane.jobs.generation import Follower, JobEnded
+
+        if self._follower is None:
+            self._follower = Follower(self.s, self.app, open_meter(self.s), self.owner)
+        follower = self._follower
+        logged = [token for token, _, _ in follower.log.logged_tokens(job_id, 0)]
+
+        def follow() -> None:
+            try:
+                for _ in follower.tokens(job_id, after_attempt=stale_attempt, already=logged):
+                    pass
+            except JobEnded as exc:
+                log.info("adopted job %s ended: %s", job_id, exc)
+
+        threading.Thread(target=follow, name=f"adopted-{job_id[:8]}", daemon=True).start()
 
 
 def enqueue(app: Celery, job_id: str, countdown_s: float = 0.0) -> Any:

@@ -49,6 +49,7 @@ from prfaas.transport.tickets import TicketSigner
 
 log = logging.getLogger(__name__)
 PLACING_LEASE_S = 30.0  # claim -> prefill started: a snapshot read, a Reserve (10 s at most)
+UNPLACED_RETRY_S = 1.0  # a job no region can take now is placed again this much later
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED, grpc.StatusCode.ALREADY_EXISTS,
@@ -116,16 +117,25 @@ class Dispatcher:
             self.leases.take(job_id, attempt)
             return self.attempts.fail(job_id, attempt, exc.where, str(exc))
         except PlacementRejected as exc:
-            self.leases.take(job_id, attempt)
-            reason = f"no placement: {exc}"
-            try:
-                jobs.transition(job_id, JobState.FAILED, attempt, note=reason, error=reason)
-            except (StaleAttempt, IllegalTransition, JobNotFound):
-                return "superseded"
-            return "rejected"
+            return self._unplaced(job_id, job, attempt, f"no placement: {exc}")
         except (StaleAttempt, IllegalTransition, Superseded, JobNotFound):
             self.leases.take(job_id, attempt)
             return "superseded"
+
+    def _unplaced(self, job_id: str, job: dict[str, str], attempt: int, reason: str) -> str:
+        """No region can take the job now. The fleet's view may be stale (no heartbeats while the
+        registry's process restarts, every region busy): the same attempt is tried again every
+        `UNPLACED_RETRY_S` until the job's deadline, then FAILED with the reason."""
+        deadline = float(job.get("created_at", 0)) + self.s.settings.job_timeout_s
+        if time.time() + UNPLACED_RETRY_S < deadline and self.attempts.unclaim(job_id, attempt, UNPLACED_RETRY_S):
+            log.info("job %s attempt %d: %s; again in %.0f s", job_id, attempt, reason, UNPLACED_RETRY_S)
+            return "unplaced"
+        self.leases.take(job_id, attempt)
+        try:
+            self.s.jobs.transition(job_id, JobState.FAILED, attempt, note=reason, error=reason)
+        except (StaleAttempt, IllegalTransition, JobNotFound):
+            return "superseded"
+        return "rejected"
 
     def decide(self, job: dict[str, str], excluded: frozenset[str]) -> Decision:
         snapshot = self.s.regions.snapshot(self.s.model.shape, exclude=excluded)

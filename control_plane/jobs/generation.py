@@ -68,7 +68,8 @@ class Follower:
         def enqueue_job(job_id: str, countdown_s: float) -> object:
             return enqueue(celery, job_id, countdown_s)
 
-        self.attempts = Attempts(services.jobs, Leases(services.redis, services.settings), enqueue_job, owner)
+        self.leases = Leases(services.redis, services.settings)
+        self.attempts = Attempts(services.jobs, self.leases, enqueue_job, owner)
         self.log = TokenLog(services.jobs)
         # A token stream is read on the thread that asked for it: without this option every stream call
         # on an idle channel starts a thread of its own to pump the channel's events (~0.2 ms a request).
@@ -80,23 +81,25 @@ class Follower:
         self.meter = meter  # bills each job once it is DONE (off this thread)
 
     def tokens(
-        self, job_id: str, job: dict[str, str] | None = None, ready: dict[str, Any] | None = None
-    ) -> Iterator[Token]:
+        self, job_id: str, job: dict[str, str] | None = None, ready: dict[str, Any] | None = None, *,
+        after_attempt: int = 0, already: list[int] | None = None,
+    ) -> Iterator[Token]:  # fmt: skip
         """The job's tokens, from whichever attempt delivers them. `ready` (with `job`, its
-        record) is a hand-off the caller already holds: the first attempt starts from it."""
+        record) is a hand-off the caller already holds: the first attempt starts from it.
+        Adopting a job another process followed: `after_attempt`, the last attempt whose
+        hand-off is stale; `already`, the tokens it logged (skipped, not logged again)."""
         if self.owner:
-            self.s.jobs.follow(job_id, self.owner)
+            self.leases.follow(job_id, self.owner)
         try:
-            yield from self._tokens(job_id, job, ready)
+            yield from self._tokens(job_id, job, ready, after_attempt, list(already or ()))
         finally:
             if self.owner:
-                self.s.jobs.unfollow(job_id, self.owner)
+                self.leases.unfollow(job_id, self.owner)
 
-    def _tokens(self, job_id: str, job: dict[str, str] | None, ready: dict[str, Any] | None) -> Iterator[Token]:
+    def _tokens(self, job_id: str, job: dict[str, str] | None, ready: dict[str, Any] | None, after: int,
+                output: list[int]) -> Iterator[Token]:  # fmt: skip
         jobs = self.s.jobs
         deadline = time.monotonic() + self.s.settings.job_timeout_s
-        after = 0
-        output: list[int] = []
         info = ready
         while True:
             if info is None:

@@ -89,6 +89,19 @@ def process_id(kind: str) -> str:
     return f"{kind}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+_UNCLAIM = """
+local cur = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'dispatched')
+if cur[1] ~= 'QUEUED' or cur[2] ~= ARGV[1] or cur[3] ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], 'dispatched')
+return 1
+"""
+
+_UNFOLLOW = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+
 class Leases:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.redis: Any = client  # redis-py types replies as Awaitable | Any
@@ -98,6 +111,8 @@ class Leases:
         self._claim = client.register_script(_CLAIM_DISPATCH)
         self._grant = client.register_script(_GRANT)
         self._take = client.register_script(_TAKE)
+        self._unfollow = client.register_script(_UNFOLLOW)
+        self._unclaim = client.register_script(_UNCLAIM)
 
     def claim_dispatch(self, lease: Lease) -> str:
         """'ok' when this caller is the one to dispatch `lease.attempt`, now under `lease`
@@ -124,6 +139,23 @@ class Leases:
 
     def count(self) -> int:
         return int(self.redis.zcard(self._zset))
+
+    # -- which API process streams each job's tokens (a dead one's jobs: jobs/sweeper.py) ----
+
+    def follow(self, job_id: str, owner: str) -> None:
+        self.redis.hset(self.settings.key("following"), job_id, owner)
+
+    def unfollow(self, job_id: str, owner: str) -> bool:
+        """Drop `job_id` from the followed jobs if `owner` follows it; True when this call did."""
+        return bool(self._unfollow(keys=[self.settings.key("following")], args=[job_id, owner]))
+
+    def unclaim(self, job_id: str, attempt: int) -> bool:
+        """Undo a dispatch's claim on `attempt` (jobs/leases.py) while the job is still QUEUED at it."""
+        return bool(self._unclaim(keys=[self.settings.key("job", job_id)], args=[attempt]))
+
+    def following(self) -> dict[str, str]:
+        """Job id -> the API process following it."""
+        return {_text(k): _text(v) for k, v in self.redis.hgetall(self.settings.key("following")).items()}
 
 
 class Heartbeats:

@@ -86,7 +86,6 @@ class JobStore:
         self._admit = client.register_script(ADMIT)
         self._release = client.register_script(RELEASE)
         self._create = client.register_script(CREATE)
-        self._unfollow = client.register_script(_UNFOLLOW)
 
     def _job(self, job_id: str) -> str:
         return self.settings.key("job", job_id)
@@ -338,25 +337,6 @@ class JobStore:
                 notified.wait(min(remaining, 1.0 if self.notifier.live else 0.02))
         finally:
             self.notifier.unwatch(channel, notified)
-
-    # -- which API process streams each job's tokens (a dead one's jobs: jobs/sweeper.py) ----
-
-    def follow(self, job_id: str, owner: str) -> None:
-        self.redis.hset(self.settings.key("following"), job_id, owner)
-
-    def unfollow(self, job_id: str, owner: str) -> bool:
-        """Drop `job_id` from the followed jobs if `owner` follows it; True when this call did."""
-        return bool(self._unfollow(keys=[self.settings.key("following")], args=[job_id, owner]))
-
-    def following(self) -> dict[str, str]:
-        """Job id -> the API process following it."""
-        return {_text(k): _text(v) for k, v in self.redis.hgetall(self.settings.key("following")).items()}
-
-
-_UNFOLLOW = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
-return 0
-"""
 
 
 def _encode(value: Any) -> str | int | float:

@@ -6,9 +6,13 @@
   handed to jobs/attempts.py: the next attempt (an overrun leaves its instance out), or FAILED.
 - A `queued` lease past its deadline or whose owner died: the job's dispatch was never started
   (the task was lost between the move to QUEUED and the enqueue): it is queued again.
-- A job followed by an API process that stopped beating: nobody streams its tokens any more,
-  so it is stopped in its regions and ends FAILED with the reason; its concurrency slot
-  returns with the move (jobs/store.py).
+- A job followed by an API process that stopped beating: nobody streams its tokens any more.
+  One asked with an Idempotency-Key is adopted: a follower in this worker streams it to its
+  end into its token log (a decode the dead process held is run again: the next attempt,
+  reshipping the KV from the prefill region that leases it), and the client's retry with the
+  same key attaches to it (jobs/tokenlog.py). Any other job is stopped in its regions and ends
+  FAILED with the reason (no client could ever read its answer); its concurrency slot returns
+  with the move (jobs/store.py).
 
 Every take-back is a claim in Redis (jobs/leases.py), so two sweepers never act on one lease.
 """
@@ -19,6 +23,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import redis
@@ -37,7 +42,10 @@ log = logging.getLogger(__name__)
 
 class Sweeper:
     def __init__(self, jobs: JobStore, leases: Leases, attempts: Attempts, beats: dict[str, Heartbeats],
-                 channels: ChannelCache) -> None:  # fmt: skip
+                 channels: ChannelCache, adopt: Callable[[str, int], None] | None = None) -> None:  # fmt: skip
+        """`adopt(job_id, stale_attempt)`: follow an orphaned job to its end from this process
+        (None: orphans end FAILED)."""
+        self.adopt = adopt
         self.jobs = jobs
         self.leases = leases
         self.attempts = attempts
@@ -77,8 +85,8 @@ class Sweeper:
             done.append(self._recover(lease, overran))
         api = self.beats.get("api")
         if api is not None:
-            for job_id, owner in self.jobs.following().items():
-                if owner not in alive and self.jobs.unfollow(job_id, owner):
+            for job_id, owner in self.leases.following().items():
+                if owner not in alive and self.leases.unfollow(job_id, owner):
                     done.append(self._orphaned(job_id, owner))
         return done
 
@@ -105,6 +113,8 @@ class Sweeper:
                 job = self.jobs.get(job_id)
                 if job["state"] in TERMINAL:
                     return f"{job_id}: already {job['state']}"
+                if self.adopt is not None and job.get("idempotent"):
+                    return self._adopted(job, reason)
                 self._stop_in_regions(job, reason)
                 self.jobs.transition(job_id, JobState.FAILED, int(job["attempt"]), note=reason, error=reason,
                                      tenant=job["tenant"])  # fmt: skip
@@ -114,6 +124,22 @@ class Sweeper:
             except JobNotFound:
                 return f"{job_id}: gone"
         return f"{job_id}: moved on"
+
+    def _adopted(self, job: dict[str, str], reason: str) -> str:
+        assert self.adopt is not None
+        job_id, attempt = job["id"], int(job["attempt"])
+        if job["state"] in (JobState.TRANSFERRING, JobState.DECODING, JobState.LOCAL):  # its decode died with it
+            # (its decode call ended with the dead process; the prefill region's KV lease is kept)
+            reship: dict[str, str] | str = ""
+            if job["state"] != JobState.LOCAL and job.get("prefill_instance"):
+                reship = {"region": job["prefill_region"], "instance": job["prefill_instance"]}
+            outcome = self.attempts.fail(job_id, attempt, "", reason, reship_from=reship)
+            if outcome != "retrying":
+                return f"{job_id}: {outcome} ({reason})"
+            self.adopt(job_id, attempt)
+        else:  # not decoding yet: its dispatch goes on, the hand-off is still to come
+            self.adopt(job_id, attempt - 1)
+        return f"{job_id}: adopted ({reason})"
 
     def _stop_in_regions(self, job: dict[str, str], reason: str) -> None:
         """Cancel the job in its prefill and its decode region (idempotent there: a prefill

@@ -182,46 +182,58 @@ def test_the_first_stream_going_away_does_not_cancel_a_job_a_retry_still_reads(s
 def test_an_api_process_killed_with_jobs_in_flight_ends_them_with_a_reason_and_frees_the_tenant(
     stack: Stack, long_text: str
 ) -> None:
-    """Last: it replaces the stack's API process."""
+    """Last: it replaces the stack's API process. Three jobs in flight; the one asked with an
+    Idempotency-Key is adopted by the worker and its client's retry reads all of it; the others
+    end FAILED naming the dead process."""
     tenant, key = stack.tenant("api-kill", allow_placement=True)
     prompt = HFEngine("tiny-llama").encode(long_text)[:400]
     url = stack.url
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 60, "stream": True}
 
-    def ask(placement: str) -> None:
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 200, "stream": True,
-                "prfaas": {"placement": placement}}  # fmt: skip
-        headers = {"Authorization": f"Bearer {key}"}
+    def ask(placement: str, idempotency_key: str) -> None:
+        headers = {"Authorization": f"Bearer {key}"} | ({"Idempotency-Key": idempotency_key} if idempotency_key else {})
         try:
-            with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as reply:
+            with httpx.stream("POST", url + "/v1/completions", json=body | {"prfaas": {"placement": placement}},
+                              headers=headers, timeout=60) as reply:  # fmt: skip
                 for _ in reply.iter_lines():
                     pass
         except httpx.HTTPError:
             pass  # the API died under it
 
-    callers = [threading.Thread(target=ask, args=(p,), daemon=True) for p in ("split", "split", "local")]
+    asked = [("split", "kept"), ("split", ""), ("local", "")]
+    callers = [threading.Thread(target=ask, args=a, daemon=True) for a in asked]
     for call in callers:
         call.start()
     client = redis.Redis.from_url(REDIS_URL)
     active = f"{stack.prefix}:tenant:{tenant}:active"
     wait_until(lambda: client.scard(active) == 3, 10, 0.05)
-    time.sleep(1.0)  # one job decoding, two prefilling or waiting for it
+    time.sleep(2.0)  # jobs decoding, or prefilling
     assert stack.api is not None
     stack.api.send_signal(signal.SIGKILL)
     stack.api.wait(5)
     killed_at = time.monotonic()
+    stack.start_api()  # as its supervisor would (the regions beat to it again)
     job_ids = [j.decode() for j in client.zrange(f"{stack.prefix}:tenant:{tenant}:jobs", 0, -1)]
     assert len(job_ids) == 3
 
-    def ended() -> bool:
-        return all(client.hget(f"{stack.prefix}:job:{j}", "state") in (b"DONE", b"FAILED") for j in job_ids)
+    def job(job_id: str) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in client.hgetall(f"{stack.prefix}:job:{job_id}").items()}
 
-    wait_until(ended, 30, 0.2)
+    wait_until(lambda: all(job(j)["state"] in ("DONE", "FAILED") for j in job_ids), 30, 0.2)
     assert time.monotonic() - killed_at < 30
     assert client.scard(active) == 0
+    kept = [job(j) for j in job_ids if job(j).get("idempotent")]
+    others = [job(j) for j in job_ids if not job(j).get("idempotent")]
+    timelines = {j: client.lrange(f"{stack.prefix}:job:{j}:timeline", 0, -1) for j in job_ids}
+    assert len(kept) == 1 and kept[0]["state"] == "DONE", (kept, timelines)  # adopted: decoded to its end
+    for record in others:
+        assert record["state"] == "DONE" or "API process" in record.get("error", ""), record
     for job_id in job_ids:
-        job = {k.decode(): v.decode() for k, v in client.hgetall(f"{stack.prefix}:job:{job_id}").items()}
-        assert job["state"] == "DONE" or "API process" in job.get("error", ""), job
         timeline = [json.loads(e) for e in client.lrange(f"{stack.prefix}:job:{job_id}:timeline", 0, -1)]
-        assert timeline[-1]["state"] == job["state"]
+        assert timeline[-1]["state"] == job(job_id)["state"]
     client.close()
-    stack.start_api()  # for whatever runs after
+    headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "kept"}  # the client retries
+    with httpx.stream("POST", stack.url + "/v1/completions", json=body | {"prfaas": {"placement": "split"}},
+                      headers=headers, timeout=60) as reply:  # fmt: skip
+        text, job_id, _ = _sse_text(reply)
+    assert job_id == kept[0]["id"] and text == _reference(prompt, 60)
