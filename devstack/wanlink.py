@@ -7,7 +7,8 @@
 
 Two namespaces joined by the userspace emulator (`netns.py`: linkemu over two TUN devices,
 one-way delay, rate limit, random loss, drop-tail queue, per direction), each end renamed
-`wan0`. `bench/wan_selftest.py` measures the link itself (TCP goodput, ping).
+`wan0`. `bench/wan_selftest.py` measures the link itself (TCP goodput, ping). `cut()` /
+`restore()` take the link down and up again (an outage: every packet dropped both ways).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +82,17 @@ class WanLink:
 
     def read_sysctl(self, key: str, ns: str = "a") -> str:
         return self.check_in(ns, ["sysctl", "-n", key]).strip().replace("\t", " ")
+
+    def cut(self) -> float:
+        """Cut the link now: every packet is dropped both ways, also those already on the wire,
+        until `restore` (no RST, no ICMP: both ends see only silence). Returns time.monotonic()."""
+        self.emulator.send_signal(signal.SIGRTMIN)
+        return time.monotonic()
+
+    def restore(self) -> float:
+        """End a `cut`; packets flow again from now on. Returns time.monotonic()."""
+        self.emulator.send_signal(signal.SIGRTMIN + 1)
+        return time.monotonic()
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Live emulator counters per direction (SIGUSR1 makes linkemu print them)."""

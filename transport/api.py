@@ -148,6 +148,7 @@ class TransferStats:
     raw_bytes: int = 0  # KV bytes before encoding, acknowledged by the receiver
     wire_bytes: int = 0  # encoded payload bytes sent, resends included
     resent_chunks: int = 0
+    resent_bytes: int = 0  # of `wire_bytes`: chunks sent again (their stream broke, or a NACK)
     started_s: float = field(default_factory=time.monotonic)
     finished_s: float | None = None
 

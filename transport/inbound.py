@@ -69,12 +69,18 @@ class _Part:
     def __init__(self, count: int, size: int, pool: PartPool) -> None:
         self.count = count
         self.buf = pool.get(size)  # every byte that is read back gets written by a chunk first
-        self.claimed: set[int] = set()  # being read into the buffer now
+        self.claimed: dict[int, Claimant | None] = {}  # being read into the buffer now, by whom
         self.done: set[int] = set()  # verified and in place
         self.length = 0  # payload bytes once the last chunk is in
 
 
 PENDING_WAIT_S = 1.0  # how long a resent chunk waits for the copy another connection is reading
+
+
+class Claimant(Protocol):
+    """Who reads a chunk into its slot (a receiver's connection): `abort` ends its read."""
+
+    def abort(self) -> None: ...
 
 
 class Slot(Enum):
@@ -167,11 +173,17 @@ class Inbound:
         return ticket.budget + 2 * len(info.layer_shapes) * (info.chunk_bytes + 4096)
 
     def slot(
-        self, layer: int, part: int, chunk: int, count: int, codec: int, raw_len: int, payload_len: int
-    ) -> memoryview | Slot:
-        """Where a verified chunk's payload goes: a view of the part's buffer, claimed until
-        `commit`, so a receiver reads it from the socket straight into place. Raises
-        TransportError if the chunk contradicts the OPEN (the shipment then fails)."""
+        self, layer: int, part: int, chunk: int, count: int, codec: int, raw_len: int, payload_len: int,
+        claimant: Claimant | None = None,
+    ) -> memoryview | Slot:  # fmt: skip
+        """Where a verified chunk's payload goes: a view of the part's buffer, claimed by
+        `claimant` until `commit`, so a receiver reads it from the socket straight into place.
+        Raises TransportError if the chunk contradicts the OPEN (the shipment then fails).
+
+        PENDING: another claimant is reading a copy. A sender resends a chunk only once it gave
+        up on the connection it sent it on, so that copy is stale: its connection may have died
+        mid-chunk without a sign (a cut link; its socket would notice only at keepalive, a
+        minute on) and would hold the claim until then. It is aborted, which drops the claim."""
         info = self.info
         if info is None:
             raise FrameError("DATA before OPEN")
@@ -212,11 +224,14 @@ class Inbound:
                 raise FrameError(f"chunk_count {count} disagrees with {entry.count} for layer {layer} part {part}")
             if chunk in entry.done:
                 return Slot.DUPLICATE
-            if chunk in entry.claimed:
-                return Slot.PENDING
-            entry.claimed.add(chunk)
-            offset = chunk * size
-            return memoryview(entry.buf)[offset : offset + payload_len]
+            if chunk not in entry.claimed:
+                entry.claimed[chunk] = claimant
+                offset = chunk * size
+                return memoryview(entry.buf)[offset : offset + payload_len]
+            stale = entry.claimed[chunk]
+        if stale is not None and stale is not claimant:
+            stale.abort()  # outside the lock: its reader wakes, and `commit` drops the claim
+        return Slot.PENDING
 
     def commit(self, layer: int, part: int, chunk: int, payload_len: int, ok: bool) -> None:
         """The chunk read into `slot`'s view is verified (`ok`) or not (the claim is dropped and
@@ -228,7 +243,7 @@ class Inbound:
             entry = self._parts.get((layer, part))
             if entry is None:  # the shipment ended meanwhile
                 return
-            entry.claimed.discard(chunk)
+            entry.claimed.pop(chunk, None)
             self._lock.notify_all()  # a copy of this chunk on another connection may wait (accept)
             if not ok or self.cell.status().terminal:
                 return
@@ -278,6 +293,7 @@ class Inbound:
         codec: int,
         raw_len: int,
         payload: bytes | bytearray | memoryview,
+        claimant: Claimant | None = None,
     ) -> Slot | None:
         """Store one verified chunk (copying it into place): None when stored, else why not.
         Raises TransportError if it contradicts the OPEN (the shipment then fails).
@@ -287,7 +303,7 @@ class Inbound:
         DUPLICATE; dropped (its connection died mid-chunk) -> this copy is stored instead.
         Never answering it would leave the sender waiting for an ACK that no connection
         sends; PENDING is returned only if the other copy is still being read."""
-        view = self.slot(layer, part, chunk, count, codec, raw_len, len(payload))
+        view = self.slot(layer, part, chunk, count, codec, raw_len, len(payload), claimant)
         if view is Slot.PENDING:
             end = time.monotonic() + self.pending_wait_s
             with self._lock:
@@ -297,7 +313,7 @@ class Inbound:
                     if entry is None or chunk not in entry.claimed or remaining <= 0:
                         break
                     self._lock.wait(remaining)
-            view = self.slot(layer, part, chunk, count, codec, raw_len, len(payload))
+            view = self.slot(layer, part, chunk, count, codec, raw_len, len(payload), claimant)
         if isinstance(view, Slot):
             return view
         view[:] = payload

@@ -49,14 +49,16 @@ class InProcessChannel:
     def _on_reply(self, frame: Frame) -> None:
         _acked, resend = self._table.on_reply(frame)
         for chunk in resend:
-            chunk.transfer.sent(chunk, 0, resend=True)
+            chunk.stream = 0
+            chunk.transfer.sent(chunk)
             self._send(chunk.frame_bytes())
 
     def _enqueue(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:
             if chunk.transfer.cell.status().terminal:
                 return
-            chunk.transfer.sent(chunk, 0, resend=False)
+            chunk.stream = 0
+            chunk.transfer.sent(chunk)
             self._send(chunk.frame_bytes())
 
     def submit(self, shipment: Shipment) -> OutboundTransfer:

@@ -13,4 +13,6 @@ QUEUEING_DELAY = Gauge(
 WIRE_BYTES = Counter("prfaas_kv_wire_bytes_total", "KV frame bytes sent, resends included", ["peer"])
 RAW_BYTES = Counter("prfaas_kv_raw_bytes_total", "raw KV bytes of completed shipments", ["peer", "codec"])
 RESENT_CHUNKS = Counter("prfaas_kv_resent_chunks_total", "chunks sent again (broken stream, bad checksum)", ["peer"])
+RESENT_BYTES = Counter("prfaas_kv_resent_bytes_total", "KV frame bytes sent again (of wire bytes)", ["peer"])
+STALLS = Counter("prfaas_kv_stalls_total", "connections reset after stall_timeout_s without an ACK", ["peer"])
 TRANSFERS = Counter("prfaas_kv_transfers_total", "shipments ended, by status", ["peer", "status"])

@@ -58,6 +58,7 @@ class Chunk:
     raw_share: int  # raw KV bytes this chunk stands for (stats)
     seq: int = field(default_factory=lambda: next(_seq))
     stream: int | None = None  # stream it was last sent on (-1: its stream broke)
+    sends: int = 0  # sends that completed (the socket took every byte)
     queued: bool = False  # waiting in a channel's send queue (never twice)
     inflight: bool = False  # counted against the channel's in-flight byte budget
 
@@ -170,11 +171,14 @@ class OutboundTransfer:
 
     # -- frames from the receiver ----------------------------------------------------------
 
-    def sent(self, chunk: Chunk, stream: int, resend: bool) -> None:
+    def sent(self, chunk: Chunk) -> None:
+        """A send of `chunk` completed (every one after its first is a resend)."""
         with self._lock:
-            chunk.stream = stream
             self.stats.wire_bytes += chunk.size
-            self.stats.resent_chunks += int(resend)
+            if chunk.sends:
+                self.stats.resent_chunks += 1
+                self.stats.resent_bytes += chunk.size
+            chunk.sends += 1
 
     def ack(self, keys: list[ChunkKey]) -> list[Chunk]:
         """Mark chunks acknowledged; returns those that were outstanding."""

@@ -65,7 +65,7 @@ class FrameConnection:
         self.accepted_at = time.monotonic()
         self._write_lock = threading.Lock()
         self._scratch: bytearray | None = None  # what unwanted payloads are read through
-        self.session = Session(self.send)
+        self.session = Session(self.send, self.abort)
         self.thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
     def send(self, frame: Frame) -> None:

@@ -42,8 +42,9 @@ class Session:
     certificate's identity was checked (`authenticated`, set by the connection) and it said
     HELLO, or an OPEN on it carried a ticket that verifies (`ticketed`)."""
 
-    def __init__(self, send: Callable[[Frame], None]) -> None:
+    def __init__(self, send: Callable[[Frame], None], abort: Callable[[], None] | None = None) -> None:
         self.send = send
+        self._abort = abort  # ends the connection (a `Claimant` whose read of a chunk went stale)
         self.hello = False
         self.version = 0
         self.authenticated = False
@@ -55,6 +56,10 @@ class Session:
     @property
     def verified(self) -> bool:
         return self.hello and (self.authenticated or self.ticketed)
+
+    def abort(self) -> None:
+        if self._abort is not None:
+            self._abort()
 
 
 @dataclass(frozen=True)
@@ -230,8 +235,9 @@ class ReceiverCore:
             return [Frame(FrameType.NACK, job, attempt, frame.layer, frame.part, chunk=frame.chunk)]
         try:
             result = inbound.accept(
-                frame.layer, frame.part, frame.chunk, frame.chunk_count, frame.codec, frame.raw_len, frame.payload
-            )
+                frame.layer, frame.part, frame.chunk, frame.chunk_count, frame.codec, frame.raw_len, frame.payload,
+                session,
+            )  # fmt: skip
         except TransportError as exc:
             inbound.fail(exc)
             return []  # _ended tells the sender
@@ -259,7 +265,7 @@ class ReceiverCore:
         try:
             view = inbound.slot(
                 header.layer, header.part, header.chunk, header.chunk_count, header.codec, header.raw_len,
-                header.payload_len,
+                header.payload_len, session,
             )  # fmt: skip
         except TransportError as exc:
             inbound.fail(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
+from collections.abc import Callable
 
 from prfaas.transport.outbound import Chunk
 
@@ -27,14 +28,17 @@ class SendQueue:
                     heapq.heappush(self._heap, (chunk.order, chunk))
             self._cond.notify_all()
 
-    def get(self, timeout_s: float) -> Chunk | None:
-        """The next chunk of a live transfer, once the in-flight budget allows; None on timeout."""
+    def get(self, timeout_s: float, interrupt: Callable[[], bool] | None = None) -> Chunk | None:
+        """The next chunk of a live transfer, once the in-flight budget allows; None on timeout,
+        or as soon as `interrupt()` is true after a `wake`."""
         end = time.monotonic() + timeout_s
         with self._cond:
-            while not self.closed:
+            while not self.closed and not (interrupt is not None and interrupt()):
                 while self._heap and self._heap[0][1].transfer.cell.status().terminal:
                     heapq.heappop(self._heap)[1].queued = False  # dropped with its transfer
-                if self._heap and (self._inflight < self._max_inflight or self._inflight == 0):
+                # never past the budget (but one chunk always goes): unacknowledged bytes, all a
+                # broken path can make the channel send again, stay within max_inflight_bytes
+                if self._heap and (self._inflight + self._heap[0][1].size <= self._max_inflight or self._inflight == 0):
                     chunk = heapq.heappop(self._heap)[1]
                     chunk.queued = False
                     if not chunk.inflight:
@@ -46,6 +50,16 @@ class SendQueue:
                     return None
                 self._cond.wait(remaining)
             return None
+
+    def wait(self, timeout_s: float, interrupt: Callable[[], bool]) -> None:
+        """Sleep `timeout_s`, or until `interrupt()` is true after a `wake`."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.closed or interrupt(), timeout_s)
+
+    def wake(self) -> None:
+        """Wake every `get` / `wait` to check its `interrupt`."""
+        with self._cond:
+            self._cond.notify_all()
 
     def release(self, chunks: list[Chunk]) -> None:
         """Chunks no longer in flight (acknowledged, lost with a connection, or abandoned)."""

@@ -265,7 +265,8 @@ class ShmChannel:
                     continue
                 with self._lock:
                     placement = self._placements.get(transfer.key)
-                transfer.sent(chunk, 0, chunk.stream is not None)
+                chunk.stream = 0
+                transfer.sent(chunk)
                 if placement is None:
                     link.send(chunk.header, chunk.payload)
                     continue

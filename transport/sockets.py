@@ -37,6 +37,7 @@ class TcpInfo:
     min_rtt_s: float  # tcpi_min_rtt: lowest RTT seen (windowed by the kernel)
     bytes_acked: int  # tcpi_bytes_acked: payload bytes the peer's TCP acknowledged
     notsent_bytes: int  # tcpi_notsent_bytes: in the socket buffer, not yet sent (the path is the limit)
+    unacked: int = 0  # tcpi_unacked: segments sent and not yet acknowledged
 
 
 def tcp_info(sock: socket.socket | TlsSocket) -> TcpInfo | None:
@@ -54,7 +55,7 @@ def tcp_info(sock: socket.socket | TlsSocket) -> TcpInfo | None:
     if not srtt_us or not min_rtt_us or min_rtt_us == 0xFFFFFFFF:  # no RTT sample yet
         return None
     bytes_acked, notsent = struct.unpack_from("<Q", info, 120)[0], struct.unpack_from("<I", info, 144)[0]
-    return TcpInfo(srtt_us / 1e6, min_rtt_us / 1e6, bytes_acked, notsent)
+    return TcpInfo(srtt_us / 1e6, min_rtt_us / 1e6, bytes_acked, notsent, struct.unpack_from("<I", info, 24)[0])
 
 
 # A sender socket takes more data only while less than this is waiting unsent in it, so

@@ -5,8 +5,14 @@ thread takes the next chunk, sends the shipment's OPEN first if this connection 
 carried it yet, then the DATA frame. A reader thread per stream applies ACK / NACK / DONE
 / ERROR / CANCEL. When a connection breaks, its unacknowledged chunks go back into the
 queue for the other streams, and the stream reconnects with exponential backoff.
-At most `max_inflight_bytes` are unacknowledged at a time (backpressure). One stream of the
-pool: transport/tcp_stream.py.
+At most `max_inflight_bytes` are unacknowledged at a time (backpressure), so that is also the
+most a broken path makes the channel send again. One stream of the pool:
+transport/tcp_stream.py.
+
+Outages (docs/transports.md, "Link outages"): a connection whose bytes go unacknowledged for
+`stall_timeout_s` is ended, and every stream keeps reconnecting while the link is silent; a
+transfer waits for it until its own deadline. Only a receiver that answers and refuses fails
+transfers sooner (`unavailable_after_s`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from prfaas.transport.errors import PeerUnavailable
 from prfaas.transport.framing import Frame, FrameType
 from prfaas.transport.outbound import OutboundTransfer, TransferTable, encoder_pool
 from prfaas.transport.sendqueue import SendQueue
-from prfaas.transport.tcp_stream import TcpStream
+from prfaas.transport.sockets import TcpInfo
+from prfaas.transport.tcp_stream import TcpStream, refused
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +54,14 @@ class TcpChannel:
     every instance of the region shares that name, whatever its address), else the address
     dialled.
 
-    A transfer that cannot reach the receiver fails with `PeerUnavailable` once every
-    stream has failed to connect for `unavailable_after_s`, or times out at its deadline,
-    whichever comes first.
+    A link that goes silent (a cut: no RST, no error) is waited out: a connection with bytes
+    unacknowledged for `stall_timeout_s` is reset, the streams reconnect (backoff 0.1 s doubling
+    to 2 s, jittered) for as long as it takes, and a transfer resumes from its acknowledged
+    chunks on the first connection back, resending at most `max_inflight_bytes`; it fails only
+    at its deadline (TIMEOUT). A receiver whose host answers and refuses (nothing listens,
+    connections reset, TLS or HELLO refused) is gone with its copy of the shipment, so
+    transfers fail with `PeerUnavailable` once every stream has been refused for
+    `unavailable_after_s`, or at their deadline, whichever comes first.
     """
 
     def __init__(
@@ -61,6 +73,7 @@ class TcpChannel:
         max_inflight_bytes: int = 256 << 20,
         connect_timeout_s: float = 3.0,
         unavailable_after_s: float = 5.0,
+        stall_timeout_s: float = 3.0,
         sock_buf_bytes: int | None = None,
         congestion_control: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
@@ -75,6 +88,8 @@ class TcpChannel:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.unavailable_after_s = unavailable_after_s
+        self.stall_timeout_s = stall_timeout_s
+        self.suspect_since = 0.0  # last time a connection stalled: a stream silent since sends only once heard
         self.sock_buf_bytes = sock_buf_bytes
         self.congestion_control = congestion_control
         self.ssl_context = ssl_context
@@ -86,7 +101,7 @@ class TcpChannel:
         self.queue = SendQueue(max_inflight_bytes)
         self.table = TransferTable()
         self._encoder = encoder_pool(encode_threads, "prfaas-kv-encode")
-        self._down_since: float | None = None
+        self._refused_since: float | None = None
         self._lock = threading.Lock()
         self._next_index = 0
         self.streams: list[TcpStream] = []
@@ -134,6 +149,7 @@ class TcpChannel:
         metrics.TRANSFERS.labels(self.peer, status.value).inc()
         metrics.WIRE_BYTES.labels(self.peer).inc(transfer.stats.wire_bytes)
         metrics.RESENT_CHUNKS.labels(self.peer).inc(transfer.stats.resent_chunks)
+        metrics.RESENT_BYTES.labels(self.peer).inc(transfer.stats.resent_bytes)
         if status is TransferStatus.COMPLETED:
             metrics.RAW_BYTES.labels(self.peer, transfer.spec.codec).inc(transfer.spec.raw_bytes)
         if status is not TransferStatus.COMPLETED and not transfer.remote_ended:
@@ -149,22 +165,27 @@ class TcpChannel:
 
     def connect_ok(self, _stream: TcpStream) -> None:
         with self._lock:
-            self._down_since = None
+            self._refused_since = None
 
     def connect_failed(self, stream: TcpStream, exc: Exception) -> None:
+        """A refusal counts toward `unavailable_after_s`; silence does not (transfers wait for
+        the link until their deadlines)."""
         log.debug("stream %d to %s failed to connect: %s", stream.index, self.address, exc)
         with self._lock:
             if any(s.connected.is_set() for s in self.streams):
                 return
+            if not refused(exc):
+                self._refused_since = None
+                return
             now = time.monotonic()
-            self._down_since = self._down_since or now
-            down_for = now - self._down_since
-        if down_for >= self.unavailable_after_s:
+            self._refused_since = self._refused_since or now
+            refused_for = now - self._refused_since
+        if refused_for >= self.unavailable_after_s:
             for transfer in self.table.live():
                 transfer.cell.finish(
                     TransferStatus.FAILED,
                     PeerUnavailable(
-                        f"cannot connect to {self.address[0]}:{self.address[1]} for {down_for:.1f} s: {exc}"
+                        f"{self.address[0]}:{self.address[1]} refused every connection for {refused_for:.1f} s: {exc}"
                     ),
                 )
 
@@ -183,10 +204,11 @@ class TcpChannel:
             for transfer in self.table.live():
                 transfer.cell.expire_if_due(now)
             metrics.STREAMS_CONNECTED.labels(self.peer).set(self.num_connected)
+            infos = {s.index: i for s in self.streams if (i := s.tcp_info()) is not None}
+            self._watch(now, infos)
             if self.controller is None:
                 continue
             samples += 1
-            infos = {s.index: i for s in self.streams if (i := s.tcp_info()) is not None}
             # data waits for the path: chunks queued for a stream, or bytes in the socket buffers
             backlogged += int(self.queue.backlogged() or sum(i.notsent_bytes for i in infos.values()) > 0)
             srtts += [i.srtt_s for i in infos.values()]  # every 50 ms: CUBIC's queue swings within a window
@@ -213,6 +235,18 @@ class TcpChannel:
             acked_now = dict(acked_at_start)
             window_start, samples, backlogged, srtts = now, 0, 0, []
 
+    def _watch(self, now: float, infos: dict[int, TcpInfo]) -> None:
+        """Reset connections whose path went silent; ping quiet ones (TcpStream.watch)."""
+        with self._lock:
+            streams = list(self.streams)
+        for stream in streams:
+            if stream.watch(now, infos.get(stream.index), self.stall_timeout_s):
+                log.warning("stream %d to %s: no ACK for %.1f s, reconnecting", stream.index, self.peer,
+                            self.stall_timeout_s)  # fmt: skip
+                metrics.STALLS.labels(self.peer).inc()
+                self.suspect_since = now  # the others may be on the same dead path: they ping first
+                stream.kill(silent=True)
+
     @property
     def num_connected(self) -> int:
         return sum(1 for s in self.streams if s.connected.is_set())
@@ -221,6 +255,11 @@ class TcpChannel:
         """Cancel live transfers, close every connection, join every thread."""
         for transfer in self.table.live():
             transfer.cancel()
+        with self._lock:
+            streams = list(self.streams)
+        end = time.monotonic() + min(1.0, timeout_s)  # their CANCELs out first, where a path takes them
+        while any(s.connected.is_set() and s.has_control() for s in streams) and time.monotonic() < end:
+            time.sleep(0.005)
         self.closed.set()
         self.queue.close()
         with self._lock:

@@ -3,18 +3,24 @@ thread and its reader thread.
 
 The sender thread connects (with backoff), says HELLO, then takes chunks from the channel's
 queue and writes each, after its shipment's OPEN if this connection has not carried it yet.
-The reader thread applies the receiver's replies to the channel's transfers. A broken
-connection puts its unacknowledged chunks back in the queue, for this stream once it has
-reconnected, or for the others.
+It alone writes to the connection: control frames from other threads (OPEN at submit, CANCEL,
+PING, PONG) wait in `_control` for it, so no caller ever blocks on a stalled send. The reader
+thread applies the receiver's replies to the channel's transfers. A broken connection puts its
+unacknowledged chunks back in the queue, for this stream once it has reconnected, or for the
+others. The channel's reaper (`watch`) ends a connection whose path went silent (a link cut:
+no RST, no error, only unacknowledged bytes), so its chunks are resent once a path is back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import ssl
+import struct
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from prfaas.transport import sockets
@@ -26,6 +32,16 @@ from prfaas.transport.tls import TlsSocket
 
 if TYPE_CHECKING:
     from prfaas.transport.tcp_sender import TcpChannel
+
+RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.1, 2.0  # backoff between connection attempts, doubling, jittered
+PING_AFTER_S = 1.0  # a connection that owes replies and has been silent this long is pinged
+
+
+def refused(exc: BaseException) -> bool:
+    """A failed connection attempt that the receiver's host answered: nothing listens (RST), it
+    reset or closed the connection, or refused the TLS handshake or HELLO. Silence (a timeout)
+    or no route is what a link outage looks like instead."""
+    return isinstance(exc, ConnectionError | FrameError | ssl.SSLError)
 
 
 class TcpStream:
@@ -41,6 +57,12 @@ class TcpStream:
         self.reader: threading.Thread | None = None
         self.retired = False  # the channel shrank: finish, don't reconnect
         self._write_lock = threading.Lock()
+        self._control: deque[tuple[tuple[bytes, int] | None, bytes]] = deque()  # (OPEN's key, frame) to write
+        # Signs of life, time.monotonic(): the last frame or kernel ACK from the receiver (or
+        # the handshake), the last frame written, the last PING; and when the kernel last had
+        # nothing unacknowledged or saw an ACK (`_acked`: its byte count then).
+        self.heard_at = self.sent_at = self.pinged_at = self._progress_at = 0.0
+        self._acked = -1
 
     def _connect(self) -> socket.socket | TlsSocket:
         ch = self.channel
@@ -69,6 +91,8 @@ class TcpStream:
         if reply.type is not FrameType.HELLO_OK:
             raise FrameError(f"receiver answered HELLO with {reply.type.name}: {bytes(reply.payload)[:200]!r}")
         sock.settimeout(None)
+        self.heard_at = self._progress_at = time.monotonic()
+        self._acked = -1
         if isinstance(sock, socket.socket | TlsSocket):  # (a WebRTC data channel stands in for one too)
             sockets.send_timeout(sock, sockets.SEND_TIMEOUT_S)  # a send that makes no progress drops the stream
         self.sock = sock
@@ -79,17 +103,18 @@ class TcpStream:
 
     def _run(self) -> None:
         ch = self.channel
-        backoff_s = 0.05
+        backoff_s = RECONNECT_FIRST_S
         while not ch.closed.is_set() and not self.retired:
             try:
                 self.sock = self._connect()
             except (OSError, FrameError, ssl.SSLError) as exc:
                 ch.connect_failed(self, exc)
-                if ch.closed.wait(backoff_s):
+                # jittered, so the pool's streams probe a path that came back at different moments
+                if ch.closed.wait(backoff_s * random.uniform(0.5, 1.0)):
                     return
-                backoff_s = min(backoff_s * 2, 2.0)
+                backoff_s = min(backoff_s * 2, RECONNECT_MAX_S)
                 continue
-            backoff_s = 0.05
+            backoff_s = RECONNECT_FIRST_S
             ch.connect_ok(self)
             self.connected.set()
             for transfer in ch.table.live():  # submitted while no stream was up: open them now
@@ -105,7 +130,16 @@ class TcpStream:
     def _send_loop(self) -> None:
         ch = self.channel
         while self.connected.is_set() and not ch.closed.is_set() and not self.retired:
-            chunk = ch.queue.get(timeout_s=0.1)
+            try:
+                self._flush_control()
+            except OSError:
+                return
+            if self.heard_at < ch.suspect_since:
+                # The path failed (another connection stalled) since this one last heard from
+                # the receiver: send it nothing until its PING is answered, or it stalls too.
+                ch.queue.wait(0.05, self.has_control)
+                continue
+            chunk = ch.queue.get(timeout_s=0.1, interrupt=self.has_control)
             if chunk is None:
                 continue
             transfer = chunk.transfer
@@ -115,13 +149,33 @@ class TcpStream:
                     if transfer.key not in self.opened:
                         self.opened.add(transfer.key)
                         self.sock.sendall(transfer.open_frame)
-                    resend = chunk.stream is not None
-                    transfer.sent(chunk, self.index, resend)
+                    chunk.stream = self.index  # before any byte leaves: `_drop` finds it here
                     sockets.send_frame(self.sock, chunk.header, chunk.payload)
+                self.sent_at = time.monotonic()
+                transfer.sent(chunk)
             except OSError:
                 ch.queue.release([chunk])
                 ch.queue.put([chunk])
                 return
+
+    def has_control(self) -> bool:
+        """Control frames wait for this stream's thread."""
+        return bool(self._control)
+
+    def _flush_control(self) -> None:
+        """Write the control frames other threads handed this stream (raises OSError)."""
+        while self._control:
+            key, data = self._control.popleft()
+            with self._write_lock:
+                if self.sock is None:
+                    return
+                if key is not None:  # an OPEN: once per connection, and only for a live transfer
+                    transfer = self.channel.table.get(key)
+                    if transfer is None or key in self.opened:
+                        continue
+                    self.opened.add(key)
+                self.sock.sendall(data)
+            self.sent_at = time.monotonic()
 
     def _drain(self, timeout_s: float = 2.0) -> None:
         """Retiring: wait (bounded) for this connection's chunks to be acknowledged, so
@@ -133,7 +187,10 @@ class TcpStream:
             time.sleep(0.02)
 
     def send_open(self, transfer: OutboundTransfer) -> bool:
-        """Send the transfer's OPEN now if connected (so a bad ticket fails before any KV exists)."""
+        """Send the transfer's OPEN now (from this stream's thread) or soon (from another: it
+        never waits on a send), if connected, so a bad ticket fails before any KV exists."""
+        if threading.current_thread() is not self.thread:
+            return self._post(transfer.key, transfer.open_frame)
         try:
             with self._write_lock:
                 if self.sock is None or not self.connected.is_set():
@@ -147,15 +204,41 @@ class TcpStream:
             return False
 
     def send_control(self, frame: Frame) -> bool:
-        try:
-            with self._write_lock:
-                if self.sock is None or not self.connected.is_set():
-                    return False
-                self.sock.sendall(encode(frame))
-            return True
-        except OSError:
-            self._break()
+        """Hand a control frame to this stream's thread, if connected: the caller never waits
+        on a send (one stuck on a stalled path holds the connection up to SEND_TIMEOUT_S)."""
+        return self._post(None, encode(frame))
+
+    def _post(self, key: tuple[bytes, int] | None, data: bytes) -> bool:
+        if self.sock is None or not self.connected.is_set():
             return False
+        self._control.append((key, data))
+        self.channel.queue.wake()
+        return True
+
+    def watch(self, now: float, info: sockets.TcpInfo | None, stall_timeout_s: float) -> bool:
+        """The channel's reaper, every tick: True when this connection's path is silent, bytes
+        unacknowledged by the receiver's kernel for `stall_timeout_s` (a cut link); a receiver
+        that stops reading is not silent (its kernel answers window probes). Else PING it when
+        it owes replies and has been quiet PING_AFTER_S, or the path failed since it last heard."""
+        if not self.connected.is_set():
+            return False
+        if info is not None:
+            if info.bytes_acked != self._acked:
+                if self._acked >= 0:
+                    self.heard_at = now
+                self._acked, self._progress_at = info.bytes_acked, now
+            elif info.unacked == 0:
+                self._progress_at = now
+            elif now - self._progress_at >= stall_timeout_s:
+                self._progress_at = now  # once: the caller resets it
+                return True
+        quiet = self.heard_at < self.channel.suspect_since or (
+            self.sent_at > self.heard_at and now - self.heard_at >= PING_AFTER_S
+        )
+        if quiet and self.pinged_at < max(self.channel.suspect_since, now - PING_AFTER_S):
+            self.pinged_at = now  # unanswered, it is unacknowledged bytes: silence shows as above
+            self.send_control(Frame(FrameType.PING, payload=struct.pack("<d", now)))
+        return False
 
     def _break(self) -> None:
         """A send failed, perhaps part-way through a frame: end this connection (its reader
@@ -172,6 +255,9 @@ class TcpStream:
         try:
             while True:
                 frame, _ok = read_frame(sock)
+                self.heard_at = time.monotonic()
+                if frame.type is FrameType.PONG:
+                    continue
                 if frame.type is FrameType.PING:
                     self.send_control(Frame(FrameType.PONG, payload=frame.payload))
                     continue
@@ -187,6 +273,7 @@ class TcpStream:
     def _drop(self) -> None:
         """Connection lost: close it and put its unacknowledged chunks back in the queue."""
         self.connected.clear()
+        self._control.clear()  # frames for this connection: a new one sends OPENs afresh
         sock, self.sock = self.sock, None
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -206,9 +293,14 @@ class TcpStream:
         sock = self.sock
         return sockets.tcp_info(sock) if sock is not None else None
 
-    def kill(self) -> None:
-        """Break the connection now (tests, and `close`)."""
+    def kill(self, *, silent: bool = False) -> None:
+        """Break the connection now (tests, `close`, and a `silent` path: then closing it resets
+        it, so the kernel drops what it still holds instead of sending it again when the link
+        returns, bytes that no resend count would show)."""
         sock = self.sock
         if sock is not None:
+            if silent:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)

@@ -11,6 +11,10 @@
  * Prints "ready tun_a=... tun_b=..." on stdout once both devices exist, the counters
  * on SIGUSR1 (keeps running) and on SIGINT/SIGTERM (then exits). Flags apply to both directions; append -ab or -ba to
  * a flag (e.g. --rate-mbit-ba 50) to set one direction only.
+ *
+ * SIGRTMIN cuts the link: until SIGRTMIN+1 restores it, every packet is dropped both ways,
+ * arriving ones and those already in the delay line (counted in drop_cut), as when a fibre
+ * is cut; no ICMP, no RST, nothing reaches either side.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -48,11 +52,12 @@ typedef struct {
     uint64_t delay_ns, link_free_ns; /* link_free_ns: serializer done with last accepted packet */
     uint64_t qpkts_tail;             /* ring index of first packet still being serialized */
     /* counters */
-    uint64_t rx_pkts, rx_bytes, tx_pkts, tx_bytes, drop_loss, drop_queue, drop_buf, tx_err;
+    uint64_t rx_pkts, rx_bytes, tx_pkts, tx_bytes, drop_loss, drop_queue, drop_buf, drop_cut, tx_err;
     uint64_t late_sum_ns, late_max_ns, late_1ms; /* release time minus due time */
 } dir_t;
 
 static volatile sig_atomic_t stop;
+static volatile int cut;  /* SIGRTMIN sets, SIGRTMIN+1 clears: every packet is dropped meanwhile */
 static uint64_t arena_mb = 64, ring_slots = 1 << 18;
 
 static uint64_t now_ns(void) {
@@ -79,6 +84,7 @@ static int tun_open(const char *name) {
 /* Accept one packet of len bytes (already in buf) at time t. */
 static void enqueue(dir_t *d, const uint8_t *buf, uint64_t len, uint64_t t) {
     d->rx_pkts++; d->rx_bytes += len;
+    if (__atomic_load_n(&cut, __ATOMIC_RELAXED)) { d->drop_cut++; return; }
     if (d->loss_pct > 0 && rnd(&d->rng) * 100.0 < d->loss_pct) { d->drop_loss++; return; }
     uint64_t start = d->link_free_ns > t ? d->link_free_ns : t;
     if (d->rate_mbit > 0) {
@@ -118,7 +124,8 @@ static void *run_dir(void *arg) {
             uint64_t late = t - e->due;
             d->late_sum_ns += late; d->late_1ms += late > 1000000;
             if (late > d->late_max_ns) d->late_max_ns = late;
-            if (write(d->out_fd, d->arena + e->off % d->arena_sz, e->len) < 0) d->tx_err++;
+            if (__atomic_load_n(&cut, __ATOMIC_RELAXED)) d->drop_cut++;  /* on the wire when it was cut */
+            else if (write(d->out_fd, d->arena + e->off % d->arena_sz, e->len) < 0) d->tx_err++;
             else { d->tx_pkts++; d->tx_bytes += e->len; }
             d->a_tail = e->off + e->len; d->r_tail++;
         }
@@ -152,12 +159,12 @@ static void usage(void) {
 
 static void print_dir(FILE *f, dir_t *d) {
     fprintf(f, "%s t_ns=%llu rx_pkts=%llu rx_bytes=%llu tx_pkts=%llu tx_bytes=%llu drop_loss=%llu "
-            "drop_queue=%llu drop_buf=%llu tx_err=%llu late_sum_ns=%llu late_max_ns=%llu late_1ms=%llu "
+            "drop_queue=%llu drop_buf=%llu drop_cut=%llu tx_err=%llu late_sum_ns=%llu late_max_ns=%llu late_1ms=%llu "
             "queue_bytes=%lld\n", d->name, (unsigned long long)now_ns(),
             (unsigned long long)d->rx_pkts, (unsigned long long)d->rx_bytes,
             (unsigned long long)d->tx_pkts, (unsigned long long)d->tx_bytes,
             (unsigned long long)d->drop_loss, (unsigned long long)d->drop_queue,
-            (unsigned long long)d->drop_buf, (unsigned long long)d->tx_err,
+            (unsigned long long)d->drop_buf, (unsigned long long)d->drop_cut, (unsigned long long)d->tx_err,
             (unsigned long long)d->late_sum_ns, (unsigned long long)d->late_max_ns,
             (unsigned long long)d->late_1ms, d->queue_bytes);
 }
@@ -199,6 +206,7 @@ int main(int argc, char **argv) {
     if (!tun[0] || !tun[1] || !arena_mb || !ring_slots) usage();
 
     sigset_t ss; sigemptyset(&ss); sigaddset(&ss, SIGINT); sigaddset(&ss, SIGTERM); sigaddset(&ss, SIGUSR1);
+    sigaddset(&ss, SIGRTMIN); sigaddset(&ss, SIGRTMIN + 1);
     pthread_sigmask(SIG_BLOCK, &ss, NULL);     /* worker threads inherit the mask */
     int fa = tun_open(tun[0]), fb = tun_open(tun[1]);
     double rtt_ms = d[0].delay_ms + d[1].delay_ms;
@@ -222,6 +230,10 @@ int main(int argc, char **argv) {
     int sig;
     for (;;) {                                 /* SIGUSR1: dump counters and keep running */
         sigwait(&ss, &sig);
+        if (sig == SIGRTMIN || sig == SIGRTMIN + 1) {  /* cut / restore the link */
+            __atomic_store_n(&cut, sig == SIGRTMIN, __ATOMIC_RELAXED);
+            continue;
+        }
         if (sig != SIGUSR1) break;
         fprintf(stdout, "stats\n");
         for (int k = 0; k < 2; k++) { print_dir(stdout, &d[k]); d[k].late_max_ns = 0; }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,17 @@ from transport_kit import KEY, Kit, fill, layers_for, ship, wait_until_sent
 from prfaas.transport import sockets
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferTimeout
-from prfaas.transport.framing import HEADER_SIZE, FrameType, parse_header, read_exact
+from prfaas.transport.framing import (
+    HEADER_SIZE,
+    Frame,
+    FrameType,
+    encode,
+    json_payload,
+    parse_header,
+    read_exact,
+    read_frame,
+)
+from prfaas.transport.inbound import OpenInfo
 from prfaas.transport.outbound import encoder_pool
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
@@ -73,6 +85,36 @@ def test_killing_a_stream_mid_shipment_still_completes(kit: Kit, receiver: TcpRe
             shipment.add_layer(index, *layers[index])
         assert transfer.wait(15) is TransferStatus.COMPLETED, transfer.error
         assert [inbound.layer(i, 1) for i in range(8)] == layers
+
+
+def test_a_copy_resent_on_a_new_connection_takes_over_from_one_gone_silent_mid_chunk(
+    kit: Kit, receiver: TcpReceiver
+) -> None:
+    """A cut link leaves the receiver's connection reading a chunk that will never finish: no RST
+    reaches it, and keepalive would notice in a minute. The copy the sender resends on its new
+    connection is stored at once and the stale connection closed (dropping its claim). Before,
+    the copy was NACKed (PENDING) after waiting 1 s, and again on every resend, until keepalive."""
+    spec = kit.spec(num_layers=1, shape=(1, 256, 64))  # each part 32 KiB: one chunk
+    inbound = receiver.expect(spec.job_id, spec.attempt, timeout_s=20)
+    job = uuid.UUID(spec.job_id).bytes
+    hello = encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": "prefill"})))
+    info = OpenInfo(spec.dtype, spec.layer_shapes, 0, spec.chunk_bytes)
+    opening = encode(Frame(FrameType.OPEN, job, 1, payload=json_payload(info.to_json(spec.ticket))))
+    k, _v = layers_for(spec)[0]
+    data = encode(Frame(FrameType.DATA, job, 1, 0, 0, 0, 0, 1, len(k), k))
+    with socket.create_connection(receiver.address, 5) as stale, socket.create_connection(receiver.address, 5) as new:
+        stale.sendall(hello + opening)
+        assert [read_frame(stale)[0].type for _ in range(2)] == [FrameType.HELLO_OK, FrameType.OPEN_OK]
+        stale.sendall(data[: len(data) // 2])  # then silence: the link was cut mid-chunk
+        time.sleep(0.2)
+        start = time.monotonic()
+        new.sendall(hello + opening + data)
+        replies = [read_frame(new)[0].type for _ in range(3)]
+        assert replies == [FrameType.HELLO_OK, FrameType.OPEN_OK, FrameType.ACK]
+        assert time.monotonic() - start < 0.5
+        with contextlib.suppress(ConnectionResetError):
+            assert stale.recv(1) == b""  # the receiver closed the stale connection
+        assert inbound.status() is TransferStatus.IN_FLIGHT  # V is still to come; K is stored
 
 
 class CorruptingProxy:
