@@ -94,8 +94,10 @@ def test_a_cut_mid_shipment_resumes_the_same_transfer_from_its_acknowledged_chun
             f"({(spec.raw_bytes - acked_at_cut) / 2**20:.1f} MiB left at the cut)"
         )
         assert 0 < stats.resent_bytes <= WINDOW  # unacknowledged chunks again, acknowledged ones never
-        assert resumed_s < 2.5  # backoff is at most 2 s, and the pool's streams probe at jittered times
-        assert done_s < 8.0  # ~1.5 s of data left at 100 Mbit/s
+        # backoff is at most 2 s and the pool's streams probe at jittered times (measured 0.25-0.71 s
+        # idle; the bounds leave room for a loaded 2-core CI host)
+        assert resumed_s < 4.0
+        assert done_s < 12.0  # ~1.5 s of data left at 100 Mbit/s (measured 1.8-2.3 s)
 
 
 def test_a_cut_before_the_first_connection_is_waited_out(kit: Kit, link: WanLink, receiver: TcpReceiver) -> None:
