@@ -35,6 +35,7 @@ from prfaas.devstack.network import LoopbackNetwork, Network, WanMesh
 from prfaas.devstack.pki import DeploymentPki
 from prfaas.devstack.processes import (
     api_argv,
+    beat_argv,
     free_port,
     group_alive,
     http_ok,
@@ -109,6 +110,7 @@ class Deployment:
             log_dir=str(self.run_dir), emulate_wan=emulate_wan, supervisor_pid=os.getpid(),
         )  # fmt: skip
         self.procs: dict[str, subprocess.Popen[Any]] = {}
+        self._argv: dict[str, tuple[list[str], dict[str, str]]] = {}  # how each non-region process was started
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ start
@@ -147,7 +149,8 @@ class Deployment:
         return self.state
 
     def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[Any]:
-        with (self.run_dir / f"{name}.log").open("wb") as log:
+        self._argv[name] = (argv, env)
+        with (self.run_dir / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         self.state.groups[name] = proc.pid
@@ -206,6 +209,7 @@ class Deployment:
         self.state.api_base = self.state.url + "/v1"
         for i in range(cp.workers):
             self._popen(f"worker-{i + 1}", worker_argv(f"{self.topology.name}-w{i + 1}", cp.worker_concurrency), env)
+        self._popen("beat", beat_argv(self.run_dir / "beat-schedule"), env)  # bills what a dead API left unbilled
         try:
             wait_until(lambda: self._alive("api") and http_ok(self.state.url + "/readyz"), 60, 0.1)
         except AssertionError:
@@ -286,6 +290,36 @@ class Deployment:
         except httpx.HTTPError:
             served = False
         self.state.dashboard_url = dashboard if served else self.state.url + "/docs"
+
+    # ------------------------------------------------------------------ faults (bench/chaos.py)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL process `name` (`api`, `worker-1`, `region-NAME[-K]`) and its group."""
+        proc = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def restart(self, name: str) -> None:
+        """Start process `name` again as it was started (the API on its port, a region instance
+        with its config), as a supervisor would; returns once it serves."""
+        if name.startswith("region-"):
+            region, k = next((r, k) for r, count in self.instances.items() for k in range(count)
+                             if self._process(r, k) == name)  # fmt: skip
+            self._start_region(region, k)
+            return
+        self._popen(name, *self._argv[name])
+        if name == "api":
+            wait_until(lambda: self._alive("api") and http_ok(self.state.url + "/readyz"), 60, 0.1)
+
+    def cut_link(self, src: str, dst: str, cut: bool) -> bool:
+        """Cut (drop every packet both ways) or restore the emulated link `src -> dst`; False
+        when it is not emulated (no --emulate-wan)."""
+        pid = self.network.link_emulator(src, dst)
+        if pid is None:
+            return False
+        os.kill(pid, signal.SIGRTMIN if cut else signal.SIGRTMIN + 1)
+        return True
 
     # ------------------------------------------------------------------ watch and stop
 

@@ -48,6 +48,8 @@ class Network(Protocol):
 
     def argv_prefix(self, region: str, k: int) -> list[str]: ...
 
+    def link_emulator(self, src: str, dst: str) -> int | None: ...
+
 
 class LoopbackNetwork:
     def __init__(self) -> None:
@@ -64,6 +66,10 @@ class LoopbackNetwork:
 
     def argv_prefix(self, region: str, k: int) -> list[str]:
         return []
+
+    def link_emulator(self, src: str, dst: str) -> int | None:
+        """The pid of the emulator of link `src -> dst` (None: not emulated)."""
+        return None
 
 
 class WanMesh:
@@ -136,6 +142,14 @@ class WanMesh:
         ip("-n", ns, "addr", "add", f"{self._lan(region)}.{k + 2}/24", "dev", "kv0")
         ip("-n", ns, "link", "set", "kv0", "up")
         ip("-n", ns, "route", "add", "default", "via", f"{self._lan(region)}.1")
+
+    def link_emulator(self, src: str, dst: str) -> int | None:
+        """The pid of the emulator of link `src -> dst` (SIGRTMIN cuts it, SIGRTMIN + 1 restores
+        it: devstack/linkemu); None if the topology has no such link."""
+        for j, link in enumerate(self.topology.links, start=1):
+            if (link.src, link.dst) == (src, dst):
+                return self.groups.get(f"linkemu-{j}")
+        return None
 
     def _link(self, j: int, src: str, dst: str, rtt_ms: float, rate_mbit: float, loss: float) -> None:
         tun_a, tun_b = f"{self.tag}t{j}a"[-15:], f"{self.tag}t{j}b"[-15:]

@@ -50,6 +50,12 @@ def api_argv(host: str, port: int) -> list[str]:
             "--host", host, "--port", str(port), "--log-level", "warning"]  # fmt: skip
 
 
+def beat_argv(schedule: Path) -> list[str]:
+    """Celery beat: the metering schedule (price refresh, the ledger's reconciliation sweep)."""
+    return [sys.executable, "-m", "celery", "-A", "prfaas.control_plane.worker", "beat", "--schedule", str(schedule),
+            "--loglevel", "WARNING"]  # fmt: skip
+
+
 def worker_argv(name: str, concurrency: int) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads",
             "-c", str(concurrency), "-n", f"{name}@%h", "--without-gossip", "--without-mingle",

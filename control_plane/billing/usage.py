@@ -50,9 +50,9 @@ def _attempt_regions(job: dict[str, str], timeline: list[dict[str, Any]], attemp
     for e in timeline:
         note = str(e.get("note", ""))
         if e.get("attempt") == attempt and note.startswith("prefill in "):
-            prefill = note.removeprefix("prefill in ")
-        if e.get("attempt") == attempt and note.startswith("local in "):
-            prefill = decode = note.removeprefix("local in ")
+            prefill = note.removeprefix("prefill in ").split("/")[0]
+        if e.get("attempt") == attempt and note.startswith("local in "):  # "local in REGION/INSTANCE"
+            prefill = decode = note.removeprefix("local in ").split("/")[0]
     return prefill or decode, decode
 
 

@@ -41,6 +41,8 @@ from prfaas.region.channels import ChannelCache
 from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
+CONFLICT_RETRIES = 3  # calls again when the decode region still runs the job for a caller that is gone
+CONFLICT_PAUSE_S = 0.5
 
 
 class JobEnded(Exception):
@@ -101,6 +103,7 @@ class Follower:
         jobs = self.s.jobs
         deadline = time.monotonic() + self.s.settings.job_timeout_s
         info = ready
+        conflicts = 0
         while True:
             if info is None:
                 info = jobs.wait_ready(job_id, after, max(0.0, deadline - time.monotonic()))
@@ -159,6 +162,14 @@ class Follower:
                     if event.last:
                         return
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS and conflicts < CONFLICT_RETRIES:
+                    # the decode region still runs this job for a caller that is gone (a dead API
+                    # process, whose call it has not noticed ending yet): end that one, call again
+                    conflicts += 1
+                    self._cancel_decode(job_id, handed, "superseded by a newer call")
+                    time.sleep(CONFLICT_PAUSE_S)
+                    info = handed
+                    continue
                 self._lost(job_id, attempt, handed["mode"], exc, after_tokens=len(output))
             except (StaleAttempt, IllegalTransition):
                 continue  # a newer attempt (or a cancel) took over
@@ -211,6 +222,13 @@ class Follower:
                 log.info("job %s, followed for attached requests only, ended: %s", job_id, exc)
 
         threading.Thread(target=drain, name=f"drain-{job_id[:8]}", daemon=True).start()
+
+    def _cancel_decode(self, job_id: str, handed: dict[str, Any], reason: str) -> None:
+        stub = self._decode_stub(handed["decode_grpc"], handed.get("decode_region", ""))
+        try:
+            stub.Cancel(common_pb2.CancelRequest(job_id=job_id, reason=reason), timeout=2)
+        except grpc.RpcError as exc:
+            log.warning("cancel of %s's older call in %s: %s", job_id, handed["decode_grpc"], exc.code().name)
 
     def _decode_stub(self, target: str, region: str) -> decode_pb2_grpc.DecodeRegionStub:
         stub = self._decode_stubs.get((target, region))

@@ -90,5 +90,5 @@ class AdmissionPlacer:
             prefill = records[decision.prefill_region].pick()
         except RegionNotFound:
             return Placed(usd)  # gone since the view was read: Celery decides on a fresh one
-        fields = placed_fields(decision, decode, prefill)
+        fields = placed_fields(decision, decode, prefill) | {"regions_a1": f"{prefill.name}>{decode.name}"}  # metering
         return Placed(usd, HandedOff(JobState.LOCAL, f"local in {decode.key}", ready_info("local", decode)), fields)

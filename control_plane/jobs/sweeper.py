@@ -129,7 +129,7 @@ class Sweeper:
         assert self.adopt is not None
         job_id, attempt = job["id"], int(job["attempt"])
         if job["state"] in (JobState.TRANSFERRING, JobState.DECODING, JobState.LOCAL):  # its decode died with it
-            # (its decode call ended with the dead process; the prefill region's KV lease is kept)
+            self._stop_decode(job, reason)  # its decode call may not have ended yet: the next one is refused meanwhile
             reship: dict[str, str] | str = ""
             if job["state"] != JobState.LOCAL and job.get("prefill_instance"):
                 reship = {"region": job["prefill_region"], "instance": job["prefill_instance"]}
@@ -150,6 +150,11 @@ class Sweeper:
             channel = self.channels.get(job["prefill_grpc"], server_name(job.get("prefill_region", "")))
             with contextlib.suppress(grpc.RpcError):
                 prefill_pb2_grpc.PrefillRegionStub(channel).Cancel(request, timeout=2)
+        self._stop_decode(job, reason)
+
+    def _stop_decode(self, job: dict[str, str], reason: str) -> None:
+        """Cancel the job in its decode region only (a prefill region's KV lease is kept for a reship)."""
+        request = common_pb2.CancelRequest(job_id=job["id"], reason=reason)
         if job.get("decode_grpc"):
             channel = self.channels.get(job["decode_grpc"], server_name(job.get("decode_region", "")))
             with contextlib.suppress(grpc.RpcError):

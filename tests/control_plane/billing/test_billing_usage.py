@@ -83,3 +83,10 @@ def test_attempt_regions_fall_back_to_timeline_notes() -> None:
 def test_served_timing_without_a_first_token() -> None:
     assert served_timing(None, 2.0) == {"gen_last_s": 2.0}
     assert served_timing((T, 0.5), 2.0) == {"first_token_at": T, "gen_first_s": 0.5, "gen_last_s": 2.0}
+
+
+def test_a_local_note_names_an_instance_the_region_is_billed() -> None:
+    """Notes of a fleet say `local in REGION/INSTANCE` (an instance ran it); prices are per region."""
+    job = {k: v for k, v in SPLIT.items() if k != "regions_a1"} | {"placement_chosen": "local"}
+    tl = _tl(("LOCAL", 1, 0, "local in dec/0"), ("QUEUED", 2, 1.0, "lost"))
+    assert wasted_work(job, tl, range(1, 2)) == [Work(1, "local", "dec", 1.0, "lost")]
