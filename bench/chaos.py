@@ -166,6 +166,7 @@ def tally(deployment: Deployment, tenant: str, asked: list[steady.Asked], expect
     done_count = {j: sum(1 for e in client.lrange(f"{prefix}:job:{j}:timeline", 0, -1) if b'"DONE"' in e)
                   for j in job_ids}  # fmt: skip
     done_jobs = {j for j, n in done_count.items() if n >= 1}
+    retried = sum(1 for j in job_ids if int(client.hget(f"{prefix}:job:{j}", "attempt") or 1) > 1)
     ledger = Ledger(os.environ["PRFAAS_LEDGER_URL"], migrate=False)
     month = dt.datetime.now(dt.UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     entries: set[str] = set()
@@ -188,7 +189,7 @@ def tally(deployment: Deployment, tenant: str, asked: list[steady.Asked], expect
         "lost": len(lost), "double_billed": sum(1 for n in done_count.values() if n > 1),
         "streams_broken": len(broken), "stream_breaks_retried": sum(a.breaks for a in asked),
         "ledger_matches": abs(ledger_sum - spend) <= 1e-9 * max(1.0, spend) and done_jobs == entries,
-        "ledger_usd": ledger_sum, "spend_usd": spend, "jobs": len(job_ids), "faults": faults,
+        "ledger_usd": ledger_sum, "spend_usd": spend, "jobs": len(job_ids), "jobs_retried": retried, "faults": faults,
         "failure_reasons": sorted({a.error for a in failed})[:10], "wall_s": round(wall_s, 1),
         "done_not_billed": sorted(done_jobs - entries)[:5], "billed_not_done": sorted(entries - done_jobs)[:5],
         "emulated_wan": deployment.state.emulate_wan,

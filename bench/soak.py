@@ -1,0 +1,142 @@
+"""Soak: a steady load through the whole product for a long while, and what it leaves behind (issue 22).
+
+    .venv/bin/python bench/soak.py --minutes 30 --rate 2 --json docs/results/soak.json
+
+Brings up a deployment as `prfaas up` does (devstack/deployment.py: the API, a Celery worker,
+beat, a prefill and a decode region of tiny-llama, on loopback; with root and `--emulate-wan`,
+in namespaces behind an emulated link) with a short job TTL (`--job-ttl-s`, so that finished
+jobs' keys expire within the run), and sends `--rate` streamed completions a second for
+`--minutes` through the official `openai` client (loadgen/steady.py). Every 10 s it samples the
+RSS of every process of the deployment. Then it waits out the job TTL and counts the
+deployment's Redis keys again.
+
+`--json` writes: `rss_slope_mb_per_min` per process (least squares over the samples after a
+2-minute warm-up), `rss_mb` first and last per process, `redis_keys_start` (before the first
+request), `redis_keys_end` (the job TTL after the last one ended), `requests`, `done`, `errors`
+(requests that did not end with their final chunk), and the settings used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+import yaml
+
+from prfaas.devstack.deployment import Deployment
+from prfaas.devstack.topology import Topology
+from prfaas.engine.hf import HFEngine
+from prfaas.loadgen import steady
+
+MODEL = "tiny-llama"
+SAMPLE_S = 10.0
+WARMUP_S = 120.0
+TOPOLOGY: dict[str, Any] = {
+    "name": "soak", "model": MODEL,
+    "control_plane": {"workers": 1, "worker_concurrency": 4},
+    "policy": {"min_uncached_tokens": 128},
+    "tenant": {"name": "soak", "rps": 50, "concurrency": 64, "budget_usd": 100000},
+    "regions": [
+        {"name": "prefill-a", "role": "prefill", "usd_per_gpu_hour": 0.5},
+        {"name": "dec", "role": "decode", "usd_per_gpu_hour": 4.0, "kv_buffer_bytes": "512MiB"},
+    ],
+    "links": [{"src": "prefill-a", "dst": "dec", "rtt_ms": 20, "rate_mbit": 200}],
+}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--rate", type=float, default=2.0, help="requests started per second")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--job-ttl-s", type=int, default=120, help="finished jobs' keys live this long")
+    parser.add_argument("--emulate-wan", action="store_true", help="regions in namespaces (root)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="prfaas-soak-"))
+    os.environ["PRFAAS_LEDGER_URL"] = f"sqlite:///{home / 'ledger.db'}"
+    os.environ["PRFAAS_JOB_TTL_S"] = str(args.job_ttl_s)
+    os.environ.setdefault("PRFAAS_REDIS_URL", "redis://127.0.0.1:6379/0")
+    corpus = HFEngine(MODEL).encode(Path(json.__file__).read_text() * 4)
+    topology_path = home / "topology.yaml"
+    topology_path.write_text(yaml.safe_dump(TOPOLOGY))
+    deployment = Deployment(Topology.model_validate(TOPOLOGY), str(topology_path), home,
+                            args.emulate_wan and os.geteuid() == 0, lambda m: print(m, flush=True))  # fmt: skip
+    samples: dict[str, list[tuple[float, float]]] = {}
+    try:
+        state = deployment.start()
+        keys = Keys(state.redis_url, state.key_prefix)
+        keys_start = keys.count()
+        count = int(args.minutes * 60 * args.rate)
+        asked = [steady.Asked(i, i / args.rate, corpus[(i % 16) * 350 : (i % 16) * 350 + 300], args.max_tokens)
+                 for i in range(count)]  # fmt: skip
+        next_sample = [0.0]
+
+        def tick(now_s: float) -> None:
+            if now_s >= next_sample[0]:
+                sample(deployment, now_s, samples)
+                next_sample[0] = now_s + SAMPLE_S
+
+        steady.run(state.api_base, state.api_key, MODEL, asked, deadline_s=120.0, on_tick=tick)
+        print(f"load done; waiting {args.job_ttl_s + 30} s for the job TTL", flush=True)
+        time.sleep(args.job_ttl_s + 30)
+        keys_end = keys.count()
+    finally:
+        deployment.stop()
+    report = {
+        "minutes": args.minutes, "rate": args.rate, "job_ttl_s": args.job_ttl_s, "requests": len(asked),
+        "done": sum(a.finished for a in asked), "errors": sum(not a.finished for a in asked),
+        "rss_slope_mb_per_min": {name: slope(points) for name, points in sorted(samples.items())},
+        "rss_mb": {name: [round(points[0][1], 1), round(points[-1][1], 1)] for name, points in sorted(samples.items())},
+        "redis_keys_start": keys_start, "redis_keys_end": keys_end,
+    }  # fmt: skip
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    slopes_ok = all(v is not None and v < 1.0 for v in report["rss_slope_mb_per_min"].values())
+    ok = slopes_ok and report["errors"] == 0 and keys_end <= 1.1 * keys_start
+    return 0 if ok else 1
+
+
+class Keys:
+    def __init__(self, url: str, prefix: str) -> None:
+        self.client: Any = redis.Redis.from_url(url)
+        self.prefix = prefix
+
+    def count(self) -> int:
+        return sum(1 for _ in self.client.scan_iter(f"{self.prefix}:*", count=1000))
+
+
+def sample(deployment: Deployment, now_s: float, into: dict[str, list[tuple[float, float]]]) -> None:
+    """RSS (MB) of every running process of the deployment, its children included."""
+    for name, proc in list(deployment.procs.items()):
+        try:
+            p = psutil.Process(proc.pid)
+            rss = p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+        except psutil.Error:
+            continue
+        into.setdefault(name, []).append((now_s, rss / 2**20))
+
+
+def slope(points: list[tuple[float, float]]) -> float | None:
+    """MB per minute, least squares over the samples after the warm-up (None: too few)."""
+    late = [(t / 60.0, mb) for t, mb in points if t >= WARMUP_S]
+    if len(late) < 3:
+        return None
+    n = len(late)
+    mt, mm = sum(t for t, _ in late) / n, sum(m for _, m in late) / n
+    var = sum((t - mt) ** 2 for t, _ in late)
+    return round(sum((t - mt) * (m - mm) for t, m in late) / var, 4) if var else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
