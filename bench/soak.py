@@ -74,7 +74,7 @@ def main() -> int:
     try:
         state = deployment.start()
         keys = Keys(state.redis_url, state.key_prefix)
-        keys_start = keys.count()
+        keys_start = keys.names()
         count = int(args.minutes * 60 * args.rate)
         asked = [steady.Asked(i, i / args.rate, corpus[(i % 16) * 350 : (i % 16) * 350 + 300], args.max_tokens)
                  for i in range(count)]  # fmt: skip
@@ -88,7 +88,7 @@ def main() -> int:
         steady.run(state.api_base, state.api_key, MODEL, asked, deadline_s=120.0, on_tick=tick)
         print(f"load done; waiting {args.job_ttl_s + 30} s for the job TTL", flush=True)
         time.sleep(args.job_ttl_s + 30)
-        keys_end = keys.count()
+        keys_end = keys.names()
     finally:
         deployment.stop()
     report = {
@@ -96,14 +96,15 @@ def main() -> int:
         "done": sum(a.finished for a in asked), "errors": sum(not a.finished for a in asked),
         "rss_slope_mb_per_min": {name: slope(points) for name, points in sorted(samples.items())},
         "rss_mb": {name: [round(points[0][1], 1), round(points[-1][1], 1)] for name, points in sorted(samples.items())},
-        "redis_keys_start": keys_start, "redis_keys_end": keys_end,
+        "redis_keys_start": len(keys_start), "redis_keys_end": len(keys_end),
+        "redis_keys_left": sorted(k.removeprefix(deployment.state.key_prefix) for k in keys_end - keys_start)[:20],
     }  # fmt: skip
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     slopes_ok = all(v is not None and v < 1.0 for v in report["rss_slope_mb_per_min"].values())
-    ok = slopes_ok and report["errors"] == 0 and keys_end <= 1.1 * keys_start
+    ok = slopes_ok and report["errors"] == 0 and len(keys_end) <= 1.1 * len(keys_start)
     return 0 if ok else 1
 
 
@@ -112,8 +113,8 @@ class Keys:
         self.client: Any = redis.Redis.from_url(url)
         self.prefix = prefix
 
-    def count(self) -> int:
-        return sum(1 for _ in self.client.scan_iter(f"{self.prefix}:*", count=1000))
+    def names(self) -> set[str]:
+        return {k.decode() for k in self.client.scan_iter(f"{self.prefix}:*", count=1000)}
 
 
 def sample(deployment: Deployment, now_s: float, into: dict[str, list[tuple[float, float]]]) -> None:

@@ -174,6 +174,7 @@ if KEYS[11] ~= '' then
 end
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[6])
+redis.call('EXPIRE', KEYS[3], ARGV[5])  -- the index lives as long as its newest job's keys
 redis.call('SADD', KEYS[4], ARGV[1])
 if reserve > 0 then
   redis.call('HSET', KEYS[8], ARGV[1], ARGV[4])
