@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import redis
 
+from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
 from prfaas.devstack.stack import ADMIN_KEY, REDIS_URL, TICKET_KEY, Stack, wait_until  # TICKET_KEY: region_kit.KEY
 from prfaas.engine.models import prepare_model
@@ -24,7 +26,9 @@ __all__ = [
     "cleanup",
     "ensure_redis",
     "make_settings",
+    "openai_client",
     "settings_fixture",
+    "stack_services",
     "two_region_stack",
 ]
 
@@ -72,6 +76,18 @@ def api_stack(folder: Path, **env: str) -> Iterator[Stack]:
     finally:
         s.stop()
         s.cleanup()
+
+
+def stack_services(stack: Stack) -> Iterator[Services]:
+    """Services on `stack`'s Redis keys, for a test to read and write what its processes do."""
+    s = Services.create(make_settings(key_prefix=stack.prefix))
+    yield s
+    s.close()
+
+
+def openai_client(stack: Stack, key: str, timeout_s: float = 60) -> openai.OpenAI:
+    """The official client on `stack`'s API with tenant key `key`, no retries of its own."""
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=timeout_s)
 
 
 def two_region_stack(

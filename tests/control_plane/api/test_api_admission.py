@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from cp_kit import api_stack, make_settings
+from cp_kit import api_stack, openai_client, stack_services
 
 from prfaas.control_plane.services import Services
 from prfaas.devstack.stack import ADMIN, Stack, wait_until
@@ -30,13 +30,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def services(stack: Stack) -> Iterator[Services]:
-    s = Services.create(make_settings(key_prefix=stack.prefix))  # the stack's Redis keys, from the test
-    yield s
-    s.close()
+    yield from stack_services(stack)
 
 
 def client(stack: Stack, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    return openai_client(stack, key, 60)
 
 
 def tokenized(stack: Stack) -> float:
