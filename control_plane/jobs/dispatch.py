@@ -153,8 +153,10 @@ class Dispatcher:
         except RegionNotFound as exc:  # it died since the snapshot: try again without it
             raise AttemptFailed(decision.decode_region, str(exc)) from exc
         if reship is not None:  # the KV is leased in the prefill region that computed it
-            with contextlib.suppress(RegionNotFound):
+            try:
                 prefill = self.s.regions.get(reship["region"]).instance(reship["instance"])
+            except RegionNotFound:
+                reship = None  # gone with its lease: compute the prompt again, as decided
         where = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}"}  # metering: where each attempt ran
         if not jobs.update(job_id, attempt, **placed_fields(decision, decode, prefill), **where):
             raise Superseded(job_id)

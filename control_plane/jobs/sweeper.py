@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 
 import grpc
-import redis
 
 from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
@@ -70,7 +69,7 @@ class Sweeper:
         while not self._stop.wait(self.settings.sweep_s):
             try:
                 self.sweep()
-            except (redis.RedisError, OSError):
+            except Exception:  # never let the thread die: a job it cannot handle must not stop the others'
                 log.exception("sweep failed; the next one tries again")
 
     def sweep(self) -> list[str]:
