@@ -48,6 +48,13 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.services = services
         app.state.api_metrics = api_metrics
         app.state.meter = meter = open_meter(services, metrics)
+        # A tenant cached anew (Redis restarted empty, or its entry aged out): its month's spend in Redis rises
+        # to the ledger's sum before its request is admitted, so an emptied Redis never resets a budget.
+        services.tenants.on_fill = lambda t: meter.spend.sync(t.id, meter.ledger)
+        try:
+            log.info("tenant cache warmed: %d keys", services.tenants.warm())
+        except redis.RedisError as exc:  # each key is cached at its first request instead
+            log.warning("tenant cache not warmed (%s)", exc)
         beats = Heartbeats(services.redis, settings, "api").start()  # its jobs are swept if it stops beating
         app.state.follower = Follower(services, celery, meter, beats.me)
         server = None

@@ -1,6 +1,6 @@
-"""What the API process and the Celery worker share: the stores on one Redis client, the
-served model's tokenizer and KV geometry, and the schedulers (one per placement a request
-may ask for, all from the same policy)."""
+"""What the API process and the Celery worker share: the stores on one Redis client (the tenants' on the
+control plane's database too), the served model's tokenizer and KV geometry, and the schedulers (one per
+placement a request may ask for, all from the same policy)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from functools import cached_property
 from typing import Any
 
 import redis
+from sqlalchemy.engine import Engine
 
+from prfaas.control_plane.db.engine import make_engine
+from prfaas.control_plane.db.migrations import upgrade
 from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.jobs.store import JobStore
 from prfaas.control_plane.scheduling.policy import build_scheduler, default_policy, load_policy
@@ -83,6 +86,8 @@ class Services:
     @classmethod
     def create(cls, settings: Settings) -> Services:
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+        database = make_engine(settings.ledger.url)
+        upgrade(settings.ledger.url, engine=database)  # idempotent; processes starting together take turns
         policy = load_policy(settings.policy_path) if settings.policy_path else default_policy()
         auto = build_scheduler(policy)
         # Asked placements keep the policy's filters and scores; only the split rule changes.
@@ -92,9 +97,15 @@ class Services:
         local.rule = dataclasses.replace(local.rule, min_uncached_tokens=1 << 62)
         schedulers = {"auto": auto, "split": split, "local": local}
         return cls(
-            settings, client, JobStore(client, settings), TenantStore(client, settings),
+            settings, client, JobStore(client, settings), TenantStore(client, settings, database),
             RegionRegistry(client, settings), ServedModel(settings.model), schedulers,
         )  # fmt: skip
 
+    @property
+    def database(self) -> Engine:
+        """The control plane's database (db/): the tenants' tables and the ledger's."""
+        return self.tenants.engine
+
     def close(self) -> None:
         self.redis.close()
+        self.tenants.engine.dispose()

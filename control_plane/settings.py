@@ -34,11 +34,11 @@ class _Section(BaseModel):
 
 
 class LedgerSection(_Section):
-    """`PRFAAS_LEDGER_URL`: where the usage ledger lives."""
+    """`PRFAAS_LEDGER_URL`: the control plane's database: the usage ledger, the tenants and their keys (db/)."""
 
     url: str = Field(
         default_factory=default_ledger_url,
-        description="SQLAlchemy URL of the usage ledger; default sqlite:///$PRFAAS_HOME/ledger.db",
+        description="SQLAlchemy URL of the ledger and tenants' database; default sqlite:///$PRFAAS_HOME/ledger.db",
     )
 
 
@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     )
 
     dev: bool = Field(default=False, description="allow placeholder secrets (never in production)")
-    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="job store, tenants, registry, broker")
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="job store, tenant cache, registry, broker")
     key_prefix: str = Field(default="prfaas", min_length=1, description="prefix of every Redis key")
     admin_key: SecretStr = Field(description="bearer key of the admin routes")
     ticket_key: SecretStr = Field(description="HMAC key of KV transfer tickets (shared with decode regions)")
@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     dead_after_s: float = Field(default=3.0, gt=0, description="a worker or API process silent this long is dead")
     sweep_s: float = Field(default=1.0, gt=0, description="the sweeper looks for overrun leases this often")
     job_timeout_s: float = Field(default=300.0, gt=0, description="deadline of a whole job, as the API waits")
+    tenant_cache_ttl_s: float = Field(
+        default=60.0, gt=0, description="tenants and keys cached in Redis are read from the database again after this"
+    )
     default_rps: float = Field(default=50.0, gt=0, description="tenant default: requests per second")
     default_concurrency: int = Field(default=16, ge=1, description="tenant default: concurrent jobs")
     default_budget_usd: float = Field(default=100.0, ge=0, description="tenant default: monthly $ budget")

@@ -4,7 +4,10 @@ Redis (PRFAAS_REDIS_URL when it answers, else a private `redis-server` on a free
 API (uvicorn, which also serves the region registry), Celery workers and one `prfaas region`
 per instance of each topology region (`instances`; with `--hosts` a decode region runs at
 least two, each in a network namespace of its own), each started in a process group of its
-own; then the demo tenant, its key and the topology's links. Every link between components
+own; then the demo tenant, its key and the topology's links. The control plane's database (the ledger,
+the tenants and their keys) is `$PRFAAS_HOME/deployments/NAME/control-plane.db` (SQLite), kept by `down`:
+a second `up` of the topology finds its tenants and their usage again, and the demo tenant, created once,
+keeps its key (`demo-tenant.json` beside the database, mode 0600). Every link between components
 runs mutual TLS with certificates made for the deployment (pki.py), unless `--insecure`.
 `$PRFAAS_HOME/up.json` (mode 0600) holds what a client needs (`api_base`, `api_key`,
 `admin_key`, `dashboard_url`) and what `down` needs (process groups, network namespaces, the
@@ -15,6 +18,7 @@ the namespaces and the file.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -91,6 +95,7 @@ class Deployment:
         self.home = home
         self.say = say
         self.run_dir = home / "up"
+        self.data_dir = home / "deployments" / topology.name  # outlives the run: its database, the demo key
         self.admin_key = secrets.token_urlsafe(32)
         self.ticket_key = secrets.token_urlsafe(32)
         self.insecure = insecure
@@ -191,6 +196,7 @@ class Deployment:
             PRFAAS_KEY_PREFIX=self.state.key_prefix, PRFAAS_ADMIN_KEY=self.admin_key,
             PRFAAS_TICKET_KEY=self.ticket_key, PRFAAS_POLICY_PATH=str(policy), PRFAAS_MODEL=self.topology.model,
         )  # fmt: skip
+        env.setdefault("PRFAAS_LEDGER_URL", f"sqlite:///{self.data_dir / 'control-plane.db'}")
         env.pop("PRFAAS_DEV", None)
         if self.pki is not None:
             env |= self.pki.control_plane_env()
@@ -277,19 +283,41 @@ class Deployment:
                 "src": link.src, "dst": link.dst, "rtt_ms": link.rtt_ms, "bandwidth_gbps": link.rate_mbit / 1000,
                 "egress_usd_per_gb": link.egress_usd_per_gb,
             })  # fmt: skip
-        t = self.topology.tenant
-        tenant = self._admin("POST", "/admin/tenants", {
-            "name": t.name, "rps": t.rps, "concurrency": t.concurrency, "budget_usd": t.budget_usd,
-            "allow_placement": t.allow_placement,
-        })  # fmt: skip
-        self.state.tenant_id = str(tenant["id"])
-        self.state.api_key = str(self._admin("POST", f"/admin/tenants/{tenant['id']}/keys")["key"])
+        self.state.tenant_id, self.state.api_key = self._demo_tenant()
         dashboard = self.state.url + "/dashboard"
         try:  # the route may ask for a key; only a 404 means there is none
             served = httpx.get(dashboard, timeout=5).status_code != 404
         except httpx.HTTPError:
             served = False
         self.state.dashboard_url = dashboard if served else self.state.url + "/docs"
+
+    def _demo_tenant(self) -> tuple[str, str]:
+        """The topology's tenant and a key of it: created at the first `up`, found again (limits brought to the
+        topology's) at the next, with the key it had unless an operator revoked it."""
+        t = self.topology.tenant
+        limits = {"rps": t.rps, "concurrency": t.concurrency, "budget_usd": t.budget_usd,
+                  "allow_placement": t.allow_placement}  # fmt: skip
+        path = self.data_dir / "demo-tenant.json"
+        saved: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+        known = {str(x["id"]) for x in self._admin("GET", "/admin/tenants")}
+        if saved.get("tenant_id") in known:
+            tenant_id = saved["tenant_id"]
+            self._admin("PATCH", f"/admin/tenants/{tenant_id}", limits)
+            self.say(f"tenant {t.name} ({tenant_id}): found again, with its usage")
+        else:
+            tenant_id = str(self._admin("POST", "/admin/tenants", {"name": t.name} | limits)["id"])
+            saved = {"tenant_id": tenant_id}
+            self.say(f"tenant {t.name} ({tenant_id}): created")
+        keys = {str(k["id"]): k for k in self._admin("GET", f"/admin/tenants/{tenant_id}/keys")}
+        kept = keys.get(saved.get("key_id", ""))
+        if kept is None or kept["revoked"] or not saved.get("api_key"):
+            issued = self._admin("POST", f"/admin/tenants/{tenant_id}/keys")
+            saved |= {"key_id": str(issued["id"]), "api_key": str(issued["key"])}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(json.dumps(saved, indent=2) + "\n")
+        return tenant_id, saved["api_key"]
 
     # ------------------------------------------------------------------ faults (bench/chaos.py)
 

@@ -12,6 +12,7 @@ streamed back here. Error bodies: api/errors.py."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,6 +21,8 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
+import kombu.exceptions
+import redis
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -34,6 +37,7 @@ from prfaas.control_plane.api.errors import (
     PLACEMENT_NOT_ALLOWED,
     PROMPT_EMPTY,
     PROMPT_TOO_LONG,
+    STORE_UNAVAILABLE,
     TOKEN_OUT_OF_VOCAB,
     ApiError,
     sse_error,
@@ -132,7 +136,11 @@ def _run(
     if handed_off is not None:
         ready = {"attempt": 1} | handed_off.ready
     else:
-        enqueue(g.follower.celery, job_id)
+        try:
+            enqueue(g.follower.celery, job_id)
+        except kombu.exceptions.OperationalError:  # the broker (Redis) is away: the job never runs
+            g.follower.abandon(job_id, "broker unreachable at dispatch")
+            raise STORE_UNAVAILABLE.error() from None
         record = None
     return _respond(g, body, job_id, kind, len(ids), record, ready)
 
@@ -315,6 +323,10 @@ def _sse(
     except JobEnded as exc:
         finished = True
         yield sse_error(_ended(exc))
+    except redis.RedisError:  # a read outside the follower (it turns its own into JobEnded)
+        finished = True
+        yield sse_error(STORE_UNAVAILABLE.error())
     finally:
         if not finished and leader:  # the client went away mid-stream
-            follower.disconnected(job_id, stream)
+            with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
+                follower.disconnected(job_id, stream)

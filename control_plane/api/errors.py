@@ -7,9 +7,9 @@ their typed errors (`openai.RateLimitError` for 429, ...) with `.type`, `.code` 
 The `/admin` routes and the dashboard keep FastAPI's `{"detail": message}` (same messages). Routes raise
 `Problem`s of the catalogue below (`raise RATE_LIMITED.error()`); `install(app)` renders them, FastAPI's
 own errors (an unknown route, a pydantic validation error: 400 with the field in `param`, as vLLM's OpenAI
-server does), a Redis outage (503) and anything unexpected (500). A streamed response that fails after
-its first byte sends the same object as an SSE line (`sse_error`). Messages are stable: clients may match
-on `code`."""
+server does), a Redis or database outage (503 with Retry-After) and anything unexpected (500). A streamed
+response that fails after its first byte sends the same object as an SSE line (`sse_error`). Messages are
+stable: clients may match on `code`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import kombu.exceptions
 import redis
+import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -104,7 +106,12 @@ TOO_MANY_JOBS = problem(
 )
 INTERNAL = problem(500, "server_error", "internal_error", "internal server error")
 JOB_FAILED = problem(503, "server_error", "job_failed", "job failed")
-STORE_UNAVAILABLE = problem(503, "server_error", "store_unavailable", "job store unavailable")
+STORE_UNAVAILABLE = problem(  # Redis unreachable: the client retries after a moment
+    503, "server_error", "store_unavailable", "job store unavailable", Retry_After="2"
+)
+DATABASE_UNAVAILABLE = problem(  # the tenants' and ledger's database unreachable
+    503, "server_error", "database_unavailable", "database unavailable", Retry_After="2"
+)
 JOB_TIMEOUT = problem(504, "server_error", "job_timeout", "job timeout")
 
 ADMISSION_REFUSALS = {
@@ -181,6 +188,16 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(redis.RedisError)
     async def store_down(request: Request, _exc: redis.RedisError) -> Response:
         return render(request, STORE_UNAVAILABLE.error())
+
+    @app.exception_handler(kombu.exceptions.OperationalError)
+    async def broker_down(request: Request, exc: kombu.exceptions.OperationalError) -> Response:
+        log.warning("broker unreachable: %s", exc)
+        return render(request, STORE_UNAVAILABLE.error())
+
+    @app.exception_handler(sqlalchemy.exc.OperationalError)
+    async def database_down(request: Request, exc: sqlalchemy.exc.OperationalError) -> Response:
+        log.warning("database unreachable: %s", exc.orig)
+        return render(request, DATABASE_UNAVAILABLE.error())
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:  # Starlette logs it and re-raises

@@ -5,8 +5,7 @@ are the platform's cost; budgets are checked against the ledger's monthly spend.
 
     costs.py        PriceTable, JobUsage and the $ arithmetic of one job (pure)
     usage.py        a job's record and timeline -> its JobUsage and wasted work (pure)
-    models.py       the ledger's tables (UsageEntry, WastedAttempt); migrations/ makes them (Alembic)
-    database.py     make_engine: SQLite by default, PostgreSQL by URL
+    models.py       the ledger's tables (UsageEntry, WastedAttempt), in the control plane's database (db/)
     ledger.py       Ledger: write entries once, read entries, spend and totals
     queries.py      GroupTotal: totals by day, model, tenant, region or phase
     meter.py        Meter: the `job_done` hook, its writer thread, pricing a job's work

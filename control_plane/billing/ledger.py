@@ -1,7 +1,7 @@
 """The usage ledger (a repository over billing/models.py): one billed entry per job, written exactly once, and
 wasted attempts recorded separately as the platform's cost; reads of entries, spend and grouped totals.
-SQLAlchemy 2.x on the engine of billing/database.py; the schema is brought to head by Alembic
-(`billing/migrations`) when a `Ledger` starts. Costs come from billing/costs.py (`entry_values`)."""
+SQLAlchemy 2.x on the engine of db/engine.py; the schema is brought to head by Alembic
+(`db/migrations`) when a `Ledger` starts. Costs come from billing/costs.py (`entry_values`)."""
 
 from __future__ import annotations
 
@@ -13,24 +13,28 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from prfaas.control_plane.billing import queries
 from prfaas.control_plane.billing.costs import JobUsage, PriceTable, entry_values, gpu_usd, utc_naive
-from prfaas.control_plane.billing.database import make_engine
 from prfaas.control_plane.billing.models import UsageEntry, WastedAttempt
 from prfaas.control_plane.billing.queries import GroupBy, GroupTotal
+from prfaas.control_plane.db.engine import make_engine
 
 
 class Ledger:
     """The ledger at `url` (`Settings.ledger.url`); `schema`: PostgreSQL schema of its tables; `migrate`: bring
-    the database to head first (idempotent; processes starting together migrate one at a time)."""
+    the database to head first (idempotent; processes starting together migrate one at a time); `engine`: one
+    already open on `url` (the services', shared with the tenants' store)."""
 
-    def __init__(self, url: str, *, schema: str | None = None, migrate: bool = True) -> None:
-        from prfaas.control_plane.billing.migrations import upgrade
+    def __init__(
+        self, url: str, *, schema: str | None = None, migrate: bool = True, engine: Engine | None = None
+    ) -> None:
+        from prfaas.control_plane.db.migrations import upgrade
 
         self.url = url
-        self.engine = make_engine(self.url, schema)
+        self.engine = make_engine(self.url, schema) if engine is None else engine
         if migrate:
             upgrade(self.url, engine=self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)

@@ -230,4 +230,4 @@ def open_meter(services: Services, registry: CollectorRegistry | None = None) ->
         if metrics is None:
             metrics = _METRICS[registry] = MeteringMetrics(registry)
         metrics.prices.prices = services.regions.prices
-    return Meter(services, Ledger(services.settings.ledger.url), metrics)
+    return Meter(services, Ledger(services.settings.ledger.url, engine=services.database, migrate=False), metrics)

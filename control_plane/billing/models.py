@@ -1,6 +1,6 @@
 """The ledger's tables (SQLAlchemy 2.x declarative): `UsageEntry`, the bill of one job, and `WastedAttempt`,
 GPU time an attempt burned without producing the answer. The schema itself is made by the Alembic migrations
-(`billing/migrations`); `tests/control_plane/billing/test_ledger.py` checks these models match them.
+(`db/migrations`); `tests/control_plane/billing/test_ledger.py` checks these models match them.
 
 Every column is NOT NULL unless its annotation says `| None`; the `Mapped[...]` annotation gives its type
 (`float` -> FLOAT, `int` -> INTEGER, `BigInt` -> BIGINT, `StrN` -> VARCHAR(N)). Money in $, GPU time in
@@ -9,21 +9,11 @@ GPU-seconds, prices in $/GPU-hour and $/GB, bytes as counted."""
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any, ClassVar
 
-from sqlalchemy import BigInteger, DateTime, Float, String, UniqueConstraint
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy import UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
 
-BigInt = Annotated[int, mapped_column(BigInteger)]
-Str16 = Annotated[str, mapped_column(String(16))]
-Str64 = Annotated[str, mapped_column(String(64))]
-Str128 = Annotated[str, mapped_column(String(128))]
-Str256 = Annotated[str, mapped_column(String(256))]
-Str512 = Annotated[str, mapped_column(String(512))]
-
-
-class Base(DeclarativeBase):
-    type_annotation_map: ClassVar[dict[Any, Any]] = {float: Float(), dt.datetime: DateTime()}  # as migrated
+from prfaas.control_plane.db.base import Base, BigInt, Str16, Str64, Str128, Str256, Str512
 
 
 class UsageEntry(Base):

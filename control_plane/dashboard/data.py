@@ -131,9 +131,9 @@ def admin_view(meter: Meter, now: float | None = None) -> dict[str, Any]:
             "utilization_pct": gbps / link.bandwidth_gbps * 100 if link.bandwidth_gbps else 0.0,
         })  # fmt: skip
     month = month_window(t)
-    names = {x.id: x.name for x in s.tenants.all()}
+    names = {x.id: x.name for x in s.tenants.all()}  # every tenant ever (the database never deletes one)
     tenants: list[dict[str, Any]] = [
-        {"id": g.key, "name": names.get(g.key, "?"), "jobs": g.jobs, "spend_usd": g.total_usd,
+        {"id": g.key, "name": names.get(g.key, g.key), "jobs": g.jobs, "spend_usd": g.total_usd,
          "savings_usd": g.savings_usd}
         for g in meter.ledger.totals(None, month[0], month[1], "tenant")
     ]  # fmt: skip

@@ -14,6 +14,7 @@ the jobs of a follower that stopped beating (jobs/sweeper.py)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import threading
@@ -24,6 +25,7 @@ from typing import Any
 
 import grpc
 import grpc.experimental
+import redis
 
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.usage import served_timing
@@ -33,7 +35,7 @@ from prfaas.control_plane.jobs.dispatch import sampling
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
-from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.tokenlog import TokenLog
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -43,6 +45,8 @@ from prfaas.transport.identity import server_name
 log = logging.getLogger(__name__)
 CONFLICT_RETRIES = 3  # calls again when the decode region still runs the job for a caller that is gone
 CONFLICT_PAUSE_S = 0.5
+STORE_LOST = "job store unreachable mid-job: its result is unknown; retry (with an Idempotency-Key the retry is safe)"
+RECORD_LOST = "job store unreachable mid-job: it came back without the job's record; retry"
 
 
 class JobEnded(Exception):
@@ -90,13 +94,43 @@ class Follower:
         record) is a hand-off the caller already holds: the first attempt starts from it.
         Adopting a job another process followed: `after_attempt`, the last attempt whose
         hand-off is stale; `already`, the tokens it logged (skipped, not logged again)."""
-        if self.owner:
-            self.leases.follow(job_id, self.owner)
         try:
-            yield from self._tokens(job_id, job, ready, after_attempt, list(already or ()))
-        finally:
             if self.owner:
-                self.leases.unfollow(job_id, self.owner)
+                self.leases.follow(job_id, self.owner)
+            try:
+                yield from self._tokens(job_id, job, ready, after_attempt, list(already or ()))
+            finally:
+                if self.owner:
+                    with contextlib.suppress(redis.RedisError):  # an outage's other errors say it already
+                        self.leases.unfollow(job_id, self.owner)
+        except redis.RedisError as exc:  # its decode call ends with this generator (the stream is dropped)
+            self.abandon(job_id, f"job store unreachable mid-job ({type(exc).__name__})")
+            raise JobEnded("FAILED", STORE_LOST) from None
+        except JobNotFound:  # Redis came back empty under it: the record is gone, and with it the job
+            raise JobEnded("FAILED", RECORD_LOST) from None
+
+    def abandon(self, job_id: str, reason: str) -> None:
+        """FAILED with `reason`, for a job this process can no longer follow (Redis unreachable): tried on a
+        thread of its own every second until Redis answers (or the job's deadline), so that a Redis that comes
+        back with its data does not keep the job running for nobody; a Redis that comes back empty lost it."""
+        deadline = time.monotonic() + self.s.settings.job_timeout_s
+
+        def fail() -> None:
+            while time.monotonic() < deadline:
+                try:
+                    job = self.s.jobs.get(job_id)
+                    if job["state"] in TERMINAL:
+                        return
+                    self.s.jobs.transition(job_id, JobState.FAILED, int(job["attempt"]), note=reason, error=reason)
+                    return
+                except StaleAttempt:
+                    continue  # a new attempt began meanwhile: fail that one
+                except (IllegalTransition, JobNotFound):
+                    return
+                except redis.RedisError:
+                    time.sleep(1.0)
+
+        threading.Thread(target=fail, name=f"abandon-{job_id[:8]}", daemon=True).start()
 
     def _tokens(self, job_id: str, job: dict[str, str] | None, ready: dict[str, Any] | None, after: int,
                 output: list[int]) -> Iterator[Token]:  # fmt: skip
@@ -177,6 +211,12 @@ class Follower:
     def attached(self, job_id: str) -> Iterator[Token]:
         """The tokens of a job another request follows (an Idempotency-Key retry while it runs),
         from its token log: the same tokens, without a decode of its own, billed once."""
+        try:
+            yield from self._attached(job_id)
+        except (redis.RedisError, JobNotFound):  # the job is another request's: that one ends it
+            raise JobEnded("FAILED", STORE_LOST) from None
+
+    def _attached(self, job_id: str) -> Iterator[Token]:
         deadline = time.monotonic() + self.s.settings.job_timeout_s
         self.log.attach(job_id, 1)
         try:

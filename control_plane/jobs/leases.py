@@ -190,7 +190,8 @@ class Heartbeats:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-        self.redis.zrem(self.key, self.me)
+        dead = time.time() - self.settings.dead_after_s - 1  # known, and dead now (trimmed an hour on)
+        self.redis.zadd(self.key, {self.me: dead})
 
     def _run(self) -> None:
         while not self._stop.wait(self.settings.beat_s):

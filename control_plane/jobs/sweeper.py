@@ -53,6 +53,7 @@ class Sweeper:
         self.settings = jobs.settings
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._missing: dict[str, float] = {}  # owners with no beat at all -> when this sweeper first saw that
 
     def start(self) -> Sweeper:
         if self._thread is None:
@@ -76,18 +77,29 @@ class Sweeper:
         """One pass; what it did, a line per job."""
         now = time.time()
         alive = set().union(*(b.alive() for b in self.beats.values()))
+        known = set().union(*(b.known() for b in self.beats.values()))
+        self._missing = {owner: t for owner, t in self._missing.items() if owner not in known}
         done = []
         for lease in self.leases.all():
-            overran, orphaned = lease.deadline < now, lease.owner not in alive
+            overran, orphaned = lease.deadline < now, self._dead(lease.owner, alive, known, now)
             if not (overran or orphaned) or self.leases.take(lease.job_id, lease.attempt) is None:
                 continue
             done.append(self._recover(lease, overran))
         api = self.beats.get("api")
         if api is not None:
             for job_id, owner in self.leases.following().items():
-                if owner not in alive and self.leases.unfollow(job_id, owner):
+                if self._dead(owner, alive, known, now) and self.leases.unfollow(job_id, owner):
                     done.append(self._orphaned(job_id, owner))
         return done
+
+    def _dead(self, owner: str, alive: set[str], known: set[str], now: float) -> bool:
+        """Its beats aged past `dead_after_s` (or it said it stopped); or it has none at all, for as long: a
+        Redis that came back empty lost every beat, and a live process beats again within `beat_s`."""
+        if owner in alive:
+            return False
+        if owner in known:
+            return True
+        return now - self._missing.setdefault(owner, now) > self.settings.dead_after_s
 
     def _recover(self, lease: Lease, overran: bool) -> str:
         try:

@@ -5,6 +5,7 @@ two-region stack of real processes the API's end-to-end tests run against."""
 from __future__ import annotations
 
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,12 +40,15 @@ def ensure_redis() -> None:
 
 
 def make_settings(**overrides: object) -> Settings:
+    """Settings of a test's own: a Redis key prefix and a database (tenants, ledger) in a SQLite file."""
+    prefix = f"prfaas-test-{uuid.uuid4().hex[:12]}"
     fields: dict[str, object] = {
         "dev": True,
         "redis_url": REDIS_URL,
-        "key_prefix": f"prfaas-test-{uuid.uuid4().hex[:12]}",
+        "key_prefix": prefix,
         "admin_key": ADMIN_KEY,
         "ticket_key": TICKET_KEY,
+        "ledger": {"url": f"sqlite:///{Path(tempfile.gettempdir()) / prefix}.db"},
     } | overrides
     return Settings(**fields)  # type: ignore[arg-type]
 
@@ -55,6 +59,10 @@ def cleanup(settings: Settings) -> None:
     if keys:
         client.delete(*keys)
     client.close()
+    database = settings.ledger.url.removeprefix("sqlite:///")
+    if settings.ledger.url.startswith("sqlite:///") and Path(database).name.startswith("prfaas-test-"):
+        for leftover in Path(database).parent.glob(Path(database).name + "*"):  # the WAL, the migration lock
+            leftover.unlink(missing_ok=True)
 
 
 def settings_fixture(**overrides: object) -> Iterator[Settings]:

@@ -130,6 +130,36 @@ def test_up_bench_down_leaves_nothing_behind(home: Path) -> None:
     assert down.returncode == 0, down.stdout + down.stderr
     _assert_all_gone(state, home)
     assert "nothing is up" in _run(["down"], home).stdout
+    _up_again_finds_its_tenant(home, state, billed=len(done))
+
+
+def _up_again_finds_its_tenant(home: Path, first: dict[str, object], billed: int) -> None:
+    """A second `up` of the same topology (a new, empty Redis): the same key works, the usage holds both runs."""
+    up = _run(["up", "--detach", "--topology", str(home.parent / "topology.yaml")], home)
+    state = json.loads((home / "up.json").read_text()) if (home / "up.json").exists() else {}
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "found again" in up.stdout
+        assert (state["api_key"], state["tenant_id"]) == (first["api_key"], first["tenant_id"])
+        client = openai.OpenAI(base_url=state["api_base"], api_key=str(first["api_key"]), max_retries=0, timeout=60)
+        assert client.completions.create(model="tiny-llama", prompt="once more", max_tokens=2).id
+        auth = {"Authorization": f"Bearer {first['api_key']}"}
+
+        def jobs_billed() -> int:
+            usage = httpx.get(f"{state['api_base']}/usage?group_by=model", headers=auth, timeout=10).json()["data"]
+            return sum(int(row["jobs"]) for row in usage)
+
+        deadline = time.monotonic() + 10
+        while jobs_billed() < billed + 1 and time.monotonic() < deadline:  # the ledger writer's batch window
+            time.sleep(0.2)
+        assert jobs_billed() == billed + 1
+        listed = httpx.get(f"{state['api_base'].removesuffix('/v1')}/admin/tenants", timeout=10,
+                           headers={"Authorization": f"Bearer {state['admin_key']}"}).json()  # fmt: skip
+        assert len(listed) == 1, listed  # the demo tenant, created once
+    finally:
+        down = _run(["down"], home, timeout_s=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert (home / "deployments" / "t" / "control-plane.db").exists()  # down keeps the database
 
 
 def test_ctrl_c_stops_everything_also_with_an_emulated_wan(home: Path) -> None:

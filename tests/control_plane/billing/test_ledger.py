@@ -15,10 +15,10 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from prfaas.control_plane.billing.costs import JobUsage, PriceTable
-from prfaas.control_plane.billing.database import make_engine
 from prfaas.control_plane.billing.ledger import Ledger
-from prfaas.control_plane.billing.migrations import current, upgrade
 from prfaas.control_plane.billing.models import UsageEntry
+from prfaas.control_plane.db.engine import make_engine
+from prfaas.control_plane.db.migrations import current, upgrade
 from prfaas.control_plane.settings import Settings
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -94,12 +94,12 @@ def test_migration_empty_to_head_and_idempotent(db: tuple[str, str | None]) -> N
         assert current(eng) is None
         assert not sa.inspect(eng).has_table("ledger_usage")
         upgrade(url, engine=eng)
-        assert current(eng) == "0002_job_metrics"
+        assert current(eng) == "0003_tenants"
         assert {"ledger_usage", "ledger_wasted", "alembic_version"} <= set(sa.inspect(eng).get_table_names())
         upgrade(url, engine=eng)  # at head already: a no-op
-        assert current(eng) == "0002_job_metrics"
+        assert current(eng) == "0003_tenants"
         Ledger(url, schema=schema).close()  # startup upgrade on a migrated database
-        assert current(eng) == "0002_job_metrics"
+        assert current(eng) == "0003_tenants"
     finally:
         eng.dispose()
 
@@ -108,10 +108,10 @@ def test_models_match_migration(ledger: Ledger) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    from prfaas.control_plane.billing.models import Base
+    from prfaas.control_plane.db.migrations import target_metadata
 
     with ledger.engine.connect() as c:
-        diffs = compare_metadata(MigrationContext.configure(c), Base.metadata)
+        diffs = compare_metadata(MigrationContext.configure(c), target_metadata())
     assert diffs == []
 
 

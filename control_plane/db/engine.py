@@ -1,5 +1,5 @@
-"""The ledger's database connection: `make_engine(url, schema)`. SQLite (embedded, the default) or
-PostgreSQL by URL; the schema is brought to head by the Alembic migrations (`billing/migrations`)."""
+"""The control plane's database connection: `make_engine(url, schema)`. SQLite (embedded, the default) or
+PostgreSQL by URL; the schema is brought to head by the Alembic migrations (`db/migrations`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def make_engine(url: str, schema: str | None = None) -> Engine:
 
     if schema is not None:
         if engine.dialect.name != "postgresql":
-            raise ValueError("a ledger schema is only supported on PostgreSQL")
+            raise ValueError("a database schema is only supported on PostgreSQL")
 
         @event.listens_for(engine, "connect")
         def _search_path(dbapi_conn: Any, _record: Any) -> None:

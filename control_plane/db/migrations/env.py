@@ -5,12 +5,12 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection
 
-from prfaas.control_plane.billing.database import make_engine
-from prfaas.control_plane.billing.models import Base
+from prfaas.control_plane.db.engine import make_engine
+from prfaas.control_plane.db.migrations import target_metadata
 
 
 def _run(conn: Connection) -> None:
-    context.configure(connection=conn, target_metadata=Base.metadata, render_as_batch=True)
+    context.configure(connection=conn, target_metadata=target_metadata(), render_as_batch=True)
     with context.begin_transaction():
         context.run_migrations()
 

@@ -1,5 +1,6 @@
-"""Alembic migrations of the usage ledger, configured in code (no alembic.ini): `upgrade(url)` brings a
-database to head and is idempotent. From a shell: `python -m prfaas.control_plane.billing.migrations URL`."""
+"""Alembic migrations of the control plane's database (the ledger, the tenants), configured in code (no
+alembic.ini): `upgrade(url)` brings a database to head and is idempotent. From a shell:
+`python -m prfaas.control_plane.db.migrations URL`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,21 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import text
+from sqlalchemy import MetaData, text
 from sqlalchemy.engine import Engine
 
-from prfaas.control_plane.billing.database import make_engine
+from prfaas.control_plane.db.engine import make_engine
 
 HERE = Path(__file__).resolve().parent
+
+
+def target_metadata() -> MetaData:
+    """Every table the migrations make: the ledger's and the tenants' (each module registers its own)."""
+    from prfaas.control_plane.billing import models as _ledger  # noqa: F401
+    from prfaas.control_plane.db.base import Base
+    from prfaas.control_plane.tenants import models as _tenants  # noqa: F401
+
+    return Base.metadata
 
 
 def alembic_config(url: str) -> Config:

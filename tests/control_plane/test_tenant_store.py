@@ -1,0 +1,115 @@
+"""TenantStore (issue 29): the database holds tenants and keys, Redis caches them. On the real Redis (a key
+prefix of each test's own) and the database in SQLite and in PostgreSQL (a database of the test's own on the
+server at 127.0.0.1:5432)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import redis
+from cp_kit import cleanup, ensure_redis, make_settings
+
+from prfaas.control_plane.services import Services
+from prfaas.control_plane.tenants import (
+    KeyNotFound,
+    TenantChanges,
+    TenantNotFound,
+    TenantStatus,
+    TenantStore,
+    digest,
+)
+
+PG = "postgresql+psycopg://postgres@127.0.0.1:5432/"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def services(request: pytest.FixtureRequest) -> Iterator[Services]:
+    ensure_redis()
+    overrides: dict[str, object] = {}
+    database = f"prfaas_tenants_{uuid.uuid4().hex[:8]}"
+    if request.param == "postgresql":
+        try:
+            with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True, connect_timeout=5) as c:
+                c.execute(f'CREATE DATABASE "{database}"')
+        except psycopg.OperationalError as exc:
+            pytest.skip(f"no PostgreSQL at 127.0.0.1:5432 ({exc})")
+        overrides["ledger"] = {"url": PG + database}
+    settings = make_settings(**overrides)
+    s = Services.create(settings)
+    yield s
+    s.close()
+    cleanup(settings)
+    if request.param == "postgresql":
+        with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True, connect_timeout=5) as c:
+            c.execute(f'DROP DATABASE "{database}" WITH (FORCE)')
+
+
+def _empty_redis(s: Services) -> None:
+    """What a Redis restarted empty looks like to this deployment: none of its keys."""
+    keys = list(s.redis.scan_iter(s.settings.key("*"), count=1000))
+    if keys:
+        s.redis.delete(*keys)
+
+
+def test_tenants_and_keys_outlive_redis(services: Services) -> None:
+    store = services.tenants
+    filled: list[str] = []
+    store.on_fill = lambda t: filled.append(t.id)
+    acme = store.create("acme", TenantChanges(rps=7.0, concurrency=3, budget_usd=12.5, allow_placement=True))
+    key, full = store.issue_key(acme.id)
+    assert store.authenticate(full) == acme and filled == [acme.id]  # a miss: read from the database, cached
+    assert store.authenticate(full) == acme and filled == [acme.id]  # a hit
+    _empty_redis(services)
+    assert store.authenticate(full) == acme and filled == [acme.id, acme.id]  # no operator needed
+    assert store.get(acme.id).quota.budget_usd == 12.5 and [k.id for k in store.list_keys(acme.id)] == [key.id]
+    assert [t.name for t in store.all()] == ["acme"]
+
+
+def test_a_second_store_on_the_same_database_sees_everything(services: Services) -> None:
+    acme = services.tenants.create("acme")
+    _, full = services.tenants.issue_key(acme.id)
+    other = TenantStore(redis.Redis.from_url(services.settings.redis_url), services.settings, services.database)
+    _empty_redis(services)
+    assert other.authenticate(full) == acme
+    assert other.warm() == 1 and services.redis.exists(services.settings.key("tenant", acme.id))
+
+
+def test_revocation_suspension_and_updates_reach_the_cache(services: Services) -> None:
+    store = services.tenants
+    acme = store.create("acme")
+    key, full = store.issue_key(acme.id)
+    assert store.authenticate(full) == acme
+    suspended = store.update(acme.id, TenantChanges(status=TenantStatus.SUSPENDED, rps=1.0))
+    assert store.authenticate(full) == suspended and suspended.quota.rps == 1.0  # cached: the new fields at once
+    assert store.revoke_key(acme.id, key.id).revoked
+    assert store.authenticate(full) is None  # cached refusal
+    _empty_redis(services)
+    assert store.authenticate(full) is None  # and from the database
+    with pytest.raises(KeyNotFound):
+        store.revoke_key("t-someone-else", key.id)
+    with pytest.raises(TenantNotFound):
+        store.issue_key("t-nobody")
+    with pytest.raises(TenantNotFound):
+        store.update("t-nobody", TenantChanges(rps=1.0))
+
+
+def test_unknown_and_malformed_keys(services: Services) -> None:
+    store = services.tenants
+    assert store.authenticate("not-a-key") is None
+    assert store.authenticate("pfk-" + "x" * 200) is None
+    unknown = "pfk-000000000000-" + "y" * 32
+    assert store.authenticate(unknown) is None
+    assert 0 < services.redis.ttl(services.settings.key("keyhash", digest(unknown))) <= 5  # refused a while
+
+
+def test_redis_down_is_a_redis_error_not_a_wrong_answer(services: Services) -> None:
+    acme = services.tenants.create("acme")
+    _, full = services.tenants.issue_key(acme.id)
+    down = make_settings(redis_url="redis://127.0.0.1:1/0", ledger={"url": services.settings.ledger.url})
+    store = TenantStore(redis.Redis.from_url(down.redis_url, socket_connect_timeout=1), down, services.database)
+    with pytest.raises(redis.ConnectionError):
+        store.authenticate(full)
+    assert store.update(acme.id, TenantChanges(rps=2.0)).quota.rps == 2.0  # the database has it; cache ages out
