@@ -113,3 +113,18 @@ def test_redis_down_is_a_redis_error_not_a_wrong_answer(services: Services) -> N
     with pytest.raises(redis.ConnectionError):
         store.authenticate(full)
     assert store.update(acme.id, TenantChanges(rps=2.0)).quota.rps == 2.0  # the database has it; cache ages out
+
+
+def test_the_admin_view_names_every_tenant_the_ledger_bills_after_redis_is_emptied(services: Services) -> None:
+    from prfaas.control_plane.billing.costs import JobUsage, PriceTable
+    from prfaas.control_plane.billing.meter import open_meter
+    from prfaas.control_plane.dashboard.data import admin_view
+
+    acme = services.tenants.create("acme")
+    meter = open_meter(services)
+    prices = PriceTable({"r": 1.0}, {})
+    usage = JobUsage(job_id="j1", tenant=acme.id, model="tiny-llama", prefill_region="r", decode_region="r",
+                     prefill_gpu_s=1.0, decode_gpu_s=1.0, tokens_in=10, tokens_out=2)  # fmt: skip
+    meter.ledger.record(usage, prices)
+    _empty_redis(services)
+    assert [(t["id"], t["name"]) for t in admin_view(meter)["tenants"]] == [(acme.id, "acme")]
