@@ -30,6 +30,7 @@ __all__ = [
     "openai_client",
     "settings_fixture",
     "stack_services",
+    "stack_settings",
     "two_region_stack",
 ]
 
@@ -51,6 +52,11 @@ def make_settings(**overrides: object) -> Settings:
         "ledger": {"url": f"sqlite:///{Path(tempfile.gettempdir()) / prefix}.db"},
     } | overrides
     return Settings(**fields)  # type: ignore[arg-type]
+
+
+def stack_settings(stack: Stack, **overrides: object) -> Settings:
+    """Settings on what `stack`'s processes use: its Redis key prefix and its database."""
+    return make_settings(key_prefix=stack.prefix, ledger={"url": stack.ledger_url}, **overrides)
 
 
 def cleanup(settings: Settings) -> None:
@@ -88,7 +94,7 @@ def api_stack(folder: Path, **env: str) -> Iterator[Stack]:
 
 def stack_services(stack: Stack) -> Iterator[Services]:
     """Services on `stack`'s Redis keys, for a test to read and write what its processes do."""
-    s = Services.create(make_settings(key_prefix=stack.prefix))
+    s = Services.create(stack_settings(stack))
     yield s
     s.close()
 

@@ -13,7 +13,7 @@ from collections import Counter
 import httpx
 import openai
 import pytest
-from cp_kit import make_settings
+from cp_kit import stack_settings
 from metering_kit import EGRESS_USD_PER_GB, PRICES, Metered, wait_billed
 
 from prfaas.control_plane.billing.ledger import Ledger
@@ -136,7 +136,7 @@ def test_bad_usage_parameters_are_400(metered: Metered, params: dict[str, str], 
 def test_billing_again_changes_nothing(metered: Metered) -> None:
     """A second biller (another process's Meter on the same Redis and ledger) gets the stored entries."""
     m = metered
-    settings = make_settings(key_prefix=m.stack.prefix)
+    settings = stack_settings(m.stack)
     services = Services.create(settings)
     ledger = Ledger(m.stack.ledger_url)
     try:
@@ -157,7 +157,7 @@ def test_sweep_bills_a_job_its_api_process_never_billed(metered: Metered, monkey
     reconciliation sweep bills the first once and records the second's attempt as platform cost."""
     m = metered
     monkeypatch.setenv("PRFAAS_PRICES_PATH", m.stack.env["PRFAAS_PRICES_PATH"])  # the stack's price table
-    services = Services.create(make_settings(key_prefix=m.stack.prefix))
+    services = Services.create(stack_settings(m.stack))
     ledger = Ledger(m.stack.ledger_url)
     try:
         tenant_id, _ = m.stack.tenant("delta")

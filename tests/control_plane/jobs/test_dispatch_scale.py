@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-from cp_kit import ensure_redis, make_settings
+from cp_kit import ensure_redis, stack_settings
 
 from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.jobs.celery_app import enqueue, make_celery
@@ -127,7 +127,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Ser
     ensure_redis()
     prepare_model("tiny-llama")
     stack = Stack(Path(tmp_path_factory.mktemp("dispatch-scale")), min_split_tokens=1)
-    services = Services.create(make_settings(key_prefix=stack.prefix, policy_path=stack.env["PRFAAS_POLICY_PATH"]))
+    services = Services.create(stack_settings(stack, policy_path=stack.env["PRFAAS_POLICY_PATH"]))
     regions = StalledRegions(services.regions)
     services.regions.set_link(Link(src="prefill-t", dst="decode-t", rtt_ms=1.0, bandwidth_gbps=10.0))
     try:
