@@ -78,28 +78,29 @@ class Sweeper:
         now = time.time()
         alive = set().union(*(b.alive() for b in self.beats.values()))
         known = set().union(*(b.known() for b in self.beats.values()))
-        self._missing = {owner: t for owner, t in self._missing.items() if owner not in known}
+        missing, self._missing = self._missing, {}  # kept for the owners this pass still finds without a beat
         done = []
         for lease in self.leases.all():
-            overran, orphaned = lease.deadline < now, self._dead(lease.owner, alive, known, now)
+            overran, orphaned = lease.deadline < now, self._dead(lease.owner, alive, known, missing, now)
             if not (overran or orphaned) or self.leases.take(lease.job_id, lease.attempt) is None:
                 continue
             done.append(self._recover(lease, overran))
         api = self.beats.get("api")
         if api is not None:
             for job_id, owner in self.leases.following().items():
-                if self._dead(owner, alive, known, now) and self.leases.unfollow(job_id, owner):
+                if self._dead(owner, alive, known, missing, now) and self.leases.unfollow(job_id, owner):
                     done.append(self._orphaned(job_id, owner))
         return done
 
-    def _dead(self, owner: str, alive: set[str], known: set[str], now: float) -> bool:
+    def _dead(self, owner: str, alive: set[str], known: set[str], missing: dict[str, float], now: float) -> bool:
         """Its beats aged past `dead_after_s` (or it said it stopped); or it has none at all, for as long: a
         Redis that came back empty lost every beat, and a live process beats again within `beat_s`."""
         if owner in alive:
             return False
         if owner in known:
             return True
-        return now - self._missing.setdefault(owner, now) > self.settings.dead_after_s
+        since = self._missing[owner] = missing.get(owner, now)
+        return now - since > self.settings.dead_after_s
 
     def _recover(self, lease: Lease, overran: bool) -> str:
         try:
