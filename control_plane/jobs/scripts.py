@@ -44,7 +44,7 @@ local function release_reservation(reserved, total, id)
 end
 """
 
-# KEYS: job, timeline, tenant's active set, tenant's spend, tenant's reservations hash, their sum.
+# KEYS: job, timeline, tenant's active set, tenant's spend, tenant's reservations hash, their sum, tenant's index.
 # ARGV: target state, attempt, now, TTL of a finished job, timeline note, $ to bill at DONE, n, then n
 # field/value pairs to set with the move.
 # Returns {'ok', state, attempt} or {'not_found' | 'illegal' | 'stale', current state, current attempt}.
@@ -77,6 +77,10 @@ if terminal[target] then
   if billed or target ~= 'DONE' then release_reservation(KEYS[5], KEYS[6], id) end
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
+  -- the tenant's last live job ended: every job its index names expires within the TTL, so may the index
+  if redis.call('SCARD', KEYS[3]) == 0 and redis.call('TTL', KEYS[7]) > tonumber(ARGV[4]) then
+    redis.call('EXPIRE', KEYS[7], ARGV[4])
+  end
   redis.call('PUBLISH', KEYS[1] .. ':notify', target)
 end
 return {'ok', target, new_attempt}

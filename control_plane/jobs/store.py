@@ -213,6 +213,7 @@ class JobStore:
             self.settings.key("tenant", _text(tenant), "active"),
             self.spend_key(_text(tenant)),
             *self.reservation_keys(_text(tenant)),
+            self.settings.key("tenant", _text(tenant), "jobs"),
         ]
         args: list[Any] = [
             target.value,

@@ -272,5 +272,9 @@ def test_job_keys_expire_from_creation_and_the_index_is_trimmed(store: JobStore)
     assert set(store.redis.zrange(index, 0, -1)) == {b"recent", job.encode()}  # trimmed in the creating script
     for key in (store.settings.key("job", job), store.settings.key("job", job) + ":timeline"):
         assert keep_s - 5 < store.redis.ttl(key) <= keep_s  # a job nobody ends still goes away
+    second = store.create("acme", {}, ROOMY).job_id
     store.transition(job, JobState.CANCELED, 0)
     assert store.redis.ttl(store.settings.key("job", job)) <= store.settings.job_ttl_s  # the shorter TTL
+    assert store.redis.ttl(index) > store.settings.job_ttl_s  # a live job still names it
+    store.transition(second, JobState.CANCELED, 0)
+    assert 0 < store.redis.ttl(index) <= store.settings.job_ttl_s  # the last live job ended: so may the index
