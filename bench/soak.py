@@ -8,11 +8,12 @@ in namespaces behind an emulated link) with a short job TTL (`--job-ttl-s`, so t
 jobs' keys expire within the run), and sends `--rate` streamed completions a second for
 `--minutes` through the official `openai` client (loadgen/steady.py). Every 10 s it samples the
 RSS of every process of the deployment. Then it waits out the job TTL and counts the
-deployment's Redis keys again.
+deployment's Redis keys again, against a baseline counted at rest after one first request (and its
+job TTL): what serving once leaves for good, the tenant's spend of the month, is state, not a leak.
 
 `--json` writes: `rss_slope_mb_per_min` per process (least squares over the samples after a
-2-minute warm-up), `rss_mb` first and last per process, `redis_keys_start` (before the first
-request), `redis_keys_end` (the job TTL after the last one ended), `requests`, `done`, `errors`
+2-minute warm-up), `rss_mb` first and last per process, `redis_keys_start` (at rest, the job TTL
+after a first request), `redis_keys_end` (the job TTL after the last one ended), `requests`, `done`, `errors`
 (requests that did not end with their final chunk), and the settings used.
 """
 
@@ -74,6 +75,12 @@ def main() -> int:
     try:
         state = deployment.start()
         keys = Keys(state.redis_url, state.key_prefix)
+        # The baseline is the deployment at rest after it served once: what one request leaves for good (the
+        # tenant's spend of the month, its first bill's) is state, not a leak; its job's own keys expire.
+        first = [steady.Asked(-1, 0.0, corpus[:300], args.max_tokens)]
+        steady.run(state.api_base, state.api_key, MODEL, first, deadline_s=120.0)
+        print(f"first request served; waiting {args.job_ttl_s + 30} s for its keys to expire", flush=True)
+        time.sleep(args.job_ttl_s + 30)
         keys_start = keys.names()
         count = int(args.minutes * 60 * args.rate)
         asked = [steady.Asked(i, i / args.rate, corpus[(i % 16) * 350 : (i % 16) * 350 + 300], args.max_tokens)
