@@ -18,7 +18,6 @@ the namespaces and the file.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -50,6 +49,7 @@ from prfaas.devstack.processes import (
     write_region_config,
 )
 from prfaas.devstack.state import UpError, UpState, read_state, state_path, stop_state, write_state
+from prfaas.devstack.tenant import demo_tenant
 from prfaas.devstack.topology import Topology
 
 START_TIMEOUT_S = 180.0
@@ -283,41 +283,15 @@ class Deployment:
                 "src": link.src, "dst": link.dst, "rtt_ms": link.rtt_ms, "bandwidth_gbps": link.rate_mbit / 1000,
                 "egress_usd_per_gb": link.egress_usd_per_gb,
             })  # fmt: skip
-        self.state.tenant_id, self.state.api_key = self._demo_tenant()
+        self.state.tenant_id, self.state.api_key = demo_tenant(
+            self._admin, self.topology.tenant, self.data_dir, self.say
+        )
         dashboard = self.state.url + "/dashboard"
         try:  # the route may ask for a key; only a 404 means there is none
             served = httpx.get(dashboard, timeout=5).status_code != 404
         except httpx.HTTPError:
             served = False
         self.state.dashboard_url = dashboard if served else self.state.url + "/docs"
-
-    def _demo_tenant(self) -> tuple[str, str]:
-        """The topology's tenant and a key of it: created at the first `up`, found again (limits brought to the
-        topology's) at the next, with the key it had unless an operator revoked it."""
-        t = self.topology.tenant
-        limits = {"rps": t.rps, "concurrency": t.concurrency, "budget_usd": t.budget_usd,
-                  "allow_placement": t.allow_placement}  # fmt: skip
-        path = self.data_dir / "demo-tenant.json"
-        saved: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
-        known = {str(x["id"]) for x in self._admin("GET", "/admin/tenants")}
-        if saved.get("tenant_id") in known:
-            tenant_id = saved["tenant_id"]
-            self._admin("PATCH", f"/admin/tenants/{tenant_id}", limits)
-            self.say(f"tenant {t.name} ({tenant_id}): found again, with its usage")
-        else:
-            tenant_id = str(self._admin("POST", "/admin/tenants", {"name": t.name} | limits)["id"])
-            saved = {"tenant_id": tenant_id}
-            self.say(f"tenant {t.name} ({tenant_id}): created")
-        keys = {str(k["id"]): k for k in self._admin("GET", f"/admin/tenants/{tenant_id}/keys")}
-        kept = keys.get(saved.get("key_id", ""))
-        if kept is None or kept["revoked"] or not saved.get("api_key"):
-            issued = self._admin("POST", f"/admin/tenants/{tenant_id}/keys")
-            saved |= {"key_id": str(issued["id"]), "api_key": str(issued["key"])}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch(mode=0o600)
-        path.chmod(0o600)
-        path.write_text(json.dumps(saved, indent=2) + "\n")
-        return tenant_id, saved["api_key"]
 
     # ------------------------------------------------------------------ faults (bench/chaos.py)
 
