@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prfaas.control_plane import dashboard
-from prfaas.control_plane.api import completions, errors, jobs, prices, regions, tenants, usage
+from prfaas.control_plane.api import completions, errors, extras, jobs, prices, regions, tenants, usage
 from prfaas.control_plane.api.body_limit import BodyLimit
 from prfaas.control_plane.api.errors import STORE_UNAVAILABLE
 from prfaas.control_plane.api.metrics import ApiMetrics
@@ -73,7 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
         services.close()
 
     app = FastAPI(title="prfaas control plane", version="1", lifespan=lifespan)
-    for router in (completions.router, jobs.router, tenants.router, regions.router, usage.router):
+    for router in (completions.router, extras.router, jobs.router, tenants.router, regions.router, usage.router):
         app.include_router(router)
     app.include_router(usage.admin_router)
     app.include_router(prices.router)

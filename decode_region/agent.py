@@ -26,7 +26,8 @@ from prfaas.decode_region.book import KVBook
 from prfaas.decode_region.peer_watch import PeerWatcher
 from prfaas.decode_region.reservations import Reservation, Tombstone, raise_as_region_error
 from prfaas.decode_region.workers import WorkerSlots
-from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.sampling import Chosen, SamplingParams
+from prfaas.engine.stops import TextStops
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from prfaas.region.channels import TlsFiles
 from prfaas.region.errors import (
@@ -42,7 +43,15 @@ from prfaas.region.errors import (
     streaming,
     unary,
 )
-from prfaas.region.requests import MAX_TIMEOUT_S, cancel_of, job_uuid, sampling_from_proto, timeout_from
+from prfaas.region.requests import (
+    MAX_TIMEOUT_S,
+    cancel_of,
+    job_uuid,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_from_proto,
+    timeout_from,
+)
 
 log = logging.getLogger(__name__)
 TOMBSTONE_S = 120.0
@@ -203,6 +212,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
     def _start(self, request: decode_pb2.DecodeRequest | decode_pb2.GenerateRequest) -> _Start:
         started = time.monotonic()
         params = sampling_from_proto(request.sampling)
+        params.check_vocab(self.backend.facts.vocab_size)
         deadline = started + timeout_from(request.timeout_s, default_s=DEFAULT_TIMEOUT_S, max_s=MAX_TIMEOUT_S)
         return _Start(params, started, deadline)
 
@@ -232,6 +242,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenEvent]:
         desc = request.kv
+        first_logprobs = logprobs_from_proto(request.first_logprobs) if request.HasField("first_logprobs") else None
         call = DecodeCall(job_uuid(request.job_id), request.attempt, request.first_token, list(request.token_ids),
                           desc.num_tokens, desc.token_ids_hash)  # fmt: skip
         params, started, deadline = self._start(request)
@@ -243,7 +254,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             )
         self.backend.check_decode(call, params)
         res = self._claim(call, context)
-        rest: Iterator[int] = iter(())
+        rest: Iterator[Chosen] = iter(())
         try:
             if res.hold is None:  # Reserve has not returned yet
                 raise PreconditionFailed(f"job {call.job_id}'s reservation is not set up yet; Decode after Reserve")
@@ -251,7 +262,8 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 res.raise_ended()
             with self.workers.slot(deadline):
                 rest = self.backend.decode(res.hold, call, params, deadline, res.canceled)
-                yield from self._tokens(call.first_token, rest, params, res.canceled, deadline, started, "split")
+                first = Chosen(call.first_token, first_logprobs)
+                yield from self._tokens(first, rest, params, res.canceled, deadline, started, "split")
         except Exception as exc:
             self._end(res, exc)
             if res.error is not exc and isinstance(res.error, RegionError):
@@ -266,27 +278,36 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
 
     def _tokens(
         self,
-        first: int,
-        rest: Iterator[int],
+        first: Chosen,
+        rest: Iterator[Chosen],
         params: SamplingParams,
         canceled: threading.Event,
         deadline: float,
         started: float,
         path: str,
     ) -> Iterator[decode_pb2.TokenEvent]:
+        """Token events from step 0 on, each with its finish (vLLM's order: length, end of
+        sequence, stop token id, then a stop string the token completed)."""
         eos_token_ids = self.backend.facts.eos_token_ids
-        index, token = 0, first
+        stops = TextStops(self.backend.decode_text, params.stop, params.min_tokens) if params.stop else None
+        index, chosen = 0, first
         t0 = time.monotonic()
         while True:
-            finish = ""
+            token, finish, stop_reason = chosen.token, "", ""
             if index == params.max_new_tokens - 1:
                 finish = "length"
-            elif token in eos_token_ids and not params.ignore_eos:
+            if token in eos_token_ids and not params.ignore_eos and not finish:
                 finish = "eos"
+            elif token in params.stop_token_ids and not finish:
+                finish, stop_reason = "stop_token", str(token)
+            elif stops is not None:
+                matched = stops.push(token)
+                if matched is not None:
+                    finish, stop_reason = "stop", matched
             metrics.TOKENS.labels(path).inc()
             yield decode_pb2.TokenEvent(
-                index=index, token=token, last=bool(finish), finish_reason=finish,
-                elapsed_s=time.monotonic() - started,
+                index=index, token=token, last=bool(finish), finish_reason=finish, stop_reason=stop_reason,
+                elapsed_s=time.monotonic() - started, logprobs=logprobs_to_proto(chosen.logprobs),
             )  # fmt: skip
             if finish:
                 break
@@ -294,7 +315,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 raise Canceled("canceled during decode")
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"decode deadline reached after {index + 1} tokens")
-            token = next(rest)
+            chosen = next(rest)
             index += 1
         if index:
             rate = index / max(time.monotonic() - t0, 1e-6)
@@ -317,7 +338,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 raise Conflict(f"job {job_id} is already running here")
             self._local[job_id] = canceled
         context.add_callback(canceled.set)
-        tokens: Iterator[int] = iter(())
+        tokens: Iterator[Chosen] = iter(())
         try:
             with self.workers.slot(deadline):
                 tokens = self.backend.generate(token_ids, params, deadline, canceled)

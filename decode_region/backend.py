@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prfaas.engine.base import ModelFacts
-from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.sampling import Chosen, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,10 @@ class DecodeBackend(Protocol):
         ...
 
     def decode(self, hold: KVHold, call: DecodeCall, params: SamplingParams, deadline: float,
-               canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+               canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
         """The tokens of steps 1 .. max_new_tokens - 1 after `call.first_token`, decoded from
-        the KV `hold` took in (after `hold.wait` returned True)."""
+        the KV `hold` took in (after `hold.wait` returned True), with their logprobs when
+        `params` asks; it ends after an end-of-sequence or stop token id (engine/hf.py `ends`)."""
         ...
 
     def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -109,14 +110,18 @@ class DecodeBackend(Protocol):
         ...
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
-                 canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+                 canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
         """Every token of a local (end-to-end) run, from step 0."""
+        ...
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """The model's tokenizer: token ids -> text, special tokens skipped (stop strings)."""
         ...
 
     def close(self) -> None: ...
 
 
-def close_tokens(tokens: Iterator[int]) -> None:
+def close_tokens(tokens: Iterator[object]) -> None:
     """End a token iterator early (EOS, cancel, deadline): aborts the engine's work for it."""
     close = getattr(tokens, "close", None)
     if close is not None:

@@ -19,7 +19,7 @@ from prfaas.decode_region.backend import DecodeCall, Expected, KVHold, ShipmentE
 from prfaas.engine.base import ModelFacts
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.kv import KVCache, LayerKV
-from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.region.errors import Canceled, DeadlineExceeded, PreconditionFailed
 from prfaas.transport.inbound import Inbound, Receiver
 
@@ -104,29 +104,32 @@ class HFDecode:
         pass  # the KV itself is checked as it arrives (assembly.LayoutCheck) and when adopted
 
     def decode(self, hold: KVHold, call: DecodeCall, params: SamplingParams, deadline: float,
-               canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+               canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
         assert isinstance(hold, Assembly)  # this backend's own
         layers = hold.take()
         if layers[0].k.shape[1] != call.num_tokens:
             raise PreconditionFailed(f"KV covers {layers[0].k.shape[1]} tokens, the request says {call.num_tokens}")
         facts = self.engine.facts
         kv = KVCache(facts.fingerprint, facts.dtype, tuple(layers), call.num_tokens, call.token_ids_hash)
-        return self._paced(self.engine.decode(kv, call.first_token, params), canceled)
+        return self._paced(self.engine.decode_chosen(kv, call.first_token, params, call.token_ids), canceled)
 
     def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         self.engine.check_prompt(token_ids, params)
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
-                 canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+                 canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
         result = self.engine.prefill(token_ids, params)
-        first = result.first_token
-        return self._paced(itertools.chain((first,), self.engine.decode(result.kv, first, params)), canceled)
+        rest = self.engine.decode_chosen(result.kv, result.first_token, params, token_ids)
+        return self._paced(itertools.chain((result.first,), rest), canceled)
 
-    def _paced(self, tokens: Iterator[int], canceled: threading.Event) -> Iterator[int]:
+    def decode_text(self, token_ids: list[int]) -> str:
+        return self.engine.decode_text(token_ids)
+
+    def _paced(self, tokens: Iterator[Chosen], canceled: threading.Event) -> Iterator[Chosen]:
         if not self.test_token_delay_s:
             return tokens
 
-        def paced() -> Iterator[int]:
+        def paced() -> Iterator[Chosen]:
             for token in tokens:
                 yield token
                 canceled.wait(self.test_token_delay_s)

@@ -9,20 +9,23 @@ region's vLLM server instead of this process.
   rest; tokens equal a single vLLM process's. A shipment that fails or misses its deadline
   is recomputed by vLLM (late, not wrong). DecodeRequest.token_ids is required.
 - Generate runs the prompt whole in vLLM.
-Decoding is greedy (the host's only mode); sampling requests get INVALID_ARGUMENT.
+Decoding is greedy (the host's only mode); what it cannot apply gets INVALID_ARGUMENT
+(remote.check_greedy); stop strings and stop token ids are the agent's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prfaas.decode_region.backend import DecodeCall, Expected, KVHold, ShipmentEvents, close_tokens
 from prfaas.engine.base import ModelFacts, check_prompt
 from prfaas.engine.kv import hash_token_ids
-from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.vllm.params import LoadParams
 from prfaas.engine.vllm.remote import VLLMEngine, check_greedy
 from prfaas.engine.vllm.server import StreamStopped
@@ -82,8 +85,17 @@ class VLLMDecode:
             raise InvalidRequest("token_ids do not match the KV's token_ids_hash (another prompt's cache)")
         self.check_prompt(prompt, params)
 
+    @functools.cached_property
+    def _tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.vllm.model_path, local_files_only=True)
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+
     def decode(self, hold: KVHold, call: DecodeCall, params: SamplingParams, deadline: float,
-               canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+               canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
         assert isinstance(hold, ServerHold)  # this backend's own
         if params.max_new_tokens <= 1:  # vLLM generates at least one token: ask for none
             return iter(())
@@ -91,12 +103,12 @@ class VLLMDecode:
         load = LoadParams(call.job_id, call.attempt, min(MAX_TIMEOUT_S, max(0.1, remaining)), len(call.token_ids))
         rest = self.vllm.stream([*call.token_ids, call.first_token], params.max_new_tokens - 1, load.to_kv_params(),
                                 remaining, stop=canceled)  # fmt: skip
-        return _arrived_at_first(hold.events, rest)
+        return _chosen(_arrived_at_first(hold.events, rest))
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
-                 canceled: threading.Event) -> Iterator[int]:  # fmt: skip
+                 canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
         tokens = self.vllm.stream(token_ids, params.max_new_tokens, None, deadline - time.monotonic(), stop=canceled)
-        return _canceled_on_stop(tokens)
+        return _chosen(_canceled_on_stop(tokens))
 
     def close(self) -> None:
         self.vllm.close()
@@ -112,6 +124,14 @@ def _arrived_at_first(events: ShipmentEvents, tokens: Iterator[int]) -> Iterator
             yield token
     finally:
         close_tokens(tokens)  # an early end (EOS, cancel, deadline) aborts the vLLM request
+
+
+def _chosen(tokens: Iterator[int]) -> Iterator[Chosen]:
+    try:
+        for token in tokens:
+            yield Chosen(token)
+    finally:
+        close_tokens(tokens)
 
 
 def _canceled_on_stop(tokens: Iterator[int]) -> Iterator[int]:

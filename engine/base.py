@@ -7,9 +7,11 @@ role's backend Protocol (`prefill_region/backend.py`, `decode_region/backend.py`
 `Engine` contract, across processes and regions:
 - `prefill(token_ids, params)` runs the prompt and returns its `KVCache` and the first
   generated token (generation step 0).
-- `decode(kv, first_token, params)` continues from that cache and yields the tokens of
-  steps 1 .. max_new_tokens - 1, stopping early at an end-of-sequence token unless
-  `params.ignore_eos`. It does not repeat `first_token`.
+- `decode(kv, first_token, params, prompt_ids)` continues from that cache and yields the
+  tokens of steps 1 .. max_new_tokens - 1, stopping early after an end-of-sequence token
+  (unless `params.ignore_eos`) or a stop token id. It does not repeat `first_token`.
+  `prompt_ids` (the prompt the KV covers) are needed only for `repetition_penalty`.
+  Stop strings are matched on the text by the caller (engine/stops.py).
 - For the same model, dtype, prompt and params, `[first_token, *decode(...)]` equals
   `generate(...)` token for token, whether or not the two halves ran in one process.
 """
@@ -26,7 +28,7 @@ import torch
 from prfaas.engine.errors import InvalidPrompt, PromptTooLong
 from prfaas.engine.kv import KVCache
 from prfaas.engine.models import model_fingerprint, resolve_model
-from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.sampling import Chosen, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,14 @@ class PrefillResult:
     kv: KVCache
     first_token: int
     logits: torch.Tensor  # [vocab] float32, the logits the first token was chosen from
+    first: Chosen  # first_token with its logprobs (when asked)
 
 
 @dataclass(frozen=True)
 class DecodeStep:
     token: int
     logits: torch.Tensor  # [vocab] float32, the logits `token` was chosen from
+    chosen: Chosen  # `token` with its logprobs (when asked)
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ class Engine(Protocol):
 
     def prefill(self, token_ids: Sequence[int], params: SamplingParams) -> PrefillResult: ...
 
-    def decode(self, kv: KVCache, first_token: int, params: SamplingParams) -> Iterator[int]: ...
+    def decode(
+        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = ()
+    ) -> Iterator[int]: ...
 
     def generate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]: ...

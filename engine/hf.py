@@ -21,7 +21,7 @@ from prfaas.engine.errors import (
 )
 from prfaas.engine.kv import DTYPES, KVCache, LayerKV, hash_token_ids
 from prfaas.engine.models import model_fingerprint, resolve_model
-from prfaas.engine.sampling import SamplingParams, sample_next
+from prfaas.engine.sampling import Chosen, History, SamplingParams, choose
 
 # (layer, k, v); k, v: [kv_heads, tokens, head_dim], the cache's own tensors (no copy)
 OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -115,6 +115,7 @@ class HFEngine:
             )
         if kv.num_tokens == 0:
             raise InvalidPrompt("KV cache covers no tokens")
+        params.check_vocab(self.vocab_size)
         if kv.num_tokens + params.max_new_tokens > self._max_context:
             raise PromptTooLong(
                 f"KV cache of {kv.num_tokens} tokens plus max_new_tokens {params.max_new_tokens} exceeds "
@@ -137,6 +138,7 @@ class HFEngine:
         in the cache (before the rest of that layer computes); the tensors are the result's
         own KV, never written again. An exception it raises aborts the forward (cancel)."""
         self.check_prompt(token_ids, params)
+        params.check_vocab(self.vocab_size)
         config = self.model.config
         cache = DynamicCache(config=config) if on_layer is None else _TappedCache(config, on_layer)
         logits = self._forward(list(token_ids), cache)
@@ -150,35 +152,52 @@ class HFEngine:
             num_tokens=len(token_ids),
             token_ids_hash=hash_token_ids(token_ids),
         )
-        return PrefillResult(kv=kv, first_token=sample_next(logits, params, step=0), logits=logits)
+        first = choose(logits, params, 0, History(prompt=token_ids), self.eos_token_ids)
+        return PrefillResult(kv=kv, first_token=first.token, logits=logits, first=first)
 
-    def decode_steps(self, kv: KVCache, first_token: int, params: SamplingParams) -> Iterator[DecodeStep]:
+    def decode_steps(
+        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = ()
+    ) -> Iterator[DecodeStep]:
         """Like `decode`, with the logits each token was chosen from (for quality checks)."""
         self._check_kv(kv, params)
         if not 0 <= first_token < self.vocab_size:
             raise InvalidPrompt(f"first token {first_token} is outside the vocabulary [0, {self.vocab_size})")
-        return self._decode_steps(kv, first_token, params)
+        if params.repetition_penalty != 1.0 and len(prompt_ids) != kv.num_tokens:
+            raise InvalidPrompt("repetition_penalty needs the prompt's token ids beside its KV")
+        return self._decode_steps(kv, first_token, params, prompt_ids)
 
     @torch.inference_mode()
-    def _decode_steps(self, kv: KVCache, first_token: int, params: SamplingParams) -> Iterator[DecodeStep]:
+    def _decode_steps(
+        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int]
+    ) -> Iterator[DecodeStep]:
         cache = DynamicCache(config=self.model.config)
         for index, layer in enumerate(kv.layers):
             cache.update(layer.k.unsqueeze(0).to(self.device), layer.v.unsqueeze(0).to(self.device), index)
-        token = first_token
+        output = [first_token]
+        history = History(prompt=prompt_ids, output=output)  # `output` grows in place
         for step in range(1, params.max_new_tokens):
-            if token in self.eos_token_ids and not params.ignore_eos:
+            if ends(output[-1], params, self.eos_token_ids):
                 return
-            logits = self._forward([token], cache)
-            token = sample_next(logits, params, step)
-            yield DecodeStep(token=token, logits=logits)
+            logits = self._forward([output[-1]], cache)
+            chosen = choose(logits, params, step, history, self.eos_token_ids)
+            output.append(chosen.token)
+            yield DecodeStep(token=chosen.token, logits=logits, chosen=chosen)
 
-    def decode(self, kv: KVCache, first_token: int, params: SamplingParams) -> Iterator[int]:
-        return (step.token for step in self.decode_steps(kv, first_token, params))
+    def decode(
+        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = ()
+    ) -> Iterator[int]:
+        return (step.token for step in self.decode_steps(kv, first_token, params, prompt_ids))
+
+    def decode_chosen(
+        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = ()
+    ) -> Iterator[Chosen]:
+        """The tokens of `decode` with their logprobs (when `params.logprobs` asks)."""
+        return (step.chosen for step in self.decode_steps(kv, first_token, params, prompt_ids))
 
     def generate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """Colocated generation: prefill and decode in this process."""
+        """Colocated generation: prefill and decode in this process (stop strings not applied)."""
         result = self.prefill(token_ids, params)
-        return [result.first_token, *self.decode(result.kv, result.first_token, params)]
+        return [result.first_token, *self.decode(result.kv, result.first_token, params, token_ids)]
 
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
         if chat:
@@ -189,6 +208,12 @@ class HFEngine:
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def ends(token: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> bool:
+    """Whether generation stops after `token` (end of sequence, unless ignored; a stop token id).
+    Before `min_tokens`, neither can be chosen (sampling.process)."""
+    return (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
 
 
 @contextlib.contextmanager

@@ -34,7 +34,14 @@ from prfaas.region.errors import (
     streaming,
     unary,
 )
-from prfaas.region.requests import MAX_TIMEOUT_S, cancel_of, job_uuid, sampling_from_proto, timeout_from
+from prfaas.region.requests import (
+    MAX_TIMEOUT_S,
+    cancel_of,
+    job_uuid,
+    logprobs_to_proto,
+    sampling_from_proto,
+    timeout_from,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
@@ -66,6 +73,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         token_ids = list(request.token_ids)
         params = sampling_from_proto(request.sampling)
         facts = self.backend.facts
+        params.check_vocab(facts.vocab_size)
         if not token_ids:
             raise InvalidRequest("token_ids is empty; at least one token is required")
         bad = next((t for t in token_ids if t >= facts.vocab_size), None)
@@ -163,7 +171,10 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
             job_id, request.attempt, destination, time.monotonic() + timeout_s, context.add_callback
         )
         return prefill_pb2.ReshipReply(
-            shipment=_complete(reshipped.shipped), kv=reshipped.kv, first_token=reshipped.first_token
+            shipment=_complete(reshipped.shipped),
+            kv=reshipped.kv,
+            first_token=reshipped.first.token,
+            first_logprobs=logprobs_to_proto(reshipped.first.logprobs),
         )
 
     @unary

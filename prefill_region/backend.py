@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prfaas.engine.base import ModelFacts
-from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.prefill_region.destination import Destination
 from prfaas.protos.prfaas.v1 import common_pb2
 
@@ -56,7 +56,7 @@ class Shipped:
 class Reshipped:
     shipped: Shipped
     kv: common_pb2.KVDescriptor
-    first_token: int
+    first: Chosen  # the first token, with its logprobs when they were asked
 
 
 class JobProgress(Protocol):
@@ -82,7 +82,7 @@ class JobProgress(Protocol):
 
     def layer_shipped(self, index: int) -> None: ...
 
-    def prefill_done(self, first_token: int, kv: common_pb2.KVDescriptor, prefill_s: float) -> None: ...
+    def prefill_done(self, first: Chosen, kv: common_pb2.KVDescriptor, prefill_s: float) -> None: ...
 
 
 class PrefillBackend(Protocol):

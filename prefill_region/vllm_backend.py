@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from prfaas.engine.base import ModelFacts
 from prfaas.engine.kv import hash_token_ids
-from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.vllm.params import ShipParams, layerwise_for
 from prfaas.engine.vllm.remote import VLLMEngine, check_greedy, shipment_error
 from prfaas.prefill_region.backend import JobProgress, JobStopped, PrefillWork, Reshipped, Shipped, kv_descriptor
@@ -57,7 +57,7 @@ class VLLMPrefill:
         prefill_s = time.monotonic() - t0
         job.check()
         kv = kv_descriptor(self.vllm.facts, len(work.token_ids), hash_token_ids(work.token_ids))
-        job.prefill_done(int(result["token_ids"][0]), kv, prefill_s)
+        job.prefill_done(Chosen(int(result["token_ids"][0])), kv, prefill_s)
         outcome = None
         while outcome is None:  # in short slices: a Cancel or the deadline ends the wait
             job.check()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.sampling import SamplingParams, TokenLogprobs
 from prfaas.protos.prfaas.v1 import common_pb2
 from prfaas.region.errors import Canceled, InvalidRequest
 
@@ -30,23 +30,51 @@ def timeout_from(value: float, *, default_s: float, max_s: float, field: str = "
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """InvalidSamplingParams (INVALID_ARGUMENT) names the field out of range."""
     return SamplingParams(
         max_new_tokens=msg.max_new_tokens,
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
         ignore_eos=msg.ignore_eos,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        min_tokens=msg.min_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-        ignore_eos=params.ignore_eos,
+        top_k=params.top_k, min_p=params.min_p, ignore_eos=params.ignore_eos,
+        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, min_tokens=params.min_tokens, stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids), logit_bias=dict(params.logit_bias),
     )  # fmt: skip
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs | None) -> common_pb2.TokenLogprobs | None:
+    if logprobs is None:
+        return None
+    return common_pb2.TokenLogprobs(
+        logprob=logprobs.logprob, rank=logprobs.rank, top_ids=logprobs.top_ids, top_logprobs=logprobs.top_logprobs
+    )
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(msg.logprob, msg.rank, tuple(msg.top_ids), tuple(msg.top_logprobs))
 
 
 def cancel_of(request: common_pb2.CancelRequest) -> tuple[str, Canceled]:

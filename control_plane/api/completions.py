@@ -16,9 +16,10 @@ import contextlib
 import hashlib
 import json
 import logging
-import secrets
 import time
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import kombu.exceptions
@@ -28,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.deps import Generation, GenerationDep, ServicesDep, TenantDep
 from prfaas.control_plane.api.errors import (
     ADMISSION_REFUSALS,
@@ -42,16 +44,32 @@ from prfaas.control_plane.api.errors import (
     ApiError,
     sse_error,
 )
+from prfaas.control_plane.api.sampling import sampling_spec
 from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
+from prfaas.control_plane.api.streams import merged
 from prfaas.control_plane.jobs.celery_app import enqueue
 from prfaas.control_plane.jobs.errors import AdmissionRefused, JobNotFound
-from prfaas.control_plane.jobs.generation import Follower, JobEnded, Token
+from prfaas.control_plane.jobs.generation import Follower, JobEnded
 from prfaas.control_plane.jobs.store import Admission, HandedOff
+from prfaas.control_plane.jobs.tokenlog import Token
 from prfaas.control_plane.services import ServedModel, Services
+from prfaas.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
 Prompt = list[int] | Callable[[], list[int]]  # token ids, or how to tokenize the prompt (after admission)
+Body = CompletionCreate | ChatCompletionCreate
+
+
+@dataclass
+class _Job:
+    """One prompt's job, started (or found again by its Idempotency-Key), and the choice it fills."""
+
+    job_id: str
+    stream: Iterator[Token]
+    prompt_tokens: int
+    choice: Choice
+    leader: bool  # its stream is this request's own (not attached to another request's job)
 
 
 @router.get("/models")
@@ -62,22 +80,32 @@ def list_models(_tenant: TenantDep, s: ServicesDep) -> dict[str, Any]:
 @router.post("/completions", response_model=None)
 def create_completion(body: CompletionCreate, g: GenerationDep) -> JSONResponse | StreamingResponse:
     model = _served_model(g.services, body.model)
-    if isinstance(body.prompt, list):
-        ids = list(body.prompt)
-        if max(ids) >= len(model.tokenizer):
-            raise TOKEN_OUT_OF_VOCAB.error(param="prompt")
-        return _run(g, body, ids, body.max_tokens, "text_completion")
-    text = body.prompt
-    return _run(g, body, lambda: model.encode(text), body.max_tokens, "text_completion")
+    prompts: list[str | list[int]]
+    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
+        prompts = [body.prompt]  # type: ignore[list-item]
+    else:
+        prompts = list(body.prompt)  # type: ignore[arg-type]
+    runs: list[tuple[Prompt, str]] = []
+    for prompt in prompts:
+        if isinstance(prompt, list):
+            if max(prompt) >= len(model.tokenizer):
+                raise TOKEN_OUT_OF_VOCAB.error(param="prompt")
+            runs.append((prompt, model.decode(prompt) if body.echo else ""))
+        else:
+            runs.append((_encoder(model, prompt), prompt if body.echo else ""))
+    return _run(g, body, runs, body.max_tokens, "text_completion")
 
 
 @router.post("/chat/completions", response_model=None)
 def create_chat_completion(body: ChatCompletionCreate, g: GenerationDep) -> JSONResponse | StreamingResponse:
     model = _served_model(g.services, body.model)
-    messages = [m.model_dump() for m in body.messages]
-    return _run(
-        g, body, lambda: model.encode_chat(messages), body.max_completion_tokens or body.max_tokens, "chat.completion"
-    )
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    runs: list[tuple[Prompt, str]] = [(lambda: model.encode_chat(messages), "")]
+    return _run(g, body, runs, body.max_completion_tokens or body.max_tokens, "chat.completion")
+
+
+def _encoder(model: ServedModel, text: str) -> Callable[[], list[int]]:
+    return lambda: model.encode(text)
 
 
 def _served_model(s: Services, model: str) -> ServedModel:
@@ -90,7 +118,7 @@ def _param(kind: str) -> str:
     return "messages" if kind == "chat.completion" else "prompt"
 
 
-def _body_hash(g: Generation, body: CompletionCreate | ChatCompletionCreate, kind: str) -> str:
+def _body_hash(g: Generation, body: Body, kind: str) -> str:
     """SHA-256 of the request as the API reads it (route, placement header, the body's fields in schema
     order with defaults filled in): what an Idempotency-Key is bound to."""
     canonical = f"{kind}\n{g.placement or ''}\n{body.model_dump_json()}"
@@ -103,27 +131,51 @@ def _refused(g: Generation, exc: AdmissionRefused) -> ApiError:
 
 
 def _run(
-    g: Generation, body: CompletionCreate | ChatCompletionCreate, prompt: Prompt, max_tokens: int | None, kind: str
+    g: Generation, body: Body, runs: list[tuple[Prompt, str]], max_tokens: int | None, kind: str
 ) -> JSONResponse | StreamingResponse:
+    """One job per prompt (`runs`: the prompt, and the text a completion's `echo` shows), then the
+    response: one choice per prompt, `index` in prompt order."""
     s, tenant = g.services, g.tenant
     max_new = max_tokens or s.settings.default_max_tokens
     if max_new > s.settings.max_new_tokens_limit:
         raise PROMPT_TOO_LONG.error(param="max_tokens")
-    if isinstance(prompt, list) and len(prompt) + max_new > s.model.max_context:
-        raise PROMPT_TOO_LONG.error(param=_param(kind))
+    params = sampling_spec(body, max_new, len(s.model.tokenizer))
+    for prompt, _ in runs:
+        if isinstance(prompt, list) and len(prompt) + max_new > s.model.max_context:
+            raise PROMPT_TOO_LONG.error(param=_param(kind))
     placement = g.placement or (body.prfaas.placement if body.prfaas else "auto")
     if placement != "auto" and not tenant.allow_placement:
         raise PLACEMENT_NOT_ALLOWED.error(param="prfaas.placement")
-    body_hash = _body_hash(g, body, kind) if g.idempotency_key else ""
+    jobs: list[_Job] = []
     try:
-        admission = s.jobs.admit(tenant.id, tenant.quota, idempotency_key=g.idempotency_key, body_hash=body_hash)
+        for index, (prompt, echo) in enumerate(runs):
+            key = g.idempotency_key and (g.idempotency_key if index == 0 else f"{g.idempotency_key}:{index}")
+            choice = Choice(s.model, params, kind == "chat.completion", index, echo)
+            jobs.append(_start(g, body, prompt, params, placement, kind, key, choice))
+    except BaseException:
+        for job in jobs:  # the prompts already started end with the request
+            if job.leader:
+                with contextlib.suppress(redis.RedisError):
+                    g.follower.cancel(job.job_id, "another prompt of the request was refused")
+        raise
+    return _respond(g, body, jobs, kind)
+
+
+def _start(
+    g: Generation, body: Body, prompt: Prompt, params: SamplingParams, placement: str, kind: str,
+    key: str | None, choice: Choice,
+) -> _Job:  # fmt: skip
+    s, tenant = g.services, g.tenant
+    body_hash = _body_hash(g, body, kind) if key else ""
+    try:
+        admission = s.jobs.admit(tenant.id, tenant.quota, idempotency_key=key, body_hash=body_hash)
     except AdmissionRefused as exc:
         raise _refused(g, exc) from None
     if admission.existing:
-        return _replay(g, body, admission.job_id, kind)
+        return _attach(g, admission.job_id, choice)
     try:  # from here on, a refusal gives the admission's slot and rate count back
         ids = prompt if isinstance(prompt, list) else g.metrics.tokenize(prompt)
-        job_id, handed_off, record = _create(g, body, admission, ids, max_new, placement, kind)
+        job_id, handed_off, record = _create(g, body, admission, ids, params, placement, kind)
     except AdmissionRefused as exc:
         s.jobs.release(admission)
         raise _refused(g, exc) from None
@@ -131,7 +183,7 @@ def _run(
         s.jobs.release(admission)
         raise
     if record is None:  # a concurrent request with the same Idempotency-Key and body created the job
-        return _replay(g, body, job_id, kind)
+        return _attach(g, job_id, choice)
     ready: dict[str, Any] | None = None
     if handed_off is not None:
         ready = {"attempt": 1} | handed_off.ready
@@ -142,32 +194,39 @@ def _run(
             g.follower.abandon(job_id, "broker unreachable at dispatch")
             raise STORE_UNAVAILABLE.error() from None
         record = None
-    return _respond(g, body, job_id, kind, len(ids), record, ready)
+    return _Job(job_id, g.follower.tokens(job_id, record, ready), len(ids), choice, leader=True)
+
+
+def _attach(g: Generation, job_id: str, choice: Choice) -> _Job:
+    """The job an earlier request with the same Idempotency-Key (and body) started: its tokens, from its log
+    or its record (jobs/tokenlog.py), never a second run."""
+    try:
+        job = g.services.jobs.get(job_id)
+    except JobNotFound:
+        raise JOB_NOT_FOUND.error() from None
+    return _Job(job_id, g.follower.attached(job_id), int(job.get("prompt_tokens", 0) or 0), choice, leader=False)
 
 
 def _create(
-    g: Generation,
-    body: CompletionCreate | ChatCompletionCreate,
-    admission: Admission,
-    ids: list[int],
-    max_new: int,
-    placement: str,
+    g: Generation, body: Body, admission: Admission, ids: list[int], params: SamplingParams, placement: str,
     kind: str,
-) -> tuple[str, HandedOff | None, dict[str, str] | None]:
+) -> tuple[str, HandedOff | None, dict[str, str] | None]:  # fmt: skip
     """Check the tokenized prompt, place the job, reserve its predicted $ and write it: (job id, its
     hand-off when placed locally at admission, its record; None when another request's job answers)."""
     s, tenant = g.services, g.tenant
+    max_new = params.max_new_tokens
     if not ids:
         raise PROMPT_EMPTY.error(param=_param(kind))
     if len(ids) + max_new > s.model.max_context:
         raise PROMPT_TOO_LONG.error(param=_param(kind))
-    seed = body.seed if body.seed is not None or body.temperature == 0 else secrets.randbits(62)
     fields: dict[str, Any] = {
         "model": s.model.name, "kind": kind, "token_ids": ids, "prompt_tokens": len(ids), "max_new_tokens": max_new,
-        "temperature": body.temperature, "placement_asked": placement,
+        "temperature": params.temperature, "placement_asked": placement, "sampling": params.to_dict(),
     }  # fmt: skip
-    if seed is not None:
-        fields["seed"] = seed
+    if params.seed is not None:
+        fields["seed"] = params.seed
+    if body.user:
+        fields["user"] = body.user
     if g.idempotency_key:  # a retry can attach to it: adopted if its API process dies (jobs/sweeper.py)
         fields["idempotent"] = 1
     asked = {"id": admission.job_id, "tenant": tenant.id, "prompt_tokens": str(len(ids))}
@@ -182,79 +241,44 @@ def _create(
     return created.job_id, placed.handed_off, created.record
 
 
-def _replay(
-    g: Generation, body: CompletionCreate | ChatCompletionCreate, job_id: str, kind: str
-) -> JSONResponse | StreamingResponse:
-    """The answer to a request whose Idempotency-Key (and body) an earlier request used: that job's."""
+def _respond(g: Generation, body: Body, jobs: list[_Job], kind: str) -> JSONResponse | StreamingResponse:
     s = g.services
-    try:
-        job = s.jobs.get(job_id)
-    except JobNotFound:
-        raise JOB_NOT_FOUND.error() from None
-    prompt = int(job.get("prompt_tokens", 0) or 0)
-    if not body.stream and job["state"] == "DONE" and job.get("output_ids"):  # the same answer, not a new run
-        output = json.loads(job["output_ids"])
-        reply = _full(s, job_id, kind, output, job.get("finish_reason", "length"), prompt)
-        return JSONResponse(reply, headers={"X-Prfaas-Job-Id": job_id})
-    return _respond(g, body, job_id, kind, prompt, None, None, attach=True)  # never a second run
-
-
-def _respond(
-    g: Generation,
-    body: CompletionCreate | ChatCompletionCreate,
-    job_id: str,
-    kind: str,
-    prompt: int,
-    record: dict[str, str] | None,
-    ready: dict[str, Any] | None,
-    *,
-    attach: bool = False,
-) -> JSONResponse | StreamingResponse:
-    """`attach`: the job is another request's (the same Idempotency-Key): read its token log
-    (jobs/tokenlog.py) rather than follow it."""
-    s, follower = g.services, g.follower
-    stream = follower.attached(job_id) if attach else follower.tokens(job_id, record, ready)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    headers = {"X-Prfaas-Job-Id": ",".join(job.job_id for job in jobs)}
     if body.stream:
+        options = body.stream_options
         return ClosingStreamingResponse(
-            _sse(s, stream, follower, job_id, kind, prompt, include_usage, leader=not attach),
+            _sse(s, g.follower, jobs, kind, bool(options and options.include_usage)),
             media_type="text/event-stream",
-            headers={"X-Prfaas-Job-Id": job_id, "Cache-Control": "no-cache"},
+            headers=headers | {"Cache-Control": "no-cache"},
         )
-    tokens: list[int] = []
-    finish = "length"
     try:
-        for token in stream:
-            tokens.append(token.token)
-            finish = token.finish_reason or finish
+        if len(jobs) == 1:
+            _fill(jobs[0])
+        else:  # the prompts' jobs run side by side
+            with ThreadPoolExecutor(len(jobs), thread_name_prefix="prfaas-batch") as pool:
+                for future in [pool.submit(_fill, job) for job in jobs]:
+                    future.result()
     except JobEnded as exc:
+        for job in jobs:
+            if job.leader:
+                with contextlib.suppress(redis.RedisError):
+                    g.follower.cancel(job.job_id, "another prompt of the request failed")
         raise _ended(exc) from None
-    return JSONResponse(_full(s, job_id, kind, tokens, finish, prompt), headers={"X-Prfaas-Job-Id": job_id})
+    reply = {
+        "id": jobs[0].job_id, "object": kind, "created": int(time.time()), "model": s.model.name,
+        "choices": [job.choice.full() for job in jobs],
+        "usage": usage(sum(j.prompt_tokens for j in jobs), sum(len(j.choice.tokens) for j in jobs)),
+    }  # fmt: skip
+    return JSONResponse(reply, headers=headers)
+
+
+def _fill(job: _Job) -> None:
+    for token in job.stream:
+        job.choice.add(token)
 
 
 def _ended(exc: JobEnded) -> ApiError:
     return JOB_ENDED[exc.state].error(f"job {exc.state.lower()}: {exc}")
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _full(s: Services, job_id: str, kind: str, tokens: list[int], finish: str, prompt: int) -> dict[str, Any]:
-    text = s.model.decode(tokens)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(finish), "logprobs": None}
-    if kind == "chat.completion":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {
-        "id": job_id, "object": kind, "created": int(time.time()), "model": s.model.name, "choices": [choice],
-        "usage": _usage(prompt, len(tokens)),
-    }  # fmt: skip
-
-
-def _finish(reason: str) -> str:
-    return "stop" if reason == "eos" else "length"
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -278,47 +302,36 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 def _sse(
-    s: Services,
-    stream: Iterator[Token],
-    follower: Follower,
-    job_id: str,
-    kind: str,
-    prompt: int,
-    include_usage: bool,
-    *,
-    leader: bool,
+    s: Services, follower: Follower, jobs: list[_Job], kind: str, include_usage: bool
 ) -> Generator[str, None, None]:
-    """`leader`: this request's stream is the job's own (its follower); else attached to it."""
     chat = kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
+    job_id = jobs[0].job_id
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
         payload: dict[str, Any] = {"id": job_id, "object": obj, "created": created, "model": s.model.name}
         payload["choices"] = choices
-        if usage is not None:
-            payload["usage"] = usage
+        if usage_ is not None:
+            payload["usage"] = usage_
         return f"data: {json.dumps(payload)}\n\n"
 
-    tokens: list[int] = []
-    text = ""
     finished = False
+    stream: Iterator[tuple[int, Token]] = (
+        ((0, token) for token in jobs[0].stream) if len(jobs) == 1 else merged([job.stream for job in jobs])
+    )
     try:
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        for token in stream:
-            tokens.append(token.token)
-            full = s.model.decode(tokens)
-            piece = ""
-            # hold back a partial UTF-8 character (decoded as U+FFFD) until its next token completes it
-            if full.startswith(text) and (token.last or not full.endswith("\ufffd")):
-                piece, text = full[len(text) :], full
-            finish = _finish(token.finish_reason) if token.last else None
-            body = {"delta": {"content": piece}} if chat else {"text": piece}
-            yield chunk([{"index": 0, **body, "finish_reason": finish, "logprobs": None}])
+        for index, token in stream:
+            choice = jobs[index].choice
+            choice.add(token)
+            piece = choice.chunk()
+            if piece is not None:
+                yield chunk([piece])
         finished = True
         if include_usage:
-            yield chunk([], _usage(prompt, len(tokens)))
+            yield chunk([], usage(sum(j.prompt_tokens for j in jobs), sum(len(j.choice.tokens) for j in jobs)))
         yield "data: [DONE]\n\n"
     except JobEnded as exc:
         finished = True
@@ -327,6 +340,13 @@ def _sse(
         finished = True
         yield sse_error(STORE_UNAVAILABLE.error())
     finally:
-        if not finished and leader:  # the client went away mid-stream
+        close = getattr(stream, "close", None)
+        if not finished:  # the client went away mid-stream
             with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
-                follower.disconnected(job_id, stream)
+                if len(jobs) == 1 and jobs[0].leader:
+                    follower.disconnected(job_id, jobs[0].stream)
+                for job in jobs if len(jobs) > 1 else ():
+                    if job.leader:
+                        follower.cancel(job.job_id, "client disconnected")
+        if close is not None:
+            close()

@@ -30,6 +30,7 @@ from starlette.responses import Response
 
 log = logging.getLogger(__name__)
 OPENAI_PREFIX = "/v1"
+VLLM_ROUTES = ("/tokenize", "/detokenize")  # vLLM's server extras (api/extras.py): OpenAI-shaped errors too
 # the type of a status without an entry in the catalogue (a framework error, an admin route's detail)
 TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 402: "insufficient_quota", 403: "permission_error",
@@ -80,6 +81,7 @@ PROMPT_TOO_LONG = problem(400, "invalid_request_error", "context_length_exceeded
 TOKEN_OUT_OF_VOCAB = problem(
     400, "invalid_request_error", "invalid_token_id", "prompt token id out of the model's vocabulary"
 )
+UNSUPPORTED_PARAMETER = problem(400, "invalid_request_error", "unsupported_parameter", "parameter not supported")
 INVALID_RANGE = problem(400, "invalid_request_error", "invalid_range", "invalid range")
 MISSING_API_KEY = problem(401, "authentication_error", "missing_api_key", "missing API key", **_BEARER)
 INVALID_API_KEY = problem(401, "authentication_error", "invalid_api_key", "invalid API key", **_BEARER)
@@ -132,7 +134,8 @@ def sse_error(exc: ApiError) -> str:
 
 
 def _openai(request: Request) -> bool:
-    return request.url.path == OPENAI_PREFIX or request.url.path.startswith(OPENAI_PREFIX + "/")
+    path = request.url.path
+    return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/") or path in VLLM_ROUTES
 
 
 def render(request: Request, exc: ApiError) -> Response:
@@ -169,6 +172,9 @@ def _invalid(request: Request, exc: RequestValidationError) -> Response:
     if first.get("type") == "json_invalid":
         return render(request, INVALID_REQUEST.error(f"invalid request: body: {why}"))
     param = ".".join(loc[1:2] + [p for p in loc[2:] if not _union_member(p)]) or None
+    if first.get("type") in ("extra_forbidden", "none_required") and param:  # unknown, or known and not implemented
+        message = f"unsupported parameter: {param} (docs/control-plane.md lists the parameters this API honours)"
+        return render(request, UNSUPPORTED_PARAMETER.error(message, param=param))
     return render(request, INVALID_REQUEST.error(f"invalid request: {param or 'body'}: {why}", param=param))
 
 

@@ -42,8 +42,10 @@ from prfaas.control_plane.scheduling.errors import PlacementRejected
 from prfaas.control_plane.scheduling.request import Request, Slo
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
+from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prfaas.region.channels import ChannelCache
+from prfaas.region.requests import sampling_to_proto
 from prfaas.transport.identity import server_name
 from prfaas.transport.tickets import TicketSigner
 
@@ -226,8 +228,8 @@ class Dispatcher:
                     # hand-off (the prefill region's shipment_complete event may come after DONE).
                     jobs.update(run.job_id, run.attempt, bytes_raw=run.kv_bytes, prefill_gpu_s=done.prefill_s)
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
-                    jobs.post_ready(run.job_id, run.attempt,
-                                    ready_info("split", run.decode, first_token=done.first_token, kv=kv))  # fmt: skip
+                    first = _first(done.first_token, done.first_logprobs if done.HasField("first_logprobs") else None)
+                    jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
                 elif kind == "shipment_complete":
                     shipped = event.shipment_complete
                     jobs.update(run.job_id, run.attempt, bytes_raw=shipped.raw_bytes, bytes_wire=shipped.wire_bytes)
@@ -248,8 +250,8 @@ class Dispatcher:
             jobs.update(run.job_id, run.attempt, bytes_raw=reply.shipment.raw_bytes,
                         bytes_wire=reply.shipment.wire_bytes, reship_from="")  # fmt: skip
             kv = base64.b64encode(reply.kv.SerializeToString()).decode()
-            jobs.post_ready(run.job_id, run.attempt,
-                            ready_info("split", run.decode, first_token=reply.first_token, kv=kv))  # fmt: skip
+            first = _first(reply.first_token, reply.first_logprobs if reply.HasField("first_logprobs") else None)
+            jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
         except grpc.aio.AioRpcError as exc:  # lease gone, region down: the next attempt computes the prompt again
             await self._stage_failed(run, "reship", exc, reship_from="")
         except (StaleAttempt, IllegalTransition, JobNotFound):
@@ -319,10 +321,21 @@ def ready_info(mode: str, decode: InstanceRecord, **fields: Any) -> dict[str, An
     return {"mode": mode, "decode_grpc": decode.grpc_endpoint, "decode_region": decode.name} | fields
 
 
-def sampling(job: dict[str, str]) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        max_new_tokens=int(job["max_new_tokens"]), temperature=float(job.get("temperature", 0) or 0), top_p=1.0
-    )
-    if job.get("seed"):
-        msg.seed = int(job["seed"])
-    return msg
+def _first(token: int, logprobs: common_pb2.TokenLogprobs | None) -> dict[str, Any]:
+    """The hand-off's first token (chosen at prefill) and its logprobs, when asked."""
+    first: dict[str, Any] = {"first_token": token}
+    if logprobs is not None:
+        first["first_logprobs"] = base64.b64encode(logprobs.SerializeToString()).decode()
+    return first
+
+
+def job_sampling(job: Mapping[str, str]) -> SamplingParams:
+    """The job's sampling specification (its `sampling` field, written by the API)."""
+    if job.get("sampling"):
+        return SamplingParams.from_dict(json.loads(job["sampling"]))
+    seed = int(job["seed"]) if job.get("seed") else None  # a record from before the field: temperature, seed
+    return SamplingParams(int(job["max_new_tokens"]), float(job.get("temperature", 0) or 0), seed=seed)
+
+
+def sampling(job: Mapping[str, str]) -> common_pb2.SamplingParams:
+    return sampling_to_proto(job_sampling(job))

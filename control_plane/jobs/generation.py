@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -35,10 +34,11 @@ from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, Sta
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
-from prfaas.control_plane.jobs.tokenlog import TokenLog
+from prfaas.control_plane.jobs.tokenlog import Token, TokenLog
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from prfaas.region.channels import ChannelCache
+from prfaas.region.requests import logprobs_from_proto
 from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
@@ -54,14 +54,6 @@ class JobEnded(Exception):
     def __init__(self, state: str, reason: str) -> None:
         super().__init__(reason)
         self.state = state
-
-
-@dataclass(frozen=True)
-class Token:
-    index: int
-    token: int
-    last: bool
-    finish_reason: str
 
 
 class Follower:
@@ -165,13 +157,13 @@ class Follower:
                     )
                 else:
                     kv = common_pb2.KVDescriptor.FromString(base64.b64decode(handed["kv"]))
-                    stream = stub.Decode(
-                        decode_pb2.DecodeRequest(
-                            job_id=job_id, attempt=attempt, first_token=int(handed["first_token"]), kv=kv,
-                            sampling=sampling(job), timeout_s=remaining, token_ids=_ids(job),  # vLLM decodes need it
-                        ),
-                        timeout=remaining + 5,
+                    request = decode_pb2.DecodeRequest(
+                        job_id=job_id, attempt=attempt, first_token=int(handed["first_token"]), kv=kv,
+                        sampling=sampling(job), timeout_s=remaining, token_ids=_ids(job),  # vLLM, penalties need it
                     )  # fmt: skip
+                    if handed.get("first_logprobs"):
+                        request.first_logprobs.ParseFromString(base64.b64decode(handed["first_logprobs"]))
+                    stream = stub.Decode(request, timeout=remaining + 5)
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 with _released(stream) as finished:
                     for event in stream:
@@ -183,17 +175,21 @@ class Follower:
                         if event.index < len(output):
                             continue
                         output.append(event.token)
-                        self.log.log_token(job_id, event.token, event.last, event.finish_reason)  # before DONE
+                        token = Token(
+                            event.index, event.token, event.last, event.finish_reason, event.stop_reason,
+                            logprobs_from_proto(event.logprobs) if event.HasField("logprobs") else None,
+                        )  # fmt: skip
+                        self.log.log_token(job_id, token)  # before DONE
                         if event.last:  # spend is billed from the ledger (billing/meter.py), not here
                             jobs.transition(
                                 job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
                                 completion_tokens=len(output), finish_reason=event.finish_reason, output_ids=output,
-                                **served_timing(first, event.elapsed_s),
+                                stop_reason=event.stop_reason, **served_timing(first, event.elapsed_s),
                             )  # fmt: skip
                             if self.meter is not None:
                                 self.meter.job_done(job_id)
                             finished.set()
-                        yield Token(event.index, event.token, event.last, event.finish_reason)
+                        yield token
                         if event.last:
                             return
             except grpc.RpcError as exc:
@@ -224,10 +220,10 @@ class Follower:
             seen = 0
             while True:
                 found = self.log.wait_tokens(job_id, seen, max(0.0, deadline - time.monotonic()))
-                for token, last, finish in found:
-                    yield Token(seen, token, last, finish)
+                for token in found:
+                    yield token
                     seen += 1
-                    if last:
+                    if token.last:
                         return
                 if found:
                     continue
@@ -237,7 +233,9 @@ class Follower:
                 if job["state"] == JobState.DONE:  # its log is gone (expired): its record has the tokens
                     output = _ids(job, "output_ids")
                     for index in range(seen, len(output)):
-                        yield Token(index, output[index], index == len(output) - 1, job.get("finish_reason", ""))
+                        last = index == len(output) - 1
+                        finish, stop = (job.get("finish_reason", ""), job.get("stop_reason", "")) if last else ("", "")
+                        yield Token(index, output[index], last, finish, stop)
                     return
                 if time.monotonic() >= deadline:
                     raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job_timeout_s:g} s")

@@ -1,5 +1,5 @@
 """The token log of a job: what its follower streamed, a Redis list of [token, last, finish
-reason] whose index is the token's (`p:job:{id}:tokens`). A request that attaches to a running
+reason, stop reason, logprobs] whose index is the token's (`p:job:{id}:tokens`). A request that attaches to a running
 job (an Idempotency-Key retry) reads its tokens from here instead of decoding again; attached
 readers are counted (`p:job:{id}:readers`) and woken through the job's notify channel, which
 the log publishes to only while someone is attached. Both keys live `job_ttl_s`."""
@@ -8,10 +8,37 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from prfaas.control_plane.jobs.states import TERMINAL
 from prfaas.control_plane.jobs.store import JobStore
+from prfaas.engine.sampling import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token of a job's output, as its decode region streamed it."""
+
+    index: int
+    token: int
+    last: bool
+    finish_reason: str  # on the last: "length", "eos", "stop_token" or "stop" (a stop string)
+    stop_reason: str = ""  # "stop": the stop string; "stop_token": the token id
+    logprobs: TokenLogprobs | None = None
+
+    def entry(self) -> str:
+        lp = self.logprobs
+        logprobs = None if lp is None else [lp.logprob, lp.rank, list(lp.top_ids), list(lp.top_logprobs)]
+        return json.dumps([self.token, int(self.last), self.finish_reason, self.stop_reason, logprobs])
+
+    @staticmethod
+    def of_entry(index: int, entry: Any) -> Token:
+        token, last, finish, *more = json.loads(entry)
+        stop, lp = [*more, "", None][:2]
+        logprobs = None if lp is None else TokenLogprobs(lp[0], lp[1], tuple(lp[2]), tuple(lp[3]))
+        return Token(index, int(token), bool(last), str(finish), str(stop), logprobs)
+
 
 # KEYS: token log, readers count, notify channel. ARGV: entry, TTL.
 _LOG_TOKEN = """
@@ -29,17 +56,17 @@ class TokenLog:
         self.notifier = jobs.notifier
         self._log = jobs.redis.register_script(_LOG_TOKEN)
 
-    def log_token(self, job_id: str, token: int, last: bool, finish_reason: str) -> None:
+    def log_token(self, job_id: str, token: Token) -> None:
         """Append the job's next token (its index is its place in the log); wakes attached
         readers, if any (a job nobody attached to publishes nothing)."""
         key = self.settings.key("job", job_id)
-        entry = json.dumps([token, int(last), finish_reason])
-        self._log(keys=[key + ":tokens", key + ":readers", key + ":notify"], args=[entry, self.settings.job_ttl_s])
+        args = [token.entry(), self.settings.job_ttl_s]
+        self._log(keys=[key + ":tokens", key + ":readers", key + ":notify"], args=args)
 
-    def logged_tokens(self, job_id: str, start: int) -> list[tuple[int, bool, str]]:
-        """The logged tokens from index `start` on: (token, last, finish reason)."""
+    def logged_tokens(self, job_id: str, start: int) -> list[Token]:
+        """The logged tokens from index `start` on."""
         items = self.redis.lrange(self.settings.key("job", job_id) + ":tokens", start, -1)
-        return [(int(t), bool(last), str(finish)) for t, last, finish in (json.loads(i) for i in items)]
+        return [Token.of_entry(start + i, item) for i, item in enumerate(items)]
 
     def attach(self, job_id: str, readers: int) -> int:
         """Add `readers` (1: one more, -1: one fewer) to the job's attached readers; -> how many now."""
@@ -53,7 +80,7 @@ class TokenLog:
     def readers(self, job_id: str) -> int:
         return int(self.redis.get(self.settings.key("job", job_id) + ":readers") or 0)
 
-    def wait_tokens(self, job_id: str, start: int, timeout_s: float) -> list[tuple[int, bool, str]]:
+    def wait_tokens(self, job_id: str, start: int, timeout_s: float) -> list[Token]:
         """Tokens from index `start` on, waiting up to `timeout_s` for some; [] at the deadline
         or when the job ended with no more logged (the caller reads its state)."""
         deadline = time.monotonic() + timeout_s

@@ -58,8 +58,9 @@ class VLLMEngine:
     """A running vLLM server and its model's facts. Thread-safe: one connection per call."""
 
     def __init__(self, facts: ModelFacts, proc: subprocess.Popen[bytes], client: VLLMClient,
-                 kv_endpoint: str | None, log_path: Path) -> None:  # fmt: skip
+                 kv_endpoint: str | None, log_path: Path, model_path: Path) -> None:  # fmt: skip
         self.facts = facts
+        self.model_path = model_path  # the model folder (its tokenizer: stop strings)
         # the facts the agents read, named as on HFEngine
         self.fingerprint, self.dtype, self.vocab_size = facts.fingerprint, facts.dtype, facts.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
@@ -237,16 +238,22 @@ def start_vllm_engine(
     kv = info.get("kv") or []
     kv_endpoint = f"{kv_host}:{kv[1]}" if kv else None
     log.info("vLLM server ready (pid %d, control %s:%d, kv %s)", proc.pid, host, port, kv_endpoint or "-")
-    return VLLMEngine(facts, proc, VLLMClient((host, port), authkey), kv_endpoint, log_path)
+    return VLLMEngine(facts, proc, VLLMClient((host, port), authkey), kv_endpoint, log_path, resolve_model(model))
 
 
 def check_greedy(params: SamplingParams) -> None:
-    """The vLLM host generates greedily (temperature 0); a request asking for sampling is
-    refused rather than served with other tokens than it asked for."""
-    if params.temperature != 0.0:
-        raise InvalidSamplingParams(
-            f"engine 'vllm' regions decode greedily only (temperature 0), got temperature {params.temperature:g}"
-        )
+    """The vLLM host generates greedily (temperature 0) from the raw logits; a request asking for
+    what changes the choice or reports on it is refused (INVALID_ARGUMENT naming the field) rather
+    than served with other tokens than it asked for. Stop strings, stop token ids and
+    `ignore_eos` are applied by the decode agent on the tokens it streams, so they work here."""
+    defaults = SamplingParams(max_new_tokens=params.max_new_tokens)
+    for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+                 "logit_bias", "logprobs"):  # fmt: skip
+        if getattr(params, name) != getattr(defaults, name):
+            raise InvalidSamplingParams(
+                f"engine 'vllm' regions do not apply {name} yet (greedy decoding of the raw logits only), "
+                f"got {name}={getattr(params, name)!r}"
+            )
 
 
 _SHIP_ERRORS: dict[str, type[TransportError]] = {

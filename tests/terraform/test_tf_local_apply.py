@@ -23,6 +23,7 @@ from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.stops import output_text
 
 pytestmark = [
     pytest.mark.e2e,
@@ -87,7 +88,7 @@ def test_apply_serves_a_split_request_and_destroy_leaves_no_process(tmp_path: Pa
         client = [sys.executable, str(HERE / "tf_client.py"), api_url, admin_key, str(MAX_TOKENS)]
         reply = json.loads(in_netns(ns, client, tmp_path, env, timeout_s=180, stdin=json.dumps(prompt)).stdout)
         colocated = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_TOKENS))
-        assert reply["text"] == engine.decode_text(colocated)
+        assert reply["text"] == output_text(engine.decode_text, colocated)
         assert (reply["prompt_tokens"], reply["completion_tokens"]) == (len(prompt), len(colocated))
         job = reply["job"]
         assert job["placement_chosen"] == "split", job

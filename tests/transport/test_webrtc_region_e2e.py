@@ -26,6 +26,7 @@ from prfaas.devstack.stack import Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.stops import output_text
 
 pytestmark = pytest.mark.e2e
 REDIS_PORT = 6391
@@ -86,7 +87,7 @@ def test_split_request_through_a_webrtc_region_equals_colocated(rtc_stack: Stack
     for _ in range(2):  # the second request reuses the pooled data channel
         reply = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8)
         colocated = engine.generate(prompt, SamplingParams(max_new_tokens=8))
-        assert reply.choices[0].text == engine.decode_text(colocated)
+        assert reply.choices[0].text == output_text(engine.decode_text, colocated)
         job = httpx.get(f"{rtc_stack.url}/v1/jobs/{reply.id}", headers={"Authorization": f"Bearer {key}"}).json()
         assert job["placement_chosen"] == "split", job
         assert job["decode_region"] == "decode-rtc" and job["prefill_region"] == "prefill-a"

@@ -137,6 +137,7 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     first_token: _builtins.int
@@ -153,6 +154,10 @@ class DecodeRequest(_message.Message):
         it (vLLM continues a request from its token ids); an HF one decodes from the KV alone.
         """
 
+    @_builtins.property
+    def first_logprobs(self) -> _common_pb2.TokenLogprobs:
+        """first_token's, when the sampling asks for logprobs"""
+
     def __init__(
         self,
         *,
@@ -163,10 +168,11 @@ class DecodeRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         timeout_s: _builtins.float = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        first_logprobs: _common_pb2.TokenLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -211,15 +217,23 @@ class TokenEvent(_message.Message):
     LAST_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     ELAPSED_S_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    STOP_REASON_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """generation step (0 = first token)"""
     token: _builtins.int
     last: _builtins.bool
     """no more tokens follow"""
     finish_reason: _builtins.str
-    """on the last event: "length" or "eos" """
+    """on the last event: "length", "eos" or "stop" """
     elapsed_s: _builtins.float
     """since the call started"""
+    stop_reason: _builtins.str
+    """finish "stop": the stop string, or the stop token id in decimal"""
+    @_builtins.property
+    def logprobs(self) -> _common_pb2.TokenLogprobs:
+        """when the sampling asks for them"""
+
     def __init__(
         self,
         *,
@@ -228,10 +242,12 @@ class TokenEvent(_message.Message):
         last: _builtins.bool = ...,
         finish_reason: _builtins.str = ...,
         elapsed_s: _builtins.float = ...,
+        logprobs: _common_pb2.TokenLogprobs | None = ...,
+        stop_reason: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "finish_reason", b"finish_reason", "index", b"index", "last", b"last", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "finish_reason", b"finish_reason", "index", b"index", "last", b"last", "logprobs", b"logprobs", "stop_reason", b"stop_reason", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -181,20 +181,26 @@ class PrefillDone(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     KV_FIELD_NUMBER: _builtins.int
     PREFILL_S_FIELD_NUMBER: _builtins.int
+    FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     prefill_s: _builtins.float
     @_builtins.property
     def kv(self) -> _common_pb2.KVDescriptor: ...
+    @_builtins.property
+    def first_logprobs(self) -> _common_pb2.TokenLogprobs:
+        """when the sampling asks for logprobs"""
+
     def __init__(
         self,
         *,
         first_token: _builtins.int = ...,
         kv: _common_pb2.KVDescriptor | None = ...,
         prefill_s: _builtins.float = ...,
+        first_logprobs: _common_pb2.TokenLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "kv", b"kv", "prefill_s", b"prefill_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "prefill_s", b"prefill_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -262,21 +268,25 @@ class ReshipReply(_message.Message):
     SHIPMENT_FIELD_NUMBER: _builtins.int
     KV_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     @_builtins.property
     def shipment(self) -> Global___ShipmentComplete: ...
     @_builtins.property
     def kv(self) -> _common_pb2.KVDescriptor: ...
+    @_builtins.property
+    def first_logprobs(self) -> _common_pb2.TokenLogprobs: ...
     def __init__(
         self,
         *,
         shipment: Global___ShipmentComplete | None = ...,
         kv: _common_pb2.KVDescriptor | None = ...,
         first_token: _builtins.int = ...,
+        first_logprobs: _common_pb2.TokenLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "shipment", b"shipment"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv", "shipment", b"shipment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "kv", b"kv", "shipment", b"shipment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "shipment", b"shipment"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

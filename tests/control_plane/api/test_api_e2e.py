@@ -20,6 +20,7 @@ from prfaas.control_plane.billing.models import UsageEntry
 from prfaas.devstack.stack import ADMIN, RegionProcess, Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.stops import output_text
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +67,7 @@ def test_long_prompt_splits_short_runs_local_both_equal_colocated(
     ):
         reply = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8)
         colocated = engine.generate(prompt, SamplingParams(max_new_tokens=8))
-        assert reply.choices[0].text == engine.decode_text(colocated)
+        assert reply.choices[0].text == output_text(engine.decode_text, colocated)
         assert reply.usage is not None
         assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), len(colocated))
         job = _job(s, tenant[1], reply.id)
@@ -94,7 +95,7 @@ def test_streaming_delivers_every_token_and_usage(
             usage = chunk.usage
     prompt = engine.encode("hello there", chat=True)
     colocated = engine.generate(prompt, SamplingParams(max_new_tokens=12))
-    assert "".join(pieces) == engine.decode_text(colocated)
+    assert "".join(pieces) == output_text(engine.decode_text, colocated)
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), len(colocated))
 
 
@@ -128,8 +129,8 @@ def test_local_jobs_are_placed_at_admission_without_celery(
     worker.wait(30)
     try:  # no dispatcher runs: the API placed the short prompt and streamed it itself
         reply = _client(s, tenant[1]).completions.create(model="tiny-llama", prompt=[5, 6, 7, 8], max_tokens=4)
-        assert reply.choices[0].text == engine.decode_text(
-            engine.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=4))
+        assert reply.choices[0].text == output_text(
+            engine.decode_text, engine.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=4))
         )
         job = _job(s, tenant[1], reply.id)
         assert job["placement_chosen"] == "local" and job["decode_region"] == "decode-b"
@@ -161,7 +162,9 @@ def test_prefill_region_killed_fails_over_and_bills_once(
     prefill.proc.wait(5)
     prompt = engine.encode(long_text)[:600]
     reply = _client(s, tenant[1]).completions.create(model="tiny-llama", prompt=prompt, max_tokens=6)
-    assert reply.choices[0].text == engine.decode_text(engine.generate(prompt, SamplingParams(max_new_tokens=6)))
+    assert reply.choices[0].text == output_text(
+        engine.decode_text, engine.generate(prompt, SamplingParams(max_new_tokens=6))
+    )
     job = _job(s, tenant[1], reply.id)
     states = [(e["state"], e["attempt"]) for e in job["timeline"]]  # type: ignore[attr-defined, union-attr]
     assert states[-1] == ("DONE", 2) and ("QUEUED", 2) in states, states

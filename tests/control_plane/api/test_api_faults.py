@@ -19,6 +19,7 @@ from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.devstack.stack import ADMIN, Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.stops import output_text
 
 pytestmark = pytest.mark.e2e
 LAYER_DELAY_S = 0.5
@@ -92,7 +93,7 @@ def retried_once_and_answered(
     assert replies, "the completion did not return"
     engine = HFEngine("tiny-llama")
     expected = engine.generate(prompt, SamplingParams(max_new_tokens=6))
-    assert replies[0].id == job_id and replies[0].choices[0].text == engine.decode_text(expected)
+    assert replies[0].id == job_id and replies[0].choices[0].text == output_text(engine.decode_text, expected)
     record = job(stack, key, job_id)
     timeline = record["timeline"]
     assert isinstance(timeline, list)

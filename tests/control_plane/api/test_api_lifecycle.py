@@ -21,6 +21,7 @@ from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.devstack.stack import ADMIN, REDIS_URL, Stack, wait_until
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.stops import output_text
 
 pytestmark = pytest.mark.e2e
 LAYER_DELAY_S = 0.75  # 4 layers: 3 s a prefill, 3x the visibility timeout
@@ -61,7 +62,7 @@ def _states(record: dict[str, object]) -> list[tuple[str, int]]:
 
 def _reference(prompt: list[int], tokens: int) -> str:
     engine = HFEngine("tiny-llama")
-    return engine.decode_text(engine.generate(prompt, SamplingParams(max_new_tokens=tokens)))
+    return output_text(engine.decode_text, engine.generate(prompt, SamplingParams(max_new_tokens=tokens)))
 
 
 def test_a_prefill_three_times_the_visibility_timeout_completes_in_one_attempt(stack: Stack, long_text: str) -> None:

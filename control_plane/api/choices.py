@@ -1,0 +1,147 @@
+"""One choice of a generation response, built token by token as vLLM's OpenAI server builds it.
+
+- Text: the tokens' incremental text (engine/stops.py), cut before the stop string that ended
+  it; the text of an end-of-sequence or stop token id that ended it is not shown (the token
+  counts in `usage`). A stream holds back what could still start a stop string.
+- `finish_reason`: "length" when `max_tokens` ran out, else "stop" (end of sequence, a stop
+  token id, a stop string); `stop_reason` (vLLM's field): the stop string, the stop token id,
+  or null.
+- Logprobs of the raw logits: a completion's `{tokens, token_logprobs, top_logprobs,
+  text_offset}` with up to k + 1 entries per token (the chosen one first, then the top k, a token
+  listed once), a chat's `content: [{token, logprob, bytes, top_logprobs}]` with k. Token
+  strings are each token decoded alone, special tokens shown. -inf is sent as -9999.0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prfaas.control_plane.jobs.tokenlog import Token
+from prfaas.control_plane.services import ServedModel
+from prfaas.engine.sampling import SamplingParams, TokenLogprobs
+from prfaas.engine.stops import TextStops
+
+LOGPROB_FLOOR = -9999.0
+
+
+class Choice:
+    def __init__(self, model: ServedModel, params: SamplingParams, chat: bool, index: int, echo: str = "") -> None:
+        self.model = model
+        self.chat = chat
+        self.index = index
+        self.k = params.logprobs
+        self.stops = TextStops(model.decode, params.stop, params.min_tokens)
+        self.echo = echo
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs | None] = []
+        self.finish: str | None = None
+        self.stop_reason: str | int | None = None
+        self._shown = -1  # characters of the visible text already streamed; -1: nothing yet (not even the echo)
+        self._lp_shown = 0  # tokens whose logprobs were streamed
+        self._offset = len(echo)  # text_offset of the next token (completions)
+
+    def add(self, token: Token) -> None:
+        self.tokens.append(token.token)
+        self.logprobs.append(token.logprobs)
+        hidden = token.last and token.finish_reason in ("eos", "stop_token")
+        if not hidden and self.stops.stopped is None:
+            self.stops.push(token.token)
+        if not token.last:
+            return
+        if self.stops.stopped is not None:
+            self.finish, self.stop_reason = "stop", self.stops.stopped
+        elif token.finish_reason == "length":
+            self.finish = "length"
+        else:
+            self.finish = "stop"
+            if token.finish_reason == "stop_token":
+                self.stop_reason = int(token.stop_reason)
+            elif token.finish_reason == "stop":
+                self.stop_reason = token.stop_reason
+
+    @property
+    def text(self) -> str:
+        return self.echo + self.stops.text
+
+    def full(self) -> dict[str, Any]:
+        """The choice of a whole (non-streamed) response."""
+        return self._shape(self.text, self._logprobs(0, len(self.tokens)), self.finish or "length", whole=True)
+
+    def chunk(self) -> dict[str, Any] | None:
+        """The next streamed chunk's choice: new visible text and logprobs since the last one,
+        and the finish on the last; None when there is nothing new to send."""
+        visible = self.stops.visible(self.finish is not None)
+        start = max(self._shown, 0)
+        piece = (self.echo if self._shown < 0 else "") + visible[start:]
+        self._shown = max(len(visible), start)
+        logprobs = self._logprobs(self._lp_shown, len(self.tokens)) if self.k is not None else None
+        self._lp_shown = len(self.tokens)
+        if not piece and self.finish is None and logprobs is None:
+            return None
+        return self._shape(piece, logprobs, self.finish, whole=False)
+
+    def _shape(self, text: str, logprobs: dict[str, Any] | None, finish: str | None, *, whole: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": self.index}
+        if self.chat:
+            choice["message" if whole else "delta"] = (
+                {"role": "assistant", "content": text} if whole else {"content": text}
+            )
+        else:
+            choice["text"] = text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = finish
+        choice["stop_reason"] = self.stop_reason if finish else None
+        return choice
+
+    def _logprobs(self, start: int, end: int) -> dict[str, Any] | None:
+        if self.k is None:
+            return None
+        entries = [(self.tokens[i], self.logprobs[i]) for i in range(start, end)]
+        if self.chat:
+            return {"content": [self._chat_entry(token, lp) for token, lp in entries]}
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for token, lp in entries:
+            text = self.model.token_text(token)
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+            if lp is None:  # not computed (an engine that does not report them)
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
+            top.append({self.model.token_text(t): max(v, LOGPROB_FLOOR) for t, v in _ranked(token, lp)[: self.k + 1]})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_entry(self, token: int, lp: TokenLogprobs | None) -> dict[str, Any]:
+        text = self.model.token_text(token)
+        entry: dict[str, Any] = {
+            "token": text,
+            "logprob": LOGPROB_FLOOR if lp is None else max(lp.logprob, LOGPROB_FLOOR),
+        }
+        entry["bytes"] = list(text.encode("utf-8", errors="replace"))
+        ranked = [] if lp is None else _ranked(token, lp)[: self.k or 0]
+        entry["top_logprobs"] = [
+            {"token": (t := self.model.token_text(i)), "logprob": max(v, LOGPROB_FLOOR),
+             "bytes": list(t.encode("utf-8", errors="replace"))}
+            for i, v in ranked
+        ]  # fmt: skip
+        return entry
+
+
+def _ranked(token: int, lp: TokenLogprobs) -> list[tuple[int, float]]:
+    """The chosen token first, then the top ones best first, each token once (vLLM's order)."""
+    ranked = {token: lp.logprob}
+    for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True):
+        ranked.setdefault(t, v)
+    return list(ranked.items())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }  # fmt: skip
