@@ -108,8 +108,10 @@ $(NIXL_STAMP): $(VLLM_STAMP)
 	touch $@
 
 # The vLLM engine tests (marker `vllm`): two vLLM processes shared by the session.
-pytest-vllm: vllm-install models
+# Then the OpenAI parity test: `vllm serve` from that environment as the oracle, prfaas from .venv.
+pytest-vllm: vllm-install models services
 	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 $(VLLM_BIN)/python -m pytest tests/vllm -m vllm
+	$(BIN)/python -m pytest tests/e2e/test_openai_parity.py -m vllm
 
 # The whole deployment of examples/topology.yaml on this machine (prfaas up), a short bench of the
 # same workload under three placement policies side by side, then prfaas down (also on failure or Ctrl-C).

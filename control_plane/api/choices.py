@@ -9,7 +9,9 @@
 - Logprobs of the raw logits: a completion's `{tokens, token_logprobs, top_logprobs,
   text_offset}` with up to k + 1 entries per token (the chosen one first, then the top k, a token
   listed once), a chat's `content: [{token, logprob, bytes, top_logprobs}]` with k. Token
-  strings are each token decoded alone, special tokens shown. -inf is sent as -9999.0.
+  strings are each token decoded alone, special tokens shown; one that ends inside a UTF-8
+  character is decoded after up to 4 preceding chosen tokens and given the text it completes,
+  or "" (vLLM's `LogprobsProcessor`). -inf is sent as -9999.0.
 """
 
 from __future__ import annotations
@@ -93,18 +95,23 @@ class Choice:
         choice["stop_reason"] = self.stop_reason if finish else None
         return choice
 
+    def _text_at(self, position: int) -> Any:
+        """How tokens read at output `position` (context: the chosen tokens before it)."""
+        context = self.tokens[max(0, position - 4) : position]
+        return lambda token: _token_text(self.model, token, context)
+
     def _logprobs(self, start: int, end: int) -> dict[str, Any] | None:
         if self.k is None:
             return None
-        entries = [(self.tokens[i], self.logprobs[i]) for i in range(start, end)]
         if self.chat:
-            return {"content": [self._chat_entry(token, lp) for token, lp in entries]}
+            return {"content": [self._chat_entry(i) for i in range(start, end)]}
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
         offsets: list[int] = []
-        for token, lp in entries:
-            text = self.model.token_text(token)
+        for i in range(start, end):
+            token, lp, text_of = self.tokens[i], self.logprobs[i], self._text_at(i)
+            text = text_of(token)
             tokens.append(text)
             offsets.append(self._offset)
             self._offset += len(text)
@@ -113,11 +120,12 @@ class Choice:
                 top.append(None)
                 continue
             token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
-            top.append({self.model.token_text(t): max(v, LOGPROB_FLOOR) for t, v in _ranked(token, lp)[: self.k + 1]})
+            top.append({text_of(t): max(v, LOGPROB_FLOOR) for t, v in _ranked(token, lp)[: self.k + 1]})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
-    def _chat_entry(self, token: int, lp: TokenLogprobs | None) -> dict[str, Any]:
-        text = self.model.token_text(token)
+    def _chat_entry(self, position: int) -> dict[str, Any]:
+        token, lp, text_of = self.tokens[position], self.logprobs[position], self._text_at(position)
+        text = text_of(token)
         entry: dict[str, Any] = {
             "token": text,
             "logprob": LOGPROB_FLOOR if lp is None else max(lp.logprob, LOGPROB_FLOOR),
@@ -125,11 +133,35 @@ class Choice:
         entry["bytes"] = list(text.encode("utf-8", errors="replace"))
         ranked = [] if lp is None else _ranked(token, lp)[: self.k or 0]
         entry["top_logprobs"] = [
-            {"token": (t := self.model.token_text(i)), "logprob": max(v, LOGPROB_FLOOR),
+            {"token": (t := text_of(i)), "logprob": max(v, LOGPROB_FLOOR),
              "bytes": list(t.encode("utf-8", errors="replace"))}
             for i, v in ranked
         ]  # fmt: skip
         return entry
+
+
+def _token_text(model: ServedModel, token: int, context: list[int]) -> str:
+    """`token` decoded alone; if that ends inside a UTF-8 character, the text it completes after the
+    shortest suffix of `context` that makes it whole, else "" (vLLM's `_correct_decoded_token`)."""
+    text = model.token_text(token)
+    if not text.endswith("\ufffd"):
+        return text
+    for n in range(1, len(context) + 1):
+        ctx = context[-n:]
+        full = model.tokenizer.decode([*ctx, token])
+        if full.endswith("\ufffd"):
+            continue
+        clean = len(ctx)  # context tokens that were themselves partial characters belong to this one
+        while clean > 0 and model.token_text(ctx[clean - 1]).endswith("\ufffd"):
+            clean -= 1
+        prefix = model.tokenizer.decode(ctx[:clean]) if clean else ""
+        if full.startswith(prefix):
+            return str(full[len(prefix) :])
+        common = next(
+            (i for i, (a, b) in enumerate(zip(prefix, full, strict=False)) if a != b), min(len(prefix), len(full))
+        )
+        return str(full[common:])
+    return ""
 
 
 def _ranked(token: int, lp: TokenLogprobs) -> list[tuple[int, float]]:

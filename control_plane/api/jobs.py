@@ -32,6 +32,8 @@ def job_public(s: Services, job: dict[str, str]) -> JobPublic:
         finish_reason=job.get("finish_reason"), error=job.get("error"),
         timeline=[TimelineEntry.model_validate(e) for e in s.jobs.timeline(job["id"])],
         decision=json.loads(job["decision"]) if job.get("decision") else None,
+        user=job.get("user"), stop_reason=job.get("stop_reason") or None,
+        sampling=json.loads(job["sampling"]) if job.get("sampling") else None,
     )  # fmt: skip
 
 

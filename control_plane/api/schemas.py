@@ -160,6 +160,9 @@ class JobPublic(BaseModel):
     error: str | None
     timeline: list[TimelineEntry]
     decision: dict[str, Any] | None
+    user: str | None = Field(default=None, description="the request's `user`")
+    stop_reason: str | None = Field(default=None, description="finish 'stop': the stop string or stop token id")
+    sampling: dict[str, Any] | None = Field(default=None, description="the sampling specification it ran with")
 
 
 class JobList(BaseModel):

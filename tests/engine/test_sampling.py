@@ -1,8 +1,10 @@
+import json
+
 import pytest
 import torch
 
 from prfaas.engine.errors import InvalidSamplingParams
-from prfaas.engine.sampling import SamplingParams, sample_next
+from prfaas.engine.sampling import History, SamplingParams, choose, process, sample_next
 
 
 @pytest.mark.parametrize(
@@ -57,3 +59,73 @@ def test_tiny_top_p_is_greedy() -> None:
     logits = torch.tensor([1.0, 5.0, 2.0])
     params = SamplingParams(temperature=1.0, top_p=1e-6, seed=9)
     assert {sample_next(logits, params, s) for s in range(20)} == {1}
+
+
+# -- the rest of the specification, in vLLM's order ---------------------------------------------
+
+EOS = frozenset({0})
+
+
+def test_penalties_follow_vllms_formulas() -> None:
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = process(logits, params, History(prompt=[1], output=[2, 2, 4]), EOS)
+    # repetition over prompt and output (positive / 2, negative x 2), then 0.5 x count and 0.25 if in the output
+    expected = torch.tensor([2.0, -2.0, 0.25 - 0.5 * 2 - 0.25, 3.0, -4.0 - 0.5 - 0.25])
+    torch.testing.assert_close(out, expected)
+
+
+def test_penalties_change_the_greedy_choice() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.9])
+    assert choose(logits, SamplingParams(), 1, History(output=[1])).token == 1
+    assert choose(logits, SamplingParams(presence_penalty=0.5), 1, History(output=[1])).token == 2
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_reached() -> None:
+    logits = torch.tensor([9.0, 8.0, 1.0, 0.0])
+    params = SamplingParams(max_new_tokens=8, min_tokens=2, stop_token_ids=(1,))
+    assert choose(logits, params, 0, History(output=[]), EOS).token == 2
+    assert choose(logits, params, 1, History(output=[2]), EOS).token == 2
+    assert choose(logits, params, 2, History(output=[2, 2]), EOS).token == 0  # reached: EOS may come
+    ignoring = SamplingParams(max_new_tokens=8, min_tokens=2, ignore_eos=True)
+    assert choose(logits, ignoring, 0, History(), EOS).token == 0  # EOS is no stop then, so not banned
+
+
+def test_logit_bias_is_added_before_the_choice() -> None:
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    assert choose(logits, SamplingParams(logit_bias=((2, -100.0),)), 0).token == 1
+    assert choose(logits, SamplingParams(logit_bias=((0, 5.0),)), 0).token == 0
+
+
+def test_top_k_and_min_p_keep_only_the_likely_tokens() -> None:
+    logits = torch.tensor([5.0, 4.0, 3.0, 0.0, -1.0])
+    top2 = SamplingParams(temperature=1.0, top_k=2, seed=3)
+    assert {choose(logits, top2, s).token for s in range(200)} == {0, 1}
+    # min_p 0.3: p(2) = e^-2 p(0) ~ 0.135 p(0) is dropped, p(1) ~ 0.37 p(0) kept
+    min_p = SamplingParams(temperature=1.0, min_p=0.3, seed=3)
+    assert {choose(logits, min_p, s).token for s in range(200)} == {0, 1}
+
+
+def test_logprobs_are_of_the_raw_logits_with_rank_and_top_k() -> None:
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    raw = torch.log_softmax(logits, dim=-1)
+    # the penalty moves the choice, not the logprobs (vLLM's raw_logprobs)
+    chosen = choose(logits, SamplingParams(logprobs=2, logit_bias=((2, 5.0),)), 0)
+    assert chosen.token == 2 and chosen.logprobs is not None
+    assert chosen.logprobs.logprob == pytest.approx(float(raw[2])) and chosen.logprobs.rank == 2
+    assert chosen.logprobs.top_ids == (1, 2)
+    assert chosen.logprobs.top_logprobs == pytest.approx([float(raw[1]), float(raw[2])])
+    assert choose(logits, SamplingParams(), 0).logprobs is None
+
+
+def test_vocab_checks_name_the_field() -> None:
+    with pytest.raises(InvalidSamplingParams, match="stop_token_ids: token id 9"):
+        SamplingParams(stop_token_ids=(9,)).check_vocab(5)
+    with pytest.raises(InvalidSamplingParams, match="logit_bias: token id 7"):
+        SamplingParams(logit_bias=((7, 1.0),)).check_vocab(5)
+
+
+def test_the_specification_survives_a_job_record() -> None:
+    params = SamplingParams(max_new_tokens=9, temperature=0.7, top_k=5, seed=3, stop=("a", "bc"),
+                            stop_token_ids=(4,), logit_bias=((2, -1.5),), logprobs=3, min_tokens=2)  # fmt: skip
+    assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
