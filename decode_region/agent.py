@@ -46,8 +46,8 @@ from prfaas.region.errors import (
 from prfaas.region.requests import (
     MAX_TIMEOUT_S,
     cancel_of,
+    firsts_from_proto,
     job_uuid,
-    logprobs_from_proto,
     logprobs_to_proto,
     sampling_from_proto,
     timeout_from,
@@ -242,10 +242,13 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenEvent]:
         desc = request.kv
-        first_logprobs = logprobs_from_proto(request.first_logprobs) if request.HasField("first_logprobs") else None
+        first_logprobs = request.first_logprobs if request.HasField("first_logprobs") else None
+        firsts = firsts_from_proto(request.first_token, first_logprobs, request.choices)
         call = DecodeCall(job_uuid(request.job_id), request.attempt, request.first_token, list(request.token_ids),
-                          desc.num_tokens, desc.token_ids_hash)  # fmt: skip
+                          desc.num_tokens, desc.token_ids_hash, firsts)  # fmt: skip
         params, started, deadline = self._start(request)
+        if len(firsts) != params.n:
+            raise InvalidRequest(f"{len(firsts)} first tokens for sampling.n={params.n} choices")
         facts = self.backend.facts
         if desc.model_fingerprint != facts.fingerprint or desc.dtype != facts.dtype:
             raise PreconditionFailed(
@@ -254,16 +257,15 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             )
         self.backend.check_decode(call, params)
         res = self._claim(call, context)
-        rest: Iterator[Chosen] = iter(())
+        rests: list[Iterator[Chosen]] = []
         try:
             if res.hold is None:  # Reserve has not returned yet
                 raise PreconditionFailed(f"job {call.job_id}'s reservation is not set up yet; Decode after Reserve")
             if not res.hold.wait(deadline, context.is_active):
                 res.raise_ended()
             with self.workers.slot(deadline):
-                rest = self.backend.decode(res.hold, call, params, deadline, res.canceled)
-                first = Chosen(call.first_token, first_logprobs)
-                yield from self._tokens(first, rest, params, res.canceled, deadline, started, "split")
+                rests = self.backend.decode(res.hold, call, params, deadline, res.canceled)
+                yield from self._tokens(firsts, rests, params, res.canceled, deadline, started, "split")
         except Exception as exc:
             self._end(res, exc)
             if res.error is not exc and isinstance(res.error, RegionError):
@@ -273,52 +275,66 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             self._end(res, Canceled("the caller disconnected"))
             raise
         finally:
-            close_tokens(rest)
+            for rest in rests:
+                close_tokens(rest)
         self._end(res, None)
+
+    def _finish(self, chosen: Chosen, index: int, stops: TextStops | None, params: SamplingParams) -> tuple[str, str]:
+        """(finish reason, stop reason) after a choice's token `index`, in vLLM's order: length, end of
+        sequence, stop token id, then a stop string the token completed; ("", "") to go on."""
+        token = chosen.token
+        finish = "length" if index == params.max_new_tokens - 1 else ""
+        if not finish and token in self.backend.facts.eos_token_ids and not params.ignore_eos:
+            return "eos", ""
+        if not finish and token in params.stop_token_ids:
+            return "stop_token", str(token)
+        if stops is not None:
+            matched = stops.push(token)
+            if matched is not None:
+                return "stop", matched
+        return finish, ""
 
     def _tokens(
         self,
-        first: Chosen,
-        rest: Iterator[Chosen],
+        firsts: list[Chosen] | None,
+        rests: list[Iterator[Chosen]],
         params: SamplingParams,
         canceled: threading.Event,
         deadline: float,
         started: float,
         path: str,
     ) -> Iterator[decode_pb2.TokenEvent]:
-        """Token events from step 0 on, each with its finish (vLLM's order: length, end of
-        sequence, stop token id, then a stop string the token completed)."""
-        eos_token_ids = self.backend.facts.eos_token_ids
-        stops = TextStops(self.backend.decode_text, params.stop, params.min_tokens) if params.stop else None
-        index, chosen = 0, first
+        """Token events of every choice: step 0 of each (`firsts`, or the first item of its iterator),
+        then one step of each unfinished choice in turn. A choice that finished has its iterator closed."""
+        stops = [TextStops(self.backend.decode_text, params.stop, params.min_tokens) if params.stop else None
+                 for _ in rests]  # fmt: skip
+        steps = [0] * len(rests)
+        active = list(range(len(rests)))
         t0 = time.monotonic()
-        while True:
-            token, finish, stop_reason = chosen.token, "", ""
-            if index == params.max_new_tokens - 1:
-                finish = "length"
-            if token in eos_token_ids and not params.ignore_eos and not finish:
-                finish = "eos"
-            elif token in params.stop_token_ids and not finish:
-                finish, stop_reason = "stop_token", str(token)
-            elif stops is not None:
-                matched = stops.push(token)
-                if matched is not None:
-                    finish, stop_reason = "stop", matched
-            metrics.TOKENS.labels(path).inc()
-            yield decode_pb2.TokenEvent(
-                index=index, token=token, last=bool(finish), finish_reason=finish, stop_reason=stop_reason,
-                elapsed_s=time.monotonic() - started, logprobs=logprobs_to_proto(chosen.logprobs),
-            )  # fmt: skip
-            if finish:
-                break
-            if canceled.is_set():
-                raise Canceled("canceled during decode")
-            if time.monotonic() >= deadline:
-                raise DeadlineExceeded(f"decode deadline reached after {index + 1} tokens")
-            chosen = next(rest)
-            index += 1
-        if index:
-            rate = index / max(time.monotonic() - t0, 1e-6)
+        generated = 0
+        while active:
+            for choice in list(active):
+                if generated:
+                    if canceled.is_set():
+                        raise Canceled("canceled during decode")
+                    if time.monotonic() >= deadline:
+                        raise DeadlineExceeded(f"decode deadline reached after {generated} tokens")
+                first_step = steps[choice] == 0 and firsts is not None
+                chosen = firsts[choice] if first_step and firsts is not None else next(rests[choice])
+                finish, stop_reason = self._finish(chosen, steps[choice], stops[choice], params)
+                metrics.TOKENS.labels(path).inc()
+                yield decode_pb2.TokenEvent(
+                    index=steps[choice], token=chosen.token, last=bool(finish), finish_reason=finish,
+                    stop_reason=stop_reason, elapsed_s=time.monotonic() - started,
+                    logprobs=logprobs_to_proto(chosen.logprobs), choice=choice,
+                )  # fmt: skip
+                steps[choice] += 1
+                generated += 1
+                if finish:
+                    active.remove(choice)
+                    close_tokens(rests[choice])
+        if generated > len(rests):
+            rate = (generated - len(rests)) / max(time.monotonic() - t0, 1e-6)
             self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
             metrics.TOKENS_PER_S.set(self._rate)
 
@@ -338,13 +354,14 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 raise Conflict(f"job {job_id} is already running here")
             self._local[job_id] = canceled
         context.add_callback(canceled.set)
-        tokens: Iterator[Chosen] = iter(())
+        rests: list[Iterator[Chosen]] = []
         try:
             with self.workers.slot(deadline):
-                tokens = self.backend.generate(token_ids, params, deadline, canceled)
-                yield from self._tokens(next(tokens), tokens, params, canceled, deadline, started, "local")
+                rests = self.backend.generate(token_ids, params, deadline, canceled)
+                yield from self._tokens(None, rests, params, canceled, deadline, started, "local")
         finally:
-            close_tokens(tokens)
+            for rest in rests:
+                close_tokens(rest)
             with self._lock:
                 self._local.pop(job_id, None)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prfaas.engine.base import ModelFacts
@@ -46,6 +46,7 @@ class DecodeCall:
     token_ids: list[int]  # the prompt the KV belongs to (required by engines that recompute)
     num_tokens: int  # the KV's length, tokens
     token_ids_hash: str
+    firsts: list[Chosen] = field(default_factory=list)  # each choice's first token (sampling.n)
 
 
 class ShipmentEvents(Protocol):
@@ -99,10 +100,11 @@ class DecodeBackend(Protocol):
         ...
 
     def decode(self, hold: KVHold, call: DecodeCall, params: SamplingParams, deadline: float,
-               canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
-        """The tokens of steps 1 .. max_new_tokens - 1 after `call.first_token`, decoded from
-        the KV `hold` took in (after `hold.wait` returned True), with their logprobs when
-        `params` asks; it ends after an end-of-sequence or stop token id (engine/hf.py `ends`)."""
+               canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
+        """For each choice (`call.firsts`, `params.n` of them, each with `params.for_choice`): the
+        tokens of steps 1 .. max_new_tokens - 1 after its first token, decoded from the KV `hold`
+        took in (after `hold.wait` returned True), with their logprobs when `params` asks; each
+        ends after an end-of-sequence or stop token id (engine/hf.py `ends`)."""
         ...
 
     def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -110,8 +112,8 @@ class DecodeBackend(Protocol):
         ...
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
-                 canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
-        """Every token of a local (end-to-end) run, from step 0."""
+                 canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
+        """A local (end-to-end) run: one prefill, then each choice's tokens from step 0."""
         ...
 
     def decode_text(self, token_ids: list[int]) -> str:

@@ -104,23 +104,30 @@ class HFDecode:
         pass  # the KV itself is checked as it arrives (assembly.LayoutCheck) and when adopted
 
     def decode(self, hold: KVHold, call: DecodeCall, params: SamplingParams, deadline: float,
-               canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
+               canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
         assert isinstance(hold, Assembly)  # this backend's own
         layers = hold.take()
         if layers[0].k.shape[1] != call.num_tokens:
             raise PreconditionFailed(f"KV covers {layers[0].k.shape[1]} tokens, the request says {call.num_tokens}")
         facts = self.engine.facts
         kv = KVCache(facts.fingerprint, facts.dtype, tuple(layers), call.num_tokens, call.token_ids_hash)
-        return self._paced(self.engine.decode_chosen(kv, call.first_token, params, call.token_ids), canceled)
+        firsts = call.firsts or [Chosen(call.first_token)]
+        return [
+            self._paced(self.engine.decode_chosen(kv, first.token, params.for_choice(c), call.token_ids), canceled)
+            for c, first in enumerate(firsts)
+        ]
 
     def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         self.engine.check_prompt(token_ids, params)
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
-                 canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
+                 canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
         result = self.engine.prefill(token_ids, params)
-        rest = self.engine.decode_chosen(result.kv, result.first_token, params, token_ids)
-        return self._paced(itertools.chain((result.first,), rest), canceled)
+        return [
+            self._paced(itertools.chain((first,), self.engine.decode_chosen(result.kv, first.token,
+                                                                            params.for_choice(c), token_ids)), canceled)
+            for c, first in enumerate(result.choices)
+        ]  # fmt: skip
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.engine.decode_text(token_ids)

@@ -95,20 +95,20 @@ class VLLMDecode:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def decode(self, hold: KVHold, call: DecodeCall, params: SamplingParams, deadline: float,
-               canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
+               canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
         assert isinstance(hold, ServerHold)  # this backend's own
         if params.max_new_tokens <= 1:  # vLLM generates at least one token: ask for none
-            return iter(())
+            return [iter(())]
         remaining = deadline - time.monotonic()
         load = LoadParams(call.job_id, call.attempt, min(MAX_TIMEOUT_S, max(0.1, remaining)), len(call.token_ids))
         rest = self.vllm.stream([*call.token_ids, call.first_token], params.max_new_tokens - 1, load.to_kv_params(),
                                 remaining, stop=canceled)  # fmt: skip
-        return _chosen(_arrived_at_first(hold.events, rest))
+        return [_chosen(_arrived_at_first(hold.events, rest))]  # one choice (check_greedy refuses n > 1)
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
-                 canceled: threading.Event) -> Iterator[Chosen]:  # fmt: skip
+                 canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
         tokens = self.vllm.stream(token_ids, params.max_new_tokens, None, deadline - time.monotonic(), stop=canceled)
-        return _chosen(_canceled_on_stop(tokens))
+        return [_chosen(_canceled_on_stop(tokens))]
 
     def close(self) -> None:
         self.vllm.close()

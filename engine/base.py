@@ -37,6 +37,11 @@ class PrefillResult:
     first_token: int
     logits: torch.Tensor  # [vocab] float32, the logits the first token was chosen from
     first: Chosen  # first_token with its logprobs (when asked)
+    firsts: tuple[Chosen, ...] = ()  # every choice's first token (params.n of them; choice 0's is `first`)
+
+    @property
+    def choices(self) -> tuple[Chosen, ...]:
+        return self.firsts or (self.first,)
 
 
 @dataclass(frozen=True)

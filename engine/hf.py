@@ -152,8 +152,9 @@ class HFEngine:
             num_tokens=len(token_ids),
             token_ids_hash=hash_token_ids(token_ids),
         )
-        first = choose(logits, params, 0, History(prompt=token_ids), self.eos_token_ids)
-        return PrefillResult(kv=kv, first_token=first.token, logits=logits, first=first)
+        history = History(prompt=token_ids)
+        firsts = tuple(choose(logits, params.for_choice(c), 0, history, self.eos_token_ids) for c in range(params.n))
+        return PrefillResult(kv=kv, first_token=firsts[0].token, logits=logits, first=firsts[0], firsts=firsts)
 
     def decode_steps(
         self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = ()

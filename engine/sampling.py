@@ -31,6 +31,7 @@ import xxhash
 from prfaas.engine.errors import InvalidSamplingParams
 
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI bounds it
+MAX_N = 16  # choices per prompt: each decodes from its own copy of the prompt's KV
 MAX_STOP = 16  # stop strings and stop token ids, each
 MAX_STOP_CHARS = 256
 
@@ -54,6 +55,7 @@ class SamplingParams:
     stop_token_ids: tokens that end generation (the token is kept, its text is not shown).
     logit_bias: (token id, bias) pairs added to the logits at every step.
     logprobs: None = none; k >= 0 = the chosen token's logprob and the k most likely ones.
+    n: choices generated from the one prefill (each decodes on its own; `for_choice`).
     """
 
     max_new_tokens: int = 32
@@ -71,6 +73,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         def bad(message: str) -> InvalidSamplingParams:
@@ -103,6 +106,19 @@ class SamplingParams:
             raise bad("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
+
+    def for_choice(self, choice: int) -> SamplingParams:
+        """The parameters choice `choice` (0 .. n-1) is generated with: choice 0 keeps the seed, the
+        others draw from seeds derived from it, so the n choices differ when sampling and are each
+        reproducible wherever they run (greedy choices are all the same, as in vLLM)."""
+        if self.n == 1 and choice == 0:
+            return self
+        seed = self.seed
+        if seed is not None and choice:
+            seed = xxhash.xxh3_64_intdigest(f"{seed}/choice{choice}".encode()) & ((1 << 62) - 1)
+        return dataclasses.replace(self, seed=seed, n=1)
 
     @property
     def greedy(self) -> bool:

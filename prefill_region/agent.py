@@ -37,6 +37,7 @@ from prfaas.region.errors import (
 from prfaas.region.requests import (
     MAX_TIMEOUT_S,
     cancel_of,
+    firsts_to_proto,
     job_uuid,
     logprobs_to_proto,
     sampling_from_proto,
@@ -173,8 +174,9 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         return prefill_pb2.ReshipReply(
             shipment=_complete(reshipped.shipped),
             kv=reshipped.kv,
-            first_token=reshipped.first.token,
-            first_logprobs=logprobs_to_proto(reshipped.first.logprobs),
+            first_token=reshipped.firsts[0].token,
+            first_logprobs=logprobs_to_proto(reshipped.firsts[0].logprobs),
+            choices=firsts_to_proto(reshipped.firsts),
         )
 
     @unary

@@ -15,7 +15,7 @@ when the job is canceled, so no shipment outlives its job.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,7 +56,7 @@ class Shipped:
 class Reshipped:
     shipped: Shipped
     kv: common_pb2.KVDescriptor
-    first: Chosen  # the first token, with its logprobs when they were asked
+    firsts: tuple[Chosen, ...]  # each choice's first token, with its logprobs when they were asked
 
 
 class JobProgress(Protocol):
@@ -82,7 +82,9 @@ class JobProgress(Protocol):
 
     def layer_shipped(self, index: int) -> None: ...
 
-    def prefill_done(self, first: Chosen, kv: common_pb2.KVDescriptor, prefill_s: float) -> None: ...
+    def prefill_done(self, firsts: Sequence[Chosen], kv: common_pb2.KVDescriptor, prefill_s: float) -> None:
+        """Prefill ended: each choice's first token (`sampling.n` of them), the KV's descriptor."""
+        ...
 
 
 class PrefillBackend(Protocol):

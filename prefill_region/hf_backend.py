@@ -150,7 +150,7 @@ class HFPrefill:
             for index, layer in enumerate(result.kv.layers):
                 shipment.add_layer(index, byte_view(layer.k), byte_view(layer.v))
                 job.layer_shipped(index)
-        job.prefill_done(result.first, _descriptor(facts, result), prefill_s)
+        job.prefill_done(result.choices, _descriptor(facts, result), prefill_s)
         status = wait_transfer(transfer, work.deadline, job.stop, kind="prefill")
         if status is not TransferStatus.COMPLETED:
             _transfer_failed(job, transfer)
@@ -172,7 +172,7 @@ class HFPrefill:
             status = wait_transfer(transfer, deadline, threading.Event(), kind="reship")
             if status is not TransferStatus.COMPLETED:
                 raise transfer.error or DeadlineExceeded("re-shipment did not complete")
-            return Reshipped(_shipped(transfer), _descriptor(self.engine.facts, lease.result), lease.result.first)
+            return Reshipped(_shipped(transfer), _descriptor(self.engine.facts, lease.result), lease.result.choices)
         finally:
             self.leases.unhold(lease)
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prfaas.engine.sampling import Chosen
 from prfaas.prefill_region.backend import JobStopped, PrefillWork
 from prfaas.protos.prfaas.v1 import common_pb2, prefill_pb2
 from prfaas.region.errors import DeadlineExceeded
-from prfaas.region.requests import logprobs_to_proto
+from prfaas.region.requests import firsts_to_proto, logprobs_to_proto
 
 END = object()  # the last item of `events`: the job ended (its `error` says how)
 
@@ -71,9 +71,14 @@ class Job:
     def layer_shipped(self, index: int) -> None:
         self.emit(prefill_pb2.PrefillEvent(layer_shipped=prefill_pb2.LayerShipped(layer=index)))
 
-    def prefill_done(self, first: Chosen, kv: common_pb2.KVDescriptor, prefill_s: float) -> None:
+    def prefill_done(self, firsts: Sequence[Chosen], kv: common_pb2.KVDescriptor, prefill_s: float) -> None:
         self.on_prefilled(len(self.work.token_ids), prefill_s)
+        first = firsts[0]
         done = prefill_pb2.PrefillDone(
-            first_token=first.token, kv=kv, prefill_s=prefill_s, first_logprobs=logprobs_to_proto(first.logprobs)
+            first_token=first.token,
+            kv=kv,
+            prefill_s=prefill_s,
+            first_logprobs=logprobs_to_proto(first.logprobs),
+            choices=firsts_to_proto(firsts),
         )
         self.emit(prefill_pb2.PrefillEvent(prefill_done=done))

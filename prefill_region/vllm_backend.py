@@ -57,7 +57,7 @@ class VLLMPrefill:
         prefill_s = time.monotonic() - t0
         job.check()
         kv = kv_descriptor(self.vllm.facts, len(work.token_ids), hash_token_ids(work.token_ids))
-        job.prefill_done(Chosen(int(result["token_ids"][0])), kv, prefill_s)
+        job.prefill_done([Chosen(int(result["token_ids"][0]))], kv, prefill_s)
         outcome = None
         while outcome is None:  # in short slices: a Cancel or the deadline ends the wait
             job.check()

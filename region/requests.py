@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
-from prfaas.engine.sampling import SamplingParams, TokenLogprobs
+from prfaas.engine.sampling import Chosen, SamplingParams, TokenLogprobs
 from prfaas.protos.prfaas.v1 import common_pb2
 from prfaas.region.errors import Canceled, InvalidRequest
 
@@ -47,6 +48,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        n=msg.n or 1,
     )
 
 
@@ -56,7 +58,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         top_k=params.top_k, min_p=params.min_p, ignore_eos=params.ignore_eos,
         repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, min_tokens=params.min_tokens, stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids), logit_bias=dict(params.logit_bias),
+        stop_token_ids=list(params.stop_token_ids), logit_bias=dict(params.logit_bias), n=params.n,
     )  # fmt: skip
     if params.seed is not None:
         msg.seed = params.seed
@@ -75,6 +77,22 @@ def logprobs_to_proto(logprobs: TokenLogprobs | None) -> common_pb2.TokenLogprob
 
 def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(msg.logprob, msg.rank, tuple(msg.top_ids), tuple(msg.top_logprobs))
+
+
+def firsts_to_proto(firsts: Sequence[Chosen]) -> list[common_pb2.FirstToken]:
+    """Every choice's first token, for a PrefillDone / ReshipReply (none when there is one choice:
+    `first_token` and `first_logprobs` say it)."""
+    if len(firsts) <= 1:
+        return []
+    return [common_pb2.FirstToken(token=f.token, logprobs=logprobs_to_proto(f.logprobs)) for f in firsts]
+
+
+def firsts_from_proto(first_token: int, first_logprobs: common_pb2.TokenLogprobs | None,
+                      choices: Sequence[common_pb2.FirstToken]) -> list[Chosen]:  # fmt: skip
+    """Every choice's first token from a message's `first_token`, `first_logprobs` and `choices`."""
+    if not choices:
+        return [Chosen(first_token, logprobs_from_proto(first_logprobs) if first_logprobs is not None else None)]
+    return [Chosen(c.token, logprobs_from_proto(c.logprobs) if c.HasField("logprobs") else None) for c in choices]
 
 
 def cancel_of(request: common_pb2.CancelRequest) -> tuple[str, Canceled]:

@@ -68,7 +68,7 @@ class _Job:
     job_id: str
     stream: Iterator[Token]
     prompt_tokens: int
-    choice: Choice
+    choices: list[Choice]  # the job's n choices
     leader: bool  # its stream is this request's own (not attached to another request's job)
 
 
@@ -150,8 +150,9 @@ def _run(
     try:
         for index, (prompt, echo) in enumerate(runs):
             key = g.idempotency_key and (g.idempotency_key if index == 0 else f"{g.idempotency_key}:{index}")
-            choice = Choice(s.model, params, kind == "chat.completion", index, echo)
-            jobs.append(_start(g, body, prompt, params, placement, kind, key, choice))
+            n, chat = params.n, kind == "chat.completion"
+            choices = [Choice(s.model, params, chat, index * n + c, echo) for c in range(n)]  # OpenAI's numbering
+            jobs.append(_start(g, body, prompt, params, placement, kind, key, choices))
     except BaseException:
         for job in jobs:  # the prompts already started end with the request
             if job.leader:
@@ -163,7 +164,7 @@ def _run(
 
 def _start(
     g: Generation, body: Body, prompt: Prompt, params: SamplingParams, placement: str, kind: str,
-    key: str | None, choice: Choice,
+    key: str | None, choices: list[Choice],
 ) -> _Job:  # fmt: skip
     s, tenant = g.services, g.tenant
     body_hash = _body_hash(g, body, kind) if key else ""
@@ -172,7 +173,7 @@ def _start(
     except AdmissionRefused as exc:
         raise _refused(g, exc) from None
     if admission.existing:
-        return _attach(g, admission.job_id, choice)
+        return _attach(g, admission.job_id, choices)
     try:  # from here on, a refusal gives the admission's slot and rate count back
         ids = prompt if isinstance(prompt, list) else g.metrics.tokenize(prompt)
         job_id, handed_off, record = _create(g, body, admission, ids, params, placement, kind)
@@ -183,7 +184,7 @@ def _start(
         s.jobs.release(admission)
         raise
     if record is None:  # a concurrent request with the same Idempotency-Key and body created the job
-        return _attach(g, job_id, choice)
+        return _attach(g, job_id, choices)
     ready: dict[str, Any] | None = None
     if handed_off is not None:
         ready = {"attempt": 1} | handed_off.ready
@@ -194,17 +195,17 @@ def _start(
             g.follower.abandon(job_id, "broker unreachable at dispatch")
             raise STORE_UNAVAILABLE.error() from None
         record = None
-    return _Job(job_id, g.follower.tokens(job_id, record, ready), len(ids), choice, leader=True)
+    return _Job(job_id, g.follower.tokens(job_id, record, ready), len(ids), choices, leader=True)
 
 
-def _attach(g: Generation, job_id: str, choice: Choice) -> _Job:
+def _attach(g: Generation, job_id: str, choices: list[Choice]) -> _Job:
     """The job an earlier request with the same Idempotency-Key (and body) started: its tokens, from its log
     or its record (jobs/tokenlog.py), never a second run."""
     try:
         job = g.services.jobs.get(job_id)
     except JobNotFound:
         raise JOB_NOT_FOUND.error() from None
-    return _Job(job_id, g.follower.attached(job_id), int(job.get("prompt_tokens", 0) or 0), choice, leader=False)
+    return _Job(job_id, g.follower.attached(job_id), int(job.get("prompt_tokens", 0) or 0), choices, leader=False)
 
 
 def _create(
@@ -230,7 +231,8 @@ def _create(
     if g.idempotency_key:  # a retry can attach to it: adopted if its API process dies (jobs/sweeper.py)
         fields["idempotent"] = 1
     asked = {"id": admission.job_id, "tenant": tenant.id, "prompt_tokens": str(len(ids))}
-    asked |= {"max_new_tokens": str(max_new), "placement_asked": placement}  # not the prompt: str() of 100k ids
+    # the decode work placed and reserved for: n choices of up to max_new tokens each (one prefill)
+    asked |= {"max_new_tokens": str(max_new * params.n), "placement_asked": placement}  # not str() of 100k ids
     placed = g.follower.placer.place(asked, hand_off=s.settings.admission_placement)
     created = s.jobs.create(
         tenant.id, fields | placed.fields, tenant.quota, handed_off=placed.handed_off, admission=admission,
@@ -266,15 +268,19 @@ def _respond(g: Generation, body: Body, jobs: list[_Job], kind: str) -> JSONResp
         raise _ended(exc) from None
     reply = {
         "id": jobs[0].job_id, "object": kind, "created": int(time.time()), "model": s.model.name,
-        "choices": [job.choice.full() for job in jobs],
-        "usage": usage(sum(j.prompt_tokens for j in jobs), sum(len(j.choice.tokens) for j in jobs)),
+        "choices": [choice.full() for job in jobs for choice in job.choices],
+        "usage": usage(sum(j.prompt_tokens for j in jobs), _completion_tokens(jobs)),
     }  # fmt: skip
     return JSONResponse(reply, headers=headers)
 
 
 def _fill(job: _Job) -> None:
     for token in job.stream:
-        job.choice.add(token)
+        job.choices[token.choice].add(token)
+
+
+def _completion_tokens(jobs: list[_Job]) -> int:
+    return sum(len(choice.tokens) for job in jobs for choice in job.choices)
 
 
 def _ended(exc: JobEnded) -> ApiError:
@@ -321,17 +327,18 @@ def _sse(
         ((0, token) for token in jobs[0].stream) if len(jobs) == 1 else merged([job.stream for job in jobs])
     )
     try:
-        if chat:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        if chat:  # each choice's role first, as vLLM sends it
+            roles = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield chunk([{"index": c.index} | roles for job in jobs for c in job.choices])
         for index, token in stream:
-            choice = jobs[index].choice
+            choice = jobs[index].choices[token.choice]
             choice.add(token)
             piece = choice.chunk()
             if piece is not None:
                 yield chunk([piece])
         finished = True
         if include_usage:
-            yield chunk([], usage(sum(j.prompt_tokens for j in jobs), sum(len(j.choice.tokens) for j in jobs)))
+            yield chunk([], usage(sum(j.prompt_tokens for j in jobs), _completion_tokens(jobs)))
         yield "data: [DONE]\n\n"
     except JobEnded as exc:
         finished = True

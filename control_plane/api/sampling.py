@@ -27,8 +27,6 @@ def num_logprobs(body: Body) -> int | None:
 
 def check_supported(body: Body) -> None:
     """400 for what the schema accepts but prfaas does not implement yet."""
-    if body.n is not None and body.n > 1:
-        raise UNSUPPORTED_PARAMETER.error("unsupported parameter: n > 1 is not supported yet", param="n")
     if isinstance(body, CompletionCreate) and body.echo and body.logprobs is not None:
         raise UNSUPPORTED_PARAMETER.error(
             "unsupported parameter: echo with logprobs (prompt logprobs) is not supported yet", param="echo"
@@ -56,7 +54,7 @@ def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int) -> SamplingP
             repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0, min_tokens=body.min_tokens or 0,
             stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), logit_bias=tuple(sorted(bias)),
-            logprobs=logprobs,
+            logprobs=logprobs, n=body.n or 1,
         )  # fmt: skip
         params.check_vocab(vocab_size)
     except InvalidSamplingParams as exc:
@@ -65,4 +63,4 @@ def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int) -> SamplingP
     return params
 
 
-_PARAMS = ("stop_token_ids", "logit_bias", "min_tokens", "stop", "logprobs", "temperature", "top_p", "top_k")
+_PARAMS = ("stop_token_ids", "logit_bias", "min_tokens", "stop", "logprobs", "temperature", "top_p", "top_k", "n")

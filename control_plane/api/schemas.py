@@ -59,7 +59,7 @@ class _Generation(BaseModel):
     ignore_eos: bool | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None = None
-    n: int | None = Field(default=None, ge=1, le=128, description="choices per prompt (n > 1: refused, not yet)")
+    n: int | None = Field(default=None, ge=1, le=16, description="choices per prompt: one prefill, n decodes")
     user: str | None = Field(default=None, max_length=256)
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -94,7 +94,7 @@ class Adoptions:
         if self._follower is None:
             self._follower = Follower(self.s, self.app, open_meter(self.s), self.owner)
         follower = self._follower
-        logged = [token.token for token in follower.log.logged_tokens(job_id, 0)]
+        logged = follower.log.logged_tokens(job_id, 0)
 
         def follow() -> None:
             try:

@@ -228,7 +228,7 @@ class Dispatcher:
                     # hand-off (the prefill region's shipment_complete event may come after DONE).
                     jobs.update(run.job_id, run.attempt, bytes_raw=run.kv_bytes, prefill_gpu_s=done.prefill_s)
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
-                    first = _first(done.first_token, done.first_logprobs if done.HasField("first_logprobs") else None)
+                    first = _first(done)
                     jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
                 elif kind == "shipment_complete":
                     shipped = event.shipment_complete
@@ -250,7 +250,7 @@ class Dispatcher:
             jobs.update(run.job_id, run.attempt, bytes_raw=reply.shipment.raw_bytes,
                         bytes_wire=reply.shipment.wire_bytes, reship_from="")  # fmt: skip
             kv = base64.b64encode(reply.kv.SerializeToString()).decode()
-            first = _first(reply.first_token, reply.first_logprobs if reply.HasField("first_logprobs") else None)
+            first = _first(reply)
             jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
         except grpc.aio.AioRpcError as exc:  # lease gone, region down: the next attempt computes the prompt again
             await self._stage_failed(run, "reship", exc, reship_from="")
@@ -301,7 +301,7 @@ def job_request(job: Mapping[str, str], settings: Settings) -> Request:
         request_id=job["id"],
         tenant=job["tenant"],
         prompt_tokens=int(job["prompt_tokens"]),
-        max_new_tokens=int(job["max_new_tokens"]),
+        max_new_tokens=int(job["max_new_tokens"]) * job_sampling(job).n,  # n choices decode, one prefill
         slo=Slo(ttft_ms=settings.ttft_slo_ms, tpot_ms=settings.tpot_slo_ms),
     )
 
@@ -321,11 +321,14 @@ def ready_info(mode: str, decode: InstanceRecord, **fields: Any) -> dict[str, An
     return {"mode": mode, "decode_grpc": decode.grpc_endpoint, "decode_region": decode.name} | fields
 
 
-def _first(token: int, logprobs: common_pb2.TokenLogprobs | None) -> dict[str, Any]:
-    """The hand-off's first token (chosen at prefill) and its logprobs, when asked."""
-    first: dict[str, Any] = {"first_token": token}
-    if logprobs is not None:
-        first["first_logprobs"] = base64.b64encode(logprobs.SerializeToString()).decode()
+def _first(done: prefill_pb2.PrefillDone | prefill_pb2.ReshipReply) -> dict[str, Any]:
+    """The hand-off's first token (chosen at prefill), its logprobs when asked, and every choice's first
+    token when the job asked for n > 1 (each a serialized FirstToken, base64)."""
+    first: dict[str, Any] = {"first_token": done.first_token}
+    if done.HasField("first_logprobs"):
+        first["first_logprobs"] = base64.b64encode(done.first_logprobs.SerializeToString()).decode()
+    if done.choices:
+        first["choices"] = [base64.b64encode(c.SerializeToString()).decode() for c in done.choices]
     return first
 
 

@@ -29,12 +29,12 @@ from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.usage import served_timing
 from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.celery_app import enqueue
-from prfaas.control_plane.jobs.dispatch import sampling
+from prfaas.control_plane.jobs.dispatch import job_sampling, sampling
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
-from prfaas.control_plane.jobs.tokenlog import Token, TokenLog
+from prfaas.control_plane.jobs.tokenlog import Outputs, Token, TokenLog, recorded_tokens
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from prfaas.region.channels import ChannelCache
@@ -78,7 +78,7 @@ class Follower:
 
     def tokens(
         self, job_id: str, job: dict[str, str] | None = None, ready: dict[str, Any] | None = None, *,
-        after_attempt: int = 0, already: list[int] | None = None,
+        after_attempt: int = 0, already: list[Token] | None = None,
     ) -> Iterator[Token]:  # fmt: skip
         """The job's tokens, from whichever attempt delivers them. `ready` (with `job`, its
         record) is a hand-off the caller already holds: the first attempt starts from it.
@@ -88,7 +88,7 @@ class Follower:
             if self.owner:
                 self.leases.follow(job_id, self.owner)
             try:
-                yield from self._tokens(job_id, job, ready, after_attempt, list(already or ()))
+                yield from self._tokens(job_id, job, ready, after_attempt, Outputs(already or ()))
             finally:
                 if self.owner:
                     with contextlib.suppress(redis.RedisError):  # an outage's other errors say it already
@@ -123,7 +123,7 @@ class Follower:
         threading.Thread(target=fail, name=f"abandon-{job_id[:8]}", daemon=True).start()
 
     def _tokens(self, job_id: str, job: dict[str, str] | None, ready: dict[str, Any] | None, after: int,
-                output: list[int]) -> Iterator[Token]:  # fmt: skip
+                output: Outputs) -> Iterator[Token]:  # fmt: skip
         jobs = self.s.jobs
         deadline = time.monotonic() + self.s.settings.job_timeout_s
         info = ready
@@ -163,34 +163,35 @@ class Follower:
                     )  # fmt: skip
                     if handed.get("first_logprobs"):
                         request.first_logprobs.ParseFromString(base64.b64decode(handed["first_logprobs"]))
+                    for choice in handed.get("choices") or ():
+                        request.choices.add().ParseFromString(base64.b64decode(choice))
                     stream = stub.Decode(request, timeout=remaining + 5)
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 with _released(stream) as finished:
                     for event in stream:
-                        if event.index == 0:
+                        if event.index == 0 and event.choice == 0:
                             first = (time.time(), event.elapsed_s)
-                        if event.index == 0 and handed["mode"] == "split":
-                            tenant = job["tenant"]
-                            jobs.transition(job_id, JobState.DECODING, attempt, note="first token", tenant=tenant)
-                        if event.index < len(output):
-                            continue
-                        output.append(event.token)
+                            if handed["mode"] == "split":
+                                tenant = job["tenant"]
+                                jobs.transition(job_id, JobState.DECODING, attempt, note="first token", tenant=tenant)
                         token = Token(
                             event.index, event.token, event.last, event.finish_reason, event.stop_reason,
-                            logprobs_from_proto(event.logprobs) if event.HasField("logprobs") else None,
+                            logprobs_from_proto(event.logprobs) if event.HasField("logprobs") else None, event.choice,
                         )  # fmt: skip
+                        if not output.add(token):
+                            continue  # sent before this attempt
                         self.log.log_token(job_id, token)  # before DONE
-                        if event.last:  # spend is billed from the ledger (billing/meter.py), not here
+                        done = output.done(job_sampling(job).n)
+                        if done:  # spend is billed from the ledger (billing/meter.py), not here
                             jobs.transition(
                                 job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
-                                completion_tokens=len(output), finish_reason=event.finish_reason, output_ids=output,
-                                stop_reason=event.stop_reason, **served_timing(first, event.elapsed_s),
+                                **output.record(), **served_timing(first, event.elapsed_s),
                             )  # fmt: skip
                             if self.meter is not None:
                                 self.meter.job_done(job_id)
                             finished.set()
                         yield token
-                        if event.last:
+                        if done:
                             return
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS and conflicts < CONFLICT_RETRIES:
@@ -201,7 +202,7 @@ class Follower:
                     time.sleep(CONFLICT_PAUSE_S)
                     info = handed
                     continue
-                self._lost(job_id, attempt, handed["mode"], exc, after_tokens=len(output))
+                self._lost(job_id, attempt, handed["mode"], exc, after_tokens=output.count)
             except (StaleAttempt, IllegalTransition):
                 continue  # a newer attempt (or a cancel) took over
 
@@ -218,12 +219,15 @@ class Follower:
         self.log.attach(job_id, 1)
         try:
             seen = 0
+            n = job_sampling(self.s.jobs.get(job_id)).n
+            output = Outputs(())
             while True:
                 found = self.log.wait_tokens(job_id, seen, max(0.0, deadline - time.monotonic()))
                 for token in found:
+                    output.add(token)
                     yield token
                     seen += 1
-                    if token.last:
+                    if output.done(n):
                         return
                 if found:
                     continue
@@ -231,11 +235,9 @@ class Follower:
                 if job["state"] in (JobState.FAILED, JobState.CANCELED):
                     raise JobEnded(job["state"], job.get("error") or job["state"].lower())
                 if job["state"] == JobState.DONE:  # its log is gone (expired): its record has the tokens
-                    output = _ids(job, "output_ids")
-                    for index in range(seen, len(output)):
-                        last = index == len(output) - 1
-                        finish, stop = (job.get("finish_reason", ""), job.get("stop_reason", "")) if last else ("", "")
-                        yield Token(index, output[index], last, finish, stop)
+                    for token in recorded_tokens(job):
+                        if output.add(token):
+                            yield token
                     return
                 if time.monotonic() >= deadline:
                     raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job_timeout_s:g} s")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,18 +27,21 @@ class Token:
     finish_reason: str  # on the last: "length", "eos", "stop_token" or "stop" (a stop string)
     stop_reason: str = ""  # "stop": the stop string; "stop_token": the token id
     logprobs: TokenLogprobs | None = None
+    choice: int = 0  # which of the job's `n` choices; `index` and `last` are that choice's
 
     def entry(self) -> str:
         lp = self.logprobs
         logprobs = None if lp is None else [lp.logprob, lp.rank, list(lp.top_ids), list(lp.top_logprobs)]
-        return json.dumps([self.token, int(self.last), self.finish_reason, self.stop_reason, logprobs])
+        return json.dumps([self.token, int(self.last), self.finish_reason, self.stop_reason, logprobs, self.choice,
+                           self.index])  # fmt: skip
 
     @staticmethod
-    def of_entry(index: int, entry: Any) -> Token:
+    def of_entry(position: int, entry: Any) -> Token:
+        """A log entry read back (`position`: its place in the log, the index of a one-choice job's token)."""
         token, last, finish, *more = json.loads(entry)
-        stop, lp = [*more, "", None][:2]
+        stop, lp, choice, index = [*more, "", None, 0, position][:4]
         logprobs = None if lp is None else TokenLogprobs(lp[0], lp[1], tuple(lp[2]), tuple(lp[3]))
-        return Token(index, int(token), bool(last), str(finish), str(stop), logprobs)
+        return Token(int(index), int(token), bool(last), str(finish), str(stop), logprobs, int(choice))
 
 
 # KEYS: token log, readers count, notify channel. ARGV: entry, TTL.
@@ -103,3 +107,62 @@ class TokenLog:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Outputs:
+    """A job's output as its follower has it: each choice's tokens and whether it ended."""
+
+    def __init__(self, tokens: Iterable[Token]) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.ended: dict[int, Token] = {}  # choice -> its last token
+        for token in tokens:
+            self.add(token)
+
+    def add(self, token: Token) -> bool:
+        """Record `token`; False when its choice already has it (a new attempt repeats what was sent)."""
+        tokens = self.tokens.setdefault(token.choice, [])
+        if token.index < len(tokens):
+            return False
+        tokens.append(token.token)
+        if token.last:
+            self.ended[token.choice] = token
+        return True
+
+    @property
+    def count(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+    def done(self, n: int) -> bool:
+        return len(self.ended) >= n
+
+    def record(self) -> dict[str, Any]:
+        """The DONE record's fields: completion tokens over every choice; a one-choice job's output ids,
+        finish and stop reason as they are, an n-choice job's as lists by choice."""
+        choices = sorted(self.tokens)
+        if choices == [0]:
+            last = self.ended[0]
+            return {"completion_tokens": self.count, "output_ids": self.tokens[0], "finish_reason": last.finish_reason,
+                    "stop_reason": last.stop_reason}  # fmt: skip
+        return {
+            "completion_tokens": self.count, "output_ids": [self.tokens[c] for c in choices],
+            "finish_reason": self.ended[0].finish_reason, "stop_reason": self.ended[0].stop_reason,
+            "finish_reasons": [self.ended[c].finish_reason for c in choices],
+            "stop_reasons": [self.ended[c].stop_reason for c in choices],
+        }  # fmt: skip
+
+
+def recorded_tokens(job: dict[str, str]) -> list[Token]:
+    """A DONE job's tokens from its record (`Outputs.record`), for a reader that came after its log expired."""
+    output = json.loads(job.get("output_ids") or "[]")
+    if output and isinstance(output[0], list):  # n choices
+        finishes = json.loads(job.get("finish_reasons") or "[]")
+        stops = json.loads(job.get("stop_reasons") or "[]")
+        per_choice = list(zip(output, finishes, stops, strict=False))
+    else:
+        per_choice = [(output, job.get("finish_reason", ""), job.get("stop_reason", ""))]
+    tokens = []
+    for choice, (ids, finish, stop) in enumerate(per_choice):
+        for index, token in enumerate(ids):
+            last = index == len(ids) - 1
+            tokens.append(Token(index, int(token), last, finish if last else "", stop if last else "", None, choice))
+    return tokens

@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from prfaas.devstack.stack import Stack, free_port, wait_until
+from prfaas.engine.base import ModelFacts
 from prfaas.engine.models import prepare_model, resolve_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -78,12 +79,14 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
         "chat",
         {"messages": [{"role": "user", "content": "Count from 1 to 10."}], "max_tokens": 32, "stop": ["5"]},
     ),
+    "n3": ("completions", {"prompt": FRANCE, "max_tokens": 8, "n": 3}),
+    "n2_batch": ("completions", {"prompt": [FRANCE, COUNT], "max_tokens": 6, "n": 2}),
     "chat_logprobs": (
         "chat",
         {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6, "logprobs": True, "top_logprobs": 5},
     ),
 }
-STREAMED = ("stop_string", "stop_mid_token", "min_tokens", "echo", "chat_system", "chat_stop")
+STREAMED = ("stop_string", "stop_mid_token", "min_tokens", "echo", "chat_system", "chat_stop", "n2_batch")
 
 
 def _ask(client: openai.OpenAI, endpoint: str, fields: dict[str, Any], *, stream: bool = False,
@@ -239,3 +242,25 @@ def test_seeded_sampling_is_the_same_local_split_and_again(prfaas: openai.OpenAI
     assert len(set(texts)) == 1, texts
     greedy = prfaas.completions.create(model=MODEL, prompt=STORY, max_tokens=24, temperature=0.0)
     assert texts[0] != greedy.choices[0].text  # it really sampled
+
+
+def test_n_choices_share_one_prefill_and_one_shipment(prfaas: openai.OpenAI) -> None:
+    fields = {"prompt": STORY, "max_tokens": 12, "temperature": 1.0, "seed": 11, "n": 3}
+    replies = {}
+    for placement in ("split", "local", "split"):
+        raw = prfaas.completions.with_raw_response.create(model=MODEL, **fields,
+                                                          extra_headers={"X-Prfaas-Placement": placement})  # fmt: skip
+        replies.setdefault(placement, []).append((raw.parse(), raw.headers["X-Prfaas-Job-Id"]))
+    (reply, job_id), (again, _) = replies["split"]
+    texts = [c.text for c in reply.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2] and len(set(texts)) > 1  # three draws, not one
+    assert texts == [c.text for c in again.choices] == [c.text for c in replies["local"][0][0].choices]
+    assert reply.usage is not None and 3 <= reply.usage.completion_tokens <= 36  # every choice's tokens
+    if all(c.finish_reason == "length" for c in reply.choices):
+        assert reply.usage.completion_tokens == 36
+    job = httpx.get(f"{str(prfaas.base_url).rstrip('/')}/jobs/{job_id}",
+                    headers={"Authorization": f"Bearer {prfaas.api_key}"}, timeout=10).json()  # fmt: skip
+    facts = ModelFacts.read(MODEL, "float32")
+    assert job["placement_chosen"] == "split"
+    assert job["bytes_raw"] == job["usage"]["prompt_tokens"] * facts.kv_bytes_per_token  # one shipment, not three
+    assert job["usage"]["completion_tokens"] == reply.usage.completion_tokens

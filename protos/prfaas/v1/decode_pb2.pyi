@@ -138,6 +138,7 @@ class DecodeRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     first_token: _builtins.int
@@ -158,6 +159,10 @@ class DecodeRequest(_message.Message):
     def first_logprobs(self) -> _common_pb2.TokenLogprobs:
         """first_token's, when the sampling asks for logprobs"""
 
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FirstToken]:
+        """sampling.n > 1: every choice's first token (PrefillDone.choices)"""
+
     def __init__(
         self,
         *,
@@ -169,10 +174,11 @@ class DecodeRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         first_logprobs: _common_pb2.TokenLogprobs | None = ...,
+        choices: _abc.Iterable[_common_pb2.FirstToken] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -219,8 +225,9 @@ class TokenEvent(_message.Message):
     ELAPSED_S_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
     index: _builtins.int
-    """generation step (0 = first token)"""
+    """generation step (0 = first token) of its choice"""
     token: _builtins.int
     last: _builtins.bool
     """no more tokens follow"""
@@ -230,6 +237,8 @@ class TokenEvent(_message.Message):
     """since the call started"""
     stop_reason: _builtins.str
     """finish "stop": the stop string, or the stop token id in decimal"""
+    choice: _builtins.int
+    """sampling.n > 1: which choice (0 .. n-1); `last` ends that choice only"""
     @_builtins.property
     def logprobs(self) -> _common_pb2.TokenLogprobs:
         """when the sampling asks for them"""
@@ -244,10 +253,11 @@ class TokenEvent(_message.Message):
         elapsed_s: _builtins.float = ...,
         logprobs: _common_pb2.TokenLogprobs | None = ...,
         stop_reason: _builtins.str = ...,
+        choice: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "finish_reason", b"finish_reason", "index", b"index", "last", b"last", "logprobs", b"logprobs", "stop_reason", b"stop_reason", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "elapsed_s", b"elapsed_s", "finish_reason", b"finish_reason", "index", b"index", "last", b"last", "logprobs", b"logprobs", "stop_reason", b"stop_reason", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

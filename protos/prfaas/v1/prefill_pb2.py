@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from prfaas.protos.prfaas.v1 import common_pb2 as prfaas_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17prfaas/v1/prefill.proto\x12\tprfaas.v1\x1a\x16prfaas/v1/common.proto\"X\n\x0b\x44\x65stination\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x15\n\rdecode_region\x18\x04 \x01(\t\"\xd5\x01\n\x0ePrefillRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12+\n\x0b\x64\x65stination\x18\x06 \x01(\x0b\x32\x16.prfaas.v1.Destination\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x12\n\nship_whole\x18\x08 \x01(\x08\"\xed\x01\n\x0cPrefillEvent\x12\x11\n\telapsed_s\x18\x01 \x01(\x01\x12%\n\x07started\x18\x02 \x01(\x0b\x32\x12.prfaas.v1.StartedH\x00\x12\x30\n\rlayer_shipped\x18\x03 \x01(\x0b\x32\x17.prfaas.v1.LayerShippedH\x00\x12.\n\x0cprefill_done\x18\x04 \x01(\x0b\x32\x16.prfaas.v1.PrefillDoneH\x00\x12\x38\n\x11shipment_complete\x18\x05 \x01(\x0b\x32\x1b.prfaas.v1.ShipmentCompleteH\x00\x42\x07\n\x05\x65vent\"\x1b\n\x07Started\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\"\x1d\n\x0cLayerShipped\x12\r\n\x05layer\x18\x01 \x01(\r\"\x8c\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\"M\n\x10ShipmentComplete\x12\x11\n\traw_bytes\x18\x01 \x01(\x04\x12\x12\n\nwire_bytes\x18\x02 \x01(\x04\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"p\n\rReshipRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12+\n\x0b\x64\x65stination\x18\x03 \x01(\x0b\x32\x16.prfaas.v1.Destination\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xa8\x01\n\x0bReshipReply\x12-\n\x08shipment\x18\x01 \x01(\x0b\x32\x1b.prfaas.v1.ShipmentComplete\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs2\xc8\x01\n\rPrefillRegion\x12?\n\x07Prefill\x12\x19.prfaas.v1.PrefillRequest\x1a\x17.prfaas.v1.PrefillEvent0\x01\x12:\n\x06Reship\x12\x18.prfaas.v1.ReshipRequest\x1a\x16.prfaas.v1.ReshipReply\x12:\n\x06\x43\x61ncel\x12\x18.prfaas.v1.CancelRequest\x1a\x16.prfaas.v1.CancelReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17prfaas/v1/prefill.proto\x12\tprfaas.v1\x1a\x16prfaas/v1/common.proto\"X\n\x0b\x44\x65stination\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x15\n\rdecode_region\x18\x04 \x01(\t\"\xd5\x01\n\x0ePrefillRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12+\n\x0b\x64\x65stination\x18\x06 \x01(\x0b\x32\x16.prfaas.v1.Destination\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x12\n\nship_whole\x18\x08 \x01(\x08\"\xed\x01\n\x0cPrefillEvent\x12\x11\n\telapsed_s\x18\x01 \x01(\x01\x12%\n\x07started\x18\x02 \x01(\x0b\x32\x12.prfaas.v1.StartedH\x00\x12\x30\n\rlayer_shipped\x18\x03 \x01(\x0b\x32\x17.prfaas.v1.LayerShippedH\x00\x12.\n\x0cprefill_done\x18\x04 \x01(\x0b\x32\x16.prfaas.v1.PrefillDoneH\x00\x12\x38\n\x11shipment_complete\x18\x05 \x01(\x0b\x32\x1b.prfaas.v1.ShipmentCompleteH\x00\x42\x07\n\x05\x65vent\"\x1b\n\x07Started\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\"\x1d\n\x0cLayerShipped\x12\r\n\x05layer\x18\x01 \x01(\r\"\xb4\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12&\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x15.prfaas.v1.FirstToken\"M\n\x10ShipmentComplete\x12\x11\n\traw_bytes\x18\x01 \x01(\x04\x12\x12\n\nwire_bytes\x18\x02 \x01(\x04\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"p\n\rReshipRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12+\n\x0b\x64\x65stination\x18\x03 \x01(\x0b\x32\x16.prfaas.v1.Destination\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xd0\x01\n\x0bReshipReply\x12-\n\x08shipment\x18\x01 \x01(\x0b\x32\x1b.prfaas.v1.ShipmentComplete\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12&\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x15.prfaas.v1.FirstToken2\xc8\x01\n\rPrefillRegion\x12?\n\x07Prefill\x12\x19.prfaas.v1.PrefillRequest\x1a\x17.prfaas.v1.PrefillEvent0\x01\x12:\n\x06Reship\x12\x18.prfaas.v1.ReshipRequest\x1a\x16.prfaas.v1.ReshipReply\x12:\n\x06\x43\x61ncel\x12\x18.prfaas.v1.CancelRequest\x1a\x16.prfaas.v1.CancelReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,13 +43,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYERSHIPPED']._serialized_start=637
   _globals['_LAYERSHIPPED']._serialized_end=666
   _globals['_PREFILLDONE']._serialized_start=669
-  _globals['_PREFILLDONE']._serialized_end=809
-  _globals['_SHIPMENTCOMPLETE']._serialized_start=811
-  _globals['_SHIPMENTCOMPLETE']._serialized_end=888
-  _globals['_RESHIPREQUEST']._serialized_start=890
-  _globals['_RESHIPREQUEST']._serialized_end=1002
-  _globals['_RESHIPREPLY']._serialized_start=1005
-  _globals['_RESHIPREPLY']._serialized_end=1173
-  _globals['_PREFILLREGION']._serialized_start=1176
-  _globals['_PREFILLREGION']._serialized_end=1376
+  _globals['_PREFILLDONE']._serialized_end=849
+  _globals['_SHIPMENTCOMPLETE']._serialized_start=851
+  _globals['_SHIPMENTCOMPLETE']._serialized_end=928
+  _globals['_RESHIPREQUEST']._serialized_start=930
+  _globals['_RESHIPREQUEST']._serialized_end=1042
+  _globals['_RESHIPREPLY']._serialized_start=1045
+  _globals['_RESHIPREPLY']._serialized_end=1253
+  _globals['_PREFILLREGION']._serialized_start=1256
+  _globals['_PREFILLREGION']._serialized_end=1456
 # @@protoc_insertion_point(module_scope)

@@ -182,6 +182,7 @@ class PrefillDone(_message.Message):
     KV_FIELD_NUMBER: _builtins.int
     PREFILL_S_FIELD_NUMBER: _builtins.int
     FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     prefill_s: _builtins.float
     @_builtins.property
@@ -190,6 +191,10 @@ class PrefillDone(_message.Message):
     def first_logprobs(self) -> _common_pb2.TokenLogprobs:
         """when the sampling asks for logprobs"""
 
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FirstToken]:
+        """sampling.n > 1: every choice's first token, in order"""
+
     def __init__(
         self,
         *,
@@ -197,10 +202,11 @@ class PrefillDone(_message.Message):
         kv: _common_pb2.KVDescriptor | None = ...,
         prefill_s: _builtins.float = ...,
         first_logprobs: _common_pb2.TokenLogprobs | None = ...,
+        choices: _abc.Iterable[_common_pb2.FirstToken] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "prefill_s", b"prefill_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "prefill_s", b"prefill_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -269,6 +275,7 @@ class ReshipReply(_message.Message):
     KV_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     @_builtins.property
     def shipment(self) -> Global___ShipmentComplete: ...
@@ -276,6 +283,10 @@ class ReshipReply(_message.Message):
     def kv(self) -> _common_pb2.KVDescriptor: ...
     @_builtins.property
     def first_logprobs(self) -> _common_pb2.TokenLogprobs: ...
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FirstToken]:
+        """as in PrefillDone"""
+
     def __init__(
         self,
         *,
@@ -283,10 +294,11 @@ class ReshipReply(_message.Message):
         kv: _common_pb2.KVDescriptor | None = ...,
         first_token: _builtins.int = ...,
         first_logprobs: _common_pb2.TokenLogprobs | None = ...,
+        choices: _abc.Iterable[_common_pb2.FirstToken] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv", "shipment", b"shipment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "shipment", b"shipment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "shipment", b"shipment"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
