@@ -49,6 +49,7 @@ from prfaas.region.requests import (
     firsts_from_proto,
     job_uuid,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     timeout_from,
 )
@@ -243,7 +244,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
     ) -> Iterator[decode_pb2.TokenEvent]:
         desc = request.kv
         first_logprobs = request.first_logprobs if request.HasField("first_logprobs") else None
-        firsts = firsts_from_proto(request.first_token, first_logprobs, request.choices)
+        firsts = firsts_from_proto(request.first_token, first_logprobs, request.choices, request.prompt_logprobs)
         call = DecodeCall(job_uuid(request.job_id), request.attempt, request.first_token, list(request.token_ids),
                           desc.num_tokens, desc.token_ids_hash, firsts)  # fmt: skip
         params, started, deadline = self._start(request)
@@ -327,6 +328,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                     index=steps[choice], token=chosen.token, last=bool(finish), finish_reason=finish,
                     stop_reason=stop_reason, elapsed_s=time.monotonic() - started,
                     logprobs=logprobs_to_proto(chosen.logprobs), choice=choice,
+                    prompt_logprobs=prompt_logprobs_to_proto(chosen),
                 )  # fmt: skip
                 steps[choice] += 1
                 generated += 1

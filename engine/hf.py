@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,8 +22,9 @@ from prfaas.engine.errors import (
 )
 from prfaas.engine.kv import DTYPES, KVCache, LayerKV, hash_token_ids
 from prfaas.engine.models import model_fingerprint, resolve_model
-from prfaas.engine.sampling import Chosen, History, SamplingParams, choose
+from prfaas.engine.sampling import Chosen, History, SamplingParams, TokenLogprobs, choose, token_logprobs
 
+PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose logits are computed at once (prompt logprobs)
 # (layer, k, v); k, v: [kv_heads, tokens, head_dim], the cache's own tensors (no copy)
 OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -130,6 +132,25 @@ class HFEngine:
         logits: torch.Tensor = out.logits[0, -1].float().cpu()
         return logits
 
+    def _forward_prompt(
+        self, input_ids: list[int], cache: DynamicCache, k: int
+    ) -> tuple[torch.Tensor, tuple[TokenLogprobs, ...]]:
+        """`_forward`, and the logprobs of each prompt token after the first given the ones before it,
+        with the top `k` there: the output head runs over the positions in chunks (a [tokens, vocab]
+        tensor at once would take tokens x vocab x 4 bytes). The last position's logits are the same
+        as `_forward`'s: the same decoder and head, on the last position's hidden state."""
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        with pinned(self.cpus):
+            hidden = decoder(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[0]
+            last: torch.Tensor = head(hidden[-1:]).float().cpu()[0]
+            prompt: list[TokenLogprobs] = []
+            for start in range(0, len(input_ids) - 1, PROMPT_LOGPROBS_CHUNK):
+                end = min(start + PROMPT_LOGPROBS_CHUNK, len(input_ids) - 1)
+                logits = head(hidden[start:end]).float().cpu()
+                prompt += [token_logprobs(logits[i], input_ids[start + i + 1], k) for i in range(end - start)]
+        return last, tuple(prompt)
+
     @torch.inference_mode()
     def prefill(
         self, token_ids: Sequence[int], params: SamplingParams, *, on_layer: OnLayer | None = None
@@ -141,7 +162,11 @@ class HFEngine:
         params.check_vocab(self.vocab_size)
         config = self.model.config
         cache = DynamicCache(config=config) if on_layer is None else _TappedCache(config, on_layer)
-        logits = self._forward(list(token_ids), cache)
+        prompt: tuple[TokenLogprobs, ...] = ()
+        if params.prompt_logprobs is None:
+            logits = self._forward(list(token_ids), cache)
+        else:
+            logits, prompt = self._forward_prompt(list(token_ids), cache, params.prompt_logprobs)
         # cache layers hold k, v: [1, kv_heads, tokens, head_dim]; drop the batch dim.
         cache_layers: list[Any] = list(cache.layers)
         layers = tuple(LayerKV(k=layer.keys[0].contiguous(), v=layer.values[0].contiguous()) for layer in cache_layers)
@@ -154,6 +179,8 @@ class HFEngine:
         )
         history = History(prompt=token_ids)
         firsts = tuple(choose(logits, params.for_choice(c), 0, history, self.eos_token_ids) for c in range(params.n))
+        if prompt:
+            firsts = (dataclasses.replace(firsts[0], prompt=prompt), *firsts[1:])
         return PrefillResult(kv=kv, first_token=firsts[0].token, logits=logits, first=firsts[0], firsts=firsts)
 
     def decode_steps(

@@ -56,6 +56,8 @@ class SamplingParams:
     logit_bias: (token id, bias) pairs added to the logits at every step.
     logprobs: None = none; k >= 0 = the chosen token's logprob and the k most likely ones.
     n: choices generated from the one prefill (each decodes on its own; `for_choice`).
+    prompt_logprobs: None = none; k >= 0 = each prompt token's logprob (but the first's) and the
+        k most likely there, computed where the prompt is prefilled (a completion's echo).
     """
 
     max_new_tokens: int = 32
@@ -74,6 +76,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     n: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(message: str) -> InvalidSamplingParams:
@@ -106,8 +109,12 @@ class SamplingParams:
             raise bad("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if not 1 <= self.n <= MAX_N:
             raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.n > 1 and self.greedy:  # as vLLM: n identical choices are a client's mistake
+            raise bad(f"n must be 1 when using greedy sampling, got {self.n}")
 
     def for_choice(self, choice: int) -> SamplingParams:
         """The parameters choice `choice` (0 .. n-1) is generated with: choice 0 keeps the seed, the
@@ -161,10 +168,12 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class Chosen:
-    """One generated token, with its logprobs when the request asked for them."""
+    """One generated token, with its logprobs when the request asked for them; the first token of
+    a generation also carries its prompt's logprobs when asked (positions 1 .. len - 1)."""
 
     token: int
     logprobs: TokenLogprobs | None = None
+    prompt: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

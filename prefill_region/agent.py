@@ -40,6 +40,7 @@ from prfaas.region.requests import (
     firsts_to_proto,
     job_uuid,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     timeout_from,
 )
@@ -177,6 +178,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
             first_token=reshipped.firsts[0].token,
             first_logprobs=logprobs_to_proto(reshipped.firsts[0].logprobs),
             choices=firsts_to_proto(reshipped.firsts),
+            prompt_logprobs=prompt_logprobs_to_proto(reshipped.firsts[0]),
         )
 
     @unary

@@ -17,7 +17,7 @@ from prfaas.engine.sampling import Chosen
 from prfaas.prefill_region.backend import JobStopped, PrefillWork
 from prfaas.protos.prfaas.v1 import common_pb2, prefill_pb2
 from prfaas.region.errors import DeadlineExceeded
-from prfaas.region.requests import firsts_to_proto, logprobs_to_proto
+from prfaas.region.requests import firsts_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 
 END = object()  # the last item of `events`: the job ended (its `error` says how)
 
@@ -80,5 +80,6 @@ class Job:
             prefill_s=prefill_s,
             first_logprobs=logprobs_to_proto(first.logprobs),
             choices=firsts_to_proto(firsts),
+            prompt_logprobs=prompt_logprobs_to_proto(first),
         )
         self.emit(prefill_pb2.PrefillEvent(prefill_done=done))

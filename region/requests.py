@@ -49,6 +49,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         n=msg.n or 1,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -64,6 +65,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 
@@ -79,6 +82,11 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(msg.logprob, msg.rank, tuple(msg.top_ids), tuple(msg.top_logprobs))
 
 
+def prompt_logprobs_to_proto(first: Chosen) -> list[common_pb2.TokenLogprobs]:
+    return [common_pb2.TokenLogprobs(logprob=p.logprob, rank=p.rank, top_ids=p.top_ids, top_logprobs=p.top_logprobs)
+            for p in first.prompt]  # fmt: skip
+
+
 def firsts_to_proto(firsts: Sequence[Chosen]) -> list[common_pb2.FirstToken]:
     """Every choice's first token, for a PrefillDone / ReshipReply (none when there is one choice:
     `first_token` and `first_logprobs` say it)."""
@@ -88,11 +96,16 @@ def firsts_to_proto(firsts: Sequence[Chosen]) -> list[common_pb2.FirstToken]:
 
 
 def firsts_from_proto(first_token: int, first_logprobs: common_pb2.TokenLogprobs | None,
-                      choices: Sequence[common_pb2.FirstToken]) -> list[Chosen]:  # fmt: skip
-    """Every choice's first token from a message's `first_token`, `first_logprobs` and `choices`."""
+                      choices: Sequence[common_pb2.FirstToken],
+                      prompt: Sequence[common_pb2.TokenLogprobs] = ()) -> list[Chosen]:  # fmt: skip
+    """Every choice's first token from a message's `first_token`, `first_logprobs` and `choices`
+    (choice 0's with the prompt's logprobs, `prompt`)."""
+    prompt_logprobs = tuple(logprobs_from_proto(p) for p in prompt)
     if not choices:
-        return [Chosen(first_token, logprobs_from_proto(first_logprobs) if first_logprobs is not None else None)]
-    return [Chosen(c.token, logprobs_from_proto(c.logprobs) if c.HasField("logprobs") else None) for c in choices]
+        logprobs = logprobs_from_proto(first_logprobs) if first_logprobs is not None else None
+        return [Chosen(first_token, logprobs, prompt_logprobs)]
+    firsts = [Chosen(c.token, logprobs_from_proto(c.logprobs) if c.HasField("logprobs") else None) for c in choices]
+    return [Chosen(firsts[0].token, firsts[0].logprobs, prompt_logprobs), *firsts[1:]]
 
 
 def cancel_of(request: common_pb2.CancelRequest) -> tuple[str, Canceled]:

@@ -40,9 +40,14 @@ class Choice:
         self.stop_reason: str | int | None = None
         self._shown = -1  # characters of the visible text already streamed; -1: nothing yet (not even the echo)
         self._lp_shown = 0  # tokens whose logprobs were streamed
-        self._offset = len(echo)  # text_offset of the next token (completions)
+        self._offset = 0  # text_offset of the next token (completions): the echoed prompt's tokens come first
+        self.prompt_ids: list[int] = []  # echo with logprobs: the prompt's tokens (set once tokenized)
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # ... and their logprobs (from token 0)
+        self._echo_logprobs = bool(echo) and params.prompt_logprobs is not None
 
     def add(self, token: Token) -> None:
+        if token.prompt_logprobs:
+            self.prompt_logprobs = token.prompt_logprobs
         self.tokens.append(token.token)
         self.logprobs.append(token.logprobs)
         hidden = token.last and token.finish_reason in ("eos", "stop_token")
@@ -109,6 +114,21 @@ class Choice:
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
         offsets: list[int] = []
+        if start == 0 and self._echo_logprobs:  # the prompt's tokens first; the first has no logprob
+            for p, token in enumerate(self.prompt_ids):
+                lp = self.prompt_logprobs[p - 1] if 0 < p <= len(self.prompt_logprobs) else None
+                context = self.prompt_ids[max(1, p - 4) : p]  # vLLM's: the prompt tokens with a logprob
+                text = self.model.token_text(token) if lp is None else _token_text(self.model, token, context)
+                tokens.append(text)
+                offsets.append(self._offset)
+                self._offset += len(text)
+                if lp is None:
+                    token_logprobs.append(None)
+                    top.append(None)
+                    continue
+                token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
+                ranked = _ranked(token, lp)[: self.k + 1]
+                top.append({_token_text(self.model, t, context): max(v, LOGPROB_FLOOR) for t, v in ranked})
         for i in range(start, end):
             token, lp, text_of = self.tokens[i], self.logprobs[i], self._text_at(i)
             text = text_of(token)

@@ -185,6 +185,8 @@ def _start(
         raise
     if record is None:  # a concurrent request with the same Idempotency-Key and body created the job
         return _attach(g, job_id, choices)
+    for choice in choices:
+        choice.prompt_ids = ids
     ready: dict[str, Any] | None = None
     if handed_off is not None:
         ready = {"attempt": 1} | handed_off.ready
@@ -205,6 +207,8 @@ def _attach(g: Generation, job_id: str, choices: list[Choice]) -> _Job:
         job = g.services.jobs.get(job_id)
     except JobNotFound:
         raise JOB_NOT_FOUND.error() from None
+    for choice in choices:
+        choice.prompt_ids = json.loads(job.get("token_ids") or "[]")
     return _Job(job_id, g.follower.attached(job_id), int(job.get("prompt_tokens", 0) or 0), choices, leader=False)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 
-from prfaas.control_plane.api.errors import INVALID_REQUEST, UNSUPPORTED_PARAMETER
+from prfaas.control_plane.api.errors import INVALID_REQUEST
 from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
 from prfaas.engine.errors import InvalidSamplingParams
 from prfaas.engine.sampling import SamplingParams
@@ -25,18 +25,10 @@ def num_logprobs(body: Body) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def check_supported(body: Body) -> None:
-    """400 for what the schema accepts but prfaas does not implement yet."""
-    if isinstance(body, CompletionCreate) and body.echo and body.logprobs is not None:
-        raise UNSUPPORTED_PARAMETER.error(
-            "unsupported parameter: echo with logprobs (prompt logprobs) is not supported yet", param="echo"
-        )
-
-
 def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int) -> SamplingParams:
     """The job's `SamplingParams`; 400 naming the parameter when one is out of range."""
-    check_supported(body)
     logprobs = num_logprobs(body)
+    echo = isinstance(body, CompletionCreate) and bool(body.echo)  # with logprobs: the prompt's too
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -54,7 +46,7 @@ def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int) -> SamplingP
             repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0, min_tokens=body.min_tokens or 0,
             stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), logit_bias=tuple(sorted(bias)),
-            logprobs=logprobs, n=body.n or 1,
+            logprobs=logprobs, n=body.n or 1, prompt_logprobs=logprobs if echo else None,
         )  # fmt: skip
         params.check_vocab(vocab_size)
     except InvalidSamplingParams as exc:

@@ -329,6 +329,8 @@ def _first(done: prefill_pb2.PrefillDone | prefill_pb2.ReshipReply) -> dict[str,
         first["first_logprobs"] = base64.b64encode(done.first_logprobs.SerializeToString()).decode()
     if done.choices:
         first["choices"] = [base64.b64encode(c.SerializeToString()).decode() for c in done.choices]
+    if done.prompt_logprobs:
+        first["prompt_logprobs"] = [base64.b64encode(p.SerializeToString()).decode() for p in done.prompt_logprobs]
     return first
 
 

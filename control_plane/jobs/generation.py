@@ -165,6 +165,8 @@ class Follower:
                         request.first_logprobs.ParseFromString(base64.b64decode(handed["first_logprobs"]))
                     for choice in handed.get("choices") or ():
                         request.choices.add().ParseFromString(base64.b64decode(choice))
+                    for position in handed.get("prompt_logprobs") or ():
+                        request.prompt_logprobs.add().ParseFromString(base64.b64decode(position))
                     stream = stub.Decode(request, timeout=remaining + 5)
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 with _released(stream) as finished:
@@ -177,6 +179,7 @@ class Follower:
                         token = Token(
                             event.index, event.token, event.last, event.finish_reason, event.stop_reason,
                             logprobs_from_proto(event.logprobs) if event.HasField("logprobs") else None, event.choice,
+                            tuple(logprobs_from_proto(p) for p in event.prompt_logprobs),
                         )  # fmt: skip
                         if not output.add(token):
                             continue  # sent before this attempt

@@ -28,20 +28,30 @@ class Token:
     stop_reason: str = ""  # "stop": the stop string; "stop_token": the token id
     logprobs: TokenLogprobs | None = None
     choice: int = 0  # which of the job's `n` choices; `index` and `last` are that choice's
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # on choice 0's token 0, when asked (echo)
 
     def entry(self) -> str:
-        lp = self.logprobs
-        logprobs = None if lp is None else [lp.logprob, lp.rank, list(lp.top_ids), list(lp.top_logprobs)]
-        return json.dumps([self.token, int(self.last), self.finish_reason, self.stop_reason, logprobs, self.choice,
-                           self.index])  # fmt: skip
+        prompt = [_lp_entry(p) for p in self.prompt_logprobs]
+        return json.dumps([self.token, int(self.last), self.finish_reason, self.stop_reason, _lp_entry(self.logprobs),
+                           self.choice, self.index, prompt])  # fmt: skip
 
     @staticmethod
     def of_entry(position: int, entry: Any) -> Token:
         """A log entry read back (`position`: its place in the log, the index of a one-choice job's token)."""
         token, last, finish, *more = json.loads(entry)
-        stop, lp, choice, index = [*more, "", None, 0, position][:4]
-        logprobs = None if lp is None else TokenLogprobs(lp[0], lp[1], tuple(lp[2]), tuple(lp[3]))
-        return Token(int(index), int(token), bool(last), str(finish), str(stop), logprobs, int(choice))
+        # older entries end early: their missing fields take these defaults
+        stop, lp, choice, index, prompt = [*more, *["", None, 0, position, []][len(more) :]][:5]
+        logprobs = _lp_of(lp)
+        prompt_logprobs = tuple(p for p in (_lp_of(e) for e in prompt) if p is not None)
+        return Token(int(index), int(token), bool(last), str(finish), str(stop), logprobs, int(choice), prompt_logprobs)
+
+
+def _lp_entry(lp: TokenLogprobs | None) -> list[Any] | None:
+    return None if lp is None else [lp.logprob, lp.rank, list(lp.top_ids), list(lp.top_logprobs)]
+
+
+def _lp_of(entry: list[Any] | None) -> TokenLogprobs | None:
+    return None if entry is None else TokenLogprobs(entry[0], entry[1], tuple(entry[2]), tuple(entry[3]))
 
 
 # KEYS: token log, readers count, notify channel. ARGV: entry, TTL.

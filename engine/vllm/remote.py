@@ -248,7 +248,7 @@ def check_greedy(params: SamplingParams) -> None:
     `ignore_eos` are applied by the decode agent on the tokens it streams, so they work here."""
     defaults = SamplingParams(max_new_tokens=params.max_new_tokens)
     for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-                 "logit_bias", "logprobs", "n"):  # fmt: skip
+                 "logit_bias", "logprobs", "n", "prompt_logprobs"):  # fmt: skip
         if getattr(params, name) != getattr(defaults, name):
             raise InvalidSamplingParams(
                 f"engine 'vllm' regions do not apply {name} yet (greedy decoding of the raw logits only), "

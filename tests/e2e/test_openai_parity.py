@@ -65,6 +65,7 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "logit_bias": ("completions", {"prompt": COUNT, "max_tokens": 8, "logit_bias": {"216": -100}}),
     "logprobs": ("completions", {"prompt": FRANCE, "max_tokens": 6, "logprobs": 5}),
+    "echo_logprobs": ("completions", {"prompt": STORY, "max_tokens": 6, "logprobs": 3, "echo": True}),
     "chat_system": (
         "chat",
         {
@@ -79,21 +80,28 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
         "chat",
         {"messages": [{"role": "user", "content": "Count from 1 to 10."}], "max_tokens": 32, "stop": ["5"]},
     ),
-    "n3": ("completions", {"prompt": FRANCE, "max_tokens": 8, "n": 3}),
-    "n2_batch": ("completions", {"prompt": [FRANCE, COUNT], "max_tokens": 6, "n": 2}),
     "chat_logprobs": (
         "chat",
         {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6, "logprobs": True, "top_logprobs": 5},
     ),
 }
-STREAMED = ("stop_string", "stop_mid_token", "min_tokens", "echo", "chat_system", "chat_stop", "n2_batch")
+STREAMED = ("stop_string", "stop_mid_token", "min_tokens", "echo", "chat_system", "chat_stop")
+# requests vLLM refuses (400): prfaas must refuse them too
+REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
+    "n_greedy": ("completions", {"prompt": FRANCE, "max_tokens": 8, "n": 3}),
+    "min_tokens_over_max": ("completions", {"prompt": FRANCE, "max_tokens": 2, "extra_body": {"min_tokens": 3}}),
+    "top_logprobs_alone": (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 2},
+    ),
+}
 
 
 def _ask(client: openai.OpenAI, endpoint: str, fields: dict[str, Any], *, stream: bool = False,
          headers: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """One request; the reply reduced to what must agree: each choice's text, finish reason and
     logprobs, and usage (a stream's chunks joined, its usage from `include_usage`)."""
-    kwargs = dict(fields, model=MODEL, temperature=0.0, extra_headers=headers or {})
+    kwargs = {"temperature": 0.0} | fields | {"model": MODEL, "extra_headers": headers or {}}
     create = client.chat.completions.create if endpoint == "chat" else client.completions.create
     if not stream:
         reply = create(**kwargs).model_dump()
@@ -172,6 +180,8 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
         for name in STREAMED:
             endpoint, fields = MATRIX[name]
             answers[name + "/stream"] = _ask(client, endpoint, fields, stream=True)
+        for name, (endpoint, fields) in REFUSED.items():
+            answers[name + "/refused"] = {"status": _status(client, endpoint, fields)}
         return answers
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -181,6 +191,14 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait(10)
+
+
+def _status(client: openai.OpenAI, endpoint: str, fields: dict[str, Any], headers: dict[str, str] | None = None) -> int:
+    try:
+        _ask(client, endpoint, fields, headers=headers)
+    except openai.APIStatusError as exc:
+        return exc.status_code
+    return 200
 
 
 def _ok(url: str) -> bool:
@@ -232,6 +250,13 @@ def test_streamed_matches_vllm(prfaas: openai.OpenAI, oracle: dict[str, Any], na
     assert [c["text"] for c in ours["choices"]] == [c["text"] for c in oracle[name]["choices"]]
 
 
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_vllm_refuses_is_refused(prfaas: openai.OpenAI, oracle: dict[str, Any], name: str) -> None:
+    endpoint, fields = REFUSED[name]
+    assert oracle[name + "/refused"]["status"] == 400
+    assert _status(prfaas, endpoint, fields) == 400
+
+
 def test_seeded_sampling_is_the_same_local_split_and_again(prfaas: openai.OpenAI) -> None:
     fields = {"prompt": STORY, "max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "seed": 7, "frequency_penalty": 0.3,
               "extra_body": {"top_k": 40, "min_p": 0.02, "repetition_penalty": 1.1}}  # fmt: skip
@@ -264,3 +289,7 @@ def test_n_choices_share_one_prefill_and_one_shipment(prfaas: openai.OpenAI) -> 
     assert job["placement_chosen"] == "split"
     assert job["bytes_raw"] == job["usage"]["prompt_tokens"] * facts.kv_bytes_per_token  # one shipment, not three
     assert job["usage"]["completion_tokens"] == reply.usage.completion_tokens
+    streamed = _ask(prfaas, "completions", fields | {"prompt": [STORY, FRANCE]}, stream=True,
+                    headers={"X-Prfaas-Placement": "split"})  # fmt: skip
+    assert [c["text"] for c in streamed["choices"][:3]] == texts  # prompt 0's choices are indexes 0-2
+    assert len(streamed["choices"]) == 6

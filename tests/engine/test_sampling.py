@@ -129,3 +129,17 @@ def test_the_specification_survives_a_job_record() -> None:
     params = SamplingParams(max_new_tokens=9, temperature=0.7, top_k=5, seed=3, stop=("a", "bc"),
                             stop_token_ids=(4,), logit_bias=((2, -1.5),), logprobs=3, min_tokens=2)  # fmt: skip
     assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
+
+
+def test_each_choice_draws_from_a_seed_of_its_own() -> None:
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=5, n=3)
+    seeds = [params.for_choice(c).seed for c in range(3)]
+    assert seeds[0] == 5 and len(set(seeds)) == 3  # choice 0 is the request as asked
+    assert all(params.for_choice(c).n == 1 for c in range(3))
+    with pytest.raises(InvalidSamplingParams, match="n must be 1 when using greedy sampling"):
+        SamplingParams(n=2)  # vLLM's rule
+    logits = torch.zeros(1000)
+    draws = [[choose(logits, params.for_choice(c), s).token for s in range(10)] for c in range(3)]
+    assert draws[0] != draws[1] != draws[2]
+    with pytest.raises(InvalidSamplingParams, match="n must be in"):
+        SamplingParams(n=0)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prfaas/v1/common.proto\x12\tprfaas.v1\"\xc4\x03\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.prfaas.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x10 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"G\n\nFirstToken\x12\r\n\x05token\x18\x01 \x01(\r\x12*\n\x08logprobs\x18\x02 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\"U\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"d\n\x0cKVDescriptor\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x16\n\x0etoken_ids_hash\x18\x04 \x01(\t\"/\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prfaas/v1/common.proto\x12\tprfaas.v1\"\xf6\x03\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.prfaas.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x10 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"G\n\nFirstToken\x12\r\n\x05token\x18\x01 \x01(\r\x12*\n\x08logprobs\x18\x02 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\"U\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"d\n\x0cKVDescriptor\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x16\n\x0etoken_ids_hash\x18\x04 \x01(\t\"/\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=490
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=420
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=468
-  _globals['_FIRSTTOKEN']._serialized_start=492
-  _globals['_FIRSTTOKEN']._serialized_end=563
-  _globals['_TOKENLOGPROBS']._serialized_start=565
-  _globals['_TOKENLOGPROBS']._serialized_end=650
-  _globals['_KVDESCRIPTOR']._serialized_start=652
-  _globals['_KVDESCRIPTOR']._serialized_end=752
-  _globals['_CANCELREQUEST']._serialized_start=754
-  _globals['_CANCELREQUEST']._serialized_end=801
-  _globals['_CANCELREPLY']._serialized_start=803
-  _globals['_CANCELREPLY']._serialized_end=831
+  _globals['_SAMPLINGPARAMS']._serialized_end=540
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=450
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=498
+  _globals['_FIRSTTOKEN']._serialized_start=542
+  _globals['_FIRSTTOKEN']._serialized_end=613
+  _globals['_TOKENLOGPROBS']._serialized_start=615
+  _globals['_TOKENLOGPROBS']._serialized_end=700
+  _globals['_KVDESCRIPTOR']._serialized_start=702
+  _globals['_KVDESCRIPTOR']._serialized_end=802
+  _globals['_CANCELREQUEST']._serialized_start=804
+  _globals['_CANCELREQUEST']._serialized_end=851
+  _globals['_CANCELREPLY']._serialized_start=853
+  _globals['_CANCELREPLY']._serialized_end=881
 # @@protoc_insertion_point(module_scope)

@@ -60,6 +60,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """counting the first token chosen at prefill; >= 1"""
     temperature: _builtins.float
@@ -82,6 +83,8 @@ class SamplingParams(_message.Message):
     """unset = none; k = the chosen token's and the top k"""
     n: _builtins.int
     """choices from one prefill; 0 on the wire means 1"""
+    prompt_logprobs: _builtins.int
+    """unset = none; k = each prompt token's and the top k"""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """stop strings, matched on the decoded text"""
@@ -109,17 +112,22 @@ class SamplingParams(_message.Message):
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         logprobs: _builtins.int | None = ...,
         n: _builtins.int = ...,
+        prompt_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 

@@ -139,6 +139,7 @@ class DecodeRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
     CHOICES_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     first_token: _builtins.int
@@ -163,6 +164,10 @@ class DecodeRequest(_message.Message):
     def choices(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FirstToken]:
         """sampling.n > 1: every choice's first token (PrefillDone.choices)"""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]:
+        """PrefillDone.prompt_logprobs, handed back on token 0"""
+
     def __init__(
         self,
         *,
@@ -175,10 +180,11 @@ class DecodeRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         first_logprobs: _common_pb2.TokenLogprobs | None = ...,
         choices: _abc.Iterable[_common_pb2.FirstToken] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -226,6 +232,7 @@ class TokenEvent(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
     CHOICE_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """generation step (0 = first token) of its choice"""
     token: _builtins.int
@@ -243,6 +250,10 @@ class TokenEvent(_message.Message):
     def logprobs(self) -> _common_pb2.TokenLogprobs:
         """when the sampling asks for them"""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]:
+        """on choice 0's token 0, when the sampling asks for them"""
+
     def __init__(
         self,
         *,
@@ -254,10 +265,11 @@ class TokenEvent(_message.Message):
         logprobs: _common_pb2.TokenLogprobs | None = ...,
         stop_reason: _builtins.str = ...,
         choice: _builtins.int = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "elapsed_s", b"elapsed_s", "finish_reason", b"finish_reason", "index", b"index", "last", b"last", "logprobs", b"logprobs", "stop_reason", b"stop_reason", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "elapsed_s", b"elapsed_s", "finish_reason", b"finish_reason", "index", b"index", "last", b"last", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "stop_reason", b"stop_reason", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -183,6 +183,7 @@ class PrefillDone(_message.Message):
     PREFILL_S_FIELD_NUMBER: _builtins.int
     FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
     CHOICES_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     prefill_s: _builtins.float
     @_builtins.property
@@ -195,6 +196,10 @@ class PrefillDone(_message.Message):
     def choices(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FirstToken]:
         """sampling.n > 1: every choice's first token, in order"""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]:
+        """sampling.prompt_logprobs: prompt positions 1 .. len - 1"""
+
     def __init__(
         self,
         *,
@@ -203,10 +208,11 @@ class PrefillDone(_message.Message):
         prefill_s: _builtins.float = ...,
         first_logprobs: _common_pb2.TokenLogprobs | None = ...,
         choices: _abc.Iterable[_common_pb2.FirstToken] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "prefill_s", b"prefill_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "prefill_s", b"prefill_s", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -276,6 +282,7 @@ class ReshipReply(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
     CHOICES_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     @_builtins.property
     def shipment(self) -> Global___ShipmentComplete: ...
@@ -287,6 +294,8 @@ class ReshipReply(_message.Message):
     def choices(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FirstToken]:
         """as in PrefillDone"""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]: ...
     def __init__(
         self,
         *,
@@ -295,10 +304,11 @@ class ReshipReply(_message.Message):
         first_token: _builtins.int = ...,
         first_logprobs: _common_pb2.TokenLogprobs | None = ...,
         choices: _abc.Iterable[_common_pb2.FirstToken] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv", "shipment", b"shipment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "shipment", b"shipment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "prompt_logprobs", b"prompt_logprobs", "shipment", b"shipment"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
