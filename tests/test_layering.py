@@ -33,8 +33,9 @@ ALLOWED: dict[str, set[str]] = {
 }
 # Arrows allowed to some modules of a package only: (importer, imported) -> those modules.
 NARROW: dict[tuple[str, str], set[str]] = {
-    # gRPC plumbing both ends of a region's calls use (channels, TLS, authorization), not the host itself
-    ("control_plane", "region"): {"prfaas.region.channels", "prfaas.region.authz"},
+    # gRPC plumbing both ends of a region's calls use (channels, TLS, authorization; the sampling specification
+    # and logprobs as the wire carries them, converted the same way at both ends), not the host itself
+    ("control_plane", "region"): {"prfaas.region.channels", "prfaas.region.authz", "prfaas.region.requests"},
     ("sim", "control_plane"): {"prfaas.control_plane.scheduling"},  # the very policies the control plane runs
 }
 PACKAGES = sorted(ALLOWED)
