@@ -103,6 +103,9 @@ class Settings(BaseSettings):
     default_concurrency: int = Field(default=16, ge=1, description="tenant default: concurrent jobs")
     default_budget_usd: float = Field(default=100.0, ge=0, description="tenant default: monthly $ budget")
     default_max_tokens: int = Field(default=16, ge=1)
+    default_temperature: float = Field(
+        default=0.0, ge=0.0, le=2.0, description="for requests without one: 0 (greedy, reproducible); vLLM uses 1"
+    )
     max_new_tokens_limit: int = Field(default=4096, ge=1)
     max_body_bytes: int = Field(
         default=8 * 2**20,

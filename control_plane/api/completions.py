@@ -139,7 +139,7 @@ def _run(
     max_new = max_tokens or s.settings.default_max_tokens
     if max_new > s.settings.max_new_tokens_limit:
         raise PROMPT_TOO_LONG.error(param="max_tokens")
-    params = sampling_spec(body, max_new, len(s.model.tokenizer))
+    params = sampling_spec(body, max_new, len(s.model.tokenizer), s.settings.default_temperature)
     for prompt, _ in runs:
         if isinstance(prompt, list) and len(prompt) + max_new > s.model.max_context:
             raise PROMPT_TOO_LONG.error(param=_param(kind))

@@ -25,7 +25,7 @@ def num_logprobs(body: Body) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int) -> SamplingParams:
+def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int, default_temperature: float = 0.0) -> SamplingParams:
     """The job's `SamplingParams`; 400 naming the parameter when one is out of range."""
     logprobs = num_logprobs(body)
     echo = isinstance(body, CompletionCreate) and bool(body.echo)  # with logprobs: the prompt's too
@@ -36,7 +36,7 @@ def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int) -> SamplingP
         except ValueError:
             raise INVALID_REQUEST.error(f"logit_bias: key {key[:32]!r} is not a token id", param="logit_bias") from None
         bias.append((token, float(value)))
-    temperature = body.temperature if body.temperature is not None else 0.0
+    temperature = body.temperature if body.temperature is not None else default_temperature
     seed = body.seed if body.seed is not None or temperature == 0.0 else secrets.randbits(62)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     try:

@@ -1,0 +1,50 @@
+"""How an OpenAI request becomes the job's sampling specification (api/sampling.py), as vLLM's server
+maps it; refusals raise the API's 400 naming the parameter."""
+
+from __future__ import annotations
+
+import pytest
+
+from prfaas.control_plane.api.errors import ApiError
+from prfaas.control_plane.api.sampling import sampling_spec
+from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
+
+VOCAB = 1000
+
+
+def test_completion_fields_map_as_vllm_maps_them() -> None:
+    body = CompletionCreate(model="m", prompt="x", temperature=0.5, top_k=-1, stop="##", logprobs=3, echo=True,
+                            logit_bias={"7": -100}, min_tokens=2, stop_token_ids=[5], n=2, seed=9)  # fmt: skip
+    params = sampling_spec(body, 8, VOCAB)
+    assert (params.temperature, params.top_k, params.stop, params.logprobs) == (0.5, 0, ("##",), 3)
+    assert (params.prompt_logprobs, params.logit_bias, params.min_tokens, params.n) == (3, ((7, -100.0),), 2, 2)
+    assert (params.stop_token_ids, params.seed, params.max_new_tokens) == ((5,), 9, 8)
+
+
+def test_defaults_greedy_or_the_operators_temperature_with_a_seed() -> None:
+    body = CompletionCreate(model="m", prompt="x")
+    assert sampling_spec(body, 4, VOCAB).greedy and sampling_spec(body, 4, VOCAB).seed is None
+    hot = sampling_spec(body, 4, VOCAB, default_temperature=1.0)
+    assert hot.temperature == 1.0 and hot.seed is not None  # assigned, so a retry or split draws the same
+
+
+def test_chat_logprobs_are_a_flag_and_a_count() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert sampling_spec(ChatCompletionCreate(model="m", messages=messages, logprobs=True), 4, VOCAB).logprobs == 0
+    asked = ChatCompletionCreate(model="m", messages=messages, logprobs=True, top_logprobs=5)
+    assert sampling_spec(asked, 4, VOCAB).logprobs == 5
+    assert sampling_spec(ChatCompletionCreate(model="m", messages=messages), 4, VOCAB).logprobs is None
+    with pytest.raises(ApiError) as info:
+        sampling_spec(ChatCompletionCreate(model="m", messages=messages, top_logprobs=2), 4, VOCAB)
+    assert info.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"n": 2}, "n"), ({"logit_bias": {"1000": 1}}, "logit_bias"), ({"stop_token_ids": [1000]}, "stop_token_ids"),
+     ({"min_tokens": 9}, "min_tokens")],
+)  # fmt: skip
+def test_refusals_name_the_parameter(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(ApiError) as info:  # n > 1 under greedy decoding: refused, as vLLM does
+        sampling_spec(CompletionCreate(model="m", prompt="x", **fields), 8, VOCAB)  # type: ignore[arg-type]
+    assert (info.value.status_code, info.value.param) == (400, param)
