@@ -2,13 +2,14 @@
 template), `stream=true` as server-sent events, `usage`, `/v1/models`.
 
 Admission, cheapest first, so that a refused request costs no tokenizer time: model known (404),
-`max_tokens` within limits and a token-id prompt within the vocabulary and the context (400),
-placement allowed for the tenant (403); then one Redis step (`JobStore.admit`): Idempotency-Key (a
-replay answers from its job; the key with another body: 422), budget headroom (402), concurrency
-(429) and rate (429). Only then is the prompt tokenized and checked (400; the admission's slot and
-rate count are given back), the job placed, its predicted $ reserved in the budget (402 when it does
-not fit) and the job written (`JobStore.create`). The job is then queued for dispatch and its tokens
-streamed back here. Error bodies: api/errors.py."""
+`max_tokens` within limits, the sampling parameters (api/sampling.py) and a token-id prompt within
+the vocabulary and the context (400), placement allowed for the tenant (403); then one Redis step
+(`JobStore.admit`): Idempotency-Key (a replay answers from its job; the key with another body: 422),
+budget headroom (402), concurrency (429) and rate (429). Only then is the prompt tokenized and
+checked (400; the admission's slot and rate count are given back), the job placed, its predicted $
+reserved in the budget (402 when it does not fit) and the job written (`JobStore.create`). The job
+is then queued for dispatch and its tokens streamed back here, each choice's text built as vLLM
+builds it (api/choices.py). A list of prompts is a job per prompt. Error bodies: api/errors.py."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ Body = CompletionCreate | ChatCompletionCreate
 
 @dataclass
 class _Job:
-    """One prompt's job, started (or found again by its Idempotency-Key), and the choice it fills."""
+    """One prompt's job, started (or found again by its Idempotency-Key), and the choices it fills."""
 
     job_id: str
     stream: Iterator[Token]
@@ -134,7 +135,8 @@ def _run(
     g: Generation, body: Body, runs: list[tuple[Prompt, str]], max_tokens: int | None, kind: str
 ) -> JSONResponse | StreamingResponse:
     """One job per prompt (`runs`: the prompt, and the text a completion's `echo` shows), then the
-    response: one choice per prompt, `index` in prompt order."""
+    response: `n` choices per prompt, `index` = prompt x n + choice (OpenAI's numbering). A batch's
+    prompts run side by side; one refused at admission ends the others (a batch is one request)."""
     s, tenant = g.services, g.tenant
     max_new = max_tokens or s.settings.default_max_tokens
     if max_new > s.settings.max_new_tokens_limit:
