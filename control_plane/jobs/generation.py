@@ -169,6 +169,7 @@ class Follower:
                         request.prompt_logprobs.add().ParseFromString(base64.b64decode(position))
                     stream = stub.Decode(request, timeout=remaining + 5)
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
+                n = job_sampling(job).n  # choices: DONE once each ended
                 with _released(stream) as finished:
                     for event in stream:
                         if event.index == 0 and event.choice == 0:
@@ -184,7 +185,7 @@ class Follower:
                         if not output.add(token):
                             continue  # sent before this attempt
                         self.log.log_token(job_id, token)  # before DONE
-                        done = output.done(job_sampling(job).n)
+                        done = output.done(n)
                         if done:  # spend is billed from the ledger (billing/meter.py), not here
                             jobs.transition(
                                 job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
