@@ -251,7 +251,7 @@ def check_greedy(params: SamplingParams) -> None:
                  "logit_bias", "logprobs", "n", "prompt_logprobs"):  # fmt: skip
         if getattr(params, name) != getattr(defaults, name):
             raise InvalidSamplingParams(
-                f"engine 'vllm' regions do not apply {name} yet (greedy decoding of the raw logits only), "
+                f"engine 'vllm' regions decode greedily from the raw logits: they do not apply {name} yet, "
                 f"got {name}={getattr(params, name)!r}"
             )
 

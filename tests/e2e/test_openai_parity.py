@@ -165,10 +165,11 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     log = tmp_path_factory.mktemp("vllm") / "vllm-serve.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1", HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")  # fmt: skip
+    # --enforce-eager: no torch.compile (its warm-up takes 2 minutes here); eager, as the HF engine runs
     argv = [str(VLLM), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(MODEL)),
             "--served-model-name", MODEL, "--dtype", "float32",
             "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), "--generation-config", "vllm",
-            "--seed", "0"]  # fmt: skip
+            "--seed", "0", "--enforce-eager"]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

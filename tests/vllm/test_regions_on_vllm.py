@@ -262,7 +262,14 @@ def test_vllm_region_refuses_what_it_cannot_serve(regions: dict[str, RegionProce
     with pytest.raises(grpc.RpcError) as info:
         list(decode.Generate(sampled, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "greedily" in info.value.details()
+    assert "greedily" in info.value.details() and "temperature" in info.value.details()
+    biased = decode_pb2.GenerateRequest(
+        job_id=str(uuid.uuid4()), token_ids=prompt[:8], timeout_s=10,
+        sampling=sampling_to_proto(SamplingParams(max_new_tokens=4, logit_bias=((5, 2.0),))),
+    )  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:  # refused, never ignored
+        list(decode.Generate(biased, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in info.value.details()
     unreserved = decode_pb2.DecodeRequest(
         job_id=str(uuid.uuid4()),
         attempt=1,
