@@ -320,8 +320,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                         raise Canceled("canceled during decode")
                     if time.monotonic() >= deadline:
                         raise DeadlineExceeded(f"decode deadline reached after {generated} tokens")
-                first_step = steps[choice] == 0 and firsts is not None
-                chosen = firsts[choice] if first_step and firsts is not None else next(rests[choice])
+                chosen = firsts[choice] if firsts is not None and steps[choice] == 0 else next(rests[choice])
                 finish, stop_reason = self._finish(chosen, steps[choice], stops[choice], params)
                 metrics.TOKENS.labels(path).inc()
                 yield decode_pb2.TokenEvent(

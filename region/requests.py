@@ -71,8 +71,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def logprobs_to_proto(logprobs: TokenLogprobs | None) -> common_pb2.TokenLogprobs | None:
-    if logprobs is None:
-        return None
+    return None if logprobs is None else _logprobs_message(logprobs)
+
+
+def _logprobs_message(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
     return common_pb2.TokenLogprobs(
         logprob=logprobs.logprob, rank=logprobs.rank, top_ids=logprobs.top_ids, top_logprobs=logprobs.top_logprobs
     )
@@ -83,8 +85,7 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
 
 
 def prompt_logprobs_to_proto(first: Chosen) -> list[common_pb2.TokenLogprobs]:
-    return [common_pb2.TokenLogprobs(logprob=p.logprob, rank=p.rank, top_ids=p.top_ids, top_logprobs=p.top_logprobs)
-            for p in first.prompt]  # fmt: skip
+    return [_logprobs_message(p) for p in first.prompt]
 
 
 def firsts_to_proto(firsts: Sequence[Chosen]) -> list[common_pb2.FirstToken]:
