@@ -49,7 +49,15 @@ typecheck: install
 pytest: install models services browser
 	$(BIN)/python -m pytest -m "not vllm"
 
-test: lint typecheck tf-check pytest pytest-vllm
+# The vLLM environment (~4 min of downloads and unpacking, little CPU) is built in the
+# background while the gates and the main suite run (after .venv's install: both install
+# this source tree in editable mode); its log is shown if it fails.
+test: install
+	@mkdir -p build; rm -f build/vllm-install.rc; \
+	( $(MAKE) --no-print-directory vllm-install >build/vllm-install.log 2>&1; echo $$? >build/vllm-install.rc ) & \
+	$(MAKE) --no-print-directory lint typecheck tf-check pytest; status=$$?; wait; \
+	if [ "$$(cat build/vllm-install.rc)" != 0 ]; then cat build/vllm-install.log; echo "vllm-install failed"; exit 1; fi; \
+	[ $$status = 0 ] && $(MAKE) --no-print-directory pytest-vllm
 
 # Terraform gates, offline: every command inside a network namespace with only loopback
 # (terraform/netns.sh: CHECKPOINT_DISABLE=1, a CLI config without provider sources). checkov

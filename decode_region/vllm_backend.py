@@ -9,8 +9,8 @@ region's vLLM server instead of this process.
   rest; tokens equal a single vLLM process's. A shipment that fails or misses its deadline
   is recomputed by vLLM (late, not wrong). DecodeRequest.token_ids is required.
 - Generate runs the prompt whole in vLLM.
-Decoding is greedy (the host's only mode); what it cannot apply gets INVALID_ARGUMENT
-(remote.check_greedy); stop strings and stop token ids are the agent's.
+The job's sampling goes to vLLM (engine/vllm/sampling.py: what a split changes, and one
+choice per job); stop strings are the agent's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from prfaas.engine.base import ModelFacts, check_prompt
 from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.vllm.params import LoadParams
-from prfaas.engine.vllm.remote import VLLMEngine, check_greedy
+from prfaas.engine.vllm.remote import VLLMEngine
+from prfaas.engine.vllm.sampling import check_supported, vllm_sampling
 from prfaas.engine.vllm.server import StreamStopped
 from prfaas.region.errors import Canceled, InvalidRequest
 from prfaas.region.requests import MAX_TIMEOUT_S
@@ -72,7 +73,7 @@ class VLLMDecode:
         return ServerHold(self.vllm, expected, events)
 
     def check_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        check_greedy(params)
+        check_supported(params)
         check_prompt(self.vllm.facts, token_ids, params)
 
     def check_decode(self, call: DecodeCall, params: SamplingParams) -> None:
@@ -101,20 +102,22 @@ class VLLMDecode:
             return [iter(())]
         remaining = deadline - time.monotonic()
         load = LoadParams(call.job_id, call.attempt, min(MAX_TIMEOUT_S, max(0.1, remaining)), len(call.token_ids))
+        sampling = vllm_sampling(params, "decode", call.first_token)
         rest = self.vllm.stream([*call.token_ids, call.first_token], params.max_new_tokens - 1, load.to_kv_params(),
-                                remaining, stop=canceled)  # fmt: skip
-        return [_chosen(_arrived_at_first(hold.events, rest))]  # one choice (check_greedy refuses n > 1)
+                                remaining, stop=canceled, sampling=sampling)  # fmt: skip
+        return [_arrived_at_first(hold.events, rest)]  # one choice (check_supported refuses n > 1)
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
                  canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
-        tokens = self.vllm.stream(token_ids, params.max_new_tokens, None, deadline - time.monotonic(), stop=canceled)
-        return [_chosen(_canceled_on_stop(tokens))]
+        tokens = self.vllm.stream(token_ids, params.max_new_tokens, None, deadline - time.monotonic(), stop=canceled,
+                                  sampling=vllm_sampling(params, "generate"))  # fmt: skip
+        return [_canceled_on_stop(tokens)]
 
     def close(self) -> None:
         self.vllm.close()
 
 
-def _arrived_at_first(events: ShipmentEvents, tokens: Iterator[int]) -> Iterator[int]:
+def _arrived_at_first(events: ShipmentEvents, tokens: Iterator[Chosen]) -> Iterator[Chosen]:
     """Once vLLM produced a token the prompt's KV is in (loaded, or recomputed): the
     prefill region owes nothing more, and losing it must not end this decode."""
     try:
@@ -126,15 +129,7 @@ def _arrived_at_first(events: ShipmentEvents, tokens: Iterator[int]) -> Iterator
         close_tokens(tokens)  # an early end (EOS, cancel, deadline) aborts the vLLM request
 
 
-def _chosen(tokens: Iterator[int]) -> Iterator[Chosen]:
-    try:
-        for token in tokens:
-            yield Chosen(token)
-    finally:
-        close_tokens(tokens)
-
-
-def _canceled_on_stop(tokens: Iterator[int]) -> Iterator[int]:
+def _canceled_on_stop(tokens: Iterator[Chosen]) -> Iterator[Chosen]:
     try:
         yield from tokens
     except StreamStopped:

@@ -5,7 +5,8 @@ ships each layer's KV to the decode region as vLLM computes it, or, to a decode 
 the same machine, all of it right after the forward (`vllm.ship`; the wire format of the HF
 backend's shipments, so either engine decodes it); the backend then waits for the
 shipment's outcome. vLLM frees the KV once it is shipped, so there is nothing to reship.
-Decoding is greedy only (the vLLM host's one mode): sampling requests are refused.
+The job's sampling is vLLM's for step 0 (engine/vllm/sampling.py: one choice per job), with
+the first token's logprobs and the prompt's when asked.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from collections.abc import Callable
 
 from prfaas.engine.base import ModelFacts
 from prfaas.engine.kv import hash_token_ids
-from prfaas.engine.sampling import Chosen, SamplingParams
+from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.vllm.params import ShipParams, layerwise_for
-from prfaas.engine.vllm.remote import VLLMEngine, check_greedy, shipment_error
+from prfaas.engine.vllm.remote import VLLMEngine, shipment_error
+from prfaas.engine.vllm.sampling import check_supported, chosen, vllm_sampling
 from prfaas.prefill_region.backend import JobProgress, JobStopped, PrefillWork, Reshipped, Shipped, kv_descriptor
 from prfaas.prefill_region.destination import Destination
 from prfaas.region.errors import InvalidRequest, NotFound
@@ -35,7 +37,7 @@ class VLLMPrefill:
         self.ship = ship
 
     def admit(self, destination: Destination, params: SamplingParams) -> Destination:
-        check_greedy(params)
+        check_supported(params)
         tcp = [e for e in destination.endpoints if e.kind == "tcp"]
         if not tcp:
             raise InvalidRequest(
@@ -53,11 +55,14 @@ class VLLMPrefill:
                           server_name=server_name(region) if region else None)  # fmt: skip
         kv_params = ship.to_kv_params()
         t0 = time.monotonic()
-        result = self.vllm.generate(work.token_ids, 1, kv_params, timeout_s=max(0.1, work.deadline - t0))
+        result = self.vllm.generate(work.token_ids, 1, kv_params, timeout_s=max(0.1, work.deadline - t0),
+                                    sampling=vllm_sampling(work.params, "prefill"))  # fmt: skip
         prefill_s = time.monotonic() - t0
         job.check()
         kv = kv_descriptor(self.vllm.facts, len(work.token_ids), hash_token_ids(work.token_ids))
-        job.prefill_done([Chosen(int(result["token_ids"][0]))], kv, prefill_s)
+        logprobs = result["logprobs"]
+        first = chosen((result["token_ids"][0], logprobs[0] if logprobs else None, result["prompt_logprobs"]))
+        job.prefill_done([first], kv, prefill_s)
         outcome = None
         while outcome is None:  # in short slices: a Cancel or the deadline ends the wait
             job.check()

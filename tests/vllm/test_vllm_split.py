@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from vllm_kit import MODEL, VLLMPair
 
+from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.vllm.params import LoadParams, ShipParams
+from prfaas.engine.vllm.sampling import vllm_sampling
 
 pytestmark = pytest.mark.vllm
 
@@ -34,11 +36,19 @@ def prompt_ids(long_text: str, num_tokens: int) -> list[int]:
 
 
 def split(
-    pair: VLLMPair, prompt: list[int], *, timeout_s: float = 60.0, layerwise: bool = True
+    pair: VLLMPair,
+    prompt: list[int],
+    *,
+    timeout_s: float = 60.0,
+    layerwise: bool = True,
+    params: SamplingParams | None = None,
+    first_output: bool = True,
 ) -> tuple[list[int], dict, dict | None]:
     """The engines' split: the decode region reserves (expects the shipment), the prefill
     computes the prompt and ships its KV (layer by layer, or all after the forward), the
-    decode continues from `prompt + [first token]` with the shipped KV.
+    decode continues from `prompt + [first token]` with the shipped KV. `params`: a job's
+    sampling, as the regions map it (None: the host's greedy default); `first_output=False`
+    leaves out the decode's FIRST_OUTPUT_KEY (what the penalty correction reads).
     -> (tokens, decode result, ship outcome)"""
     job = str(uuid.uuid4())
     ticket = pair.signer.issue(job, 0, "tenant-a", len(prompt) * KV_BYTES_PER_TOKEN, ttl_s=120)  # = the reservation
@@ -47,9 +57,13 @@ def split(
     ).to_kv_params()  # over TLS: the decode region's certificate must name its server name
     load = LoadParams(job, 0, timeout_s, num_tokens=len(prompt)).to_kv_params()
     pair.decode.client.expect(job, 0, timeout_s, tenant="tenant-a", max_bytes=len(prompt) * KV_BYTES_PER_TOKEN)
-    first = pair.prefill.client.generate(prompt, 1, ship)["token_ids"]
+    prefill = vllm_sampling(params, "prefill") if params else None
+    first = pair.prefill.client.generate(prompt, 1, ship, sampling=prefill)["token_ids"]
     outcome = pair.prefill.client.wait_shipped(ship, timeout_s)
-    decoded = pair.decode.client.generate(prompt + first, NEW_TOKENS - 1, load)
+    decode = vllm_sampling(params, "decode", first[0]) if params else None
+    if decode is not None and not first_output:
+        decode.pop("extra_args", None)
+    decoded = pair.decode.client.generate(prompt + first, NEW_TOKENS - 1, load, sampling=decode)
     return first + decoded["token_ids"], decoded, outcome
 
 
@@ -71,6 +85,31 @@ def test_split_tokens_equal_one_vllm_process(
     assert outcome["raw_bytes"] == num_tokens * KV_BYTES_PER_TOKEN
     assert decoded["num_cached_tokens"] == num_tokens  # the prompt came over the wire, not recomputed
     assert tokens == reference["token_ids"]
+
+
+@pytest.mark.parametrize(("repetition", "presence", "frequency"), [(1.0, 0.5, 0.5), (1.1, 1.0, 0.5), (0.9, 0.5, 0.5)])
+def test_a_split_decode_penalizes_the_first_token_as_one_request_does(
+    vllm_pair: VLLMPair, repetition: float, presence: float, frequency: float
+) -> None:
+    """Presence and frequency penalties count output tokens, and the decode request holds the
+    first one in its prompt: the prfaas logits processor adds its share back, through the
+    repetition penalty's scaling (> 1 and < 1). The prompt makes the first token (" blue")
+    one the continuation wants again, so leaving it unpenalized changes the tokens."""
+    from transformers import AutoTokenizer
+
+    from prfaas.engine.models import resolve_model
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(resolve_model(MODEL), local_files_only=True)
+    prompt = list(tokenizer("red blue " * 40 + "red", add_special_tokens=False)["input_ids"])
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=repetition,
+                            presence_penalty=presence, frequency_penalty=frequency)  # fmt: skip
+    reference = vllm_pair.decode.client.generate(prompt, NEW_TOKENS, sampling=vllm_sampling(params, "generate"))
+
+    tokens, _, _ = split(vllm_pair, prompt, params=params)
+    uncorrected, _, _ = split(vllm_pair, prompt, params=params, first_output=False)
+
+    assert tokens == reference["token_ids"]
+    assert uncorrected != reference["token_ids"]
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
