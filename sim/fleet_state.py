@@ -14,6 +14,8 @@ from prfaas.sim.fleet import LinkSpec, RegionSpec
 from prfaas.sim.hardware import WorkerTimings
 from prfaas.sim.links import FluidLink
 
+NOMINAL_BATCH = 64  # a worker's full batch when its model sets no max_batch
+
 
 class RegionState:
     """One modelled region: its prefill workers (a FIFO resource), its decode pool, free KV buffer and the
@@ -28,6 +30,10 @@ class RegionState:
         self.kv_free = self.kv_capacity
         self.mean_prefill_s = 0.0
         self.prefill_tps = worker.prefill_tokens_per_s()
+        # What prices decode (Region.decode_nominal_tokens_per_s): a worker's tokens/s at its full
+        # batch (max_batch, else NOMINAL_BATCH), the same however busy the region is now.
+        full = worker.max_batch or NOMINAL_BATCH
+        self.decode_nominal_tps = full / worker.decode_step_s(full, 0)
         self.prefill_busy_s = 0.0
         self._cached: tuple[tuple[object, ...], Region] | None = None
 
@@ -63,9 +69,11 @@ class RegionState:
             num_busy_workers=prefill.count if prefill else num_workers,
             mean_prefill_s=self.mean_prefill_s,
             kv_buffer_free_bytes=self.kv_free,
+            kv_buffer_bytes=self.kv_capacity,
             prefill_tokens_per_s=self.prefill_tps,
             decode_tokens_per_s=batch / step,
             tpot_ms=step * 1000.0,
+            decode_nominal_tokens_per_s=self.decode_nominal_tps if spec.num_decode_workers else None,
             healthy=True,
             heartbeat_age_s=0.0,
             cached_prefix_hashes=frozenset(),

@@ -216,6 +216,7 @@ class RegionRegistry:
             spot_usd_per_gpu_hour=prices.spot(r.name), queue_depth=r.queue_depth,
             num_busy_workers=min(r.busy_workers, workers),
             kv_buffer_free_bytes=r.kv_free_bytes if r.role != "prefill" else 0,
+            kv_buffer_bytes=r.kv_used_bytes + r.kv_free_bytes if r.role != "prefill" else 0,
             prefill_tokens_per_s=r.prefill_tokens_per_s or FALLBACK_PREFILL_TPS, decode_tokens_per_s=decode_tps,
             tpot_ms=1000.0 / decode_tps, healthy=bool(left) and r.name not in exclude,
             heartbeat_age_s=r.heartbeat_age_s,

@@ -109,8 +109,10 @@ class CostModel:
         return seconds * region.gpus_per_worker * price_per_gpu_hour / _S_PER_HOUR
 
     def decode_usd(self, request: Request, decode: Region) -> float:
-        """The request's share of a decode worker: max_new_tokens / worker decode tokens/s GPU-seconds."""
-        decode_gpu_s = request.max_new_tokens / decode.decode_tokens_per_s
+        """The request's share of a decode worker: max_new_tokens / worker decode tokens/s GPU-seconds,
+        at the worker's nominal (full-batch) rate when the region reports one: priced at the measured
+        rate, a region whose batch fills would look cheaper the busier it is and draw all decode."""
+        decode_gpu_s = request.max_new_tokens / (decode.decode_nominal_tokens_per_s or decode.decode_tokens_per_s)
         return self._gpu_usd(decode_gpu_s, decode, decode.usd_per_gpu_hour)
 
     def local(self, request: Request, decode: Region, uncached_decode: int) -> Estimate:

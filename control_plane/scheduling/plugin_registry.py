@@ -20,6 +20,7 @@ from prfaas.control_plane.scheduling.filters import (
 )
 from prfaas.control_plane.scheduling.plugins import Filter, Picker, Scorer
 from prfaas.control_plane.scheduling.scorers import (
+    DecodeHeadroomScorer,
     EgressCostScorer,
     LatencyScorer,
     LinkHeadroomScorer,
@@ -129,6 +130,7 @@ BUILT_IN_SCORERS: dict[str, ScorerFactory] = {
     "queue-depth": _model_factory(QueueDepthScorer),
     "prefix-cache": _model_factory(PrefixCacheScorer),
     "link-headroom": _model_factory(LinkHeadroomScorer),
+    "decode-headroom": _model_factory(DecodeHeadroomScorer),
     "latency": _model_factory(LatencyScorer),
 }
 BUILT_IN_PICKERS: dict[str, PickerFactory] = {"max-score": _model_factory(MaxScorePicker)}

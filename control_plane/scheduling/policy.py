@@ -55,7 +55,8 @@ profiles:
       - {type: price, weight: 2}
       - {type: prefix-cache, weight: 1}
       - {type: queue-depth, weight: 1}
-    picker: {type: max-score}
+      - {type: decode-headroom, weight: 1}
+    picker: {type: max-score, params: {tie_band: 0.05}}  # within 5% of the best: spread by request
   prefill:
     filters:
       - {type: health, params: {max_heartbeat_age_s: 15}}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from prfaas.control_plane.scheduling.plugins import Candidate, Context, Stage
@@ -71,6 +72,20 @@ class PrefixCacheScorer(_Plugin):
         return [1.0 - ctx.uncached(c.region) / prompt for c in candidates]
 
 
+class DecodeHeadroomScorer(_Plugin):
+    """`decode-headroom`: the share of the candidate's KV buffer left after this request's
+    reservation, (free - needed) / whole (1 when the region does not report its whole buffer).
+    Spreads decode over regions by what they can still take."""
+
+    def score(self, ctx: Context, candidates: Sequence[Candidate]) -> list[float]:
+        needed = ctx.kv_bytes_needed
+        scores = []
+        for c in candidates:
+            whole = c.region.kv_buffer_bytes
+            scores.append(1.0 if not whole else max(0.0, c.region.kv_buffer_free_bytes - needed) / whole)
+        return scores
+
+
 class LinkHeadroomScorer(_Plugin):
     """`link-headroom`: 1 - utilization of the candidate's link (1 for local)."""
 
@@ -88,9 +103,24 @@ class LatencyScorer(_Plugin):
 
 
 class MaxScorePicker(_Plugin):
-    """`max-score`: highest total first; ties broken by label (region name), so the same
-    snapshot and request always give the same order."""
+    """`max-score`: highest total first. Totals within `tie_band` (a share of the best total)
+    of the best count as equal; equal candidates are ordered by a hash of (request id, label),
+    so the same snapshot and request always give the same order while equal regions share a
+    burst of requests (between two heartbeats every request sees the same snapshot: a fixed
+    tie order would send the whole burst to one region). Requests without an id, and the
+    rest of the order, go by total, then label."""
+
+    tie_band: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
 
     def rank(self, ctx: Context, candidates: Sequence[Candidate], totals: Sequence[float]) -> list[Candidate]:
-        order = sorted(range(len(candidates)), key=lambda i: (-totals[i], candidates[i].label))
-        return [candidates[i] for i in order]
+        best = max(totals, default=0.0)
+        floor = best - self.tie_band * abs(best)
+        request_id = ctx.request.request_id
+
+        def key(i: int) -> tuple[int, float, int, str]:
+            label = candidates[i].label
+            if totals[i] >= floor and request_id:
+                return 0, 0.0, xxhash.xxh3_64_intdigest(f"{request_id}/{label}".encode()), label
+            return 1, -totals[i], 0, label
+
+        return [candidates[i] for i in sorted(range(len(candidates)), key=key)]

@@ -44,9 +44,17 @@ class Region(BaseModel):
     num_busy_workers: int = Field(default=0, ge=0)
     mean_prefill_s: NonNegFloat = Field(default=0.0, description="mean duration of recent prefill jobs, s")
     kv_buffer_free_bytes: int = Field(ge=0, description="KV buffer a decode reservation can still take, bytes")
+    kv_buffer_bytes: int | None = Field(
+        default=None, ge=0, description="the whole KV buffer (free + reserved), bytes; None: not reported"
+    )
     prefill_tokens_per_s: PosFloat = Field(description="measured prefill throughput of one worker, tokens/s")
     decode_tokens_per_s: PosFloat = Field(description="measured decode throughput of one worker, all sequences, tok/s")
     tpot_ms: PosFloat = Field(description="measured time per output token of one sequence at current load, ms")
+    decode_nominal_tokens_per_s: PosFloat | None = Field(
+        default=None,
+        description="one worker's decode tokens/s at its full batch: what prices decode when known, so a "
+        "region's price per token does not fall as its batch fills (None: decode_tokens_per_s prices it)",
+    )
     healthy: bool = True
     heartbeat_age_s: NonNegFloat = Field(default=0.0, description="seconds since the last heartbeat")
     cached_prefix_hashes: frozenset[str] = Field(

@@ -201,6 +201,7 @@ def test_every_plugin_is_timed_and_timings_do_not_affect_equality() -> None:
     decode_stage, prefill_stage = first.explanation.stages
     assert set(decode_stage.timings_us) == {"health", "residency", "capacity", "slo", "price", "prefix-cache"} | {
         "queue-depth",
+        "decode-headroom",
         "picker",
     }
     assert set(prefill_stage.timings_us) >= {"link-headroom", "egress-cost", "picker"}
