@@ -83,6 +83,9 @@ class Settings(BaseSettings):
         default=None, description="host:port of the region registry gRPC service; None: not served by this process"
     )
     heartbeat_misses: int = Field(default=3, ge=1, description="missed heartbeats before a region is dead")
+    measure_links: bool = Field(
+        default=True, description="move the configured links by what the KV senders measure; false: configured only"
+    )
     job_ttl_s: int = Field(default=7 * 86400, ge=1, description="finished jobs are kept this long in Redis")
     max_attempts: int = Field(default=3, ge=1, description="dispatch attempts before a job is FAILED")
     backoff_s: float = Field(default=0.2, ge=0, description="first retry backoff; doubles each attempt, +-50% jitter")

@@ -28,7 +28,7 @@ from prfaas.decode_region.reservations import Reservation, Tombstone, raise_as_r
 from prfaas.decode_region.workers import WorkerSlots
 from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.stops import TextStops
-from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
 from prfaas.region.channels import TlsFiles
 from prfaas.region.errors import (
     Canceled,
@@ -367,6 +367,9 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 self._local.pop(job_id, None)
 
     # -- region ----------------------------------------------------------------------------
+
+    def link_reports(self) -> list[registry_pb2.LinkReport]:
+        return []  # a decode region receives KV; the senders measure the paths
 
     def load(self) -> dict[str, float]:
         used = self.book.used_bytes

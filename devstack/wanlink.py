@@ -94,6 +94,17 @@ class WanLink:
         self.emulator.send_signal(signal.SIGRTMIN + 1)
         return time.monotonic()
 
+    def slow(self) -> float:
+        """Slow the link to 1/10 of its rate, both ways (a degraded path), until `unslow`.
+        Returns time.monotonic()."""
+        self.emulator.send_signal(signal.SIGRTMIN + 2)
+        return time.monotonic()
+
+    def unslow(self) -> float:
+        """Give a `slow` link its rate back. Returns time.monotonic()."""
+        self.emulator.send_signal(signal.SIGRTMIN + 3)
+        return time.monotonic()
+
     def counters(self) -> dict[str, dict[str, int]]:
         """Live emulator counters per direction (SIGUSR1 makes linkemu print them)."""
         with self._lock:

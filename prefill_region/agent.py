@@ -23,7 +23,8 @@ from prfaas.prefill_region import metrics
 from prfaas.prefill_region.backend import JobStopped, PrefillBackend, PrefillWork, Shipped
 from prfaas.prefill_region.destination import Destination
 from prfaas.prefill_region.job import END, Job
-from prfaas.protos.prfaas.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from prfaas.prefill_region.shipping import link_report
+from prfaas.protos.prfaas.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, registry_pb2
 from prfaas.region.errors import (
     Canceled,
     Conflict,
@@ -203,6 +204,10 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         with self._lock:
             busy, queued = self._busy, len(self._jobs) - self._busy
         return {"queue_depth": queued, "busy_workers": busy, "prefill_tokens_per_s": self._rate}
+
+    def link_reports(self) -> list[registry_pb2.LinkReport]:
+        """The heartbeat's measured paths (the registry's link estimates)."""
+        return [link_report(region, report) for region, report in self.backend.path_reports()]
 
     def idle(self) -> bool:
         with self._lock:

@@ -23,6 +23,7 @@ from prfaas.engine.base import ModelFacts
 from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.prefill_region.destination import Destination
 from prfaas.protos.prfaas.v1 import common_pb2
+from prfaas.transport.pathmeter import PathReport
 
 
 class JobStopped(Exception):
@@ -111,6 +112,11 @@ class PrefillBackend(Protocol):
 
     def drop(self, job_id: str) -> bool:
         """Forget what is kept of `job_id` for a re-shipment; True if there was something."""
+        ...
+
+    def path_reports(self) -> list[tuple[str, PathReport]]:
+        """What the backend's senders measured on their paths since the last call, by decode
+        region (the heartbeat's link reports); empty when it ships through another stack."""
         ...
 
     def close(self) -> None: ...

@@ -27,6 +27,7 @@ from prfaas.prefill_region.shipping import ChannelPool, ship_spec, wait_transfer
 from prfaas.protos.prfaas.v1 import common_pb2
 from prfaas.region.errors import Canceled, DeadlineExceeded, NotFound
 from prfaas.transport.api import Shipment, Transfer, TransferStatus
+from prfaas.transport.pathmeter import PathReport
 
 
 @dataclass(eq=False)
@@ -182,6 +183,9 @@ class HFPrefill:
     def close(self) -> None:
         self.leases.close()
         self.channels.close()
+
+    def path_reports(self) -> list[tuple[str, PathReport]]:
+        return self.channels.path_reports()
 
 
 def _transfer_failed(job: JobProgress, transfer: Transfer) -> None:

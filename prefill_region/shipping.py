@@ -10,11 +10,13 @@ from typing import Any
 
 from prfaas.prefill_region import metrics
 from prfaas.prefill_region.destination import Destination
+from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.channels import TlsFiles
 from prfaas.region.errors import DeadlineExceeded, InvalidRequest
 from prfaas.transport.api import Shape, ShipmentSpec, Transfer, TransferStatus
 from prfaas.transport.endpoints import Endpoint
 from prfaas.transport.identity import server_name
+from prfaas.transport.pathmeter import PathReport
 from prfaas.transport.shm_sender import ShmChannel
 from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tls import client_context
@@ -48,6 +50,16 @@ def wait_transfer(transfer: Transfer, deadline: float, stop: threading.Event, *,
     if status is TransferStatus.COMPLETED:
         metrics.SHIPPED_RAW.inc(stats.raw_bytes)
     return status
+
+
+def link_report(region: str, report: PathReport) -> registry_pb2.LinkReport:
+    """A channel's path figures as the heartbeat carries them (ms; 0 = no RTT sample)."""
+    return registry_pb2.LinkReport(
+        peer_region=region, seconds=report.seconds, bytes_acked=report.bytes_acked,
+        backlogged_s=report.backlogged_s, backlogged_bytes=report.backlogged_bytes,
+        srtt_ms=1e3 * (report.srtt_s or 0.0), min_rtt_ms=1e3 * (report.min_rtt_s or 0.0),
+        retransmits=report.retransmits,
+    )  # fmt: skip
 
 
 class ChannelPool:
@@ -96,6 +108,13 @@ class ChannelPool:
             raise InvalidRequest("destination.decode_region is required with mutual TLS: the KV port's server name")
         return TcpChannel((endpoint.host, endpoint.port), node=self.node, ssl_context=self._ssl,
                           server_hostname=server_name(region))  # fmt: skip
+
+    def path_reports(self) -> list[tuple[str, PathReport]]:
+        """Each TCP channel's path figures since the last call, by decode region (a region with
+        several instances: one report per instance's channel)."""
+        with self._lock:
+            channels = [(region, ch) for (_, region), ch in self._channels.items() if isinstance(ch, TcpChannel)]
+        return [(region, report) for region, ch in channels if region and (report := ch.meter.take()) is not None]
 
     def close(self) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ from prfaas.prefill_region.backend import JobProgress, JobStopped, PrefillWork, 
 from prfaas.prefill_region.destination import Destination
 from prfaas.region.errors import InvalidRequest, NotFound
 from prfaas.transport.identity import server_name
+from prfaas.transport.pathmeter import PathReport
 
 
 class VLLMPrefill:
@@ -78,6 +79,9 @@ class VLLMPrefill:
 
     def drop(self, job_id: str) -> bool:
         return False
+
+    def path_reports(self) -> list[tuple[str, PathReport]]:
+        return []  # the KV leaves from inside vLLM (the connector's channels): not measured yet
 
     def close(self) -> None:
         self.vllm.close()

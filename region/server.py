@@ -34,6 +34,10 @@ class Agent(Protocol):
 
     def load(self) -> dict[str, float]: ...
 
+    def link_reports(self) -> list[registry_pb2.LinkReport]:
+        """The paths this agent sends KV on, measured since its last heartbeat."""
+        ...
+
     def idle(self) -> bool: ...
 
     def close(self) -> None: ...
@@ -98,6 +102,7 @@ class RegionServer:
             kv_used_bytes=int(total.get("kv_used_bytes", 0)), kv_free_bytes=int(total.get("kv_free_bytes", 0)),
             prefill_tokens_per_s=total.get("prefill_tokens_per_s", 0.0),
             decode_tokens_per_s=total.get("decode_tokens_per_s", 0.0), draining=self.draining,
+            links=[report for agent, _add in self.agents.values() for report in agent.link_reports()],
         )  # fmt: skip
 
     @property

@@ -38,6 +38,7 @@ class TcpInfo:
     bytes_acked: int  # tcpi_bytes_acked: payload bytes the peer's TCP acknowledged
     notsent_bytes: int  # tcpi_notsent_bytes: in the socket buffer, not yet sent (the path is the limit)
     unacked: int = 0  # tcpi_unacked: segments sent and not yet acknowledged
+    total_retrans: int = 0  # tcpi_total_retrans: segments retransmitted over the connection's life
 
 
 def tcp_info(sock: socket.socket | TlsSocket) -> TcpInfo | None:
@@ -55,7 +56,8 @@ def tcp_info(sock: socket.socket | TlsSocket) -> TcpInfo | None:
     if not srtt_us or not min_rtt_us or min_rtt_us == 0xFFFFFFFF:  # no RTT sample yet
         return None
     bytes_acked, notsent = struct.unpack_from("<Q", info, 120)[0], struct.unpack_from("<I", info, 144)[0]
-    return TcpInfo(srtt_us / 1e6, min_rtt_us / 1e6, bytes_acked, notsent, struct.unpack_from("<I", info, 24)[0])
+    unacked, total_retrans = struct.unpack_from("<I", info, 24)[0], struct.unpack_from("<I", info, 100)[0]
+    return TcpInfo(srtt_us / 1e6, min_rtt_us / 1e6, bytes_acked, notsent, unacked, total_retrans)
 
 
 # A sender socket takes more data only while less than this is waiting unsent in it, so

@@ -31,6 +31,7 @@ from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable
 from prfaas.transport.framing import Frame, FrameType
 from prfaas.transport.outbound import OutboundTransfer, TransferTable, encoder_pool
+from prfaas.transport.pathmeter import PathMeter
 from prfaas.transport.sendqueue import SendQueue
 from prfaas.transport.sockets import TcpInfo
 from prfaas.transport.tcp_stream import TcpStream, refused
@@ -100,6 +101,7 @@ class TcpChannel:
         self.closed = threading.Event()
         self.queue = SendQueue(max_inflight_bytes)
         self.table = TransferTable()
+        self.meter = PathMeter()  # the path's figures, for the region's heartbeat (transport/pathmeter.py)
         self._encoder = encoder_pool(encode_threads, "prfaas-kv-encode")
         self._refused_since: float | None = None
         self._lock = threading.Lock()
@@ -190,7 +192,8 @@ class TcpChannel:
                 )
 
     def _reap_loop(self) -> None:
-        """Deadlines every 50 ms; every measurement window, the stream count."""
+        """Deadlines every 50 ms; every measurement window, the path's figures (`meter`) and,
+        when the count is adaptive, the stream count."""
         window_start, samples, backlogged = time.monotonic(), 0, 0
         srtts: list[float] = []
         min_rtt: float | None = None
@@ -199,6 +202,8 @@ class TcpChannel:
         # window are a handful of bursts, not a rate.
         acked_at_start: dict[int, int] = {}
         acked_now: dict[int, int] = {}
+        retrans_at_start: dict[int, int] = {}
+        retrans_now: dict[int, int] = {}
         while not self.closed.wait(0.05):
             now = time.monotonic()
             for transfer in self.table.live():
@@ -206,8 +211,6 @@ class TcpChannel:
             metrics.STREAMS_CONNECTED.labels(self.peer).set(self.num_connected)
             infos = {s.index: i for s in self.streams if (i := s.tcp_info()) is not None}
             self._watch(now, infos)
-            if self.controller is None:
-                continue
             samples += 1
             # data waits for the path: chunks queued for a stream, or bytes in the socket buffers
             backlogged += int(self.queue.backlogged() or sum(i.notsent_bytes for i in infos.values()) > 0)
@@ -215,24 +218,33 @@ class TcpChannel:
             min_rtt = min((i.min_rtt_s for i in infos.values()), default=min_rtt)
             for index, info in infos.items():
                 if acked_now.get(index, 0) > info.bytes_acked:  # a reconnected stream: a new count
-                    acked_at_start[index] = 0
-                acked_now[index] = info.bytes_acked
-            if now - window_start < self.controller.window_s(min_rtt):
+                    acked_at_start[index], retrans_at_start[index] = 0, 0
+                acked_now[index], retrans_now[index] = info.bytes_acked, info.total_retrans
+            window_s = self.controller.window_s(min_rtt) if self.controller else max(0.5, 8 * (min_rtt or 0.0))
+            if now - window_start < window_s:
                 continue
-            rate = sum(n - acked_at_start.get(i, 0) for i, n in acked_now.items()) / (now - window_start)
+            acked = sum(n - acked_at_start.get(i, 0) for i, n in acked_now.items())
             path = PathSample(statistics.median(srtts), min_rtt) if srtts and min_rtt is not None else None
+            full = backlogged >= 0.8 * samples
+            self.meter.add(now - window_start, acked, backlogged=full, srtt_s=path.srtt_s if path else None,
+                           min_rtt_s=min_rtt, retransmits=sum(max(0, n - retrans_at_start.get(i, 0))
+                                                              for i, n in retrans_now.items()))  # fmt: skip
             if path is not None:
                 metrics.QUEUEING_DELAY.labels(self.peer).set(max(0.0, path.srtt_s - path.min_rtt_s))
-            count = self.controller.update(now, rate, backlogged=backlogged >= 0.8 * samples, path=path)
-            if count != self.num_streams:
-                log.info(
-                    "streams to %s: %d -> %d (%.1f MB/s, queueing %s)", self.address, self.num_streams, count,
-                    rate / 1e6, f"{1e3 * (path.srtt_s - path.min_rtt_s):.1f} ms" if path else "unknown",
-                )  # fmt: skip
-                self.resize(count)
+            if self.controller is not None:
+                rate = acked / (now - window_start)
+                count = self.controller.update(now, rate, backlogged=full, path=path)
+                if count != self.num_streams:
+                    log.info(
+                        "streams to %s: %d -> %d (%.1f MB/s, queueing %s)", self.address, self.num_streams, count,
+                        rate / 1e6, f"{1e3 * (path.srtt_s - path.min_rtt_s):.1f} ms" if path else "unknown",
+                    )  # fmt: skip
+                    self.resize(count)
             live = {s.index for s in self.streams}
             acked_at_start = {i: n for i, n in acked_now.items() if i in live}
             acked_now = dict(acked_at_start)
+            retrans_at_start = {i: n for i, n in retrans_now.items() if i in live}
+            retrans_now = dict(retrans_at_start)
             window_start, samples, backlogged, srtts = now, 0, 0, []
 
     def _watch(self, now: float, infos: dict[int, TcpInfo]) -> None:

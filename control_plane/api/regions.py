@@ -7,7 +7,8 @@ from fastapi import APIRouter, HTTPException
 from pydantic import ValidationError
 
 from prfaas.control_plane.api.deps import AdminDep, ServicesDep
-from prfaas.control_plane.api.schemas import LinkPublic, RegionPublic
+from prfaas.control_plane.api.schemas import LinkMeasured, LinkPublic, LinkScheduled, LinkView, RegionPublic
+from prfaas.control_plane.fleet.links import effective
 from prfaas.control_plane.fleet.records import RegionNotFound, RegionRecord
 from prfaas.control_plane.scheduling.snapshot import Link
 from prfaas.control_plane.services import Services
@@ -42,8 +43,26 @@ def undrain_region(name: str, s: ServicesDep) -> RegionPublic:
 
 
 @router.get("/links")
-def list_links(s: ServicesDep) -> list[LinkPublic]:
-    return [LinkPublic.model_validate(link.model_dump()) for link in s.regions.links()]
+def list_links(s: ServicesDep) -> list[LinkView]:
+    estimates = s.regions.link_estimates()
+    views = []
+    for link in s.regions.configured_links():
+        estimate = estimates.get((link.src, link.dst))
+        scheduled = effective(link, estimate)
+        measured = None
+        if estimate is not None:
+            measured = LinkMeasured(
+                bandwidth_gbps=estimate.measured_gbps, min_rtt_ms=estimate.min_rtt_ms, srtt_ms=estimate.srtt_ms,
+                sending_gbps=estimate.sending_bytes_per_s * 8 / 1e9, backlogged_bytes=estimate.backlogged_bytes,
+                weight=estimate.weight, retransmits=estimate.retransmits, age_s=estimate.age_s(),
+            )  # fmt: skip
+        views.append(LinkView(
+            **link.model_dump(include={"src", "dst", "rtt_ms", "bandwidth_gbps", "egress_usd_per_gb"}),
+            measured=measured,
+            scheduled=LinkScheduled(rtt_ms=scheduled.rtt_ms, bandwidth_gbps=scheduled.bandwidth_gbps,
+                                    utilization=scheduled.utilization),
+        ))  # fmt: skip
+    return views
 
 
 @router.put("/links")

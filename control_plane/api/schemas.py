@@ -256,6 +256,34 @@ class LinkPublic(BaseModel):
     egress_usd_per_gb: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
 
 
+class LinkMeasured(BaseModel):
+    """What the prefill region's KV senders measured on the link (control_plane/fleet/links.py)."""
+
+    bandwidth_gbps: float | None  # smoothed goodput while the path was the limit; None: not seen yet
+    min_rtt_ms: float | None
+    srtt_ms: float | None
+    sending_gbps: float  # smoothed rate the path carries
+    backlogged_bytes: int  # measured goodput's weight: bytes sent while backlogged
+    weight: float  # how far the measured bandwidth replaces the configured one (0..1)
+    retransmits: int
+    age_s: float
+
+
+class LinkScheduled(BaseModel):
+    """The link as the scheduler sees it now (configured, moved by fresh measurements)."""
+
+    rtt_ms: float
+    bandwidth_gbps: float
+    utilization: float
+
+
+class LinkView(LinkPublic):
+    """GET /admin/links: the configured figures (the fields PUT takes) beside the measured ones."""
+
+    measured: LinkMeasured | None = None
+    scheduled: LinkScheduled
+
+
 # -- usage -------------------------------------------------------------------------------------
 
 

@@ -122,13 +122,18 @@ def admin_view(meter: Meter, now: float | None = None) -> dict[str, Any]:
         if e.prefill_region != e.decode_region:
             shipped[(e.prefill_region, e.decode_region)] += e.kv_bytes_wire
     links = []
-    for link in s.regions.links():
+    estimates = s.regions.link_estimates()
+    for link in s.regions.configured_links():
         wire = shipped.get((link.src, link.dst), 0)
         gbps = wire * 8 / 3600 / 1e9  # mean over the last hour
+        measured = estimates.get((link.src, link.dst))
         links.append({
             "src": link.src, "dst": link.dst, "rtt_ms": link.rtt_ms, "bandwidth_gbps": link.bandwidth_gbps,
             "egress_usd_per_gb": link.egress_usd_per_gb, "gb_last_hour": wire / 1e9, "mean_gbps": gbps,
             "utilization_pct": gbps / link.bandwidth_gbps * 100 if link.bandwidth_gbps else 0.0,
+            "measured_gbps": measured.measured_gbps if measured else None,
+            "measured_rtt_ms": measured.min_rtt_ms if measured else None,
+            "measured_age_s": measured.age_s() if measured else None,
         })  # fmt: skip
     month = month_window(t)
     names = {x.id: x.name for x in s.tenants.all()}  # every tenant ever (the database never deletes one)

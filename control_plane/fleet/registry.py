@@ -8,12 +8,15 @@ The scheduler sees regions (`snapshot()`: each region's capacity and load summed
 healthy instances); a placement then runs on one instance of each chosen region (`pick`:
 the least loaded healthy one), so an instance that joins or dies changes where new work
 goes and nothing else. Links (RTT, bandwidth, egress price) between regions are configured
-by operators through the admin API.
+by operators through the admin API; the prefill regions' heartbeats report what their KV
+senders measure on each path, and `links()` gives the configured links moved by those
+measurements (fleet/links.py).
 
 Keys (prefix `p`): `p:instances` set of `region/instance`, `p:instance:{region}/{instance}`
 hash (registration, last load, `last_beat_at`), `p:suspect:{region}/{instance}` (a call to it
 failed UNAVAILABLE; expires after `heartbeat_misses` intervals), `p:region:{name}:drained`
-flag (an operator drained the region), `p:links` hash `src>dst` -> JSON.
+flag (an operator drained the region), `p:links` hash `src>dst` -> JSON (configured),
+`p:link_estimates` hash `src>dst` -> JSON (measured, `LinkEstimate`).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 
 from prfaas.control_plane.billing.prices import PriceBook, price_book
+from prfaas.control_plane.fleet.links import LinkEstimate, effective
 from prfaas.control_plane.fleet.records import DEFAULT_INSTANCE, InstanceRecord, RegionNotFound, RegionRecord
 from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
 from prfaas.control_plane.settings import Settings
@@ -102,7 +107,33 @@ class RegionRegistry:
                 "draining": int(load.draining),
             },
         )  # fmt: skip
+        if load.links:
+            self._measured(request.name, load.links)
         return False
+
+    def _measured(self, src: str, reports: Sequence[registry_pb2.LinkReport]) -> None:
+        """Fold a heartbeat's link reports into the estimates (read, update, write: two
+        instances of one region beating at the same instant may lose one report, which the
+        smoothing absorbs)."""
+        key = self.settings.key("link_estimates")
+        fields = sorted({f"{src}>{r.peer_region}" for r in reports if r.peer_region})
+        if not fields:
+            return
+        stored = dict(zip(fields, self.redis.hmget(key, fields), strict=True))
+        estimates = {
+            field: LinkEstimate.model_validate_json(raw) if raw else LinkEstimate(src=src, dst=field.split(">", 1)[1])
+            for field, raw in stored.items()
+        }
+        for report in reports:
+            field = f"{src}>{report.peer_region}"
+            if field in estimates:
+                estimates[field] = estimates[field].updated(report)
+        self.redis.hset(key, mapping={field: e.model_dump_json() for field, e in estimates.items()})
+
+    def link_estimates(self) -> dict[tuple[str, str], LinkEstimate]:
+        raw = self.redis.hgetall(self.settings.key("link_estimates"))
+        estimates = (LinkEstimate.model_validate_json(v) for v in raw.values())
+        return {(e.src, e.dst): e for e in estimates}
 
     def instances(self) -> list[InstanceRecord]:
         """Every registered instance (two Redis round trips however many there are); those
@@ -186,9 +217,16 @@ class RegionRegistry:
     def delete_link(self, src: str, dst: str) -> bool:
         return bool(self.redis.hdel(self.settings.key("links"), f"{src}>{dst}"))
 
-    def links(self) -> list[Link]:
+    def configured_links(self) -> list[Link]:
         raw = self.redis.hgetall(self.settings.key("links"))
         return sorted((Link.model_validate(json.loads(v)) for v in raw.values()), key=lambda x: (x.src, x.dst))
+
+    def links(self) -> list[Link]:
+        """The configured links, moved by fresh measurements (fleet/links.py `effective`)."""
+        if not self.settings.measure_links:
+            return self.configured_links()
+        estimates = self.link_estimates()
+        return [effective(link, estimates.get((link.src, link.dst))) for link in self.configured_links()]
 
     def snapshot(self, model: ModelShape, exclude: frozenset[str] = frozenset()) -> ClusterSnapshot:
         """The fleet as the scheduler sees it: regions (dead, drained or excluded ones marked

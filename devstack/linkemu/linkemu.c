@@ -15,6 +15,8 @@
  * SIGRTMIN cuts the link: until SIGRTMIN+1 restores it, every packet is dropped both ways,
  * arriving ones and those already in the delay line (counted in drop_cut), as when a fibre
  * is cut; no ICMP, no RST, nothing reaches either side.
+ * SIGRTMIN+2 slows the link to 1/10 of its rate (both ways; queues keep their size in bytes),
+ * SIGRTMIN+3 gives it its rate back: a path that degrades under a running workload.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -58,6 +60,8 @@ typedef struct {
 
 static volatile sig_atomic_t stop;
 static volatile int cut;  /* SIGRTMIN sets, SIGRTMIN+1 clears: every packet is dropped meanwhile */
+static volatile int slow; /* SIGRTMIN+2 sets, SIGRTMIN+3 clears: the rate is divided by SLOW_FACTOR */
+#define SLOW_FACTOR 10.0
 static uint64_t arena_mb = 64, ring_slots = 1 << 18;
 
 static uint64_t now_ns(void) {
@@ -87,16 +91,17 @@ static void enqueue(dir_t *d, const uint8_t *buf, uint64_t len, uint64_t t) {
     if (__atomic_load_n(&cut, __ATOMIC_RELAXED)) { d->drop_cut++; return; }
     if (d->loss_pct > 0 && rnd(&d->rng) * 100.0 < d->loss_pct) { d->drop_loss++; return; }
     uint64_t start = d->link_free_ns > t ? d->link_free_ns : t;
-    if (d->rate_mbit > 0) {
+    double rate = d->rate_mbit / (__atomic_load_n(&slow, __ATOMIC_RELAXED) ? SLOW_FACTOR : 1.0);
+    if (rate > 0) {
         /* backlog = bytes still waiting for (or in) serialization */
-        uint64_t backlog = (uint64_t)((start - t) * d->rate_mbit / 8000.0);
+        uint64_t backlog = (uint64_t)((start - t) * rate / 8000.0);
         if (d->qpkts_tail < d->r_tail) d->qpkts_tail = d->r_tail;
         while (d->qpkts_tail < d->r_head && d->ring[d->qpkts_tail % d->ring_sz].due
                - d->delay_ns <= t) d->qpkts_tail++;
         uint64_t qp = d->r_head - d->qpkts_tail;
         if ((d->queue_bytes > 0 && backlog + len > (uint64_t)d->queue_bytes) ||
             (d->queue_pkts > 0 && qp + 1 > (uint64_t)d->queue_pkts)) { d->drop_queue++; return; }
-        start += (uint64_t)(len * 8000.0 / d->rate_mbit);
+        start += (uint64_t)(len * 8000.0 / rate);
     }
     /* reserve contiguous arena space; skip the end of the arena if the packet won't fit */
     uint64_t pos = d->a_head % d->arena_sz, skip = (pos + len > d->arena_sz) ? d->arena_sz - pos : 0;
@@ -206,7 +211,7 @@ int main(int argc, char **argv) {
     if (!tun[0] || !tun[1] || !arena_mb || !ring_slots) usage();
 
     sigset_t ss; sigemptyset(&ss); sigaddset(&ss, SIGINT); sigaddset(&ss, SIGTERM); sigaddset(&ss, SIGUSR1);
-    sigaddset(&ss, SIGRTMIN); sigaddset(&ss, SIGRTMIN + 1);
+    sigaddset(&ss, SIGRTMIN); sigaddset(&ss, SIGRTMIN + 1); sigaddset(&ss, SIGRTMIN + 2); sigaddset(&ss, SIGRTMIN + 3);
     pthread_sigmask(SIG_BLOCK, &ss, NULL);     /* worker threads inherit the mask */
     int fa = tun_open(tun[0]), fb = tun_open(tun[1]);
     double rtt_ms = d[0].delay_ms + d[1].delay_ms;
@@ -232,6 +237,10 @@ int main(int argc, char **argv) {
         sigwait(&ss, &sig);
         if (sig == SIGRTMIN || sig == SIGRTMIN + 1) {  /* cut / restore the link */
             __atomic_store_n(&cut, sig == SIGRTMIN, __ATOMIC_RELAXED);
+            continue;
+        }
+        if (sig == SIGRTMIN + 2 || sig == SIGRTMIN + 3) {  /* slow the link / give it its rate back */
+            __atomic_store_n(&slow, sig == SIGRTMIN + 2, __ATOMIC_RELAXED);
             continue;
         }
         if (sig != SIGUSR1) break;

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -104,6 +106,7 @@ class Load(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    LINKS_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """prefill jobs waiting for a worker"""
     busy_workers: _builtins.int
@@ -114,6 +117,10 @@ class Load(_message.Message):
     """measured, recent"""
     decode_tokens_per_s: _builtins.float
     draining: _builtins.bool
+    @_builtins.property
+    def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkReport]:
+        """a prefill region's KV paths, measured since its last beat"""
+
     def __init__(
         self,
         *,
@@ -124,14 +131,66 @@ class Load(_message.Message):
         prefill_tokens_per_s: _builtins.float = ...,
         decode_tokens_per_s: _builtins.float = ...,
         draining: _builtins.bool = ...,
+        links: _abc.Iterable[Global___LinkReport] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_workers", b"busy_workers", "decode_tokens_per_s", b"decode_tokens_per_s", "draining", b"draining", "kv_free_bytes", b"kv_free_bytes", "kv_used_bytes", b"kv_used_bytes", "prefill_tokens_per_s", b"prefill_tokens_per_s", "queue_depth", b"queue_depth"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_workers", b"busy_workers", "decode_tokens_per_s", b"decode_tokens_per_s", "draining", b"draining", "kv_free_bytes", b"kv_free_bytes", "kv_used_bytes", b"kv_used_bytes", "links", b"links", "prefill_tokens_per_s", b"prefill_tokens_per_s", "queue_depth", b"queue_depth"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Load: _TypeAlias = Load  # noqa: Y015
+
+@_typing.final
+class LinkReport(_message.Message):
+    """What a sender measured on its path to one decode region since its last heartbeat
+    (transport/pathmeter.py). Units: seconds, bytes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_REGION_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    BYTES_ACKED_FIELD_NUMBER: _builtins.int
+    BACKLOGGED_S_FIELD_NUMBER: _builtins.int
+    BACKLOGGED_BYTES_FIELD_NUMBER: _builtins.int
+    SRTT_MS_FIELD_NUMBER: _builtins.int
+    MIN_RTT_MS_FIELD_NUMBER: _builtins.int
+    RETRANSMITS_FIELD_NUMBER: _builtins.int
+    peer_region: _builtins.str
+    """the decode region the path leads to"""
+    seconds: _builtins.float
+    """covered by measurement windows"""
+    bytes_acked: _builtins.int
+    backlogged_s: _builtins.float
+    """of `seconds`: data waited for the path (goodput measured)"""
+    backlogged_bytes: _builtins.int
+    """of `bytes_acked`: in backlogged windows"""
+    srtt_ms: _builtins.float
+    """0: no sample"""
+    min_rtt_ms: _builtins.float
+    """0: no sample"""
+    retransmits: _builtins.int
+    """segments"""
+    def __init__(
+        self,
+        *,
+        peer_region: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+        bytes_acked: _builtins.int = ...,
+        backlogged_s: _builtins.float = ...,
+        backlogged_bytes: _builtins.int = ...,
+        srtt_ms: _builtins.float = ...,
+        min_rtt_ms: _builtins.float = ...,
+        retransmits: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlogged_bytes", b"backlogged_bytes", "backlogged_s", b"backlogged_s", "bytes_acked", b"bytes_acked", "min_rtt_ms", b"min_rtt_ms", "peer_region", b"peer_region", "retransmits", b"retransmits", "seconds", b"seconds", "srtt_ms", b"srtt_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkReport: _TypeAlias = LinkReport  # noqa: Y015
 
 @_typing.final
 class HeartbeatRequest(_message.Message):

@@ -76,6 +76,24 @@ def test_long_prompt_splits_short_runs_local_both_equal_colocated(
         if mode == "split":
             assert job["bytes_raw"] == len(prompt) * engine.kv_bytes_per_token
             assert job["prefill_region"] == "prefill-a" and job["decode_region"] == "decode-b"
+            _assert_the_link_was_measured(s, job["bytes_raw"])
+
+
+def _assert_the_link_was_measured(s: Stack, shipped: int) -> None:
+    """The prefill region's heartbeats report what its KV sender saw on the path; /admin/links
+    shows it beside the configured figures (within a window and a beat: a few seconds)."""
+    deadline = time.monotonic() + 15
+    while True:
+        links = httpx.get(s.url + "/admin/links", headers=ADMIN, timeout=5).json()
+        (link,) = [x for x in links if (x["src"], x["dst"]) == ("prefill-a", "decode-b")]
+        measured = link["measured"]
+        if measured is not None and measured["min_rtt_ms"] is not None:
+            break
+        assert time.monotonic() < deadline, link
+        time.sleep(0.25)
+    assert 0 < measured["min_rtt_ms"] < 50 and measured["age_s"] < 15  # loopback
+    assert link["scheduled"]["rtt_ms"] == measured["min_rtt_ms"]
+    assert link["bandwidth_gbps"] > 0 and measured["sending_gbps"] >= 0 and shipped > 0
 
 
 def test_streaming_delivers_every_token_and_usage(

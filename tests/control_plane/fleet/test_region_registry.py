@@ -14,6 +14,7 @@ import grpc
 import pytest
 import redis
 from cp_kit import settings_fixture
+from test_link_estimates import LINK, link_report
 
 from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.fleet.server import serve_registry
@@ -249,3 +250,26 @@ def test_an_instance_that_refused_a_call_gets_no_new_work_until_its_mark_expires
     assert reg.get("d-b").pick().instance == "i-1"  # back: the least loaded again (ties go by id)
     for beater in beaters:
         beater._channel.close()
+
+
+def test_heartbeats_carry_link_reports_into_the_snapshot(registry: tuple[RegionRegistry, str]) -> None:
+    """A prefill region's beats (real gRPC registry, real Redis) move the link it ships on."""
+    reg, address = registry
+    reg.set_link(LINK)
+    reports = [[link_report(2.0, seconds=30.0)]]  # one beat's worth: the meter hands each window once
+    beater = Heartbeater(address, _registration("pre", "prefill", 1.0),
+                         lambda: registry_pb2.Load(links=reports.pop() if reports else []), 0.2)  # fmt: skip
+    decode = Heartbeater(address, _registration("dec", "decode", 4.0), registry_pb2.Load, 0.2)
+    decode.beat()
+    beater.beat()
+    beater.beat()
+    for b in (beater, decode):
+        b._channel.close()
+
+    (link,) = reg.snapshot(MODEL).links_into("dec")
+    assert link.bandwidth_gbps == pytest.approx(2.0) and link.rtt_ms == 40.0
+    assert reg.configured_links() == [LINK]  # what the operator set is kept beside
+    static = RegionRegistry(reg.redis, reg.settings.model_copy(update={"measure_links": False}))
+    assert static.links() == [LINK]  # PRFAAS_MEASURE_LINKS=false: the configured links only
+    estimate = reg.link_estimates()[("pre", "dec")]
+    assert estimate.retransmits == 3 and estimate.age_s() < 5
