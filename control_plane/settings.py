@@ -20,8 +20,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prfaas.region.channels import TlsFiles
 
-PLACEHOLDERS = ("change-me", "changeme", "placeholder", "secret", "example", "xxx")
+PLACEHOLDERS = ("change-me", "changeme", "placeholder", "secret", "example")
 MIN_SECRET_CHARS = 32
+MIN_DISTINCT_CHARS = 8  # "xxxx...", "aaaa...": a filler, not a key (a random one has ~25 of 32 distinct)
 
 
 def default_ledger_url() -> str:
@@ -149,9 +150,12 @@ class Settings(BaseSettings):
             return self
         for name in ("admin_key", "ticket_key"):
             value = getattr(self, name).get_secret_value()
-            if len(value) < MIN_SECRET_CHARS or any(p in value.lower() for p in PLACEHOLDERS):
+            # not "xxx" as a word: it is in about 1 of 800 random url-safe keys (`prfaas up`'s own)
+            if (len(value) < MIN_SECRET_CHARS or any(p in value.lower() for p in PLACEHOLDERS)
+                    or len(set(value)) < MIN_DISTINCT_CHARS):  # fmt: skip
                 raise ValueError(
-                    f"{name} looks like a placeholder (< {MIN_SECRET_CHARS} chars or a stock word); dev=true allows it"
+                    f"{name} looks like a placeholder (< {MIN_SECRET_CHARS} chars, a stock word or a filler); "
+                    "dev=true allows it"
                 )
         return self
 

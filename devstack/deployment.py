@@ -317,11 +317,17 @@ class Deployment:
     def cut_link(self, src: str, dst: str, cut: bool) -> bool:
         """Cut (drop every packet both ways) or restore the emulated link `src -> dst`; False
         when it is not emulated (no --emulate-wan)."""
+        return self._signal_link(src, dst, signal.SIGRTMIN if cut else signal.SIGRTMIN + 1)
+
+    def slow_link(self, src: str, dst: str, slow: bool) -> bool:
+        """Slow the emulated link `src -> dst` to 1/10 of its rate, or give it its rate back."""
+        return self._signal_link(src, dst, signal.SIGRTMIN + 2 if slow else signal.SIGRTMIN + 3)
+
+    def _signal_link(self, src: str, dst: str, sig: int) -> bool:
         pid = self.network.link_emulator(src, dst)
-        if pid is None:
-            return False
-        os.kill(pid, signal.SIGRTMIN if cut else signal.SIGRTMIN + 1)
-        return True
+        if pid is not None:
+            os.kill(pid, sig)
+        return pid is not None
 
     # ------------------------------------------------------------------ watch and stop
 

@@ -237,15 +237,17 @@ class RegionRegistry:
     def snapshot_of(
         self, records: list[RegionRecord], links: list[Link], model: ModelShape, exclude: frozenset[str] = frozenset()
     ) -> ClusterSnapshot:
-        regions = [self._region(r, exclude, self.prices) for r in records]
+        priors = _rate_priors(records)
+        regions = [self._region(r, exclude, self.prices, priors.get(r.gpu_type, {})) for r in records]
         names = {r.name for r in regions}
         kept = tuple(link for link in links if link.src in names and link.dst in names)
         return ClusterSnapshot(taken_at_s=time.time(), model=model, regions=tuple(regions), links=kept)
 
     @staticmethod
-    def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook) -> Region:
+    def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook, prior: dict[str, float]) -> Region:
         left = [i for i in r.healthy_instances if i.key not in exclude]
-        decode_tps = r.decode_tokens_per_s or FALLBACK_DECODE_TPS
+        decode_tps = r.decode_tokens_per_s or prior.get("decode_tokens_per_s") or FALLBACK_DECODE_TPS
+        prefill_tps = r.prefill_tokens_per_s or prior.get("prefill_tokens_per_s") or FALLBACK_PREFILL_TPS
         on_demand = prices.on_demand(r.name)
         workers = max(1, r.num_workers)
         return Region(
@@ -255,7 +257,19 @@ class RegionRegistry:
             num_busy_workers=min(r.busy_workers, workers),
             kv_buffer_free_bytes=r.kv_free_bytes if r.role != "prefill" else 0,
             kv_buffer_bytes=r.kv_used_bytes + r.kv_free_bytes if r.role != "prefill" else 0,
-            prefill_tokens_per_s=r.prefill_tokens_per_s or FALLBACK_PREFILL_TPS, decode_tokens_per_s=decode_tps,
+            prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
             tpot_ms=1000.0 / decode_tps, healthy=bool(left) and r.name not in exclude,
             heartbeat_age_s=r.heartbeat_age_s,
         )  # fmt: skip
+
+
+def _rate_priors(records: list[RegionRecord]) -> dict[str, dict[str, float]]:
+    """Per GPU type, the mean rates the regions that measured them report: what a region that
+    has run no job yet is assumed to reach. A fixed low fallback would make it look slower and
+    dearer than every measured region, so it would never get the job that measures it."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for r in records:
+        for field in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+            if getattr(r, field):
+                sums.setdefault(r.gpu_type, {}).setdefault(field, []).append(getattr(r, field))
+    return {gpu: {field: sum(v) / len(v) for field, v in fields.items()} for gpu, fields in sums.items()}

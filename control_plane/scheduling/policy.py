@@ -70,7 +70,8 @@ profiles:
       - {type: queue-depth, weight: 1}
       - {type: prefix-cache, weight: 1}
       - {type: link-headroom, weight: 0.5}
-    picker: {type: max-score}
+      - {type: latency, weight: 1}  # predicted TTFT: a path measured slow loses its share
+    picker: {type: max-score, params: {tie_band: 0.05}}
 """
 
 

@@ -273,3 +273,25 @@ def test_heartbeats_carry_link_reports_into_the_snapshot(registry: tuple[RegionR
     assert static.links() == [LINK]  # PRFAAS_MEASURE_LINKS=false: the configured links only
     estimate = reg.link_estimates()[("pre", "dec")]
     assert estimate.retransmits == 3 and estimate.age_s() < 5
+
+
+def test_a_region_that_ran_nothing_yet_is_assumed_as_fast_as_its_measured_peers(
+    registry: tuple[RegionRegistry, str],
+) -> None:
+    """A fixed low fallback would make a new region look slower and dearer than every measured
+    one, so it would never get the job that measures it."""
+    reg, address = registry
+    loads = {"p-old": registry_pb2.Load(prefill_tokens_per_s=9000.0), "p-new": registry_pb2.Load()}
+    beaters = [
+        Heartbeater(address, _registration(name, "prefill", 1.0), lambda name=name: loads[name], INTERVAL_S)
+        for name in loads
+    ]
+    for beater in beaters:
+        beater.beat()
+        beater.beat()
+
+    by_name = reg.snapshot(MODEL).regions_by_name()
+
+    assert by_name["p-new"].prefill_tokens_per_s == by_name["p-old"].prefill_tokens_per_s == 9000.0
+    for beater in beaters:
+        beater._channel.close()
