@@ -48,7 +48,7 @@ def list_links(s: ServicesDep) -> list[LinkView]:
     views = []
     for link in s.regions.configured_links():
         estimate = estimates.get((link.src, link.dst))
-        scheduled = effective(link, estimate)
+        scheduled = effective(link, estimate) if s.settings.measure_links else link  # what snapshots get
         measured = None
         if estimate is not None:
             measured = LinkMeasured(
