@@ -29,7 +29,7 @@ the request where the agent ends the stream.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import xxhash
@@ -111,19 +111,14 @@ def wire_prompt_logprobs(positions: Sequence[Mapping[int, Any] | None], prompt: 
 
 
 def token_logprobs(wire: WireLogprobs | None) -> TokenLogprobs | None:
-    if wire is None:
-        return None
-    logprob, rank, top_ids, top_logprobs = wire
-    return TokenLogprobs(logprob, rank, tuple(top_ids), tuple(top_logprobs))
+    return None if wire is None else _token(wire)
 
 
 def chosen(step: Step | Sequence[Any]) -> Chosen:
     token, logprobs, prompt = step
-    return Chosen(int(token), token_logprobs(logprobs), tuple(_prompt(prompt)))
+    return Chosen(int(token), token_logprobs(logprobs), tuple(_token(wire) for wire in prompt or ()))
 
 
-def _prompt(prompt: Iterable[WireLogprobs] | None) -> Iterable[TokenLogprobs]:
-    for wire in prompt or ():
-        converted = token_logprobs(wire)
-        assert converted is not None
-        yield converted
+def _token(wire: WireLogprobs) -> TokenLogprobs:
+    logprob, rank, top_ids, top_logprobs = wire
+    return TokenLogprobs(logprob, rank, tuple(top_ids), tuple(top_logprobs))
