@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prfaas.region.channels import TlsFiles
+from prfaas.transport.identity import Identity
 from prfaas.transport.webrtc import IceServer
 
 PLACEHOLDER_KEYS = {"changeme", "change-me", "secret", "dev", "placeholder"}
@@ -223,7 +224,7 @@ class RegionConfig(BaseSettings):
         identity = self.tls.identity
         if identity.kind != self.role or identity.region != self.name or identity.instance not in ("*", self.instance):
             raise ValueError(
-                f"tls.cert is for {identity.uri}, this is prfaas://{self.role}/{self.name}/{self.instance} "
+                f"tls.cert is for {identity.uri}, this is {self.identity.uri} "
                 "(its own instance, or * for every instance of the region)"
             )
         return self
@@ -249,12 +250,17 @@ class RegionConfig(BaseSettings):
         return accepted | {self.ticket_key_id: self.ticket_key.encode()}
 
     @property
+    def identity(self) -> Identity:
+        """Who this region instance is (its certificate names the same, or `*` for its instance)."""
+        return Identity(self.role, self.name, self.instance)
+
+    @property
     def serves_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
+        return self.identity.serves_prefill
 
     @property
     def serves_decode(self) -> bool:
-        return self.role in ("decode", "both")
+        return self.identity.serves_decode
 
 
 def field_errors(exc: ValidationError) -> list[str]:

@@ -36,6 +36,9 @@ class RegionError(Exception):
 
 
 class InvalidRequest(RegionError):
+    """The request itself is wrong (a field out of range, a malformed id): sending it again
+    anywhere gets the same answer."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -46,10 +49,14 @@ class Exhausted(RegionError):
 
 
 class NotFound(RegionError):
+    """No reservation, lease or job of that id here (expired, released, or never made)."""
+
     code = grpc.StatusCode.NOT_FOUND
 
 
 class Conflict(RegionError):
+    """The job (or this attempt of it) already runs or holds a reservation here."""
+
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
@@ -60,45 +67,54 @@ class Unavailable(RegionError):
 
 
 class DeadlineExceeded(RegionError):
+    """The job's deadline passed here (KV not arrived, decode not done): the caller retries or fails it."""
+
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class Canceled(RegionError):
+    """The job was canceled while this call served it."""
+
     code = grpc.StatusCode.CANCELLED
 
 
 class PreconditionFailed(RegionError):
+    """The request is well formed but does not fit what this region holds (another attempt's
+    reservation, KV of another shape or dtype)."""
+
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class PermissionDenied(RegionError):
+    """A ticket names another tenant, or a shipment exceeds what its ticket allows."""
+
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+# Engine and transport errors reaching a servicer: (type, status, message prefix), the first
+# match wins, so a subclass stands before its base.
+_FOREIGN: tuple[tuple[type[Exception], grpc.StatusCode, str], ...] = (
+    (InvalidPrompt, grpc.StatusCode.INVALID_ARGUMENT, ""),
+    (InvalidSamplingParams, grpc.StatusCode.INVALID_ARGUMENT, ""),
+    (KVIncompatible, grpc.StatusCode.FAILED_PRECONDITION, ""),
+    (EngineUnavailable, grpc.StatusCode.UNAVAILABLE, "engine unavailable: "),
+    (WorkerTimeout, grpc.StatusCode.DEADLINE_EXCEEDED, "engine deadline: "),
+    (EngineError, grpc.StatusCode.INTERNAL, "engine error: "),
+    (TicketRejected, grpc.StatusCode.PERMISSION_DENIED, "transfer ticket rejected: "),
+    (PeerUnavailable, grpc.StatusCode.UNAVAILABLE, "KV peer unavailable: "),
+    (TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED, "KV transfer deadline: "),
+    (TransferCanceled, grpc.StatusCode.CANCELLED, "KV transfer canceled: "),
+    (TransportError, grpc.StatusCode.DATA_LOSS, "KV transfer failed: "),
+)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status and message a caller gets for `exc`."""
     if isinstance(exc, RegionError):
         return exc.code, str(exc)
-    if isinstance(exc, (InvalidPrompt, InvalidSamplingParams)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, KVIncompatible):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, EngineUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {exc}"
-    if isinstance(exc, WorkerTimeout):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, f"engine deadline: {exc}"
-    if isinstance(exc, EngineError):
-        return grpc.StatusCode.INTERNAL, f"engine error: {exc}"
-    if isinstance(exc, TicketRejected):
-        return grpc.StatusCode.PERMISSION_DENIED, f"transfer ticket rejected: {exc}"
-    if isinstance(exc, PeerUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, f"KV peer unavailable: {exc}"
-    if isinstance(exc, TransferTimeout):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer deadline: {exc}"
-    if isinstance(exc, TransferCanceled):
-        return grpc.StatusCode.CANCELLED, f"KV transfer canceled: {exc}"
-    if isinstance(exc, TransportError):
-        return grpc.StatusCode.DATA_LOSS, f"KV transfer failed: {exc}"
+    for kind, code, prefix in _FOREIGN:
+        if isinstance(exc, kind):
+            return code, f"{prefix}{exc}"
     return grpc.StatusCode.INTERNAL, "internal error (logged by the region)"
 
 

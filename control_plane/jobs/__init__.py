@@ -9,6 +9,7 @@ placement.py   AdmissionPlacer: local jobs placed by the API process at admissio
 dispatch.py    Dispatcher: the Celery task's body (claim, place, reserve, start; the watcher follows)
 watcher.py     the worker's asyncio loop that reads the prefill streams (no thread per job)
 leases.py      leases on an attempt's stages, heartbeats of workers and API processes
+periodic.py    Periodic: a duty run every interval on a daemon thread (heartbeats, the sweeper)
 attempts.py    a failed attempt: the next one (backoff, excluded instances) or FAILED
 sweeper.py     takes back overrun leases, dead workers' attempts, dead API processes' jobs
 generation.py  Follower: the API side (stream the tokens, record DONE, decode failover, cancel)

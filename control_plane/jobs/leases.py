@@ -16,9 +16,9 @@ sweepers, exactly one acts on a lease.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,7 +26,10 @@ from typing import Any
 
 import redis
 
+from prfaas.control_plane.jobs.periodic import Periodic
 from prfaas.control_plane.settings import Settings
+
+log = logging.getLogger(__name__)
 
 # KEYS: job hash, leases zset, leases info hash. ARGV: attempt, job id, deadline, lease info JSON.
 # Claims the attempt's dispatch and, in the same step, the lease on placing it: only a QUEUED job
@@ -168,8 +171,7 @@ class Heartbeats:
         self.settings = settings
         self.key = settings.key("beats", kind)
         self.me = process_id(kind)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._ticker = Periodic(f"beat-{self.key}", settings.beat_s, self.beat, _retry_next_beat)
 
     def beat(self) -> None:
         now = time.time()
@@ -179,26 +181,15 @@ class Heartbeats:
             pipe.execute()
 
     def start(self) -> Heartbeats:
-        if self._thread is None:
-            self.beat()
-            self._thread = threading.Thread(target=self._run, name=f"beat-{self.key}", daemon=True)
-            self._thread.start()
+        self.beat()
+        self._ticker.start()
         return self
 
     def stop(self) -> None:
         """Stop beating and say so (the others need not wait for the beats to age)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        self._ticker.stop(join_s=5)
         dead = time.time() - self.settings.dead_after_s - 1  # known, and dead now (trimmed an hour on)
         self.redis.zadd(self.key, {self.me: dead})
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.settings.beat_s):
-            try:
-                self.beat()
-            except redis.RedisError:  # Redis away for a moment: the next beat tries again
-                continue
 
     def alive(self) -> set[str]:
         cutoff = time.time() - self.settings.dead_after_s
@@ -207,6 +198,11 @@ class Heartbeats:
     def known(self) -> set[str]:
         """Every process that beat in the last hour, alive or not."""
         return {_text(m) for m in self.redis.zrange(self.key, 0, -1)}
+
+
+def _retry_next_beat(exc: Exception) -> None:
+    if not isinstance(exc, redis.RedisError):  # Redis away for a moment: the next beat tries again
+        log.exception("heartbeat failed; the next one tries again", exc_info=exc)
 
 
 def _text(value: Any) -> str:

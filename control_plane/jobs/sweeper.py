@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -30,6 +29,7 @@ import grpc
 from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Heartbeats, Lease, Leases
+from prfaas.control_plane.jobs.periodic import Periodic
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.store import JobStore
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -37,6 +37,11 @@ from prfaas.region.channels import ChannelCache
 from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
+
+
+def _sweep_failed(exc: Exception) -> None:
+    # never let the thread die: a job it cannot handle must not stop the others'
+    log.exception("sweep failed; the next one tries again", exc_info=exc)
 
 
 class Sweeper:
@@ -51,27 +56,15 @@ class Sweeper:
         self.beats = beats  # by kind: "worker", "api"
         self.channels = channels
         self.settings = jobs.settings
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._ticker = Periodic("prfaas-sweeper", self.settings.sweep_s, self.sweep, _sweep_failed)
         self._missing: dict[str, float] = {}  # owners with no beat at all -> when this sweeper first saw that
 
     def start(self) -> Sweeper:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="prfaas-sweeper", daemon=True)
-            self._thread.start()
+        self._ticker.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.settings.sweep_s):
-            try:
-                self.sweep()
-            except Exception:  # never let the thread die: a job it cannot handle must not stop the others'
-                log.exception("sweep failed; the next one tries again")
+        self._ticker.stop(join_s=10)
 
     def sweep(self) -> list[str]:
         """One pass; what it did, a line per job."""

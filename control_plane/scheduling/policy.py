@@ -26,53 +26,8 @@ from prfaas.control_plane.scheduling.scheduler import (
     WeightedScorer,
 )
 
-DEFAULT_POLICY_YAML = """\
-# prfaas scheduler policy, version 1. Every key: docs/scheduler.md.
-version: 1
-disaggregation:
-  min_uncached_tokens: 19400   # PrfaaS's optimum on its fleet; tune with the simulator
-  min_cost_gain: 0.10          # split when >= 10% cheaper than local ...
-  min_ttft_gain: 0.10          # ... or >= 10% faster to the first token
-  max_decode_regions_tried: 4
-transfer:
-  stream_window_bytes: 4194304 # TCP window one stream reaches (kernel autotuning ceiling)
-  min_streams: 1
-  max_streams: 64
-  codecs:                      # ratios measured on bf16 KV, docs/benchmarks.md
-    - {name: raw, compression_ratio: 1.0}
-    - {name: lossless, compression_ratio: 1.47, encode_gbps: 16}
-    - {name: int8, compression_ratio: 2.19, lossy: true, encode_gbps: 16}
-cost:
-  prefill_on_spot: true
-profiles:
-  decode:
-    filters:
-      - {type: health, params: {max_heartbeat_age_s: 15}}
-      - {type: residency}
-      - {type: capacity}
-      - {type: slo}
-    scorers:
-      - {type: price, weight: 2}
-      - {type: prefix-cache, weight: 1}
-      - {type: queue-depth, weight: 1}
-      - {type: decode-headroom, weight: 1}
-    picker: {type: max-score, params: {tie_band: 0.05}}  # within 5% of the best: spread by request
-  prefill:
-    filters:
-      - {type: health, params: {max_heartbeat_age_s: 15}}
-      - {type: residency}
-      - {type: capacity}
-      - {type: link-headroom, params: {max_utilization: 0.9}}
-      - {type: slo}
-    scorers:
-      - {type: price, weight: 3}
-      - {type: egress-cost, weight: 1}
-      - {type: queue-depth, weight: 1}
-      - {type: prefix-cache, weight: 1}
-      - {type: link-headroom, weight: 0.5}
-      - {type: latency, weight: 1}  # predicted TTFT: a path measured slow loses its share
-    picker: {type: max-score, params: {tie_band: 0.05}}
-"""
+# The policy used when none is given: a data file beside this module (docs/scheduler.md explains each key).
+DEFAULT_POLICY_YAML = (Path(__file__).parent / "default_policy.yaml").read_text(encoding="utf-8")
 
 
 class _Strict(BaseModel):

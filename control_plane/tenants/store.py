@@ -75,9 +75,7 @@ class TenantStore:
     def update(self, tenant_id: str, changes: TenantChanges) -> Tenant:
         """Set what `changes` gives (None: unchanged). Raises TenantNotFound."""
         with self._session() as session:
-            row = session.get(TenantRow, tenant_id)
-            if row is None:
-                raise TenantNotFound(tenant_id)
+            row = _tenant_row(session, tenant_id)
             for name, value in changes.fields().items():
                 setattr(row, name, value)
             row.updated_at = time.time()
@@ -90,8 +88,7 @@ class TenantStore:
         key_id = uuid.uuid4().hex[:12]
         full = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(24)}"
         with self._session() as session:
-            if session.get(TenantRow, tenant_id) is None:
-                raise TenantNotFound(tenant_id)
+            _tenant_row(session, tenant_id)
             row = ApiKeyRow(id=key_id, tenant_id=tenant_id, digest=digest(full), revoked=False, created_at=time.time())
             session.add(row)
         return _key(row), full
@@ -117,10 +114,7 @@ class TenantStore:
 
     def get(self, tenant_id: str) -> Tenant:
         with self._session() as session:
-            row = session.get(TenantRow, tenant_id)
-            if row is None:
-                raise TenantNotFound(tenant_id)
-            return _tenant(row)
+            return _tenant(_tenant_row(session, tenant_id))
 
     def all(self) -> list[Tenant]:
         with self._session() as session:
@@ -190,6 +184,13 @@ class TenantStore:
         for tenant in tenants.values():
             self.cache.put(tenant, keys.get(tenant.id, []))
         return sum(len(k) for k in keys.values())
+
+
+def _tenant_row(session: Session, tenant_id: str) -> TenantRow:
+    row = session.get(TenantRow, tenant_id)
+    if row is None:
+        raise TenantNotFound(tenant_id)
+    return row
 
 
 def _tenant(row: TenantRow) -> Tenant:

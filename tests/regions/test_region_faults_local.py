@@ -91,18 +91,22 @@ def test_forged_ticket_stores_no_kv(region: Region, tiny_engine: HFEngine, long_
     cancel(region.decode_stub, job_id)
 
 
-def test_cancel_mid_decode_frees_buffer_at_once(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
-    ids = tiny_engine.encode(long_text)[:64]
-    params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
+LONG_DECODE = SamplingParams(max_new_tokens=3000, ignore_eos=True)
+
+
+def _decoding(region: Region, engine: HFEngine, ids: list[int]) -> tuple[str, int, Iterator[decode_pb2.TokenEvent]]:
+    """A job reserved, prefilled and shipped, with its long decode started: (job id, KV bytes, the stream)."""
     job_id = new_job()
-    kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+    kv_bytes = len(ids) * engine.kv_bytes_per_token
     reply = reserve(region.decode_stub, job_id, kv_bytes)
-    done = None
-    request = prefill_request(job_id, ids, params, reply.kv_endpoint, budget=kv_bytes)
-    for event in region.prefill_stub.Prefill(request, timeout=30):
-        done = event.prefill_done if event.HasField("prefill_done") else done
-    assert done is not None
-    stream = region.decode_stub.Decode(decode_request(job_id, params, done, timeout_s=60), timeout=60)
+    request = prefill_request(job_id, ids, LONG_DECODE, reply.kv_endpoint, budget=kv_bytes)
+    done = next(e for e in region.prefill_stub.Prefill(request, timeout=30) if e.HasField("prefill_done"))
+    stream = region.decode_stub.Decode(decode_request(job_id, LONG_DECODE, done.prefill_done, timeout_s=60), timeout=60)
+    return job_id, kv_bytes, stream
+
+
+def test_cancel_mid_decode_frees_buffer_at_once(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
+    job_id, kv_bytes, stream = _decoding(region, tiny_engine, tiny_engine.encode(long_text)[:64])
     seen = [next(stream) for _ in range(5)]
     assert region.decode is not None and region.decode.book.used_bytes == kv_bytes
 
@@ -112,20 +116,11 @@ def test_cancel_mid_decode_frees_buffer_at_once(region: Region, tiny_engine: HFE
     with pytest.raises(grpc.RpcError) as info:
         seen += list(stream)
     assert info.value.code() == grpc.StatusCode.CANCELLED
-    assert len(seen) < params.max_new_tokens
+    assert len(seen) < LONG_DECODE.max_new_tokens
 
 
 def test_client_disconnect_frees_reservation(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
-    ids = tiny_engine.encode(long_text)[:32]
-    params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
-    job_id = new_job()
-    kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
-    reply = reserve(region.decode_stub, job_id, kv_bytes)
-    events = region.prefill_stub.Prefill(
-        prefill_request(job_id, ids, params, reply.kv_endpoint, budget=kv_bytes), timeout=30
-    )
-    done = next(e for e in events if e.HasField("prefill_done")).prefill_done
-    stream = region.decode_stub.Decode(decode_request(job_id, params, done, timeout_s=60), timeout=60)
+    _, _, stream = _decoding(region, tiny_engine, tiny_engine.encode(long_text)[:32])
     next(stream)
     stream.cancel()
     assert region.decode is not None
