@@ -4,6 +4,13 @@
 # the task, so the registry sees the region's certificate). Both services dial regions with
 # the control plane's certificate (PRFAAS_TLS_*, ECS reads them at task start).
 
+# the operator's TLS secret of the control plane ({arn, kms_arn}), checked
+module "tls_secret" {
+  source = "../tls_secret"
+
+  secret = var.tls_secret
+}
+
 locals {
   env = [
     { name = "PRFAAS_MODEL", value = var.model },
@@ -14,7 +21,7 @@ locals {
   # the operator's TLS secret (PEM text in PRFAAS_TLS_*, which the settings accept)
   secrets = concat(
     [for name in local.secret_names : { name = "PRFAAS_${upper(name)}", valueFrom = aws_secretsmanager_secret.this[name].arn }],
-    [for key in ["ca", "cert", "key"] : { name = "PRFAAS_TLS_${upper(key)}", valueFrom = "${var.tls_secret.arn}:${key}::" }],
+    [for key in ["ca", "cert", "key"] : { name = "PRFAAS_TLS_${upper(key)}", valueFrom = "${module.tls_secret.arn}:${key}::" }],
   )
   log_options = {
     awslogs-group         = module.kms.log_groups["control-plane"].name
@@ -65,11 +72,11 @@ resource "aws_ecs_cluster" "this" {
 data "aws_iam_policy_document" "execution_secrets" {
   statement {
     actions   = ["secretsmanager:GetSecretValue"]
-    resources = concat([for name in local.secret_names : aws_secretsmanager_secret.this[name].arn], [var.tls_secret.arn])
+    resources = concat([for name in local.secret_names : aws_secretsmanager_secret.this[name].arn], [module.tls_secret.arn])
   }
   statement {
     actions   = ["kms:Decrypt"]
-    resources = compact([module.kms.arn, var.tls_secret.kms_arn])
+    resources = compact([module.kms.arn, module.tls_secret.kms_arn])
   }
 }
 

@@ -53,14 +53,7 @@ variable "region_cidrs" {
 
 variable "tls_secret" {
   description = "the control plane's mutual-TLS material: a Secrets Manager secret in this AWS region holding JSON {\"ca\", \"cert\", \"key\"} (PEM text) from `prfaas certs init --identity prfaas://control-plane/NAME`, created by the operator so that no private key passes through Terraform (docs/deploy.md, \"Certificates\")"
-  type = object({
-    arn     = string               # the secret's full ARN, with its 6-character suffix
-    kms_arn = optional(string, "") # the KMS key encrypting it; empty: the AWS-managed aws/secretsmanager key
-  })
-  validation {
-    condition     = can(regex("^arn:[a-z-]+:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:.+-[A-Za-z0-9]{6}$", var.tls_secret.arn))
-    error_message = "tls_secret.arn: a secret's full ARN (with its 6-character suffix, as create-secret prints it)."
-  }
+  type        = any # {arn, kms_arn}: typed, defaulted and checked once, in modules/tls_secret
 }
 
 variable "container_image" {

@@ -29,6 +29,13 @@ module "config" {
   }
 }
 
+# the operator's TLS secret of the region ({arn, kms_arn}), checked
+module "tls_secret" {
+  source = "../tls_secret"
+
+  secret = var.tls_secret
+}
+
 locals {
   region         = module.config.region
   ami_id         = var.ami_id != "" ? var.ami_id : data.aws_ssm_parameter.gpu_ami[0].insecure_value
@@ -38,17 +45,16 @@ locals {
     region_yaml       = module.config.yaml
     package           = var.prfaas_package
     ticket_secret_arn = var.ticket_key_secret_arn
-    tls_secret_arn    = var.tls_secret.arn
-    tls_secret_region = local.tls_secret_region
+    tls_secret_arn    = module.tls_secret.arn
+    tls_secret_region = module.tls_secret.region
     aws_region        = data.aws_region.current.name
     log_group         = module.kms.log_groups["region"].name
     drain_timeout     = local.region.drain_timeout_s
   })
   # the two secrets an instance reads, and the keys they are encrypted with (empty: the
   # AWS-managed aws/secretsmanager key, which needs no grant here)
-  secret_arns       = [var.ticket_key_secret_arn, var.tls_secret.arn]
-  secret_kms        = compact(distinct([var.ticket_key_kms_arn, var.tls_secret.kms_arn]))
-  tls_secret_region = split(":", var.tls_secret.arn)[3] # the ticket key's replica is in this region
+  secret_arns = [var.ticket_key_secret_arn, module.tls_secret.arn]
+  secret_kms  = compact(distinct([var.ticket_key_kms_arn, module.tls_secret.kms_arn]))
 }
 
 # the key of the EBS volumes and of the region's (and a created VPC's flow) logs
@@ -129,7 +135,7 @@ data "aws_iam_policy_document" "region" {
       condition {
         test     = "StringEquals"
         variable = "kms:ViaService"
-        values   = distinct([for r in [data.aws_region.current.name, local.tls_secret_region] : "secretsmanager.${r}.amazonaws.com"])
+        values   = distinct([for r in [data.aws_region.current.name, module.tls_secret.region] : "secretsmanager.${r}.amazonaws.com"])
       }
     }
   }
