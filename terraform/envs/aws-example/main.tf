@@ -1,5 +1,6 @@
 # Prefill regions A and B, decode region C with the control plane in C's VPC; the prefill
-# VPCs peer with C's (KV goes prefill -> decode over the peering, gRPC both ways).
+# VPCs peer with C's (KV goes prefill -> decode over the peering, gRPC both ways). Each slot
+# of `regions` is one call of ./slot (its region and, for a prefill slot, the peering).
 
 locals {
   prefill    = ["prefill_a", "prefill_b"]
@@ -16,27 +17,41 @@ locals {
       usd_per_gpu_hour = r.usd_per_gpu_hour, model = var.model, kv_buffer_bytes = r.kv_buffer_bytes
     }
   }
+  # what a slot's region is, before anything is created (./slot `slot`)
+  slots = {
+    for slot, r in var.regions : slot => merge(r, {
+      region              = local.region[slot]
+      tls_secret          = var.tls_secrets[slot]
+      peer_cidrs          = slot == "decode" ? local.prefill_cidrs : [var.regions.decode.vpc_cidr]
+      control_plane_cidrs = [var.regions.decode.vpc_cidr]
+      # decode: region_aws's default of one on-demand instance; prefill: all spot
+      on_demand_base_capacity = slot == "decode" ? 1 : 0
+      prfaas_package          = var.prfaas_package
+    })
+  }
+  # what it gets from the control plane (./slot `wiring`); the primary ticket key's KMS key
+  # only in the decode region, a replica uses its region's aws/secretsmanager key
+  wiring = {
+    for slot in keys(var.regions) : slot => {
+      control_plane_url     = module.control_plane.registry_target
+      ticket_key_secret_arn = local.ticket_arns[slot]
+      ticket_key_kms_arn    = slot == "decode" ? module.control_plane.ticket_key_kms_arn : ""
+    }
+  }
+  # a prefill slot's VPC peers with the decode slot's
+  decode_vpc = {
+    vpc_id          = module.slot_decode.vpc.id
+    cidr            = module.slot_decode.vpc.cidr
+    route_table_ids = module.slot_decode.private_route_table_ids
+    aws_region      = var.regions.decode.aws_region
+  }
 }
 
-module "decode" {
-  source    = "../../modules/region_aws"
-  providers = { aws = aws.decode }
-
-  region                = local.region.decode
-  control_plane_url     = module.control_plane.registry_target
-  instance_types        = var.regions.decode.instance_types
-  vpc_cidr              = var.regions.decode.vpc_cidr
-  availability_zones    = var.regions.decode.availability_zones
-  peer_cidrs            = local.prefill_cidrs
-  control_plane_cidrs   = [var.regions.decode.vpc_cidr]
-  ticket_key_secret_arn = local.ticket_arns.decode
-  tls_secret            = var.tls_secrets.decode
-  ticket_key_kms_arn    = module.control_plane.ticket_key_kms_arn
-  prfaas_package        = var.prfaas_package
-  enable_efa            = var.regions.decode.enable_efa
-  min_size              = var.regions.decode.min_size
-  max_size              = var.regions.decode.max_size
-  desired_capacity      = var.regions.decode.min_size
+module "slot_decode" {
+  source    = "./slot"
+  providers = { aws = aws.decode, aws.decode = aws.decode }
+  slot      = local.slots.decode
+  wiring    = local.wiring.decode
 }
 
 module "control_plane" {
@@ -44,10 +59,10 @@ module "control_plane" {
   providers = { aws = aws.decode }
 
   name                       = var.name
-  vpc_id                     = module.decode.vpc_id
-  vpc_cidr                   = module.decode.vpc_cidr
-  private_subnet_ids         = module.decode.private_subnet_ids
-  public_subnet_ids          = module.decode.public_subnet_ids
+  vpc_id                     = module.slot_decode.vpc.id
+  vpc_cidr                   = module.slot_decode.vpc.cidr
+  private_subnet_ids         = module.slot_decode.subnet_ids.private
+  public_subnet_ids          = module.slot_decode.subnet_ids.public
   certificate_arn            = var.certificate_arn
   container_image            = var.container_image
   model                      = var.model
@@ -56,70 +71,16 @@ module "control_plane" {
   tls_secret                 = var.tls_secrets.control_plane
 }
 
-module "prefill_a" {
-  source    = "../../modules/region_aws"
-  providers = { aws = aws.prefill_a }
-
-  region                  = local.region.prefill_a
-  control_plane_url       = module.control_plane.registry_target
-  instance_types          = var.regions.prefill_a.instance_types
-  vpc_cidr                = var.regions.prefill_a.vpc_cidr
-  availability_zones      = var.regions.prefill_a.availability_zones
-  peer_cidrs              = [var.regions.decode.vpc_cidr]
-  control_plane_cidrs     = [var.regions.decode.vpc_cidr]
-  ticket_key_secret_arn   = local.ticket_arns.prefill_a
-  tls_secret              = var.tls_secrets.prefill_a
-  prfaas_package          = var.prfaas_package
-  min_size                = var.regions.prefill_a.min_size
-  max_size                = var.regions.prefill_a.max_size
-  desired_capacity        = var.regions.prefill_a.min_size
-  on_demand_base_capacity = 0
+module "slot_prefill_a" {
+  source    = "./slot"
+  providers = { aws = aws.prefill_a, aws.decode = aws.decode }
+  slot      = local.slots.prefill_a
+  wiring    = merge(local.wiring.prefill_a, { peers = { decode = local.decode_vpc } })
 }
 
-module "prefill_b" {
-  source    = "../../modules/region_aws"
-  providers = { aws = aws.prefill_b }
-
-  region                  = local.region.prefill_b
-  control_plane_url       = module.control_plane.registry_target
-  instance_types          = var.regions.prefill_b.instance_types
-  vpc_cidr                = var.regions.prefill_b.vpc_cidr
-  availability_zones      = var.regions.prefill_b.availability_zones
-  peer_cidrs              = [var.regions.decode.vpc_cidr]
-  control_plane_cidrs     = [var.regions.decode.vpc_cidr]
-  ticket_key_secret_arn   = local.ticket_arns.prefill_b
-  tls_secret              = var.tls_secrets.prefill_b
-  prfaas_package          = var.prfaas_package
-  min_size                = var.regions.prefill_b.min_size
-  max_size                = var.regions.prefill_b.max_size
-  desired_capacity        = var.regions.prefill_b.min_size
-  on_demand_base_capacity = 0
-}
-
-# --- inter-region peering: each prefill VPC <-> the decode VPC -----------------------------
-
-module "peer_a" {
-  source    = "../../modules/vpc_peering"
-  providers = { aws.requester = aws.prefill_a, aws.accepter = aws.decode }
-
-  requester_vpc_id          = module.prefill_a.vpc_id
-  requester_cidr            = module.prefill_a.vpc_cidr
-  requester_route_table_ids = module.prefill_a.private_route_table_ids
-  accepter_vpc_id           = module.decode.vpc_id
-  accepter_region           = var.regions.decode.aws_region
-  accepter_cidr             = module.decode.vpc_cidr
-  accepter_route_table_ids  = module.decode.private_route_table_ids
-}
-
-module "peer_b" {
-  source    = "../../modules/vpc_peering"
-  providers = { aws.requester = aws.prefill_b, aws.accepter = aws.decode }
-
-  requester_vpc_id          = module.prefill_b.vpc_id
-  requester_cidr            = module.prefill_b.vpc_cidr
-  requester_route_table_ids = module.prefill_b.private_route_table_ids
-  accepter_vpc_id           = module.decode.vpc_id
-  accepter_region           = var.regions.decode.aws_region
-  accepter_cidr             = module.decode.vpc_cidr
-  accepter_route_table_ids  = module.decode.private_route_table_ids
+module "slot_prefill_b" {
+  source    = "./slot"
+  providers = { aws = aws.prefill_b, aws.decode = aws.decode }
+  slot      = local.slots.prefill_b
+  wiring    = merge(local.wiring.prefill_b, { peers = { decode = local.decode_vpc } })
 }

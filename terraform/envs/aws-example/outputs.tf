@@ -11,7 +11,7 @@ output "control_plane" {
 
 output "regions" {
   description = "registry entries by region name"
-  value       = { for region in [module.prefill_a, module.prefill_b, module.decode] : region.region.name => region.region }
+  value       = { for slot in [module.slot_prefill_a, module.slot_prefill_b, module.slot_decode] : slot.region.name => slot.region }
 }
 
 output "links" {
