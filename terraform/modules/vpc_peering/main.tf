@@ -10,46 +10,30 @@ terraform {
   }
 }
 
-variable "requester_vpc_id" {
-  description = "VPC asking for the peering"
-  type        = string
+variable "requester" {
+  description = "the VPC asking for the peering (provider aws.requester): {vpc_id, cidr, route_table_ids (its private route tables)}"
+  type = object({
+    vpc_id          = string
+    cidr            = string
+    route_table_ids = list(string)
+  })
 }
 
-variable "requester_cidr" {
-  description = "its CIDR"
-  type        = string
-}
-
-variable "requester_route_table_ids" {
-  description = "its private route tables"
-  type        = list(string)
-}
-
-variable "accepter_vpc_id" {
-  description = "VPC accepting it"
-  type        = string
-}
-
-variable "accepter_region" {
-  description = "AWS region of the accepter"
-  type        = string
-}
-
-variable "accepter_cidr" {
-  description = "its CIDR"
-  type        = string
-}
-
-variable "accepter_route_table_ids" {
-  description = "its private route tables"
-  type        = list(string)
+variable "accepter" {
+  description = "the VPC accepting it (provider aws.accepter), the same and its AWS region: {vpc_id, cidr, route_table_ids, aws_region}"
+  type = object({
+    vpc_id          = string
+    cidr            = string
+    route_table_ids = list(string)
+    aws_region      = string
+  })
 }
 
 resource "aws_vpc_peering_connection" "this" {
   provider    = aws.requester
-  vpc_id      = var.requester_vpc_id
-  peer_vpc_id = var.accepter_vpc_id
-  peer_region = var.accepter_region
+  vpc_id      = var.requester.vpc_id
+  peer_vpc_id = var.accepter.vpc_id
+  peer_region = var.accepter.aws_region
 }
 
 resource "aws_vpc_peering_connection_accepter" "this" {
@@ -60,17 +44,17 @@ resource "aws_vpc_peering_connection_accepter" "this" {
 
 resource "aws_route" "requester" {
   provider                  = aws.requester
-  count                     = length(var.requester_route_table_ids)
-  route_table_id            = var.requester_route_table_ids[count.index]
-  destination_cidr_block    = var.accepter_cidr
+  count                     = length(var.requester.route_table_ids)
+  route_table_id            = var.requester.route_table_ids[count.index]
+  destination_cidr_block    = var.accepter.cidr
   vpc_peering_connection_id = aws_vpc_peering_connection.this.id
 }
 
 resource "aws_route" "accepter" {
   provider                  = aws.accepter
-  count                     = length(var.accepter_route_table_ids)
-  route_table_id            = var.accepter_route_table_ids[count.index]
-  destination_cidr_block    = var.requester_cidr
+  count                     = length(var.accepter.route_table_ids)
+  route_table_id            = var.accepter.route_table_ids[count.index]
+  destination_cidr_block    = var.requester.cidr
   vpc_peering_connection_id = aws_vpc_peering_connection_accepter.this.id
 }
 

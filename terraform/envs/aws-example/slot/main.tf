@@ -61,13 +61,8 @@ module "peering" {
   for_each  = var.wiring.peers
   providers = { aws.requester = aws, aws.accepter = aws.decode }
 
-  requester_vpc_id          = module.region_aws.vpc_id
-  requester_cidr            = module.region_aws.vpc_cidr
-  requester_route_table_ids = module.region_aws.private_route_table_ids
-  accepter_vpc_id           = each.value.vpc_id
-  accepter_region           = each.value.aws_region
-  accepter_cidr             = each.value.cidr
-  accepter_route_table_ids  = each.value.route_table_ids
+  requester = { vpc_id = module.region_aws.vpc_id, cidr = module.region_aws.vpc_cidr, route_table_ids = module.region_aws.private_route_table_ids }
+  accepter  = each.value
 }
 
 # what ../main.tf reads of region_aws's outputs, grouped by the resources they wait for: a
