@@ -12,6 +12,7 @@ module "tls_secret" {
 }
 
 locals {
+  tls_secret = module.tls_secret.secret
   env = [
     { name = "PRFAAS_MODEL", value = var.model },
     { name = "PRFAAS_TICKET_KEY_ID", value = var.ticket_key_id },
@@ -21,7 +22,7 @@ locals {
   # the operator's TLS secret (PEM text in PRFAAS_TLS_*, which the settings accept)
   secrets = concat(
     [for name in local.secret_names : { name = "PRFAAS_${upper(name)}", valueFrom = aws_secretsmanager_secret.this[name].arn }],
-    [for key in ["ca", "cert", "key"] : { name = "PRFAAS_TLS_${upper(key)}", valueFrom = "${module.tls_secret.arn}:${key}::" }],
+    [for key in ["ca", "cert", "key"] : { name = "PRFAAS_TLS_${upper(key)}", valueFrom = "${local.tls_secret.arn}:${key}::" }],
   )
   log_options = {
     awslogs-group         = module.kms.log_groups["control-plane"].name
@@ -72,11 +73,11 @@ resource "aws_ecs_cluster" "this" {
 data "aws_iam_policy_document" "execution_secrets" {
   statement {
     actions   = ["secretsmanager:GetSecretValue"]
-    resources = concat([for name in local.secret_names : aws_secretsmanager_secret.this[name].arn], [module.tls_secret.arn])
+    resources = concat([for name in local.secret_names : aws_secretsmanager_secret.this[name].arn], [local.tls_secret.arn])
   }
   statement {
     actions   = ["kms:Decrypt"]
-    resources = compact([module.kms.arn, module.tls_secret.kms_arn])
+    resources = compact([module.kms.arn, local.tls_secret.kms_arn])
   }
 }
 

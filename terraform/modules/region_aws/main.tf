@@ -38,6 +38,7 @@ module "tls_secret" {
 
 locals {
   region         = module.config.region
+  tls_secret     = module.tls_secret.secret
   ami_id         = var.ami_id != "" ? var.ami_id : data.aws_ssm_parameter.gpu_ami[0].insecure_value
   serves_decode  = contains(["decode", "both"], local.region.role)
   serves_prefill = contains(["prefill", "both"], local.region.role)
@@ -45,16 +46,16 @@ locals {
     region_yaml       = module.config.yaml
     package           = var.prfaas_package
     ticket_secret_arn = var.ticket_key_secret_arn
-    tls_secret_arn    = module.tls_secret.arn
-    tls_secret_region = module.tls_secret.region
+    tls_secret_arn    = local.tls_secret.arn
+    tls_secret_region = local.tls_secret.region
     aws_region        = data.aws_region.current.name
     log_group         = module.kms.log_groups["region"].name
     drain_timeout     = local.region.drain_timeout_s
   })
   # the two secrets an instance reads, and the keys they are encrypted with (empty: the
   # AWS-managed aws/secretsmanager key, which needs no grant here)
-  secret_arns = [var.ticket_key_secret_arn, module.tls_secret.arn]
-  secret_kms  = compact(distinct([var.ticket_key_kms_arn, module.tls_secret.kms_arn]))
+  secret_arns = [var.ticket_key_secret_arn, local.tls_secret.arn]
+  secret_kms  = compact(distinct([var.ticket_key_kms_arn, local.tls_secret.kms_arn]))
 }
 
 # the key of the EBS volumes and of the region's (and a created VPC's flow) logs
@@ -135,7 +136,7 @@ data "aws_iam_policy_document" "region" {
       condition {
         test     = "StringEquals"
         variable = "kms:ViaService"
-        values   = distinct([for r in [data.aws_region.current.name, module.tls_secret.region] : "secretsmanager.${r}.amazonaws.com"])
+        values   = distinct([for r in [data.aws_region.current.name, local.tls_secret.region] : "secretsmanager.${r}.amazonaws.com"])
       }
     }
   }

@@ -21,17 +21,7 @@ variable "secret" {
   }
 }
 
-output "arn" {
-  description = "the secret's ARN"
-  value       = var.secret.arn
-}
-
-output "kms_arn" {
-  description = "its KMS key; empty: the AWS-managed aws/secretsmanager key"
-  value       = var.secret.kms_arn
-}
-
-output "region" {
-  description = "the AWS region the secret is in (from its ARN)"
-  value       = split(":", var.secret.arn)[3]
+output "secret" {
+  description = "the secret with its defaults filled in, and `region`: the AWS region it is in (from its ARN)"
+  value       = merge(var.secret, { region = split(":", var.secret.arn)[3] })
 }
