@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 from prfaas.control_plane.db.engine import make_engine
 from prfaas.control_plane.db.migrations import upgrade
 from prfaas.control_plane.fleet.registry import RegionRegistry
+from prfaas.control_plane.jobs.prefix import PREFIX_BLIND
 from prfaas.control_plane.jobs.store import JobStore
 from prfaas.control_plane.scheduling.policy import build_scheduler, default_policy, load_policy
 from prfaas.control_plane.scheduling.scheduler import DisaggregationRule, GlobalScheduler
@@ -99,7 +100,7 @@ class Services:
         split.rule = DisaggregationRule(min_uncached_tokens=1, min_cost_gain=-1e9, min_ttft_gain=-1e9)
         local = build_scheduler(policy)
         local.rule = dataclasses.replace(local.rule, min_uncached_tokens=1 << 62)
-        schedulers = {"auto": auto, "split": split, "local": local}
+        schedulers = {"auto": auto, "split": split, "local": local, PREFIX_BLIND: auto}  # blind: no prefix hints
         return cls(
             settings, client, JobStore(client, settings), TenantStore(client, settings, database),
             RegionRegistry(client, settings), ServedModel(settings.model), schedulers,

@@ -4,16 +4,17 @@ unless `dev` is set.
 
 Flat fields read `PRFAAS_<FIELD>` (`PRFAAS_REDIS_URL`). Sections are small models read as
 `PRFAAS_<SECTION>_<FIELD>`: `ledger` (`PRFAAS_LEDGER_URL`), `prices` (`PRFAAS_PRICES_PATH`), `aws`
-(`PRFAAS_AWS_ENDPOINT_URL`, `PRFAAS_AWS_TIMEOUT_S`) and `pricing` (`PRFAAS_PRICING_ENDPOINT_URL`,
-`PRFAAS_PRICING_REGION`) and `tls` (`PRFAAS_TLS_CA`, `PRFAAS_TLS_CERT`, `PRFAAS_TLS_KEY`: the control plane's
-certificate, its key and the deployment's CA, each a path or the PEM itself). In code:
+(`PRFAAS_AWS_ENDPOINT_URL`, `PRFAAS_AWS_TIMEOUT_S`), `pricing` (`PRFAAS_PRICING_ENDPOINT_URL`,
+`PRFAAS_PRICING_REGION`), `prefix` (`PRFAAS_PREFIX_BLOCK_TOKENS`, `PRFAAS_PREFIX_SCOPE`) and `tls`
+(`PRFAAS_TLS_CA`, `PRFAAS_TLS_CERT`, `PRFAAS_TLS_KEY`: the control plane's certificate, its key and the
+deployment's CA, each a path or the PEM itself). In code:
 `Settings(ledger={"url": ...})` or `settings.ledger.url`."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,6 +64,17 @@ class PricingSection(_Section):
 
     endpoint_url: str | None = None
     region: str = "us-east-1"
+
+
+class PrefixSection(_Section):
+    """Hit-aware placement (engine/blocks.py): `PRFAAS_PREFIX_BLOCK_TOKENS`, the tokens per hashed prompt block
+    (the regions' `prefix_block_tokens` must equal it), and `PRFAAS_PREFIX_SCOPE`: which requests share cached
+    prompt blocks in a region: `tenant` (a tenant's own only: no tenant learns from its latency what others
+    sent), `global` (every tenant's: a system prompt common to tenants is computed once), `off` (regions
+    neither reuse nor keep prompt blocks)."""
+
+    block_tokens: int = Field(default=64, ge=1, le=4096)
+    scope: Literal["tenant", "global", "off"] = "tenant"
 
 
 class Settings(BaseSettings):
@@ -132,6 +144,7 @@ class Settings(BaseSettings):
     prices: PricesSection = Field(default_factory=PricesSection)
     aws: AwsSection = Field(default_factory=AwsSection)
     pricing: PricingSection = Field(default_factory=PricingSection)
+    prefix: PrefixSection = Field(default_factory=PrefixSection)
     tls: TlsFiles | None = Field(
         default=None,
         description="mutual TLS to the regions and on the registry: PRFAAS_TLS_CA, PRFAAS_TLS_CERT, PRFAAS_TLS_KEY "

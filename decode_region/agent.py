@@ -25,9 +25,9 @@ from prfaas.decode_region.backend import DecodeBackend, DecodeCall, close_tokens
 from prfaas.decode_region.book import KVBook
 from prfaas.decode_region.peer_watch import PeerWatcher
 from prfaas.decode_region.reservations import Reservation, Tombstone, raise_as_region_error
+from prfaas.decode_region.tokens import TokenStream
 from prfaas.decode_region.workers import WorkerSlots
 from prfaas.engine.sampling import Chosen, SamplingParams
-from prfaas.engine.stops import TextStops
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
 from prfaas.region.channels import TlsFiles
 from prfaas.region.errors import (
@@ -48,8 +48,6 @@ from prfaas.region.requests import (
     cancel_of,
     firsts_from_proto,
     job_uuid,
-    logprobs_to_proto,
-    prompt_logprobs_to_proto,
     sampling_from_proto,
     timeout_from,
 )
@@ -132,7 +130,8 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             self._reservations[job_id] = res
             self._tombstones.pop(job_id, None)
         try:
-            res.hold = self.backend.expect(res.expected(), ttl_s, _Events(self, res))
+            salt = request.cache_salt if request.HasField("cache_salt") else None
+            res.hold = self.backend.expect(res.expected(salt, tuple(request.token_ids)), ttl_s, _Events(self, res))
         except ValueError as exc:
             self._end(res, Conflict(str(exc)))
             raise Conflict(str(exc)) from None
@@ -145,7 +144,10 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             )
         res.hold.start()  # after the watch: the shipment's arrival stops it
         self._gauges()
-        return decode_pb2.ReserveReply(kv_endpoint=self.backend.kv_endpoint, free_bytes=free, expires_in_s=ttl_s)
+        return decode_pb2.ReserveReply(
+            kv_endpoint=self.backend.kv_endpoint, free_bytes=free, expires_in_s=ttl_s,
+            cached_tokens=res.hold.cached_tokens,
+        )  # fmt: skip
 
     @unary
     def Release(self, request: decode_pb2.ReleaseRequest, context: grpc.ServicerContext) -> decode_pb2.ReleaseReply:
@@ -246,7 +248,8 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         first_logprobs = request.first_logprobs if request.HasField("first_logprobs") else None
         firsts = firsts_from_proto(request.first_token, first_logprobs, request.choices, request.prompt_logprobs)
         call = DecodeCall(job_uuid(request.job_id), request.attempt, request.first_token, list(request.token_ids),
-                          desc.num_tokens, desc.token_ids_hash, firsts)  # fmt: skip
+                          desc.num_tokens, desc.token_ids_hash, firsts,
+                          request.cache_salt if request.HasField("cache_salt") else None)  # fmt: skip
         params, started, deadline = self._start(request)
         if len(firsts) != params.n:
             raise InvalidRequest(f"{len(firsts)} first tokens for sampling.n={params.n} choices")
@@ -280,63 +283,14 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 close_tokens(rest)
         self._end(res, None)
 
-    def _finish(self, chosen: Chosen, index: int, stops: TextStops | None, params: SamplingParams) -> tuple[str, str]:
-        """(finish reason, stop reason) after a choice's token `index`, in vLLM's order: length, end of
-        sequence, stop token id, then a stop string the token completed; ("", "") to go on."""
-        token = chosen.token
-        finish = "length" if index == params.max_new_tokens - 1 else ""
-        if not finish and token in self.backend.facts.eos_token_ids and not params.ignore_eos:
-            return "eos", ""
-        if not finish and token in params.stop_token_ids:
-            return "stop_token", str(token)
-        if stops is not None:
-            matched = stops.push(token)
-            if matched is not None:
-                return "stop", matched
-        return finish, ""
-
     def _tokens(
-        self,
-        firsts: list[Chosen] | None,
-        rests: list[Iterator[Chosen]],
-        params: SamplingParams,
-        canceled: threading.Event,
-        deadline: float,
-        started: float,
-        path: str,
-    ) -> Iterator[decode_pb2.TokenEvent]:
-        """Token events of every choice: step 0 of each (`firsts`, or the first item of its iterator),
-        then one step of each unfinished choice in turn. A choice that finished has its iterator closed."""
-        stops = [TextStops(self.backend.decode_text, params.stop, params.min_tokens) if params.stop else None
-                 for _ in rests]  # fmt: skip
-        steps = [0] * len(rests)
-        active = list(range(len(rests)))
-        t0 = time.monotonic()
-        generated = 0
-        while active:
-            for choice in list(active):
-                if generated:
-                    if canceled.is_set():
-                        raise Canceled("canceled during decode")
-                    if time.monotonic() >= deadline:
-                        raise DeadlineExceeded(f"decode deadline reached after {generated} tokens")
-                chosen = firsts[choice] if firsts is not None and steps[choice] == 0 else next(rests[choice])
-                finish, stop_reason = self._finish(chosen, steps[choice], stops[choice], params)
-                metrics.TOKENS.labels(path).inc()
-                yield decode_pb2.TokenEvent(
-                    index=steps[choice], token=chosen.token, last=bool(finish), finish_reason=finish,
-                    stop_reason=stop_reason, elapsed_s=time.monotonic() - started,
-                    logprobs=logprobs_to_proto(chosen.logprobs), choice=choice,
-                    prompt_logprobs=prompt_logprobs_to_proto(chosen),
-                )  # fmt: skip
-                steps[choice] += 1
-                generated += 1
-                if finish:
-                    active.remove(choice)
-                    close_tokens(rests[choice])
-        if generated > len(rests):
-            rate = (generated - len(rests)) / max(time.monotonic() - t0, 1e-6)
-            self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
+        self, firsts: list[Chosen] | None, rests: list[Iterator[Chosen]], params: SamplingParams,
+        canceled: threading.Event, deadline: float, started: float, path: str, cached_tokens: int = 0,
+    ) -> Iterator[decode_pb2.TokenEvent]:  # fmt: skip
+        stream = TokenStream(self.backend.facts.eos_token_ids, self.backend.decode_text, path)
+        yield from stream.events(firsts, rests, params, canceled, deadline, started, cached_tokens)
+        if stream.rate is not None:
+            self._rate = stream.rate if self._rate == 0 else 0.8 * self._rate + 0.2 * stream.rate
             metrics.TOKENS_PER_S.set(self._rate)
 
     @streaming
@@ -358,8 +312,11 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         rests: list[Iterator[Chosen]] = []
         try:
             with self.workers.slot(deadline):
-                rests = self.backend.generate(token_ids, params, deadline, canceled)
-                yield from self._tokens(None, rests, params, canceled, deadline, started, "local")
+                salt = request.cache_salt if request.HasField("cache_salt") else None
+                generated = self.backend.generate(token_ids, params, deadline, canceled, salt)
+                rests = generated.tokens
+                yield from self._tokens(None, rests, params, canceled, deadline, started, "local",
+                                        generated.cached_tokens)  # fmt: skip
         finally:
             for rest in rests:
                 close_tokens(rest)

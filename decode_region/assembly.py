@@ -2,12 +2,15 @@
 assembled when its last layer lands, not after.
 
 The transport reuses its receive buffers after `Inbound.release()`, so every layer is
-copied out first (one copy, straight into a tensor of the engine's dtype).
+copied out first (one copy, straight into a tensor of the engine's dtype). With a prefix the
+region already holds (a pinned prefix cache hit), a shipment may carry only the tokens after
+it: each layer is then the held prefix followed by the shipped tokens, in one tensor.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,10 +24,22 @@ from prfaas.transport.inbound import Inbound
 Shape = tuple[int, int, int]
 
 
-def _tensor(buf: bytes | bytearray | memoryview, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype)  # [kv_heads, tokens, head_dim]
-    target = out.view(-1).view(torch.uint8).numpy()
-    target[:] = np.frombuffer(buf, dtype=np.uint8)
+def _tensor(buf: bytes | bytearray | memoryview, shape: Shape, dtype: torch.dtype,
+            prefix: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`buf` ([kv_heads, tokens, head_dim]) as a tensor, after `prefix`'s tokens when given."""
+    if prefix is None:
+        out = torch.empty(shape, dtype=dtype)  # [kv_heads, tokens, head_dim]
+        target = out.view(-1).view(torch.uint8).numpy()
+        target[:] = np.frombuffer(buf, dtype=np.uint8)
+        return out
+    heads, tokens, head_dim = shape
+    held = prefix.shape[1]
+    out = torch.empty((heads, held + tokens, head_dim), dtype=dtype)
+    out[:, :held] = prefix
+    source = np.frombuffer(buf, dtype=np.uint8)
+    step = tokens * head_dim * out.element_size()
+    for head in range(heads):  # each head's tokens are contiguous after the held ones
+        out[head, held:].view(-1).view(torch.uint8).numpy()[:] = source[head * step : (head + 1) * step]
     return out
 
 
@@ -56,13 +71,19 @@ class LayoutCheck:
         return shapes
 
 
-def assemble(inbound: Inbound, layout: LayoutCheck, max_bytes: int, tenant: str, deadline: float) -> list[LayerKV]:
+def assemble(
+    inbound: Inbound, layout: LayoutCheck, max_bytes: int, tenant: str, deadline: float,
+    prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), num_tokens: int = 0,
+) -> list[LayerKV]:  # fmt: skip
     """Every layer of `inbound` as engine tensors, copied as each arrives; releases the
-    transport's buffers. Raises the shipment's error (TransportError), or a RegionError
-    when the shipment does not fit this engine or the reservation."""
+    transport's buffers. `prefix` (per layer (k, v)) is KV this region holds for the prompt's
+    first tokens: a shipment of the other `num_tokens - held` tokens is put after it; one of all
+    `num_tokens` is taken as it is. Raises the shipment's error (TransportError), or a RegionError
+    when the shipment does not fit this engine, the reservation or the held prefix."""
     layers: list[LayerKV] = []
     torch_dtype = DTYPES[layout.dtype]
     shapes: tuple[Shape, ...] = ()
+    held: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
     try:
         for index in range(layout.num_layers):
             remaining = deadline - time.monotonic()
@@ -74,10 +95,29 @@ def assemble(inbound: Inbound, layout: LayoutCheck, max_bytes: int, tenant: str,
                 raise DeadlineExceeded(f"KV shipment incomplete at the reservation deadline: {exc}") from None
             if index == 0:
                 shapes = layout.check(inbound, max_bytes, tenant)
-            layers.append(LayerKV(k=_tensor(k, shapes[index], torch_dtype), v=_tensor(v, shapes[index], torch_dtype)))
+                held = _held(prefix, shapes[0][1], num_tokens)
+            pk, pv = held[index] if held else (None, None)
+            layers.append(LayerKV(k=_tensor(k, shapes[index], torch_dtype, pk),
+                                  v=_tensor(v, shapes[index], torch_dtype, pv)))  # fmt: skip
     except BaseException:
         inbound.cancel("the decode region gave up on this shipment")
         raise
     finally:
         inbound.release()
     return layers
+
+
+def _held(
+    prefix: Sequence[tuple[torch.Tensor, torch.Tensor]], shipped_tokens: int, num_tokens: int
+) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
+    """The prefix to put before a shipment of `shipped_tokens`: the held one when the shipment
+    carries the rest of the prompt, none when it carries all of it."""
+    if not prefix or shipped_tokens == num_tokens:
+        return ()
+    held = prefix[0][0].shape[1]
+    if held + shipped_tokens != num_tokens:
+        raise PreconditionFailed(
+            f"shipment of {shipped_tokens} tokens fits neither the prompt ({num_tokens} tokens) nor what "
+            f"this region holds of it ({held} tokens)"
+        )
+    return prefix

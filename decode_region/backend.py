@@ -34,6 +34,11 @@ class Expected:
     kv_bytes: int  # the most raw KV bytes the shipment may carry
     deadline: float
     created: float
+    # Hit-aware placement (ReserveRequest): the prompt and its prefix cache scope; a backend with a
+    # prefix cache pins the prompt's leading blocks it holds, and the shipment may then carry only
+    # the KV after them. None: nothing is pinned.
+    cache_salt: str | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,16 @@ class DecodeCall:
     num_tokens: int  # the KV's length, tokens
     token_ids_hash: str
     firsts: list[Chosen] = field(default_factory=list)  # each choice's first token (sampling.n)
+    cache_salt: str | None = None  # keep the prompt's and the output's blocks under it (prefix cache)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A local run's tokens, one iterator per choice (each from step 0), and how many leading
+    prompt tokens the prefix cache served (not computed)."""
+
+    tokens: list[Iterator[Chosen]]
+    cached_tokens: int = 0
 
 
 class ShipmentEvents(Protocol):
@@ -63,6 +78,12 @@ class ShipmentEvents(Protocol):
 
 class KVHold(Protocol):
     """A backend's hold on one reservation's shipment."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """Leading prompt tokens whose KV the hold pinned from the region's prefix cache: a shipment
+        may carry only the KV after them (or all of it). 0: the shipment carries the whole prompt's."""
+        ...
 
     def start(self) -> None:
         """Begin taking the shipment in (after the agent is ready for `ShipmentEvents`)."""
@@ -112,8 +133,9 @@ class DecodeBackend(Protocol):
         ...
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
-                 canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
-        """A local (end-to-end) run: one prefill, then each choice's tokens from step 0."""
+                 canceled: threading.Event, cache_salt: str | None = None) -> Generated:  # fmt: skip
+        """A local (end-to-end) run: one prefill, then each choice's tokens from step 0. `cache_salt`:
+        the prompt's cached blocks are reused and its (and the output's) blocks kept, under that salt."""
         ...
 
     def decode_text(self, token_ids: list[int]) -> str:

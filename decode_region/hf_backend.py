@@ -3,7 +3,13 @@
 The region's KV receiver (TCP plus same-host shared memory, or WebRTC) takes each shipment
 against its ticket; `Assembly` copies its layers into engine tensors as they arrive
 (`assembly.py`), so the KV is ready when its last layer lands. Decode adopts that cache;
-Generate runs the prompt whole in this engine.
+Generate runs the prompt in this engine.
+
+Prefix cache (the engine's, when it has one): a reservation that names the prompt pins the
+leading blocks the region holds (`Assembly.cached_tokens`), so the prefill region ships only
+the KV after them; a local run reuses cached blocks the same way. What a decode leaves (the
+prompt's and the generated tokens' blocks) is kept for the next request of the conversation,
+unless the KV came through a lossy codec.
 """
 
 from __future__ import annotations
@@ -15,23 +21,29 @@ from collections.abc import Callable, Iterator, Sequence
 
 from prfaas.decode_region import metrics
 from prfaas.decode_region.assembly import LayoutCheck, assemble
-from prfaas.decode_region.backend import DecodeCall, Expected, KVHold, ShipmentEvents
+from prfaas.decode_region.backend import DecodeCall, Expected, Generated, KVHold, ShipmentEvents
 from prfaas.engine.base import ModelFacts
+from prfaas.engine.blocks import block_hashes
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.kv import KVCache, LayerKV
+from prfaas.engine.prefix_cache import Hit
 from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.region.errors import Canceled, DeadlineExceeded, PreconditionFailed
+from prfaas.transport.codecs import get_codec
 from prfaas.transport.inbound import Inbound, Receiver
 
 
 class Assembly:
     """One reservation's shipment, assembled on a thread of its own once started."""
 
-    def __init__(self, expected: Expected, inbound: Inbound, layout: LayoutCheck, events: ShipmentEvents) -> None:
+    def __init__(self, expected: Expected, inbound: Inbound, layout: LayoutCheck, events: ShipmentEvents,
+                 prefix: Hit | None = None) -> None:  # fmt: skip
         self.expected = expected
         self.inbound = inbound
         self.layout = layout
         self.events = events
+        self.prefix = prefix  # pinned: the hold keeps the blocks' tensors until it ends
+        self.cached_tokens = 0 if prefix is None else prefix.num_tokens
         self._cond = threading.Condition()
         self._layers: list[LayerKV] | None = None
         self._ended = False
@@ -42,7 +54,9 @@ class Assembly:
     def _run(self) -> None:
         exp = self.expected
         try:
-            layers = assemble(self.inbound, self.layout, exp.kv_bytes, exp.tenant, exp.deadline)
+            held = self.prefix.layers if self.prefix is not None else ()
+            layers = assemble(self.inbound, self.layout, exp.kv_bytes, exp.tenant, exp.deadline, held,
+                              len(exp.token_ids))  # fmt: skip
         except BaseException as exc:
             self.events.failed(exc)
             return
@@ -65,6 +79,12 @@ class Assembly:
                 self._cond.wait(min(remaining, 0.1))
             return self._layers is not None
 
+    @property
+    def lossless(self) -> bool:
+        """The shipment's codec restores the prefill's KV bit for bit (the KV may enter the prefix cache)."""
+        info = self.inbound.info
+        return info is not None and get_codec(info.codec).lossless
+
     def take(self) -> list[LayerKV]:
         """The assembled layers, handed over (the hold keeps no reference)."""
         with self._cond:
@@ -77,6 +97,7 @@ class Assembly:
         with self._cond:
             self._ended = True
             self._layers = None
+            self.prefix = None
             self._cond.notify_all()
         self.inbound.cancel(reason)  # no-op once the shipment completed; else it stops and frees it
 
@@ -98,7 +119,17 @@ class HFDecode:
         inbound = self.receiver.expect(
             expected.job_id, expected.attempt, ttl_s, tenant=expected.tenant, max_bytes=expected.kv_bytes
         )
-        return Assembly(expected, inbound, self.layout, events)
+        return Assembly(expected, inbound, self.layout, events, self._pin(expected))
+
+    def _pin(self, expected: Expected) -> Hit | None:
+        """The prompt's leading blocks held here, for the reservation's shipment to continue (at
+        least the prompt's last token is shipped: the prefill region computes it anyway)."""
+        store = self.engine.prefix_cache
+        tokens = expected.token_ids
+        if store is None or expected.cache_salt is None or len(tokens) <= store.block_tokens:
+            return None
+        reusable = (len(tokens) - 1) // store.block_tokens
+        return store.lookup(block_hashes(tokens, store.block_tokens, expected.cache_salt, limit=reusable))
 
     def check_decode(self, call: DecodeCall, params: SamplingParams) -> None:
         pass  # the KV itself is checked as it arrives (assembly.LayoutCheck) and when adopted
@@ -112,8 +143,11 @@ class HFDecode:
         facts = self.engine.facts
         kv = KVCache(facts.fingerprint, facts.dtype, tuple(layers), call.num_tokens, call.token_ids_hash)
         firsts = call.firsts or [Chosen(call.first_token)]
+        salt = call.cache_salt if hold.lossless else None  # lossy KV never enters the prefix cache
         return [
-            self._paced(self.engine.decode_chosen(kv, first.token, params.for_choice(c), call.token_ids), canceled)
+            self._paced(
+                self.engine.decode_chosen(kv, first.token, params.for_choice(c), call.token_ids, salt), canceled
+            )
             for c, first in enumerate(firsts)
         ]
 
@@ -121,13 +155,13 @@ class HFDecode:
         self.engine.check_prompt(token_ids, params)
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
-                 canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
-        result = self.engine.prefill(token_ids, params)
-        return [
-            self._paced(itertools.chain((first,), self.engine.decode_chosen(result.kv, first.token,
-                                                                            params.for_choice(c), token_ids)), canceled)
+                 canceled: threading.Event, cache_salt: str | None = None) -> Generated:  # fmt: skip
+        result = self.engine.prefill(token_ids, params, cache_salt=cache_salt)
+        return Generated([
+            self._paced(itertools.chain((first,), self.engine.decode_chosen(
+                result.kv, first.token, params.for_choice(c), token_ids, cache_salt)), canceled)
             for c, first in enumerate(result.choices)
-        ]  # fmt: skip
+        ], result.cached_tokens)  # fmt: skip
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.engine.decode_text(token_ids)

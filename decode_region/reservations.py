@@ -36,8 +36,9 @@ class Reservation:
     watch: Watch | None = None  # on the prefill region that owes the KV
     hold: KVHold | None = None  # the backend's hold on the shipment
 
-    def expected(self) -> Expected:
-        return Expected(self.job_id, self.attempt, self.tenant, self.kv_bytes, self.deadline, self.created)
+    def expected(self, cache_salt: str | None = None, token_ids: tuple[int, ...] = ()) -> Expected:
+        return Expected(self.job_id, self.attempt, self.tenant, self.kv_bytes, self.deadline, self.created,
+                        cache_salt, token_ids)  # fmt: skip
 
     def raise_ended(self) -> NoReturn:
         raise_as_region_error(self.error or Canceled("reservation ended"))

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prfaas.decode_region.backend import DecodeCall, Expected, KVHold, ShipmentEvents, close_tokens
+from prfaas.decode_region.backend import DecodeCall, Expected, Generated, KVHold, ShipmentEvents, close_tokens
 from prfaas.engine.base import ModelFacts, check_prompt
 from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.sampling import Chosen, SamplingParams
@@ -43,6 +43,7 @@ class ServerHold:
         self.expected = expected
         self.events = events
         self._ended = False
+        self.cached_tokens = 0  # vLLM's own prefix cache is not pinned from here
 
     def start(self) -> None:
         pass
@@ -108,10 +109,10 @@ class VLLMDecode:
         return [_arrived_at_first(hold.events, rest)]  # one choice (check_supported refuses n > 1)
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
-                 canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
+                 canceled: threading.Event, cache_salt: str | None = None) -> Generated:  # fmt: skip
         tokens = self.vllm.stream(token_ids, params.max_new_tokens, None, deadline - time.monotonic(), stop=canceled,
                                   sampling=vllm_sampling(params, "generate"))  # fmt: skip
-        return [_canceled_on_stop(tokens)]
+        return Generated([_canceled_on_stop(tokens)])
 
     def close(self) -> None:
         self.vllm.close()

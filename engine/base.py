@@ -38,6 +38,7 @@ class PrefillResult:
     logits: torch.Tensor  # [vocab] float32, the logits the first token was chosen from
     first: Chosen  # first_token with its logprobs (when asked)
     firsts: tuple[Chosen, ...] = ()  # every choice's first token (params.n of them; choice 0's is `first`)
+    cached_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache (not computed)
 
     @property
     def choices(self) -> tuple[Chosen, ...]:

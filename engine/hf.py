@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from prfaas.engine.base import DecodeStep, ModelFacts, PrefillResult, check_prompt
+from prfaas.engine.blocks import block_hashes
 from prfaas.engine.errors import (
     InvalidPrompt,
     KVDtypeMismatch,
@@ -22,6 +23,7 @@ from prfaas.engine.errors import (
 )
 from prfaas.engine.kv import DTYPES, KVCache, LayerKV, hash_token_ids
 from prfaas.engine.models import model_fingerprint, resolve_model
+from prfaas.engine.prefix_cache import PrefixCache
 from prfaas.engine.sampling import Chosen, History, SamplingParams, TokenLogprobs, choose, token_logprobs
 
 PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose logits are computed at once (prompt logprobs)
@@ -52,11 +54,13 @@ class HFEngine:
 
     model: a catalog name (prepared) or a path to an HF model folder.
     dtype: "float32", "bfloat16" or "float16"; KV caches carry it and must match on decode.
+    prefix_cache: where prompts' KV is kept for reuse (None: every prompt is computed whole).
     """
 
     def __init__(
-        self, model: str | Path, *, dtype: str = "float32", device: str = "cpu", cpus: Sequence[int] | None = None
-    ) -> None:
+        self, model: str | Path, *, dtype: str = "float32", device: str = "cpu", cpus: Sequence[int] | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:  # fmt: skip
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.path = resolve_model(model)
@@ -76,6 +80,7 @@ class HFEngine:
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos_token_ids = frozenset(int(t) for t in eos_ids)
         self.cpus = frozenset(cpus) if cpus else None  # each forward runs pinned to these
+        self.prefix_cache = prefix_cache
         self.facts = ModelFacts(
             fingerprint=self._fingerprint, dtype=dtype, vocab_size=self.vocab_size, num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, max_context=self._max_context,
@@ -153,18 +158,36 @@ class HFEngine:
 
     @torch.inference_mode()
     def prefill(
-        self, token_ids: Sequence[int], params: SamplingParams, *, on_layer: OnLayer | None = None
-    ) -> PrefillResult:
+        self, token_ids: Sequence[int], params: SamplingParams, *, on_layer: OnLayer | None = None,
+        cache_salt: str | None = None,
+    ) -> PrefillResult:  # fmt: skip
         """`on_layer(layer, k, v)`, if given, runs in this thread as soon as each layer's KV is
         in the cache (before the rest of that layer computes); the tensors are the result's
-        own KV, never written again. An exception it raises aborts the forward (cancel)."""
+        own KV (the whole prompt's, a cached prefix included), never written again. An
+        exception it raises aborts the forward (cancel).
+
+        `cache_salt` (not None, and the engine has a prefix cache): the prompt's leading blocks
+        held in the prefix cache under that salt are reused and only the rest is computed (at
+        least the last token is: its logits choose the first token); the prompt's full blocks
+        are kept there afterwards. Prompt logprobs need every position's hidden state, so a
+        prompt that asks for them is computed whole."""
         self.check_prompt(token_ids, params)
         params.check_vocab(self.vocab_size)
         config = self.model.config
         cache = DynamicCache(config=config) if on_layer is None else _TappedCache(config, on_layer)
+        store = self.prefix_cache if cache_salt is not None else None
+        digests = [] if store is None else block_hashes(token_ids, store.block_tokens, cache_salt or "")
+        hit = None
+        if store is not None and params.prompt_logprobs is None:
+            hit = store.lookup(digests[: (len(token_ids) - 1) // store.block_tokens])
+        start = 0
+        if hit is not None:
+            for index, (k, v) in enumerate(hit.layers):  # not through the tap: on_layer sees whole layers
+                DynamicCache.update(cache, k.unsqueeze(0).to(self.device), v.unsqueeze(0).to(self.device), index)
+            start = hit.num_tokens
         prompt: tuple[TokenLogprobs, ...] = ()
         if params.prompt_logprobs is None:
-            logits = self._forward(list(token_ids), cache)
+            logits = self._forward(list(token_ids[start:]), cache)
         else:
             logits, prompt = self._forward_prompt(list(token_ids), cache, params.prompt_logprobs)
         # cache layers hold k, v: [1, kv_heads, tokens, head_dim]; drop the batch dim.
@@ -177,55 +200,81 @@ class HFEngine:
             num_tokens=len(token_ids),
             token_ids_hash=hash_token_ids(token_ids),
         )
+        if store is not None:
+            store.insert(digests, [(layer.k, layer.v) for layer in layers])
         history = History(prompt=token_ids)
         firsts = tuple(choose(logits, params.for_choice(c), 0, history, self.eos_token_ids) for c in range(params.n))
         if prompt:
             firsts = (dataclasses.replace(firsts[0], prompt=prompt), *firsts[1:])
-        return PrefillResult(kv=kv, first_token=firsts[0].token, logits=logits, first=firsts[0], firsts=firsts)
+        return PrefillResult(kv=kv, first_token=firsts[0].token, logits=logits, first=firsts[0], firsts=firsts,
+                             cached_tokens=start)  # fmt: skip
 
     def decode_steps(
-        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = ()
-    ) -> Iterator[DecodeStep]:
+        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
+    ) -> Iterator[DecodeStep]:  # fmt: skip
         """Like `decode`, with the logits each token was chosen from (for quality checks)."""
         self._check_kv(kv, params)
         if not 0 <= first_token < self.vocab_size:
             raise InvalidPrompt(f"first token {first_token} is outside the vocabulary [0, {self.vocab_size})")
         if params.repetition_penalty != 1.0 and len(prompt_ids) != kv.num_tokens:
             raise InvalidPrompt("repetition_penalty needs the prompt's token ids beside its KV")
-        return self._decode_steps(kv, first_token, params, prompt_ids)
+        return self._decode_steps(kv, first_token, params, prompt_ids, cache_salt)
 
     @torch.inference_mode()
     def _decode_steps(
-        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int]
-    ) -> Iterator[DecodeStep]:
+        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int],
+        cache_salt: str | None,
+    ) -> Iterator[DecodeStep]:  # fmt: skip
         cache = DynamicCache(config=self.model.config)
         for index, layer in enumerate(kv.layers):
             cache.update(layer.k.unsqueeze(0).to(self.device), layer.v.unsqueeze(0).to(self.device), index)
         output = [first_token]
         history = History(prompt=prompt_ids, output=output)  # `output` grows in place
-        for step in range(1, params.max_new_tokens):
-            if ends(output[-1], params, self.eos_token_ids):
-                return
-            logits = self._forward([output[-1]], cache)
-            chosen = choose(logits, params, step, history, self.eos_token_ids)
-            output.append(chosen.token)
-            yield DecodeStep(token=chosen.token, logits=logits, chosen=chosen)
+        try:
+            for step in range(1, params.max_new_tokens):
+                if ends(output[-1], params, self.eos_token_ids):
+                    return
+                logits = self._forward([output[-1]], cache)
+                chosen = choose(logits, params, step, history, self.eos_token_ids)
+                output.append(chosen.token)
+                yield DecodeStep(token=chosen.token, logits=logits, chosen=chosen)
+        finally:  # ended, or closed early: what the cache holds is the prompt and the tokens fed so far
+            if cache_salt is not None and len(prompt_ids) == kv.num_tokens:
+                self._remember([*prompt_ids, *output], cache, cache_salt)
+
+    def _remember(self, token_ids: Sequence[int], cache: DynamicCache, cache_salt: str) -> None:
+        """Keep the full blocks of `token_ids` whose KV `cache` holds in the prefix cache."""
+        store = self.prefix_cache
+        if store is None:
+            return
+        layers: list[Any] = list(cache.layers)
+        covered = int(layers[0].keys.shape[2]) if layers and layers[0].keys is not None else 0
+        digests = block_hashes(token_ids[:covered], store.block_tokens, cache_salt)
+        store.insert(digests, [(layer.keys[0], layer.values[0]) for layer in layers])
 
     def decode(
-        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = ()
-    ) -> Iterator[int]:
-        return (step.token for step in self.decode_steps(kv, first_token, params, prompt_ids))
+        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
+    ) -> Iterator[int]:  # fmt: skip
+        return (step.token for step in self.decode_steps(kv, first_token, params, prompt_ids, cache_salt))
 
     def decode_chosen(
-        self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = ()
+        self,
+        kv: KVCache,
+        first_token: int,
+        params: SamplingParams,
+        prompt_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> Iterator[Chosen]:
-        """The tokens of `decode` with their logprobs (when `params.logprobs` asks)."""
-        return (step.chosen for step in self.decode_steps(kv, first_token, params, prompt_ids))
+        """The tokens of `decode` with their logprobs (when `params.logprobs` asks). `cache_salt` (not
+        None): the prompt's and the generated tokens' full blocks go to the prefix cache at the end."""
+        return (step.chosen for step in self.decode_steps(kv, first_token, params, prompt_ids, cache_salt))
 
-    def generate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    def generate(self, token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None = None) -> list[int]:
         """Colocated generation: prefill and decode in this process (stop strings not applied)."""
-        result = self.prefill(token_ids, params)
-        return [result.first_token, *self.decode(result.kv, result.first_token, params, token_ids)]
+        result = self.prefill(token_ids, params, cache_salt=cache_salt)
+        return [result.first_token, *self.decode(result.kv, result.first_token, params, token_ids, cache_salt)]
 
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
         if chat:

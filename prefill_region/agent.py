@@ -87,8 +87,14 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
                 f"prompt of {len(token_ids)} tokens plus max_new_tokens {params.max_new_tokens} exceeds "
                 f"the model's context of {facts.max_context} tokens"
             )
+        if request.ship_from_token >= len(token_ids):
+            raise InvalidRequest(
+                f"ship_from_token {request.ship_from_token} leaves none of the {len(token_ids)} tokens"
+            )
         destination = self.backend.admit(Destination.parse(request.destination, self.codec), params)
-        return PrefillWork(job_id, request.attempt, token_ids, params, destination, deadline, request.ship_whole)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        return PrefillWork(job_id, request.attempt, token_ids, params, destination, deadline, request.ship_whole,
+                           salt, request.ship_from_token)  # fmt: skip
 
     @streaming
     def Prefill(

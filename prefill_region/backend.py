@@ -42,6 +42,8 @@ class PrefillWork:
     destination: Destination
     deadline: float  # time.monotonic()
     ship_whole: bool  # ship after the forward instead of layer by layer (PrefillRequest.ship_whole)
+    cache_salt: str | None = None  # prefix cache scope; None: the cache is neither read nor written
+    ship_from_token: int = 0  # the decode region holds the KV of the tokens before this: ship the rest
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,11 @@ class JobProgress(Protocol):
 
     def layer_shipped(self, index: int) -> None: ...
 
-    def prefill_done(self, firsts: Sequence[Chosen], kv: common_pb2.KVDescriptor, prefill_s: float) -> None:
-        """Prefill ended: each choice's first token (`sampling.n` of them), the KV's descriptor."""
+    def prefill_done(
+        self, firsts: Sequence[Chosen], kv: common_pb2.KVDescriptor, prefill_s: float, cached_tokens: int = 0
+    ) -> None:
+        """Prefill ended: each choice's first token (`sampling.n` of them), the KV's descriptor, and
+        how many leading prompt tokens came from the prefix cache (the rest were computed)."""
         ...
 
 
@@ -100,8 +105,9 @@ class PrefillBackend(Protocol):
         ...
 
     def run(self, work: PrefillWork, job: JobProgress) -> Shipped:
-        """Prefill `work.token_ids` and ship the KV to `work.destination`; raises `JobStopped`
-        (the job's error is set) or the error that ended the job."""
+        """Prefill `work.token_ids` and ship the KV to `work.destination` (that of the tokens from
+        `work.ship_from_token` on, or all of it: the decode region takes either); raises
+        `JobStopped` (the job's error is set) or the error that ended the job."""
         ...
 
     def reship(self, job_id: str, attempt: int, destination: Destination, deadline: float,

@@ -122,7 +122,8 @@ class HFPrefill:
 
     def run(self, work: PrefillWork, job: JobProgress) -> Shipped:
         facts = self.engine.facts
-        shape = (facts.num_kv_heads, len(work.token_ids), facts.head_dim)
+        start = work.ship_from_token  # the decode region holds the KV before it
+        shape = (facts.num_kv_heads, len(work.token_ids) - start, facts.head_dim)
         spec = ship_spec(work.job_id, work.attempt, work.destination, facts.dtype, (shape,) * facts.num_layers,
                          work.deadline - time.monotonic())  # fmt: skip
         shipment = Shipment(spec)
@@ -136,12 +137,12 @@ class HFPrefill:
             if transfer.status() in (TransferStatus.FAILED, TransferStatus.TIMEOUT, TransferStatus.CANCELED):
                 raise JobStopped  # e.g. the ticket was refused: computing on is wasted work
             if not work.ship_whole:
-                shipment.add_layer(index, byte_view(k), byte_view(v))
+                shipment.add_layer(index, *_tail(k, v, start))
                 job.layer_shipped(index)
 
         t0 = time.monotonic()
         try:  # each layer's KV leaves as soon as the layer has written it, while the rest computes
-            result = self.engine.prefill(work.token_ids, work.params, on_layer=on_layer)
+            result = self.engine.prefill(work.token_ids, work.params, on_layer=on_layer, cache_salt=work.cache_salt)
         except JobStopped:
             _transfer_failed(job, transfer)
             raise
@@ -149,9 +150,9 @@ class HFPrefill:
         self.leases.put(work.job_id, result)
         if work.ship_whole:
             for index, layer in enumerate(result.kv.layers):
-                shipment.add_layer(index, byte_view(layer.k), byte_view(layer.v))
+                shipment.add_layer(index, *_tail(layer.k, layer.v, start))
                 job.layer_shipped(index)
-        job.prefill_done(result.choices, _descriptor(facts, result), prefill_s)
+        job.prefill_done(result.choices, _descriptor(facts, result), prefill_s, result.cached_tokens)
         status = wait_transfer(transfer, work.deadline, job.stop, kind="prefill")
         if status is not TransferStatus.COMPLETED:
             _transfer_failed(job, transfer)
@@ -186,6 +187,13 @@ class HFPrefill:
 
     def path_reports(self) -> list[tuple[str, PathReport]]:
         return self.channels.path_reports()
+
+
+def _tail(k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[memoryview, memoryview]:
+    """The bytes of a layer's K and V ([kv_heads, tokens, head_dim]) from token `start` on."""
+    if start == 0:
+        return byte_view(k), byte_view(v)
+    return byte_view(k[:, start:].contiguous()), byte_view(v[:, start:].contiguous())
 
 
 def _transfer_failed(job: JobProgress, transfer: Transfer) -> None:

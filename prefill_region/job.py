@@ -25,7 +25,7 @@ END = object()  # the last item of `events`: the job ended (its `error` says how
 @dataclass(eq=False)
 class Job:
     work: PrefillWork
-    on_prefilled: Callable[[int, float], None]  # (prompt tokens, seconds): the region's throughput
+    on_prefilled: Callable[[int, float], None]  # (tokens computed, seconds): the region's throughput
     started: float = field(default_factory=time.monotonic)
     events: queue.Queue[object] = field(default_factory=queue.Queue)  # PrefillEvent ..., then END
     stop: threading.Event = field(default_factory=threading.Event)
@@ -71,8 +71,10 @@ class Job:
     def layer_shipped(self, index: int) -> None:
         self.emit(prefill_pb2.PrefillEvent(layer_shipped=prefill_pb2.LayerShipped(layer=index)))
 
-    def prefill_done(self, firsts: Sequence[Chosen], kv: common_pb2.KVDescriptor, prefill_s: float) -> None:
-        self.on_prefilled(len(self.work.token_ids), prefill_s)
+    def prefill_done(
+        self, firsts: Sequence[Chosen], kv: common_pb2.KVDescriptor, prefill_s: float, cached_tokens: int = 0
+    ) -> None:
+        self.on_prefilled(len(self.work.token_ids) - cached_tokens, prefill_s)
         first = firsts[0]
         done = prefill_pb2.PrefillDone(
             first_token=first.token,
@@ -81,5 +83,6 @@ class Job:
             first_logprobs=logprobs_to_proto(first.logprobs),
             choices=firsts_to_proto(firsts),
             prompt_logprobs=prompt_logprobs_to_proto(first),
+            cached_tokens=cached_tokens,
         )
         self.emit(prefill_pb2.PrefillEvent(prefill_done=done))

@@ -63,7 +63,7 @@ class VLLMPrefill:
         kv = kv_descriptor(self.vllm.facts, len(work.token_ids), hash_token_ids(work.token_ids))
         logprobs = result["logprobs"]
         first = chosen((result["token_ids"][0], logprobs[0] if logprobs else None, result["prompt_logprobs"]))
-        job.prefill_done([first], kv, prefill_s)
+        job.prefill_done([first], kv, prefill_s, int(result.get("num_cached_tokens") or 0))
         outcome = None
         while outcome is None:  # in short slices: a Cancel or the deadline ends the wait
             job.check()

@@ -51,9 +51,10 @@ def build_region(
         wanted = ("prefill", "decode") if config.role == "both" else (config.role,)
         built = [roles[role](config, engine) for role in wanted]
         threads = 16 + 4 * config.workers + config.queue_depth  # streams held open by queued jobs need threads too
+        prefix_cache = getattr(engine, "prefix_cache", None)  # the HF engine's; a vLLM region reports none yet
         server = RegionServer(
             config.listen.grpc, {b.service: (b.agent, b.add_to_server) for b in built},
-            metrics_address=config.listen.metrics, max_rpc_threads=threads, tls=config.tls,
+            metrics_address=config.listen.metrics, max_rpc_threads=threads, tls=config.tls, prefix_cache=prefix_cache,
         )  # fmt: skip
     except BaseException:
         if owned and config.engine == "vllm":
@@ -68,6 +69,7 @@ def build_region(
         model=config.model, model_fingerprint=engine.facts.fingerprint,
         kv_buffer_bytes=config.kv_buffer_bytes if config.serves_decode else 0,
         heartbeat_interval_s=config.heartbeat_interval_s,
+        prefix_block_tokens=prefix_cache.block_tokens if prefix_cache is not None else 0,
     )  # fmt: skip
     return server, registration
 
@@ -83,7 +85,14 @@ def load_engine(config: RegionConfig) -> Any:
         if config.engine_cpus:  # every thread made from here on keeps off the forward's CPUs, if others exist
             others = set(range(os.cpu_count() or 1)) - set(config.engine_cpus)
             os.sched_setaffinity(0, others or set(config.engine_cpus))
-        return HFEngine(config.model, dtype=config.dtype, device=config.device, cpus=config.engine_cpus)
+        from prfaas.engine.prefix_cache import PrefixCache
+
+        cache = (
+            PrefixCache(config.prefix_block_tokens, config.prefix_cache_bytes) if config.prefix_cache_bytes else None
+        )
+        return HFEngine(
+            config.model, dtype=config.dtype, device=config.device, cpus=config.engine_cpus, prefix_cache=cache
+        )
     from prfaas.engine.vllm.remote import DEFAULT_VLLM_PYTHON, ServerOptions, start_vllm_engine
 
     opts = config.vllm

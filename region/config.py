@@ -144,6 +144,11 @@ class RegionConfig(BaseSettings):
     codec: Literal["raw", "lossless", "fp8", "int8"] = "lossless"  # default when a request names none
     kv_lease_s: float = Field(default=30.0, gt=0)  # finished KV kept for Reship
     kv_lease_bytes: int = Field(default=2 << 30, ge=0)  # most leased KV bytes; oldest leases go first
+    # The HF engine's prefix cache (engine/prefix_cache.py), both roles: prompt blocks kept for
+    # reuse, least recently used out past `prefix_cache_bytes` (0: no cache). The block size must
+    # be the control plane's `prefix_block_tokens`, or the region's blocks never match a prompt's.
+    prefix_cache_bytes: int = Field(default=512 << 20, ge=0)
+    prefix_block_tokens: int = Field(default=64, ge=1, le=4096)
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_reservation_s: float = Field(default=600.0, gt=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
@@ -172,7 +177,7 @@ class RegionConfig(BaseSettings):
     # TEST ONLY: a decode waits this long after each token, so fault tests can act mid-stream
     test_token_delay_s: float = Field(default=0.0, ge=0.0, le=10.0)
 
-    @field_validator("kv_buffer_bytes", "kv_lease_bytes", "shm_arena_bytes", mode="before")
+    @field_validator("kv_buffer_bytes", "kv_lease_bytes", "shm_arena_bytes", "prefix_cache_bytes", mode="before")
     @classmethod
     def _size(cls, value: object) -> int:
         return parse_bytes(value)

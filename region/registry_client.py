@@ -45,6 +45,7 @@ class Heartbeater:
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self.region_id = ""
         self.seq = 0
+        self.registrations = 0  # Register calls answered: the registry may know nothing the beats before said
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="prfaas-heartbeat", daemon=True)
 
@@ -56,6 +57,7 @@ class Heartbeater:
         if not self.region_id:
             reply = self._stub.Register(self.registration, timeout=self.interval_s)
             self.region_id = reply.region_id or self.registration.name
+            self.registrations += 1
             log.info("registered with %s as %s", self.target, self.region_id)
         self.seq += 1
         request = registry_pb2.HeartbeatRequest(

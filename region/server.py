@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,7 +26,11 @@ from prfaas.region.channels import SERVER_OPTIONS, TlsFiles
 from prfaas.region.config import parse_hostport
 from prfaas.region.registry_client import Heartbeater
 
+if TYPE_CHECKING:
+    from prfaas.engine.prefix_cache import PrefixCache
+
 log = logging.getLogger(__name__)
+PREFIX_REFRESH_S = 10.0  # resident prefix blocks are sent whole at least this often
 
 
 class Agent(Protocol):
@@ -55,11 +59,15 @@ class RegionServer:
         metrics_address: str | None = None,
         max_rpc_threads: int = 64,
         tls: TlsFiles | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`tls`: serve mutual TLS, control calls from the control plane's certificate only
-        (region/authz.py); None: plaintext (loopback, or a region configured `insecure`)."""
+        (region/authz.py); None: plaintext (loopback, or a region configured `insecure`).
+        `prefix_cache`: the engine's, whose resident blocks the heartbeats publish."""
         self.agents = agents
         self.tls = tls
+        self.prefix_cache = prefix_cache
+        self._published: tuple[int, int, float] = (-1, -1, 0.0)  # (version, registration, time.monotonic())
         self.server = grpc.server(
             ThreadPoolExecutor(max_rpc_threads, thread_name_prefix="prfaas-rpc"), options=SERVER_OPTIONS,
             interceptors=[Authorizer(region_policy)] if tls is not None else None,
@@ -97,13 +105,30 @@ class RegionServer:
         for agent, _add in self.agents.values():
             for key, value in agent.load().items():
                 total[key] = total.get(key, 0.0) + value
-        return registry_pb2.Load(
+        load = registry_pb2.Load(
             queue_depth=int(total.get("queue_depth", 0)), busy_workers=int(total.get("busy_workers", 0)),
             kv_used_bytes=int(total.get("kv_used_bytes", 0)), kv_free_bytes=int(total.get("kv_free_bytes", 0)),
             prefill_tokens_per_s=total.get("prefill_tokens_per_s", 0.0),
             decode_tokens_per_s=total.get("decode_tokens_per_s", 0.0), draining=self.draining,
             links=[report for agent, _add in self.agents.values() for report in agent.link_reports()],
         )  # fmt: skip
+        self._publish_prefix(load)
+        return load
+
+    def _publish_prefix(self, load: registry_pb2.Load) -> None:
+        """The prefix cache's resident blocks, sent whole when they changed, when the region registered
+        anew (a restarted registry knows none), or every PREFIX_REFRESH_S (a lost beat loses no change
+        for longer); the beats between carry only the version."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        version, registrations = cache.version, self.heartbeater.registrations if self.heartbeater else 0
+        now = time.monotonic()
+        load.prefix_version = version
+        if (version, registrations) != self._published[:2] or now - self._published[2] >= PREFIX_REFRESH_S:
+            load.prefix_blocks.extend(cache.resident())
+            load.prefix_included = True
+            self._published = (version, registrations, now)
 
     @property
     def draining(self) -> bool:

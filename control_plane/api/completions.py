@@ -51,6 +51,7 @@ from prfaas.control_plane.api.streams import merged
 from prfaas.control_plane.jobs.celery_app import enqueue
 from prfaas.control_plane.jobs.errors import AdmissionRefused, JobNotFound
 from prfaas.control_plane.jobs.generation import Follower, JobEnded
+from prfaas.control_plane.jobs.prefix import prefix_fields
 from prfaas.control_plane.jobs.store import Admission, HandedOff
 from prfaas.control_plane.jobs.tokenlog import Token
 from prfaas.control_plane.services import ServedModel, Services
@@ -230,6 +231,7 @@ def _create(
         "model": s.model.name, "kind": kind, "token_ids": ids, "prompt_tokens": len(ids), "max_new_tokens": max_new,
         "temperature": params.temperature, "placement_asked": placement, "sampling": params.to_dict(),
     }  # fmt: skip
+    fields |= (blocks := prefix_fields(ids, tenant.id, s.settings))
     if params.seed is not None:
         fields["seed"] = params.seed
     if body.user:
@@ -238,7 +240,7 @@ def _create(
         fields["idempotent"] = 1
     asked = {"id": admission.job_id, "tenant": tenant.id, "prompt_tokens": str(len(ids))}
     # the decode work placed and reserved for: n choices of up to max_new tokens each (one prefill)
-    asked |= {"max_new_tokens": str(max_new * params.n), "placement_asked": placement}  # not str() of 100k ids
+    asked |= {"max_new_tokens": str(max_new * params.n), "placement_asked": placement} | blocks  # not 100k ids
     placed = g.follower.placer.place(asked, hand_off=s.settings.admission_placement)
     created = s.jobs.create(
         tenant.id, fields | placed.fields, tenant.quota, handed_off=placed.handed_off, admission=admission,

@@ -34,6 +34,7 @@ def job_public(s: Services, job: dict[str, str]) -> JobPublic:
         decision=json.loads(job["decision"]) if job.get("decision") else None,
         user=job.get("user"), stop_reason=job.get("stop_reason") or None,
         sampling=json.loads(job["sampling"]) if job.get("sampling") else None,
+        cached_tokens=int(job.get("cached_tokens", 0) or 0),
     )  # fmt: skip
 
 

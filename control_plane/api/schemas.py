@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prfaas.control_plane.billing.queries import GroupTotal
 
-Placement = Literal["auto", "local", "split"]
+# auto: the scheduler decides; local / split: forced (tenants allowed to); auto-prefix-blind: the scheduler
+# decides as if no region held any prefix of the prompt (a benchmark's baseline; control_plane/jobs/prefix.py)
+Placement = Literal["auto", "local", "split", "auto-prefix-blind"]
 
 
 class PrfaasOptions(BaseModel):
@@ -163,6 +165,11 @@ class JobPublic(BaseModel):
     user: str | None = Field(default=None, description="the request's `user`")
     stop_reason: str | None = Field(default=None, description="finish 'stop': the stop string or stop token id")
     sampling: dict[str, Any] | None = Field(default=None, description="the sampling specification it ran with")
+    cached_tokens: int = Field(
+        default=0,
+        description="leading prompt tokens a region's prefix cache served: prompt_tokens - cached_tokens "
+        "were computed by the attempt that produced the answer",
+    )
 
 
 class JobList(BaseModel):

@@ -49,6 +49,8 @@ class InstanceRecord(Load):
     last_beat_at: float
     drained: bool  # an operator drained its region
     suspect: bool = False  # a call to it just failed UNAVAILABLE: no new work until that mark expires
+    prefix_block_tokens: int = 0  # its prefix cache's block size; 0: none
+    prefix_blocks: frozenset[str] = frozenset()  # short digests of the prompt blocks its prefix cache holds
 
     @property
     def key(self) -> str:
@@ -79,6 +81,7 @@ class RegionRecord(Load):
     model: str
     instances: tuple[InstanceRecord, ...]  # by instance id
     drained: bool
+    prefix_blocks: frozenset[str] = frozenset()  # held by any healthy instance
 
     @staticmethod
     def of(instances: list[InstanceRecord]) -> RegionRecord:
@@ -93,7 +96,8 @@ class RegionRecord(Load):
             name=newest.name, role=newest.role, gpu_type=newest.gpu_type, usd_per_gpu_hour=newest.usd_per_gpu_hour,
             model=newest.model, instances=tuple(sorted(instances, key=lambda i: i.instance)), drained=newest.drained,
             alive=bool(live), draining=bool(live) and all(i.draining for i in live),
-            heartbeat_age_s=min(i.heartbeat_age_s for i in instances), **totals,
+            heartbeat_age_s=min(i.heartbeat_age_s for i in instances),
+            prefix_blocks=frozenset().union(*(i.prefix_blocks for i in healthy)), **totals,
         )  # fmt: skip
 
     @property
@@ -111,10 +115,24 @@ class RegionRecord(Load):
                 return i
         raise RegionNotFound(f"instance {self.name}/{name} is not alive")
 
-    def pick(self, exclude: frozenset[str] = frozenset()) -> InstanceRecord:
-        """The healthy instance new work goes to: the least loaded, then the most KV room;
+    def pick(self, exclude: frozenset[str] = frozenset(), prefix: tuple[str, ...] = ()) -> InstanceRecord:
+        """The healthy instance new work goes to: the one holding the longest run of the prompt's
+        leading blocks (`prefix`, short digests), then the least loaded, then the most KV room;
         RegionNotFound when none is left (all dead, draining or in `exclude`, by key)."""
         candidates = [i for i in self.healthy_instances if i.key not in exclude]
         if not candidates:
             raise RegionNotFound(f"region {self.name} has no healthy instance left")
-        return min(candidates, key=lambda i: (i.load, -i.kv_free_bytes, i.instance))
+        return min(candidates, key=lambda i: (-cached_run(prefix, i.prefix_blocks), i.load, -i.kv_free_bytes,
+                                              i.instance))  # fmt: skip
+
+
+def cached_run(prefix: tuple[str, ...], held: frozenset[str]) -> int:
+    """How many of `prefix`'s leading blocks `held` has (chained digests: the matches are a prefix)."""
+    if not held:
+        return 0
+    count = 0
+    for digest in prefix:
+        if digest not in held:
+            break
+        count += 1
+    return count

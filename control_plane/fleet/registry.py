@@ -22,6 +22,7 @@ flag (an operator drained the region), `p:links` hash `src>dst` -> JSON (configu
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -36,8 +37,11 @@ from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, Mode
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import registry_pb2
 
+log = logging.getLogger(__name__)
+
 FALLBACK_PREFILL_TPS = 2000.0  # tokens/s assumed until a region measures its own
 FALLBACK_DECODE_TPS = 50.0
+PARSED_BLOCKS_KEPT = 256  # instances' parsed prefix block sets kept (about 4 per instance)
 FORGET_AFTER_BEATS = 60  # an instance silent this many intervals (at least 5 minutes) is forgotten
 
 
@@ -49,6 +53,7 @@ class RegionRegistry:
         self.prices = price_book(
             client, settings.key("prices"), settings.prices.path
         )  # live/table prices override registered ones
+        self._parsed_blocks: dict[tuple[str, ...], frozenset[str]] = {}
 
     def _key(self, name: str, instance: str) -> str:
         return self.settings.key("instance", f"{name}/{instance}")
@@ -81,8 +86,14 @@ class RegionRegistry:
             "kv_buffer_bytes": request.kv_buffer_bytes, "heartbeat_interval_s": request.heartbeat_interval_s or 1.0,
             "last_beat_at": time.time(), "queue_depth": 0, "busy_workers": 0, "kv_used_bytes": 0,
             "kv_free_bytes": request.kv_buffer_bytes, "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0,
-            "draining": 0,
+            "draining": 0, "prefix_block_tokens": request.prefix_block_tokens, "prefix_version": -1, "prefix": "",
         }  # fmt: skip
+        if request.prefix_block_tokens and request.prefix_block_tokens != self.settings.prefix.block_tokens:
+            log.warning(
+                "region %s caches prefix blocks of %d tokens, the control plane hashes prompts in blocks of %d: "
+                "no prompt will match its cache (set its prefix_block_tokens)",
+                request.name, request.prefix_block_tokens, self.settings.prefix.block_tokens,
+            )  # fmt: skip
         key = self._key(request.name, instance)
         with self.redis.pipeline() as pipe:
             pipe.delete(key)
@@ -98,15 +109,15 @@ class RegionRegistry:
         if known is None or known.decode() != request.region_id:
             return True
         load = request.load
-        self.redis.hset(
-            key,
-            mapping={
-                "last_beat_at": time.time(), "queue_depth": load.queue_depth, "busy_workers": load.busy_workers,
-                "kv_used_bytes": load.kv_used_bytes, "kv_free_bytes": load.kv_free_bytes,
-                "prefill_tokens_per_s": load.prefill_tokens_per_s, "decode_tokens_per_s": load.decode_tokens_per_s,
-                "draining": int(load.draining),
-            },
-        )  # fmt: skip
+        fields: dict[str, Any] = {
+            "last_beat_at": time.time(), "queue_depth": load.queue_depth, "busy_workers": load.busy_workers,
+            "kv_used_bytes": load.kv_used_bytes, "kv_free_bytes": load.kv_free_bytes,
+            "prefill_tokens_per_s": load.prefill_tokens_per_s, "decode_tokens_per_s": load.decode_tokens_per_s,
+            "draining": int(load.draining),
+        }  # fmt: skip
+        if load.prefix_included:  # a beat without them keeps the last ones sent
+            fields |= {"prefix_version": load.prefix_version, "prefix": ",".join(load.prefix_blocks)}
+        self.redis.hset(key, mapping=fields)
         if load.links:
             self._measured(request.name, load.links)
         return False
@@ -201,7 +212,21 @@ class RegionRegistry:
             prefill_tokens_per_s=float(f["prefill_tokens_per_s"]), decode_tokens_per_s=float(f["decode_tokens_per_s"]),
             draining=f["draining"] == "1", drained=drained,
             alive=age <= self.settings.heartbeat_misses * interval, heartbeat_age_s=age, suspect=suspect,
+            prefix_block_tokens=int(f.get("prefix_block_tokens", 0)), prefix_blocks=self._blocks(f),
         )  # fmt: skip
+
+    def _blocks(self, f: dict[str, str]) -> frozenset[str]:
+        """An instance's published prefix blocks, parsed once per version it publishes."""
+        raw = f.get("prefix", "")
+        if not raw:
+            return frozenset()
+        key = (f["name"], f["instance"], f["token"], f.get("prefix_version", ""))
+        parsed = self._parsed_blocks.get(key)
+        if parsed is None:
+            if len(self._parsed_blocks) > 4 * PARSED_BLOCKS_KEPT:
+                self._parsed_blocks.clear()
+            parsed = self._parsed_blocks[key] = frozenset(raw.split(","))
+        return parsed
 
     def set_drained(self, name: str, drained: bool) -> RegionRecord:
         self.get(name)
@@ -259,7 +284,7 @@ class RegionRegistry:
             kv_buffer_bytes=r.kv_used_bytes + r.kv_free_bytes if r.role != "prefill" else 0,
             prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
             tpot_ms=1000.0 / decode_tps, healthy=bool(left) and r.name not in exclude,
-            heartbeat_age_s=r.heartbeat_age_s,
+            heartbeat_age_s=r.heartbeat_age_s, cached_prefix_hashes=r.prefix_blocks,
         )  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from prfaas.control_plane.fleet.records import InstanceRecord, RegionNotFound
 from prfaas.control_plane.jobs.attempts import Attempts, Enqueue
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Lease, Leases, process_id
+from prfaas.control_plane.jobs.prefix import cache_salt, pins, prefix_hashes
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.watcher import Watcher
 from prfaas.control_plane.scheduling.decision import Decision, Mode, decision_dict
@@ -149,9 +150,10 @@ class Dispatcher:
         excluded = frozenset(json.loads(job.get("excluded") or "[]"))
         reship = json.loads(job.get("reship_from") or "null")
         decision = self.decide(job, excluded)
-        try:  # one instance of each region: the least loaded of those not excluded
-            decode = self.s.regions.get(decision.decode_region).pick(excluded)
-            prefill = self.s.regions.get(decision.prefill_region).pick(excluded)
+        prefix = prefix_hashes(job)
+        try:  # one instance of each region: the one holding most of the prompt, else the least loaded
+            decode = self.s.regions.get(decision.decode_region).pick(excluded, prefix)
+            prefill = self.s.regions.get(decision.prefill_region).pick(excluded, prefix)
         except RegionNotFound as exc:  # it died since the snapshot: try again without it
             raise AttemptFailed(decision.decode_region, str(exc)) from exc
         if reship is not None:  # the KV is leased in the prefill region that computed it
@@ -176,15 +178,18 @@ class Dispatcher:
         jobs = self.s.jobs
         lease_s = self.lease_s(decision)
         kv_bytes = int(job["prompt_tokens"]) * self.s.model.shape.kv_bytes_per_token
+        token_ids = json.loads(job["token_ids"])
         decode_stub = decode_pb2_grpc.DecodeRegionStub(self.channel(decode.grpc_endpoint, decode.name))
+        reserve = decode_pb2.ReserveRequest(
+            job_id=job_id, attempt=attempt, tenant=job["tenant"], kv_bytes=kv_bytes, ttl_s=lease_s,
+            prefill_grpc=prefill.grpc_endpoint, prefill_region=prefill.name,
+        )  # fmt: skip
+        salt = cache_salt(job)
+        if pins(job) and not reship and salt is not None:  # the decode region pins what it holds of the prompt
+            reserve.cache_salt = salt
+            reserve.token_ids.extend(token_ids)
         try:
-            reply = decode_stub.Reserve(
-                decode_pb2.ReserveRequest(
-                    job_id=job_id, attempt=attempt, tenant=job["tenant"], kv_bytes=kv_bytes, ttl_s=lease_s,
-                    prefill_grpc=prefill.grpc_endpoint, prefill_region=prefill.name,
-                ),
-                timeout=10,
-            )  # fmt: skip
+            reply = decode_stub.Reserve(reserve, timeout=10)
         except grpc.RpcError as exc:
             raise self._failed(decode.key, "reserve", exc) from exc
         ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes, ttl_s=lease_s)  # = the reservation
@@ -199,16 +204,19 @@ class Dispatcher:
             self._release(decode_stub, job_id)
             raise
         self.leases.grant(self.lease(job_id, attempt, stage, prefill.key, lease_s))
-        started = Started(job_id, job["tenant"], attempt, kv_bytes, decode, prefill, lease_s)
+        shipped = kv_bytes - reply.cached_tokens * self.s.model.shape.kv_bytes_per_token  # the rest is held there
+        started = Started(job_id, job["tenant"], attempt, shipped, decode, prefill, lease_s)
         if reship:
             again = prefill_pb2.ReshipRequest(job_id=job_id, attempt=attempt, destination=destination)
             again.timeout_s = lease_s
             self.watcher.submit(self._follow_reship(started, again))
             return
         request = prefill_pb2.PrefillRequest(
-            job_id=job_id, attempt=attempt, tenant=job["tenant"], token_ids=json.loads(job["token_ids"]),
-            sampling=sampling(job), destination=destination, timeout_s=lease_s,
+            job_id=job_id, attempt=attempt, tenant=job["tenant"], token_ids=token_ids, sampling=sampling(job),
+            destination=destination, timeout_s=lease_s, ship_from_token=reply.cached_tokens,
         )  # fmt: skip
+        if salt is not None:
+            request.cache_salt = salt
         self.watcher.submit(self._follow_prefill(started, request))
 
     async def _follow_prefill(self, run: Started, request: prefill_pb2.PrefillRequest) -> None:
@@ -226,7 +234,8 @@ class Dispatcher:
                     # The decode region answers only once all KV arrived, so by the time the job
                     # can read DONE its raw bytes have been shipped: record them now, before the
                     # hand-off (the prefill region's shipment_complete event may come after DONE).
-                    jobs.update(run.job_id, run.attempt, bytes_raw=run.kv_bytes, prefill_gpu_s=done.prefill_s)
+                    jobs.update(run.job_id, run.attempt, bytes_raw=run.kv_bytes, prefill_gpu_s=done.prefill_s,
+                                cached_tokens=done.cached_tokens)  # fmt: skip
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
                     first = _first(done)
                     jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
@@ -289,7 +298,7 @@ class Started:
     job_id: str
     tenant: str
     attempt: int
-    kv_bytes: int
+    kv_bytes: int  # raw KV bytes the shipment carries (the prompt's, but a prefix the decode region holds)
     decode: InstanceRecord
     prefill: InstanceRecord
     lease_s: float
@@ -303,6 +312,8 @@ def job_request(job: Mapping[str, str], settings: Settings) -> Request:
         prompt_tokens=int(job["prompt_tokens"]),
         max_new_tokens=int(job["max_new_tokens"]) * job_sampling(job).n,  # n choices decode, one prefill
         slo=Slo(ttft_ms=settings.ttft_slo_ms, tpot_ms=settings.tpot_slo_ms),
+        prefix_block_hashes=prefix_hashes(job),
+        block_tokens=settings.prefix.block_tokens,
     )
 
 

@@ -33,6 +33,7 @@ from prfaas.control_plane.jobs.dispatch import job_sampling, sampling
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
+from prfaas.control_plane.jobs.prefix import cache_salt
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.tokenlog import Outputs, Token, TokenLog, recorded_tokens
 from prfaas.control_plane.services import Services
@@ -149,12 +150,12 @@ class Follower:
             remaining = max(1.0, deadline - time.monotonic())
             try:
                 if handed["mode"] == "local":
-                    stream = stub.Generate(
-                        decode_pb2.GenerateRequest(
-                            job_id=job_id, token_ids=_ids(job), sampling=sampling(job), timeout_s=remaining
-                        ),
-                        timeout=remaining + 5,
+                    local = decode_pb2.GenerateRequest(
+                        job_id=job_id, token_ids=_ids(job), sampling=sampling(job), timeout_s=remaining
                     )
+                    if (salt := cache_salt(job)) is not None:
+                        local.cache_salt = salt
+                    stream = stub.Generate(local, timeout=remaining + 5)
                 else:
                     kv = common_pb2.KVDescriptor.FromString(base64.b64decode(handed["kv"]))
                     request = decode_pb2.DecodeRequest(
@@ -167,13 +168,18 @@ class Follower:
                         request.choices.add().ParseFromString(base64.b64decode(choice))
                     for position in handed.get("prompt_logprobs") or ():
                         request.prompt_logprobs.add().ParseFromString(base64.b64decode(position))
+                    if (salt := cache_salt(job)) is not None:
+                        request.cache_salt = salt
                     stream = stub.Decode(request, timeout=remaining + 5)
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
+                served: dict[str, int] = {}  # a local run's prefix cache hit, recorded with DONE
                 n = job_sampling(job).n  # choices: DONE once each ended
                 with _released(stream) as finished:
                     for event in stream:
                         if event.index == 0 and event.choice == 0:
                             first = (time.time(), event.elapsed_s)
+                            if handed["mode"] == "local":
+                                served = {"cached_tokens": event.cached_tokens}
                             if handed["mode"] == "split":
                                 tenant = job["tenant"]
                                 jobs.transition(job_id, JobState.DECODING, attempt, note="first token", tenant=tenant)
@@ -189,7 +195,7 @@ class Follower:
                         if done:  # spend is billed from the ledger (billing/meter.py), not here
                             jobs.transition(
                                 job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
-                                **output.record(), **served_timing(first, event.elapsed_s),
+                                **output.record(), **served_timing(first, event.elapsed_s), **served,
                             )  # fmt: skip
                             if self.meter is not None:
                                 self.meter.job_done(job_id)

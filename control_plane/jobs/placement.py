@@ -86,8 +86,8 @@ class AdmissionPlacer:
         if decision is None or decision.mode is not Mode.LOCAL or not hand_off:
             return Placed(usd)
         try:
-            decode = records[decision.decode_region].pick()
-            prefill = records[decision.prefill_region].pick()
+            decode = records[decision.decode_region].pick(prefix=request.prefix_block_hashes)
+            prefill = records[decision.prefill_region].pick(prefix=request.prefix_block_hashes)
         except RegionNotFound:
             return Placed(usd)  # gone since the view was read: Celery decides on a fresh one
         fields = placed_fields(decision, decode, prefill) | {"regions_a1": f"{prefill.name}>{decode.name}"}  # metering

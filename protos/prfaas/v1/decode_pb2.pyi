@@ -30,6 +30,8 @@ class ReserveRequest(_message.Message):
     TTL_S_FIELD_NUMBER: _builtins.int
     PREFILL_GRPC_FIELD_NUMBER: _builtins.int
     PREFILL_REGION_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """UUID"""
     attempt: _builtins.int
@@ -42,6 +44,13 @@ class ReserveRequest(_message.Message):
     """optional: the prefill region's gRPC address, watched while KV is owed"""
     prefill_region: _builtins.str
     """its region's name: the TLS server name the watch checks (mutual TLS)"""
+    cache_salt: _builtins.str
+    """Hit-aware placement: the prompt and its prefix cache scope. The region pins the leading
+    blocks it holds for the reservation's life and answers how many tokens they cover; the
+    shipment then carries only the KV after them. Unset salt: nothing is pinned.
+    """
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -52,12 +61,16 @@ class ReserveRequest(_message.Message):
         ttl_s: _builtins.float = ...,
         prefill_grpc: _builtins.str = ...,
         prefill_region: _builtins.str = ...,
+        cache_salt: _builtins.str | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "job_id", b"job_id", "kv_bytes", b"kv_bytes", "prefill_grpc", b"prefill_grpc", "prefill_region", b"prefill_region", "tenant", b"tenant", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "attempt", b"attempt", "cache_salt", b"cache_salt", "job_id", b"job_id", "kv_bytes", b"kv_bytes", "prefill_grpc", b"prefill_grpc", "prefill_region", b"prefill_region", "tenant", b"tenant", "token_ids", b"token_ids", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
+    _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
 
 Global___ReserveRequest: _TypeAlias = ReserveRequest  # noqa: Y015
 
@@ -68,21 +81,25 @@ class ReserveReply(_message.Message):
     KV_ENDPOINT_FIELD_NUMBER: _builtins.int
     FREE_BYTES_FIELD_NUMBER: _builtins.int
     EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     kv_endpoint: _builtins.str
     """host:port of this region's KV port"""
     free_bytes: _builtins.int
     """KV buffer left after this reservation"""
     expires_in_s: _builtins.float
+    cached_tokens: _builtins.int
+    """leading prompt tokens whose KV this region holds for the job (pinned)"""
     def __init__(
         self,
         *,
         kv_endpoint: _builtins.str = ...,
         free_bytes: _builtins.int = ...,
         expires_in_s: _builtins.float = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in_s", b"expires_in_s", "free_bytes", b"free_bytes", "kv_endpoint", b"kv_endpoint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "expires_in_s", b"expires_in_s", "free_bytes", b"free_bytes", "kv_endpoint", b"kv_endpoint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -140,12 +157,15 @@ class DecodeRequest(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
     CHOICES_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     first_token: _builtins.int
     """chosen at the end of prefill (generation step 0)"""
     timeout_s: _builtins.float
     """deadline of the whole call (KV wait and decode)"""
+    cache_salt: _builtins.str
+    """the prompt's and the output's blocks are kept under it afterwards"""
     @_builtins.property
     def kv(self) -> _common_pb2.KVDescriptor: ...
     @_builtins.property
@@ -181,12 +201,15 @@ class DecodeRequest(_message.Message):
         first_logprobs: _common_pb2.TokenLogprobs | None = ...,
         choices: _abc.Iterable[_common_pb2.FirstToken] | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
+        cache_salt: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "first_logprobs", b"first_logprobs", "kv", b"kv", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "attempt", b"attempt", "cache_salt", b"cache_salt", "choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "job_id", b"job_id", "kv", b"kv", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
+    _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
 
 Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
 
@@ -198,8 +221,11 @@ class GenerateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     timeout_s: _builtins.float
+    cache_salt: _builtins.str
+    """as in PrefillRequest: cached blocks reused, this prompt's kept"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -211,12 +237,15 @@ class GenerateRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         timeout_s: _builtins.float = ...,
+        cache_salt: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "job_id", b"job_id", "sampling", b"sampling", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
+    _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -233,6 +262,7 @@ class TokenEvent(_message.Message):
     STOP_REASON_FIELD_NUMBER: _builtins.int
     CHOICE_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """generation step (0 = first token) of its choice"""
     token: _builtins.int
@@ -246,6 +276,8 @@ class TokenEvent(_message.Message):
     """finish "stop": the stop string, or the stop token id in decimal"""
     choice: _builtins.int
     """sampling.n > 1: which choice (0 .. n-1); `last` ends that choice only"""
+    cached_tokens: _builtins.int
+    """Generate, on choice 0's token 0: leading prompt tokens the prefix cache served"""
     @_builtins.property
     def logprobs(self) -> _common_pb2.TokenLogprobs:
         """when the sampling asks for them"""
@@ -266,10 +298,11 @@ class TokenEvent(_message.Message):
         stop_reason: _builtins.str = ...,
         choice: _builtins.int = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "elapsed_s", b"elapsed_s", "finish_reason", b"finish_reason", "index", b"index", "last", b"last", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "stop_reason", b"stop_reason", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "choice", b"choice", "elapsed_s", b"elapsed_s", "finish_reason", b"finish_reason", "index", b"index", "last", b"last", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "stop_reason", b"stop_reason", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

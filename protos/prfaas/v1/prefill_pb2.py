@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from prfaas.protos.prfaas.v1 import common_pb2 as prfaas_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17prfaas/v1/prefill.proto\x12\tprfaas.v1\x1a\x16prfaas/v1/common.proto\"X\n\x0b\x44\x65stination\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x15\n\rdecode_region\x18\x04 \x01(\t\"\xd5\x01\n\x0ePrefillRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12+\n\x0b\x64\x65stination\x18\x06 \x01(\x0b\x32\x16.prfaas.v1.Destination\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x12\n\nship_whole\x18\x08 \x01(\x08\"\xed\x01\n\x0cPrefillEvent\x12\x11\n\telapsed_s\x18\x01 \x01(\x01\x12%\n\x07started\x18\x02 \x01(\x0b\x32\x12.prfaas.v1.StartedH\x00\x12\x30\n\rlayer_shipped\x18\x03 \x01(\x0b\x32\x17.prfaas.v1.LayerShippedH\x00\x12.\n\x0cprefill_done\x18\x04 \x01(\x0b\x32\x16.prfaas.v1.PrefillDoneH\x00\x12\x38\n\x11shipment_complete\x18\x05 \x01(\x0b\x32\x1b.prfaas.v1.ShipmentCompleteH\x00\x42\x07\n\x05\x65vent\"\x1b\n\x07Started\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\"\x1d\n\x0cLayerShipped\x12\r\n\x05layer\x18\x01 \x01(\r\"\xe7\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12&\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x15.prfaas.v1.FirstToken\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.prfaas.v1.TokenLogprobs\"M\n\x10ShipmentComplete\x12\x11\n\traw_bytes\x18\x01 \x01(\x04\x12\x12\n\nwire_bytes\x18\x02 \x01(\x04\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"p\n\rReshipRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12+\n\x0b\x64\x65stination\x18\x03 \x01(\x0b\x32\x16.prfaas.v1.Destination\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x83\x02\n\x0bReshipReply\x12-\n\x08shipment\x18\x01 \x01(\x0b\x32\x1b.prfaas.v1.ShipmentComplete\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12&\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x15.prfaas.v1.FirstToken\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.prfaas.v1.TokenLogprobs2\xc8\x01\n\rPrefillRegion\x12?\n\x07Prefill\x12\x19.prfaas.v1.PrefillRequest\x1a\x17.prfaas.v1.PrefillEvent0\x01\x12:\n\x06Reship\x12\x18.prfaas.v1.ReshipRequest\x1a\x16.prfaas.v1.ReshipReply\x12:\n\x06\x43\x61ncel\x12\x18.prfaas.v1.CancelRequest\x1a\x16.prfaas.v1.CancelReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17prfaas/v1/prefill.proto\x12\tprfaas.v1\x1a\x16prfaas/v1/common.proto\"m\n\x0b\x44\x65stination\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x15\n\rdecode_region\x18\x04 \x01(\t\x12\x13\n\x0bnum_streams\x18\x05 \x01(\r\"\x96\x02\n\x0ePrefillRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12+\n\x0b\x64\x65stination\x18\x06 \x01(\x0b\x32\x16.prfaas.v1.Destination\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x12\n\nship_whole\x18\x08 \x01(\x08\x12\x17\n\ncache_salt\x18\t \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0fship_from_token\x18\n \x01(\rB\r\n\x0b_cache_salt\"\xed\x01\n\x0cPrefillEvent\x12\x11\n\telapsed_s\x18\x01 \x01(\x01\x12%\n\x07started\x18\x02 \x01(\x0b\x32\x12.prfaas.v1.StartedH\x00\x12\x30\n\rlayer_shipped\x18\x03 \x01(\x0b\x32\x17.prfaas.v1.LayerShippedH\x00\x12.\n\x0cprefill_done\x18\x04 \x01(\x0b\x32\x16.prfaas.v1.PrefillDoneH\x00\x12\x38\n\x11shipment_complete\x18\x05 \x01(\x0b\x32\x1b.prfaas.v1.ShipmentCompleteH\x00\x42\x07\n\x05\x65vent\"\x1b\n\x07Started\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\"\x1d\n\x0cLayerShipped\x12\r\n\x05layer\x18\x01 \x01(\r\"\xfe\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12&\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x15.prfaas.v1.FirstToken\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\"M\n\x10ShipmentComplete\x12\x11\n\traw_bytes\x18\x01 \x01(\x04\x12\x12\n\nwire_bytes\x18\x02 \x01(\x04\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"p\n\rReshipRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12+\n\x0b\x64\x65stination\x18\x03 \x01(\x0b\x32\x16.prfaas.v1.Destination\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x83\x02\n\x0bReshipReply\x12-\n\x08shipment\x18\x01 \x01(\x0b\x32\x1b.prfaas.v1.ShipmentComplete\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12&\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x15.prfaas.v1.FirstToken\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.prfaas.v1.TokenLogprobs2\xc8\x01\n\rPrefillRegion\x12?\n\x07Prefill\x12\x19.prfaas.v1.PrefillRequest\x1a\x17.prfaas.v1.PrefillEvent0\x01\x12:\n\x06Reship\x12\x18.prfaas.v1.ReshipRequest\x1a\x16.prfaas.v1.ReshipReply\x12:\n\x06\x43\x61ncel\x12\x18.prfaas.v1.CancelRequest\x1a\x16.prfaas.v1.CancelReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prfaas.v1.prefill_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DESTINATION']._serialized_start=62
-  _globals['_DESTINATION']._serialized_end=150
-  _globals['_PREFILLREQUEST']._serialized_start=153
-  _globals['_PREFILLREQUEST']._serialized_end=366
-  _globals['_PREFILLEVENT']._serialized_start=369
-  _globals['_PREFILLEVENT']._serialized_end=606
-  _globals['_STARTED']._serialized_start=608
-  _globals['_STARTED']._serialized_end=635
-  _globals['_LAYERSHIPPED']._serialized_start=637
-  _globals['_LAYERSHIPPED']._serialized_end=666
-  _globals['_PREFILLDONE']._serialized_start=669
-  _globals['_PREFILLDONE']._serialized_end=900
-  _globals['_SHIPMENTCOMPLETE']._serialized_start=902
-  _globals['_SHIPMENTCOMPLETE']._serialized_end=979
-  _globals['_RESHIPREQUEST']._serialized_start=981
-  _globals['_RESHIPREQUEST']._serialized_end=1093
-  _globals['_RESHIPREPLY']._serialized_start=1096
-  _globals['_RESHIPREPLY']._serialized_end=1355
-  _globals['_PREFILLREGION']._serialized_start=1358
-  _globals['_PREFILLREGION']._serialized_end=1558
+  _globals['_DESTINATION']._serialized_end=171
+  _globals['_PREFILLREQUEST']._serialized_start=174
+  _globals['_PREFILLREQUEST']._serialized_end=452
+  _globals['_PREFILLEVENT']._serialized_start=455
+  _globals['_PREFILLEVENT']._serialized_end=692
+  _globals['_STARTED']._serialized_start=694
+  _globals['_STARTED']._serialized_end=721
+  _globals['_LAYERSHIPPED']._serialized_start=723
+  _globals['_LAYERSHIPPED']._serialized_end=752
+  _globals['_PREFILLDONE']._serialized_start=755
+  _globals['_PREFILLDONE']._serialized_end=1009
+  _globals['_SHIPMENTCOMPLETE']._serialized_start=1011
+  _globals['_SHIPMENTCOMPLETE']._serialized_end=1088
+  _globals['_RESHIPREQUEST']._serialized_start=1090
+  _globals['_RESHIPREQUEST']._serialized_end=1202
+  _globals['_RESHIPREPLY']._serialized_start=1205
+  _globals['_RESHIPREPLY']._serialized_end=1464
+  _globals['_PREFILLREGION']._serialized_start=1467
+  _globals['_PREFILLREGION']._serialized_end=1667
 # @@protoc_insertion_point(module_scope)

@@ -27,6 +27,7 @@ class Destination(_message.Message):
     TICKET_FIELD_NUMBER: _builtins.int
     CODEC_FIELD_NUMBER: _builtins.int
     DECODE_REGION_FIELD_NUMBER: _builtins.int
+    NUM_STREAMS_FIELD_NUMBER: _builtins.int
     kv_endpoint: _builtins.str
     """host:port of the decode region's KV port"""
     ticket: _builtins.str
@@ -35,6 +36,8 @@ class Destination(_message.Message):
     """"raw", "lossless", "fp8", "int8"; empty = the region's default"""
     decode_region: _builtins.str
     """the decode region's name: the TLS server name its KV port must present"""
+    num_streams: _builtins.int
+    """TCP streams the shipment starts on (the scheduler's plan); 0 = the sender's default"""
     def __init__(
         self,
         *,
@@ -42,10 +45,11 @@ class Destination(_message.Message):
         ticket: _builtins.str = ...,
         codec: _builtins.str = ...,
         decode_region: _builtins.str = ...,
+        num_streams: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "decode_region", b"decode_region", "kv_endpoint", b"kv_endpoint", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "decode_region", b"decode_region", "kv_endpoint", b"kv_endpoint", "num_streams", b"num_streams", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -63,6 +67,8 @@ class PrefillRequest(_message.Message):
     DESTINATION_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     SHIP_WHOLE_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    SHIP_FROM_TOKEN_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """UUID"""
     attempt: _builtins.int
@@ -71,6 +77,14 @@ class PrefillRequest(_message.Message):
     """deadline of the whole call (queue, prefill and transfer)"""
     ship_whole: _builtins.bool
     """ship after prefill instead of layer by layer (benchmarks)"""
+    cache_salt: _builtins.str
+    """Prefix cache scope (engine/blocks.py): the region reuses cached prompt blocks with the same
+    salt and keeps this prompt's under it. Unset: the prefix cache is neither read nor written.
+    """
+    ship_from_token: _builtins.int
+    """The decode region already holds the KV of token_ids[:ship_from_token] (its reservation
+    pinned it): only the KV of the tokens from here on is shipped. 0 = all of it.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -88,12 +102,16 @@ class PrefillRequest(_message.Message):
         destination: Global___Destination | None = ...,
         timeout_s: _builtins.float = ...,
         ship_whole: _builtins.bool = ...,
+        cache_salt: _builtins.str | None = ...,
+        ship_from_token: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "destination", b"destination", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "destination", b"destination", "job_id", b"job_id", "sampling", b"sampling", "ship_whole", b"ship_whole", "tenant", b"tenant", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "attempt", b"attempt", "cache_salt", b"cache_salt", "destination", b"destination", "job_id", b"job_id", "sampling", b"sampling", "ship_from_token", b"ship_from_token", "ship_whole", b"ship_whole", "tenant", b"tenant", "timeout_s", b"timeout_s", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
+    _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
 
 Global___PrefillRequest: _TypeAlias = PrefillRequest  # noqa: Y015
 
@@ -184,8 +202,11 @@ class PrefillDone(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _builtins.int
     CHOICES_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     prefill_s: _builtins.float
+    cached_tokens: _builtins.int
+    """leading prompt tokens served from the prefix cache (not computed)"""
     @_builtins.property
     def kv(self) -> _common_pb2.KVDescriptor: ...
     @_builtins.property
@@ -209,10 +230,11 @@ class PrefillDone(_message.Message):
         first_logprobs: _common_pb2.TokenLogprobs | None = ...,
         choices: _abc.Iterable[_common_pb2.FirstToken] | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprobs", b"first_logprobs", "kv", b"kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "prefill_s", b"prefill_s", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "choices", b"choices", "first_logprobs", b"first_logprobs", "first_token", b"first_token", "kv", b"kv", "prefill_s", b"prefill_s", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -35,6 +35,7 @@ class RegisterRequest(_message.Message):
     KV_BUFFER_BYTES_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     role: _builtins.str
     """"prefill", "decode", "both" """
@@ -51,6 +52,8 @@ class RegisterRequest(_message.Message):
     heartbeat_interval_s: _builtins.float
     instance: _builtins.str
     """this instance of the region (a region is a pool of them); empty = "0" """
+    prefix_block_tokens: _builtins.int
+    """tokens per prefix cache block; 0 = no prefix cache"""
     def __init__(
         self,
         *,
@@ -67,10 +70,11 @@ class RegisterRequest(_message.Message):
         kv_buffer_bytes: _builtins.int = ...,
         heartbeat_interval_s: _builtins.float = ...,
         instance: _builtins.str = ...,
+        prefix_block_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "gpu_type", b"gpu_type", "grpc_endpoint", b"grpc_endpoint", "heartbeat_interval_s", b"heartbeat_interval_s", "instance", b"instance", "kv_buffer_bytes", b"kv_buffer_bytes", "kv_endpoint", b"kv_endpoint", "model", b"model", "model_fingerprint", b"model_fingerprint", "name", b"name", "num_workers", b"num_workers", "role", b"role", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "gpu_type", b"gpu_type", "grpc_endpoint", b"grpc_endpoint", "heartbeat_interval_s", b"heartbeat_interval_s", "instance", b"instance", "kv_buffer_bytes", b"kv_buffer_bytes", "kv_endpoint", b"kv_endpoint", "model", b"model", "model_fingerprint", b"model_fingerprint", "name", b"name", "num_workers", b"num_workers", "prefix_block_tokens", b"prefix_block_tokens", "role", b"role", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -107,6 +111,13 @@ class Load(_message.Message):
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     LINKS_FIELD_NUMBER: _builtins.int
+    PREFIX_VERSION_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCKS_FIELD_NUMBER: _builtins.int
+    PREFIX_INCLUDED_FIELD_NUMBER: _builtins.int
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    RUNNING_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    DECODE_RUNNING_FIELD_NUMBER: _builtins.int
+    DECODE_SLOTS_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """prefill jobs waiting for a worker"""
     busy_workers: _builtins.int
@@ -117,10 +128,28 @@ class Load(_message.Message):
     """measured, recent"""
     decode_tokens_per_s: _builtins.float
     draining: _builtins.bool
+    prefix_version: _builtins.int
+    """The prefix cache's resident blocks (engine/blocks.py `short` digests, the most recently used
+    first, bounded), when `prefix_included`: sent whole when `prefix_version` moved since the
+    last beat that carried them, or every few seconds; other beats leave them as they were.
+    """
+    prefix_included: _builtins.bool
+    queued_prefill_tokens: _builtins.int
+    """Work in the region now, in tokens and sequences (the scheduler's queueing estimate).
+    prompts admitted, not started
+    """
+    running_prefill_tokens: _builtins.int
+    """prompts being computed (their uncached part)"""
+    decode_running: _builtins.int
+    """sequences decoding"""
+    decode_slots: _builtins.int
+    """sequences it decodes at once at most (0: not a decode region)"""
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkReport]:
         """a prefill region's KV paths, measured since its last beat"""
 
+    @_builtins.property
+    def prefix_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -132,10 +161,17 @@ class Load(_message.Message):
         decode_tokens_per_s: _builtins.float = ...,
         draining: _builtins.bool = ...,
         links: _abc.Iterable[Global___LinkReport] | None = ...,
+        prefix_version: _builtins.int = ...,
+        prefix_blocks: _abc.Iterable[_builtins.str] | None = ...,
+        prefix_included: _builtins.bool = ...,
+        queued_prefill_tokens: _builtins.int = ...,
+        running_prefill_tokens: _builtins.int = ...,
+        decode_running: _builtins.int = ...,
+        decode_slots: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_workers", b"busy_workers", "decode_tokens_per_s", b"decode_tokens_per_s", "draining", b"draining", "kv_free_bytes", b"kv_free_bytes", "kv_used_bytes", b"kv_used_bytes", "links", b"links", "prefill_tokens_per_s", b"prefill_tokens_per_s", "queue_depth", b"queue_depth"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_workers", b"busy_workers", "decode_running", b"decode_running", "decode_slots", b"decode_slots", "decode_tokens_per_s", b"decode_tokens_per_s", "draining", b"draining", "kv_free_bytes", b"kv_free_bytes", "kv_used_bytes", b"kv_used_bytes", "links", b"links", "prefill_tokens_per_s", b"prefill_tokens_per_s", "prefix_blocks", b"prefix_blocks", "prefix_included", b"prefix_included", "prefix_version", b"prefix_version", "queue_depth", b"queue_depth", "queued_prefill_tokens", b"queued_prefill_tokens", "running_prefill_tokens", b"running_prefill_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

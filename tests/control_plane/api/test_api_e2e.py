@@ -12,12 +12,13 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from cp_kit import two_region_stack
+from cp_kit import stack_services, two_region_stack
 from sqlalchemy import func, select
 
 from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.control_plane.billing.models import UsageEntry
 from prfaas.devstack.stack import ADMIN, RegionProcess, Stack, wait_until
+from prfaas.engine.blocks import block_hashes, short
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.stops import output_text
@@ -94,6 +95,36 @@ def _assert_the_link_was_measured(s: Stack, shipped: int) -> None:
     assert 0 < measured["min_rtt_ms"] < 50 and measured["age_s"] < 15  # loopback
     assert link["scheduled"]["rtt_ms"] == measured["min_rtt_ms"]
     assert link["bandwidth_gbps"] > 0 and measured["sending_gbps"] >= 0 and shipped > 0
+
+
+def test_a_conversations_next_turn_runs_where_its_prefix_is_cached(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str], engine: HFEngine, long_text: str
+) -> None:
+    """Turn 1 (long) splits; the decode region keeps its prompt's and reply's blocks and publishes them; the
+    API hashes turn 2 the same way, so turn 2 runs locally there, computing only what is new, with the
+    tokens of a cold run."""
+    s, _ = stack
+    client = _client(s, tenant[1])
+    params = SamplingParams(max_new_tokens=8)
+    first = engine.encode(long_text)[7000:7600]
+    r1 = client.completions.create(model="tiny-llama", prompt=first, max_tokens=8)
+    assert _job(s, tenant[1], r1.id)["placement_chosen"] == "split"
+    reply = engine.generate(first, params)
+    assert r1.choices[0].text == output_text(engine.decode_text, reply)
+    hashes = [short(d) for d in block_hashes(first, 64, tenant[0])]  # scope `tenant`, 64-token blocks
+    services = next(stack_services(s))
+    recorded = services.jobs.get(r1.id)
+    assert recorded["prefix"].split(",") == hashes and recorded["cache_salt"] == tenant[0]
+    wait_until(lambda: set(hashes) <= services.regions.get("decode-b").prefix_blocks, 10, 0.1)
+    services.close()
+
+    turn2 = [*first, *reply, *engine.encode(long_text)[8000:8040]]
+    r2 = client.completions.create(model="tiny-llama", prompt=turn2, max_tokens=8)
+
+    job = _job(s, tenant[1], r2.id)
+    assert job["placement_chosen"] == "local" and job["decode_region"] == "decode-b", job
+    assert job["cached_tokens"] == ((len(first) + len(reply) - 1) // 64) * 64  # the reply's last token: not fed
+    assert r2.choices[0].text == output_text(engine.decode_text, engine.generate(turn2, params))
 
 
 def test_streaming_delivers_every_token_and_usage(

@@ -7,7 +7,7 @@ mutual TLS, only a certificate naming the region may register or beat as it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -294,4 +294,35 @@ def test_a_region_that_ran_nothing_yet_is_assumed_as_fast_as_its_measured_peers(
 
     assert by_name["p-new"].prefill_tokens_per_s == by_name["p-old"].prefill_tokens_per_s == 9000.0
     for beater in beaters:
+        beater._channel.close()
+
+
+def test_published_prefix_blocks_reach_the_snapshot_and_the_instance_pick(
+    registry: tuple[RegionRegistry, str],
+) -> None:
+    reg, address = registry
+    held = {"1": ["aa", "bb", "cc"], "2": ["aa"]}  # instance 2 holds only the first block of the prompt
+
+    def published(instance: str) -> Callable[[], registry_pb2.Load]:
+        return lambda: registry_pb2.Load(
+            kv_free_bytes=1000, prefix_version=1, prefix_blocks=held[instance], prefix_included=True
+        )
+
+    beaters = {i: Heartbeater(address, _registration("d-b", "decode", 4.0, instance=i), published(i), INTERVAL_S)
+               for i in held}  # fmt: skip
+    for beater in beaters.values():
+        beater.beat()
+    region = reg.get("d-b")
+    assert region.prefix_blocks == {"aa", "bb", "cc"}
+    assert reg.snapshot(MODEL).region("d-b").cached_prefix_hashes == {"aa", "bb", "cc"}
+    assert region.pick(prefix=("aa", "bb", "cc", "dd")).instance == "1"  # the longest run of the prompt's blocks
+    assert region.pick(prefix=("zz",)).instance in {"1", "2"}
+
+    beaters["1"]._load = lambda: registry_pb2.Load(kv_free_bytes=1000, prefix_version=1)  # not included: kept
+    beaters["1"].beat()
+    assert reg.get("d-b").prefix_blocks == {"aa", "bb", "cc"}
+    beaters["1"]._load = lambda: registry_pb2.Load(kv_free_bytes=1000, prefix_version=2, prefix_included=True)
+    beaters["1"].beat()  # emptied: included with no blocks
+    assert reg.get("d-b").prefix_blocks == {"aa"}
+    for beater in beaters.values():
         beater._channel.close()
