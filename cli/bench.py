@@ -41,7 +41,8 @@ def _ms(value: float | None, digits: int = 0) -> str:
 
 def _table(summaries: dict[str, dict[str, Any]]) -> Table:
     table = Table("policy", "ok/fail", "TTFT P50", "P90", "P99", "TPOT P50", "ITL P50", "E2E P50", "P90",
-                  "req/s", "out tok/s", "goodput req/s", "split", "$/1M tok", title="latencies in ms")  # fmt: skip
+                  "req/s", "out tok/s", "goodput req/s", "split", "$/1M tok", "prefill tok", "same text",
+                  title="latencies in ms")  # fmt: skip
     for policy, s in summaries.items():
         split = s["placements"].get("split", 0) / max(1, s["completed"])
         cost = s["cost"]
@@ -50,7 +51,8 @@ def _table(summaries: dict[str, dict[str, Any]]) -> Table:
             _ms(s["ttft_s"]["p99"]), _ms(s["tpot_s"]["p50"], 1), _ms(s["itl_s"]["p50"], 1), _ms(s["e2e_s"]["p50"]),
             _ms(s["e2e_s"]["p90"]), f"{s['throughput']['requests_per_s']:.2f}",
             f"{s['throughput']['output_tokens_per_s']:.1f}", f"{s['goodput']['requests_per_s']:.2f}", f"{split:.0%}",
-            "-" if cost is None else f"{cost['usd_per_1m_tokens']:.4f}",
+            "-" if cost is None else f"{cost['usd_per_1m_tokens']:.4f}", str(s["prefill_tokens_computed"]),
+            "-" if s.get("identical_outputs") is None else f"{s['identical_outputs']}/{s['completed']}",
         )  # fmt: skip
     return table
 
@@ -65,11 +67,15 @@ def bench(
     burstiness: float = typer.Option(1.0, help="CV of inter-arrival gaps: 1 Poisson, >1 bursty gamma"),
     input_len: str = typer.Option("fixed:256", help="fixed:N | uniform:LO-HI | lognormal:MEDIAN,SIGMA"),
     output_len: str = typer.Option("fixed:16", help="same forms as --input-len"),
-    mix: str = typer.Option(None, help="named mix instead of the lengths: chat-rag | chat-agent"),
-    shared_prefix: int = typer.Option(0, help="tokens of prefix shared within a group"),
+    mix: str = typer.Option(None, help="named mix instead of the lengths: chat-rag | chat-agent | multiturn"),
+    turns: int = typer.Option(4, help="multiturn: turns per conversation (each re-sends the conversation)"),
+    think_s: float = typer.Option(1.0, help="multiturn: a user's pause between a reply and the next turn"),
+    shared_prefix: int = typer.Option(0, help="tokens of prefix shared within a group (multiturn: the system prompt)"),
     prefix_groups: int = typer.Option(1, help="distinct shared prefixes"),
     seed: int = typer.Option(0),
-    policy: str = typer.Option("prfaas", help="colocated | split-always | prfaas"),
+    policy: str = typer.Option(
+        "prfaas", help="colocated | split-always | prfaas | prfaas-prefix-blind | prfaas-residency-blind"
+    ),
     compare: str = typer.Option(
         None, help="comma list of policies run on the same workload (ratios are to the first)"
     ),
@@ -87,6 +93,7 @@ def bench(
         from prfaas.loadgen import bench as session
         from prfaas.loadgen import client as loadgen
         from prfaas.loadgen import report
+        from prfaas.loadgen.conversations import CONVERSATIONAL, plan_conversations
         from prfaas.loadgen.workload import WorkloadError, WorkloadSpec, plan
     except ImportError as exc:
         raise _fail(f"{exc.name} is missing: pip install 'prfaas[bench]' (openai, matplotlib)") from None
@@ -116,8 +123,14 @@ def bench(
         corpus, context = session.corpus(served)
     except EngineError as exc:
         raise _fail(f"cannot tokenize for {served!r}: {exc}") from None
+    if think_s < 0:
+        raise _fail("--think-s: a pause is not negative")
     try:
-        requests = plan(spec, corpus, max_prompt_tokens=context // 2)
+        if mix in CONVERSATIONAL:
+            conversations = plan_conversations(spec, corpus, context // 2, turns)
+            send = _conversations(base, key, served, conversations, concurrency, timeout_s, context // 2, think_s)
+        else:
+            send = session.planned(base, key, served, plan(spec, corpus, context // 2), concurrency, timeout_s)
         warm = plan(WorkloadSpec(max(1, warmup), None, seed=seed + 1, input_len="fixed:64", output_len="fixed:4"),
                     corpus, context // 2) if warmup else []  # fmt: skip
     except WorkloadError as exc:
@@ -132,7 +145,7 @@ def bench(
             task = bar.add_task(name, total=total)
             return lambda: bar.advance(task)
 
-        summaries, rows = session.run(base, key, served, requests, warm, policies, concurrency, timeout_s,
+        summaries, rows = session.run(base, key, served, send, num_requests, warm, policies, timeout_s,
                                       (slo_ttft_ms / 1e3, slo_tpot_ms / 1e3), progress)  # fmt: skip
     console.print(_table(summaries))
     result = session.result(base, served, spec, concurrency, summaries)
@@ -149,6 +162,18 @@ def bench(
         console.print(f"[yellow]{failed} requests failed[/yellow]: {escape('; '.join(_errors(summaries)))}")
     if any(s["completed"] == 0 for s in summaries.values()):
         raise typer.Exit(1)  # nothing to compare: make demo must fail
+
+
+def _conversations(base: str, key: str, model: str, conversations: list[Any], concurrency: int | None,
+                   timeout_s: float, max_prompt: int, think_s: float) -> Any:  # fmt: skip
+    """`loadgen.bench.Send` of conversations: each turn re-sends the conversation, replies tokenized again."""
+    from prfaas.loadgen import bench as session
+    from prfaas.loadgen import client as loadgen
+
+    encode = session.tokenizer(model)
+    return lambda placement, on_done: loadgen.run_conversations(
+        base, key, model, conversations, placement, concurrency, timeout_s, encode, max_prompt, think_s, on_done
+    )
 
 
 def _errors(summaries: dict[str, dict[str, Any]]) -> list[str]:

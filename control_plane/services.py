@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from prfaas.control_plane.db.engine import make_engine
 from prfaas.control_plane.db.migrations import upgrade
 from prfaas.control_plane.fleet.registry import RegionRegistry
-from prfaas.control_plane.jobs.prefix import PREFIX_BLIND
+from prfaas.control_plane.jobs.prefix import BLIND
 from prfaas.control_plane.jobs.store import JobStore
 from prfaas.control_plane.scheduling.policy import build_scheduler, default_policy, load_policy
 from prfaas.control_plane.scheduling.scheduler import DisaggregationRule, GlobalScheduler
@@ -100,11 +100,16 @@ class Services:
         split.rule = DisaggregationRule(min_uncached_tokens=1, min_cost_gain=-1e9, min_ttft_gain=-1e9)
         local = build_scheduler(policy)
         local.rule = dataclasses.replace(local.rule, min_uncached_tokens=1 << 62)
-        schedulers = {"auto": auto, "split": split, "local": local, PREFIX_BLIND: auto}  # blind: no prefix hints
+        schedulers = {"auto": auto, "split": split, "local": local} | dict.fromkeys(BLIND, auto)  # no prefix hints
         return cls(
             settings, client, JobStore(client, settings), TenantStore(client, settings, database),
             RegionRegistry(client, settings), ServedModel(settings.model), schedulers,
         )  # fmt: skip
+
+    @cached_property
+    def lossy_codecs(self) -> frozenset[str]:
+        """The policy's lossy KV codecs: what a request's `prfaas.kv_codec` may consent to."""
+        return frozenset(c.name for c in self.schedulers["auto"].cost_model.codecs if c.lossy)
 
     @property
     def database(self) -> Engine:

@@ -333,6 +333,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         return {
             "queue_depth": self.workers.waiting, "busy_workers": self.workers.busy, "kv_used_bytes": used,
             "kv_free_bytes": self.book.capacity_bytes - used, "decode_tokens_per_s": self._rate,
+            "decode_running": self.workers.busy, "decode_slots": self.workers.num_workers,
         }  # fmt: skip
 
     def idle(self) -> bool:

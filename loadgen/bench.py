@@ -1,9 +1,10 @@
 """A `prfaas bench` run: the same workload under each placement policy, side by side.
 
 `corpus(model)` gives real text as the model's tokens; `run(...)` warms both paths, sends the
-planned requests once per policy and returns each policy's figures (report.summarize) and the
-per-request trace; `result(...)` is the JSON `bench.json` holds; `write(...)` writes it with
-the trace and the chart. Presentation (tables, progress) is the caller's (cli/bench.py).
+workload once per policy (`Send`: planned requests, or conversations) and returns each policy's
+figures (report.summarize, with how many replies equal the same request's under the other
+policy) and the per-request trace; `result(...)` is the JSON `bench.json` holds; `write(...)`
+writes it with the trace and the chart. Presentation (tables, progress) is the caller's (cli/bench.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,20 @@ from typing import Any
 from prfaas.loadgen import client, report
 from prfaas.loadgen.workload import Planned, WorkloadSpec
 
+# One policy's run: (API placement, called as each request ends) -> (outcomes, wall seconds)
+Send = Callable[[str, Callable[[client.Outcome], None]], tuple[list[client.Outcome], float]]
+
+
+def tokenizer(model: str) -> Callable[[str], list[int]]:
+    """The model's tokenizer (text -> token ids, no special tokens). EngineError when the model is not
+    prepared here."""
+    from tokenizers import Tokenizer
+
+    from prfaas.engine.models import resolve_model
+
+    loaded = Tokenizer.from_file(str(Path(resolve_model(model)) / "tokenizer.json"))
+    return lambda text: list(loaded.encode(text, add_special_tokens=False).ids)
+
 
 def corpus(model: str) -> tuple[list[int], int]:
     """Real English and Python source as the model's token ids, and its context length.
@@ -25,47 +40,55 @@ def corpus(model: str) -> tuple[list[int], int]:
     import ast
     import typing
 
-    from tokenizers import Tokenizer
-
     from prfaas.engine.models import resolve_model
 
-    folder = Path(resolve_model(model))
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     text = "\n".join(inspect.getsource(m) for m in (argparse, ast, typing))
-    config = json.loads((folder / "config.json").read_text())
-    return list(tokenizer.encode(text, add_special_tokens=False).ids), int(config.get("max_position_embeddings", 2048))
+    config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
+    return tokenizer(model)(text), int(config.get("max_position_embeddings", 2048))
+
+
+def planned(api_base: str, api_key: str, model: str, requests: list[Planned], concurrency: int | None,
+            timeout_s: float) -> Send:  # fmt: skip
+    """`Send` of planned requests (open loop at their times, or closed at `concurrency`)."""
+    return lambda placement, on_done: client.run(api_base, api_key, model, requests, placement, concurrency,
+                                                 timeout_s, on_done=on_done)  # fmt: skip
 
 
 def run(
     api_base: str,
     api_key: str,
     model: str,
-    requests: list[Planned],
+    send: Send,
+    total: int,
     warm: list[Planned],
     policies: list[str],
-    concurrency: int | None,
     timeout_s: float,
     slo_s: tuple[float, float],
     progress: Callable[[str, int], Callable[[], None]] = lambda _name, _total: lambda: None,
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """Each policy's summary (`report.summarize`; `slo_s`: TTFT and TPOT targets, seconds)
-    and the trace rows of every request. `warm` requests run first on both paths, uncounted;
-    `progress(policy, total)` returns what to call as each of that policy's requests ends."""
+    """Each policy's summary (`report.summarize`; `slo_s`: TTFT and TPOT targets, seconds; and
+    `identical_outputs`: replies equal to the same request's under the first other policy) and the
+    trace rows of every request. `warm` requests run first on both paths, uncounted; `progress(policy,
+    total)` returns what to call as each of that policy's `total` requests ends."""
     for placement in ("local", "split") if warm else ():  # both paths warm before any policy runs
         client.run(api_base, api_key, model, warm, placement, concurrency=1, timeout_s=timeout_s)
     summaries: dict[str, dict[str, Any]] = {}
+    texts: dict[str, dict[int, str]] = {}
     rows: list[dict[str, Any]] = []
     for name in policies:
-        advance = progress(name, len(requests))
+        advance = progress(name, total)
 
         def on_done(_outcome: client.Outcome, advance: Callable[[], None] = advance) -> None:
             advance()
 
-        outcomes, wall_s = client.run(api_base, api_key, model, requests, client.PLACEMENTS[name], concurrency,
-                                      timeout_s, on_done=on_done)  # fmt: skip
+        outcomes, wall_s = send(client.PLACEMENTS[name], on_done)
         client.attach_jobs(api_base, api_key, outcomes)
         summaries[name] = report.summarize(outcomes, wall_s, *slo_s)
+        texts[name] = {o.index: o.text for o in outcomes if o.ok}
         rows += report.trace_rows(name, outcomes)
+    for name, summary in summaries.items():
+        other = next((p for p in policies if p != name), None)
+        summary["identical_outputs"] = None if other is None else report.identical(texts[name], texts[other])
     return summaries, rows
 
 

@@ -17,9 +17,13 @@ from typing import Any
 
 import httpx
 
+from prfaas.loadgen.conversations import THINK_S, Conversation
 from prfaas.loadgen.workload import Planned
 
-PLACEMENTS = {"colocated": "local", "split-always": "split", "prfaas": "auto"}  # --compare name -> API placement
+PLACEMENTS = {  # --compare name -> API placement (control_plane/jobs/prefix.py for the blind ones)
+    "colocated": "local", "split-always": "split", "prfaas": "auto",
+    "prfaas-prefix-blind": "auto-prefix-blind", "prfaas-residency-blind": "auto-residency-blind",
+}  # fmt: skip
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Outcome:
     job_id: str | None = None
     job: dict[str, Any] = field(default_factory=dict)
     usage: dict[str, Any] = field(default_factory=dict)  # the ledger's entry, when the API has one
+    text: str = ""  # the reply, as streamed
 
     @property
     def tpot_s(self) -> float | None:
@@ -54,6 +59,14 @@ class Outcome:
 async def _one(client: Any, model: str, req: Planned, placement: str, t0: float, timeout_s: float) -> Outcome:
     out = Outcome(req.index, req.klass, req.at_s, len(req.prompt), req.shared_prefix_tokens, req.prefix_group,
                   req.max_tokens)  # fmt: skip
+    await _send(client, model, list(req.prompt), placement, t0, timeout_s, out)
+    return out
+
+
+async def _send(
+    client: Any, model: str, prompt: list[int], placement: str, t0: float, timeout_s: float, out: Outcome
+) -> None:
+    """One streamed completion of `prompt` (greedy), its figures and text written to `out`."""
     start = time.perf_counter()
     out.sent_s = start - t0
     last = 0.0
@@ -61,13 +74,14 @@ async def _one(client: Any, model: str, req: Planned, placement: str, t0: float,
     try:
         async with asyncio.timeout(timeout_s):
             stream = await client.completions.create(
-                model=model, prompt=list(req.prompt), max_tokens=req.max_tokens, stream=True, temperature=0.0,
+                model=model, prompt=prompt, max_tokens=out.max_tokens, stream=True, temperature=0.0,
                 stream_options={"include_usage": True}, extra_body={"prfaas": {"placement": placement}},
             )  # fmt: skip
             async for chunk in stream:
                 now = time.perf_counter()
                 out.job_id = out.job_id or chunk.id
                 if chunk.choices and chunk.choices[0].text:
+                    out.text += chunk.choices[0].text
                     pieces += 1
                     if out.ttft_s is None:
                         out.ttft_s = now - start
@@ -85,7 +99,6 @@ async def _one(client: Any, model: str, req: Planned, placement: str, t0: float,
         out.error = f"timeout after {timeout_s} s"
     except Exception as exc:  # an API error is a result of the run, not a crash of it
         out.error = f"{type(exc).__name__}: {str(exc)[:200]}"
-    return out
 
 
 async def _run(
@@ -134,6 +147,61 @@ def run(
 ) -> tuple[list[Outcome], float]:  # fmt: skip
     """Send `planned` and return (outcomes in request order, wall seconds)."""
     return asyncio.run(_run(api_base, api_key, model, planned, placement, concurrency, timeout_s, on_done))
+
+
+def run_conversations(
+    api_base: str, api_key: str, model: str, conversations: list[Conversation], placement: str,
+    concurrency: int | None, timeout_s: float, encode: Callable[[str], list[int]], max_prompt_tokens: int,
+    think_s: float = THINK_S, on_done: Callable[[Outcome], None] = lambda _: None,
+) -> tuple[list[Outcome], float]:  # fmt: skip
+    """Each conversation turn by turn (`concurrency` conversations at once, or each from its start time):
+    a turn's prompt is the history (system prompt, earlier turns and their replies as `encode` gives
+    their text) and its user message. -> (outcomes by conversation and turn, wall seconds)."""
+    return asyncio.run(_conversations(api_base, api_key, model, conversations, placement, concurrency, timeout_s,
+                                      encode, max_prompt_tokens, think_s, on_done))  # fmt: skip
+
+
+async def _conversations(
+    api_base: str, api_key: str, model: str, conversations: list[Conversation], placement: str,
+    concurrency: int | None, timeout_s: float, encode: Callable[[str], list[int]], max_prompt_tokens: int,
+    think_s: float, on_done: Callable[[Outcome], None],
+) -> tuple[list[Outcome], float]:  # fmt: skip
+    import openai
+
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256), timeout=httpx.Timeout(timeout_s, connect=10))
+    client = openai.AsyncOpenAI(base_url=api_base, api_key=api_key, max_retries=0, http_client=http)
+    gate = asyncio.Semaphore(concurrency or len(conversations) or 1)
+    t0 = time.perf_counter()
+    outcomes: list[Outcome] = []
+    turns = max((len(c.users) for c in conversations), default=1)
+
+    async def talk(conv: Conversation) -> None:
+        delay = conv.start_s - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with gate:
+            history = list(conv.system)
+            for turn, (user, limit) in enumerate(zip(conv.users, conv.max_tokens, strict=True)):
+                prompt = history + list(user)
+                if len(prompt) + limit > max_prompt_tokens:
+                    return  # the conversation outgrew the model: it ends here
+                out = Outcome(conv.index * turns + turn, f"turn{turn}", conv.start_s, len(prompt), len(conv.system),
+                              conv.index, limit)  # fmt: skip
+                await _send(client, model, prompt, placement, t0, timeout_s, out)
+                outcomes.append(out)
+                on_done(out)
+                if not out.ok:
+                    return  # a failed turn ends the conversation (its history is unknown)
+                history = prompt + encode(out.text)
+                if turn + 1 < len(conv.users):
+                    await asyncio.sleep(think_s)
+
+    try:
+        await asyncio.gather(*(talk(c) for c in conversations))
+    finally:
+        await client.close()
+        await http.aclose()
+    return sorted(outcomes, key=lambda o: o.index), time.perf_counter() - t0
 
 
 def attach_jobs(api_base: str, api_key: str, outcomes: list[Outcome], ledger_wait_s: float = 10.0) -> None:

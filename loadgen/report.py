@@ -71,7 +71,15 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft_s: float, slo_tpo
         },
         "kv_bytes": {"raw": sum(int(o.job.get("bytes_raw", 0)) for o in ok),
                      "wire": sum(int(o.job.get("bytes_wire", 0)) for o in ok)},
+        # prompt tokens the regions computed for the answers (a prefix cache served the rest: cached_tokens)
+        "prefill_tokens_computed": sum(o.prompt_tokens - int(o.job.get("cached_tokens", 0) or 0) for o in ok),
+        "cached_tokens": sum(int(o.job.get("cached_tokens", 0) or 0) for o in ok),
     }  # fmt: skip
+
+
+def identical(texts: dict[int, str], others: dict[int, str]) -> int:
+    """Replies equal, to the character, to the same request's reply under another policy."""
+    return sum(1 for index, text in texts.items() if others.get(index) == text)
 
 
 def trace_rows(policy: str, outcomes: list[Outcome]) -> list[dict[str, Any]]:
@@ -89,6 +97,7 @@ def trace_rows(policy: str, outcomes: list[Outcome]) -> list[dict[str, Any]]:
             "placement": j.get("placement_chosen"), "prefill_region": j.get("prefill_region"),
             "decode_region": j.get("decode_region"), "bytes_raw": j.get("bytes_raw"), "bytes_wire": j.get("bytes_wire"),
             "cost_usd": o.usage.get("total_usd", j.get("cost_usd")), "attempts": j.get("attempt"),
+            "prefill_cached_tokens": j.get("cached_tokens"),
         })  # fmt: skip
     return rows
 

@@ -78,6 +78,8 @@ MIXES: dict[str, tuple[RequestClass, ...]] = {
         RequestClass("chat", 0.6, Lengths("uniform", 16, 128), Lengths("uniform", 8, 32)),
         RequestClass("agent", 0.4, Lengths("lognormal", 1536, 0.4), Lengths("uniform", 4, 16)),
     ),
+    # conversations (loadgen/conversations.py): each turn's new user message and its reply
+    "multiturn": (RequestClass("turn", 1.0, Lengths("lognormal", 96, 0.3), Lengths("uniform", 16, 32)),),
 }
 
 
@@ -122,6 +124,8 @@ class WorkloadSpec:
 def plan(spec: WorkloadSpec, corpus: list[int], max_prompt_tokens: int) -> list[Planned]:
     """The requests of one run. `corpus`: real token ids prompts are cut from (cycled)."""
     spec.validate()
+    if spec.mix == "multiturn":
+        raise WorkloadError("--mix multiturn plans conversations (loadgen/conversations.py), not single requests")
     if len(corpus) < 2:
         raise WorkloadError("the prompt corpus is empty")
     rng = random.Random(spec.seed)
@@ -130,7 +134,7 @@ def plan(spec: WorkloadSpec, corpus: list[int], max_prompt_tokens: int) -> list[
                      parse_lengths(spec.output_len, "--output-len")),
     )  # fmt: skip
     shared = min(spec.shared_prefix_tokens, max_prompt_tokens - 1)
-    prefixes = [_cut(corpus, rng.randrange(len(corpus)), shared) for _ in range(spec.prefix_groups)]
+    prefixes = [cut(corpus, rng.randrange(len(corpus)), shared) for _ in range(spec.prefix_groups)]
     shape = 1.0 / spec.burstiness**2  # gamma: CV = 1 / sqrt(shape)
     now, out = 0.0, []
     for i in range(spec.num_requests):
@@ -140,10 +144,10 @@ def plan(spec: WorkloadSpec, corpus: list[int], max_prompt_tokens: int) -> list[
         length = max(klass.prompt.sample(rng, max_prompt_tokens), shared + 1)
         group = rng.randrange(spec.prefix_groups) if shared else None
         head = prefixes[group] if group is not None else ()
-        body = _cut(corpus, rng.randrange(len(corpus)), length - len(head))
+        body = cut(corpus, rng.randrange(len(corpus)), length - len(head))
         out.append(Planned(i, now, klass.name, head + body, klass.output.sample(rng, 1 << 20), group, len(head)))
     return out
 
 
-def _cut(corpus: list[int], start: int, n: int) -> tuple[int, ...]:
+def cut(corpus: list[int], start: int, n: int) -> tuple[int, ...]:
     return tuple(corpus[(start + k) % len(corpus)] for k in range(n))

@@ -145,6 +145,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         try:
             with self._lock:
                 self._busy += 1
+                job.running = True
             self._gauges()
             job.emit(prefill_pb2.PrefillEvent(started=prefill_pb2.Started(queued_s=time.monotonic() - job.started)))
             job.check()
@@ -209,7 +210,13 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
     def load(self) -> dict[str, float]:
         with self._lock:
             busy, queued = self._busy, len(self._jobs) - self._busy
-        return {"queue_depth": queued, "busy_workers": busy, "prefill_tokens_per_s": self._rate}
+            tokens = {True: 0, False: 0}
+            for job in self._jobs.values():
+                tokens[job.running] += len(job.work.token_ids)
+        return {
+            "queue_depth": queued, "busy_workers": busy, "prefill_tokens_per_s": self._rate,
+            "queued_prefill_tokens": tokens[False], "running_prefill_tokens": tokens[True],
+        }  # fmt: skip
 
     def link_reports(self) -> list[registry_pb2.LinkReport]:
         """The heartbeat's measured paths (the registry's link estimates)."""

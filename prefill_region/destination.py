@@ -20,6 +20,7 @@ class Destination:
     endpoints: tuple[Endpoint, ...] = ()  # all the decode region offered, in its order
     kv_endpoint: str = ""  # as the request wrote them
     decode_region: str = ""  # its name: the TLS server name its KV port presents
+    num_streams: int = 0  # the scheduler's stream count for the path (a new channel starts there); 0: default
 
     @staticmethod
     def parse(msg: prefill_pb2.Destination, default_codec: str) -> Destination:
@@ -35,4 +36,6 @@ class Destination:
             get_codec(codec)
         except (CodecError, ValueError, KeyError):
             raise InvalidRequest(f"destination.codec {codec!r} is not one of raw, lossless, fp8, int8") from None
-        return Destination(address, msg.ticket, codec, endpoints, msg.kv_endpoint, msg.decode_region)
+        if msg.num_streams > 256:
+            raise InvalidRequest(f"destination.num_streams {msg.num_streams} is over 256")
+        return Destination(address, msg.ticket, codec, endpoints, msg.kv_endpoint, msg.decode_region, msg.num_streams)

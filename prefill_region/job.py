@@ -30,6 +30,7 @@ class Job:
     events: queue.Queue[object] = field(default_factory=queue.Queue)  # PrefillEvent ..., then END
     stop: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    running: bool = False  # a worker took it (the agent's lock guards it)
     _cancels: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

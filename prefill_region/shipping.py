@@ -84,14 +84,18 @@ class ChannelPool:
         self._channels: dict[tuple[Endpoint, str], TcpChannel | ShmChannel] = {}
 
     def get(self, destination: Destination) -> TcpChannel | ShmChannel:
+        """The channel to the destination's endpoint; a TCP one opened here starts at the destination's
+        stream count (the scheduler's plan), and its controller moves from there as it measures."""
         key = (destination.address, destination.decode_region)
         with self._lock:
             channel = self._channels.get(key)
             if channel is None or channel.closed.is_set():
-                channel = self._channels[key] = self._open(destination.address, destination.decode_region)
+                channel = self._channels[key] = self._open(
+                    destination.address, destination.decode_region, destination.num_streams or None
+                )
             return channel
 
-    def _open(self, endpoint: Endpoint, region: str) -> TcpChannel | ShmChannel:
+    def _open(self, endpoint: Endpoint, region: str, streams: int | None = None) -> TcpChannel | ShmChannel:
         if endpoint.kind == "shm":
             return ShmChannel(endpoint.path, node=self.node)
         if endpoint.kind == "webrtc":
@@ -103,11 +107,11 @@ class ChannelPool:
             signal = signaller(self.control_plane, endpoint.region, self.tls)
             return WebRtcChannel(signal, peer=endpoint.region, node=self.node, ice_servers=self.ice_servers)
         if self._ssl is None:
-            return TcpChannel((endpoint.host, endpoint.port), node=self.node)
+            return TcpChannel((endpoint.host, endpoint.port), node=self.node, initial_streams=streams)
         if not region:
             raise InvalidRequest("destination.decode_region is required with mutual TLS: the KV port's server name")
         return TcpChannel((endpoint.host, endpoint.port), node=self.node, ssl_context=self._ssl,
-                          server_hostname=server_name(region))  # fmt: skip
+                          server_hostname=server_name(region), initial_streams=streams)  # fmt: skip
 
     def path_reports(self) -> list[tuple[str, PathReport]]:
         """Each TCP channel's path figures since the last call, by decode region (a region with

@@ -110,6 +110,9 @@ class RegionServer:
             kv_used_bytes=int(total.get("kv_used_bytes", 0)), kv_free_bytes=int(total.get("kv_free_bytes", 0)),
             prefill_tokens_per_s=total.get("prefill_tokens_per_s", 0.0),
             decode_tokens_per_s=total.get("decode_tokens_per_s", 0.0), draining=self.draining,
+            queued_prefill_tokens=int(total.get("queued_prefill_tokens", 0)),
+            running_prefill_tokens=int(total.get("running_prefill_tokens", 0)),
+            decode_running=int(total.get("decode_running", 0)), decode_slots=int(total.get("decode_slots", 0)),
             links=[report for agent, _add in self.agents.values() for report in agent.link_reports()],
         )  # fmt: skip
         self._publish_prefix(load)

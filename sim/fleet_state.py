@@ -29,6 +29,8 @@ class RegionState:
         self.kv_capacity = worker.kv_capacity_bytes * spec.num_decode_workers
         self.kv_free = self.kv_capacity
         self.mean_prefill_s = 0.0
+        self.queued_tokens = 0  # prompt tokens waiting for a prefill worker (what a heartbeat reports)
+        self.running_tokens = 0  # prompt tokens being prefilled
         self.prefill_tps = worker.prefill_tokens_per_s()
         # What prices decode (Region.decode_nominal_tokens_per_s): a worker's tokens/s at its full
         # batch (max_batch, else NOMINAL_BATCH), the same however busy the region is now.
@@ -46,6 +48,8 @@ class RegionState:
             self.kv_free,
             self.decode.version,
             self.mean_prefill_s,
+            self.queued_tokens,
+            self.running_tokens,
         )
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
@@ -68,6 +72,10 @@ class RegionState:
             queue_capacity=None if prefill else 1,
             num_busy_workers=prefill.count if prefill else num_workers,
             mean_prefill_s=self.mean_prefill_s,
+            queued_prefill_tokens=self.queued_tokens,
+            running_prefill_tokens=self.running_tokens,
+            decode_running=self.decode.num_sequences,
+            decode_slots=self.decode.num_workers * (self.worker.max_batch or NOMINAL_BATCH),
             kv_buffer_free_bytes=self.kv_free,
             kv_buffer_bytes=self.kv_capacity,
             prefill_tokens_per_s=self.prefill_tps,

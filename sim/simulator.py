@@ -170,7 +170,10 @@ class Simulation:
         decode.kv_free -= kv_bytes  # the capacity filter saw at least this much free, at this instant
         assert prefill.prefill is not None, "the scheduler placed a prefill on a region without prefill workers"
         slot = prefill.prefill.request()
+        prefill.queued_tokens += decision.uncached_tokens
         yield slot
+        prefill.queued_tokens -= decision.uncached_tokens
+        prefill.running_tokens += decision.uncached_tokens
         cached = arrival.prompt_tokens - decision.uncached_tokens
         prefill_s = prefill.worker.prefill_s(decision.uncached_tokens, cached)
         shipment = None
@@ -184,6 +187,7 @@ class Simulation:
             wire_bytes = math.ceil(raw_bytes / ratio)
             shipment = link.pipe.ship(wire_bytes, prefill_s)
         yield self.env.timeout(prefill_s)
+        prefill.running_tokens -= decision.uncached_tokens
         prefill.prefill_busy_s += prefill_s
         prefill.mean_prefill_s = _EMA * prefill_s + (1 - _EMA) * prefill.mean_prefill_s
         if decision.uncached_tokens and prefill_s > 0:

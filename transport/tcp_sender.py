@@ -48,7 +48,8 @@ class TcpChannel:
     num_streams: a fixed count, or None (the default) to let a `StreamController` choose it
     from the path's queueing delay (WAN) or goodput (LAN), between 1 and `max_streams` (see
     transport/adaptive.py); `num_streams`, `controller.history` and the `prfaas_kv_streams`
-    metric show the choice.
+    metric show the choice. `initial_streams`: where that controller starts (the scheduler's plan for
+    the path's bandwidth-delay product; default 4), clamped to [1, `max_streams`].
 
     ssl_context: mutual TLS (transport/tls.py `client_context`). The receiver's certificate
     must name `server_hostname` when given (a decode region's `identity.server_name(region)`:
@@ -71,6 +72,7 @@ class TcpChannel:
         *,
         num_streams: int | None = None,
         max_streams: int = 64,
+        initial_streams: int | None = None,
         max_inflight_bytes: int = 256 << 20,
         connect_timeout_s: float = 3.0,
         unavailable_after_s: float = 5.0,
@@ -85,7 +87,8 @@ class TcpChannel:
     ) -> None:
         if num_streams is not None and not 1 <= num_streams <= 256:
             raise ValueError(f"num_streams must be in [1, 256], got {num_streams}")
-        self.controller = None if num_streams is not None else StreamController(max_streams=max_streams)
+        start = min(max_streams, max(1, initial_streams or 4))
+        self.controller = None if num_streams is not None else StreamController(start, max_streams=max_streams)
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.unavailable_after_s = unavailable_after_s

@@ -42,6 +42,7 @@ from prfaas.control_plane.api.errors import (
     PROMPT_TOO_LONG,
     STORE_UNAVAILABLE,
     TOKEN_OUT_OF_VOCAB,
+    UNKNOWN_KV_CODEC,
     ApiError,
     sse_error,
 )
@@ -51,10 +52,12 @@ from prfaas.control_plane.api.streams import merged
 from prfaas.control_plane.jobs.celery_app import enqueue
 from prfaas.control_plane.jobs.errors import AdmissionRefused, JobNotFound
 from prfaas.control_plane.jobs.generation import Follower, JobEnded
+from prfaas.control_plane.jobs.objectives import LOSSLESS, job_fields
 from prfaas.control_plane.jobs.prefix import prefix_fields
 from prfaas.control_plane.jobs.store import Admission, HandedOff
 from prfaas.control_plane.jobs.tokenlog import Token
 from prfaas.control_plane.services import ServedModel, Services
+from prfaas.control_plane.tenants import Objectives
 from prfaas.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -149,6 +152,9 @@ def _run(
     placement = g.placement or (body.prfaas.placement if body.prfaas else "auto")
     if placement != "auto" and not tenant.allow_placement:
         raise PLACEMENT_NOT_ALLOWED.error(param="prfaas.placement")
+    codec = body.prfaas.kv_codec if body.prfaas else None
+    if codec is not None and codec != LOSSLESS and codec not in s.lossy_codecs:
+        raise UNKNOWN_KV_CODEC.error(param="prfaas.kv_codec")
     jobs: list[_Job] = []
     try:
         for index, (prompt, echo) in enumerate(runs):
@@ -232,6 +238,9 @@ def _create(
         "temperature": params.temperature, "placement_asked": placement, "sampling": params.to_dict(),
     }  # fmt: skip
     fields |= (blocks := prefix_fields(ids, tenant.id, s.settings))
+    options = body.prfaas
+    asked_objectives = Objectives(options.ttft_slo_ms, options.tpot_slo_ms, options.kv_codec) if options else None
+    fields |= (objectives := job_fields(asked_objectives or Objectives(), tenant.objectives, s.settings))
     if params.seed is not None:
         fields["seed"] = params.seed
     if body.user:
@@ -241,6 +250,7 @@ def _create(
     asked = {"id": admission.job_id, "tenant": tenant.id, "prompt_tokens": str(len(ids))}
     # the decode work placed and reserved for: n choices of up to max_new tokens each (one prefill)
     asked |= {"max_new_tokens": str(max_new * params.n), "placement_asked": placement} | blocks  # not 100k ids
+    asked |= objectives
     placed = g.follower.placer.place(asked, hand_off=s.settings.admission_placement)
     created = s.jobs.create(
         tenant.id, fields | placed.fields, tenant.quota, handed_off=placed.handed_off, admission=admission,

@@ -83,6 +83,9 @@ TOKEN_OUT_OF_VOCAB = problem(
 )
 UNSUPPORTED_PARAMETER = problem(400, "invalid_request_error", "unsupported_parameter", "parameter not supported")
 INVALID_RANGE = problem(400, "invalid_request_error", "invalid_range", "invalid range")
+UNKNOWN_KV_CODEC = problem(
+    400, "invalid_request_error", "unknown_kv_codec", "kv_codec is neither lossless nor a lossy codec of the policy"
+)
 MISSING_API_KEY = problem(401, "authentication_error", "missing_api_key", "missing API key", **_BEARER)
 INVALID_API_KEY = problem(401, "authentication_error", "invalid_api_key", "invalid API key", **_BEARER)
 BUDGET_EXHAUSTED = problem(402, "insufficient_quota", "budget_exhausted", "monthly budget exhausted")

@@ -35,6 +35,9 @@ def job_public(s: Services, job: dict[str, str]) -> JobPublic:
         user=job.get("user"), stop_reason=job.get("stop_reason") or None,
         sampling=json.loads(job["sampling"]) if job.get("sampling") else None,
         cached_tokens=int(job.get("cached_tokens", 0) or 0),
+        ttft_slo_ms=float(job["ttft_slo_ms"]) if job.get("ttft_slo_ms") else None,
+        tpot_slo_ms=float(job["tpot_slo_ms"]) if job.get("tpot_slo_ms") else None,
+        kv_codec=job.get("kv_codec") or "lossless",
     )  # fmt: skip
 
 

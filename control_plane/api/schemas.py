@@ -11,14 +11,26 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prfaas.control_plane.billing.queries import GroupTotal
 
-# auto: the scheduler decides; local / split: forced (tenants allowed to); auto-prefix-blind: the scheduler
-# decides as if no region held any prefix of the prompt (a benchmark's baseline; control_plane/jobs/prefix.py)
-Placement = Literal["auto", "local", "split", "auto-prefix-blind"]
+# auto: the scheduler decides; local / split: forced (tenants allowed to); auto-prefix-blind and
+# auto-residency-blind: the scheduler decides without prefix caches, or without knowing where they hold what
+# (benchmark baselines: control_plane/jobs/prefix.py)
+Placement = Literal["auto", "local", "split", "auto-prefix-blind", "auto-residency-blind"]
 
 
 class PrfaasOptions(BaseModel):
+    """The request's `prfaas` extension: where it may run and what it asks of the placement (each left
+    unset takes the tenant's default, then the control plane's; control_plane/jobs/objectives.py)."""
+
     model_config = ConfigDict(extra="forbid")
     placement: Placement = "auto"
+    ttft_slo_ms: float | None = Field(default=None, gt=0, le=3_600_000, allow_inf_nan=False,
+                                      description="time to first token objective, ms")  # fmt: skip
+    tpot_slo_ms: float | None = Field(default=None, gt=0, le=600_000, allow_inf_nan=False,
+                                      description="time per output token objective, ms")  # fmt: skip
+    kv_codec: str | None = Field(
+        default=None, min_length=1, max_length=32,
+        description="lossless (the KV crosses the WAN bit for bit), or a lossy codec of the policy it may use",
+    )  # fmt: skip
 
 
 class StreamOptions(BaseModel):
@@ -165,6 +177,9 @@ class JobPublic(BaseModel):
     user: str | None = Field(default=None, description="the request's `user`")
     stop_reason: str | None = Field(default=None, description="finish 'stop': the stop string or stop token id")
     sampling: dict[str, Any] | None = Field(default=None, description="the sampling specification it ran with")
+    ttft_slo_ms: float | None = Field(default=None, description="the TTFT objective it was placed against")
+    tpot_slo_ms: float | None = Field(default=None, description="the TPOT objective it was placed against")
+    kv_codec: str = Field(default="lossless", description="the KV codec it consented to (the one used: decision.codec)")
     cached_tokens: int = Field(
         default=0,
         description="leading prompt tokens a region's prefix cache served: prompt_tokens - cached_tokens "
@@ -184,6 +199,9 @@ class TenantCreate(BaseModel):
     concurrency: int | None = Field(default=None, ge=1, le=1_000_000)
     budget_usd: float | None = Field(default=None, ge=0, le=1e12)
     allow_placement: bool = False
+    ttft_slo_ms: float | None = Field(default=None, gt=0, le=3_600_000, description="its requests' default")
+    tpot_slo_ms: float | None = Field(default=None, gt=0, le=600_000, description="its requests' default")
+    kv_codec: str | None = Field(default=None, min_length=1, max_length=32, description="its requests' default")
 
 
 class TenantUpdate(BaseModel):
@@ -193,6 +211,9 @@ class TenantUpdate(BaseModel):
     concurrency: int | None = Field(default=None, ge=1, le=1_000_000)
     budget_usd: float | None = Field(default=None, ge=0, le=1e12)
     allow_placement: bool | None = None
+    ttft_slo_ms: float | None = Field(default=None, gt=0, le=3_600_000)
+    tpot_slo_ms: float | None = Field(default=None, gt=0, le=600_000)
+    kv_codec: str | None = Field(default=None, min_length=1, max_length=32)
 
 
 class TenantPublic(BaseModel):
@@ -203,6 +224,9 @@ class TenantPublic(BaseModel):
     concurrency: int
     budget_usd: float
     allow_placement: bool
+    ttft_slo_ms: float | None = Field(description="its requests' default TTFT objective; null: the control plane's")
+    tpot_slo_ms: float | None = Field(description="its requests' default TPOT objective; null: the control plane's")
+    kv_codec: str | None = Field(description="its requests' default KV codec consent; null: lossless")
     spend_usd_this_month: float
     reserved_usd: float = Field(
         description="$ of the budget held by jobs in flight (their predicted cost) until billed"

@@ -5,7 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException
 
 from prfaas.control_plane.api.deps import AdminDep, ServicesDep
+from prfaas.control_plane.api.errors import UNKNOWN_KV_CODEC
 from prfaas.control_plane.api.schemas import ApiKeyIssued, ApiKeyPublic, TenantCreate, TenantPublic, TenantUpdate
+from prfaas.control_plane.jobs.objectives import LOSSLESS
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import ApiKey, KeyNotFound, Tenant, TenantChanges, TenantNotFound, TenantStatus
 
@@ -15,7 +17,8 @@ router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminDep])
 def _tenant(s: Services, t: Tenant) -> TenantPublic:
     return TenantPublic(
         id=t.id, name=t.name, status=t.status.value, rps=t.quota.rps, concurrency=t.quota.concurrency,
-        budget_usd=t.quota.budget_usd, allow_placement=t.allow_placement, spend_usd_this_month=s.jobs.spend(t.id),
+        budget_usd=t.quota.budget_usd, allow_placement=t.allow_placement, ttft_slo_ms=t.objectives.ttft_slo_ms,
+        tpot_slo_ms=t.objectives.tpot_slo_ms, kv_codec=t.objectives.kv_codec, spend_usd_this_month=s.jobs.spend(t.id),
         reserved_usd=s.jobs.reserved(t.id), active_jobs=s.jobs.active_count(t.id),
     )  # fmt: skip
 
@@ -24,8 +27,14 @@ def _key(k: ApiKey) -> ApiKeyPublic:
     return ApiKeyPublic(id=k.id, tenant=k.tenant, revoked=k.revoked, created_at=k.created_at)
 
 
+def _codec(s: Services, codec: str | None) -> None:
+    if codec is not None and codec != LOSSLESS and codec not in s.lossy_codecs:
+        raise UNKNOWN_KV_CODEC.error(param="kv_codec")
+
+
 @router.post("/tenants", status_code=201)
 def create_tenant(body: TenantCreate, s: ServicesDep) -> TenantPublic:
+    _codec(s, body.kv_codec)
     limits = TenantChanges(**body.model_dump(exclude={"name"}))
     return _tenant(s, s.tenants.create(body.name, limits))
 
@@ -37,6 +46,7 @@ def list_tenants(s: ServicesDep) -> list[TenantPublic]:
 
 @router.patch("/tenants/{tenant_id}")
 def update_tenant(tenant_id: str, body: TenantUpdate, s: ServicesDep) -> TenantPublic:
+    _codec(s, body.kv_codec)
     status = None if body.status is None else TenantStatus(body.status)
     try:
         t = s.tenants.update(tenant_id, TenantChanges(**body.model_dump(exclude={"status"}), status=status))

@@ -28,6 +28,10 @@ class Load:
     kv_free_bytes: int
     prefill_tokens_per_s: float  # one job's recent rate
     decode_tokens_per_s: float
+    queued_prefill_tokens: int = 0  # prompts admitted, not started
+    running_prefill_tokens: int = 0  # prompts being computed
+    decode_running: int = 0  # sequences decoding
+    decode_slots: int = 0  # sequences it decodes at once at most
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +70,10 @@ class InstanceRecord(Load):
         return (self.queue_depth + self.busy_workers) / max(1, self.num_workers)
 
 
-SUMMED = ("num_workers", "queue_depth", "busy_workers", "kv_used_bytes", "kv_free_bytes")  # over healthy instances
+SUMMED = (  # over healthy instances
+    "num_workers", "queue_depth", "busy_workers", "kv_used_bytes", "kv_free_bytes", "queued_prefill_tokens",
+    "running_prefill_tokens", "decode_running", "decode_slots",
+)  # fmt: skip
 RATES = ("prefill_tokens_per_s", "decode_tokens_per_s")  # one job's rate: the mean of those measured
 
 

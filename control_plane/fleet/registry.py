@@ -113,7 +113,9 @@ class RegionRegistry:
             "last_beat_at": time.time(), "queue_depth": load.queue_depth, "busy_workers": load.busy_workers,
             "kv_used_bytes": load.kv_used_bytes, "kv_free_bytes": load.kv_free_bytes,
             "prefill_tokens_per_s": load.prefill_tokens_per_s, "decode_tokens_per_s": load.decode_tokens_per_s,
-            "draining": int(load.draining),
+            "draining": int(load.draining), "queued_prefill_tokens": load.queued_prefill_tokens,
+            "running_prefill_tokens": load.running_prefill_tokens, "decode_running": load.decode_running,
+            "decode_slots": load.decode_slots,
         }  # fmt: skip
         if load.prefix_included:  # a beat without them keeps the last ones sent
             fields |= {"prefix_version": load.prefix_version, "prefix": ",".join(load.prefix_blocks)}
@@ -213,6 +215,9 @@ class RegionRegistry:
             draining=f["draining"] == "1", drained=drained,
             alive=age <= self.settings.heartbeat_misses * interval, heartbeat_age_s=age, suspect=suspect,
             prefix_block_tokens=int(f.get("prefix_block_tokens", 0)), prefix_blocks=self._blocks(f),
+            queued_prefill_tokens=int(f.get("queued_prefill_tokens", 0)),
+            running_prefill_tokens=int(f.get("running_prefill_tokens", 0)),
+            decode_running=int(f.get("decode_running", 0)), decode_slots=int(f.get("decode_slots", 0)),
         )  # fmt: skip
 
     def _blocks(self, f: dict[str, str]) -> frozenset[str]:
@@ -285,6 +290,8 @@ class RegionRegistry:
             prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
             tpot_ms=1000.0 / decode_tps, healthy=bool(left) and r.name not in exclude,
             heartbeat_age_s=r.heartbeat_age_s, cached_prefix_hashes=r.prefix_blocks,
+            queued_prefill_tokens=r.queued_prefill_tokens, running_prefill_tokens=r.running_prefill_tokens,
+            decode_running=r.decode_running, decode_slots=r.decode_slots,
         )  # fmt: skip
 
 

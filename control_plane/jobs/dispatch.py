@@ -35,6 +35,7 @@ from prfaas.control_plane.fleet.records import InstanceRecord, RegionNotFound
 from prfaas.control_plane.jobs.attempts import Attempts, Enqueue
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Lease, Leases, process_id
+from prfaas.control_plane.jobs.objectives import lossy_codec, slo_ms
 from prfaas.control_plane.jobs.prefix import cache_salt, pins, prefix_hashes
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.watcher import Watcher
@@ -194,7 +195,11 @@ class Dispatcher:
             raise self._failed(decode.key, "reserve", exc) from exc
         ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes, ttl_s=lease_s)  # = the reservation
         destination = prefill_pb2.Destination(
-            kv_endpoint=reply.kv_endpoint, ticket=ticket, codec=decision.codec or "", decode_region=decode.name
+            kv_endpoint=reply.kv_endpoint,
+            ticket=ticket,
+            codec=decision.codec or "",
+            decode_region=decode.name,
+            num_streams=decision.num_streams,
         )
         stage = "reship" if reship else "prefill"
         try:
@@ -306,14 +311,18 @@ class Started:
 
 def job_request(job: Mapping[str, str], settings: Settings) -> Request:
     """What the scheduler is asked to place for `job` (its hash in the store)."""
+    ttft_ms, tpot_ms = slo_ms(job, settings)
+    lossy = lossy_codec(job)
     return Request(
         request_id=job["id"],
         tenant=job["tenant"],
         prompt_tokens=int(job["prompt_tokens"]),
         max_new_tokens=int(job["max_new_tokens"]) * job_sampling(job).n,  # n choices decode, one prefill
-        slo=Slo(ttft_ms=settings.ttft_slo_ms, tpot_ms=settings.tpot_slo_ms),
+        slo=Slo(ttft_ms=ttft_ms, tpot_ms=tpot_ms),
         prefix_block_hashes=prefix_hashes(job),
         block_tokens=settings.prefix.block_tokens,
+        allow_lossy_codec=lossy is not None,
+        lossy_codec=lossy,
     )
 
 

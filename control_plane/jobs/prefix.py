@@ -7,9 +7,12 @@ region publishes; every call to a region carries the salt, so the region reuses 
 blocks under the same scope. A job without a salt (scope `off`, or a record from before)
 touches no region's prefix cache.
 
-`auto-prefix-blind` is the same policy placing as if no region held any prefix (the bench's
-`prfaas-prefix-blind`): its jobs pin nothing on the decode region; regions still reuse what
-they happen to hold, as they would for any request that lands on them.
+Two placements place with the same policy but without this (the bench's baselines):
+- `auto-prefix-blind`: as if there were no prefix caches: the scheduler sees no residency and
+  the regions neither reuse nor keep the job's blocks (every prompt token is computed).
+- `auto-residency-blind`: the scheduler and the instance pick ignore where prefixes are cached
+  and nothing is pinned, but a region that happens to hold a prefix still reuses it: what
+  hit-aware placement adds beyond the caches themselves.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from collections.abc import Mapping, Sequence
 from prfaas.control_plane.settings import Settings
 from prfaas.engine.blocks import block_hashes, short
 
-PREFIX_BLIND = "auto-prefix-blind"  # the placement that ignores where prefixes are cached
+PREFIX_BLIND = "auto-prefix-blind"  # no prefix cache at all for the job
+RESIDENCY_BLIND = "auto-residency-blind"  # placement ignores residency; regions still reuse what they hold
+BLIND = (PREFIX_BLIND, RESIDENCY_BLIND)
 
 
 def prefix_fields(token_ids: Sequence[int], tenant_id: str, settings: Settings) -> dict[str, str]:
@@ -34,17 +39,19 @@ def prefix_fields(token_ids: Sequence[int], tenant_id: str, settings: Settings) 
 
 def cache_salt(job: Mapping[str, str]) -> str | None:
     """The salt a region reuses and keeps the job's blocks under; None: the job uses no prefix cache."""
+    if job.get("placement_asked") == PREFIX_BLIND:
+        return None
     return job.get("cache_salt")
 
 
 def prefix_hashes(job: Mapping[str, str]) -> tuple[str, ...]:
-    """The short digests the scheduler matches against regions' caches (none for a prefix-blind placement)."""
+    """The short digests the scheduler matches against regions' caches (none for a blind placement)."""
     raw = job.get("prefix")
-    if not raw or job.get("placement_asked") == PREFIX_BLIND:
+    if not raw or job.get("placement_asked") in BLIND:
         return ()
     return tuple(raw.split(","))
 
 
 def pins(job: Mapping[str, str]) -> bool:
     """Whether dispatch asks the decode region to pin the prefix it holds (and ships only the rest)."""
-    return cache_salt(job) is not None and job.get("placement_asked") != PREFIX_BLIND
+    return cache_salt(job) is not None and job.get("placement_asked") not in BLIND

@@ -95,13 +95,19 @@ class CostModel:
 
     @staticmethod
     def queue_wait_s(region: Region, priority: Priority) -> float:
-        """Expected wait for a prefill worker. With an idle worker and nothing queued ahead, 0;
-        otherwise the jobs ahead (queued, plus one for the worker to free) share the workers,
-        each taking the region's mean prefill time. `high` priority skips the queue."""
+        """Expected wait for a prefill worker. With an idle worker and nothing queued ahead, 0.
+        Otherwise, when the region reports its work in tokens: the queued prompts and half of the
+        running ones (on average half done) at the workers' measured rate; when it reports jobs
+        only: the jobs ahead (queued, plus one for the worker to free), each taking the mean prefill
+        time. `high` priority skips the queue (it waits only for a worker)."""
         ahead = 0 if priority is Priority.HIGH else region.queue_depth
         idle = region.num_workers - region.num_busy_workers
         if ahead < idle:
             return 0.0
+        if region.queued_prefill_tokens is not None:
+            queued = 0 if priority is Priority.HIGH else region.queued_prefill_tokens
+            tokens = queued + region.running_prefill_tokens / 2
+            return tokens / (region.num_workers * region.prefill_tokens_per_s)
         return (ahead - idle + 1) / region.num_workers * region.mean_prefill_s
 
     @staticmethod
@@ -184,7 +190,7 @@ class CostModel:
         fitting: tuple[int, float, str] | None = None
         fastest: tuple[float, int, str] | None = None
         for codec in self.codecs:
-            if codec.lossy and not request.allow_lossy_codec:
+            if codec.lossy and not (request.allow_lossy_codec and request.lossy_codec in (None, codec.name)):
                 continue
             rate = free * codec.compression_ratio
             if codec.encode_bytes_per_s is not None:

@@ -51,6 +51,9 @@ class Request(BaseModel):
     )
     priority: Priority = Priority.NORMAL
     allow_lossy_codec: bool = Field(default=False, description="may the KV cross the WAN in a lossy codec (int8, fp8)")
+    lossy_codec: str | None = Field(
+        default=None, min_length=1, description="with allow_lossy_codec: the one lossy codec consented to; None: any"
+    )
 
     @model_validator(mode="after")
     def _within_prompt(self) -> Self:

@@ -43,6 +43,15 @@ class Region(BaseModel):
     queue_capacity: int | None = Field(default=None, ge=1, description="admission limit of the queue; None: unbounded")
     num_busy_workers: int = Field(default=0, ge=0)
     mean_prefill_s: NonNegFloat = Field(default=0.0, description="mean duration of recent prefill jobs, s")
+    queued_prefill_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="prompt tokens admitted and not started; None: not reported (the queue "
+        "wait is then queue_depth x mean_prefill_s)",
+    )
+    running_prefill_tokens: int = Field(default=0, ge=0, description="prompt tokens being computed now")
+    decode_running: int = Field(default=0, ge=0, description="sequences decoding now")
+    decode_slots: int = Field(default=0, ge=0, description="sequences it decodes at once at most; 0: not reported")
     kv_buffer_free_bytes: int = Field(ge=0, description="KV buffer a decode reservation can still take, bytes")
     kv_buffer_bytes: int | None = Field(
         default=None, ge=0, description="the whole KV buffer (free + reserved), bytes; None: not reported"

@@ -5,7 +5,7 @@ beside the ledger (db/), so that nothing a tenant owns lives only in Redis; Redi
 request path and holds the hot counters (rate windows, concurrency, the month's spend: jobs/store.py,
 billing/spend.py), all of which are rebuilt after Redis comes back empty. Reference: docs/control-plane.md.
 
-    records.py   Tenant, Quota, ApiKey, TenantChanges, the lookup errors, key digests
+    records.py   Tenant, Quota, Objectives, ApiKey, TenantChanges, the lookup errors, key digests
     models.py    the `tenants` and `api_keys` tables (migration 0003_tenants)
     cache.py     TenantCache: the Redis cache, one script call per authentication
     store.py     TenantStore: writes to the database then the cache; reads; authentication
@@ -15,6 +15,7 @@ from prfaas.control_plane.tenants.records import (
     KEY_PREFIX,
     ApiKey,
     KeyNotFound,
+    Objectives,
     Quota,
     Tenant,
     TenantChanges,
@@ -28,6 +29,7 @@ __all__ = [
     "KEY_PREFIX",
     "ApiKey",
     "KeyNotFound",
+    "Objectives",
     "Quota",
     "Tenant",
     "TenantChanges",

@@ -22,7 +22,7 @@ import redis
 import redis.asyncio
 
 from prfaas.control_plane.settings import Settings
-from prfaas.control_plane.tenants.records import Quota, Tenant, TenantStatus, digest
+from prfaas.control_plane.tenants.records import Objectives, Quota, Tenant, TenantStatus, digest
 
 DENIED = "!"
 UNKNOWN_TTL_S = 5  # a digest the database does not know is refused this long without asking it again
@@ -91,7 +91,13 @@ def _fields(t: Tenant) -> dict[str, str | float | int]:
         "id": t.id, "name": t.name, "status": t.status.value, "rps": t.quota.rps,
         "concurrency": t.quota.concurrency, "budget_usd": t.quota.budget_usd,
         "allow_placement": int(t.allow_placement), "created_at": t.created_at,
+        "ttft_slo_ms": _opt(t.objectives.ttft_slo_ms), "tpot_slo_ms": _opt(t.objectives.tpot_slo_ms),
+        "kv_codec": t.objectives.kv_codec or "",
     }  # fmt: skip
+
+
+def _opt(value: float | None) -> str:
+    return "" if value is None else repr(value)
 
 
 def _reply(reply: list[bytes] | None) -> Tenant | None | object:
@@ -102,6 +108,17 @@ def _reply(reply: list[bytes] | None) -> Tenant | None | object:
     raw = iter(reply)
     f = {k.decode(): v.decode() for k, v in zip(raw, raw, strict=True)}
     quota = Quota(rps=float(f["rps"]), concurrency=int(f["concurrency"]), budget_usd=float(f["budget_usd"]))
+    objectives = Objectives(
+        float(f["ttft_slo_ms"]) if f.get("ttft_slo_ms") else None,
+        float(f["tpot_slo_ms"]) if f.get("tpot_slo_ms") else None,
+        f.get("kv_codec") or None,
+    )
     return Tenant(
-        f["id"], f["name"], TenantStatus(f["status"]), quota, f["allow_placement"] == "1", float(f["created_at"])
+        f["id"],
+        f["name"],
+        TenantStatus(f["status"]),
+        quota,
+        f["allow_placement"] == "1",
+        float(f["created_at"]),
+        objectives,
     )

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import ForeignKey, Index
+from sqlalchemy import ForeignKey, Index, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from prfaas.control_plane.db.base import Base, Str16, Str64, Str128
@@ -22,6 +22,9 @@ class TenantRow(Base):
     concurrency: Mapped[int]
     budget_usd: Mapped[float]  # per calendar month
     allow_placement: Mapped[bool]
+    ttft_slo_ms: Mapped[float | None]  # the defaults of its requests' objectives (migration 0004)
+    tpot_slo_ms: Mapped[float | None]
+    kv_codec: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[float]
     updated_at: Mapped[float]
 

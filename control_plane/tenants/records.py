@@ -28,6 +28,16 @@ class Quota:
     budget_usd: float
 
 
+@dataclass(frozen=True)
+class Objectives:
+    """What a tenant's requests ask of their placement when they do not say (control_plane/jobs/objectives.py):
+    TTFT and TPOT objectives (ms) and the KV codec consented to; None: the control plane's default."""
+
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    kv_codec: str | None = None
+
+
 class TenantNotFound(Exception):
     pass
 
@@ -44,6 +54,7 @@ class Tenant:
     quota: Quota
     allow_placement: bool  # may requests ask for their placement (local / split)
     created_at: float  # epoch s
+    objectives: Objectives = Objectives()  # its requests' defaults
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,9 @@ class TenantChanges:
     concurrency: int | None = None
     budget_usd: float | None = None
     allow_placement: bool | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    kv_codec: str | None = None
 
     def fields(self) -> dict[str, str | float | int | bool]:
         """The fields these changes set (columns of the `tenants` table), None ones left out."""

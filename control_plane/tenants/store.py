@@ -31,6 +31,7 @@ from prfaas.control_plane.tenants.records import (
     KEY_PREFIX,
     ApiKey,
     KeyNotFound,
+    Objectives,
     Quota,
     Tenant,
     TenantChanges,
@@ -195,7 +196,9 @@ def _tenant_row(session: Session, tenant_id: str) -> TenantRow:
 
 def _tenant(row: TenantRow) -> Tenant:
     quota = Quota(rps=row.rps, concurrency=row.concurrency, budget_usd=row.budget_usd)
-    return Tenant(row.id, row.name, TenantStatus(row.status), quota, bool(row.allow_placement), row.created_at)
+    objectives = Objectives(row.ttft_slo_ms, row.tpot_slo_ms, row.kv_codec)
+    return Tenant(row.id, row.name, TenantStatus(row.status), quota, bool(row.allow_placement), row.created_at,
+                  objectives)  # fmt: skip
 
 
 def _key(row: ApiKeyRow) -> ApiKey:

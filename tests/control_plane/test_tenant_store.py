@@ -128,3 +128,21 @@ def test_the_admin_view_names_every_tenant_the_ledger_bills_after_redis_is_empti
     meter.ledger.record(usage, prices)
     _empty_redis(services)
     assert [(t["id"], t["name"]) for t in admin_view(meter)["tenants"]] == [(acme.id, "acme")]
+
+
+def test_request_objective_defaults_round_trip_through_database_and_cache(services: Services) -> None:
+    store = services.tenants
+    tenant = store.create("slo", TenantChanges(ttft_slo_ms=1500.0, kv_codec="int8"))
+    _, key = store.issue_key(tenant.id)
+    assert (tenant.objectives.ttft_slo_ms, tenant.objectives.tpot_slo_ms, tenant.objectives.kv_codec) == (
+        1500.0, None, "int8",
+    )  # fmt: skip
+    cached = store.authenticate(key)  # from the database, then cached
+    assert cached is not None and cached.objectives == tenant.objectives
+    again = store.authenticate(key)  # from the cache
+    assert again is not None and again.objectives == tenant.objectives
+    changed = store.update(tenant.id, TenantChanges(tpot_slo_ms=80.0, kv_codec="lossless"))
+    assert changed.objectives.tpot_slo_ms == 80.0 and changed.objectives.ttft_slo_ms == 1500.0
+    _empty_redis(services)
+    fresh = store.authenticate(key)
+    assert fresh is not None and fresh.objectives.kv_codec == "lossless" and fresh.objectives.tpot_slo_ms == 80.0

@@ -127,6 +127,30 @@ def test_a_conversations_next_turn_runs_where_its_prefix_is_cached(
     assert r2.choices[0].text == output_text(engine.decode_text, engine.generate(turn2, params))
 
 
+def test_objectives_come_from_the_request_then_the_tenant_then_the_settings(
+    stack: tuple[Stack, list[RegionProcess]],
+) -> None:
+    s, _ = stack
+    _, key = s.tenant("objectives", ttft_slo_ms=1500, kv_codec="int8")
+    client = _client(s, key)
+    asked = client.completions.create(
+        model="tiny-llama", prompt=[5, 6, 7, 8], max_tokens=2,
+        extra_body={"prfaas": {"ttft_slo_ms": 900, "kv_codec": "lossless"}},
+    )  # fmt: skip
+    job = _job(s, key, asked.id)
+    assert (job["ttft_slo_ms"], job["tpot_slo_ms"], job["kv_codec"]) == (900.0, 60_000.0, "lossless")
+    default = client.completions.create(model="tiny-llama", prompt=[5, 6, 7, 9], max_tokens=2)
+    job = _job(s, key, default.id)
+    assert (job["ttft_slo_ms"], job["tpot_slo_ms"], job["kv_codec"]) == (1500.0, 60_000.0, "int8")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model="tiny-llama", prompt=[5], max_tokens=2, extra_body={"prfaas": {"kv_codec": "zfp"}}
+        )
+    assert info.value.code == "unknown_kv_codec" and info.value.param == "prfaas.kv_codec"
+    refused = httpx.post(s.url + "/admin/tenants", json={"name": "x", "kv_codec": "zfp"}, headers=ADMIN, timeout=5)
+    assert refused.status_code == 400 and "kv_codec is neither lossless nor" in refused.json()["detail"]
+
+
 def test_streaming_delivers_every_token_and_usage(
     stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str], engine: HFEngine
 ) -> None:
@@ -209,7 +233,7 @@ def test_prefill_region_killed_fails_over_and_bills_once(
     spent_before = _spend(s, tenant[0])
     prefill.proc.send_signal(signal.SIGKILL)  # the registry still counts it alive for 3 heartbeats
     prefill.proc.wait(5)
-    prompt = engine.encode(long_text)[:600]
+    prompt = engine.encode(long_text)[9000:9600]  # no region holds it: a split
     reply = _client(s, tenant[1]).completions.create(model="tiny-llama", prompt=prompt, max_tokens=6)
     assert reply.choices[0].text == output_text(
         engine.decode_text, engine.generate(prompt, SamplingParams(max_new_tokens=6))

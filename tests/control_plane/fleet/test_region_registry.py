@@ -326,3 +326,16 @@ def test_published_prefix_blocks_reach_the_snapshot_and_the_instance_pick(
     assert reg.get("d-b").prefix_blocks == {"aa"}
     for beater in beaters.values():
         beater._channel.close()
+
+
+def test_work_in_tokens_reaches_the_snapshot_summed_over_instances(registry: tuple[RegionRegistry, str]) -> None:
+    reg, address = registry
+    for instance, (queued, running) in {"1": (3000, 500), "2": (1000, 0)}.items():
+        load = registry_pb2.Load(queue_depth=1, busy_workers=1, queued_prefill_tokens=queued,
+                                 running_prefill_tokens=running, decode_running=2, decode_slots=4)  # fmt: skip
+        beater = Heartbeater(address, _registration("p-a", "prefill", 1.0, instance), lambda load=load: load, 1.0)
+        beater.beat()
+        beater._channel.close()
+    region = reg.snapshot(MODEL).region("p-a")
+    assert (region.queued_prefill_tokens, region.running_prefill_tokens) == (4000, 500)
+    assert (region.decode_running, region.decode_slots) == (4, 8)

@@ -32,6 +32,24 @@ def test_queue_wait(workers: int, busy: int, queued: int, priority: Priority, ex
     assert CostModel.queue_wait_s(r, priority) == pytest.approx(expected_s)
 
 
+@pytest.mark.parametrize(
+    ("busy", "queued_jobs", "queued_tokens", "running_tokens", "priority", "expected_s"),
+    [
+        (1, 0, 0, 3_000, Priority.NORMAL, 0.0),  # an idle worker of 2, nothing queued: no wait
+        (2, 0, 0, 8_000, Priority.NORMAL, 0.2),  # both busy: half of 8,000 running tokens left / (2 x 10,000 tok/s)
+        (2, 2, 12_000, 8_000, Priority.NORMAL, 0.8),  # + 12,000 queued: (12,000 + 4,000) / 20,000 tok/s
+        (2, 2, 12_000, 8_000, Priority.HIGH, 0.2),  # high skips the queue: the running work's half only
+    ],
+)
+def test_queue_wait_in_tokens(
+    busy: int, queued_jobs: int, queued_tokens: int, running_tokens: int, priority: Priority, expected_s: float
+) -> None:
+    r = region("r", num_workers=2, num_gpus=16, num_busy_workers=busy, queue_depth=queued_jobs,
+               prefill_tokens_per_s=10_000.0, queued_prefill_tokens=queued_tokens,
+               running_prefill_tokens=running_tokens, mean_prefill_s=99.0)  # fmt: skip  # the job means unused
+    assert CostModel.queue_wait_s(r, priority) == pytest.approx(expected_s)
+
+
 def test_local_estimate() -> None:
     # 8 GPUs in 2 workers: 4 GPUs per worker. 30,000 tokens at 10,000 tok/s = 3 s.
     r = region("r", num_gpus=8, num_workers=2, prefill_tokens_per_s=10_000.0, usd_per_gpu_hour=3.6)
@@ -84,6 +102,21 @@ def test_codec_is_the_fewest_wire_bytes_that_fit_the_budget() -> None:
     assert strict is not None and strict.codec == "lossless"
     lossy_ok = MODEL_3.split(request(30_000, allow_lossy_codec=True), MODEL, pre, dec, lnk, 30_000, 30_000).transfer
     assert lossy_ok is not None and lossy_ok.codec == "int8"
+
+
+def test_consent_names_the_one_lossy_codec_that_may_be_used() -> None:
+    pre, dec = region("p", Role.PREFILL), region("d")
+    lnk = link("p", "d", bandwidth_gbps=8.0, utilization=0.0, rtt_ms=0.0)
+    fp8 = CodecOption("fp8", 2.4, True, encode_bytes_per_s=2e9)
+    model = CostModel([RAW, LOSSLESS, INT8, fp8])
+    anything = model.split(request(30_000, allow_lossy_codec=True), MODEL, pre, dec, lnk, 30_000, 30_000).transfer
+    assert anything is not None and anything.codec == "fp8"  # the fewest wire bytes of all
+    int8_only = request(30_000, allow_lossy_codec=True, lossy_codec="int8")
+    chosen = model.split(int8_only, MODEL, pre, dec, lnk, 30_000, 30_000).transfer
+    assert chosen is not None and chosen.codec == "int8"  # fp8 saves more, but was not consented to
+    unknown = request(30_000, allow_lossy_codec=True, lossy_codec="zfp")
+    fallback = model.split(unknown, MODEL, pre, dec, lnk, 30_000, 30_000).transfer
+    assert fallback is not None and fallback.codec == "lossless"  # no lossy codec of that name: lossless only
 
 
 def test_codec_falls_back_to_the_fastest_when_none_fits() -> None:
