@@ -84,6 +84,7 @@ def bench(
     warmup: int = typer.Option(2, help="short local and split requests each, sent first (not counted)"),
     timeout_s: float = typer.Option(300.0, help="deadline of each request"),
     out: Path = typer.Option(None, help="folder for bench.json, bench.png, trace.jsonl (default $PRFAAS_HOME/bench/)"),
+    json_path: Path = typer.Option(None, "--json", help="also write bench.json's content to this file"),
 ) -> None:  # fmt: skip
     """Load-test a deployment through the OpenAI API (streaming) and report latency percentiles,
     throughput, goodput at SLO and cost; `--compare` runs each policy on the same workload."""
@@ -156,6 +157,10 @@ def bench(
         console.print(ratio_table)
     folder = out or Path(_home()) / "bench" / time.strftime("%Y%m%d-%H%M%S")
     paths = session.write(folder, result, rows, f"{served}: {loop}")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(paths[0].read_text())
+        paths.append(json_path)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
     failed = sum(s["failed"] for s in summaries.values())
     if failed:
@@ -171,8 +176,8 @@ def _conversations(base: str, key: str, model: str, conversations: list[Any], co
     from prfaas.loadgen import client as loadgen
 
     encode = session.tokenizer(model)
-    return lambda placement, on_done: loadgen.run_conversations(
-        base, key, model, conversations, placement, concurrency, timeout_s, encode, max_prompt, think_s, on_done
+    return lambda placement, salt, on_done: loadgen.run_conversations(
+        base, key, model, conversations, placement, concurrency, timeout_s, encode, max_prompt, think_s, on_done, salt
     )
 
 

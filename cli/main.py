@@ -185,6 +185,7 @@ def region(
 @app.command()
 def up(
     topology: Path = typer.Option(None, "--topology", help="topology YAML (default examples/topology.yaml)"),
+    model: str = typer.Option(None, help="catalog name or HF model folder (default: the topology's)"),
     emulate_wan: bool = typer.Option(False, help="regions in network namespaces joined by emulated WAN links (root)"),
     detach: bool = typer.Option(False, help="return once up; `prfaas down` stops it"),
     hosts: bool = typer.Option(
@@ -207,6 +208,8 @@ def up(
     path = topology or DEFAULT_TOPOLOGY
     try:
         spec = load_topology(path)
+        if model:
+            spec = spec.model_copy(update={"model": model})
     except TopologyError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None

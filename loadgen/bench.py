@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,8 @@ from typing import Any
 from prfaas.loadgen import client, report
 from prfaas.loadgen.workload import Planned, WorkloadSpec
 
-# One policy's run: (API placement, called as each request ends) -> (outcomes, wall seconds)
-Send = Callable[[str, Callable[[client.Outcome], None]], tuple[list[client.Outcome], float]]
+# One policy's run: (API placement, its cache salt, called as each request ends) -> (outcomes, wall seconds)
+Send = Callable[[str, str, Callable[[client.Outcome], None]], tuple[list[client.Outcome], float]]
 
 
 def tokenizer(model: str) -> Callable[[str], list[int]]:
@@ -50,8 +51,8 @@ def corpus(model: str) -> tuple[list[int], int]:
 def planned(api_base: str, api_key: str, model: str, requests: list[Planned], concurrency: int | None,
             timeout_s: float) -> Send:  # fmt: skip
     """`Send` of planned requests (open loop at their times, or closed at `concurrency`)."""
-    return lambda placement, on_done: client.run(api_base, api_key, model, requests, placement, concurrency,
-                                                 timeout_s, on_done=on_done)  # fmt: skip
+    return lambda placement, salt, on_done: client.run(api_base, api_key, model, requests, placement, concurrency,
+                                                       timeout_s, on_done, salt)  # fmt: skip
 
 
 def run(
@@ -81,7 +82,9 @@ def run(
         def on_done(_outcome: client.Outcome, advance: Callable[[], None] = advance) -> None:
             advance()
 
-        outcomes, wall_s = send(client.PLACEMENTS[name], on_done)
+        # a cache salt of the run's own: each policy starts with caches cold for this workload (the same
+        # requests run under every policy, so another's run would have left them warm)
+        outcomes, wall_s = send(client.PLACEMENTS[name], f"bench-{name}-{uuid.uuid4().hex[:8]}", on_done)
         client.attach_jobs(api_base, api_key, outcomes)
         summaries[name] = report.summarize(outcomes, wall_s, *slo_s)
         texts[name] = {o.index: o.text for o in outcomes if o.ok}

@@ -48,6 +48,7 @@ class Outcome:
     job: dict[str, Any] = field(default_factory=dict)
     usage: dict[str, Any] = field(default_factory=dict)  # the ledger's entry, when the API has one
     text: str = ""  # the reply, as streamed
+    cache_salt: str = ""  # the run's prefix cache scope (each policy's run starts with cold caches)
 
     @property
     def tpot_s(self) -> float | None:
@@ -56,9 +57,11 @@ class Outcome:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-async def _one(client: Any, model: str, req: Planned, placement: str, t0: float, timeout_s: float) -> Outcome:
+async def _one(
+    client: Any, model: str, req: Planned, placement: str, t0: float, timeout_s: float, salt: str
+) -> Outcome:
     out = Outcome(req.index, req.klass, req.at_s, len(req.prompt), req.shared_prefix_tokens, req.prefix_group,
-                  req.max_tokens)  # fmt: skip
+                  req.max_tokens, cache_salt=salt)  # fmt: skip
     await _send(client, model, list(req.prompt), placement, t0, timeout_s, out)
     return out
 
@@ -72,10 +75,13 @@ async def _send(
     last = 0.0
     pieces = 0
     try:
+        extra: dict[str, Any] = {"prfaas": {"placement": placement}}
+        if out.cache_salt:
+            extra["cache_salt"] = out.cache_salt
         async with asyncio.timeout(timeout_s):
             stream = await client.completions.create(
                 model=model, prompt=prompt, max_tokens=out.max_tokens, stream=True, temperature=0.0,
-                stream_options={"include_usage": True}, extra_body={"prfaas": {"placement": placement}},
+                stream_options={"include_usage": True}, extra_body=extra,
             )  # fmt: skip
             async for chunk in stream:
                 now = time.perf_counter()
@@ -103,7 +109,7 @@ async def _send(
 
 async def _run(
     api_base: str, api_key: str, model: str, planned: list[Planned], placement: str, concurrency: int | None,
-    timeout_s: float, on_done: Callable[[Outcome], None],
+    timeout_s: float, on_done: Callable[[Outcome], None], salt: str,
 ) -> tuple[list[Outcome], float]:  # fmt: skip
     import openai
 
@@ -114,7 +120,7 @@ async def _run(
     outcomes: list[Outcome] = []
 
     async def fire(req: Planned) -> None:
-        result = await _one(client, model, req, placement, t0, timeout_s)
+        result = await _one(client, model, req, placement, t0, timeout_s, salt)
         outcomes.append(result)
         on_done(result)
 
@@ -144,27 +150,29 @@ async def _run(
 def run(
     api_base: str, api_key: str, model: str, planned: list[Planned], placement: str = "auto",
     concurrency: int | None = None, timeout_s: float = 300.0, on_done: Callable[[Outcome], None] = lambda _: None,
+    cache_salt: str = "",
 ) -> tuple[list[Outcome], float]:  # fmt: skip
-    """Send `planned` and return (outcomes in request order, wall seconds)."""
-    return asyncio.run(_run(api_base, api_key, model, planned, placement, concurrency, timeout_s, on_done))
+    """Send `planned` and return (outcomes in request order, wall seconds). `cache_salt` (vLLM's request
+    parameter): the requests share cached prompt blocks only among themselves ("": with the tenant's others)."""
+    return asyncio.run(_run(api_base, api_key, model, planned, placement, concurrency, timeout_s, on_done, cache_salt))
 
 
 def run_conversations(
     api_base: str, api_key: str, model: str, conversations: list[Conversation], placement: str,
     concurrency: int | None, timeout_s: float, encode: Callable[[str], list[int]], max_prompt_tokens: int,
-    think_s: float = THINK_S, on_done: Callable[[Outcome], None] = lambda _: None,
+    think_s: float = THINK_S, on_done: Callable[[Outcome], None] = lambda _: None, cache_salt: str = "",
 ) -> tuple[list[Outcome], float]:  # fmt: skip
     """Each conversation turn by turn (`concurrency` conversations at once, or each from its start time):
     a turn's prompt is the history (system prompt, earlier turns and their replies as `encode` gives
     their text) and its user message. -> (outcomes by conversation and turn, wall seconds)."""
     return asyncio.run(_conversations(api_base, api_key, model, conversations, placement, concurrency, timeout_s,
-                                      encode, max_prompt_tokens, think_s, on_done))  # fmt: skip
+                                      encode, max_prompt_tokens, think_s, on_done, cache_salt))  # fmt: skip
 
 
 async def _conversations(
     api_base: str, api_key: str, model: str, conversations: list[Conversation], placement: str,
     concurrency: int | None, timeout_s: float, encode: Callable[[str], list[int]], max_prompt_tokens: int,
-    think_s: float, on_done: Callable[[Outcome], None],
+    think_s: float, on_done: Callable[[Outcome], None], salt: str,
 ) -> tuple[list[Outcome], float]:  # fmt: skip
     import openai
 
@@ -186,7 +194,7 @@ async def _conversations(
                 if len(prompt) + limit > max_prompt_tokens:
                     return  # the conversation outgrew the model: it ends here
                 out = Outcome(conv.index * turns + turn, f"turn{turn}", conv.start_s, len(prompt), len(conv.system),
-                              conv.index, limit)  # fmt: skip
+                              conv.index, limit, cache_salt=salt)  # fmt: skip
                 await _send(client, model, prompt, placement, t0, timeout_s, out)
                 outcomes.append(out)
                 on_done(out)

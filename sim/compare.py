@@ -22,7 +22,7 @@ from prfaas.sim.policies import (
     policy_with_threshold,
 )
 from prfaas.sim.scenarios import SCENARIOS, Scenario
-from prfaas.sim.workload import Arrival, load_trace, scale_rate
+from prfaas.sim.workload import Arrival, Workload, load_trace, scale_rate
 
 
 def arrivals_for(scenario: Scenario, trace: list[Arrival] | None, seed: int) -> Callable[[float], list[Arrival]]:
@@ -194,7 +194,10 @@ def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def analytic_lines(scenario: Scenario) -> list[str]:
-    """The paper's own throughput model (`sim.analytic`) on the scenario's profiles and workload."""
+    """The paper's own throughput model (`sim.analytic`) on the scenario's profiles and workload (a mix of
+    request classes: the paper's model has no conversations)."""
+    if not isinstance(scenario.workload, Workload):
+        return []
     table = analytic.paper_table(
         scenario.fleet, homogeneous_fleet(scenario.fleet), decode_only_pd_fleet(scenario.fleet), scenario.workload
     )

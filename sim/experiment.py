@@ -53,7 +53,7 @@ def measure(
 ) -> RunMetrics:
     """One run of `arrivals` under `policy` on `fleet` (reshaped for the policy unless `shape` is False)."""
     used = policy.fleet_for(fleet) if shape else fleet
-    sim = Simulation(used, policy.scheduler(), slo)
+    sim = Simulation(used, policy.scheduler(), slo, prefix_aware=policy.prefix_aware)
     records = sim.run(arrivals)
     return summarize(sim, records, slo, rate_rps)
 

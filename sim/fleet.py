@@ -31,6 +31,9 @@ class RegionSpec:
     # them), each held by one request from its prefill (local) or hand-off (split) to its last
     # token: the local deployment's decode region (decode_region/agent.py, one slot per worker)
     shared_workers: bool = False
+    # its engines' prefix cache, in blocks of the workload's block size (sim/prefix.py); 0: none modelled
+    # (an arrival's own `cached_tokens` then says what its decode region holds)
+    prefix_cache_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:

@@ -13,6 +13,7 @@ from prfaas.sim.decode import DecodePool
 from prfaas.sim.fleet import LinkSpec, RegionSpec
 from prfaas.sim.hardware import WorkerTimings
 from prfaas.sim.links import FluidLink
+from prfaas.sim.prefix import PrefixModel
 
 NOMINAL_BATCH = 64  # a worker's full batch when its model sets no max_batch
 
@@ -37,6 +38,7 @@ class RegionState:
         full = worker.max_batch or NOMINAL_BATCH
         self.decode_nominal_tps = full / worker.decode_step_s(full, 0)
         self.prefill_busy_s = 0.0
+        self.prefix = PrefixModel(spec.prefix_cache_blocks)
         self._cached: tuple[tuple[object, ...], Region] | None = None
 
     def snapshot_region(self) -> Region:
@@ -50,6 +52,7 @@ class RegionState:
             self.mean_prefill_s,
             self.queued_tokens,
             self.running_tokens,
+            self.prefix.version,
         )
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
@@ -84,7 +87,7 @@ class RegionState:
             decode_nominal_tokens_per_s=self.decode_nominal_tps if spec.num_decode_workers else None,
             healthy=True,
             heartbeat_age_s=0.0,
-            cached_prefix_hashes=frozenset(),
+            cached_prefix_hashes=self.prefix.resident,
         )
         self._cached = (key, region)
         return region

@@ -112,6 +112,7 @@ class SimPolicy:
     name: str
     config: PolicyConfig
     shape: FleetShape = FleetShape.AS_IS
+    prefix_aware: bool = True  # False: as if no region had a prefix cache (sim/simulator.py)
 
     def scheduler(self) -> GlobalScheduler:
         return build_scheduler(self.config, sim_registry())
@@ -139,6 +140,11 @@ def _with(document: Mapping[str, Any], **disaggregation: Any) -> dict[str, Any]:
 
 def prfaas_policy(document: Mapping[str, Any] | None = None) -> SimPolicy:
     return SimPolicy("prfaas", policy_from_mapping(document or _default_document()))
+
+
+def prefix_blind_policy(document: Mapping[str, Any] | None = None) -> SimPolicy:
+    """prfaas's policy as if no region had a prefix cache: every prompt token computed, placed by its length."""
+    return SimPolicy("prfaas-prefix-blind", policy_from_mapping(document or _default_document()), prefix_aware=False)
 
 
 def homogeneous_pd_policy(document: Mapping[str, Any] | None = None) -> SimPolicy:
@@ -179,6 +185,7 @@ DEFAULT_POLICIES = ("prfaas", "homogeneous-pd", "homogeneous-pd-equal-cost", "na
 
 BASELINES = {
     "prfaas": prfaas_policy,
+    "prfaas-prefix-blind": prefix_blind_policy,
     "homogeneous-pd": homogeneous_pd_policy,
     "homogeneous-pd-equal-cost": homogeneous_pd_equal_cost_policy,
     "naive-heterogeneous": naive_heterogeneous_policy,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from prfaas.control_plane.scheduling import Slo
 from prfaas.sim.fleet import FleetSpec, LinkSpec, RegionSpec
 from prfaas.sim.profiles import PRFAAS_PROFILES
-from prfaas.sim.workload import Workload, chat_workload, prfaas_paper_workload
+from prfaas.sim.workload import ArrivalSource, MultiTurn, chat_workload, prfaas_paper_workload
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Scenario:
     name: str
     description: str
     fleet: FleetSpec
-    workload: Workload
+    workload: ArrivalSource
     slo: Slo
     num_requests: int
     start_rps: float  # first rate the throughput search tries
@@ -87,4 +87,19 @@ def small() -> Scenario:
     return Scenario("small", "L40S prefill + H100 PD, dense-8b, chat", fleet, chat_workload(), slo, 200, 2.0)
 
 
-SCENARIOS = {"prfaas-case-study": case_study, "small": small}
+def multiturn() -> Scenario:
+    """The two-region fleet of `small` serving conversations (`MultiTurn`: a 4K-token system prompt, four
+    turns re-sending the history, 5 s apart), every region with a prefix cache of 4,096 blocks of 64 tokens
+    (~34 GB of dense-8B KV): compare `prfaas` with `prfaas-prefix-blind` (the same policy without prefix
+    caches). 2,000 requests, so that most of a run sees conversations at every stage (steady state)."""
+    cheap = RegionSpec("cheap", "L40S", num_prefill_workers=4, gpus_per_worker=1, prefix_cache_blocks=4096)
+    pd = RegionSpec("pd", "H100", num_prefill_workers=1, num_decode_workers=2, gpus_per_worker=1,
+                    prefix_cache_blocks=4096)  # fmt: skip
+    link = LinkSpec("cheap", "pd", bandwidth_gbps=25.0, rtt_ms=20.0, egress_usd_per_gb=0.02)
+    fleet = FleetSpec(model="dense-8b", regions=(cheap, pd), links=(link,))
+    slo = Slo(ttft_ms=4_000, tpot_ms=60)
+    return Scenario("multiturn", "L40S prefill + H100 PD, dense-8b, 4-turn conversations, prefix caches", fleet,
+                    MultiTurn(think_s=5.0), slo, 2000, 1.0)  # fmt: skip
+
+
+SCENARIOS = {"prfaas-case-study": case_study, "small": small, "multiturn": multiturn}

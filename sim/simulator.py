@@ -60,6 +60,7 @@ class RequestRecord:
     wire_bytes: int = 0
     kv_raw_bytes: int = 0  # the shipment's KV before the codec (0: not split)
     egress_usd: float = 0.0
+    computed_tokens: int = 0  # prompt tokens prefilled (the rest came from a prefix cache)
 
 
 class DoubleRecord(AssertionError):
@@ -78,10 +79,15 @@ class Simulation:
         allow_lossy_codec: bool = False,
         workers: Mapping[str, WorkerTimings] | None = None,
         dispatch_overhead_s: float = 0.0,
+        prefix_aware: bool = True,
     ) -> None:
         """`workers`: measured timings per region name instead of the roofline model (calibration);
         `dispatch_overhead_s`: fixed time from a request's arrival to its placement and from
-        its first token to the tenant (API, job store, dispatch, streaming), added to TTFT."""
+        its first token to the tenant (API, job store, dispatch, streaming), added to TTFT.
+        `prefix_aware`: arrivals that name their blocks are placed on what the regions' modelled
+        prefix caches hold, and reuse it; False: as if there were no prefix caches (the bench's
+        `prfaas-prefix-blind`)."""
+        self.prefix_aware = prefix_aware
         self.fleet = fleet
         self.scheduler = scheduler
         self.slo = slo
@@ -134,6 +140,13 @@ class Simulation:
         )
 
     def _request(self, index: int, arrival: Arrival) -> Request:
+        if arrival.prefix or not self.prefix_aware:  # the live system's signal: block names against residency
+            return Request(
+                request_id=str(index), tenant="sim", prompt_tokens=arrival.prompt_tokens,
+                max_new_tokens=arrival.output_tokens, slo=self.slo, allow_lossy_codec=self.allow_lossy_codec,
+                prefix_block_hashes=arrival.prefix if self.prefix_aware else (),
+                block_tokens=arrival.block_tokens or 16,
+            )  # fmt: skip
         uncached = {
             name: arrival.prompt_tokens - (arrival.cached_tokens if state.spec.num_decode_workers else 0)
             for name, state in self.regions.items()
@@ -188,6 +201,8 @@ class Simulation:
             shipment = link.pipe.ship(wire_bytes, prefill_s)
         yield self.env.timeout(prefill_s)
         prefill.running_tokens -= decision.uncached_tokens
+        if self.prefix_aware:
+            prefill.prefix.keep(arrival.prefix)
         prefill.prefill_busy_s += prefill_s
         prefill.mean_prefill_s = _EMA * prefill_s + (1 - _EMA) * prefill.mean_prefill_s
         if decision.uncached_tokens and prefill_s > 0:
@@ -203,6 +218,8 @@ class Simulation:
                 yield slot
         result = yield decode.decode.decode(arrival.prompt_tokens, arrival.output_tokens)
         assert isinstance(result, DecodeResult)
+        if self.prefix_aware:
+            decode.prefix.keep(arrival.kept or arrival.prefix)
         if decode.spec.shared_workers:
             assert decode.prefill is not None
             decode.prefill.release(slot)
@@ -224,6 +241,7 @@ class Simulation:
                 wire_bytes=wire_bytes,
                 kv_raw_bytes=raw_bytes,
                 egress_usd=egress,
+                computed_tokens=decision.uncached_tokens,
             )
         )
 

@@ -17,6 +17,11 @@ class Arrival:
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = 0  # prompt prefix already in the decode region's cache
+    # Modelled prefix caches (sim/prefix.py): the names of the prompt's full blocks of `block_tokens`, and
+    # those a decode region keeps after the reply (the prompt's and the reply's); empty: `cached_tokens` says
+    prefix: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,12 @@ def _normal_cdf(z: float) -> float:
 
 class Lengths(Protocol):
     def sample(self, rng: random.Random) -> int: ...
+
+
+class ArrivalSource(Protocol):
+    """What a scenario draws its requests from (`Workload`, `MultiTurn`)."""
+
+    def generate(self, rate_rps: float, num_requests: int, seed: int) -> list[Arrival]: ...
 
 
 @dataclass(frozen=True)
@@ -149,3 +160,42 @@ def load_trace(path: str | Path) -> list[Arrival]:
 def scale_rate(arrivals: list[Arrival], factor: float) -> list[Arrival]:
     """The same trace replayed `factor` times faster."""
     return [Arrival(a.at_s / factor, a.prompt_tokens, a.output_tokens, a.cached_tokens) for a in arrivals]
+
+
+@dataclass(frozen=True)
+class MultiTurn:
+    """Conversations (`prfaas bench --mix multiturn`'s shape): a system prompt every conversation
+    shares, then `turns` turns each re-sending the history (the system prompt, every earlier user
+    message and reply) with a new user message. Conversations start as Poisson arrivals at
+    rate / turns (so requests arrive at `rate_rps`), a turn `think_s` after the one before (the
+    reply and the user's pause). Prompts are chains of named blocks (sim/prefix.py)."""
+
+    turns: int = 4
+    system_tokens: int = 4_096
+    user: Lengths = LengthDist(400, 0.6, 16, 8_000)
+    output: Lengths = LengthDist(300, 0.8, 8, 2_000)
+    think_s: float = 30.0
+    block_tokens: int = 64
+
+    def generate(self, rate_rps: float, num_requests: int, seed: int) -> list[Arrival]:
+        if rate_rps <= 0:
+            raise ValueError("rate_rps must be positive")
+        rng = random.Random(seed)
+        out: list[Arrival] = []
+        start, conversation = 0.0, 0
+        while len(out) < num_requests:
+            start += rng.expovariate(rate_rps / self.turns)
+            history = self.system_tokens
+            for turn in range(min(self.turns, num_requests - len(out))):
+                prompt = history + self.user.sample(rng)
+                reply = self.output.sample(rng)
+                out.append(Arrival(start + turn * self.think_s, prompt, reply, 0, self._chain(conversation, prompt),
+                                   self._chain(conversation, prompt + reply - 1), self.block_tokens))  # fmt: skip
+                history = prompt + reply
+            conversation += 1
+        return sorted(out, key=lambda a: a.at_s)
+
+    def _chain(self, conversation: int, tokens: int) -> tuple[str, ...]:
+        """Names of the full blocks of `tokens` tokens of this conversation: the system prompt's shared."""
+        shared = self.system_tokens // self.block_tokens
+        return tuple(f"s{i}" if i < shared else f"c{conversation}.{i}" for i in range(tokens // self.block_tokens))

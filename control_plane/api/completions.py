@@ -237,7 +237,7 @@ def _create(
         "model": s.model.name, "kind": kind, "token_ids": ids, "prompt_tokens": len(ids), "max_new_tokens": max_new,
         "temperature": params.temperature, "placement_asked": placement, "sampling": params.to_dict(),
     }  # fmt: skip
-    fields |= (blocks := prefix_fields(ids, tenant.id, s.settings))
+    fields |= (blocks := prefix_fields(ids, tenant.id, s.settings, body.cache_salt))
     options = body.prfaas
     asked_objectives = Objectives(options.ttft_slo_ms, options.tpot_slo_ms, options.kv_codec) if options else None
     fields |= (objectives := job_fields(asked_objectives or Objectives(), tenant.objectives, s.settings))

@@ -75,6 +75,11 @@ class _Generation(BaseModel):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None = None
     n: int | None = Field(default=None, ge=1, le=16, description="choices per prompt: one prefill, n decodes")
     user: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="vLLM's: prefix cache blocks are shared only among requests with the same salt (within the "
+        "tenant's scope, PRFAAS_PREFIX_SCOPE)",
+    )  # fmt: skip
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     prfaas: PrfaasOptions | None = None

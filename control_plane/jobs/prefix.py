@@ -27,12 +27,17 @@ RESIDENCY_BLIND = "auto-residency-blind"  # placement ignores residency; regions
 BLIND = (PREFIX_BLIND, RESIDENCY_BLIND)
 
 
-def prefix_fields(token_ids: Sequence[int], tenant_id: str, settings: Settings) -> dict[str, str]:
-    """The job fields that name its prompt blocks: `cache_salt` and `prefix` (comma-separated short digests)."""
+def prefix_fields(
+    token_ids: Sequence[int], tenant_id: str, settings: Settings, request_salt: str | None = None
+) -> dict[str, str]:
+    """The job fields that name its prompt blocks: `cache_salt` and `prefix` (comma-separated short digests).
+    `request_salt` (the request's `cache_salt`, as vLLM's) narrows the scope to the requests that carry it."""
     scope = settings.prefix.scope
     if scope == "off":
         return {}
     salt = tenant_id if scope == "tenant" else ""
+    if request_salt:
+        salt += "\x00" + request_salt
     digests = block_hashes(token_ids, settings.prefix.block_tokens, salt)
     return {"cache_salt": salt, "prefix": ",".join(short(d) for d in digests)}
 
