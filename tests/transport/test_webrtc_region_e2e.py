@@ -83,8 +83,8 @@ def test_split_request_through_a_webrtc_region_equals_colocated(rtc_stack: Stack
     engine = HFEngine("tiny-llama")
     _, key = rtc_stack.tenant("acme", allow_placement=True)
     client = openai.OpenAI(base_url=rtc_stack.url + "/v1", api_key=key, max_retries=0, timeout=90)
-    prompt = engine.encode(long_text)[:600]
-    for _ in range(2):  # the second request reuses the pooled data channel
+    ids = engine.encode(long_text)
+    for prompt in (ids[:600], ids[600:1200]):  # the second reuses the pooled data channel (a prompt no region holds)
         reply = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8)
         colocated = engine.generate(prompt, SamplingParams(max_new_tokens=8))
         assert reply.choices[0].text == output_text(engine.decode_text, colocated)
