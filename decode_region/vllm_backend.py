@@ -25,10 +25,11 @@ from typing import Any
 from prfaas.decode_region.backend import DecodeCall, Expected, Generated, KVHold, ShipmentEvents, close_tokens
 from prfaas.engine.base import ModelFacts, check_prompt
 from prfaas.engine.kv import hash_token_ids
+from prfaas.engine.prefix_cache import ResidencyMirror
 from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.vllm.params import LoadParams
 from prfaas.engine.vllm.remote import VLLMEngine
-from prfaas.engine.vllm.sampling import check_supported, vllm_sampling
+from prfaas.engine.vllm.sampling import check_supported, remember, salted, vllm_sampling
 from prfaas.engine.vllm.server import StreamStopped
 from prfaas.region.errors import Canceled, InvalidRequest
 from prfaas.region.requests import MAX_TIMEOUT_S
@@ -103,16 +104,20 @@ class VLLMDecode:
             return [iter(())]
         remaining = deadline - time.monotonic()
         load = LoadParams(call.job_id, call.attempt, min(MAX_TIMEOUT_S, max(0.1, remaining)), len(call.token_ids))
-        sampling = vllm_sampling(params, "decode", call.first_token)
-        rest = self.vllm.stream([*call.token_ids, call.first_token], params.max_new_tokens - 1, load.to_kv_params(),
-                                remaining, stop=canceled, sampling=sampling)  # fmt: skip
-        return [_arrived_at_first(hold.events, rest)]  # one choice (check_supported refuses n > 1)
+        sampling = salted(vllm_sampling(params, "decode", call.first_token), call.cache_salt)
+        prompt = [*call.token_ids, call.first_token]
+        rest = self.vllm.stream(prompt, params.max_new_tokens - 1, load.to_kv_params(), remaining, stop=canceled,
+                                sampling=sampling)  # fmt: skip
+        remembered = _remembered(rest, self.vllm.prefix_cache, prompt, call.cache_salt)
+        return [_arrived_at_first(hold.events, remembered)]  # one choice (check_supported refuses n > 1)
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
                  canceled: threading.Event, cache_salt: str | None = None) -> Generated:  # fmt: skip
+        sampling = salted(vllm_sampling(params, "generate"), cache_salt)
         tokens = self.vllm.stream(token_ids, params.max_new_tokens, None, deadline - time.monotonic(), stop=canceled,
-                                  sampling=vllm_sampling(params, "generate"))  # fmt: skip
-        return Generated([_canceled_on_stop(tokens)])
+                                  sampling=sampling)  # fmt: skip
+        # vLLM's cache hit is not streamed back: cached_tokens stays 0 here
+        return Generated([_canceled_on_stop(_remembered(tokens, self.vllm.prefix_cache, token_ids, cache_salt))])
 
     def close(self) -> None:
         self.vllm.close()
@@ -128,6 +133,20 @@ def _arrived_at_first(events: ShipmentEvents, tokens: Iterator[Chosen]) -> Itera
             yield token
     finally:
         close_tokens(tokens)  # an early end (EOS, cancel, deadline) aborts the vLLM request
+
+
+def _remembered(tokens: Iterator[Chosen], mirror: ResidencyMirror | None, prompt: list[int],
+                salt: str | None) -> Iterator[Chosen]:  # fmt: skip
+    """`tokens`, and once they end (or are closed), the prompt's and the output's blocks recorded in the
+    region's mirror of the server's prefix cache (vLLM keeps the blocks a request filled)."""
+    output: list[int] = []
+    try:
+        for token in tokens:
+            output.append(token.token)
+            yield token
+    finally:
+        close_tokens(tokens)
+        remember(mirror, [*prompt, *output[:-1]], salt)  # the last token's KV was never computed
 
 
 def _canceled_on_stop(tokens: Iterator[Chosen]) -> Iterator[Chosen]:

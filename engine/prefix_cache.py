@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -128,3 +129,44 @@ class PrefixCache:
             self._blocks.clear()
             self._bytes = 0
             self.version += 1
+
+
+class Residency(Protocol):
+    """What a region's heartbeats publish of its prefix cache (region/server.py)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def resident(self) -> list[str]: ...
+
+
+class ResidencyMirror:
+    """What a vLLM engine's own prefix cache holds, as far as the region can tell: the blocks of
+    the prompts (and replies) it sent the engine, least recently used out past `capacity_blocks`
+    (the engine's KV cache in blocks of `block_tokens`), a chain's tail first, as vLLM's
+    automatic prefix caching evicts. An approximation: vLLM frees blocks by its own counts, so
+    a block published here may be gone (the request then computes it; the output is the same)."""
+
+    def __init__(self, block_tokens: int, capacity_blocks: int, publish_limit: int = 4096) -> None:
+        self.block_tokens = block_tokens
+        self.capacity_blocks = capacity_blocks
+        self.publish_limit = publish_limit
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.version = 0
+
+    def keep(self, digests: Sequence[bytes]) -> None:
+        if not digests or self.capacity_blocks <= 0:
+            return
+        with self._lock:
+            for digest in reversed(digests):  # the chain's head most recently used
+                self._blocks[digest] = None
+                self._blocks.move_to_end(digest)
+            while len(self._blocks) > self.capacity_blocks:
+                self._blocks.popitem(last=False)
+            self.version += 1
+
+    def resident(self) -> list[str]:
+        with self._lock:
+            recent = list(self._blocks)[-self.publish_limit :]
+        return [short(d) for d in reversed(recent)]

@@ -7,6 +7,12 @@ backend's shipments, so either engine decodes it); the backend then waits for th
 shipment's outcome. vLLM frees the KV once it is shipped, so there is nothing to reship.
 The job's sampling is vLLM's for step 0 (engine/vllm/sampling.py: one choice per job), with
 the first token's logprobs and the prompt's when asked.
+
+Prefix caching is vLLM's own: a job's request carries its cache salt, vLLM reuses the cached
+blocks of its prompt (`cached_tokens` reports them), and the prompt's blocks are recorded in
+the region's mirror of that cache (`ResidencyMirror`) for its heartbeats. The shipment always
+carries the whole prompt's KV (`ship_from_token` is not honoured: a decode region takes that
+as it is).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.vllm.params import ShipParams, layerwise_for
 from prfaas.engine.vllm.remote import VLLMEngine, shipment_error
-from prfaas.engine.vllm.sampling import check_supported, chosen, vllm_sampling
+from prfaas.engine.vllm.sampling import check_supported, chosen, remember, salted, vllm_sampling
 from prfaas.prefill_region.backend import JobProgress, JobStopped, PrefillWork, Reshipped, Shipped, kv_descriptor
 from prfaas.prefill_region.destination import Destination
 from prfaas.region.errors import InvalidRequest, NotFound
@@ -56,8 +62,10 @@ class VLLMPrefill:
                           server_name=server_name(region) if region else None)  # fmt: skip
         kv_params = ship.to_kv_params()
         t0 = time.monotonic()
+        sampling = salted(vllm_sampling(work.params, "prefill"), work.cache_salt)
         result = self.vllm.generate(work.token_ids, 1, kv_params, timeout_s=max(0.1, work.deadline - t0),
-                                    sampling=vllm_sampling(work.params, "prefill"))  # fmt: skip
+                                    sampling=sampling)  # fmt: skip
+        remember(self.vllm.prefix_cache, work.token_ids, work.cache_salt)
         prefill_s = time.monotonic() - t0
         job.check()
         kv = kv_descriptor(self.vllm.facts, len(work.token_ids), hash_token_ids(work.token_ids))

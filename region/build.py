@@ -104,6 +104,7 @@ def load_engine(config: RegionConfig) -> Any:
             python=Path(opts.python) if opts.python else DEFAULT_VLLM_PYTHON, start_timeout_s=opts.start_timeout_s,
             enforce_eager=opts.enforce_eager, max_model_len=opts.max_model_len, kv_cache_gib=opts.kv_cache_gib,
             cpu_threads_bind=opts.cpu_threads_bind, log_path=Path(opts.log) if opts.log else None,
+            prefix_caching=opts.prefix_caching,
         ),
         tls=config.tls.node_cert() if config.tls is not None else None,
     )  # fmt: skip
@@ -116,4 +117,9 @@ def load_engine(config: RegionConfig) -> Any:
         os._exit(3)
 
     engine.on_exit(engine_died)
+    if opts.prefix_caching:
+        from prfaas.engine.prefix_cache import ResidencyMirror
+
+        block_bytes = config.prefix_block_tokens * engine.facts.kv_bytes_per_token
+        engine.prefix_cache = ResidencyMirror(config.prefix_block_tokens, int(opts.kv_cache_gib * 2**30) // block_bytes)
     return engine

@@ -109,6 +109,9 @@ class VLLMOptions(BaseModel):
     # prefill: ship each layer as it is computed, or the whole KV after the forward; auto:
     # after the forward to a loopback decode region, layer by layer to any other (engine/vllm/params.py)
     ship: Literal["auto", "layerwise", "after_forward"] = "auto"
+    # vLLM's automatic prefix caching, each request scoped by its cache salt; the region publishes what the
+    # server holds as far as it can tell (engine/prefix_cache.py `ResidencyMirror`)
+    prefix_caching: bool = True
 
 
 class RegionConfig(BaseSettings):

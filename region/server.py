@@ -27,7 +27,7 @@ from prfaas.region.config import parse_hostport
 from prfaas.region.registry_client import Heartbeater
 
 if TYPE_CHECKING:
-    from prfaas.engine.prefix_cache import PrefixCache
+    from prfaas.engine.prefix_cache import Residency
 
 log = logging.getLogger(__name__)
 PREFIX_REFRESH_S = 10.0  # resident prefix blocks are sent whole at least this often
@@ -59,11 +59,11 @@ class RegionServer:
         metrics_address: str | None = None,
         max_rpc_threads: int = 64,
         tls: TlsFiles | None = None,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: Residency | None = None,
     ) -> None:
         """`tls`: serve mutual TLS, control calls from the control plane's certificate only
         (region/authz.py); None: plaintext (loopback, or a region configured `insecure`).
-        `prefix_cache`: the engine's, whose resident blocks the heartbeats publish."""
+        `prefix_cache`: the engine's (or a mirror of a vLLM engine's), whose resident blocks heartbeats publish."""
         self.agents = agents
         self.tls = tls
         self.prefix_cache = prefix_cache

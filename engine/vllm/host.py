@@ -26,7 +26,7 @@ from typing import Any
 from prfaas.engine.models import resolve_model
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
-from prfaas.engine.vllm.sampling import Step, WireLogprobs, wire_logprobs, wire_prompt_logprobs
+from prfaas.engine.vllm.sampling import CACHE_SALT_KEY, Step, WireLogprobs, wire_logprobs, wire_prompt_logprobs
 from prfaas.transport.tls import NodeCert
 
 CONNECTOR_MODULE = "prfaas.engine.vllm.connector"
@@ -61,6 +61,7 @@ class _Pending:
     first_token_at: float | None = None
     steps: list[Step] = field(default_factory=list)  # what vLLM produced so far (outputs come as deltas)
     prompt_logprobs: list[WireLogprobs] | None = None
+    cache_salt: str | None = None  # vLLM's: prefix cache blocks are shared only among requests with the same
 
 
 class VLLMHost:
@@ -87,6 +88,7 @@ class VLLMHost:
         enforce_eager: bool = False,
         kv_transfer_config: dict[str, Any] | None = None,
         tls: NodeCert | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's KVLink must be ours
         try:
@@ -122,7 +124,9 @@ class VLLMHost:
             model=str(resolve_model(model)),
             dtype=dtype,
             max_model_len=max_model_len,
-            enable_prefix_caching=False,  # a split must compute (or load) every prompt token
+            # a prompt's cached blocks are reused (each request's `cache_salt` scopes it); the connector
+            # ships every block of a prompt and loads only those past the cached ones (engine/vllm/connector.py)
+            enable_prefix_caching=prefix_caching,
             kv_transfer_config=transfer,
             seed=0,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -169,12 +173,17 @@ class VLLMHost:
         (engine/vllm/sampling.py builds them from a job's; its max_tokens is overridden by
         `max_tokens`); None: greedy, EOS ignored (benchmarks: lengths are comparable).
         A `prfaas_load` request registers its shipment now, before vLLM sees it.
+        `sampling` may name the request's prefix cache scope (`CACHE_SALT_KEY`): vLLM reuses cached blocks
+        only among requests with the same; without one a request reuses nothing.
         `on_tokens(new steps)` runs on the loop thread after each step that produced tokens
         (keep it short: it holds the engine); `request_id` names it for `abort`."""
         if self._closed.is_set():
             raise RuntimeError("host is closed")
         parsed = parse_kv_params(kv_params)  # ValueError on malformed params, before vLLM
         kwargs: dict[str, Any] = dict(sampling) if sampling is not None else {"temperature": 0.0, "ignore_eos": True}
+        # not a SamplingParams field but the prompt's (engine/vllm/sampling.py); none: a salt of the request's own,
+        # so that only requests that name one share cached blocks
+        salt = kwargs.pop(CACHE_SALT_KEY, None) or f"own-{uuid.uuid4().hex}"
         extra = {**(kwargs.pop("extra_args", None) or {}), **({"kv_transfer_params": kv_params} if kv_params else {})}
         params = self._sampling_params(  # ValueError on what vLLM refuses, before the shipment is expected
             **{**kwargs, "max_tokens": max_tokens}, extra_args=extra or None, output_kind=self._delta
@@ -182,8 +191,9 @@ class VLLMHost:
         if isinstance(parsed, LoadParams):
             self.link.expect(parsed.job_id, parsed.attempt, parsed.timeout_s)
         pending = _Pending(
-            list(token_ids), params, Future(), time.monotonic(), on_tokens, isinstance(parsed, LoadParams)
-        )
+            list(token_ids), params, Future(), time.monotonic(), on_tokens, isinstance(parsed, LoadParams),
+            cache_salt=salt,
+        )  # fmt: skip
         request_id = request_id or f"r-{uuid.uuid4().hex}"
         self._unstarted.add(request_id)
         self._inbox.put((request_id, pending))
@@ -303,7 +313,9 @@ class VLLMHost:
                 pending.future.set_exception(Aborted(f"request {request_id} aborted"))
             else:
                 try:
-                    prompt = {"prompt_token_ids": pending.token_ids}
+                    prompt: dict[str, Any] = {"prompt_token_ids": pending.token_ids}
+                    if pending.cache_salt is not None:
+                        prompt["cache_salt"] = pending.cache_salt
                     self._engine.add_request(request_id, prompt, pending.params)
                     self._pending[request_id] = pending
                 except Exception as exc:

@@ -30,6 +30,7 @@ from typing import Any
 from prfaas.engine.base import ModelFacts
 from prfaas.engine.errors import EngineError, EngineUnavailable, WorkerTimeout
 from prfaas.engine.models import resolve_model
+from prfaas.engine.prefix_cache import ResidencyMirror
 from prfaas.engine.sampling import Chosen
 from prfaas.engine.vllm.sampling import chosen
 from prfaas.engine.vllm.server import AUTHKEY_ENV, TICKET_KEYS_ENV, RemoteError, VLLMClient
@@ -53,6 +54,7 @@ class ServerOptions:
     kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE
     cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; None: inherited, else vLLM's default
     log_path: Path | None = None  # the server's output; None: a file in a fresh temporary folder
+    prefix_caching: bool = True  # vLLM's automatic prefix caching (requests scoped by their cache salt)
 
 
 class VLLMEngine:
@@ -70,6 +72,7 @@ class VLLMEngine:
         self.client = client
         self.kv_endpoint = kv_endpoint  # host:port of the server's KV receiver; None without ticket keys
         self.log_path = log_path
+        self.prefix_cache: ResidencyMirror | None = None  # what the server's prefix cache holds (the region sets it)
         self._closing = False
         self._on_exit: list[Callable[[int], None]] = []
         threading.Thread(target=self._watch, name="vllm-server-watch", daemon=True).start()
@@ -220,6 +223,8 @@ def start_vllm_engine(
             "--node", node, "--ready-file", str(ready), "--exit-with-parent"]  # fmt: skip
     if opts.enforce_eager:
         argv.append("--enforce-eager")
+    if not opts.prefix_caching:
+        argv.append("--no-prefix-caching")
     if tls is not None:
         argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
     with log_path.open("ab") as out:

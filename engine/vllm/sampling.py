@@ -34,10 +34,13 @@ from typing import Any, Literal
 
 import xxhash
 
+from prfaas.engine.blocks import block_hashes
 from prfaas.engine.errors import InvalidSamplingParams
+from prfaas.engine.prefix_cache import ResidencyMirror
 from prfaas.engine.sampling import Chosen, SamplingParams, TokenLogprobs
 
 FIRST_OUTPUT_KEY = "prfaas_first_output"  # extra_args: the decode prompt's last token is step 0's output
+CACHE_SALT_KEY = "prfaas_cache_salt"  # the request's prefix cache scope (the host passes it with the prompt)
 Role = Literal["prefill", "decode", "generate"]
 # A token's logprobs as the server sends them: (logprob, rank, top ids, top logprobs).
 WireLogprobs = tuple[float, int, tuple[int, ...], tuple[float, ...]]
@@ -93,6 +96,20 @@ def vllm_sampling(params: SamplingParams, role: Role, first_token: int | None = 
     else:
         kwargs["prompt_logprobs"] = params.prompt_logprobs
     return kwargs
+
+
+def salted(sampling: dict[str, Any], cache_salt: str | None) -> dict[str, Any]:
+    """`sampling` with the request's prefix cache scope: vLLM shares cached blocks only among requests of one
+    salt. None (the job uses no prefix cache): as it is; the host gives a request without a salt one of its
+    own, so it reuses nothing another request left (engine/vllm/host.py)."""
+    return sampling if cache_salt is None else sampling | {CACHE_SALT_KEY: cache_salt}
+
+
+def remember(mirror: ResidencyMirror | None, token_ids: Sequence[int], cache_salt: str | None) -> None:
+    """Record in the region's mirror of the server's prefix cache the full blocks of `token_ids`, which the
+    server now holds under `cache_salt` (a job without one: nothing another request would match)."""
+    if mirror is not None and cache_salt is not None:
+        mirror.keep(block_hashes(token_ids, mirror.block_tokens, cache_salt))
 
 
 def wire_logprobs(entries: Mapping[int, Any], token: int, k: int) -> WireLogprobs:

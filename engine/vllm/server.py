@@ -170,6 +170,7 @@ def serve(argv: list[str] | None = None) -> None:
         "--ticket-key", action="append", default=[], help=f"kid:hexkey (repeatable; or {TICKET_KEYS_ENV})"
     )
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's automatic prefix caching off")
     for part in ("cert", "key", "ca"):  # paths, never the key itself on a command line
         parser.add_argument(f"--tls-{part}", type=Path, help="KV over mutual TLS: this node's certificate, key, CA")
     parser.add_argument(
@@ -206,6 +207,7 @@ def serve(argv: list[str] | None = None) -> None:
         enforce_eager=ns.enforce_eager,
         kv_transfer_config=ns.kv_transfer_config,
         tls=tls,
+        prefix_caching=not ns.no_prefix_caching,
     )
     listener = Listener((ns.control_host, ns.control_port))  # authenticated per connection (_serve_one)
     ready = {"control": list(listener.address), "kv": list(host.kv_address or ())}

@@ -11,7 +11,7 @@ import torch
 from prfaas.engine.blocks import block_hashes, short
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
-from prfaas.engine.prefix_cache import PrefixCache
+from prfaas.engine.prefix_cache import PrefixCache, ResidencyMirror
 from prfaas.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -161,3 +161,14 @@ def test_prompt_logprobs_compute_the_prompt_whole(engine: HFEngine, long_text: s
     with_logprobs = SamplingParams(max_new_tokens=4, prompt_logprobs=2)
     result = engine.prefill(ids, with_logprobs, cache_salt="t")
     assert result.cached_tokens == 0 and len(result.first.prompt) == len(ids) - 1
+
+
+def test_a_residency_mirror_publishes_chains_heads_first_within_its_capacity() -> None:
+    mirror = ResidencyMirror(BLOCK, capacity_blocks=3)
+    first = block_hashes(list(range(48)), BLOCK, "t")
+    mirror.keep(first)
+    before = mirror.version
+    second = block_hashes(list(range(100, 132)), BLOCK, "t")  # 2 more: the first chain's tail goes
+    mirror.keep(second)
+    assert mirror.version > before
+    assert mirror.resident() == [short(second[0]), short(second[1]), short(first[0])]

@@ -140,9 +140,10 @@ def _decode(region: RegionProcess) -> decode_pb2_grpc.DecodeRegionStub:
     return decode_pb2_grpc.DecodeRegionStub(channel(region.grpc, TLS["cp"], server_name(region.name)))
 
 
-def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int],
-           params: SamplingParams = GREEDY) -> tuple[list[Any], list[Any]]:  # fmt: skip
-    """What the control plane does for a split job: Reserve, Prefill, Decode from PrefillDone.
+def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int], params: SamplingParams = GREEDY,
+           salt: str | None = None) -> tuple[list[Any], list[Any]]:  # fmt: skip
+    """What the control plane does for a split job: Reserve, Prefill, Decode from PrefillDone (`salt`: the
+    job's prefix cache scope; None: it uses no prefix cache).
     -> (the job's token events: step 0 from PrefillDone, then the decode's; the prefill's events)"""
     job = str(uuid.uuid4())
     reply = _decode(decode).Reserve(
@@ -171,6 +172,8 @@ def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int],
             decode_region=decode.name,  # the KV port's TLS server name
         ),
     )
+    if salt is not None:
+        request.cache_salt = salt
     events, tokens, errors = [], [], []
     decoder = None
 
@@ -185,6 +188,8 @@ def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int],
             timeout_s=120,
             token_ids=prompt,
         )
+        if salt is not None:
+            call.cache_salt = salt
         try:
             tokens.extend(_decode(decode).Decode(call, timeout=150))
         except grpc.RpcError as exc:
@@ -237,6 +242,23 @@ def test_vllm_prefill_region_to_vllm_decode_region_equals_one_vllm_process(
     assert done.kv.num_tokens == NUM_TOKENS and done.kv.dtype == "float32"
     assert events[-1].HasField("shipment_complete") and events[-1].shipment_complete.raw_bytes == KV_BYTES
     assert _kv_used(regions["vllm-d"]) == 0  # the reservation ended with the decode
+
+
+def test_a_vllm_prefill_region_computes_only_what_its_prefix_cache_lacks(
+    regions: dict[str, RegionProcess], prompt: list[int]
+) -> None:
+    reference = _ids(_generate(regions["vllm-d"], prompt))  # no salt: nothing reused
+    _split(regions["vllm-p"], regions["vllm-d"], prompt[:256], salt="acme")  # both servers now hold its blocks
+
+    decoded, events = _split(regions["vllm-p"], regions["vllm-d"], prompt, salt="acme")
+
+    done = next(e.prefill_done for e in events if e.HasField("prefill_done"))
+    assert 128 <= done.cached_tokens <= 256, done  # vLLM's full blocks of the first 256 tokens
+    assert _ids(decoded) == reference  # the same tokens, the decode region loading only past its own cached blocks
+    assert events[-1].shipment_complete.raw_bytes == KV_BYTES  # a vLLM prefill region ships the whole prompt
+    other, other_events = _split(regions["vllm-p"], regions["vllm-d"], prompt, salt="another-tenant")
+    assert next(e.prefill_done for e in other_events if e.HasField("prefill_done")).cached_tokens == 0
+    assert _ids(other) == reference
 
 
 def test_hf_prefill_region_to_vllm_decode_region_gives_the_same_tokens(
