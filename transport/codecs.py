@@ -72,20 +72,25 @@ DTYPE_SIZES: dict[str, int] = {name: size for name, (_code, size) in _DTYPES.ite
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """What a decoder must know besides the payload: the tensor's dtype and shape.
+    """What a decoder must know besides the payload: the tensor's dtype and shape, and which part
+    of a layer it is (keys and values are quantized differently: the frame header's `part`).
 
     dtype: "float32" | "float16" | "bfloat16".
     shape: [num_kv_heads, num_tokens, head_dim]; RAW and LOSSLESS accept any shape.
+    part: 0 = K, 1 = V.
     """
 
     dtype: str
     shape: tuple[int, ...]
+    part: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise CodecError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(_DTYPES)}")
         if not all(isinstance(dim, int) and dim >= 0 for dim in self.shape):
             raise CodecError(f"shape must be non-negative ints, got {self.shape!r}")
+        if self.part not in (0, 1):
+            raise CodecError(f"part must be 0 (K) or 1 (V), got {self.part!r}")
 
     @property
     def nbytes(self) -> int:

@@ -262,7 +262,7 @@ class Inbound:
             decoded = entry.buf
         else:  # outside the lock: parts decode in parallel
             try:
-                meta = TensorMeta(info.dtype, (heads, tokens, head_dim))
+                meta = TensorMeta(info.dtype, (heads, tokens, head_dim), part)
                 decoded = get_codec(CodecId(info.codec)).decode(memoryview(entry.buf)[: entry.length], meta)
             except TransportError as exc:
                 self.fail(exc)

@@ -142,10 +142,10 @@ class OutboundTransfer:
     def _encode_layer(self, index: int, k: Buffer, v: Buffer) -> None:
         if self.cell.status().terminal:
             return
-        meta = TensorMeta(self.spec.dtype, self.spec.layer_shapes[index])
         chunks: list[Chunk] = []
         try:
             for part, data in enumerate((k, v)):
+                meta = TensorMeta(self.spec.dtype, self.spec.layer_shapes[index], part)
                 if self._codec.codec_id is CodecId.RAW:  # no copy: chunks are views of the producer's buffer
                     payload = checked_view(self._codec.name, data, meta)
                 else:
