@@ -17,6 +17,14 @@ through the codec (encode, decode), as a decode region would receive it:
   the 63 tokens predicted from positions that attend to the (lossy) cache are scored.
   Reported as exact and lossy perplexity, their relative delta, and the mean KL divergence
   KL(exact || lossy) of the next-token distributions.
+- teacher-forced agreement: over those 63 positions, the share where the lossy cache's most
+  likely next token is the exact cache's (no divergence carries over: a steadier measure).
+- ratio on bf16: bf16 raw bytes of every layer's K and V / the codec's payload bytes, the KV
+  rounded to bf16 and encoded as a bf16 sender would.
+
+Besides the wire codecs, `kvq-K-V[-G]` names a point of the kv codecs' family: keys with codes up
+to K (127: 8 bits) per channel (a scale per G tokens; none: one), values rotated with codes up to
+V per token: what the ratio / agreement curve in docs/benchmarks.md was drawn from.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from transformers import DynamicCache
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.kv import KVCache, LayerKV
 from prfaas.engine.sampling import SamplingParams
-from prfaas.transport.codecs import Codec, CodecId, TensorMeta, get_codec
+from prfaas.transport.codecs import Codec, CodecId, KVQuantizedCodec, TensorMeta, get_codec
+from prfaas.transport.kvquant import KVQuantizer
 
 PROMPT_TOKENS = 256
 CONTINUATION_TOKENS = 64
@@ -60,8 +69,10 @@ class Summary:
     mean_first_divergence: float  # decoded tokens before the first mismatch (31 when none)
     ppl_exact: float
     ppl_lossy: float
-    ppl_delta_pct: float  # 100 * (ppl_lossy / ppl_exact - 1)
+    delta_ppl_pct: float  # 100 * (ppl_lossy / ppl_exact - 1)
     mean_kl: float  # nats per position, KL(exact || lossy)
+    teacher_forced_agreement: float  # share of teacher-forced positions whose top-1 token is the exact one's
+    ratio_bf16: float | None  # bf16 raw bytes / wire bytes (None: not a codec)
 
 
 def text_windows(engine: HFEngine, num_prompts: int) -> list[tuple[str, list[int], list[int]]]:
@@ -150,7 +161,23 @@ ABLATIONS = {
 def codec_named(name: str) -> Codec | Ablation:
     if name == Bf16Rounding.name:
         return Bf16Rounding()
+    if name.startswith("kvq-"):  # a point of the kv codecs' family: kvq-K-V[-G]
+        k_qmax, v_qmax, *group = (int(p) for p in name.split("-")[1:])
+        return KVQuantizedCodec(CodecId.KV8, name, KVQuantizer(name, k_qmax, v_qmax, group[0] if group else 0))
     return ABLATIONS[name] if name in ABLATIONS else get_codec(name)
+
+
+def ratio_bf16(kv: KVCache, codec: Codec | Ablation) -> float | None:
+    """bf16 raw bytes of every K and V / the codec's payload bytes (None for controls and ablations)."""
+    if isinstance(codec, (Ablation, Bf16Rounding)):
+        return None
+    raw = wire = 0
+    for layer in kv.layers:
+        for part, t in enumerate((layer.k, layer.v)):
+            meta = TensorMeta("bfloat16", tuple(t.shape), part)
+            raw += meta.nbytes
+            wire += len(codec.encode(tensor_bytes(t.to(torch.bfloat16)), meta))
+    return raw / wire
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -168,12 +195,12 @@ def roundtrip(kv: KVCache, codec: Codec | Ablation) -> KVCache:
         )
         return KVCache(kv.model_fingerprint, kv.dtype, layers, kv.num_tokens, kv.token_ids_hash)
 
-    def through(t: torch.Tensor) -> torch.Tensor:
-        meta = TensorMeta(kv.dtype, tuple(t.shape))
+    def through(t: torch.Tensor, part: int) -> torch.Tensor:
+        meta = TensorMeta(kv.dtype, tuple(t.shape), part)
         decoded = codec.decode(codec.encode(tensor_bytes(t), meta), meta)
         return torch.frombuffer(bytearray(decoded), dtype=t.dtype).view(t.shape)
 
-    layers = tuple(LayerKV(k=through(layer.k), v=through(layer.v)) for layer in kv.layers)
+    layers = tuple(LayerKV(k=through(layer.k, 0), v=through(layer.v, 1)) for layer in kv.layers)
     return KVCache(kv.model_fingerprint, kv.dtype, layers, kv.num_tokens, kv.token_ids_hash)
 
 
@@ -236,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_new_tokens=GENERATED_TOKENS, ignore_eos=True)
     per_prompt: list[dict[str, Any]] = []
     totals: dict[str, dict[str, float]] = {
-        c.name: {"match": 0, "identical": 0, "first_div": 0, "nll": 0, "kl": 0} for c in codecs
+        c.name: {"match": 0, "identical": 0, "first_div": 0, "nll": 0, "kl": 0, "tf": 0, "ratio": 0} for c in codecs
     }
     exact_nll = 0.0
     batched_matches_engine = False
@@ -249,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             batched_matches_engine = list(engine.decode(result.kv, result.first_token, params)) == exact_tokens
             print(f"batched greedy decoding == engine.decode on {source}: {batched_matches_engine}", flush=True)
         exact_logprobs, *lossy_logprobs = continuation_logprobs(engine, kvs, continuation)
+        exact_top = exact_logprobs.argmax(dim=-1)
         exact_nll += nll(exact_logprobs, continuation)
         record: dict[str, Any] = {"source": source}
         for codec, tokens, logprobs in zip(codecs, lossy_tokens, lossy_logprobs, strict=True):
@@ -261,7 +289,12 @@ def main(argv: list[str] | None = None) -> int:
             t["first_div"] += first_div
             t["nll"] += nll(logprobs, continuation)
             t["kl"] += kl
-            record[codec.name] = {"agreement": sum(matches) / len(matches), "first_divergence": first_div, "kl": kl}
+            tf = float((logprobs.argmax(dim=-1) == exact_top).float().mean())
+            t["tf"] += tf
+            ratio = ratio_bf16(result.kv, codec)
+            t["ratio"] += ratio or 0.0
+            record[codec.name] = {"agreement": sum(matches) / len(matches), "first_divergence": first_div, "kl": kl,
+                                  "teacher_forced_agreement": tf, "ratio_bf16": ratio}  # fmt: skip
         per_prompt.append(record)
         print(f"[{number}/{len(windows)}] {source}: {record}  ({time.perf_counter() - started:.0f} s)", flush=True)
 
@@ -279,19 +312,23 @@ def main(argv: list[str] | None = None) -> int:
                 mean_first_divergence=t["first_div"] / len(windows),
                 ppl_exact=ppl_exact,
                 ppl_lossy=ppl,
-                ppl_delta_pct=100 * (ppl / ppl_exact - 1),
+                delta_ppl_pct=100 * (ppl / ppl_exact - 1),
                 mean_kl=t["kl"] / len(windows),
+                teacher_forced_agreement=t["tf"] / len(windows),
+                ratio_bf16=t["ratio"] / len(windows) if t["ratio"] else None,
             )
         )
     print(f"\n{args.dtype} KV, {len(windows)} prompts, {time.perf_counter() - started:.0f} s")
-    columns = "codec | token agreement | identical prompts | first divergence | ppl exact | ppl lossy | Δppl | mean KL"
+    columns = ("codec | ratio on bf16 | token agreement | teacher-forced | identical prompts | first divergence | "
+               "ppl exact | ppl lossy | Δppl | mean KL")  # fmt: skip
     print(f"| {columns} |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s in summaries:
+        shown = "-" if s.ratio_bf16 is None else f"{s.ratio_bf16:.2f}x"
         print(
-            f"| {s.codec} | {100 * s.token_agreement:.1f}% | {s.identical_prompts}/{s.num_prompts} | "
-            f"{s.mean_first_divergence:.1f}/{GENERATED_TOKENS - 1} | {s.ppl_exact:.4f} | {s.ppl_lossy:.4f} | "
-            f"{s.ppl_delta_pct:+.3f}% | {s.mean_kl:.2e} |"
+            f"| {s.codec} | {shown} | {100 * s.token_agreement:.1f}% | {100 * s.teacher_forced_agreement:.2f}% | "
+            f"{s.identical_prompts}/{s.num_prompts} | {s.mean_first_divergence:.1f}/{GENERATED_TOKENS - 1} | "
+            f"{s.ppl_exact:.4f} | {s.ppl_lossy:.4f} | {s.delta_ppl_pct:+.3f}% | {s.mean_kl:.2e} |"
         )
     if args.json:
         with open(args.json, "w") as f:
@@ -299,6 +336,16 @@ def main(argv: list[str] | None = None) -> int:
                 "dtype": args.dtype,
                 "batched_matches_engine_decode": batched_matches_engine,
                 "summary": [asdict(s) for s in summaries],
+                "rows": [
+                    {
+                        "codec": s.codec,
+                        "ratio_bf16": s.ratio_bf16,
+                        "token_agreement": s.token_agreement,
+                        "teacher_forced_agreement": s.teacher_forced_agreement,
+                        "delta_ppl_pct": s.delta_ppl_pct,
+                    }
+                    for s in summaries
+                ],
                 "prompts": per_prompt,
             }
             json.dump(report, f, indent=2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -87,6 +87,7 @@ class Services:
     regions: RegionRegistry
     model: ServedModel
     schedulers: dict[str, GlobalScheduler]
+    kv_codecs: list[dict[str, Any]] = field(default_factory=list)  # the policy's codecs, with measured quality
 
     @classmethod
     def create(cls, settings: Settings) -> Services:
@@ -104,6 +105,7 @@ class Services:
         return cls(
             settings, client, JobStore(client, settings), TenantStore(client, settings, database),
             RegionRegistry(client, settings), ServedModel(settings.model), schedulers,
+            [c.model_dump(exclude_none=True) for c in policy.transfer.codecs],
         )  # fmt: skip
 
     @cached_property

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from prfaas.protos.prfaas.v1 import prefill_pb2
 from prfaas.region.errors import InvalidRequest
-from prfaas.transport.codecs import get_codec
+from prfaas.transport.codecs import CODEC_NAMES, get_codec
 from prfaas.transport.endpoints import Endpoint, choose, parse_endpoints
 from prfaas.transport.errors import CodecError
 
@@ -35,7 +35,7 @@ class Destination:
         try:
             get_codec(codec)
         except (CodecError, ValueError, KeyError):
-            raise InvalidRequest(f"destination.codec {codec!r} is not one of raw, lossless, fp8, int8") from None
+            raise InvalidRequest(f"destination.codec {codec!r} is not one of {', '.join(CODEC_NAMES)}") from None
         if msg.num_streams > 256:
             raise InvalidRequest(f"destination.num_streams {msg.num_streams} is over 256")
         return Destination(address, msg.ticket, codec, endpoints, msg.kv_endpoint, msg.decode_region, msg.num_streams)

@@ -144,7 +144,8 @@ class RegionConfig(BaseSettings):
     ticket_keys_accepted: dict[str, str] = Field(default_factory=dict, repr=False)
     dev: bool = False  # allows placeholder secrets
     queue_depth: int = Field(default=8, ge=0, le=10_000)  # prefill jobs waiting beyond `workers`
-    codec: Literal["raw", "lossless", "fp8", "int8"] = "lossless"  # default when a request names none
+    # the codec when a request names none (docs/wire-format.md, "Codec ids")
+    codec: Literal["raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4"] = "lossless"
     kv_lease_s: float = Field(default=30.0, gt=0)  # finished KV kept for Reship
     kv_lease_bytes: int = Field(default=2 << 30, ge=0)  # most leased KV bytes; oldest leases go first
     # The HF engine's prefix cache (engine/prefix_cache.py), both roles: prompt blocks kept for

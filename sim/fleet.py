@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from prfaas.sim.hardware import GPUS, MODELS, ModelProfile, WorkerModel, WorkerTimings
 
 # Measured by the KV transport (docs/benchmarks.md): wire bytes = raw / ratio, on bf16 KV.
-CODEC_RATIOS: dict[str, float] = {"raw": 1.0, "lossless": 1.47, "int8": 2.19, "fp8": 2.43}
+CODEC_RATIOS: dict[str, float] = {
+    "raw": 1.0,
+    "lossless": 1.47,
+    "int8": 2.19,
+    "fp8": 2.43,
+    "kv8": 2.25,
+    "kv6": 2.63,
+    "kv4": 4.22,
+}
 # Goodput / line rate of the adaptive multi-stream transport on clean or BBR paths: 0.88-0.95.
 WIRE_EFFICIENCY = 0.90
 

@@ -53,6 +53,7 @@ import xxhash
 from prfaas.transport.errors import CodecError
 
 if TYPE_CHECKING:
+    from prfaas.transport.kvquant import KVQuantizer
     from prfaas.transport.quant import Quantizer
 
 
@@ -63,6 +64,9 @@ class CodecId(IntEnum):
     LOSSLESS = 1
     FP8 = 2
     INT8 = 3
+    KV8 = 4
+    KV6 = 5
+    KV4 = 6
 
 
 # name -> (dtype code on the wire, bytes per element)
@@ -225,11 +229,16 @@ def _unpack(
     name: str, codec_id: CodecId, payload: bytes | memoryview, meta: TensorMeta, num_scales: int
 ) -> tuple[memoryview, memoryview]:
     """(scales, body) of a payload, after checking its header and checksum against `meta`."""
+    return _unpack_aux(name, codec_id, payload, meta, 4 * num_scales)
+
+
+def _unpack_aux(
+    name: str, codec_id: CodecId, payload: bytes | memoryview, meta: TensorMeta, aux_bytes: int
+) -> tuple[memoryview, memoryview]:
+    """(side data of `aux_bytes`, body) of a payload, after checking its header and checksum against `meta`."""
     view = _bytes_view(name, payload)
-    if len(view) < _HEADER.size + 4 * num_scales:
-        raise CodecError(
-            f"{name} payload truncated: {len(view)} bytes, at least {_HEADER.size + 4 * num_scales} needed"
-        )
+    if len(view) < _HEADER.size + aux_bytes:
+        raise CodecError(f"{name} payload truncated: {len(view)} bytes, at least {_HEADER.size + aux_bytes} needed")
     magic, version, wire_id, dtype_code, flags, nbytes, checksum = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise CodecError(f"{name} payload starts with {bytes(magic)!r}, not the codec magic {MAGIC!r}")
@@ -244,7 +253,7 @@ def _unpack(
     rest = view[_HEADER.size :]
     if xxhash.xxh3_64_intdigest(rest) != checksum:
         raise CodecError(f"{name} payload checksum mismatch: altered or truncated")
-    return rest[: 4 * num_scales], rest[4 * num_scales :]
+    return rest[:aux_bytes], rest[aux_bytes:]
 
 
 class RawCodec:
@@ -304,11 +313,45 @@ class QuantizedCodec:
         return quantizer.dequantize(codes, scales, meta.dtype, shape)
 
 
+class KVQuantizedCodec:
+    """Keys per channel, values rotated and per token (prfaas.transport.kvquant), codes through the lossless
+    stage. The payload's side data is the keys' means and scales, or the values' scales."""
+
+    lossless = False
+
+    def __init__(self, codec_id: CodecId, name: str, quantizer: KVQuantizer | None = None) -> None:
+        """`quantizer`: other parameters than the wire codec `name`'s (benchmarks: bench/codec_quality.py)."""
+        self.codec_id = codec_id
+        self.name = name
+        self._given = quantizer
+
+    def _quantizer(self) -> KVQuantizer:
+        from prfaas.transport.kvquant import KV_QUANTIZERS
+
+        return self._given or KV_QUANTIZERS[self.name]
+
+    def encode(self, data: bytes | memoryview, meta: TensorMeta) -> bytes:
+        view = checked_view(self.name, data, meta)
+        aux, codes = self._quantizer().quantize(view, meta.dtype, _shape3(self.name, meta), meta.part)
+        return _pack(self.codec_id, meta, aux, _compress(codes, 1))
+
+    def decode(self, payload: bytes | memoryview, meta: TensorMeta) -> bytes:
+        shape = _shape3(self.name, meta)
+        quantizer = self._quantizer()
+        aux, body = _unpack_aux(self.name, self.codec_id, payload, meta, quantizer.aux_bytes(shape, meta.part))
+        codes = bytearray(math.prod(shape))
+        _decompress_into(body, codes)
+        return quantizer.dequantize(codes, aux, meta.dtype, shape, meta.part)
+
+
 _CODECS: tuple[Codec, ...] = (
     RawCodec(),
     LosslessCodec(),
     QuantizedCodec(CodecId.FP8, "fp8"),
     QuantizedCodec(CodecId.INT8, "int8"),
+    KVQuantizedCodec(CodecId.KV8, "kv8"),
+    KVQuantizedCodec(CodecId.KV6, "kv6"),
+    KVQuantizedCodec(CodecId.KV4, "kv4"),
 )
 _BY_NAME: dict[str, Codec] = {codec.name: codec for codec in _CODECS}
 _BY_ID: dict[int, Codec] = {int(codec.codec_id): codec for codec in _CODECS}

@@ -79,7 +79,11 @@ class _Job:
 
 @router.get("/models")
 def list_models(_tenant: TenantDep, s: ServicesDep) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": s.model.name, "object": "model", "created": 0, "owned_by": "prfaas"}]}
+    """The served model; `prfaas.kv_codecs`: the codecs its KV may cross the WAN in, with each lossy one's
+    measured quality (what `prfaas.kv_codec` consents to)."""
+    model = {"id": s.model.name, "object": "model", "created": 0, "owned_by": "prfaas",
+             "prfaas": {"kv_codecs": s.kv_codecs}}  # fmt: skip
+    return {"object": "list", "data": [model]}
 
 
 @router.post("/completions", response_model=None)

@@ -367,6 +367,7 @@ class UsageEntryPublic(BaseModel):
     savings_usd: float = Field(description="colocated_usd - total_usd")
     ttft_s: float | None
     tpot_s: float | None
+    codec: str = Field(default="", description="the KV codec its shipment crossed in (empty: local)")
 
 
 class WastedPublic(BaseModel):

@@ -65,6 +65,7 @@ class JobUsage:
     attempts: int = 1  # the attempt that answered
     ttft_s: float | None = None  # job created -> first token reached the control plane
     tpot_s: float | None = None  # mean s per output token after the first
+    codec: str = ""  # the KV codec of its shipment ("" when local)
 
 
 def utc_naive(t: dt.datetime | None) -> dt.datetime:

@@ -53,6 +53,8 @@ class UsageEntry(Base):
     attempts: Mapped[int] = mapped_column(server_default="1")
     ttft_s: Mapped[float | None]
     tpot_s: Mapped[float | None]
+    # 0005: the KV codec its shipment crossed in ("" when local): lossy only with the tenant's consent
+    codec: Mapped[Str16] = mapped_column(server_default="")
 
 
 class WastedAttempt(Base):

@@ -112,4 +112,5 @@ def job_usage(job: dict[str, str], timeline: list[dict[str, Any]]) -> JobUsage:
         kv_bytes_wire=int(job.get("bytes_wire", 0) or 0) if split else 0,
         finished_at=dt.datetime.fromtimestamp(mine.get("DONE", float(job["updated_at"])), dt.UTC),
         placement="split" if split else "local", attempts=attempt, ttft_s=ttft, tpot_s=tpot,
+        codec=job.get("codec", "") if split else "",
     )  # fmt: skip

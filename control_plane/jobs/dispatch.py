@@ -333,6 +333,7 @@ def placed_fields(decision: Decision, decode: InstanceRecord, prefill: InstanceR
         "prefill_region": prefill.name, "decode_instance": decode.instance, "prefill_instance": prefill.instance,
         "decode_grpc": decode.grpc_endpoint, "prefill_grpc": prefill.grpc_endpoint,
         "cost_usd": decision.cost.total_usd, "colocated_cost_usd": decision.colocated_cost.total_usd,
+        "codec": decision.codec or "",
     }  # fmt: skip
 
 

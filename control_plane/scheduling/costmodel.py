@@ -67,7 +67,10 @@ class CostModel:
     `codecs`: the codecs the transport offers; `stream_window_bytes`: the TCP window one stream
     reaches (the stream count covers the link's bandwidth-delay product); `prefill_on_spot`:
     split prefill is priced at a region's spot price when it has one (prefill is idempotent and
-    retried elsewhere if a spot GPU is reclaimed); decode and local prefill are on-demand.
+    retried elsewhere if a spot GPU is reclaimed); decode and local prefill are on-demand;
+    `lossy_min_exposed_share`: a lossy codec the request consented to is used only where it pays,
+    when the best lossless plan's exposed transfer is at least this share of its TTFT (or fits no
+    budget): on a fast link the KV crosses bit for bit even with consent.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class CostModel:
         min_streams: int = 1,
         max_streams: int = 64,
         prefill_on_spot: bool = True,
+        lossy_min_exposed_share: float = 0.2,
     ) -> None:
         if not codecs:
             raise ValueError("at least one codec is needed")
@@ -92,6 +96,7 @@ class CostModel:
         self.min_streams = min_streams
         self.max_streams = max_streams
         self.prefill_on_spot = prefill_on_spot
+        self.lossy_min_exposed_share = lossy_min_exposed_share
 
     @staticmethod
     def queue_wait_s(region: Region, priority: Priority) -> float:
@@ -152,7 +157,8 @@ class CostModel:
         wait_s = self.queue_wait_s(prefill, request.priority)
         prefill_s = uncached_prefill / prefill.prefill_tokens_per_s
         budget_s = request.slo.ttft_ms / 1000.0 - wait_s - prefill_s
-        plan = self.plan_transfer(request, model, link, uncached_decode * model.kv_bytes_per_token, prefill_s, budget_s)
+        plan = self.plan_transfer(request, model, link, uncached_decode * model.kv_bytes_per_token, prefill_s, budget_s,
+                                  wait_s + prefill_s)  # fmt: skip
         price = prefill.usd_per_gpu_hour
         if self.prefill_on_spot and prefill.spot_usd_per_gpu_hour is not None:
             price = prefill.spot_usd_per_gpu_hour
@@ -169,8 +175,9 @@ class CostModel:
         )
 
     def plan_transfer(
-        self, request: Request, model: ModelShape, link: Link, raw_bytes: int, prefill_s: float, budget_s: float
-    ) -> TransferPlan:
+        self, request: Request, model: ModelShape, link: Link, raw_bytes: int, prefill_s: float, budget_s: float,
+        ttft_before_s: float | None = None,
+    ) -> TransferPlan:  # fmt: skip
         """Choose the codec and the starting stream count for one shipment.
 
         Codec: of the allowed codecs whose exposed time fits `budget_s` (the TTFT objective
@@ -183,31 +190,46 @@ class CostModel:
         the maximum is at i = 1 or i = L:
             exposed = max(B / (L r), B / r - prefill_s (L - 1) / L) + RTT / 2
         Streams: enough TCP windows to cover the free bandwidth-delay product.
+
+        Lossy codecs (with consent) are candidates only where they pay: when the plan chosen among the
+        lossless codecs alone fits no budget, or its exposed time is at least `lossy_min_exposed_share`
+        of its TTFT (`ttft_before_s`, the queue wait and prefill before the transfer, plus it).
         """
         free = link.free_bytes_per_s
         one_way_s = link.rtt_ms / 2000.0
         layers = model.num_layers
-        fitting: tuple[int, float, str] | None = None
-        fastest: tuple[float, int, str] | None = None
-        for codec in self.codecs:
-            if codec.lossy and not (request.allow_lossy_codec and request.lossy_codec in (None, codec.name)):
-                continue
-            rate = free * codec.compression_ratio
-            if codec.encode_bytes_per_s is not None:
-                rate = min(rate, codec.encode_bytes_per_s)
-            if raw_bytes == 0:
-                exposed = one_way_s
-            elif rate <= 0:
-                exposed = math.inf
-            else:
-                exposed = max(raw_bytes / (layers * rate), raw_bytes / rate - prefill_s * (layers - 1) / layers)
-                exposed += one_way_s
-            wire = math.ceil(raw_bytes / codec.compression_ratio)
-            if exposed <= budget_s and (fitting is None or (wire, exposed, codec.name) < fitting):
-                fitting = (wire, exposed, codec.name)
-            if fastest is None or (exposed, wire, codec.name) < fastest:
-                fastest = (exposed, wire, codec.name)
-        assert fastest is not None, "the constructor guarantees a lossless codec"
+
+        def choose(candidates: Sequence[CodecOption]) -> tuple[tuple[int, float, str] | None, tuple[float, int, str]]:
+            fitting: tuple[int, float, str] | None = None
+            fastest: tuple[float, int, str] | None = None
+            for codec in candidates:
+                rate = free * codec.compression_ratio
+                if codec.encode_bytes_per_s is not None:
+                    rate = min(rate, codec.encode_bytes_per_s)
+                if raw_bytes == 0:
+                    exposed = one_way_s
+                elif rate <= 0:
+                    exposed = math.inf
+                else:
+                    exposed = max(raw_bytes / (layers * rate), raw_bytes / rate - prefill_s * (layers - 1) / layers)
+                    exposed += one_way_s
+                wire = math.ceil(raw_bytes / codec.compression_ratio)
+                if exposed <= budget_s and (fitting is None or (wire, exposed, codec.name) < fitting):
+                    fitting = (wire, exposed, codec.name)
+                if fastest is None or (exposed, wire, codec.name) < fastest:
+                    fastest = (exposed, wire, codec.name)
+            assert fastest is not None, "the constructor guarantees a lossless codec"
+            return fitting, fastest
+
+        lossless = [c for c in self.codecs if not c.lossy]
+        fitting, fastest = choose(lossless)
+        exposed = fitting[1] if fitting is not None else fastest[0]
+        before = prefill_s if ttft_before_s is None else ttft_before_s
+        slow = fitting is None or exposed >= self.lossy_min_exposed_share * (before + exposed)
+        consented = [c for c in self.codecs if c.lossy and request.allow_lossy_codec
+                     and request.lossy_codec in (None, c.name)]  # fmt: skip
+        if slow and consented:
+            fitting, fastest = choose([*lossless, *consented])
         if fitting is not None:
             wire_bytes, exposed_s, codec_name = fitting
         else:

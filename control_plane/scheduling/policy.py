@@ -83,6 +83,10 @@ class CodecSpec(_Strict):
     compression_ratio: float = Field(ge=1, allow_inf_nan=False, description="raw bytes / wire bytes")
     lossy: bool = False
     encode_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="raw Gbit/s encoded")
+    # its measured quality (lossy codecs; informational: GET /v1/models lists it for tenants choosing consent)
+    token_agreement: float | None = Field(default=None, ge=0, le=1, description="greedy continuation agreement")
+    teacher_forced_agreement: float | None = Field(default=None, ge=0, le=1, description="top-1, teacher-forced")
+    delta_ppl_pct: float | None = Field(default=None, allow_inf_nan=False, description="perplexity change, %")
 
 
 class TransferSpec(_Strict):
@@ -90,6 +94,13 @@ class TransferSpec(_Strict):
     stream_window_bytes: int = Field(default=4 * 2**20, ge=1)
     min_streams: int = Field(default=1, ge=1)
     max_streams: int = Field(default=64, ge=1)
+    lossy_min_exposed_share: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="a consented lossy codec is used only when the best lossless plan's "
+        "exposed transfer is at least this share of its TTFT (a slow link), or fits no TTFT budget",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -173,6 +184,7 @@ def build_scheduler(config: PolicyConfig | None = None, registry: PluginRegistry
         min_streams=transfer.min_streams,
         max_streams=transfer.max_streams,
         prefill_on_spot=config.cost.prefill_on_spot,
+        lossy_min_exposed_share=transfer.lossy_min_exposed_share,
     )
     rules = config.disaggregation
     return GlobalScheduler(

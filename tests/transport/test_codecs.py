@@ -217,8 +217,8 @@ def test_unknown_codec_names_the_known_ones() -> None:
 
 
 def test_codec_ids_and_names_are_the_wire_values() -> None:
-    assert [int(c) for c in CodecId] == [0, 1, 2, 3]
-    assert CODEC_NAMES == ("raw", "lossless", "fp8", "int8")
+    assert [int(c) for c in CodecId] == [0, 1, 2, 3, 4, 5, 6]
+    assert CODEC_NAMES == ("raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4")
     for codec_id, name in zip(CodecId, CODEC_NAMES, strict=True):
         codec: Codec = get_codec(name)
         assert get_codec(codec_id) is codec and get_codec(int(codec_id)) is codec

@@ -147,6 +147,9 @@ def test_objectives_come_from_the_request_then_the_tenant_then_the_settings(
             model="tiny-llama", prompt=[5], max_tokens=2, extra_body={"prfaas": {"kv_codec": "zfp"}}
         )
     assert info.value.code == "unknown_kv_codec" and info.value.param == "prfaas.kv_codec"
+    listed = client.models.list().data[0].model_extra or {}  # what a tenant reads before consenting
+    codecs = {c["name"]: c for c in listed["prfaas"]["kv_codecs"]}
+    assert not codecs["lossless"].get("lossy") and codecs["kv8"]["lossy"] and 0 < codecs["kv8"]["token_agreement"] <= 1
     refused = httpx.post(s.url + "/admin/tenants", json={"name": "x", "kv_codec": "zfp"}, headers=ADMIN, timeout=5)
     assert refused.status_code == 400 and "kv_codec is neither lossless nor" in refused.json()["detail"]
 

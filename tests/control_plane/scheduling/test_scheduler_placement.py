@@ -168,10 +168,16 @@ def test_long_cold_prompt_decision_carries_the_predicted_figures() -> None:
     assert prefill_stage.scores["pre-mid"]["price"] == pytest.approx(3 * 0.009422 / 0.015347, rel=1e-3)
 
 
-def test_lossy_codec_only_when_the_request_allows_it() -> None:
-    decision = SCHEDULER.decide(fleet(), request(allow_lossy_codec=True))
-    assert decision.codec == "int8"  # ratio 2.19 < lossless 1.47 in wire bytes, and fits the TTFT budget
-    assert decision.kv_bytes_wire == math.ceil(655_360_000 / 2.19)
+def test_a_lossy_codec_only_with_consent_and_only_where_it_pays() -> None:
+    fast = SCHEDULER.decide(fleet(), request(allow_lossy_codec=True))
+    assert fast.codec == "lossless"  # 25 ms of its 2.7 s TTFT exposed: a lossy codec would save nothing worth its error
+    # 1 Gbit/s: lossless (1.47x) leaves ~1 s of 3.6 s exposed, >= 20 %: int8 (2.19x) pays, the fewest wire bytes
+    slow = {(p, d): {"bandwidth_gbps": 1.0} for p in ("pre-cheap", "pre-mid") for d in ("dec-east", "dec-west")}
+    consented = SCHEDULER.decide(fleet(links=slow), request(allow_lossy_codec=True, lossy_codec="int8"))
+    assert consented.codec == "int8"  # the one codec consented to (any lossy one: kv4, the fewest bytes)
+    assert consented.kv_bytes_wire == math.ceil(655_360_000 / 2.19)
+    strict = SCHEDULER.decide(fleet(links=slow), request())  # no consent: never lossy
+    assert strict.codec is None and strict.mode is Mode.LOCAL  # lossless over 1 Gbit/s misses the 4 s TTFT SLO
 
 
 def test_local_decision_has_no_transfer() -> None:

@@ -1,0 +1,141 @@
+"""The key- and value-aware codecs (kv8, kv6, kv4): every key within half a step of its channel group's
+scale, every value token within the rotated step's bound, on random and on real KV; zeros stay
+zeros; non-finite input, a payload for the other part and an old peer's unknown codec id are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_codecs import ROUNDING, TORCH, from_bytes, kv_like, tensor_bytes
+
+from prfaas.engine.hf import HFEngine
+from prfaas.engine.sampling import SamplingParams
+from prfaas.transport.codecs import CodecId, TensorMeta, get_codec
+from prfaas.transport.errors import CodecError, FrameError
+from prfaas.transport.inbound import OpenInfo
+from prfaas.transport.kvquant import KV_QUANTIZERS, hadamard
+
+KV_CODECS = tuple(KV_QUANTIZERS)
+dtypes = st.sampled_from(sorted(TORCH))
+shapes = st.tuples(st.integers(0, 3), st.integers(0, 70), st.sampled_from([0, 1, 3, 8, 16]))
+
+
+def round_trip(name: str, x: torch.Tensor, dtype: str, part: int) -> torch.Tensor:
+    meta = TensorMeta(dtype, tuple(x.shape), part)
+    codec = get_codec(name)
+    y = from_bytes(codec.decode(codec.encode(tensor_bytes(x), meta), meta), meta)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    return y
+
+
+def assert_keys_within_bound(name: str, x: torch.Tensor, y: torch.Tensor, dtype: str) -> None:
+    """Centred by the channel mean, quantized with a bf16 scale per (head, token group, channel):
+    half a step, or what the bf16 rounding of the scale clamps (amax * 2**-8), plus rounding into dtype."""
+    q = KV_QUANTIZERS[name]
+    x64, y64 = x.double(), y.double()
+    centred = x64 - x64.mean(dim=1, keepdim=True)
+    tokens = x.shape[1]
+    size = q.k_group or max(1, tokens)
+    groups = [centred[:, i : i + size] for i in range(0, tokens, size)]
+    amax = torch.cat([g.abs().amax(dim=1, keepdim=True).expand_as(g) for g in groups], dim=1)
+    bound = amax / q.k_qmax * 0.5 + amax * 2.0**-8 + ROUNDING[dtype] * y64.abs() + 1e-6 * (x64.abs() + amax) + 2e-24
+    assert bool(((y64 - x64).abs() <= bound * 1.01).all())
+
+
+def assert_values_within_bound(name: str, x: torch.Tensor, y: torch.Tensor, dtype: str) -> None:
+    """Rotated (head_dim a power of two), quantized with a bf16 scale per token: each token's error norm
+    within sqrt(head_dim) x (half a step + the scale's clamp), the rotation keeping norms, plus rounding."""
+    q = KV_QUANTIZERS[name]
+    x64, y64 = x.double(), y.double()
+    head_dim = x.shape[2]
+    rotated = x64 @ hadamard(head_dim).double() if head_dim > 1 and head_dim & (head_dim - 1) == 0 else x64
+    amax = rotated.abs().amax(dim=2)
+    err = (y64 - x64).norm(dim=2)
+    bound = math.sqrt(head_dim) * (amax / q.v_qmax * 0.5 + amax * 2.0**-8) + ROUNDING[dtype] * y64.norm(dim=2) * 2
+    assert bool((err <= bound * 1.01 + 1e-6 * x64.norm(dim=2) + 2e-24).all())
+
+
+@pytest.mark.parametrize("name", KV_CODECS)
+@settings(max_examples=30, deadline=None)
+@given(dtype=dtypes, shape=shapes, seed=st.integers(0, 2**32 - 1))
+def test_keys_come_back_within_half_a_channel_step(
+    name: str, dtype: str, shape: tuple[int, int, int], seed: int
+) -> None:
+    x = kv_like(shape, dtype, seed, decades=2)
+    y = round_trip(name, x, dtype, 0)
+    if x.numel():
+        assert_keys_within_bound(name, x, y, dtype)
+
+
+@pytest.mark.parametrize("name", KV_CODECS)
+@settings(max_examples=30, deadline=None)
+@given(dtype=dtypes, shape=shapes, seed=st.integers(0, 2**32 - 1))
+def test_values_come_back_within_the_rotated_token_step(
+    name: str, dtype: str, shape: tuple[int, int, int], seed: int
+) -> None:
+    x = kv_like(shape, dtype, seed, decades=2)
+    y = round_trip(name, x, dtype, 1)
+    if x.numel():
+        assert_values_within_bound(name, x, y, dtype)
+
+
+@pytest.fixture(scope="module")
+def real_kv(tiny_engine: HFEngine, long_text: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ids = tiny_engine.encode(long_text)[2000:2300]
+    kv = tiny_engine.prefill(ids, SamplingParams(max_new_tokens=1)).kv
+    return [(layer.k, layer.v) for layer in kv.layers]
+
+
+@pytest.mark.parametrize("name", KV_CODECS)
+def test_real_kv_comes_back_within_the_bounds_and_compresses(
+    name: str, real_kv: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    raw = wire = 0
+    for k, v in real_kv:
+        for part, t in ((0, k), (1, v)):
+            bf16 = t.to(torch.bfloat16)
+            meta = TensorMeta("bfloat16", tuple(t.shape), part)
+            raw += meta.nbytes
+            wire += len(get_codec(name).encode(tensor_bytes(bf16), meta))
+        assert_keys_within_bound(name, k, round_trip(name, k, "float32", 0), "float32")
+        assert_values_within_bound(name, v, round_trip(name, v, "float32", 1), "float32")
+    floor = {"kv8": 1.9, "kv6": 2.2, "kv4": 3.5}[name]  # bf16 raw / wire; SmolLM2: 2.2, 2.55, 4.2
+    assert raw / wire > floor
+
+
+@pytest.mark.parametrize("name", KV_CODECS)
+@pytest.mark.parametrize("part", [0, 1])
+def test_zeros_stay_zeros(name: str, part: int) -> None:
+    x = torch.zeros(3, 5, 8, dtype=torch.bfloat16)
+    x[1] = torch.linspace(-2, 2, 40).view(5, 8)
+    y = round_trip(name, x, "bfloat16", part)
+    assert torch.equal(y[0], x[0]) and torch.equal(y[2], x[2])
+
+
+@pytest.mark.parametrize("name", KV_CODECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_are_refused(name: str, bad: float) -> None:
+    x = torch.ones(2, 3, 4)
+    x[1, 2, 3] = bad
+    with pytest.raises(CodecError, match="NaN or infinity"):
+        get_codec(name).encode(tensor_bytes(x), TensorMeta("float32", (2, 3, 4), 1))
+
+
+def test_a_key_payload_does_not_decode_as_values() -> None:
+    x = kv_like((2, 40, 8), "float32", seed=5)
+    codec = get_codec("kv8")
+    payload = codec.encode(tensor_bytes(x), TensorMeta("float32", (2, 40, 8), 0))
+    with pytest.raises(CodecError):  # another side-data size: the checksum or the layout does not fit
+        codec.decode(payload, TensorMeta("float32", (2, 40, 8), 1))
+
+
+def test_an_old_peer_refuses_a_shipment_in_a_codec_id_it_does_not_know() -> None:
+    assert [int(CodecId.KV8), int(CodecId.KV6), int(CodecId.KV4)] == [4, 5, 6]
+    opened = {"ticket": "t", "num_layers": 1, "dtype": "bfloat16", "layer_shapes": [[1, 2, 8]], "codec": 99,
+              "chunk_bytes": 4096}  # fmt: skip
+    with pytest.raises(FrameError, match="codec"):
+        OpenInfo.from_json(opened)
