@@ -19,7 +19,7 @@ from prfaas.transport.errors import CodecError
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Half an ulp of each dtype's mantissa: the error of rounding a float32 into it.
 ROUNDING = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-LOSSY = ("fp8", "int8")
+LOSSY = ("fp8", "int8", "kv8", "kv6", "kv4")
 Bound = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (x, y, dtype) -> allowed |y - x|
 
 dtypes = st.sampled_from(sorted(TORCH))
@@ -113,22 +113,24 @@ def test_int8_error_is_within_half_a_channel_scale(dtype: str, shape: tuple[int,
 
 
 @pytest.mark.parametrize("name", LOSSY)
-def test_lossy_codecs_keep_zeros_and_all_zero_heads(name: str) -> None:
+@pytest.mark.parametrize("part", [0, 1])  # keys and values: the kv codecs code them apart
+def test_lossy_codecs_keep_zeros_and_all_zero_heads(name: str, part: int) -> None:
     x = torch.zeros(3, 5, 8, dtype=torch.bfloat16)
     x[1] = torch.linspace(-2, 2, 40).view(5, 8)
-    meta = TensorMeta("bfloat16", (3, 5, 8))
+    meta = TensorMeta("bfloat16", (3, 5, 8), part)
     codec = get_codec(name)
     y = from_bytes(codec.decode(codec.encode(tensor_bytes(x), meta), meta), meta)
     assert torch.equal(y[0], x[0]) and torch.equal(y[2], x[2])
 
 
 @pytest.mark.parametrize("name", LOSSY)
+@pytest.mark.parametrize("part", [0, 1])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_lossy_codecs_refuse_non_finite_values(name: str, bad: float) -> None:
+def test_lossy_codecs_refuse_non_finite_values(name: str, part: int, bad: float) -> None:
     x = torch.ones(2, 3, 4)
     x[1, 2, 3] = bad
     with pytest.raises(CodecError, match="NaN or infinity"):
-        get_codec(name).encode(tensor_bytes(x), TensorMeta("float32", (2, 3, 4)))
+        get_codec(name).encode(tensor_bytes(x), TensorMeta("float32", (2, 3, 4), part))
 
 
 @pytest.mark.parametrize("name", LOSSY)
