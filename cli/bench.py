@@ -57,6 +57,28 @@ def _table(summaries: dict[str, dict[str, Any]]) -> Table:
     return table
 
 
+def shipped_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """Per policy: the KV it shipped (raw -> wire, the codec's ratio) and its cost against
+    every request run colocated (the jobs' own counterfactual)."""
+    lines = []
+    for policy, s in summaries.items():
+        kv, cost, codecs = s["kv_bytes"], s["cost"], s.get("codecs") or {}
+        shipped = s["placements"].get("split", 0)
+        text = f"{policy}: {shipped} of {s['completed']} requests split"
+        if kv["raw"]:
+            ratio = kv["raw"] / kv["wire"] if kv["wire"] else float("inf")
+            used = ", ".join(f"{name} x{n}" for name, n in sorted(codecs.items())) or "codec unknown"
+            text += f"; KV {kv['raw'] / 1e6:,.1f} MB raw -> {kv['wire'] / 1e6:,.1f} MB on the wire"
+            text += f" ({ratio:.2f}x, {used})"
+        if cost and cost["colocated_usd"]:
+            saved = 1 - cost["usd"] / cost["colocated_usd"]
+            text += f"; ${cost['usd']:.4f} against ${cost['colocated_usd']:.4f} all colocated "
+            same = abs(saved) < 0.005
+            text += "(the same)" if same else f"({saved:.0%} saved)" if saved > 0 else f"({-saved:.0%} more)"
+        lines.append(text)
+    return lines
+
+
 def bench(
     api_base: str = typer.Option(None, help="OpenAI base URL (default: from $PRFAAS_HOME/up.json)"),
     api_key: str = typer.Option(None, envvar="PRFAAS_API_KEY", help="tenant API key (default: up.json)"),
@@ -149,6 +171,8 @@ def bench(
         summaries, rows = session.run(base, key, served, send, num_requests, warm, policies, timeout_s,
                                       (slo_ttft_ms / 1e3, slo_tpot_ms / 1e3), progress)  # fmt: skip
     console.print(_table(summaries))
+    for line in shipped_lines(summaries):
+        console.print(line, highlight=False)
     result = session.result(base, served, spec, concurrency, summaries)
     if "ratios" in result:
         ratio_table = Table("policy", *(label for label, _, _ in report.RATIO_KEYS), title=f"ratio to {policies[0]}")

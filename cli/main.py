@@ -11,6 +11,7 @@ from rich.table import Table
 
 from prfaas.cli.bench import bench as bench_command
 from prfaas.cli.sim import sim_app
+from prfaas.cli.tour import tour as tour_command
 from prfaas.engine.errors import EngineError
 
 app = typer.Typer(
@@ -200,7 +201,7 @@ def up(
     `prfaas down`) stops everything."""
     from rich.markup import escape
 
-    from prfaas.devstack.deployment import run_up
+    from prfaas.devstack.deployment import check_policy, run_up
     from prfaas.devstack.state import UpError
     from prfaas.devstack.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
     from prfaas.engine.models import prfaas_home
@@ -213,6 +214,12 @@ def up(
     except TopologyError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
+    try:
+        check_policy(spec)  # before a model build makes a bad policy wait
+    except UpError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    _prepare_for_up(spec.name, spec.model)
 
     def ready(state: object) -> None:
         from prfaas.devstack.state import UpState
@@ -232,6 +239,34 @@ def up(
     except UpError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
+    except Exception as exc:  # anything unforeseen is still one line, not a traceback (what started is stopped)
+        logs = prfaas_home() / "up"
+        console.print(f"[red]error:[/red] up failed: {type(exc).__name__}: {escape(str(exc))} (logs in {logs})",
+                      highlight=False)  # fmt: skip
+        raise typer.Exit(2) from None
+
+
+def _prepare_for_up(topology: str, model: str) -> None:
+    """Build the topology's catalog model when this home lacks it (a bar while it builds), before
+    `up` starts anything; an unknown model or a failed build is one line and exit status 2."""
+    from rich.markup import escape
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from prfaas.engine.models import models_root, prepare_model, unprepared
+
+    try:
+        missing = unprepared(model)
+        if missing is None:
+            return
+        _quiet_transformers()
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:  # fmt: skip
+            bar.add_task(f"preparing model {missing} in {models_root()} (first run only)", total=None)
+            prepared = prepare_model(missing)
+    except EngineError as exc:
+        console.print(f"[red]error:[/red] topology {topology!r}: model: {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(f"prepared {prepared.name} at {prepared.path} (sha256 {prepared.checksum[:16]}...)")
 
 
 @app.command()
@@ -252,6 +287,7 @@ def down() -> None:
 
 
 app.command("bench")(bench_command)
+app.command("tour")(tour_command)
 
 
 app.add_typer(sim_app, name="sim")

@@ -100,7 +100,7 @@ class Services:
         split = build_scheduler(policy)
         split.rule = DisaggregationRule(min_uncached_tokens=1, min_cost_gain=-1e9, min_ttft_gain=-1e9)
         local = build_scheduler(policy)
-        local.rule = dataclasses.replace(local.rule, min_uncached_tokens=1 << 62)
+        local.rule = dataclasses.replace(local.rule, min_uncached_tokens=DisaggregationRule.NEVER)
         schedulers = {"auto": auto, "split": split, "local": local} | dict.fromkeys(BLIND, auto)  # no prefix hints
         return cls(
             settings, client, JobStore(client, settings), TenantStore(client, settings, database),

@@ -101,6 +101,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         self._tombstones: dict[str, Tombstone] = {}
         self._local: dict[str, threading.Event] = {}  # Generate jobs: job id -> cancel
         self._rate = 0.0  # tokens/s, smoothed
+        self._prefill_rate = 0.0  # prompt tokens/s of local prefills (Generate), smoothed: what local costs
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="prfaas-decode-reaper", daemon=True)
         self._reaper.start()
@@ -313,15 +314,27 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         try:
             with self.workers.slot(deadline):
                 salt = request.cache_salt if request.HasField("cache_salt") else None
+                begun = time.monotonic()
                 generated = self.backend.generate(token_ids, params, deadline, canceled, salt)
                 rests = generated.tokens
-                yield from self._tokens(None, rests, params, canceled, deadline, started, "local",
-                                        generated.cached_tokens)  # fmt: skip
+                events = self._tokens(None, rests, params, canceled, deadline, started, "local",
+                                      generated.cached_tokens)  # fmt: skip
+                for i, event in enumerate(events):
+                    if i == 0:  # the first token ends the prefill (one decode step beside it)
+                        self._count_prefill(len(token_ids) - generated.cached_tokens, time.monotonic() - begun)
+                    yield event
         finally:
             for rest in rests:
                 close_tokens(rest)
             with self._lock:
                 self._local.pop(job_id, None)
+
+    def _count_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0:
+            return  # all of it cached: nothing measured
+        rate = num_tokens / max(seconds, 1e-6)
+        self._prefill_rate = rate if self._prefill_rate == 0 else 0.8 * self._prefill_rate + 0.2 * rate
+        metrics.PREFILL_TOKENS_PER_S.set(self._prefill_rate)
 
     # -- region ----------------------------------------------------------------------------
 
@@ -333,6 +346,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         return {
             "queue_depth": self.workers.waiting, "busy_workers": self.workers.busy, "kv_used_bytes": used,
             "kv_free_bytes": self.book.capacity_bytes - used, "decode_tokens_per_s": self._rate,
+            "prefill_tokens_per_s": self._prefill_rate,
             "decode_running": self.workers.busy, "decode_slots": self.workers.num_workers,
         }  # fmt: skip
 

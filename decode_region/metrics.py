@@ -13,3 +13,6 @@ SHIPMENT_SECONDS = Counter("prfaas_decode_kv_wait_seconds_total", "seconds from 
 BUSY_WORKERS = Gauge("prfaas_decode_busy_workers", "engine workers decoding or generating now")
 TOKENS = Counter("prfaas_decode_tokens_total", "tokens streamed, by path", ["path"])
 TOKENS_PER_S = Gauge("prfaas_decode_tokens_per_second", "recent decode throughput (tokens/s)")
+PREFILL_TOKENS_PER_S = Gauge(
+    "prfaas_decode_local_prefill_tokens_per_second", "recent prefill throughput of local (Generate) requests (tokens/s)"
+)

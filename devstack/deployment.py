@@ -33,7 +33,8 @@ from typing import Any
 import httpx
 import redis
 
-from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML
+from prfaas.control_plane.scheduling.errors import PolicyConfigError
+from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML, parse_policy
 from prfaas.devstack.network import LoopbackNetwork, Network, WanMesh
 from prfaas.devstack.pki import DeploymentPki
 from prfaas.devstack.processes import (
@@ -42,6 +43,7 @@ from prfaas.devstack.processes import (
     free_port,
     group_alive,
     http_ok,
+    log_cause,
     pid_alive,
     spawn_region,
     wait_until,
@@ -51,6 +53,8 @@ from prfaas.devstack.processes import (
 from prfaas.devstack.state import UpError, UpState, read_state, state_path, stop_state, write_state
 from prfaas.devstack.tenant import demo_tenant
 from prfaas.devstack.topology import Topology
+from prfaas.engine.errors import EngineError
+from prfaas.engine.models import unprepared
 
 START_TIMEOUT_S = 180.0
 
@@ -66,14 +70,22 @@ def _redis_answers(url: str) -> bool:
 
 
 def _policy_yaml(topology: Topology) -> str:
+    """The policy the control plane runs (the topology's file, or the default with its threshold),
+    validated: `UpError` names what is wrong."""
     if topology.policy.path is not None:
         try:
-            return topology.policy.path.read_text()
+            text = topology.policy.path.read_text()
         except OSError as exc:
             raise UpError(f"policy.path: cannot read {topology.policy.path}: {exc.strerror}") from None
-    text = DEFAULT_POLICY_YAML
-    if topology.policy.min_uncached_tokens is not None:
-        text = text.replace("min_uncached_tokens: 19400", f"min_uncached_tokens: {topology.policy.min_uncached_tokens}")
+    else:
+        text = DEFAULT_POLICY_YAML
+        if topology.policy.min_uncached_tokens is not None:
+            text = text.replace("min_uncached_tokens: 19400",
+                                f"min_uncached_tokens: {topology.policy.min_uncached_tokens}")  # fmt: skip
+    try:
+        parse_policy(text)
+    except PolicyConfigError as exc:
+        raise UpError(f"policy {topology.policy.path or '(default)'}: {exc}") from None
     return text
 
 
@@ -219,12 +231,14 @@ class Deployment:
         try:
             wait_until(lambda: self._alive("api") and http_ok(self.state.url + "/readyz"), 60, 0.1)
         except AssertionError:
-            raise UpError(f"the API did not become ready (log {self.run_dir / 'api.log'})") from None
+            log = self.run_dir / "api.log"
+            raise UpError(f"api not ready after 60 s: {log_cause(log)} (log {log})") from None
         self.say(f"control plane: {self.state.url} (registry {self.state.registry})")
 
     def _alive(self, name: str) -> bool:
         if self.procs[name].poll() is not None:
-            raise UpError(f"{name} exited with status {self.procs[name].returncode} (log {self.run_dir / name}.log)")
+            log = self.run_dir / f"{name}.log"
+            raise UpError(f"{name} exited with status {self.procs[name].returncode}: {log_cause(log)} (log {log})")
         return True
 
     def _process(self, name: str, k: int) -> str:
@@ -341,6 +355,24 @@ class Deployment:
             state_path(self.home).unlink()
 
 
+def check_policy(topology: Topology) -> None:
+    """`UpError` (one line) unless the topology's policy validates."""
+    _policy_yaml(topology)
+
+
+def preflight(topology: Topology) -> None:
+    """`UpError` (one line) unless the topology's policy is valid and its model resolves here (an
+    HF folder or a prepared catalog model; `prfaas up` prepares a missing catalog model first)."""
+    _policy_yaml(topology)
+    try:
+        missing = unprepared(topology.model)
+    except EngineError as exc:
+        raise UpError(f"topology {topology.name!r}: model: {exc}") from None
+    if missing is not None:
+        raise UpError(f"topology {topology.name!r}: model {missing!r} is not prepared; run `prfaas model prepare "
+                      f"{missing}`")  # fmt: skip
+
+
 def run_up(
     topology: Topology,
     topology_path: str,
@@ -354,7 +386,9 @@ def run_up(
     insecure: bool = False,
 ) -> UpState | None:
     """Start the deployment; unless `detach`, keep it up until SIGINT/SIGTERM, then stop it.
-    Returns the state (None once a foreground run has stopped). Raises `UpError`."""
+    Returns the state (None once a foreground run has stopped). Raises `UpError`, and before
+    any process starts when the topology's model is unknown or not prepared (`preflight`)."""
+    preflight(topology)
     old = read_state(home)
     if old is not None:
         if any(group_alive(g) for g in old.groups.values()) or (old.supervisor_pid and pid_alive(old.supervisor_pid)):

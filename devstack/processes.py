@@ -103,6 +103,31 @@ class RegionProcess:
                 self.proc.wait(5)
 
 
+def failure_cause(lines: Sequence[str], limit: int = 300) -> str:
+    """The line of a process's output that says why it stopped: the last traceback's exception
+    line (`ModelNotPrepared: model ...`), else the last `error:` line, else the last line;
+    "no output" for none. At most `limit` characters."""
+    text = [line.rstrip() for line in lines if line.strip()]
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
+    cause = ""
+    if starts:  # frames are indented; the first line at the margin after them names the exception
+        cause = next((line for line in text[starts[-1] + 1 :] if not line[:1].isspace()), "")
+    if not cause:
+        cause = next((line for line in reversed(text) if "error:" in line.lower()), text[-1] if text else "no output")
+    cause = cause.strip()
+    return cause if len(cause) <= limit else cause[: limit - 3] + "..."
+
+
+def log_cause(log: Path) -> str:
+    """`failure_cause` of a log file (its last 64 KiB)."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - (64 << 10)))
+            return failure_cause(f.read().decode(errors="replace").splitlines())
+    except OSError as exc:
+        return f"no log ({exc.strerror})"
+
+
 def _ready_fields(line: str) -> dict[str, str]:
     return dict(part.partition("=")[::2] for part in line.split()[1:])
 
@@ -152,9 +177,12 @@ def spawn_region(
             lines[:] = log.read_text(errors="replace").splitlines()
             ready.update(next((_ready_fields(x) for x in lines if x.startswith("ready ")), {}))
     if not ready:
+        status = proc.poll()
         proc.kill()
         proc.wait(5)
-        raise RuntimeError(f"region {config.stem} did not start:\n" + "\n".join(lines[-30:]))
+        how = f"exited with status {status}" if status is not None else f"not ready after {timeout_s:.0f} s"
+        where = f" (log {log})" if log is not None else ":\n" + "\n".join(lines[-30:])
+        raise RuntimeError(f"region {config.stem} {how}: {failure_cause(lines)}{where}")
     return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines, ready.get("region", ""),
                          ready.get("instance", ""))  # fmt: skip
 

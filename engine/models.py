@@ -158,20 +158,27 @@ def prepare_model(name: str, root: Path | None = None, *, force: bool = False) -
     return PreparedModel(name, target, checksum, reused=False)
 
 
-def resolve_model(name_or_path: str | Path) -> Path:
-    """A model folder from a catalog name (must be prepared) or a path to an HF folder."""
+def unprepared(name_or_path: str | Path) -> str | None:
+    """The catalog name when `name_or_path` names a catalog model not prepared here yet (what
+    `prepare_model` would build); None when it resolves as it is (an HF folder, a prepared
+    catalog model). `UnknownModel` when it is neither a folder nor in the catalog."""
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        return path
+        return None
     name = str(name_or_path)
     if name in _catalog():
-        target = models_root() / name
-        if _read_manifest(target) is None:
-            raise ModelNotPrepared(f"model {name!r} is not prepared; run `prfaas model prepare {name}`")
-        return target
+        return name if _read_manifest(models_root() / name) is None else None
     raise UnknownModel(
         f"{name!r} is neither a catalog model ({', '.join(sorted(_catalog()))}) nor a folder with a config.json"
     )
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """A model folder from a catalog name (must be prepared) or a path to an HF folder."""
+    if (name := unprepared(name_or_path)) is not None:
+        raise ModelNotPrepared(f"model {name!r} is not prepared; run `prfaas model prepare {name}`")
+    path = Path(name_or_path).expanduser()
+    return path if path.is_dir() and (path / "config.json").is_file() else models_root() / str(name_or_path)
 
 
 def model_fingerprint(folder: Path) -> str:

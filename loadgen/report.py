@@ -31,6 +31,16 @@ def _dist(values: list[float]) -> dict[str, float | None]:
     return out
 
 
+def _codecs(ok: list[Outcome]) -> dict[str, int]:
+    """How many shipments (requests whose KV was shipped) used each codec."""
+    counts: dict[str, int] = {}
+    for o in ok:
+        codec = (o.job.get("decision") or {}).get("codec")
+        if codec and int(o.job.get("bytes_raw", 0) or 0):
+            counts[str(codec)] = counts.get(str(codec), 0) + 1
+    return counts
+
+
 def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
     """Latency percentiles (s), throughput, goodput: requests/s that met both SLOs (DistServe)."""
     ok = [o for o in outcomes if o.ok]
@@ -71,6 +81,7 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft_s: float, slo_tpo
         },
         "kv_bytes": {"raw": sum(int(o.job.get("bytes_raw", 0)) for o in ok),
                      "wire": sum(int(o.job.get("bytes_wire", 0)) for o in ok)},
+        "codecs": _codecs(ok),
         # prompt tokens the regions computed for the answers (a prefix cache served the rest: cached_tokens)
         "prefill_tokens_computed": sum(o.prompt_tokens - int(o.job.get("cached_tokens", 0) or 0) for o in ok),
         "cached_tokens": sum(int(o.job.get("cached_tokens", 0) or 0) for o in ok),

