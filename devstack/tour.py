@@ -23,10 +23,11 @@ PROMPT = (
 # The policies of the fleet view: prfaas beside the two disaggregated baselines it is measured against.
 FLEET_POLICIES = ("prfaas", "homogeneous-pd", "naive-heterogeneous")
 WHY_THEY_DIFFER = (
-    "On this host every region shares the same 2 CPU cores and the 'WAN' is loopback, so splitting can only "
-    "add a KV shipment and a hop: prefill is not cheaper anywhere and no decode is shielded from long prompts. "
-    "In a fleet, prefill runs on cheap compute-dense GPUs elsewhere and decode GPUs stop stalling behind long "
-    "prompts, which is where the fleet's throughput at SLO and P90 TTFT above come from."
+    "Why the two tables differ: on this host the three regions share 2 CPU cores and the 'WAN' is loopback, so "
+    "the $ column is the topology's price book applied to what each region ran, and the latencies say how 2 cores "
+    "are shared, not what a split gains. A fleet has what one host lacks: prefill on cheap compute-dense GPUs "
+    "elsewhere, decode GPUs no longer stalled behind long prompts, a real link whose bytes the codec saves; that "
+    "is where the fleet's throughput at SLO and P90 TTFT come from."
 )
 
 
