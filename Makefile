@@ -124,7 +124,7 @@ pytest-vllm: vllm-install models services
 # The whole deployment of examples/topology.yaml on this machine with SmolLM2-135M (prfaas up), then
 # `prfaas tour`: one real completion split and local, three placement policies on one workload, the
 # fleet-scale view from the simulator; then prfaas down (also on failure or Ctrl-C).
-demo: models
+demo: install
 	$(BIN)/prfaas up --detach --topology examples/topology.yaml --model smollm2-135m
 	trap '$(BIN)/prfaas down' EXIT INT TERM; $(BIN)/prfaas tour --out build/demo
 
