@@ -27,16 +27,19 @@ def _mb(n: int) -> str:
 
 
 def tour(
-    num_requests: int = typer.Option(12, "--num-requests", "-n", help="requests per policy in the policy table"),
+    num_requests: int = typer.Option(8, "--num-requests", "-n", help="requests per policy in the policy table"),
     max_tokens: int = typer.Option(48, help="tokens of the split-vs-local completion"),
-    fleet: bool = typer.Option(True, help="the fleet-scale view from the simulator (about a minute)"),
+    fleet: bool = typer.Option(True, help="the fleet-scale view from the simulator (about 20 s)"),
+    fleet_requests: int = typer.Option(
+        1500, min=100, help="requests per simulated run of the fleet view (the scenario's own: 3000, twice the time)"
+    ),
     out: Path = typer.Option(None, help="folder for the policy table's bench.json (default $PRFAAS_HOME/bench/)"),
     json_path: Path = typer.Option(None, "--json", help="write the completions and the fleet rows here"),
 ) -> None:
     """The first run's story on a running `prfaas up`: one real completion split and local
     (identical), three placement policies on one workload, then the fleet the simulator models."""
     from prfaas.devstack.state import read_state
-    from prfaas.devstack.tour import WHY_THEY_DIFFER, TourError, completion_pair
+    from prfaas.devstack.tour import SCENARIO, WHY_THEY_DIFFER, TourError, completion_pair, fleet_command
     from prfaas.engine.models import prfaas_home
     from prfaas.loadgen.client import fetch_models
 
@@ -71,10 +74,12 @@ def tour(
     _bench([*BENCH_ARGS, "-n", str(num_requests), *(["--out", str(out)] if out else [])])
 
     if fleet:
-        console.rule("3. The same scheduler on a modelled fleet (prfaas sim run --scenario prfaas-case-study)")
-        rows = _fleet()
+        command = fleet_command(SCENARIO, fleet_requests)
+        console.rule("3. The same scheduler on a modelled fleet")
+        console.print(command, highlight=False)
+        rows = _fleet(fleet_requests)
         console.print(WHY_THEY_DIFFER, highlight=False)
-        report["fleet"] = rows
+        report["fleet"] = {"command": command, "rows": rows}
 
     console.rule("Yours to explore")
     console.print(f"dashboard  {state.dashboard_url} (sign in with the API key)", highlight=False)
@@ -108,18 +113,20 @@ def _bench(args: list[str]) -> None:
         raise _fail(f"prfaas bench {' '.join(args)} exited with status {code}")
 
 
-def _fleet() -> list[dict[str, Any]]:
+def _fleet(num_requests: int) -> list[dict[str, Any]]:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from prfaas.devstack.tour import fleet_rows, fleet_view
+    from prfaas.devstack.tour import SCENARIO, fleet_rows, fleet_view
 
     with Progress(SpinnerColumn(), TextColumn("{task.completed} runs"), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:  # fmt: skip
         task = bar.add_task("simulating", total=None)
         rows = fleet_view(
+            SCENARIO,
+            num_requests,
             on_run=lambda name, m: bar.update(
                 task, advance=1, description=f"{name}: {m.rate_rps:.3g} req/s -> {m.slo_attainment:.0%} in SLO"
-            )
+            ),
         )
     closing = fleet_rows(rows)
     table = Table(

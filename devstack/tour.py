@@ -20,6 +20,7 @@ PROMPT = (
     "limited by compute; decode produces one token at a time and is limited by memory bandwidth. "
     "Explain in two sentences why a provider would run the two phases in different data centres."
 )
+SCENARIO = "prfaas-case-study"  # the fleet view's: the PrfaaS paper's case study (docs/simulator.md)
 # The policies of the fleet view: prfaas beside the two disaggregated baselines it is measured against.
 FLEET_POLICIES = ("prfaas", "homogeneous-pd", "naive-heterogeneous")
 WHY_THEY_DIFFER = (
@@ -83,11 +84,22 @@ def completion_pair(
     return done[0], done[1]
 
 
-def fleet_view(scenario: str = "prfaas-case-study", on_run: Any = None) -> list[dict[str, Any]]:
-    """`prfaas sim run --scenario SCENARIO` for prfaas and the two PD baselines: one row per policy."""
+def fleet_command(scenario: str, num_requests: int | None) -> str:
+    """The `prfaas sim run` command line that gives the same rows as `fleet_view`."""
+    policies = " ".join(f"--policy {name}" for name in FLEET_POLICIES)
+    return (
+        f"prfaas sim run --scenario {scenario}"
+        + (f" --requests {num_requests}" if num_requests else "")
+        + (f" {policies}")
+    )
+
+
+def fleet_view(scenario: str = SCENARIO, num_requests: int | None = None, on_run: Any = None) -> list[dict[str, Any]]:
+    """`fleet_command(scenario, num_requests)`: prfaas and the two PD baselines, one row per policy
+    (`num_requests` None: the scenario's own count)."""
     from prfaas.sim.compare import compare
 
-    return compare(scenario, policies=list(FLEET_POLICIES), on_run=on_run)
+    return compare(scenario, policies=list(FLEET_POLICIES), num_requests=num_requests, on_run=on_run)
 
 
 def fleet_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@ small scenario), and the one-line refusal when nothing is up. The tour itself ru
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from prfaas.devstack.tour import FLEET_POLICIES, fleet_rows, fleet_view
+from prfaas.devstack.tour import FLEET_POLICIES, fleet_command, fleet_rows, fleet_view
 
 
 def test_the_fleet_rows_set_prfaas_beside_each_baseline_on_one_simulated_fleet() -> None:
@@ -24,6 +25,19 @@ def test_the_fleet_rows_set_prfaas_beside_each_baseline_on_one_simulated_fleet()
         assert row["prfaas_throughput_x"] == pytest.approx(ours["throughput_at_slo_rps"] / row["throughput_at_slo_rps"])
         assert row["prfaas_ttft_p90_x"] == pytest.approx(ours["ttft_p90_s"] / row["ttft_p90_s"])
         assert row["gpus"] == ours["gpus"]  # the baselines get the same number of GPUs
+
+
+def test_the_printed_command_gives_the_same_rows(tmp_path: Path) -> None:
+    command = fleet_command("small", 300)
+    assert command.startswith("prfaas sim run --scenario small --requests 300 --policy prfaas ")
+    argv = [sys.executable, "-m", "prfaas.cli.main", *command.split()[1:], "--json", str(tmp_path / "rows.json")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    printed = json.loads((tmp_path / "rows.json").read_text())
+    viewed = fleet_view("small", 300)
+    assert [(r["policy"], r["throughput_at_slo_rps"]) for r in printed] == [
+        (r["policy"], r["throughput_at_slo_rps"]) for r in viewed
+    ]
 
 
 def test_the_tour_without_a_deployment_says_what_to_run(tmp_path: Path) -> None:
