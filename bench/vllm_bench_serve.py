@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 if __name__ == "__main__":
-    from vllm.benchmarks.serve import add_cli_args, main  # type: ignore[import-not-found]
+    from vllm.benchmarks.serve import add_cli_args, main
 
     parser = argparse.ArgumentParser("vllm bench serve")
     add_cli_args(parser)
