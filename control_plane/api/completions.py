@@ -180,6 +180,7 @@ def _start(
     key: str | None, choices: list[Choice],
 ) -> _Job:  # fmt: skip
     s, tenant = g.services, g.tenant
+    received = time.perf_counter()
     body_hash = _body_hash(g, body, kind) if key else ""
     try:
         admission = s.jobs.admit(tenant.id, tenant.quota, idempotency_key=key, body_hash=body_hash)
@@ -198,6 +199,7 @@ def _start(
         raise
     if record is None:  # a concurrent request with the same Idempotency-Key and body created the job
         return _attach(g, job_id, choices)
+    g.metrics.admission_s.labels(kind).observe(time.perf_counter() - received)
     for choice in choices:
         choice.prompt_ids = ids
     ready: dict[str, Any] | None = None

@@ -1,6 +1,7 @@
 """`ApiMetrics`: the API process's own Prometheus metrics (`GET /metrics`, with the metering metrics):
-responses by route and status, the time spent tokenizing prompts (its `_count` is how many prompts were
-tokenized: a request refused at admission adds none), and admission refusals by reason."""
+responses by route and status, admission time (request received -> job written), the time spent
+tokenizing prompts (its `_count` is how many prompts were tokenized: a request refused at admission
+adds none), and admission refusals by reason."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ class ApiMetrics:
         self.tokenize_s = Histogram(
             "prfaas_api_tokenize_seconds", "time to tokenize one prompt", buckets=TOKENIZE_BUCKETS_S, registry=registry
         )
+        self.admission_s = Histogram(
+            "prfaas_api_admission_seconds", "request received -> job written (admit, tokenize, place, write)",
+            ["kind"], buckets=TOKENIZE_BUCKETS_S, registry=registry,
+        )  # fmt: skip
         self.refused = Counter(
             "prfaas_api_admission_refused", "requests refused at admission, by reason", ["reason"], registry=registry
         )

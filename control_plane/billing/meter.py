@@ -29,6 +29,7 @@ from prfaas.control_plane.billing.prices import PriceBook
 from prfaas.control_plane.billing.spend import TenantSpend
 from prfaas.control_plane.billing.usage import job_usage, wasted_work
 from prfaas.control_plane.fleet.records import RegionNotFound
+from prfaas.control_plane.jobs.latency import LatencyMetrics, stage_seconds
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
 
@@ -43,6 +44,7 @@ class Meter:
         services: Services,
         ledger: Ledger,
         metrics: MeteringMetrics | None = None,
+        latency: LatencyMetrics | None = None,
         *,
         batch_window_s: float = 0.05,
         max_batch: int = 256,
@@ -53,6 +55,7 @@ class Meter:
         self.ledger = ledger
         self.prices: PriceBook = services.regions.prices
         self.metrics = metrics
+        self.latency = latency  # the stage histograms of the jobs this process bills (jobs/latency.py)
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -145,12 +148,15 @@ class Meter:
         are skipped."""
         started = time.perf_counter()
         jobs: list[tuple[JobUsage, PriceTable]] = []
+        stages: dict[str, tuple[dict[str, str], dict[str, float]]] = {}
         tables: dict[tuple[str, str], PriceTable] = {}
         for found in self.s.jobs.with_timelines(job_ids):
             if found is None or found[0]["state"] != JobState.DONE:
                 continue
             job = self._with_wire_bytes(found[0])
             usage = job_usage(job, found[1])
+            if self.latency is not None:
+                stages[usage.job_id] = (job, stage_seconds(job, found[1], usage.tpot_s))
             self.record_wasted(job, found[1], range(1, usage.attempts))
             regions = (usage.prefill_region, usage.decode_region)
             if regions not in tables:
@@ -165,6 +171,10 @@ class Meter:
             for entry in written:
                 self.metrics.billed(entry)
                 self.metrics.write_s.observe(each_s)
+        if self.latency is not None:  # once per job: by the process whose write inserted its entry
+            for entry in written:
+                if entry.job_id in stages:
+                    self.latency.observe(*stages[entry.job_id])
         return [entry for entry, _ in results]
 
     def _with_wire_bytes(self, job: dict[str, str], wait_s: float = 5.0) -> dict[str, str]:
@@ -219,15 +229,18 @@ class Meter:
         return PriceTable(gpu, egress)
 
 
-_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, MeteringMetrics] = weakref.WeakKeyDictionary()
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, tuple[MeteringMetrics, LatencyMetrics]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def open_meter(services: Services, registry: CollectorRegistry | None = None) -> Meter:
     """A Meter on the ledger at `Settings.ledger.url` (migrated to head), its metrics in `registry`."""
-    metrics = None
+    metrics = latency = None
     if registry is not None:  # one set per registry: an app's lifespan may run more than once (tests)
-        metrics = _METRICS.get(registry)
-        if metrics is None:
-            metrics = _METRICS[registry] = MeteringMetrics(registry)
+        if registry not in _METRICS:
+            _METRICS[registry] = (MeteringMetrics(registry), LatencyMetrics(registry))
+        metrics, latency = _METRICS[registry]
         metrics.prices.prices = services.regions.prices
-    return Meter(services, Ledger(services.settings.ledger.url, engine=services.database, migrate=False), metrics)
+    ledger = Ledger(services.settings.ledger.url, engine=services.database, migrate=False)
+    return Meter(services, ledger, metrics, latency)

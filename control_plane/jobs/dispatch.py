@@ -150,7 +150,9 @@ class Dispatcher:
         jobs = self.s.jobs
         excluded = frozenset(json.loads(job.get("excluded") or "[]"))
         reship = json.loads(job.get("reship_from") or "null")
+        deciding = time.perf_counter()
         decision = self.decide(job, excluded)
+        placement_s = time.perf_counter() - deciding
         prefix = prefix_hashes(job)
         try:  # one instance of each region: the one holding most of the prompt, else the least loaded
             decode = self.s.regions.get(decision.decode_region).pick(excluded, prefix)
@@ -162,7 +164,7 @@ class Dispatcher:
                 prefill = self.s.regions.get(reship["region"]).instance(reship["instance"])
             except RegionNotFound:
                 reship = None  # gone with its lease: compute the prompt again, as decided
-        where = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}"}  # metering: where each attempt ran
+        where = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}", "placement_s": placement_s}  # metering
         if not jobs.update(job_id, attempt, **placed_fields(decision, decode, prefill), **where):
             raise Superseded(job_id)
         if decision.mode is Mode.LOCAL and reship is None:
@@ -189,10 +191,12 @@ class Dispatcher:
         if pins(job) and not reship and salt is not None:  # the decode region pins what it holds of the prompt
             reserve.cache_salt = salt
             reserve.token_ids.extend(token_ids)
+        reserving = time.perf_counter()
         try:
             reply = decode_stub.Reserve(reserve, timeout=10)
         except grpc.RpcError as exc:
             raise self._failed(decode.key, "reserve", exc) from exc
+        reserve_s = time.perf_counter() - reserving
         ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes, ttl_s=lease_s)  # = the reservation
         destination = prefill_pb2.Destination(
             kv_endpoint=reply.kv_endpoint,
@@ -204,7 +208,7 @@ class Dispatcher:
         stage = "reship" if reship else "prefill"
         try:
             note = f"reship from {prefill.key}" if reship else f"prefill in {decision.prefill_region}"
-            jobs.transition(job_id, JobState.PREFILLING, attempt, note=note)
+            jobs.transition(job_id, JobState.PREFILLING, attempt, note=note, reserve_s=reserve_s)
         except (StaleAttempt, IllegalTransition, JobNotFound):
             self._release(decode_stub, job_id)
             raise

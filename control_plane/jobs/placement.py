@@ -78,10 +78,12 @@ class AdmissionPlacer:
         snapshot, records = self.view()
         scheduler = self.s.schedulers[job.get("placement_asked", "auto")]
         request = job_request(job, self.s.settings)
+        started = time.perf_counter()
         try:
             decision: Decision | None = scheduler.decide(snapshot, request)
         except PlacementRejected:
             decision = None
+        placement_s = time.perf_counter() - started
         usd = predicted_usd(decision, snapshot, request, scheduler.cost_model)
         if decision is None or decision.mode is not Mode.LOCAL or not hand_off:
             return Placed(usd)
@@ -91,4 +93,5 @@ class AdmissionPlacer:
         except RegionNotFound:
             return Placed(usd)  # gone since the view was read: Celery decides on a fresh one
         fields = placed_fields(decision, decode, prefill) | {"regions_a1": f"{prefill.name}>{decode.name}"}  # metering
+        fields["placement_s"] = placement_s
         return Placed(usd, HandedOff(JobState.LOCAL, f"local in {decode.key}", ready_info("local", decode)), fields)
