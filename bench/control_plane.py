@@ -22,7 +22,8 @@ the difference of the two distributions' percentiles (api P50 - direct P50, api 
 P99). It also prints the CPU time (utime + stime, /proc) the API process and the decode region
 spent per request on each path, which host load distorts far less than latency does. `--json
 PATH` writes one row per rate: rate_rps, p50_ms, p99_ms (the overhead), the two paths' P50/P99,
-the CPU ms per request (`cpu_ms`: path -> process -> ms) and every sample in ms. Each call has a
+api_cpu_ms_per_request and worker_cpu_ms_per_request (the API's and the Celery worker's CPU on the
+api path), the CPU ms per request (`cpu_ms`: path -> process -> ms) and every sample in ms. Each call has a
 timeout; processes are killed on exit.
 """
 
@@ -119,7 +120,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         stack.start_api()
-        stack.start_worker("bench", concurrency=8)
+        worker = stack.start_worker("bench", concurrency=8)
         stack.region("prefill-a", "prefill", 0.5)
         decode = stack.region("decode-b", "decode", 4.0)
         stack.put_link("prefill-a", "decode-b")
@@ -153,7 +154,7 @@ def main() -> None:
                 open_loop(call, send_times(args.warmup, 20.0, "fixed", rng), pool)
             for rate in args.rate:
                 samples: dict[str, list[float]] = {"direct": [], "api": []}
-                pids = {"api": stack.api.pid, "decode": decode.proc.pid} if stack.api else {}
+                pids = {"api": stack.api.pid, "worker": worker.pid, "decode": decode.proc.pid} if stack.api else {}
                 spent = {path: dict.fromkeys(pids, 0.0) for path in samples}  # CPU s per path and process
                 done = 0
                 while done < args.count:
@@ -175,6 +176,9 @@ def main() -> None:
                     "p99_ms": round(percentile(a, 99) - percentile(d, 99), 3),
                     "direct_p50_ms": round(percentile(d, 50), 3), "direct_p99_ms": round(percentile(d, 99), 3),
                     "api_p50_ms": round(percentile(a, 50), 3), "api_p99_ms": round(percentile(a, 99), 3),
+                    # process CPU s over the run / requests: the figure host noise does not move (issue 26)
+                    "api_cpu_ms_per_request": cpu_ms["api"]["api"],
+                    "worker_cpu_ms_per_request": cpu_ms["api"]["worker"],
                     "cpu_ms": cpu_ms, "direct_ms": [round(x, 3) for x in d], "api_ms": [round(x, 3) for x in a],
                 }  # fmt: skip
                 rows.append(row)

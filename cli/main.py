@@ -201,7 +201,8 @@ def up(
     `prfaas down`) stops everything."""
     from rich.markup import escape
 
-    from prfaas.devstack.deployment import check_policy, run_up
+    from prfaas.devstack.deployment import run_up
+    from prfaas.devstack.preflight import check_policy
     from prfaas.devstack.state import UpError
     from prfaas.devstack.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
     from prfaas.engine.models import prfaas_home

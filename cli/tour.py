@@ -113,10 +113,19 @@ def _bench(args: list[str]) -> None:
         raise _fail(f"prfaas bench {' '.join(args)} exited with status {code}")
 
 
+def fleet_view(scenario: str, num_requests: int | None = None, on_run: Any = None) -> list[dict[str, Any]]:
+    """`fleet_command(scenario, num_requests)`: prfaas and the two PD baselines, one row per policy
+    (`num_requests` None: the scenario's own count)."""
+    from prfaas.devstack.tour import FLEET_POLICIES
+    from prfaas.sim.compare import compare
+
+    return compare(scenario, policies=list(FLEET_POLICIES), num_requests=num_requests, on_run=on_run)
+
+
 def _fleet(num_requests: int) -> list[dict[str, Any]]:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from prfaas.devstack.tour import SCENARIO, fleet_rows, fleet_view
+    from prfaas.devstack.tour import SCENARIO, fleet_rows
 
     with Progress(SpinnerColumn(), TextColumn("{task.completed} runs"), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:  # fmt: skip

@@ -33,10 +33,9 @@ from typing import Any
 import httpx
 import redis
 
-from prfaas.control_plane.scheduling.errors import PolicyConfigError
-from prfaas.control_plane.scheduling.policy import DEFAULT_POLICY_YAML, parse_policy
 from prfaas.devstack.network import LoopbackNetwork, Network, WanMesh
 from prfaas.devstack.pki import DeploymentPki
+from prfaas.devstack.preflight import policy_yaml, preflight
 from prfaas.devstack.processes import (
     api_argv,
     beat_argv,
@@ -53,8 +52,6 @@ from prfaas.devstack.processes import (
 from prfaas.devstack.state import UpError, UpState, read_state, state_path, stop_state, write_state
 from prfaas.devstack.tenant import demo_tenant
 from prfaas.devstack.topology import Topology
-from prfaas.engine.errors import EngineError
-from prfaas.engine.models import unprepared
 
 START_TIMEOUT_S = 180.0
 
@@ -67,26 +64,6 @@ def _redis_answers(url: str) -> bool:
         return ok
     except (redis.RedisError, ValueError):
         return False
-
-
-def _policy_yaml(topology: Topology) -> str:
-    """The policy the control plane runs (the topology's file, or the default with its threshold),
-    validated: `UpError` names what is wrong."""
-    if topology.policy.path is not None:
-        try:
-            text = topology.policy.path.read_text()
-        except OSError as exc:
-            raise UpError(f"policy.path: cannot read {topology.policy.path}: {exc.strerror}") from None
-    else:
-        text = DEFAULT_POLICY_YAML
-        if topology.policy.min_uncached_tokens is not None:
-            text = text.replace("min_uncached_tokens: 19400",
-                                f"min_uncached_tokens: {topology.policy.min_uncached_tokens}")  # fmt: skip
-    try:
-        parse_policy(text)
-    except PolicyConfigError as exc:
-        raise UpError(f"policy {topology.policy.path or '(default)'}: {exc}") from None
-    return text
 
 
 class Deployment:
@@ -202,7 +179,7 @@ class Deployment:
 
     def _cp_env(self) -> dict[str, str]:
         policy = self.run_dir / "policy.yaml"
-        policy.write_text(_policy_yaml(self.topology))
+        policy.write_text(policy_yaml(self.topology))
         env = dict(
             os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PRFAAS_REDIS_URL=self.state.redis_url,
             PRFAAS_KEY_PREFIX=self.state.key_prefix, PRFAAS_ADMIN_KEY=self.admin_key,
@@ -353,24 +330,6 @@ class Deployment:
         stop_state(self.state, self.say)
         with contextlib.suppress(FileNotFoundError):
             state_path(self.home).unlink()
-
-
-def check_policy(topology: Topology) -> None:
-    """`UpError` (one line) unless the topology's policy validates."""
-    _policy_yaml(topology)
-
-
-def preflight(topology: Topology) -> None:
-    """`UpError` (one line) unless the topology's policy is valid and its model resolves here (an
-    HF folder or a prepared catalog model; `prfaas up` prepares a missing catalog model first)."""
-    _policy_yaml(topology)
-    try:
-        missing = unprepared(topology.model)
-    except EngineError as exc:
-        raise UpError(f"topology {topology.name!r}: model: {exc}") from None
-    if missing is not None:
-        raise UpError(f"topology {topology.name!r}: model {missing!r} is not prepared; run `prfaas model prepare "
-                      f"{missing}`")  # fmt: skip
 
 
 def run_up(

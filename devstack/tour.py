@@ -3,8 +3,9 @@
 Three parts, each a real run: one chat completion sent split (prefill in a cheap region, the KV
 shipped, decode in the scarce one) and local, with what each job's record says
 (`completion_pair`); the same workload under three placement policies (`prfaas bench`, the
-caller's); and the fleet the simulator models with the same scheduler (`fleet_view`), because a
-single host cannot show what a fleet gains. Presentation is the caller's (cli/tour.py).
+caller's); and the fleet the simulator models with the same scheduler (`fleet_command`, run by the
+caller: devstack does not import the simulator), because a single host cannot show what a fleet
+gains. Presentation is the caller's (cli/tour.py).
 """
 
 from __future__ import annotations
@@ -85,21 +86,13 @@ def completion_pair(
 
 
 def fleet_command(scenario: str, num_requests: int | None) -> str:
-    """The `prfaas sim run` command line that gives the same rows as `fleet_view`."""
+    """The `prfaas sim run` command line of the fleet view (cli/tour.py runs the same comparison)."""
     policies = " ".join(f"--policy {name}" for name in FLEET_POLICIES)
     return (
         f"prfaas sim run --scenario {scenario}"
         + (f" --requests {num_requests}" if num_requests else "")
         + (f" {policies}")
     )
-
-
-def fleet_view(scenario: str = SCENARIO, num_requests: int | None = None, on_run: Any = None) -> list[dict[str, Any]]:
-    """`fleet_command(scenario, num_requests)`: prfaas and the two PD baselines, one row per policy
-    (`num_requests` None: the scenario's own count)."""
-    from prfaas.sim.compare import compare
-
-    return compare(scenario, policies=list(FLEET_POLICIES), num_requests=num_requests, on_run=on_run)
 
 
 def fleet_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from prfaas.devstack.tour import FLEET_POLICIES, fleet_command, fleet_rows, fleet_view
+from prfaas.cli.tour import fleet_view
+from prfaas.devstack.tour import FLEET_POLICIES, fleet_command, fleet_rows
 
 
 def test_the_fleet_rows_set_prfaas_beside_each_baseline_on_one_simulated_fleet() -> None:
