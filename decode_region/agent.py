@@ -319,10 +319,13 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
                 rests = generated.tokens
                 events = self._tokens(None, rests, params, canceled, deadline, started, "local",
                                       generated.cached_tokens)  # fmt: skip
-                for i, event in enumerate(events):
-                    if i == 0:  # the first token ends the prefill (one decode step beside it)
-                        self._count_prefill(len(token_ids) - generated.cached_tokens, time.monotonic() - begun)
-                    yield event
+                try:
+                    for i, event in enumerate(events):
+                        if i == 0:  # the first token ends the prefill (one decode step beside it)
+                            self._count_prefill(len(token_ids) - generated.cached_tokens, time.monotonic() - begun)
+                        yield event
+                finally:
+                    events.close()  # as `yield from` would: the caller's cancel reaches the stream now
         finally:
             for rest in rests:
                 close_tokens(rest)
