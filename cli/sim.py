@@ -49,7 +49,7 @@ def sim_run(
     from prfaas.sim.compare import compare, paper_lines, write_json
 
     try:
-        with _sim_progress() as (progress, task):
+        with sim_progress() as (progress, task):
             rows = compare(
                 scenario,
                 policies=policy or None,
@@ -123,7 +123,7 @@ def sim_plan(
         chosen = load_scenario(scenario, requests)
         draw = arrivals_for(chosen, load_trace(trace) if trace else None, seed)
         table = Table("threshold", "prefill:decode workers", "req/s at SLO", "TTFT P90 s", "split share", "$/1M tok")
-        with _sim_progress() as (progress, task):
+        with sim_progress() as (progress, task):
 
             def on_point(p: Any) -> None:
                 split = ", ".join(f"{n} {w}:{p.decode_workers[n]}" for n, w in p.prefill_workers.items())
@@ -193,7 +193,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 @contextlib.contextmanager
-def _sim_progress() -> Iterator[tuple[Progress, TaskID]]:
+def sim_progress() -> Iterator[tuple[Progress, TaskID]]:
     """A spinner with the number of simulated runs (the count of runs is not known ahead)."""
     with Progress(SpinnerColumn(), TextColumn("{task.completed} runs"), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:  # fmt: skip

@@ -1,5 +1,6 @@
 """`prfaas tour` (`make demo`): what the product does, on the deployment `prfaas up` started.
-Logic: devstack/tour.py (the completion pair, the fleet view); the policy table is `prfaas bench`."""
+Logic: devstack/tour.py (the completion pair, the fleet rows); the policy table is `prfaas bench`, the
+fleet view the simulator's comparison (`prfaas sim run`)."""
 
 from __future__ import annotations
 
@@ -123,13 +124,10 @@ def fleet_view(scenario: str, num_requests: int | None = None, on_run: Any = Non
 
 
 def _fleet(num_requests: int) -> list[dict[str, Any]]:
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
+    from prfaas.cli.sim import sim_progress
     from prfaas.devstack.tour import SCENARIO, fleet_rows
 
-    with Progress(SpinnerColumn(), TextColumn("{task.completed} runs"), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:  # fmt: skip
-        task = bar.add_task("simulating", total=None)
+    with sim_progress() as (bar, task):
         rows = fleet_view(
             SCENARIO,
             num_requests,

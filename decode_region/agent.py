@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import NamedTuple
 
 import grpc
@@ -287,7 +287,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
     def _tokens(
         self, firsts: list[Chosen] | None, rests: list[Iterator[Chosen]], params: SamplingParams,
         canceled: threading.Event, deadline: float, started: float, path: str, cached_tokens: int = 0,
-    ) -> Iterator[decode_pb2.TokenEvent]:  # fmt: skip
+    ) -> Generator[decode_pb2.TokenEvent, None, None]:  # fmt: skip
         stream = TokenStream(self.backend.facts.eos_token_ids, self.backend.decode_text, path)
         yield from stream.events(firsts, rests, params, canceled, deadline, started, cached_tokens)
         if stream.rate is not None:
