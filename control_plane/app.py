@@ -30,11 +30,13 @@ from prfaas.control_plane.jobs.generation import Follower
 from prfaas.control_plane.jobs.leases import Heartbeats
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
+from prfaas.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings) -> FastAPI:
+    tracing.configure("prfaas-api")  # as the environment says (telemetry/tracing.py)
     metrics = CollectorRegistry()
     api_metrics = ApiMetrics(metrics)
 

@@ -51,6 +51,7 @@ from prfaas.region.requests import (
     sampling_from_proto,
     timeout_from,
 )
+from prfaas.telemetry import tracing
 
 log = logging.getLogger(__name__)
 TOMBSTONE_S = 120.0
@@ -71,9 +72,12 @@ class _Events:
         self.agent = agent
         self.res = res
 
-    def arrived(self) -> None:
+    def arrived(self, trace: str = "") -> None:
         if self.res.watch is not None:
             self.res.watch.stop()  # the prefill region owes us nothing more
+        res = self.res
+        tracing.span_at("decode.kv_receive", tracing.from_traceparent(trace or res.trace), res.created_ns,
+                        time.time_ns(), {tracing.JOB_ID: res.job_id, "prfaas.kv_bytes": res.kv_bytes})  # fmt: skip
 
     def failed(self, error: BaseException) -> None:
         self.agent._end(self.res, error)
@@ -123,7 +127,8 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             if existing.attempt >= request.attempt:
                 raise Conflict(f"job {job_id} attempt {existing.attempt} already holds a reservation")
             self._end(existing, Canceled(f"superseded by attempt {request.attempt}"))
-        res = Reservation(job_id, request.attempt, request.tenant, request.kv_bytes, time.monotonic() + ttl_s)
+        res = Reservation(job_id, request.attempt, request.tenant, request.kv_bytes, time.monotonic() + ttl_s,
+                          trace=tracing.traceparent_in(context.invocation_metadata()))  # fmt: skip
         with self._lock:
             if job_id in self._reservations:
                 raise Conflict(f"job {job_id} already holds a reservation")
@@ -245,6 +250,12 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
     def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenEvent]:
+        yield from tracing.traced("decode.job", context.invocation_metadata(), request.job_id,
+                                  self._decode(request, context))  # fmt: skip
+
+    def _decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Generator[decode_pb2.TokenEvent, None, None]:
         desc = request.kv
         first_logprobs = request.first_logprobs if request.HasField("first_logprobs") else None
         firsts = firsts_from_proto(request.first_token, first_logprobs, request.choices, request.prompt_logprobs)
@@ -298,6 +309,12 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
     def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenEvent]:
+        yield from tracing.traced("decode.generate", context.invocation_metadata(), request.job_id,
+                                  self._generate(request, context))  # fmt: skip
+
+    def _generate(
+        self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Generator[decode_pb2.TokenEvent, None, None]:
         job_id = job_uuid(request.job_id)
         if self.draining:
             raise Unavailable("decode region is draining")

@@ -67,8 +67,9 @@ class Generated:
 class ShipmentEvents(Protocol):
     """The agent's side of a shipment, as a backend reports to it."""
 
-    def arrived(self) -> None:
-        """The KV is in: the prefill region owes this reservation nothing more."""
+    def arrived(self, trace: str = "") -> None:
+        """The KV is in: the prefill region owes this reservation nothing more. `trace`: the sender's trace
+        context from the shipment's OPEN (W3C traceparent; "" when it sent none)."""
         ...
 
     def failed(self, error: BaseException) -> None:

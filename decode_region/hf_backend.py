@@ -60,7 +60,7 @@ class Assembly:
         except BaseException as exc:
             self.events.failed(exc)
             return
-        self.events.arrived()
+        self.events.arrived(self.inbound.info.traceparent if self.inbound.info is not None else "")
         metrics.KV_RECEIVED.inc(sum(2 * layer.k.numel() * layer.k.element_size() for layer in layers))
         metrics.SHIPMENT_SECONDS.inc(time.monotonic() - exp.created)
         with self._cond:

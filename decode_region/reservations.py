@@ -28,6 +28,8 @@ class Reservation:
     kv_bytes: int
     deadline: float  # monotonic
     created: float = field(default_factory=time.monotonic)
+    created_ns: int = field(default_factory=time.time_ns)  # the same instant, on the clock spans are in
+    trace: str = ""  # the Reserve call's trace context: the KV receive span's parent when the OPEN brings none
     decoding: bool = False  # a Decode claimed it
     ended: bool = False
     error: BaseException | None = None

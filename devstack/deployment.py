@@ -52,6 +52,7 @@ from prfaas.devstack.processes import (
 from prfaas.devstack.state import UpError, UpState, read_state, state_path, stop_state, write_state
 from prfaas.devstack.tenant import demo_tenant
 from prfaas.devstack.topology import Topology
+from prfaas.telemetry.tracing import TRACE_DIR_ENV
 
 START_TIMEOUT_S = 180.0
 
@@ -85,6 +86,7 @@ class Deployment:
         self.say = say
         self.run_dir = home / "up"
         self.data_dir = home / "deployments" / topology.name  # outlives the run: its database, the demo key
+        self.trace_dir = self.run_dir / "traces"  # every process's spans (telemetry/spans.py)
         self.admin_key = secrets.token_urlsafe(32)
         self.ticket_key = secrets.token_urlsafe(32)
         self.insecure = insecure
@@ -187,6 +189,7 @@ class Deployment:
         )  # fmt: skip
         env.setdefault("PRFAAS_LEDGER_URL", f"sqlite:///{self.data_dir / 'control-plane.db'}")
         env.pop("PRFAAS_DEV", None)
+        env[TRACE_DIR_ENV] = str(self.trace_dir)  # `prfaas trace JOB_ID` reads the spans there
         if self.pki is not None:
             env |= self.pki.control_plane_env()
         if self.topology.control_plane.ttft_slo_ms is not None:
@@ -245,7 +248,7 @@ class Deployment:
             timeout_s += float(vllm.get("start_timeout_s", 600.0) if isinstance(vllm, dict) else 600.0)
         try:
             region = spawn_region(path, timeout_s, argv_prefix=self.network.argv_prefix(name, k), log=log,
-                                  new_session=True)  # fmt: skip
+                                  new_session=True, env={TRACE_DIR_ENV: str(self.trace_dir)})  # fmt: skip
         except RuntimeError as exc:
             raise UpError(str(exc)) from None
         with self.lock:

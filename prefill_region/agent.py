@@ -10,6 +10,7 @@ transfer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -45,6 +46,7 @@ from prfaas.region.requests import (
     sampling_from_proto,
     timeout_from,
 )
+from prfaas.telemetry import tracing
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
@@ -102,7 +104,24 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
     ) -> Iterator[prefill_pb2.PrefillEvent]:
         job_id = job_uuid(request.job_id)
         timeout_s = timeout_from(request.timeout_s, default_s=DEFAULT_TIMEOUT_S, max_s=MAX_TIMEOUT_S)
-        job = Job(self._work(request, job_id, time.monotonic() + timeout_s), self._count_tokens)
+        work = self._work(request, job_id, time.monotonic() + timeout_s)
+        span = tracing.tracer.start_span(
+            "prefill.job", context=tracing.from_metadata(context.invocation_metadata()), kind=tracing.SpanKind.SERVER,
+            attributes={tracing.JOB_ID: job_id, "prfaas.attempt": request.attempt,
+                        "prfaas.prompt_tokens": len(work.token_ids), "prfaas.codec": work.destination.codec},
+        )  # fmt: skip
+        work = dataclasses.replace(work, trace=tracing.traceparent(span))
+        try:
+            yield from self._prefill(job_id, Job(work, self._count_tokens), context, span)
+        except BaseException as exc:
+            tracing.failed(span, exc)
+            raise
+        finally:
+            span.end()
+
+    def _prefill(self, job_id: str, job: Job, context: grpc.ServicerContext,
+                 span: tracing.Span) -> Iterator[prefill_pb2.PrefillEvent]:  # fmt: skip
+        received = time.time_ns()
         with self._lock:
             if self.draining:
                 metrics.REJECTED.labels("draining").inc()
@@ -134,6 +153,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
                         raise job.error
                     return
                 assert isinstance(item, prefill_pb2.PrefillEvent)
+                _stage_spans(span, item, received)
                 yield item
         finally:
             if not ended:
@@ -233,6 +253,22 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
             job.cancel(Unavailable("prefill region shutting down"))
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.backend.close()
+
+
+def _stage_spans(span: tracing.Span, event: prefill_pb2.PrefillEvent, received_ns: int) -> None:
+    """The stages of the job's prefill span, from its events as they pass: queued, the forward, the shipment."""
+    now = time.time_ns()
+    kind = event.WhichOneof("event")
+    if kind == "started":
+        tracing.span_at("prefill.queue", span, received_ns, now)
+    elif kind == "prefill_done":
+        done = event.prefill_done
+        tracing.span_at("prefill.forward", span, now - int(done.prefill_s * 1e9), now,
+                        {"prfaas.cached_tokens": done.cached_tokens})  # fmt: skip
+    elif kind == "shipment_complete":
+        shipped = event.shipment_complete
+        tracing.span_at("prefill.ship", span, now - int(shipped.transfer_s * 1e9), now,
+                        {"prfaas.raw_bytes": shipped.raw_bytes, "prfaas.wire_bytes": shipped.wire_bytes})  # fmt: skip
 
 
 def _complete(shipped: Shipped) -> prefill_pb2.ShipmentComplete:

@@ -44,6 +44,7 @@ class PrefillWork:
     ship_whole: bool  # ship after the forward instead of layer by layer (PrefillRequest.ship_whole)
     cache_salt: str | None = None  # prefix cache scope; None: the cache is neither read nor written
     ship_from_token: int = 0  # the decode region holds the KV of the tokens before this: ship the rest
+    trace: str = ""  # the job's prefill span (W3C traceparent), handed to the receiver with the shipment
 
 
 @dataclass(frozen=True)

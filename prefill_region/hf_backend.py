@@ -125,7 +125,7 @@ class HFPrefill:
         start = work.ship_from_token  # the decode region holds the KV before it
         shape = (facts.num_kv_heads, len(work.token_ids) - start, facts.head_dim)
         spec = ship_spec(work.job_id, work.attempt, work.destination, facts.dtype, (shape,) * facts.num_layers,
-                         work.deadline - time.monotonic())  # fmt: skip
+                         work.deadline - time.monotonic(), work.trace)  # fmt: skip
         shipment = Shipment(spec)
         transfer = self.channels.get(work.destination).submit(shipment)
         job.attach(transfer.cancel)

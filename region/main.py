@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from prfaas.region.build import RoleBuilder, build_region
 from prfaas.region.config import RegionConfig
+from prfaas.telemetry import tracing
 
 GIL_SWITCH_S = 0.0005  # default of PRFAAS_GIL_SWITCH_S
 
@@ -23,6 +24,10 @@ def serve(config: RegionConfig, roles: Mapping[str, RoleBuilder]) -> None:
     # KV transport threads share the GIL with the forward: a short switch interval keeps the
     # layer-wise shipment from stalling the prefill (measured in bench/split_ttft.py).
     sys.setswitchinterval(float(os.environ.get("PRFAAS_GIL_SWITCH_S", str(GIL_SWITCH_S))))
+    tracing.configure(
+        f"prfaas-region-{config.name}",
+        {"prfaas.region": config.name, "prfaas.instance": config.instance, "prfaas.role": config.role},
+    )
     server, registration = build_region(config, roles)
     heartbeat = None
     if config.control_plane_url:

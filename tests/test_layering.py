@@ -18,17 +18,18 @@ MAX_LINES = 400
 ALLOWED: dict[str, set[str]] = {
     "protos": set(),
     "transport": set(),
+    "telemetry": set(),  # tracing, used by every process
     "engine": {"transport"},  # the vLLM connector ships KV over prfaas's transport
-    "region": {"engine", "transport", "protos"},
-    "prefill_region": {"region", "engine", "transport", "protos"},
-    "decode_region": {"region", "engine", "transport", "protos"},
-    "control_plane": {"transport", "protos", "engine", "region"},  # region: see NARROW
+    "region": {"engine", "transport", "protos", "telemetry"},
+    "prefill_region": {"region", "engine", "transport", "protos", "telemetry"},
+    "decode_region": {"region", "engine", "transport", "protos", "telemetry"},
+    "control_plane": {"transport", "protos", "engine", "region", "telemetry"},  # region: see NARROW
     "sim": {"control_plane"},
     "loadgen": {"engine"},  # the model's tokenizer for real prompts
     # region configs; the default policy file; the demo; the deployment's certificates
-    "devstack": {"region", "control_plane", "engine", "transport"},
+    "devstack": {"region", "control_plane", "engine", "transport", "telemetry"},
     "cli": {"engine", "transport", "protos", "region", "prefill_region", "decode_region", "control_plane", "sim"}
-    | {"loadgen", "devstack"},
+    | {"loadgen", "devstack", "telemetry"},
     "bench": {"engine", "transport", "protos", "region", "control_plane", "sim", "loadgen", "devstack"},
 }
 # Arrows allowed to some modules of a package only: (importer, imported) -> those modules.

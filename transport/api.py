@@ -62,6 +62,7 @@ class ShipmentSpec:
 
     layer_shapes: one [num_kv_heads, num_tokens, head_dim] per layer (K and V alike).
     timeout_s: deadline of the whole transfer from `submit`, derived from the job's SLO.
+    traceparent: the sender's trace context (W3C), carried in OPEN to the receiver; "" for none.
     """
 
     job_id: str
@@ -72,6 +73,7 @@ class ShipmentSpec:
     codec: str = "lossless"
     timeout_s: float = 30.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:

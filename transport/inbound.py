@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
@@ -18,6 +18,8 @@ from prfaas.transport.buffers import POOL, PartPool
 from prfaas.transport.codecs import DTYPE_SIZES, CodecId, TensorMeta, get_codec
 from prfaas.transport.errors import CodecError, FrameError, TicketRejected, TransferTimeout, TransportError
 from prfaas.transport.tickets import Ticket
+
+MAX_TRACEPARENT = 128  # a W3C traceparent is 55 characters
 
 
 @dataclass(frozen=True)
@@ -28,16 +30,20 @@ class OpenInfo:
     layer_shapes: tuple[Shape, ...]
     codec: int
     chunk_bytes: int
+    traceparent: str = field(default="", compare=False)  # the sender's trace context (W3C); "" without tracing
 
     @property
     def raw_bytes(self) -> int:
         return sum(2 * h * t * d * DTYPE_SIZES[self.dtype] for h, t, d in self.layer_shapes)
 
     def to_json(self, ticket: str) -> dict[str, object]:
-        return {
+        value: dict[str, object] = {
             "ticket": ticket, "num_layers": len(self.layer_shapes), "dtype": self.dtype,
             "layer_shapes": [list(s) for s in self.layer_shapes], "codec": self.codec, "chunk_bytes": self.chunk_bytes,
         }  # fmt: skip
+        if self.traceparent:
+            value["traceparent"] = self.traceparent
+        return value
 
     @staticmethod
     def from_json(value: object) -> tuple[OpenInfo, str]:
@@ -60,7 +66,10 @@ class OpenInfo:
             get_codec(CodecId(codec))
         except (ValueError, CodecError):
             raise FrameError(f"OPEN names unknown codec id {codec!r}") from None
-        return OpenInfo(dtype, shapes, int(codec), chunk_bytes), ticket  # type: ignore[arg-type]
+        trace = value.get("traceparent", "")  # optional; a peer before it sends none, one after it is ignored
+        if not isinstance(trace, str) or len(trace) > MAX_TRACEPARENT:
+            raise FrameError(f"OPEN traceparent must be a string of at most {MAX_TRACEPARENT} characters")
+        return OpenInfo(dtype, shapes, int(codec), chunk_bytes, trace), ticket  # type: ignore[arg-type]
 
 
 class _Part:

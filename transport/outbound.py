@@ -99,7 +99,7 @@ class OutboundTransfer:
         self._lock = threading.Lock()
         self._unacked: dict[ChunkKey, Chunk] = {}
         self._parts_encoded = 0
-        info = OpenInfo(spec.dtype, spec.layer_shapes, int(self._codec.codec_id), spec.chunk_bytes)
+        info = OpenInfo(spec.dtype, spec.layer_shapes, int(self._codec.codec_id), spec.chunk_bytes, spec.traceparent)
         self.open_frame = encode(
             Frame(FrameType.OPEN, self.job, spec.attempt, payload=json_payload(info.to_json(spec.ticket)))
         )

@@ -18,23 +18,19 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import kombu.exceptions
 import redis
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
-from starlette.types import Receive, Scope, Send
 
 from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.deps import Generation, GenerationDep, ServicesDep, TenantDep
 from prfaas.control_plane.api.errors import (
     ADMISSION_REFUSALS,
-    JOB_ENDED,
     JOB_NOT_FOUND,
     MODEL_NOT_FOUND,
     PLACEMENT_NOT_ALLOWED,
@@ -44,14 +40,13 @@ from prfaas.control_plane.api.errors import (
     TOKEN_OUT_OF_VOCAB,
     UNKNOWN_KV_CODEC,
     ApiError,
-    sse_error,
 )
 from prfaas.control_plane.api.sampling import sampling_spec
 from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
-from prfaas.control_plane.api.streams import merged
+from prfaas.control_plane.api.sse import ClosingStreamingResponse, PromptJob, completion_tokens, ended_error, sse
 from prfaas.control_plane.jobs.celery_app import enqueue
 from prfaas.control_plane.jobs.errors import AdmissionRefused, JobNotFound
-from prfaas.control_plane.jobs.generation import Follower, JobEnded
+from prfaas.control_plane.jobs.generation import JobEnded
 from prfaas.control_plane.jobs.objectives import LOSSLESS, job_fields
 from prfaas.control_plane.jobs.prefix import prefix_fields
 from prfaas.control_plane.jobs.store import Admission, HandedOff
@@ -59,22 +54,12 @@ from prfaas.control_plane.jobs.tokenlog import Token
 from prfaas.control_plane.services import ServedModel, Services
 from prfaas.control_plane.tenants import Objectives
 from prfaas.engine.sampling import SamplingParams
+from prfaas.telemetry import tracing
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
 Prompt = list[int] | Callable[[], list[int]]  # token ids, or how to tokenize the prompt (after admission)
 Body = CompletionCreate | ChatCompletionCreate
-
-
-@dataclass
-class _Job:
-    """One prompt's job, started (or found again by its Idempotency-Key), and the choices it fills."""
-
-    job_id: str
-    stream: Iterator[Token]
-    prompt_tokens: int
-    choices: list[Choice]  # the job's n choices
-    leader: bool  # its stream is this request's own (not attached to another request's job)
 
 
 @router.get("/models")
@@ -159,7 +144,7 @@ def _run(
     codec = body.prfaas.kv_codec if body.prfaas else None
     if codec is not None and codec != LOSSLESS and codec not in s.lossy_codecs:
         raise UNKNOWN_KV_CODEC.error(param="prfaas.kv_codec")
-    jobs: list[_Job] = []
+    jobs: list[PromptJob] = []
     try:
         for index, (prompt, echo) in enumerate(runs):
             key = g.idempotency_key and (g.idempotency_key if index == 0 else f"{g.idempotency_key}:{index}")
@@ -178,19 +163,40 @@ def _run(
 def _start(
     g: Generation, body: Body, prompt: Prompt, params: SamplingParams, placement: str, kind: str,
     key: str | None, choices: list[Choice],
-) -> _Job:  # fmt: skip
-    s, tenant = g.services, g.tenant
+) -> PromptJob:  # fmt: skip
     received = time.perf_counter()
+    span = tracing.tracer.start_span("api.job", kind=tracing.SpanKind.SERVER,
+                                     attributes={"prfaas.kind": kind, "prfaas.tenant": g.tenant.id})  # fmt: skip
+    try:
+        job = _admitted(g, body, prompt, params, placement, kind, key, choices, received, span)
+    except BaseException as exc:
+        tracing.end(span, exc)
+        raise
+    if not job.leader:
+        tracing.end(span)
+        return job
+    job.stream = _traced(span, job.stream)
+    return job
+
+
+def _admitted(
+    g: Generation, body: Body, prompt: Prompt, params: SamplingParams, placement: str, kind: str,
+    key: str | None, choices: list[Choice], received: float, span: tracing.Span,
+) -> PromptJob:  # fmt: skip
+    s, tenant = g.services, g.tenant
     body_hash = _body_hash(g, body, kind) if key else ""
+    admitting = time.time_ns()
     try:
         admission = s.jobs.admit(tenant.id, tenant.quota, idempotency_key=key, body_hash=body_hash)
     except AdmissionRefused as exc:
         raise _refused(g, exc) from None
+    span.set_attribute(tracing.JOB_ID, admission.job_id)
+    tracing.span_at("api.admission", span, admitting, time.time_ns(), {"prfaas.replay": admission.existing})
     if admission.existing:
         return _attach(g, admission.job_id, choices)
     try:  # from here on, a refusal gives the admission's slot and rate count back
         ids = prompt if isinstance(prompt, list) else g.metrics.tokenize(prompt)
-        job_id, handed_off, record = _create(g, body, admission, ids, params, placement, kind)
+        job_id, handed_off, record = _create(g, body, admission, ids, params, placement, kind, span)
     except AdmissionRefused as exc:
         s.jobs.release(admission)
         raise _refused(g, exc) from None
@@ -212,10 +218,22 @@ def _start(
             g.follower.abandon(job_id, "broker unreachable at dispatch")
             raise STORE_UNAVAILABLE.error() from None
         record = None
-    return _Job(job_id, g.follower.tokens(job_id, record, ready), len(ids), choices, leader=True)
+    return PromptJob(job_id, g.follower.tokens(job_id, record, ready, parent=span), len(ids), choices, leader=True)
 
 
-def _attach(g: Generation, job_id: str, choices: list[Choice]) -> _Job:
+def _traced(span: tracing.Span, tokens: Iterator[Token]) -> Iterator[Token]:
+    """`tokens`, ending the job's span with them (an error when they end without the job's last token)."""
+    error: BaseException | None = None
+    try:
+        yield from tokens
+    except BaseException as exc:  # GeneratorExit: the client went away
+        error = exc
+        raise
+    finally:
+        tracing.end(span, error)
+
+
+def _attach(g: Generation, job_id: str, choices: list[Choice]) -> PromptJob:
     """The job an earlier request with the same Idempotency-Key (and body) started: its tokens, from its log
     or its record (jobs/tokenlog.py), never a second run."""
     try:
@@ -224,12 +242,12 @@ def _attach(g: Generation, job_id: str, choices: list[Choice]) -> _Job:
         raise JOB_NOT_FOUND.error() from None
     for choice in choices:
         choice.prompt_ids = json.loads(job.get("token_ids") or "[]")
-    return _Job(job_id, g.follower.attached(job_id), int(job.get("prompt_tokens", 0) or 0), choices, leader=False)
+    return PromptJob(job_id, g.follower.attached(job_id), int(job.get("prompt_tokens", 0) or 0), choices, leader=False)
 
 
 def _create(
     g: Generation, body: Body, admission: Admission, ids: list[int], params: SamplingParams, placement: str,
-    kind: str,
+    kind: str, span: tracing.Span,
 ) -> tuple[str, HandedOff | None, dict[str, str] | None]:  # fmt: skip
     """Check the tokenized prompt, place the job, reserve its predicted $ and write it: (job id, its
     hand-off when placed locally at admission, its record; None when another request's job answers)."""
@@ -253,11 +271,16 @@ def _create(
         fields["user"] = body.user
     if g.idempotency_key:  # a retry can attach to it: adopted if its API process dies (jobs/sweeper.py)
         fields["idempotent"] = 1
+    if trace := tracing.traceparent(span):  # whoever dispatches or retries the job continues its trace
+        fields["trace"] = trace
     asked = {"id": admission.job_id, "tenant": tenant.id, "prompt_tokens": str(len(ids))}
     # the decode work placed and reserved for: n choices of up to max_new tokens each (one prefill)
     asked |= {"max_new_tokens": str(max_new * params.n), "placement_asked": placement} | blocks  # not 100k ids
     asked |= objectives
+    placing = time.time_ns()
     placed = g.follower.placer.place(asked, hand_off=s.settings.admission_placement)
+    tracing.span_at("api.placement", span, placing, time.time_ns(),
+                    {"prfaas.placement": str(placed.fields.get("placement_chosen", "dispatched"))})  # fmt: skip
     created = s.jobs.create(
         tenant.id, fields | placed.fields, tenant.quota, handed_off=placed.handed_off, admission=admission,
         reserve_usd=placed.predicted_usd,
@@ -267,13 +290,13 @@ def _create(
     return created.job_id, placed.handed_off, created.record
 
 
-def _respond(g: Generation, body: Body, jobs: list[_Job], kind: str) -> JSONResponse | StreamingResponse:
+def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> JSONResponse | StreamingResponse:
     s = g.services
     headers = {"X-Prfaas-Job-Id": ",".join(job.job_id for job in jobs)}
     if body.stream:
         options = body.stream_options
         return ClosingStreamingResponse(
-            _sse(s, g.follower, jobs, kind, bool(options and options.include_usage)),
+            sse(s, g.follower, jobs, kind, bool(options and options.include_usage)),
             media_type="text/event-stream",
             headers=headers | {"Cache-Control": "no-cache"},
         )
@@ -289,95 +312,15 @@ def _respond(g: Generation, body: Body, jobs: list[_Job], kind: str) -> JSONResp
             if job.leader:
                 with contextlib.suppress(redis.RedisError):
                     g.follower.cancel(job.job_id, "another prompt of the request failed")
-        raise _ended(exc) from None
+        raise ended_error(exc) from None
     reply = {
         "id": jobs[0].job_id, "object": kind, "created": int(time.time()), "model": s.model.name,
         "choices": [choice.full() for job in jobs for choice in job.choices],
-        "usage": usage(sum(j.prompt_tokens for j in jobs), _completion_tokens(jobs)),
+        "usage": usage(sum(j.prompt_tokens for j in jobs), completion_tokens(jobs)),
     }  # fmt: skip
     return JSONResponse(reply, headers=headers)
 
 
-def _fill(job: _Job) -> None:
+def _fill(job: PromptJob) -> None:
     for token in job.stream:
         job.choices[token.choice].add(token)
-
-
-def _completion_tokens(jobs: list[_Job]) -> int:
-    return sum(len(choice.tokens) for job in jobs for choice in job.choices)
-
-
-def _ended(exc: JobEnded) -> ApiError:
-    return JOB_ENDED[exc.state].error(f"job {exc.state.lower()}: {exc}")
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """Closes its generator as soon as the response ends, however it ends. On a client
-    disconnect Starlette just stops iterating; the generator's `finally` (which cancels the job
-    in both regions) would otherwise run only when the garbage collector reaches it, seconds
-    later, while the decode region keeps generating."""
-
-    def __init__(self, content: Generator[str, None, None], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self.source = content
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await run_in_threadpool(self.source.close)  # no-op when it ran to its end
-            except ValueError:  # a next() still in flight (Starlette waits for it; defensive): GC closes it
-                log.warning("stream generator still running at disconnect; its job is canceled later")
-
-
-def _sse(
-    s: Services, follower: Follower, jobs: list[_Job], kind: str, include_usage: bool
-) -> Generator[str, None, None]:
-    chat = kind == "chat.completion"
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    created = int(time.time())
-    job_id = jobs[0].job_id
-
-    def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
-        payload: dict[str, Any] = {"id": job_id, "object": obj, "created": created, "model": s.model.name}
-        payload["choices"] = choices
-        if usage_ is not None:
-            payload["usage"] = usage_
-        return f"data: {json.dumps(payload)}\n\n"
-
-    finished = False
-    stream: Iterator[tuple[int, Token]] = (
-        ((0, token) for token in jobs[0].stream) if len(jobs) == 1 else merged([job.stream for job in jobs])
-    )
-    try:
-        if chat:  # each choice's role first, as vLLM sends it
-            roles = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield chunk([{"index": c.index} | roles for job in jobs for c in job.choices])
-        for index, token in stream:
-            choice = jobs[index].choices[token.choice]
-            choice.add(token)
-            piece = choice.chunk()
-            if piece is not None:
-                yield chunk([piece])
-        finished = True
-        if include_usage:
-            yield chunk([], usage(sum(j.prompt_tokens for j in jobs), _completion_tokens(jobs)))
-        yield "data: [DONE]\n\n"
-    except JobEnded as exc:
-        finished = True
-        yield sse_error(_ended(exc))
-    except redis.RedisError:  # a read outside the follower (it turns its own into JobEnded)
-        finished = True
-        yield sse_error(STORE_UNAVAILABLE.error())
-    finally:
-        close = getattr(stream, "close", None)
-        if not finished:  # the client went away mid-stream
-            with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
-                if len(jobs) == 1 and jobs[0].leader:
-                    follower.disconnected(job_id, jobs[0].stream)
-                for job in jobs if len(jobs) > 1 else ():
-                    if job.leader:
-                        follower.cancel(job.job_id, "client disconnected")
-        if close is not None:
-            close()

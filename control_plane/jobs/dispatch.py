@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,19 +34,16 @@ from prfaas.control_plane.fleet.records import InstanceRecord, RegionNotFound
 from prfaas.control_plane.jobs.attempts import Attempts, Enqueue
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Lease, Leases, process_id
-from prfaas.control_plane.jobs.objectives import lossy_codec, slo_ms
 from prfaas.control_plane.jobs.prefix import cache_salt, pins, prefix_hashes
+from prfaas.control_plane.jobs.records import job_request, placed_fields, ready_info, sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.watcher import Watcher
-from prfaas.control_plane.scheduling.decision import Decision, Mode, decision_dict
+from prfaas.control_plane.scheduling.decision import Decision, Mode
 from prfaas.control_plane.scheduling.errors import PlacementRejected
-from prfaas.control_plane.scheduling.request import Request, Slo
 from prfaas.control_plane.services import Services
-from prfaas.control_plane.settings import Settings
-from prfaas.engine.sampling import SamplingParams
-from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prfaas.region.channels import ChannelCache
-from prfaas.region.requests import sampling_to_proto
+from prfaas.telemetry import tracing
 from prfaas.transport.identity import server_name
 from prfaas.transport.tickets import TicketSigner
 
@@ -114,17 +110,26 @@ class Dispatcher:
         claimed = self.leases.claim_dispatch(self.lease(job_id, attempt, "placing", "", PLACING_LEASE_S))
         if claimed != "ok":  # a second delivery: the attempt is in flight under its lease
             return {"gone": "gone"}.get(claimed, "in flight")
+        span = tracing.tracer.start_span(
+            "worker.dispatch", context=tracing.from_traceparent(job.get("trace")),
+            attributes={tracing.JOB_ID: job_id, "prfaas.attempt": attempt},
+        )  # fmt: skip
         try:
-            self._attempt(job_id, job, attempt)
+            self._attempt(job_id, job, attempt, span)
             return "started"
         except AttemptFailed as exc:
+            tracing.failed(span, exc)
             self.leases.take(job_id, attempt)
             return self.attempts.fail(job_id, attempt, exc.where, str(exc))
         except PlacementRejected as exc:
+            tracing.failed(span, exc)
             return self._unplaced(job_id, job, attempt, f"no placement: {exc}")
         except (StaleAttempt, IllegalTransition, Superseded, JobNotFound):
+            span.set_attribute("prfaas.outcome", "superseded")
             self.leases.take(job_id, attempt)
             return "superseded"
+        finally:
+            span.end()
 
     def _unplaced(self, job_id: str, job: dict[str, str], attempt: int, reason: str) -> str:
         """No region can take the job now. The fleet's view may be stale (no heartbeats while the
@@ -146,13 +151,17 @@ class Dispatcher:
         scheduler = self.s.schedulers[job.get("placement_asked", "auto")]
         return scheduler.decide(snapshot, job_request(job, self.s.settings))
 
-    def _attempt(self, job_id: str, job: dict[str, str], attempt: int) -> None:
+    def _attempt(self, job_id: str, job: dict[str, str], attempt: int, span: tracing.Span) -> None:
         jobs = self.s.jobs
         excluded = frozenset(json.loads(job.get("excluded") or "[]"))
         reship = json.loads(job.get("reship_from") or "null")
-        deciding = time.perf_counter()
+        deciding, deciding_ns = time.perf_counter(), time.time_ns()
         decision = self.decide(job, excluded)
         placement_s = time.perf_counter() - deciding
+        span.set_attributes({"prfaas.placement": decision.mode.value, "prfaas.decode_region": decision.decode_region,
+                             "prfaas.prefill_region": decision.prefill_region,
+                             "prfaas.codec": decision.codec or ""})  # fmt: skip
+        tracing.span_at("worker.placement", span, deciding_ns, time.time_ns())
         prefix = prefix_hashes(job)
         try:  # one instance of each region: the one holding most of the prompt, else the least loaded
             decode = self.s.regions.get(decision.decode_region).pick(excluded, prefix)
@@ -172,11 +181,11 @@ class Dispatcher:
             jobs.post_ready(job_id, attempt, ready_info("local", decode))
             self.leases.take(job_id, attempt)
             return
-        self._split(job_id, job, attempt, decision, decode, prefill, reship=reship is not None)
+        self._split(job_id, job, attempt, decision, decode, prefill, span, reship=reship is not None)
 
     def _split(
         self, job_id: str, job: dict[str, str], attempt: int, decision: Decision, decode: InstanceRecord,
-        prefill: InstanceRecord, *, reship: bool,
+        prefill: InstanceRecord, span: tracing.Span, *, reship: bool,
     ) -> None:  # fmt: skip
         jobs = self.s.jobs
         lease_s = self.lease_s(decision)
@@ -192,10 +201,16 @@ class Dispatcher:
             reserve.cache_salt = salt
             reserve.token_ids.extend(token_ids)
         reserving = time.perf_counter()
+        call = tracing.tracer.start_span("worker.reserve", context=tracing.set_span_in_context(span),
+                                         kind=tracing.SpanKind.CLIENT,
+                                         attributes={"prfaas.decode_region": decode.key})  # fmt: skip
         try:
-            reply = decode_stub.Reserve(reserve, timeout=10)
+            reply = decode_stub.Reserve(reserve, timeout=10, metadata=tracing.metadata(call))
         except grpc.RpcError as exc:
+            tracing.failed(call, exc.code().name)
             raise self._failed(decode.key, "reserve", exc) from exc
+        finally:
+            call.end()
         reserve_s = time.perf_counter() - reserving
         ticket = self.signer.issue(job_id, attempt, job["tenant"], kv_bytes, ttl_s=lease_s)  # = the reservation
         destination = prefill_pb2.Destination(
@@ -214,7 +229,7 @@ class Dispatcher:
             raise
         self.leases.grant(self.lease(job_id, attempt, stage, prefill.key, lease_s))
         shipped = kv_bytes - reply.cached_tokens * self.s.model.shape.kv_bytes_per_token  # the rest is held there
-        started = Started(job_id, job["tenant"], attempt, shipped, decode, prefill, lease_s)
+        started = Started(job_id, job["tenant"], attempt, shipped, decode, prefill, lease_s, span)
         if reship:
             again = prefill_pb2.ReshipRequest(job_id=job_id, attempt=attempt, destination=destination)
             again.timeout_s = lease_s
@@ -232,7 +247,9 @@ class Dispatcher:
         """On the watcher's loop: the prefill's events, to the end of its shipment."""
         jobs = self.s.jobs
         channel = self.watcher.channel(run.prefill.grpc_endpoint, server_name(run.prefill.name))
-        call = prefill_pb2_grpc.PrefillRegionStub(channel).Prefill(request, timeout=run.lease_s + 5)
+        span = run.call_span("worker.prefill")
+        call = prefill_pb2_grpc.PrefillRegionStub(channel).Prefill(request, timeout=run.lease_s + 5,
+                                                                   metadata=tracing.metadata(span))  # fmt: skip
         try:
             async for event in call:
                 kind = event.WhichOneof("event")
@@ -252,18 +269,23 @@ class Dispatcher:
                     shipped = event.shipment_complete
                     jobs.update(run.job_id, run.attempt, bytes_raw=shipped.raw_bytes, bytes_wire=shipped.wire_bytes)
         except grpc.aio.AioRpcError as exc:
+            tracing.failed(span, exc.code().name)
             await self._stage_failed(run, "prefill", exc)
         except (StaleAttempt, IllegalTransition, JobNotFound):
             call.cancel()  # the job moved on (canceled, or the sweeper started the next attempt)
         finally:
+            span.end()
             self.leases.take(run.job_id, run.attempt)
 
     async def _follow_reship(self, run: Started, request: prefill_pb2.ReshipRequest) -> None:
         """On the watcher's loop: the leased KV shipped to the new decode instance, then its hand-off."""
         jobs = self.s.jobs
         channel = self.watcher.channel(run.prefill.grpc_endpoint, server_name(run.prefill.name))
+        span = run.call_span("worker.reship")
         try:
-            reply = await prefill_pb2_grpc.PrefillRegionStub(channel).Reship(request, timeout=run.lease_s + 5)
+            reply = await prefill_pb2_grpc.PrefillRegionStub(channel).Reship(
+                request, timeout=run.lease_s + 5, metadata=tracing.metadata(span)
+            )
             jobs.transition(run.job_id, JobState.TRANSFERRING, run.attempt, note="reshipped", tenant=run.tenant)
             jobs.update(run.job_id, run.attempt, bytes_raw=reply.shipment.raw_bytes,
                         bytes_wire=reply.shipment.wire_bytes, reship_from="")  # fmt: skip
@@ -271,10 +293,12 @@ class Dispatcher:
             first = _first(reply)
             jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
         except grpc.aio.AioRpcError as exc:  # lease gone, region down: the next attempt computes the prompt again
+            tracing.failed(span, exc.code().name)
             await self._stage_failed(run, "reship", exc, reship_from="")
         except (StaleAttempt, IllegalTransition, JobNotFound):
             pass
         finally:
+            span.end()
             self.leases.take(run.job_id, run.attempt)
 
     async def _stage_failed(self, run: Started, step: str, exc: grpc.aio.AioRpcError, **fields: Any) -> None:
@@ -311,39 +335,14 @@ class Started:
     decode: InstanceRecord
     prefill: InstanceRecord
     lease_s: float
+    span: tracing.Span  # the dispatch's: the prefill (or reship) call's parent
 
-
-def job_request(job: Mapping[str, str], settings: Settings) -> Request:
-    """What the scheduler is asked to place for `job` (its hash in the store)."""
-    ttft_ms, tpot_ms = slo_ms(job, settings)
-    lossy = lossy_codec(job)
-    return Request(
-        request_id=job["id"],
-        tenant=job["tenant"],
-        prompt_tokens=int(job["prompt_tokens"]),
-        max_new_tokens=int(job["max_new_tokens"]) * job_sampling(job).n,  # n choices decode, one prefill
-        slo=Slo(ttft_ms=ttft_ms, tpot_ms=tpot_ms),
-        prefix_block_hashes=prefix_hashes(job),
-        block_tokens=settings.prefix.block_tokens,
-        allow_lossy_codec=lossy is not None,
-        lossy_codec=lossy,
-    )
-
-
-def placed_fields(decision: Decision, decode: InstanceRecord, prefill: InstanceRecord) -> dict[str, Any]:
-    """The job fields that record `decision` and the instances running it (GET /v1/jobs shows them)."""
-    return {
-        "decision": decision_dict(decision), "placement_chosen": decision.mode.value, "decode_region": decode.name,
-        "prefill_region": prefill.name, "decode_instance": decode.instance, "prefill_instance": prefill.instance,
-        "decode_grpc": decode.grpc_endpoint, "prefill_grpc": prefill.grpc_endpoint,
-        "cost_usd": decision.cost.total_usd, "colocated_cost_usd": decision.colocated_cost.total_usd,
-        "codec": decision.codec or "",
-    }  # fmt: skip
-
-
-def ready_info(mode: str, decode: InstanceRecord, **fields: Any) -> dict[str, Any]:
-    """An attempt's hand-off: where the API process streams its tokens from."""
-    return {"mode": mode, "decode_grpc": decode.grpc_endpoint, "decode_region": decode.name} | fields
+    def call_span(self, name: str) -> tracing.Span:
+        """The span of this attempt's call to its prefill region (the callee's parent)."""
+        return tracing.tracer.start_span(
+            name, context=tracing.set_span_in_context(self.span), kind=tracing.SpanKind.CLIENT,
+            attributes={tracing.JOB_ID: self.job_id, "prfaas.prefill_region": self.prefill.key},
+        )  # fmt: skip
 
 
 def _first(done: prefill_pb2.PrefillDone | prefill_pb2.ReshipReply) -> dict[str, Any]:
@@ -357,15 +356,3 @@ def _first(done: prefill_pb2.PrefillDone | prefill_pb2.ReshipReply) -> dict[str,
     if done.prompt_logprobs:
         first["prompt_logprobs"] = [base64.b64encode(p.SerializeToString()).decode() for p in done.prompt_logprobs]
     return first
-
-
-def job_sampling(job: Mapping[str, str]) -> SamplingParams:
-    """The job's sampling specification (its `sampling` field, written by the API)."""
-    if job.get("sampling"):
-        return SamplingParams.from_dict(json.loads(job["sampling"]))
-    seed = int(job["seed"]) if job.get("seed") else None  # a record from before the field: temperature, seed
-    return SamplingParams(int(job["max_new_tokens"]), float(job.get("temperature", 0) or 0), seed=seed)
-
-
-def sampling(job: Mapping[str, str]) -> common_pb2.SamplingParams:
-    return sampling_to_proto(job_sampling(job))

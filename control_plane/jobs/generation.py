@@ -29,17 +29,18 @@ from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.usage import served_timing
 from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.celery_app import enqueue
-from prfaas.control_plane.jobs.dispatch import job_sampling, sampling
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
 from prfaas.control_plane.jobs.prefix import cache_salt
+from prfaas.control_plane.jobs.records import job_sampling, sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.tokenlog import Outputs, Token, TokenLog, recorded_tokens
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from prfaas.region.channels import ChannelCache
 from prfaas.region.requests import logprobs_from_proto
+from prfaas.telemetry import tracing
 from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
@@ -79,17 +80,18 @@ class Follower:
 
     def tokens(
         self, job_id: str, job: dict[str, str] | None = None, ready: dict[str, Any] | None = None, *,
-        after_attempt: int = 0, already: list[Token] | None = None,
+        after_attempt: int = 0, already: list[Token] | None = None, parent: tracing.Span | None = None,
     ) -> Iterator[Token]:  # fmt: skip
         """The job's tokens, from whichever attempt delivers them. `ready` (with `job`, its
         record) is a hand-off the caller already holds: the first attempt starts from it.
         Adopting a job another process followed: `after_attempt`, the last attempt whose
-        hand-off is stale; `already`, the tokens it logged (skipped, not logged again)."""
+        hand-off is stale; `already`, the tokens it logged (skipped, not logged again).
+        `parent`: the job's span (else the trace its record names), parent of each decode call's."""
         try:
             if self.owner:
                 self.leases.follow(job_id, self.owner)
             try:
-                yield from self._tokens(job_id, job, ready, after_attempt, Outputs(already or ()))
+                yield from self._tokens(job_id, job, ready, after_attempt, Outputs(already or ()), parent)
             finally:
                 if self.owner:
                     with contextlib.suppress(redis.RedisError):  # an outage's other errors say it already
@@ -124,7 +126,7 @@ class Follower:
         threading.Thread(target=fail, name=f"abandon-{job_id[:8]}", daemon=True).start()
 
     def _tokens(self, job_id: str, job: dict[str, str] | None, ready: dict[str, Any] | None, after: int,
-                output: Outputs) -> Iterator[Token]:  # fmt: skip
+                output: Outputs, parent: tracing.Span | None) -> Iterator[Token]:  # fmt: skip
         jobs = self.s.jobs
         deadline = time.monotonic() + self.s.settings.job_timeout_s
         info = ready
@@ -148,6 +150,12 @@ class Follower:
             handed, info = info, None
             stub = self._decode_stub(handed["decode_grpc"], handed.get("decode_region", ""))
             remaining = max(1.0, deadline - time.monotonic())
+            call = tracing.tracer.start_span(
+                "api.decode", context=_trace_parent(parent, job), kind=tracing.SpanKind.CLIENT,
+                attributes={tracing.JOB_ID: job_id, "prfaas.attempt": attempt, "prfaas.placement": handed["mode"],
+                            "prfaas.decode_region": handed.get("decode_region", "")},
+            )  # fmt: skip
+            metadata = tracing.metadata(call)
             try:
                 if handed["mode"] == "local":
                     local = decode_pb2.GenerateRequest(
@@ -155,7 +163,7 @@ class Follower:
                     )
                     if (salt := cache_salt(job)) is not None:
                         local.cache_salt = salt
-                    stream = stub.Generate(local, timeout=remaining + 5)
+                    stream = stub.Generate(local, timeout=remaining + 5, metadata=metadata)
                 else:
                     kv = common_pb2.KVDescriptor.FromString(base64.b64decode(handed["kv"]))
                     request = decode_pb2.DecodeRequest(
@@ -170,7 +178,7 @@ class Follower:
                         request.prompt_logprobs.add().ParseFromString(base64.b64decode(position))
                     if (salt := cache_salt(job)) is not None:
                         request.cache_salt = salt
-                    stream = stub.Decode(request, timeout=remaining + 5)
+                    stream = stub.Decode(request, timeout=remaining + 5, metadata=metadata)
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 served: dict[str, int] = {}  # a local run's prefix cache hit, recorded with DONE
                 n = job_sampling(job).n  # choices: DONE once each ended
@@ -204,6 +212,7 @@ class Follower:
                         if done:
                             return
             except grpc.RpcError as exc:
+                tracing.failed(call, exc.code().name)
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS and conflicts < CONFLICT_RETRIES:
                     # the decode region still runs this job for a caller that is gone (a dead API
                     # process, whose call it has not noticed ending yet): end that one, call again
@@ -215,6 +224,8 @@ class Follower:
                 self._lost(job_id, attempt, handed["mode"], exc, after_tokens=output.count)
             except (StaleAttempt, IllegalTransition):
                 continue  # a newer attempt (or a cancel) took over
+            finally:
+                tracing.end(call)  # once: a second end is a no-op
 
     def attached(self, job_id: str) -> Iterator[Token]:
         """The tokens of a job another request follows (an Idempotency-Key retry while it runs),
@@ -339,6 +350,11 @@ def _released(stream: Any) -> Iterator[threading.Event]:
     finally:
         if not finished.is_set():
             stream.cancel()
+
+
+def _trace_parent(span: tracing.Span | None, job: dict[str, str]) -> Any:
+    """The context a decode call's span is started in: the job's span in this process, else its record's trace."""
+    return tracing.set_span_in_context(span) if span is not None else tracing.from_traceparent(job.get("trace"))
 
 
 def _ids(job: dict[str, str], field: str = "token_ids") -> list[int]:

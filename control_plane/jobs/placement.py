@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prfaas.control_plane.fleet.records import RegionNotFound, RegionRecord
-from prfaas.control_plane.jobs.dispatch import job_request, placed_fields, ready_info
+from prfaas.control_plane.jobs.records import job_request, placed_fields, ready_info
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.jobs.store import HandedOff
 from prfaas.control_plane.scheduling.costmodel import CostModel

@@ -125,12 +125,54 @@ def test_up_bench_down_leaves_nothing_behind(home: Path) -> None:
         assert len(rows) == 12 and all(r["ok"] and r["ttft_s"] > 0 for r in rows)
         assert {r["placement"] for r in rows if r["policy"] == "split-always"} == {"split"}
         assert len(load_trace(out / "trace.jsonl")) == 12  # the simulator replays it as is
+        _trace_of_a_split_job(home, client)
     finally:
         down = _run(["down"], home, timeout_s=120)
     assert down.returncode == 0, down.stdout + down.stderr
     _assert_all_gone(state, home)
     assert "nothing is up" in _run(["down"], home).stdout
-    _up_again_finds_its_tenant(home, state, billed=len(done))
+    _up_again_finds_its_tenant(home, state, billed=len(done) + 1)  # the bench's jobs and the traced one
+
+
+def _trace_of_a_split_job(home: Path, client: openai.OpenAI) -> None:
+    """One split request is one trace, with spans from the API, the worker and both regions, in the order
+    the job went through them; `prfaas trace JOB_ID` prints it."""
+    reply = client.completions.create(model="tiny-llama", prompt=list(range(10, 310)), max_tokens=3,
+                                      extra_body={"prfaas": {"placement": "split"}})  # fmt: skip
+    deadline, spans = time.monotonic() + 15, []
+    while time.monotonic() < deadline:  # every process writes its spans within a batch delay of their end
+        shown = _run(["trace", reply.id, "--json"], home, timeout_s=60)
+        spans = json.loads(shown.stdout) if shown.returncode == 0 else []
+        services = {s["service"] for s in spans}
+        if {"prfaas-api", "prfaas-worker", "prfaas-region-pre", "prfaas-region-dec"} <= services and any(
+            s["name"] == "decode.kv_receive" for s in spans
+        ):
+            break
+        time.sleep(0.5)
+    by_name = {s["name"]: s for s in spans}
+    assert {s["trace_id"] for s in spans} == {spans[0]["trace_id"]}  # one trace
+    assert by_name["api.job"]["attributes"]["prfaas.job_id"] == reply.id
+    roots = [s for s in spans if s["depth"] == 0]  # FastAPI's own HTTP span holds the API's
+    assert [(r["service"], r["parent_id"]) for r in roots] == [("prfaas-api", "")], spans
+    chain = ["api.job", "worker.dispatch", "worker.reserve", "worker.prefill", "prefill.job", "prefill.forward",
+             "decode.kv_receive", "api.decode", "decode.job"]  # fmt: skip
+    assert set(chain) <= by_name.keys(), sorted(by_name)
+    services = [by_name[name]["service"] for name in chain]
+    assert services == ["prfaas-api", "prfaas-worker", "prfaas-worker", "prfaas-worker", "prfaas-region-pre",
+                        "prfaas-region-pre", "prfaas-region-dec", "prfaas-api", "prfaas-region-dec"]  # fmt: skip
+    parent = {name: by_name[name]["parent_id"] for name in chain}
+    ids = {name: by_name[name]["span_id"] for name in chain}
+    assert parent["worker.dispatch"] == ids["api.job"]  # via the job's record
+    assert parent["prefill.job"] == ids["worker.prefill"]  # via gRPC metadata
+    assert parent["decode.kv_receive"] == ids["prefill.job"]  # via the KV shipment's OPEN
+    assert parent["decode.job"] == ids["api.decode"]
+    starts = [by_name[name]["start_ms"] for name in ("api.job", "worker.dispatch", "prefill.job", "decode.job")]
+    assert starts == sorted(starts), starts  # API, worker, prefill region, decode region, in order
+    assert all(s["status"] == "ok" for s in spans), [s for s in spans if s["status"] != "ok"]
+    table = _run(["trace", reply.id], home, timeout_s=60)
+    assert table.returncode == 0 and "prefill.forward" in table.stdout and "prfaas-region-dec" in table.stdout
+    missing = _run(["trace", "no-such-job"], home, timeout_s=60)
+    assert missing.returncode == 1 and "no spans of job no-such-job" in missing.stdout
 
 
 def _up_again_finds_its_tenant(home: Path, first: dict[str, object], billed: int) -> None:

@@ -1,0 +1,50 @@
+"""`prfaas trace JOB_ID`: where a job's time went, as the span tree of its trace (telemetry/tracing.py),
+read from the span files of the deployment `prfaas up` runs ($PRFAAS_HOME/up/traces), or `--dir`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+console = Console()
+
+
+def trace(
+    job_id: str = typer.Argument(..., help="the job's id (the X-Prfaas-Job-Id header, or the response's id)"),
+    directory: Path | None = typer.Option(None, "--dir", help="span files' folder (default: `prfaas up`'s)"),
+    as_json: bool = typer.Option(False, "--json", help="print the spans as JSON, parents before children"),
+) -> None:
+    """Print a job's span tree: each span's process, its start after the job's first span, its duration.
+    Exit 1 when no span of the job is recorded, 2 when there is no span folder."""
+    from prfaas.engine.models import prfaas_home
+    from prfaas.telemetry.spans import job_trace, tree
+
+    folder = directory or prfaas_home() / "up" / "traces"
+    if not folder.is_dir():
+        console.print(f"[red]error:[/red] no span files in {escape(str(folder))}: is `prfaas up` running (it "
+                      "records spans there), or were spans exported elsewhere (OTLP)?", highlight=False)  # fmt: skip
+        raise typer.Exit(2)
+    spans = job_trace(folder, job_id)
+    if not spans:
+        console.print(f"[red]error:[/red] no spans of job {escape(job_id)} in {escape(str(folder))} "
+                      "(a job's spans are written within a second of its end)", highlight=False)  # fmt: skip
+        raise typer.Exit(1)
+    origin = spans[0].start_ns
+    rows = [(depth, span) for root in tree(spans) for depth, span in root.walk()]
+    if as_json:
+        print(json.dumps([{
+            "depth": depth, "name": s.name, "service": s.service, "span_id": s.span_id, "parent_id": s.parent_id,
+            "trace_id": s.trace_id, "start_ms": round((s.start_ns - origin) / 1e6, 3), "duration_ms": round(s.ms, 3),
+            "status": s.status, "attributes": s.attributes,
+        } for depth, s in rows], indent=2))  # fmt: skip
+        return
+    table = Table("span", "process", "start ms", "ms", "status", title=f"job {job_id} (trace {spans[0].trace_id})")
+    for depth, s in rows:
+        table.add_row("  " * depth + s.name, s.service, f"{(s.start_ns - origin) / 1e6:9.2f}", f"{s.ms:9.2f}",
+                      s.status if s.status == "ok" else f"[red]{escape(s.status)}[/red]")  # fmt: skip
+    console.print(table)

@@ -1,0 +1,118 @@
+"""A prompt's job as the completion routes hold it (`PromptJob`), and the `stream=true` response: server-sent
+events, one chunk per piece of text as vLLM sends them, the usage chunk when asked, `[DONE]`; a job that ends
+without its tokens ends the stream with an error event (api/errors.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from prfaas.control_plane.api.choices import Choice, usage
+from prfaas.control_plane.api.errors import JOB_ENDED, STORE_UNAVAILABLE, ApiError, sse_error
+from prfaas.control_plane.api.streams import merged
+from prfaas.control_plane.jobs.generation import Follower, JobEnded
+from prfaas.control_plane.jobs.tokenlog import Token
+from prfaas.control_plane.services import Services
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptJob:
+    """One prompt's job, started (or found again by its Idempotency-Key), and the choices it fills."""
+
+    job_id: str
+    stream: Iterator[Token]
+    prompt_tokens: int
+    choices: list[Choice]  # the job's n choices
+    leader: bool  # its stream is this request's own (not attached to another request's job)
+
+
+def completion_tokens(jobs: list[PromptJob]) -> int:
+    return sum(len(choice.tokens) for job in jobs for choice in job.choices)
+
+
+def ended_error(exc: JobEnded) -> ApiError:
+    return JOB_ENDED[exc.state].error(f"job {exc.state.lower()}: {exc}")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its generator as soon as the response ends, however it ends. On a client
+    disconnect Starlette just stops iterating; the generator's `finally` (which cancels the job
+    in both regions) would otherwise run only when the garbage collector reaches it, seconds
+    later, while the decode region keeps generating."""
+
+    def __init__(self, content: Generator[str, None, None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.source = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await run_in_threadpool(self.source.close)  # no-op when it ran to its end
+            except ValueError:  # a next() still in flight (Starlette waits for it; defensive): GC closes it
+                log.warning("stream generator still running at disconnect; its job is canceled later")
+
+
+def sse(
+    s: Services, follower: Follower, jobs: list[PromptJob], kind: str, include_usage: bool
+) -> Generator[str, None, None]:
+    chat = kind == "chat.completion"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+    job_id = jobs[0].job_id
+
+    def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
+        payload: dict[str, Any] = {"id": job_id, "object": obj, "created": created, "model": s.model.name}
+        payload["choices"] = choices
+        if usage_ is not None:
+            payload["usage"] = usage_
+        return f"data: {json.dumps(payload)}\n\n"
+
+    finished = False
+    stream: Iterator[tuple[int, Token]] = (
+        ((0, token) for token in jobs[0].stream) if len(jobs) == 1 else merged([job.stream for job in jobs])
+    )
+    try:
+        if chat:  # each choice's role first, as vLLM sends it
+            roles = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield chunk([{"index": c.index} | roles for job in jobs for c in job.choices])
+        for index, token in stream:
+            choice = jobs[index].choices[token.choice]
+            choice.add(token)
+            piece = choice.chunk()
+            if piece is not None:
+                yield chunk([piece])
+        finished = True
+        if include_usage:
+            yield chunk([], usage(sum(j.prompt_tokens for j in jobs), completion_tokens(jobs)))
+        yield "data: [DONE]\n\n"
+    except JobEnded as exc:
+        finished = True
+        yield sse_error(ended_error(exc))
+    except redis.RedisError:  # a read outside the follower (it turns its own into JobEnded)
+        finished = True
+        yield sse_error(STORE_UNAVAILABLE.error())
+    finally:
+        close = getattr(stream, "close", None)
+        if not finished:  # the client went away mid-stream
+            with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
+                if len(jobs) == 1 and jobs[0].leader:
+                    follower.disconnected(job_id, jobs[0].stream)
+                for job in jobs if len(jobs) > 1 else ():
+                    if job.leader:
+                        follower.cancel(job.job_id, "client disconnected")
+        if close is not None:
+            close()

@@ -1,0 +1,171 @@
+"""Tracing: one OpenTelemetry trace per job, across the API, the Celery worker, the prefill and the decode
+regions, and the KV transfer between them.
+
+A process calls `configure(service)` once at start. What it exports is set by the environment, the same in
+every process of a deployment:
+
+- `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`): spans go to that collector by
+  OTLP/HTTP, batched on a thread of the SDK's (the exporter reads the standard `OTEL_EXPORTER_OTLP_*` options).
+- `PRFAAS_TRACE_DIR`: spans are also written to `DIR/SERVICE-PID.jsonl` (telemetry/spans.py), which is what
+  `prfaas trace JOB_ID` reads; `prfaas up` sets it to `$PRFAAS_HOME/up/traces`.
+- neither: no provider is installed and every span is OpenTelemetry's no-op (about a microsecond).
+
+How the context travels (W3C `traceparent`): in the job's record in Redis (field `trace`, written by the API
+with the job, so the worker that dispatches it, or retries it, continues the same trace); in gRPC metadata on
+every call to a region (`metadata()` on the client, `from_metadata()` in the servicer); and in the KV
+shipment's OPEN frame (docs/wire-format.md), so the decode region's receive span is a child of the prefill
+region's. Spans are named `stage` or `service.stage`, carry `prfaas.job_id` and, where they have one, the
+region, mode and codec (attributes `prfaas.*`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
+
+log = logging.getLogger(__name__)
+TRACE_DIR_ENV = "PRFAAS_TRACE_DIR"
+OTLP_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+TRACEPARENT = "traceparent"
+FLUSH_EVERY_MS = 200  # the file exporter's batch delay: `prfaas trace` sees a job's spans this soon after it ends
+JOB_ID = "prfaas.job_id"
+
+T = TypeVar("T")
+_propagator = TraceContextTextMapPropagator()
+_configured: str | None = None
+_lock = threading.Lock()
+tracer = trace.get_tracer("prfaas")
+
+__all__ = [
+    "JOB_ID",
+    "Span",
+    "SpanKind",
+    "configure",
+    "end",
+    "failed",
+    "from_metadata",
+    "from_traceparent",
+    "metadata",
+    "set_span_in_context",
+    "span_at",
+    "traceparent",
+    "tracer",
+]  # fmt: skip
+
+
+def configure(service: str, attributes: dict[str, str] | None = None) -> bool:
+    """Install this process's tracer provider, once, as the environment says (the module docstring); the
+    service name is `service`. Returns whether spans are exported at all."""
+    global _configured
+    with _lock:
+        if _configured is not None:
+            return _configured != ""
+        endpoint = next((os.environ[e] for e in OTLP_ENVS if os.environ.get(e)), "")
+        folder = os.environ.get(TRACE_DIR_ENV, "")
+        if not endpoint and not folder:
+            _configured = ""
+            return False
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        from prfaas.telemetry.spans import JsonLinesExporter
+
+        provider = TracerProvider(resource=Resource.create({"service.name": service} | (attributes or {})))
+        if endpoint:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        if folder:
+            path = Path(folder) / f"{service}-{os.getpid()}.jsonl"
+            files = JsonLinesExporter(path)
+            provider.add_span_processor(BatchSpanProcessor(files, schedule_delay_millis=FLUSH_EVERY_MS))
+        trace.set_tracer_provider(provider)
+        _configured = service
+        where = [f"OTLP {endpoint}"] * bool(endpoint) + [f"files in {folder}"] * bool(folder)
+        log.info("tracing on as %s: %s", service, ", ".join(where))
+        return True
+
+
+def traceparent(span: Span) -> str:
+    """`span`'s W3C traceparent ("" when it is not recording: tracing off)."""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, set_span_in_context(span))
+    return carrier.get(TRACEPARENT, "")
+
+
+def from_traceparent(value: str | None) -> otel_context.Context | None:
+    """The context a `traceparent` names (None when empty: a span started with it is a root)."""
+    if not value:
+        return None
+    return _propagator.extract({TRACEPARENT: value})
+
+
+def metadata(span: Span) -> tuple[tuple[str, str | bytes], ...]:
+    """gRPC metadata carrying `span` as the callee's parent (empty when tracing is off)."""
+    value = traceparent(span)
+    return ((TRACEPARENT, value),) if value else ()
+
+
+def traceparent_in(pairs: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The traceparent a caller sent in gRPC metadata (`context.invocation_metadata()`; "" for none)."""
+    for key, value in pairs or ():
+        if key == TRACEPARENT:
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
+
+
+def from_metadata(pairs: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context | None:
+    """The parent a caller sent in gRPC metadata (`context.invocation_metadata()`)."""
+    return from_traceparent(traceparent_in(pairs))
+
+
+def traced(name: str, pairs: Iterable[tuple[str, str | bytes]] | None, job_id: str,
+           events: Generator[T, None, None]) -> Iterator[T]:  # fmt: skip
+    """A server stream's `events` under a span of the caller's trace (from its metadata `pairs`), ended with
+    them (attribute `prfaas.events`: how many were sent); closes `events` however the stream ends (the caller
+    gone: the work stops now, as `yield from` would)."""
+    span = tracer.start_span(name, context=from_metadata(pairs), kind=SpanKind.SERVER, attributes={JOB_ID: job_id})
+    sent = 0
+    try:
+        for event in events:
+            sent += 1
+            yield event
+    except BaseException as exc:
+        failed(span, exc)
+        raise
+    finally:
+        events.close()
+        span.set_attribute("prfaas.events", sent)
+        span.end()
+
+
+def span_at(name: str, parent: otel_context.Context | Span | None, start_ns: int, end_ns: int,
+            attributes: Mapping[str, AttributeValue] | None = None) -> None:  # fmt: skip
+    """A finished span of measured times (ns since the epoch), child of `parent` (a context or a span)."""
+    if isinstance(parent, Span):
+        parent = set_span_in_context(parent)
+    span = tracer.start_span(name, context=parent, start_time=start_ns, attributes=attributes)
+    span.end(end_time=max(start_ns, end_ns))
+
+
+def failed(span: Span, error: BaseException | str) -> None:
+    """Mark `span` as ended in error (it is ended by whoever started it)."""
+    span.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
+
+
+def end(span: Span, error: BaseException | str | None = None) -> None:
+    """End `span`, marked as an error when `error` is given."""
+    if error is not None:
+        failed(span, error)
+    span.end()
