@@ -16,6 +16,7 @@ from prfaas.region.channels import TlsFiles, channel, keepalive_options
 from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
+MIN_CALL_TIMEOUT_S = 2.0
 
 
 class Heartbeater:
@@ -31,6 +32,9 @@ class Heartbeater:
         self.target = target
         self.registration = registration
         self.interval_s = interval_s
+        # a call may take longer than a beat's interval (a new connection's TCP and TLS handshakes across a WAN,
+        # a loaded host); the registry forgets an instance only after several silent intervals
+        self.call_timeout_s = max(interval_s, MIN_CALL_TIMEOUT_S)
         self._load = load
         # gRPC's reconnect backoff grows to 120 s: a restarted control plane would wait that long
         # for its regions. Keep retrying every few beats instead.
@@ -55,7 +59,7 @@ class Heartbeater:
     def beat(self) -> None:
         """One round: register if needed, then heartbeat. Raises grpc.RpcError."""
         if not self.region_id:
-            reply = self._stub.Register(self.registration, timeout=self.interval_s)
+            reply = self._stub.Register(self.registration, timeout=self.call_timeout_s)
             self.region_id = reply.region_id or self.registration.name
             self.registrations += 1
             log.info("registered with %s as %s", self.target, self.region_id)
@@ -64,7 +68,7 @@ class Heartbeater:
             name=self.registration.name, region_id=self.region_id, seq=self.seq, load=self._load(),
             instance=self.registration.instance,
         )  # fmt: skip
-        if self._stub.Heartbeat(request, timeout=self.interval_s).reregister:
+        if self._stub.Heartbeat(request, timeout=self.call_timeout_s).reregister:
             self.region_id = ""
 
     def _loop(self) -> None:

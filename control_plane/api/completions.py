@@ -218,7 +218,8 @@ def _admitted(
             g.follower.abandon(job_id, "broker unreachable at dispatch")
             raise STORE_UNAVAILABLE.error() from None
         record = None
-    return PromptJob(job_id, g.follower.tokens(job_id, record, ready, parent=span), len(ids), choices, leader=True)
+    tokens = g.follower.tokens(job_id, record, ready, parent=span, followed=True)  # followed from its creation
+    return PromptJob(job_id, tokens, len(ids), choices, leader=True)
 
 
 def _traced(span: tracing.Span, tokens: Iterator[Token]) -> Iterator[Token]:
@@ -283,7 +284,7 @@ def _create(
                     {"prfaas.placement": str(placed.fields.get("placement_chosen", "dispatched"))})  # fmt: skip
     created = s.jobs.create(
         tenant.id, fields | placed.fields, tenant.quota, handed_off=placed.handed_off, admission=admission,
-        reserve_usd=placed.predicted_usd,
+        reserve_usd=placed.predicted_usd, follow_as=g.follower.owner,
     )  # fmt: skip
     if created.existing:
         return created.job_id, None, None

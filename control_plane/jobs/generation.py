@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import grpc
@@ -81,19 +81,23 @@ class Follower:
     def tokens(
         self, job_id: str, job: dict[str, str] | None = None, ready: dict[str, Any] | None = None, *,
         after_attempt: int = 0, already: list[Token] | None = None, parent: tracing.Span | None = None,
+        followed: bool = False,
     ) -> Iterator[Token]:  # fmt: skip
         """The job's tokens, from whichever attempt delivers them. `ready` (with `job`, its
         record) is a hand-off the caller already holds: the first attempt starts from it.
         Adopting a job another process followed: `after_attempt`, the last attempt whose
         hand-off is stale; `already`, the tokens it logged (skipped, not logged again).
-        `parent`: the job's span (else the trace its record names), parent of each decode call's."""
+        `parent`: the job's span (else the trace its record names), parent of each decode call's.
+        `followed`: this process follows the job already (`JobStore.create(follow_as=...)`)."""
         try:
-            if self.owner:
+            if self.owner and not followed:
                 self.leases.follow(job_id, self.owner)
+            unfollowed = False
             try:
-                yield from self._tokens(job_id, job, ready, after_attempt, Outputs(already or ()), parent)
+                outputs = Outputs(already or ())
+                unfollowed = yield from self._tokens(job_id, job, ready, after_attempt, outputs, parent)
             finally:
-                if self.owner:
+                if self.owner and not unfollowed:
                     with contextlib.suppress(redis.RedisError):  # an outage's other errors say it already
                         self.leases.unfollow(job_id, self.owner)
         except redis.RedisError as exc:  # its decode call ends with this generator (the stream is dropped)
@@ -126,7 +130,8 @@ class Follower:
         threading.Thread(target=fail, name=f"abandon-{job_id[:8]}", daemon=True).start()
 
     def _tokens(self, job_id: str, job: dict[str, str] | None, ready: dict[str, Any] | None, after: int,
-                output: Outputs, parent: tracing.Span | None) -> Iterator[Token]:  # fmt: skip
+                output: Outputs, parent: tracing.Span | None) -> Generator[Token, None, bool]:  # fmt: skip
+        """The tokens; returns True when the DONE move also ended this process's follow of the job."""
         jobs = self.s.jobs
         deadline = time.monotonic() + self.s.settings.job_timeout_s
         info = ready
@@ -198,11 +203,13 @@ class Follower:
                         )  # fmt: skip
                         if not output.add(token):
                             continue  # sent before this attempt
-                        self.log.log_token(job_id, token)  # before DONE
                         done = output.done(n)
-                        if done:  # spend is billed from the ledger (billing/meter.py), not here
+                        if not done:
+                            self.log.log_token(job_id, token)
+                        else:  # the last token logged before DONE, in the same step; billed from the ledger
                             jobs.transition(
                                 job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
+                                log_token=token.entry(), unfollow=self.owner,
                                 **output.record(), **served_timing(first, event.elapsed_s), **served,
                             )  # fmt: skip
                             if self.meter is not None:
@@ -210,7 +217,7 @@ class Follower:
                             finished.set()
                         yield token
                         if done:
-                            return
+                            return bool(self.owner)
             except grpc.RpcError as exc:
                 tracing.failed(call, exc.code().name)
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS and conflicts < CONFLICT_RETRIES:

@@ -44,14 +44,24 @@ local function release_reservation(reserved, total, id)
 end
 """
 
-# KEYS: job, timeline, tenant's active set, tenant's spend, tenant's reservations hash, their sum, tenant's index.
+# KEYS: job, timeline, tenant's active set, tenant's spend, tenant's reservations hash, their sum, tenant's index,
+#       the job's token log ('' = none) and its readers counter, the followed-jobs hash ('' = none).
 # ARGV: target state, attempt, now, TTL of a finished job, timeline note, $ to bill at DONE, n, then n
-# field/value pairs to set with the move.
+# field/value pairs to set with the move, then the token to log first (with KEYS[8]: jobs/tokenlog.py's
+# entry, appended whatever the move's outcome, as a separate log call would) and the follower to drop when
+# the move ends the job (with KEYS[10]: only if it is the one following). So the last token, DONE and the end
+# of the follow are one round trip.
 # Returns {'ok', state, attempt} or {'not_found' | 'illegal' | 'stale', current state, current attempt}.
 # A FAILED / CANCELED move releases the job's budget reservation; DONE keeps it until the job is billed
 # (or settles it here when the move itself bills a $).
 _TRANSITION_TEMPLATE = """
-@LEGAL@@RELEASE@local cur = redis.call('HMGET', KEYS[1], 'state', 'attempt')
+@LEGAL@@RELEASE@local extra = 8 + 2 * tonumber(ARGV[7])
+if KEYS[8] ~= '' then
+  redis.call('RPUSH', KEYS[8], ARGV[extra])
+  redis.call('EXPIRE', KEYS[8], ARGV[4])
+  if tonumber(redis.call('GET', KEYS[9]) or '0') > 0 then redis.call('PUBLISH', KEYS[1] .. ':notify', 'token') end
+end
+local cur = redis.call('HMGET', KEYS[1], 'state', 'attempt')
 if not cur[1] then return {'not_found', '', 0} end
 local state, attempt = cur[1], tonumber(cur[2])
 local target, given, now = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -81,6 +91,7 @@ if terminal[target] then
   if redis.call('SCARD', KEYS[3]) == 0 and redis.call('TTL', KEYS[7]) > tonumber(ARGV[4]) then
     redis.call('EXPIRE', KEYS[7], ARGV[4])
   end
+  if KEYS[10] ~= '' and redis.call('HGET', KEYS[10], id) == ARGV[extra + 1] then redis.call('HDEL', KEYS[10], id) end
   redis.call('PUBLISH', KEYS[1] .. ':notify', target)
 end
 return {'ok', target, new_attempt}
@@ -138,7 +149,8 @@ end
 RELEASE = _GIVE_BACK_FN + "give_back(KEYS[1], KEYS[2], ARGV[1])\nreturn 1\n"
 
 # After tokenizing. KEYS: job, timeline, tenant index, active set, admitting zset, rate window, spend,
-#       reservations hash, their sum, idempotency key ('' = none), ready list ('' = none)
+#       reservations hash, their sum, idempotency key ('' = none), ready list ('' = none), the followed-jobs
+#       hash ('' = none: the job is followed by the process whose id is the last ARGV)
 # ARGV: id, now, budget, $ to reserve, TTL of the job's keys, index entries scored below this are trimmed,
 #       TTL of the idempotency key and of the hand-off list, body hash, n, field/value pairs, then the state
 #       the job starts in past QUEUED ('' = none), its timeline note, and the hand-off to post (a placement
@@ -185,6 +197,7 @@ if reserve > 0 then
   redis.call('INCRBYFLOAT', KEYS[9], ARGV[4])
 end
 if KEYS[10] ~= '' then redis.call('SET', KEYS[10], ARGV[1] .. ' ' .. ARGV[8], 'EX', ARGV[7]) end
+if KEYS[12] ~= '' then redis.call('HSET', KEYS[12], ARGV[1], ARGV[start + 3]) end
 return {'created', ARGV[1]}
 """
 )

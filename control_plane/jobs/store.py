@@ -149,12 +149,14 @@ class JobStore:
         *,
         admission: Admission | None = None,
         reserve_usd: float = 0.0,
+        follow_as: str = "",
     ) -> Created:
         """Write a QUEUED job (attempt 1), or one already `handed_off`, reserving `reserve_usd` of the tenant's
         budget until it is billed or ends unbilled. `admission`: what `admit` let in (None: admitted here,
         `admit` with `idempotency_key` and `job_id`). Refused (AdmissionRefused, the admission given back):
         `budget` when spend + reserved + `reserve_usd` would pass the budget; `idempotency` when a concurrent
-        request with the same key and another body won; a concurrent one with the same body is `existing`."""
+        request with the same key and another body won; a concurrent one with the same body is `existing`.
+        `follow_as`: the API process that streams the job follows it from its creation (jobs/leases.py)."""
         if admission is None:
             admission = self.admit(tenant, quota, job_id, idempotency_key)
         if admission.existing:
@@ -173,7 +175,7 @@ class JobStore:
             self._job(job_id), self._job(job_id) + ":timeline", k("tenant", tenant, "jobs"),
             k("tenant", tenant, "active"), k("tenant", tenant, "admitting"), admission.rate_key,
             self.spend_key(tenant, now), *self.reservation_keys(tenant), self._idem(tenant, admission.idempotency_key),
-            self._job(job_id) + ":ready" if handed_off else "",
+            self._job(job_id) + ":ready" if handed_off else "", s.key("following") if follow_as else "",
         ]  # fmt: skip
         keep_s = int(s.job_timeout_s) + s.job_ttl_s  # a live job's keys: its deadline, then as long as a finished one
         args: list[Any] = [job_id, now, quota.budget_usd, repr(float(reserve_usd)), keep_s, now - keep_s, s.job_ttl_s]
@@ -181,7 +183,7 @@ class JobStore:
         start: list[Any] = ["", "", ""]
         if handed_off:
             start = [state.value, handed_off.note, json.dumps({"attempt": 1} | handed_off.ready)]
-        code, value = self._create(keys=keys, args=[*args, len(record), *flat, *start])
+        code, value = self._create(keys=keys, args=[*args, len(record), *flat, *start, follow_as])
         code, value = _text(code), _text(value)
         if code == "existing":
             return Created(value, existing=True, record={})
@@ -197,10 +199,14 @@ class JobStore:
         note: str = "",
         cost_usd: float = 0.0,
         tenant: str | None = None,
+        log_token: str | None = None,
+        unfollow: str = "",
         **fields: Any,
     ) -> int:
         """Move the job to `target` for `attempt` (0 with CANCELED: any attempt; attempt + 1 with
-        QUEUED: a new attempt). `tenant`, when the caller knows the job's, saves a read.
+        QUEUED: a new attempt). `tenant`, when the caller knows the job's, saves a read. In the same step:
+        `log_token`, a token log entry appended first (jobs/tokenlog.py); `unfollow`, the follower that stops
+        following the job if the move ends it (jobs/leases.py).
         Returns the job's attempt after the move. Raises JobNotFound, IllegalTransition, StaleAttempt."""
         if tenant is None:
             tenant = self.redis.hget(self._job(job_id), "tenant")
@@ -214,17 +220,12 @@ class JobStore:
             self.spend_key(_text(tenant)),
             *self.reservation_keys(_text(tenant)),
             self.settings.key("tenant", _text(tenant), "jobs"),
+            self._job(job_id) + ":tokens" if log_token is not None else "",
+            self._job(job_id) + ":readers",
+            self.settings.key("following") if unfollow else "",
         ]
-        args: list[Any] = [
-            target.value,
-            attempt,
-            time.time(),
-            self.settings.job_ttl_s,
-            note,
-            cost_usd,
-            len(fields),
-            *flat,
-        ]
+        args: list[Any] = [target.value, attempt, time.time(), self.settings.job_ttl_s, note, cost_usd, len(fields),
+                           *flat, log_token or "", unfollow]  # fmt: skip
         code, state, current = self._transition(keys=keys, args=args)
         code = _text(code)
         if code == "not_found":
