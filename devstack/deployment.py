@@ -257,7 +257,10 @@ class Deployment:
             self.state.regions[f"{name}/{k}"] = region.grpc
             write_state(self.home, self.state)
         which = f"region {name}" if self.instances[name] == 1 else f"region {name} instance {k}"
-        self.say(f"{which} ({spec.role}, ${spec.usd_per_gpu_hour}/GPU-h): grpc {region.grpc} kv {region.kv}")
+        self.say(
+            f"{which} ({spec.role}, ${spec.usd_per_gpu_hour}/GPU-h, {region.device or '?'}): grpc {region.grpc} "
+            f"kv {region.kv}"
+        )
 
     def _admin(self, method: str, path: str, body: object = None) -> Any:
         headers = {"Authorization": f"Bearer {self.admin_key}"}

@@ -92,6 +92,7 @@ class RegionProcess:
     lines: list[str] = field(default_factory=list)
     name: str = ""  # the region's, as its ready line says
     instance: str = ""  # the instance's, as its ready line says
+    device: str = ""  # what its engine runs on, `cpu/float32` (engine/device.py)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -184,7 +185,7 @@ def spawn_region(
         where = f" (log {log})" if log is not None else ":\n" + "\n".join(lines[-30:])
         raise RuntimeError(f"region {config.stem} {how}: {failure_cause(lines)}{where}")
     return RegionProcess(proc, ready["grpc"], ready["kv"], ready["metrics"], lines, ready.get("region", ""),
-                         ready.get("instance", ""))  # fmt: skip
+                         ready.get("instance", ""), ready.get("device", ""))  # fmt: skip
 
 
 def _exists(probe: Callable[[int, int], None], target: int) -> bool:

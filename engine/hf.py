@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from prfaas.engine.base import DecodeStep, ModelFacts, PrefillResult, check_prompt
 from prfaas.engine.blocks import block_hashes
+from prfaas.engine.device import DeviceChoice
 from prfaas.engine.errors import (
     InvalidPrompt,
     KVDtypeMismatch,
@@ -56,6 +57,8 @@ class HFEngine:
     dtype: "float32", "bfloat16" or "float16"; KV caches carry it and must match on decode.
     prefix_cache: where prompts' KV is kept for reuse (None: every prompt is computed whole).
     """
+
+    device_choice: DeviceChoice | None = None  # what region/build.py chose it to run on
 
     def __init__(
         self, model: str | Path, *, dtype: str = "float32", device: str = "cpu", cpus: Sequence[int] | None = None,

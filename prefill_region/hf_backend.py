@@ -18,8 +18,8 @@ import torch
 
 from prfaas.engine.base import ModelFacts, PrefillResult
 from prfaas.engine.hf import HFEngine
-from prfaas.engine.kv import byte_view
 from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.staging import StagedShipment, device_copier, feed_layer
 from prfaas.prefill_region import metrics
 from prfaas.prefill_region.backend import JobProgress, JobStopped, PrefillWork, Reshipped, Shipped, kv_descriptor
 from prfaas.prefill_region.destination import Destination
@@ -110,8 +110,11 @@ class HFPrefill:
         kv_lease_s: float = 30.0,
         kv_lease_bytes: int = 2 << 30,
         test_layer_delay_s: float = 0.0,
+        staging_bytes: int = 2 << 30,
     ) -> None:
         self.engine = engine
+        # on a GPU each layer leaves device memory on a side stream into pinned buffers (engine/staging.py)
+        self.copier = device_copier(engine.device, staging_bytes)
         self.facts: ModelFacts = engine.facts
         self.channels = channels
         self.leases = Leases(kv_lease_s, kv_lease_bytes)
@@ -129,7 +132,13 @@ class HFPrefill:
         shipment = Shipment(spec)
         transfer = self.channels.get(work.destination).submit(shipment)
         job.attach(transfer.cancel)
+        feed = self._feed(shipment, transfer)
+        try:
+            return self._run(work, job, start, transfer, feed)
+        finally:
+            feed.end()
 
+    def _run(self, work: PrefillWork, job: JobProgress, start: int, transfer: Transfer, feed: _Feed) -> Shipped:
         def on_layer(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
             if self.test_layer_delay_s:  # a cancel cuts it short
                 job.stop.wait(self.test_layer_delay_s)
@@ -137,7 +146,7 @@ class HFPrefill:
             if transfer.status() in (TransferStatus.FAILED, TransferStatus.TIMEOUT, TransferStatus.CANCELED):
                 raise JobStopped  # e.g. the ticket was refused: computing on is wasted work
             if not work.ship_whole:
-                shipment.add_layer(index, *_tail(k, v, start))
+                feed.add(index, k, v, start)
                 job.layer_shipped(index)
 
         t0 = time.monotonic()
@@ -150,9 +159,9 @@ class HFPrefill:
         self.leases.put(work.job_id, result)
         if work.ship_whole:
             for index, layer in enumerate(result.kv.layers):
-                shipment.add_layer(index, *_tail(layer.k, layer.v, start))
+                feed.add(index, layer.k, layer.v, start)
                 job.layer_shipped(index)
-        job.prefill_done(result.choices, _descriptor(facts, result), prefill_s, result.cached_tokens)
+        job.prefill_done(result.choices, _descriptor(self.facts, result), prefill_s, result.cached_tokens)
         status = wait_transfer(transfer, work.deadline, job.stop, kind="prefill")
         if status is not TransferStatus.COMPLETED:
             _transfer_failed(job, transfer)
@@ -169,9 +178,13 @@ class HFPrefill:
             shipment = Shipment(spec)
             transfer = self.channels.get(destination).submit(shipment)
             on_cancel(transfer.cancel)
-            for index, layer in enumerate(kv.layers):
-                shipment.add_layer(index, byte_view(layer.k), byte_view(layer.v))
-            status = wait_transfer(transfer, deadline, threading.Event(), kind="reship")
+            feed = self._feed(shipment, transfer)
+            try:
+                for index, layer in enumerate(kv.layers):
+                    feed.add(index, layer.k, layer.v, 0)
+                status = wait_transfer(transfer, deadline, threading.Event(), kind="reship")
+            finally:
+                feed.end()
             if status is not TransferStatus.COMPLETED:
                 raise transfer.error or DeadlineExceeded("re-shipment did not complete")
             return Reshipped(_shipped(transfer), _descriptor(self.engine.facts, lease.result), lease.result.choices)
@@ -188,12 +201,29 @@ class HFPrefill:
     def path_reports(self) -> list[tuple[str, PathReport]]:
         return self.channels.path_reports()
 
+    def _feed(self, shipment: Shipment, transfer: Transfer) -> _Feed:
+        if self.copier is None:
+            return _Feed(shipment, None)
+        return _Feed(shipment, StagedShipment(self.copier, shipment, failed=lambda _exc: transfer.cancel()))
 
-def _tail(k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[memoryview, memoryview]:
-    """The bytes of a layer's K and V ([kv_heads, tokens, head_dim]) from token `start` on."""
-    if start == 0:
-        return byte_view(k), byte_view(v)
-    return byte_view(k[:, start:].contiguous()), byte_view(v[:, start:].contiguous())
+
+class _Feed:
+    """How a shipment gets its layers: their bytes at once on the CPU; on a GPU, staged out of device memory
+    (`StagedShipment`: the forward does not wait for the copy)."""
+
+    def __init__(self, shipment: Shipment, staged: StagedShipment | None) -> None:
+        self.shipment = shipment
+        self.staged = staged
+
+    def add(self, index: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Layer `index`'s K and V ([kv_heads, tokens, head_dim]) from token `start` on."""
+        if start:
+            k, v = k[:, start:].contiguous(), v[:, start:].contiguous()
+        feed_layer(self.shipment, self.staged, index, k, v)
+
+    def end(self) -> None:
+        if self.staged is not None:
+            self.staged.end()
 
 
 def _transfer_failed(job: JobProgress, transfer: Transfer) -> None:

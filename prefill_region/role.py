@@ -26,6 +26,7 @@ def build_prefill(config: RegionConfig, engine: Any) -> BuiltRole:
         channels = ChannelPool(config.name, control_plane=config.control_plane_url, ice_servers=ice_servers(config),
                                tls=config.tls)  # fmt: skip
         backend = HFPrefill(engine, channels, kv_lease_s=config.kv_lease_s, kv_lease_bytes=config.kv_lease_bytes,
-                            test_layer_delay_s=config.test_layer_delay_s)  # fmt: skip
+                            test_layer_delay_s=config.test_layer_delay_s,
+                            staging_bytes=config.staging_bytes)  # fmt: skip
     agent = PrefillAgent(backend, num_workers=config.workers, queue_depth=config.queue_depth, codec=config.codec)
     return BuiltRole("prfaas.v1.PrefillRegion", agent, prefill_pb2_grpc.add_PrefillRegionServicer_to_server)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import grpc
+from prometheus_client import Gauge
 
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.addresses import advertised_host, hostport
@@ -23,6 +24,8 @@ from prfaas.region.config import RegionConfig, parse_hostport
 from prfaas.region.server import Agent, RegionServer
 
 log = logging.getLogger(__name__)
+DEVICE_INFO = Gauge("prfaas_region_device_info", "1 for the device and dtype the region's engine runs on",
+                    ["device", "dtype", "name"])  # fmt: skip
 
 
 class BuiltRole(NamedTuple):
@@ -60,6 +63,9 @@ def build_region(
         if owned and config.engine == "vllm":
             engine.close()
         raise
+    server.device = getattr(engine, "device_choice", None)
+    if server.device is not None:
+        DEVICE_INFO.labels(server.device.device, server.device.dtype, server.device.name).set(1)
     grpc_port = parse_hostport(server.grpc_address)[1]
     registration = registry_pb2.RegisterRequest(
         name=config.name, role=config.role, gpu_type=config.gpu_type, num_workers=config.workers,
@@ -85,20 +91,26 @@ def load_engine(config: RegionConfig) -> Any:
         if config.engine_cpus:  # every thread made from here on keeps off the forward's CPUs, if others exist
             others = set(range(os.cpu_count() or 1)) - set(config.engine_cpus)
             os.sched_setaffinity(0, others or set(config.engine_cpus))
+        from prfaas.engine.device import select_device
         from prfaas.engine.prefix_cache import PrefixCache
 
         cache = (
             PrefixCache(config.prefix_block_tokens, config.prefix_cache_bytes) if config.prefix_cache_bytes else None
         )
-        return HFEngine(
-            config.model, dtype=config.dtype, device=config.device, cpus=config.engine_cpus, prefix_cache=cache
+        choice = select_device(config.device, config.dtype)
+        hf = HFEngine(
+            config.model, dtype=choice.dtype, device=choice.device, cpus=config.engine_cpus, prefix_cache=cache
         )
+        hf.device_choice = choice
+        return hf
+    from prfaas.engine.device import select_device
     from prfaas.engine.vllm.remote import DEFAULT_VLLM_PYTHON, ServerOptions, start_vllm_engine
 
     opts = config.vllm
     host, port = parse_hostport(config.listen.kv)
+    choice = select_device(config.device, config.dtype)  # the vLLM server picks its own device; the dtype is ours
     engine = start_vllm_engine(
-        config.model, dtype=config.dtype, node=config.name, kv_host=host, kv_port=port,
+        config.model, dtype=choice.dtype, node=config.name, kv_host=host, kv_port=port,
         ticket_keys=config.ticket_keys if config.serves_decode else None,
         options=ServerOptions(
             python=Path(opts.python) if opts.python else DEFAULT_VLLM_PYTHON, start_timeout_s=opts.start_timeout_s,
@@ -116,6 +128,7 @@ def load_engine(config: RegionConfig) -> Any:
         logging.shutdown()
         os._exit(3)
 
+    engine.device_choice = choice
     engine.on_exit(engine_died)
     if opts.prefix_caching:
         from prfaas.engine.prefix_cache import ResidencyMirror

@@ -129,8 +129,11 @@ class RegionConfig(BaseSettings):
     engine: Literal["hf", "vllm"] = "hf"  # vllm: a vLLM server beside the region (the `vllm` section)
     vllm: VLLMOptions = Field(default_factory=VLLMOptions)
     model: str = "smollm2-135m"  # catalog name or HF model folder
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
+    # auto: bfloat16 on a GPU, float32 on the CPU; device auto: CUDA when torch sees a GPU (engine/device.py)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    # pinned host memory a GPU prefill region stages KV in on its way out of device memory (engine/staging.py)
+    staging_bytes: int = Field(default=2 << 30, ge=1 << 20)
     # CPUs the HF engine's forward passes run on (the forward's thread is pinned to them for
     # each pass); the region's other threads keep off them. None: no pinning. On a CPU host
     # this keeps the KV shipment's threads from taking the forward's core, as a GPU would.

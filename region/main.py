@@ -37,6 +37,8 @@ def serve(config: RegionConfig, roles: Mapping[str, RoleBuilder]) -> None:
         signal.SIGTERM, lambda *_: threading.Thread(target=server.drain, args=(config.drain_timeout_s,)).start()
     )
     signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=server.stop).start())
+    device = f"{server.device.device}/{server.device.dtype}" if server.device is not None else "-"
     print(f"ready region={config.name} instance={config.instance} role={config.role} grpc={server.grpc_address} "
-          f"kv={registration.kv_endpoint or '-'} metrics={server.metrics_address or '-'}", flush=True)  # fmt: skip
+          f"kv={registration.kv_endpoint or '-'} metrics={server.metrics_address or '-'} device={device}",
+          flush=True)  # fmt: skip
     server.wait()

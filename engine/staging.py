@@ -1,0 +1,296 @@
+"""KV out of device memory without stalling the forward.
+
+On a GPU each layer's K and V are copied to host buffers as soon as the layer has written them: the layer's
+end is an event recorded on the compute stream, a side stream waits on that event (not on the forward) and
+copies into pinned host buffers, and records a second event; the sender waits on that one and then hands the
+host bytes to the shipment (`LayerCopier.stage`, `StagedLayer.wait`). The forward only enqueues work, so the
+next layer computes while the last one crosses PCIe. Host buffers come from a bounded pool of pinned memory
+(`HostPool`): reused across shipments, never more than `max_bytes` allocated, a request that does not fit
+waits for a release until its deadline (then `PoolExhausted`, which fails that shipment, not the region).
+
+The GPU-specific calls sit behind `DeviceOps` (`CudaOps` on CUDA), so tests drive the same logic with a
+fake device. On the CPU nothing of this runs: a CPU tensor's bytes are already in host memory
+(engine/kv.py `byte_view`)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from prfaas.engine.kv import byte_view
+from prfaas.transport.api import Shipment
+
+log = logging.getLogger(__name__)
+MIN_BUFFER_BYTES = 64 << 10  # buffers come in powers of two from this size up: a few sizes serve every layer
+
+
+class PoolExhausted(RuntimeError):
+    """No host buffer of that size came free before the deadline (every one is held by shipments in flight)."""
+
+
+def size_class(nbytes: int) -> int:
+    """The buffer size that serves `nbytes`: the next power of two, at least MIN_BUFFER_BYTES."""
+    return max(MIN_BUFFER_BYTES, 1 << max(0, nbytes - 1).bit_length())
+
+
+class HostPool:
+    """Host buffers (uint8 tensors, pinned when `pinned`) handed out by size class, bounded by `max_bytes`
+    allocated in all. Thread-safe. `allocate(nbytes)` makes a new buffer (tests count them)."""
+
+    def __init__(self, max_bytes: int, *, pinned: bool, allocate: Any = None) -> None:
+        if max_bytes < MIN_BUFFER_BYTES:
+            raise ValueError(f"max_bytes must be at least {MIN_BUFFER_BYTES}, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.pinned = pinned
+        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._out: dict[int, int] = {}  # id of a buffer handed out -> its size class
+        self._cond = threading.Condition()
+        self.allocated_bytes = 0
+        self.allocations = 0  # buffers made (the rest of the acquires reused one)
+        self.acquires = 0
+        self.high_water_bytes = 0  # most bytes handed out at once
+
+    @property
+    def in_use_bytes(self) -> int:
+        with self._cond:
+            return self._in_use()
+
+    def _in_use(self) -> int:
+        return sum(self._out.values())
+
+    def acquire(self, nbytes: int, timeout_s: float) -> torch.Tensor:
+        """A buffer of at least `nbytes` (a view of exactly `nbytes`); waits up to `timeout_s` for one to come
+        free when the pool is at its bound. Raises PoolExhausted, or ValueError for more than the bound."""
+        size = size_class(nbytes)
+        if size > self.max_bytes:
+            raise ValueError(f"a {nbytes}-byte layer part does not fit a host pool of {self.max_bytes} bytes")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                buffer = self._take(size)
+                if buffer is not None:
+                    self._out[id(buffer)] = size
+                    self.acquires += 1
+                    self.high_water_bytes = max(self.high_water_bytes, self._in_use())
+                    return buffer
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PoolExhausted(f"no {size}-byte host buffer came free within {timeout_s:g} s "
+                                        f"({self._in_use()} of {self.max_bytes} bytes held by shipments)")  # fmt: skip
+                self._cond.wait(remaining)
+
+    def _take(self, size: int) -> torch.Tensor | None:
+        """A free buffer of `size`, a new one within the bound, or None; frees idle buffers of other sizes to
+        make room. Called with the lock held."""
+        if self._free[size]:
+            return self._free[size].pop()
+        for other, idle in self._free.items():
+            while idle and self.allocated_bytes + size > self.max_bytes:
+                idle.pop()
+                self.allocated_bytes -= other
+        if self.allocated_bytes + size > self.max_bytes:
+            return None
+        self.allocated_bytes += size
+        self.allocations += 1
+        return self._allocate(size)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Give `buffer` (as `acquire` returned it) back. Raises ValueError for a buffer not handed out."""
+        with self._cond:
+            size = self._out.pop(id(buffer), None)
+            if size is None:
+                raise ValueError("this buffer was not handed out by this pool (or was released already)")
+            self._free[size].append(buffer)
+            self._cond.notify_all()
+
+
+class DeviceOps(Protocol):
+    """The device calls the layer copy makes (`CudaOps`; a fake device in tests)."""
+
+    def side_stream(self) -> Any:
+        """A stream of its own for the copies."""
+        ...
+
+    def layer_done(self) -> Any:
+        """An event recorded now on the compute (current) stream: the layer's KV is written once it fires."""
+        ...
+
+    def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """On `stream`: wait for `event`, then copy each (host destination, device source); returns an event
+        that fires when the copies are done. Returns at once."""
+        ...
+
+    def wait(self, event: Any, timeout_s: float) -> bool:
+        """Block until `event` fired (True) or `timeout_s` passed (False)."""
+        ...
+
+
+class CudaOps:
+    """`DeviceOps` on a CUDA device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def side_stream(self) -> Any:
+        return torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+
+    def layer_done(self) -> Any:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            stream.wait_event(event)
+            for host, source in pairs:
+                host.copy_(source.reshape(-1).view(torch.uint8), non_blocking=True)
+                source.record_stream(stream)  # the caching allocator keeps it until the copy is done
+            done.record(stream)
+        return done
+
+    def wait(self, event: Any, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not event.query():  # synchronize() has no deadline: poll, sleeping a little
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
+
+@dataclass
+class StagedLayer:
+    """One layer's K and V on their way to host memory (`LayerCopier.stage`)."""
+
+    index: int
+    nbytes: tuple[int, int]
+    buffers: tuple[torch.Tensor, torch.Tensor]
+    copied: Any  # the event that fires when both are in host memory
+    staged_at: float = field(default_factory=time.monotonic)  # when the layer was done (its copy enqueued)
+    landed_at: float | None = None  # when the sender saw its bytes in host memory
+
+
+class LayerCopier:
+    """Stages layers out of device memory on one side stream, into `pool` buffers (module docstring)."""
+
+    def __init__(self, ops: DeviceOps, pool: HostPool) -> None:
+        self.ops = ops
+        self.pool = pool
+        self.stream = ops.side_stream()
+
+    def stage(self, index: int, k: torch.Tensor, v: torch.Tensor, timeout_s: float = 30.0) -> StagedLayer:
+        """Enqueue layer `index`'s copy behind the compute done so far; returns without waiting for the copy
+        (only for a host buffer, when the pool is at its bound). `k`, `v`: contiguous device tensors."""
+        event = self.ops.layer_done()
+        sizes = (k.numel() * k.element_size(), v.numel() * v.element_size())
+        kb = self.pool.acquire(sizes[0], timeout_s)
+        try:
+            vb = self.pool.acquire(sizes[1], timeout_s)
+        except BaseException:
+            self.pool.release(kb)
+            raise
+        pairs = [(kb[: sizes[0]], k.contiguous()), (vb[: sizes[1]], v.contiguous())]
+        return StagedLayer(index, sizes, (kb, vb), self.ops.copy_after(self.stream, event, pairs))
+
+    def host_bytes(self, layer: StagedLayer, timeout_s: float) -> tuple[memoryview, memoryview]:
+        """Wait for `layer`'s copy (its event, not the forward), then its K and V bytes in host memory.
+        Raises TimeoutError when the copy has not landed within `timeout_s`."""
+        if not self.ops.wait(layer.copied, timeout_s):
+            raise TimeoutError(f"layer {layer.index}'s device-to-host copy did not finish within {timeout_s:g} s")
+        layer.landed_at = time.monotonic()
+        (kb, vb), (kn, vn) = layer.buffers, layer.nbytes
+        return _view(kb[:kn]), _view(vb[:vn])
+
+    def release(self, layer: StagedLayer) -> None:
+        """Give the layer's host buffers back (once its bytes are encoded, or its shipment ended)."""
+        for buffer in layer.buffers:
+            self.pool.release(buffer)
+
+
+class StagedShipment:
+    """A shipment fed from staged layers: a thread of its own waits on each layer's copy, in the order they
+    were staged, and adds its host bytes to `shipment`; every buffer goes back to the pool once `end()` is
+    called (the transfer ended: its bytes were encoded, sent or dropped). `failed(error)` is told when a copy
+    does not land; the shipment is then missing that layer and its transfer is the caller's to cancel."""
+
+    def __init__(self, copier: LayerCopier, shipment: Shipment, failed: Callable[[BaseException], None],
+                 timeout_s: float = 30.0) -> None:  # fmt: skip
+        self.copier = copier
+        self.shipment = shipment
+        self.failed = failed
+        self.timeout_s = timeout_s
+        self.layers: list[StagedLayer] = []  # staged so far, each released once by `end`
+        self._queue: queue.Queue[StagedLayer | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._ended = False
+        self._thread = threading.Thread(target=self._feed, name="prfaas-kv-stager", daemon=True)
+        self._thread.start()
+
+    def put(self, index: int, k: torch.Tensor, v: torch.Tensor) -> StagedLayer:
+        """Stage layer `index` (returns once its copy is enqueued: the forward goes on)."""
+        layer = self.copier.stage(index, k, v, self.timeout_s)
+        with self._lock:
+            if self._ended:  # the transfer ended meanwhile: nothing will read it
+                self.copier.release(layer)
+                return layer
+            self.layers.append(layer)
+        self._queue.put(layer)
+        return layer
+
+    def _feed(self) -> None:
+        while (layer := self._queue.get()) is not None:
+            try:
+                k, v = self.copier.host_bytes(layer, self.timeout_s)
+                with self._lock:
+                    if self._ended:
+                        continue
+                self.shipment.add_layer(layer.index, k, v)
+            except Exception as exc:  # a copy that never landed, or a shipment that refuses the layer
+                self.failed(exc)
+
+    def end(self) -> None:
+        """The transfer ended: stop feeding and give every buffer back (idempotent)."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            layers, self.layers = self.layers, []
+        self._queue.put(None)
+        self._thread.join(self.timeout_s)
+        for layer in layers:  # a buffer goes back only once no copy can still land in it
+            if self.copier.ops.wait(layer.copied, self.timeout_s):
+                self.copier.release(layer)
+            else:
+                log.error("layer %d's device-to-host copy never finished: its host buffers are not reused",
+                          layer.index)  # fmt: skip
+
+
+def feed_layer(shipment: Shipment, staged: StagedShipment | None, index: int, k: torch.Tensor,
+               v: torch.Tensor) -> None:  # fmt: skip
+    """Add layer `index` to `shipment`: its bytes at once (a CPU tensor), or staged out of device memory."""
+    if staged is None:
+        shipment.add_layer(index, byte_view(k), byte_view(v))
+    else:
+        staged.put(index, k, v)
+
+
+def device_copier(device: torch.device, max_bytes: int) -> LayerCopier | None:
+    """The layer copier of an engine on `device` (a pinned pool of `max_bytes`); None on the CPU, whose
+    tensors are host memory already."""
+    if device.type != "cuda":
+        return None
+    return LayerCopier(CudaOps(device), HostPool(max_bytes, pinned=True))
+
+
+def _view(buffer: torch.Tensor) -> memoryview:
+    array: Any = buffer.numpy()
+    return memoryview(array).cast("B")

@@ -1,0 +1,190 @@
+"""Device selection on a host with or without GPUs, the bounded host-buffer pool, and the event-driven layer
+copy out of device memory, driven through a fake device (a copy engine thread that lands each copy later,
+as a side CUDA stream does): the forward only enqueues copies, the sender waits on each layer's event, the
+buffers are bounded, reused and all given back."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from prfaas.engine.device import DeviceUnavailable, select_device
+from prfaas.engine.staging import HostPool, LayerCopier, PoolExhausted, StagedShipment, size_class
+
+
+class FakeCuda:
+    def __init__(self, gpus: int) -> None:
+        self.gpus = gpus
+
+    def is_available(self) -> bool:
+        return self.gpus > 0
+
+    def device_count(self) -> int:
+        return self.gpus
+
+    def get_device_name(self, device: int) -> str:
+        return f"Fake GPU {device}"
+
+
+def test_auto_picks_cuda_when_torch_sees_a_gpu_and_bf16_with_it() -> None:
+    on_gpu = select_device("auto", "auto", FakeCuda(2))
+    assert (on_gpu.device, on_gpu.dtype, on_gpu.name, on_gpu.is_cuda) == ("cuda:0", "bfloat16", "Fake GPU 0", True)
+    on_cpu = select_device("auto", "auto", FakeCuda(0))
+    assert (on_cpu.device, on_cpu.dtype, on_cpu.is_cuda) == ("cpu", "float32", False)
+    assert "no CUDA" in on_cpu.reason
+    assert select_device("auto", "float16", FakeCuda(1)).dtype == "float16"  # an explicit dtype stays
+    assert select_device("cuda:1", "auto", FakeCuda(2)).device == "cuda:1"
+    assert select_device("cuda", "auto", FakeCuda(1)).device == "cuda:0"
+    assert select_device().device in ("cpu", "cuda:0")  # this host, through torch itself
+
+
+def test_a_device_the_host_lacks_is_refused_with_the_reason() -> None:
+    with pytest.raises(DeviceUnavailable, match="torch sees no CUDA device"):
+        select_device("cuda", "auto", FakeCuda(0))
+    with pytest.raises(DeviceUnavailable, match="has 2 GPU"):
+        select_device("cuda:2", "auto", FakeCuda(2))
+    for bad in ("gpu", "cuda:x", "tpu:0"):
+        with pytest.raises(ValueError, match="device"):
+            select_device(bad, "auto", FakeCuda(1))
+    with pytest.raises(ValueError, match="dtype"):
+        select_device("cpu", "int8", FakeCuda(0))
+
+
+class FakeDevice:
+    """DeviceOps of a device whose copies land `delay_s` after they are enqueued, one at a time, on a copy
+    thread (the side stream); `layer_done` events fire at once (the fake compute is synchronous)."""
+
+    def __init__(self, delay_s: float = 0.002) -> None:
+        self.delay_s = delay_s
+        self.tasks: queue.Queue[tuple[list[tuple[torch.Tensor, torch.Tensor]], threading.Event]] = queue.Queue()
+        self.copies = 0
+        threading.Thread(target=self._engine, daemon=True).start()
+
+    def _engine(self) -> None:
+        while True:
+            pairs, done = self.tasks.get()
+            time.sleep(self.delay_s)
+            for host, source in pairs:
+                host.copy_(source.reshape(-1).view(torch.uint8))
+            self.copies += 1
+            done.set()
+
+    def side_stream(self) -> Any:
+        return "side"
+
+    def layer_done(self) -> Any:
+        event = threading.Event()
+        event.set()
+        return event
+
+    def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        assert stream == "side" and event.is_set()
+        done = threading.Event()
+        self.tasks.put((pairs, done))
+        return done
+
+    def wait(self, event: Any, timeout_s: float) -> bool:
+        return bool(event.wait(timeout_s))
+
+
+def test_the_pool_is_bounded_reuses_its_buffers_and_refuses_what_never_fits() -> None:
+    made: list[int] = []
+
+    def allocate(n: int) -> torch.Tensor:
+        made.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = HostPool(4 * size_class(100_000), pinned=False, allocate=allocate)
+    held = [pool.acquire(100_000, 1.0) for _ in range(4)]
+    assert pool.in_use_bytes == pool.allocated_bytes == 4 * size_class(100_000) <= pool.max_bytes
+    with pytest.raises(PoolExhausted, match="came free"):
+        pool.acquire(100_000, 0.05)  # at its bound: waits, then refuses
+    threading.Timer(0.05, pool.release, args=(held.pop(),)).start()
+    held.append(pool.acquire(90_000, 2.0))  # a release wakes the waiter, which reuses that buffer
+    assert len(made) == 4 and pool.allocations == 4
+    for buffer in held:
+        pool.release(buffer)
+    assert pool.in_use_bytes == 0
+    small = pool.acquire(1000, 1.0)  # another size: idle buffers of the other size are freed to make room
+    assert small.numel() == size_class(1000) and pool.allocated_bytes <= pool.max_bytes
+    pool.release(small)
+    with pytest.raises(ValueError, match="not handed out"):
+        pool.release(small)
+    with pytest.raises(ValueError, match="does not fit"):
+        pool.acquire(pool.max_bytes + 1, 1.0)
+
+
+class _Collecting:
+    """Stands in for a transport Shipment: records the layers added and their bytes."""
+
+    def __init__(self) -> None:
+        self.added: dict[int, tuple[bytes, bytes]] = {}
+        self.done = threading.Event()
+        self.expected = 0
+
+    def add_layer(self, index: int, k: memoryview, v: memoryview) -> None:
+        self.added[index] = (bytes(k), bytes(v))
+        if len(self.added) == self.expected:
+            self.done.set()
+
+
+def test_a_layer_copy_is_enqueued_without_waiting_and_the_sender_gets_its_bytes_after_its_event() -> None:
+    device = FakeDevice(delay_s=0.1)
+    copier = LayerCopier(device, HostPool(64 << 20, pinned=False))
+    layers = [(torch.randn(2, 64, 16), torch.randn(2, 64, 16)) for _ in range(6)]
+    shipment = _Collecting()
+    shipment.expected = len(layers)
+    staged = StagedShipment(copier, shipment, failed=lambda exc: pytest.fail(str(exc)))  # type: ignore[arg-type]
+    began = time.monotonic()
+    for index, (k, v) in enumerate(layers):  # the "forward": each layer's copy enqueued as it is done
+        staged.put(index, k, v)
+    enqueue_s = time.monotonic() - began
+    assert enqueue_s < 0.1 * len(layers) / 2, enqueue_s  # not waiting on the copies (6 x 100 ms)
+    assert device.copies < len(layers)  # the forward ended before the copies did
+    assert shipment.done.wait(5)
+    for index, (k, v) in enumerate(layers):  # each layer's bytes, in host memory, as the device held them
+        assert shipment.added[index] == (k.numpy().tobytes(), v.numpy().tobytes())
+    landed = [layer.landed_at - layer.staged_at for layer in staged.layers if layer.landed_at is not None]
+    assert len(landed) == len(layers) and min(landed) > 0  # layer end -> bytes in host memory, each measured
+    staged.end()
+    assert copier.pool.in_use_bytes == 0
+
+
+def test_a_thousand_shipments_reuse_the_same_buffers_and_leak_none() -> None:
+    device = FakeDevice(delay_s=0.0)
+    pool = HostPool(16 << 20, pinned=False)
+    copier = LayerCopier(device, pool)
+    k = torch.randn(2, 128, 16)
+    for _ in range(1000):
+        shipment = _Collecting()
+        shipment.expected = 4
+        staged = StagedShipment(copier, shipment, failed=lambda exc: pytest.fail(str(exc)))  # type: ignore[arg-type]
+        for index in range(4):
+            staged.put(index, k, k)
+        assert shipment.done.wait(5)
+        staged.end()
+    assert pool.in_use_bytes == 0
+    assert pool.allocations == 8 and pool.acquires == 8000  # 4 layers x K and V, made once, reused after
+    assert pool.high_water_bytes == 8 * size_class(k.numel() * 4) <= pool.max_bytes
+
+
+def test_a_copy_that_never_lands_fails_the_shipment_and_its_buffers_are_not_reused() -> None:
+    class Stuck(FakeDevice):
+        def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+            return threading.Event()  # never set
+
+    pool = HostPool(8 << 20, pinned=False)
+    errors: list[BaseException] = []
+    staged = StagedShipment(LayerCopier(Stuck(), pool), _Collecting(), failed=errors.append, timeout_s=0.1)  # type: ignore[arg-type]
+    staged.put(0, torch.zeros(4, 4), torch.zeros(4, 4))
+    deadline = time.monotonic() + 5
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert errors and isinstance(errors[0], TimeoutError) and "did not finish" in str(errors[0])
+    staged.end()
+    assert pool.in_use_bytes > 0  # held back: a late copy could still write into it
