@@ -247,13 +247,8 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
         return res
 
     @streaming
+    @tracing.server_stream("decode.job")
     def Decode(
-        self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
-    ) -> Iterator[decode_pb2.TokenEvent]:
-        yield from tracing.traced("decode.job", context.invocation_metadata(), request.job_id,
-                                  self._decode(request, context))  # fmt: skip
-
-    def _decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Generator[decode_pb2.TokenEvent, None, None]:
         desc = request.kv
@@ -306,13 +301,8 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             metrics.TOKENS_PER_S.set(self._rate)
 
     @streaming
+    @tracing.server_stream("decode.generate")
     def Generate(
-        self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[decode_pb2.TokenEvent]:
-        yield from tracing.traced("decode.generate", context.invocation_metadata(), request.job_id,
-                                  self._generate(request, context))  # fmt: skip
-
-    def _generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Generator[decode_pb2.TokenEvent, None, None]:
         job_id = job_uuid(request.job_id)

@@ -20,12 +20,13 @@ region, mode and codec (attributes `prfaas.*`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -41,6 +42,7 @@ FLUSH_EVERY_MS = 200  # the file exporter's batch delay: `prfaas trace` sees a j
 JOB_ID = "prfaas.job_id"
 
 T = TypeVar("T")
+StreamMethod = Callable[[Any, Any, Any], Generator[Any, None, None]]
 _propagator = TraceContextTextMapPropagator()
 _configured: str | None = None
 _lock = threading.Lock()
@@ -128,6 +130,19 @@ def traceparent_in(pairs: Iterable[tuple[str, str | bytes]] | None) -> str:
 def from_metadata(pairs: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context | None:
     """The parent a caller sent in gRPC metadata (`context.invocation_metadata()`)."""
     return from_traceparent(traceparent_in(pairs))
+
+
+def server_stream(name: str) -> Callable[[StreamMethod], StreamMethod]:
+    """A gRPC servicer's stream method under `traced(name, ...)`: the request's `job_id`, the call's metadata."""
+
+    def decorate(method: StreamMethod) -> StreamMethod:
+        @functools.wraps(method)
+        def wrapper(self: Any, request: Any, context: Any) -> Generator[Any, None, None]:
+            yield from traced(name, context.invocation_metadata(), request.job_id, method(self, request, context))
+
+        return wrapper
+
+    return decorate
 
 
 def traced(name: str, pairs: Iterable[tuple[str, str | bytes]] | None, job_id: str,
