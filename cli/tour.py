@@ -5,6 +5,7 @@ fleet view the simulator's comparison (`prfaas sim run`)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ def tour(
                               "bytes_raw": c.kv_bytes[0], "bytes_wire": c.kv_bytes[1], "codec": c.codec}
                              for c in (split, local)]  # fmt: skip
     report["identical"] = identical
+    report["split_trace"] = _split_trace(prfaas_home() / "up" / "traces", split.job["id"])
 
     console.rule(f"2. One workload, three placement policies ({num_requests} requests each)")
     _bench([*BENCH_ARGS, "-n", str(num_requests), *(["--out", str(out)] if out else [])])
@@ -94,6 +96,27 @@ def tour(
         console.print(f"wrote {json_path}")
     if not identical:
         raise typer.Exit(1)
+
+
+def _split_trace(folder: Path, job_id: str, wait_s: float = 3.0) -> list[dict[str, Any]]:
+    """Where the split completion's time went: its trace (telemetry/), once the decode region's span is
+    written (each process flushes its spans within a fraction of a second); [] when no spans are recorded."""
+    from prfaas.cli.trace import trace_table
+    from prfaas.telemetry.spans import job_trace
+
+    deadline, spans = time.monotonic() + wait_s, []
+    while time.monotonic() < deadline:
+        spans = job_trace(folder, job_id) if folder.is_dir() else []
+        if any(s.name == "decode.job" for s in spans):
+            break
+        time.sleep(0.2)
+    if not spans:
+        return []
+    console.print(trace_table(spans, "where the split request's time went (`prfaas trace JOB_ID`)",
+                              skip=("fastapi.", "POST ")), highlight=False)  # fmt: skip
+    origin = min(s.start_ns for s in spans)
+    return [{"name": s.name, "service": s.service, "start_ms": round((s.start_ns - origin) / 1e6, 3),
+             "ms": round(s.ms, 3)} for s in spans]  # fmt: skip
 
 
 def _bench(args: list[str]) -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from prfaas.telemetry.spans import SpanLine
 
 console = Console()
 
@@ -34,17 +38,27 @@ def trace(
         console.print(f"[red]error:[/red] no spans of job {escape(job_id)} in {escape(str(folder))} "
                       "(a job's spans are written within a second of its end)", highlight=False)  # fmt: skip
         raise typer.Exit(1)
+    if not as_json:
+        console.print(trace_table(spans, f"job {job_id} (trace {spans[0].trace_id})"))
+        return
     origin = spans[0].start_ns
     rows = [(depth, span) for root in tree(spans) for depth, span in root.walk()]
-    if as_json:
-        print(json.dumps([{
-            "depth": depth, "name": s.name, "service": s.service, "span_id": s.span_id, "parent_id": s.parent_id,
-            "trace_id": s.trace_id, "start_ms": round((s.start_ns - origin) / 1e6, 3), "duration_ms": round(s.ms, 3),
-            "status": s.status, "attributes": s.attributes,
-        } for depth, s in rows], indent=2))  # fmt: skip
-        return
-    table = Table("span", "process", "start ms", "ms", "status", title=f"job {job_id} (trace {spans[0].trace_id})")
-    for depth, s in rows:
+    print(json.dumps([{
+        "depth": depth, "name": s.name, "service": s.service, "span_id": s.span_id, "parent_id": s.parent_id,
+        "trace_id": s.trace_id, "start_ms": round((s.start_ns - origin) / 1e6, 3), "duration_ms": round(s.ms, 3),
+        "status": s.status, "attributes": s.attributes,
+    } for depth, s in rows], indent=2))  # fmt: skip
+
+
+def trace_table(spans: list[SpanLine], title: str, skip: tuple[str, ...] = ()) -> Table:
+    """The span tree of `spans` (one trace) as a table: name indented by depth, process, start after the
+    trace's first span, duration, status; spans whose name starts with one of `skip` are left out."""
+    from prfaas.telemetry.spans import tree
+
+    origin = min(s.start_ns for s in spans)
+    kept = [s for s in spans if not (skip and s.name.startswith(skip))]  # their children become roots
+    table = Table("span", "process", "start ms", "ms", "status", title=title)
+    for depth, s in (row for root in tree(kept) for row in root.walk()):
         table.add_row("  " * depth + s.name, s.service, f"{(s.start_ns - origin) / 1e6:9.2f}", f"{s.ms:9.2f}",
                       s.status if s.status == "ok" else f"[red]{escape(s.status)}[/red]")  # fmt: skip
-    console.print(table)
+    return table

@@ -104,6 +104,8 @@ def tree(spans: list[SpanLine]) -> list[SpanLine]:
     """The roots of `spans` with their children filled in, by start time. A span whose parent was not
     recorded (its process exports elsewhere, or died) is shown as a root."""
     by_id = {s.span_id: s for s in spans}
+    for span in spans:  # a span's children are those of this call's spans only
+        span.children = []
     roots: list[SpanLine] = []
     for span in sorted(spans, key=lambda s: s.start_ns):
         parent = by_id.get(span.parent_id)

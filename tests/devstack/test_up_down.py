@@ -217,6 +217,9 @@ def _tour(home: Path) -> None:
     assert (local["path"], local["bytes_raw"]) == ("dec (one region)", 0)
     assert "identical" in tour.stdout and "ratio to colocated" in tour.stdout and "API key" in tour.stdout
     assert "split-always: 2 of 2 requests split; KV " in tour.stdout  # shipped bytes, the codec, $ against local
+    assert "where the split request's time went" in tour.stdout and "prefill.forward" in tour.stdout
+    stages = {span["name"]: span["service"] for span in report["split_trace"]}
+    assert stages["prefill.forward"] == "prfaas-region-pre" and stages["decode.job"] == "prfaas-region-dec"
     policies = json.loads((home.parent / "tour" / "bench.json").read_text())["policies"]
     assert {name: s["completed"] for name, s in policies.items()} == {"colocated": 2, "split-always": 2, "prfaas": 2}
 
