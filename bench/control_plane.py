@@ -115,6 +115,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write rows {rate_rps, p50_ms, p99_ms, ...} here")
     parser.add_argument(
+        "--ledger-url", help="the ledger's database (SQLAlchemy URL; default: a SQLite file, as prfaas up uses)"
+    )
+    parser.add_argument(
         "--profile", type=Path,
         help="sample the API process with py-spy (the thread holding the GIL: where its Python CPU goes) during the "
         "measured runs and write its collapsed stacks here",
@@ -123,7 +126,8 @@ def main() -> None:
 
     prepare_model("tiny-llama")
     folder = Path(tempfile.mkdtemp(prefix="cp-bench-"))
-    stack = Stack(folder, PRFAAS_JOB_TIMEOUT_S=str(CALL_TIMEOUT_S))
+    ledger = {"PRFAAS_LEDGER_URL": args.ledger_url} if args.ledger_url else {}
+    stack = Stack(folder, PRFAAS_JOB_TIMEOUT_S=str(CALL_TIMEOUT_S), **ledger)
     rows: list[dict[str, Any]] = []
     try:
         stack.start_api()
