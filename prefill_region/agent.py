@@ -114,7 +114,7 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
         try:
             yield from self._prefill(job_id, Job(work, self._count_tokens), context, span)
         except BaseException as exc:
-            tracing.failed(span, exc)
+            tracing.interrupted(span, exc)
             raise
         finally:
             span.end()

@@ -57,10 +57,14 @@ __all__ = [
     "failed",
     "from_metadata",
     "from_traceparent",
+    "interrupted",
     "metadata",
+    "server_stream",
     "set_span_in_context",
     "span_at",
+    "traced",
     "traceparent",
+    "traceparent_in",
     "tracer",
 ]  # fmt: skip
 
@@ -157,7 +161,7 @@ def traced(name: str, pairs: Iterable[tuple[str, str | bytes]] | None, job_id: s
             sent += 1
             yield event
     except BaseException as exc:
-        failed(span, exc)
+        interrupted(span, exc)
         raise
     finally:
         events.close()
@@ -177,6 +181,15 @@ def span_at(name: str, parent: otel_context.Context | Span | None, start_ns: int
 def failed(span: Span, error: BaseException | str) -> None:
     """Mark `span` as ended in error (it is ended by whoever started it)."""
     span.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
+
+
+def interrupted(span: Span, exc: BaseException) -> None:
+    """A stream's span whose stream ended by `exc`: an error, or (GeneratorExit) closed by its reader, which
+    is not one: a caller may stop reading once it has what it needs (attribute `prfaas.closed_early`)."""
+    if isinstance(exc, GeneratorExit):
+        span.set_attribute("prfaas.closed_early", True)
+    else:
+        failed(span, exc)
 
 
 def end(span: Span, error: BaseException | str | None = None) -> None:

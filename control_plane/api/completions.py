@@ -223,15 +223,14 @@ def _admitted(
 
 
 def _traced(span: tracing.Span, tokens: Iterator[Token]) -> Iterator[Token]:
-    """`tokens`, ending the job's span with them (an error when they end without the job's last token)."""
-    error: BaseException | None = None
+    """`tokens`, ending the job's span with them (an error when the job ended without its tokens)."""
     try:
         yield from tokens
     except BaseException as exc:  # GeneratorExit: the client went away
-        error = exc
+        tracing.interrupted(span, exc)
         raise
     finally:
-        tracing.end(span, error)
+        span.end()
 
 
 def _attach(g: Generation, job_id: str, choices: list[Choice]) -> PromptJob:

@@ -80,7 +80,7 @@ def test_a_span_file_cut_short_mid_line_loses_only_that_line(tmp_path: Path) -> 
     assert [s.name for s in read_spans(tmp_path)] == ["api.job"]
 
 
-def test_traced_ends_its_span_with_the_stream_and_closes_the_stream(recorded, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_traced_ends_its_span_with_the_stream_closes_it_and_marks_only_errors(recorded, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     tracer, folder = recorded
     monkeypatch.setattr(tracing, "tracer", tracer)
     closed: list[bool] = []
@@ -95,8 +95,18 @@ def test_traced_ends_its_span_with_the_stream_and_closes_the_stream(recorded, mo
     assert [next(stream), next(stream)] == [0, 1]
     stream.close()  # the caller went away after two events
     assert closed == [True]
-    (span,) = job_trace(folder, "job-3")
-    assert (span.name, span.attributes["prfaas.events"], span.status.startswith("error")) == ("decode.job", 2, True)
+    (span,) = job_trace(folder, "job-3")  # a reader that stops early is not an error
+    assert (span.name, span.attributes["prfaas.events"], span.status) == ("decode.job", 2, "ok")
+    assert span.attributes["prfaas.closed_early"] is True
+
+    def failing() -> Generator[int, None, None]:
+        yield 1
+        raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError):
+        list(tracing.traced("decode.job", [], "job-4", failing()))
+    (span,) = job_trace(folder, "job-4")
+    assert span.status == "error: engine died" and span.attributes["prfaas.events"] == 1
 
 
 def test_the_open_frame_carries_the_senders_context_and_refuses_a_malformed_one() -> None:
