@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from prfaas.engine.kv import tensor_view
-from prfaas.engine.staging import StagedShipment, device_copier, feed_layer
+from prfaas.engine.staging import LayerCopier, StagedShipment, device_copier, feed_layer
 from prfaas.engine.vllm.layout import cpu_keys_transposed, gather_layer, layer_index, scatter_layer
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
@@ -153,6 +153,7 @@ class PrfaasConnector(KVConnectorBase_V1):
         self._send_failed: set[str] = set()  # shipped after the forward, failed before a transfer existed
         self._error_blocks: set[int] = set()
         self._k_transposed = False  # CPU backend: how its kernel lays keys out (register_kv_caches)
+        self._copier: LayerCopier | None = None  # GPU blocks: their layers staged to pinned host buffers
         if role == KVConnectorRole.WORKER:
             node = str(extra.get("node", f"vllm-{self._engine_id[:8]}"))
             host, port = str(extra.get("kv_host", "127.0.0.1")), int(extra.get("kv_port", 0))
@@ -267,7 +268,9 @@ class PrfaasConnector(KVConnectorBase_V1):
         transfer = self._link.channel(p.address, p.server_name).submit(shipment)
         link = self._link
         transfer.cell.on_terminal(lambda _status: link.activity.set())  # a step then reports it, frees the blocks
-        copier = device_copier(kv_layer.device, STAGING_BYTES)
+        if self._copier is None and kv_layer.device.type == "cuda":  # one pool for every shipment of this worker
+            self._copier = device_copier(kv_layer.device, STAGING_BYTES)
+        copier = self._copier
         staged = StagedShipment(copier, shipment, lambda _exc: transfer.cancel()) if copier is not None else None
         out = _Outbound(job, spec, transfer, shipment, staged=staged)
         with self._lock:
