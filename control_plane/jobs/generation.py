@@ -118,7 +118,8 @@ class Follower:
                     job = self.s.jobs.get(job_id)
                     if job["state"] in TERMINAL:
                         return
-                    self.s.jobs.transition(job_id, JobState.FAILED, int(job["attempt"]), note=reason, error=reason)
+                    self.s.jobs.transition(job_id, JobState.FAILED, int(job["attempt"]), note=reason, error=reason,
+                                           unfollow=self.owner)  # fmt: skip
                     return
                 except StaleAttempt:
                     continue  # a new attempt began meanwhile: fail that one
@@ -328,7 +329,9 @@ class Follower:
     def cancel(self, job_id: str, reason: str) -> bool:
         """CANCELED in the store, then Cancel in both regions (idempotent there)."""
         try:
-            self.s.jobs.transition(job_id, JobState.CANCELED, 0, note=reason, error=f"canceled: {reason}")
+            # followed from its creation: a job canceled before its stream was read is no longer ours either
+            self.s.jobs.transition(job_id, JobState.CANCELED, 0, note=reason, error=f"canceled: {reason}",
+                                   unfollow=self.owner)  # fmt: skip
         except (IllegalTransition, JobNotFound):
             return False
         job = self.s.jobs.get(job_id)
