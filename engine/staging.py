@@ -239,11 +239,13 @@ class StagedShipment:
         """Stage layer `index` (returns once its copy is enqueued: the forward goes on)."""
         layer = self.copier.stage(index, k, v, self.timeout_s)
         with self._lock:
-            if self._ended:  # the transfer ended meanwhile: nothing will read it
-                self.copier.release(layer)
-                return layer
-            self.layers.append(layer)
-        self._queue.put(layer)
+            ended = self._ended
+            if not ended:
+                self.layers.append(layer)
+        if ended:  # the transfer ended meanwhile: nothing will read it; its buffers back once the copy landed
+            self._give_back(layer)
+        else:
+            self._queue.put(layer)
         return layer
 
     def _feed(self) -> None:
@@ -266,12 +268,16 @@ class StagedShipment:
             layers, self.layers = self.layers, []
         self._queue.put(None)
         self._thread.join(self.timeout_s)
-        for layer in layers:  # a buffer goes back only once no copy can still land in it
-            if self.copier.ops.wait(layer.copied, self.timeout_s):
-                self.copier.release(layer)
-            else:
-                log.error("layer %d's device-to-host copy never finished: its host buffers are not reused",
-                          layer.index)  # fmt: skip
+        for layer in layers:
+            self._give_back(layer)
+
+    def _give_back(self, layer: StagedLayer) -> None:
+        """The layer's buffers back to the pool, only once no copy can still land in them."""
+        if self.copier.ops.wait(layer.copied, self.timeout_s):
+            self.copier.release(layer)
+        else:
+            log.error("layer %d's device-to-host copy never finished: its host buffers are not reused",
+                      layer.index)  # fmt: skip
 
 
 def feed_layer(shipment: Shipment, staged: StagedShipment | None, index: int, k: torch.Tensor,
