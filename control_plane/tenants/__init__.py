@@ -11,30 +11,8 @@ billing/spend.py), all of which are rebuilt after Redis comes back empty. Refere
     store.py     TenantStore: writes to the database then the cache; reads; authentication
 """
 
-from prfaas.control_plane.tenants.records import (
-    KEY_PREFIX,
-    ApiKey,
-    KeyNotFound,
-    Objectives,
-    Quota,
-    Tenant,
-    TenantChanges,
-    TenantNotFound,
-    TenantStatus,
-    digest,
-)
+from prfaas.control_plane.tenants import records
+from prfaas.control_plane.tenants.records import *  # noqa: F403  (its __all__: the records and lookup errors)
 from prfaas.control_plane.tenants.store import TenantStore
 
-__all__ = [
-    "KEY_PREFIX",
-    "ApiKey",
-    "KeyNotFound",
-    "Objectives",
-    "Quota",
-    "Tenant",
-    "TenantChanges",
-    "TenantNotFound",
-    "TenantStatus",
-    "TenantStore",
-    "digest",
-]
+__all__ = [*records.__all__, "TenantStore"]

@@ -12,6 +12,19 @@ from enum import StrEnum
 KEY_PREFIX = "pfk-"
 MAX_KEY_CHARS = 128
 
+__all__ = [  # what the package re-exports (tenants/__init__.py)
+    "KEY_PREFIX",
+    "ApiKey",
+    "KeyNotFound",
+    "Objectives",
+    "Quota",
+    "Tenant",
+    "TenantChanges",
+    "TenantNotFound",
+    "TenantStatus",
+    "digest",
+]
+
 
 class TenantStatus(StrEnum):
     ACTIVE = "active"

@@ -139,24 +139,22 @@ def _trace_of_a_split_job(home: Path, client: openai.OpenAI) -> None:
     the job went through them; `prfaas trace JOB_ID` prints it."""
     reply = client.completions.create(model="tiny-llama", prompt=list(range(10, 310)), max_tokens=3,
                                       extra_body={"prfaas": {"placement": "split"}})  # fmt: skip
-    deadline, spans = time.monotonic() + 15, []
+    chain = ["api.job", "worker.dispatch", "worker.reserve", "worker.prefill", "prefill.job", "prefill.forward",
+             "decode.kv_receive", "api.decode", "decode.job"]  # fmt: skip
+    deadline, spans, seen = time.monotonic() + 30, [], []
     while time.monotonic() < deadline:  # every process writes its spans within a batch delay of their end
         shown = _run(["trace", reply.id, "--json"], home, timeout_s=60)
         spans = json.loads(shown.stdout) if shown.returncode == 0 else []
-        services = {s["service"] for s in spans}
-        if {"prfaas-api", "prfaas-worker", "prfaas-region-pre", "prfaas-region-dec"} <= services and any(
-            s["name"] == "decode.kv_receive" for s in spans
-        ):
+        seen.append((round(time.monotonic() - deadline + 30, 1), sorted({s["name"] for s in spans})))
+        if set(chain) <= {s["name"] for s in spans} and any(not s["parent_id"] for s in spans):
             break
         time.sleep(0.5)
     by_name = {s["name"]: s for s in spans}
+    assert set(chain) <= by_name.keys(), seen  # the span names each read of the span files found, by time
     assert {s["trace_id"] for s in spans} == {spans[0]["trace_id"]}  # one trace
     assert by_name["api.job"]["attributes"]["prfaas.job_id"] == reply.id
     roots = [s for s in spans if s["depth"] == 0]  # FastAPI's own HTTP span holds the API's
     assert [(r["service"], r["parent_id"]) for r in roots] == [("prfaas-api", "")], spans
-    chain = ["api.job", "worker.dispatch", "worker.reserve", "worker.prefill", "prefill.job", "prefill.forward",
-             "decode.kv_receive", "api.decode", "decode.job"]  # fmt: skip
-    assert set(chain) <= by_name.keys(), sorted(by_name)
     services = [by_name[name]["service"] for name in chain]
     assert services == ["prfaas-api", "prfaas-worker", "prfaas-worker", "prfaas-worker", "prfaas-region-pre",
                         "prfaas-region-pre", "prfaas-region-dec", "prfaas-api", "prfaas-region-dec"]  # fmt: skip
