@@ -5,6 +5,11 @@ The transport reuses its receive buffers after `Inbound.release()`, so every lay
 copied out first (one copy, straight into a tensor of the engine's dtype). With a prefix the
 region already holds (a pinned prefix cache hit), a shipment may carry only the tokens after
 it: each layer is then the held prefix followed by the shipped tokens, in one tensor.
+
+On a GPU (`upload`, engine/upload.py) each layer goes into device memory as it lands: copied
+into a pinned buffer, then to the device on a side stream while the next layers arrive; the
+layers are handed over once the last copy landed (a held prefix, in device memory, is joined
+to them then).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 import torch
 
 from prfaas.engine.kv import DTYPES, LayerKV
+from prfaas.engine.upload import Upload
 from prfaas.region.errors import DeadlineExceeded, PermissionDenied, PreconditionFailed
 from prfaas.transport.errors import TransferTimeout
 from prfaas.transport.inbound import Inbound
@@ -73,12 +79,13 @@ class LayoutCheck:
 
 def assemble(
     inbound: Inbound, layout: LayoutCheck, max_bytes: int, tenant: str, deadline: float,
-    prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), num_tokens: int = 0,
+    prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), num_tokens: int = 0, upload: Upload | None = None,
 ) -> list[LayerKV]:  # fmt: skip
     """Every layer of `inbound` as engine tensors, copied as each arrives; releases the
     transport's buffers. `prefix` (per layer (k, v)) is KV this region holds for the prompt's
     first tokens: a shipment of the other `num_tokens - held` tokens is put after it; one of all
-    `num_tokens` is taken as it is. Raises the shipment's error (TransportError), or a RegionError
+    `num_tokens` is taken as it is. `upload`: the layers go to device memory through it (else
+    they stay in host memory). Raises the shipment's error (TransportError), or a RegionError
     when the shipment does not fit this engine, the reservation or the held prefix."""
     layers: list[LayerKV] = []
     torch_dtype = DTYPES[layout.dtype]
@@ -96,15 +103,30 @@ def assemble(
             if index == 0:
                 shapes = layout.check(inbound, max_bytes, tenant)
                 held = _held(prefix, shapes[0][1], num_tokens)
+            if upload is not None:
+                layers.append(LayerKV(k=upload.put(k, shapes[index], torch_dtype),
+                                      v=upload.put(v, shapes[index], torch_dtype)))  # fmt: skip
+                continue
             pk, pv = held[index] if held else (None, None)
             layers.append(LayerKV(k=_tensor(k, shapes[index], torch_dtype, pk),
                                   v=_tensor(v, shapes[index], torch_dtype, pv)))  # fmt: skip
+        if upload is not None:
+            upload.finish()
+            layers = [_joined(layer, pair) for layer, pair in zip(layers, held, strict=True)] if held else layers
     except BaseException:
         inbound.cancel("the decode region gave up on this shipment")
         raise
     finally:
+        if upload is not None:
+            upload.close()
         inbound.release()
     return layers
+
+
+def _joined(layer: LayerKV, prefix: tuple[torch.Tensor, torch.Tensor]) -> LayerKV:
+    """The held prefix's KV followed by the shipped tokens', on the shipped layer's device."""
+    (pk, pv), device = prefix, layer.k.device
+    return LayerKV(k=torch.cat((pk.to(device), layer.k), dim=1), v=torch.cat((pv.to(device), layer.v), dim=1))
 
 
 def _held(

@@ -28,6 +28,7 @@ from prfaas.engine.hf import HFEngine
 from prfaas.engine.kv import KVCache, LayerKV
 from prfaas.engine.prefix_cache import Hit
 from prfaas.engine.sampling import Chosen, SamplingParams
+from prfaas.engine.upload import LayerUploader, device_uploader
 from prfaas.region.errors import Canceled, DeadlineExceeded, PreconditionFailed
 from prfaas.transport.codecs import get_codec
 from prfaas.transport.inbound import Inbound, Receiver
@@ -37,8 +38,9 @@ class Assembly:
     """One reservation's shipment, assembled on a thread of its own once started."""
 
     def __init__(self, expected: Expected, inbound: Inbound, layout: LayoutCheck, events: ShipmentEvents,
-                 prefix: Hit | None = None) -> None:  # fmt: skip
+                 prefix: Hit | None = None, uploader: LayerUploader | None = None) -> None:  # fmt: skip
         self.expected = expected
+        self.uploader = uploader  # a GPU engine's: each layer goes to device memory as it lands
         self.inbound = inbound
         self.layout = layout
         self.events = events
@@ -55,8 +57,11 @@ class Assembly:
         exp = self.expected
         try:
             held = self.prefix.layers if self.prefix is not None else ()
+            upload = None
+            if self.uploader is not None:
+                upload = self.uploader.begin(timeout_s=max(1.0, exp.deadline - time.monotonic()))
             layers = assemble(self.inbound, self.layout, exp.kv_bytes, exp.tenant, exp.deadline, held,
-                              len(exp.token_ids))  # fmt: skip
+                              len(exp.token_ids), upload)  # fmt: skip
         except BaseException as exc:
             self.events.failed(exc)
             return
@@ -105,11 +110,14 @@ class Assembly:
 class HFDecode:
     """`receiver` takes the KV (TCP + shared memory, or WebRTC); `kv_endpoint` is where
     senders reach it. `test_token_delay_s` (TEST ONLY, RegionConfig.test_token_delay_s) paces
-    the tokens so fault tests can act mid-stream."""
+    the tokens so fault tests can act mid-stream. `staging_bytes`: the pinned host memory a GPU
+    engine's shipments pass through into device memory (engine/upload.py)."""
 
-    def __init__(self, engine: HFEngine, receiver: Receiver, kv_endpoint: str, test_token_delay_s: float = 0.0) -> None:
+    def __init__(self, engine: HFEngine, receiver: Receiver, kv_endpoint: str, test_token_delay_s: float = 0.0,
+                 staging_bytes: int = 2 << 30) -> None:  # fmt: skip
         self.test_token_delay_s = test_token_delay_s
         self.engine = engine
+        self.uploader = device_uploader(engine.device, staging_bytes)  # None on the CPU
         self.facts: ModelFacts = engine.facts
         self.receiver = receiver
         self.kv_endpoint = kv_endpoint
@@ -119,7 +127,7 @@ class HFDecode:
         inbound = self.receiver.expect(
             expected.job_id, expected.attempt, ttl_s, tenant=expected.tenant, max_bytes=expected.kv_bytes
         )
-        return Assembly(expected, inbound, self.layout, events, self._pin(expected))
+        return Assembly(expected, inbound, self.layout, events, self._pin(expected), self.uploader)
 
     def _pin(self, expected: Expected) -> Hit | None:
         """The prompt's leading blocks held here, for the reservation's shipment to continue (at

@@ -27,7 +27,8 @@ def build_decode(config: RegionConfig, engine: Any) -> BuiltRole:
         from prfaas.decode_region.hf_backend import HFDecode
 
         receiver, kv_endpoint = kv_receiver(config)
-        backend = HFDecode(engine, receiver, kv_endpoint, test_token_delay_s=config.test_token_delay_s)
+        backend = HFDecode(engine, receiver, kv_endpoint, test_token_delay_s=config.test_token_delay_s,
+                           staging_bytes=config.staging_bytes)  # fmt: skip
     agent = DecodeAgent(
         backend, kv_buffer_bytes=config.kv_buffer_bytes, num_workers=config.workers,
         heartbeat_interval_s=config.heartbeat_interval_s, max_reservation_s=config.max_reservation_s,

@@ -10,7 +10,9 @@ waits for a release until its deadline (then `PoolExhausted`, which fails that s
 
 The GPU-specific calls sit behind `DeviceOps` (`CudaOps` on CUDA), so tests drive the same logic with a
 fake device. On the CPU nothing of this runs: a CPU tensor's bytes are already in host memory
-(engine/kv.py `byte_view`)."""
+(engine/kv.py `byte_view`).
+
+The decode side runs the same path the other way: engine/upload.py."""
 
 from __future__ import annotations
 
@@ -125,8 +127,9 @@ class DeviceOps(Protocol):
         ...
 
     def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """On `stream`: wait for `event`, then copy each (host destination, device source); returns an event
-        that fires when the copies are done. Returns at once."""
+        """On `stream`: wait for `event` (None: nothing to wait for), then copy the bytes of each (destination,
+        source), one of them in host memory and the other in device memory; returns an event that fires when
+        the copies are done. Returns at once."""
         ...
 
     def wait(self, event: Any, timeout_s: float) -> bool:
@@ -151,10 +154,13 @@ class CudaOps:
     def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
-            stream.wait_event(event)
-            for host, source in pairs:
-                host.copy_(source.reshape(-1).view(torch.uint8), non_blocking=True)
-                source.record_stream(stream)  # the caching allocator keeps it until the copy is done
+            if event is not None:
+                stream.wait_event(event)
+            for destination, source in pairs:
+                as_bytes(destination).copy_(as_bytes(source), non_blocking=True)
+                for tensor in (destination, source):
+                    if tensor.is_cuda:
+                        tensor.record_stream(stream)  # the caching allocator keeps it until the copy is done
             done.record(stream)
         return done
 
@@ -295,6 +301,11 @@ def device_copier(device: torch.device, max_bytes: int) -> LayerCopier | None:
     if device.type != "cuda":
         return None
     return LayerCopier(CudaOps(device), HostPool(max_bytes, pinned=True))
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 tensor (a view: no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _view(buffer: torch.Tensor) -> memoryview:

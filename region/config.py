@@ -132,7 +132,8 @@ class RegionConfig(BaseSettings):
     # auto: bfloat16 on a GPU, float32 on the CPU; device auto: CUDA when torch sees a GPU (engine/device.py)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
-    # pinned host memory a GPU prefill region stages KV in on its way out of device memory (engine/staging.py)
+    # pinned host memory a GPU region's KV passes through on its way out of (prefill) or into (decode) device
+    # memory (engine/staging.py, engine/upload.py)
     staging_bytes: int = Field(default=2 << 30, ge=1 << 20)
     # CPUs the HF engine's forward passes run on (the forward's thread is pinned to them for
     # each pass); the region's other threads keep off them. None: no pinning. On a CPU host

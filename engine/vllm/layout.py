@@ -142,8 +142,9 @@ def scatter_layer(
         raise ValueError(f"start_token {start_token} must be block-aligned and within [0, {num_tokens}]")
     first = start_token // layout.block_size
     full_end = num_tokens // layout.block_size  # blocks filled completely
-    index = _block_index(block_ids, layout.num_blocks_for(num_tokens), layout)
-    for part, src in zip(_split(cache, layout), (k, v), strict=True):
+    index = _block_index(block_ids, layout.num_blocks_for(num_tokens), layout).to(cache.device)
+    # host KV into a CUDA cache: one copy to the device per part (indexed writes take no host source)
+    for part, src in zip(_split(cache, layout), (k.to(cache.device), v.to(cache.device)), strict=True):
         if full_end > first:
             body = src[:, first * layout.block_size : full_end * layout.block_size]
             blocks = body.reshape(heads, full_end - first, layout.block_size, head_dim)

@@ -1,20 +1,22 @@
 """Device selection on a host with or without GPUs, the bounded host-buffer pool, and the event-driven layer
-copy out of device memory, driven through a fake device (a copy engine thread that lands each copy later,
-as a side CUDA stream does): the forward only enqueues copies, the sender waits on each layer's event, the
-buffers are bounded, reused and all given back."""
+copy out of device memory and the upload into it, driven through a fake device (tests/fake_device.py: a copy
+engine thread that lands each copy later, as a side CUDA stream does): the forward only enqueues copies, the
+sender waits on each layer's event, an upload hands its tensors over once its last copy landed, the buffers
+are bounded, reused and all given back."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from typing import Any
 
 import pytest
 import torch
+from fake_device import FakeDevice
 
 from prfaas.engine.device import DeviceUnavailable, select_device
 from prfaas.engine.staging import HostPool, LayerCopier, PoolExhausted, StagedShipment, size_class
+from prfaas.engine.upload import LayerUploader
 
 
 class FakeCuda:
@@ -53,43 +55,6 @@ def test_a_device_the_host_lacks_is_refused_with_the_reason() -> None:
             select_device(bad, "auto", FakeCuda(1))
     with pytest.raises(ValueError, match="dtype"):
         select_device("cpu", "int8", FakeCuda(0))
-
-
-class FakeDevice:
-    """DeviceOps of a device whose copies land `delay_s` after they are enqueued, one at a time, on a copy
-    thread (the side stream); `layer_done` events fire at once (the fake compute is synchronous)."""
-
-    def __init__(self, delay_s: float = 0.002) -> None:
-        self.delay_s = delay_s
-        self.tasks: queue.Queue[tuple[list[tuple[torch.Tensor, torch.Tensor]], threading.Event]] = queue.Queue()
-        self.copies = 0
-        threading.Thread(target=self._engine, daemon=True).start()
-
-    def _engine(self) -> None:
-        while True:
-            pairs, done = self.tasks.get()
-            time.sleep(self.delay_s)
-            for host, source in pairs:
-                host.copy_(source.reshape(-1).view(torch.uint8))
-            self.copies += 1
-            done.set()
-
-    def side_stream(self) -> Any:
-        return "side"
-
-    def layer_done(self) -> Any:
-        event = threading.Event()
-        event.set()
-        return event
-
-    def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        assert stream == "side" and event.is_set()
-        done = threading.Event()
-        self.tasks.put((pairs, done))
-        return done
-
-    def wait(self, event: Any, timeout_s: float) -> bool:
-        return bool(event.wait(timeout_s))
 
 
 def test_the_pool_is_bounded_reuses_its_buffers_and_refuses_what_never_fits() -> None:
@@ -188,3 +153,53 @@ def test_a_copy_that_never_lands_fails_the_shipment_and_its_buffers_are_not_reus
     assert errors and isinstance(errors[0], TimeoutError) and "did not finish" in str(errors[0])
     staged.end()
     assert pool.in_use_bytes > 0  # held back: a late copy could still write into it
+
+
+def test_an_upload_enqueues_each_layer_and_its_tensors_hold_the_bytes_once_finished() -> None:
+    device = FakeDevice(delay_s=0.05)
+    pool = HostPool(64 << 20, pinned=False)
+    upload = LayerUploader(device, pool, torch.device("cpu")).begin(timeout_s=5)
+    layers = [torch.randn(2, 64, 16).to(torch.bfloat16) for _ in range(6)]
+    received = [bytearray(layer.view(torch.uint8).numpy().tobytes()) for layer in layers]  # the transport's buffers
+    began = time.monotonic()
+    tensors = []
+    for raw in received:
+        tensors.append(upload.put(raw, (2, 64, 16), torch.bfloat16))
+        raw[:] = bytes(len(raw))  # the transport reuses its buffer at once: the upload copied it out
+    assert time.monotonic() - began < 0.05 * len(layers) / 2  # not waiting on the copies (6 x 50 ms)
+    assert device.copies < len(layers)
+    upload.finish()
+    assert device.copies == len(layers)
+    assert all(torch.equal(t, layer) for t, layer in zip(tensors, layers, strict=True))
+    assert pool.in_use_bytes == 0 and upload.uploaded_bytes == sum(len(r) for r in received)
+    with pytest.raises(ValueError, match="do not fill"):
+        upload.put(bytes(10), (2, 64, 16), torch.bfloat16)
+    assert pool.in_use_bytes == 0
+
+
+def test_an_upload_larger_than_the_pool_reuses_its_own_landed_buffers_and_a_thousand_leak_none() -> None:
+    device = FakeDevice(delay_s=0.0)
+    layer = torch.randn(2, 128, 16)  # 16 KiB: one 64 KiB size class a part
+    pool = HostPool(2 * size_class(layer.numel() * 4), pinned=False)  # two parts' worth, a shipment has 16
+    uploader = LayerUploader(device, pool, torch.device("cpu"))
+    raw = layer.numpy().tobytes()
+    for _ in range(1000):
+        upload = uploader.begin(timeout_s=5)
+        tensors = [upload.put(raw, (2, 128, 16), torch.float32) for _ in range(16)]
+        upload.finish()
+        assert torch.equal(tensors[-1], layer)
+    assert pool.in_use_bytes == 0 and pool.allocations <= 2 and pool.high_water_bytes <= pool.max_bytes
+
+
+def test_an_upload_whose_copy_never_lands_times_out_and_its_buffer_is_not_reused() -> None:
+    class Stuck(FakeDevice):
+        def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+            return threading.Event()  # never set
+
+    pool = HostPool(8 << 20, pinned=False)
+    upload = LayerUploader(Stuck(), pool, torch.device("cpu")).begin(timeout_s=0.1)
+    upload.put(bytes(64), (4, 4), torch.float32)
+    with pytest.raises(TimeoutError, match="did not finish"):
+        upload.finish()
+    upload.close()
+    assert pool.in_use_bytes > 0  # held back: a late copy could still read it

@@ -8,12 +8,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
+from fake_device import FakeDevice
 from region_kit import Region, decode_request, local_region, new_job, prefill_request
 
+from prfaas.decode_region.hf_backend import HFDecode
 from prfaas.engine.blocks import block_hashes, short
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.prefix_cache import PrefixCache
 from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.staging import HostPool
+from prfaas.engine.upload import LayerUploader
 from prfaas.protos.prfaas.v1 import decode_pb2, prefill_pb2
 from prfaas.region.requests import sampling_to_proto
 
@@ -78,10 +83,27 @@ def _split(
     return tokens, reply.cached_tokens, done, shipped
 
 
+@pytest.mark.parametrize("upload", [False, True], ids=["host", "fake-gpu"])
 def test_a_decode_region_holding_the_prefix_receives_only_the_suffix(
-    regions: tuple[Region, Region], tiny_engine: HFEngine, long_text: str
+    regions: tuple[Region, Region], tiny_engine: HFEngine, long_text: str, upload: bool
 ) -> None:
+    """`fake-gpu`: a decode region of its own whose shipments go through the device upload (a fake device's
+    copy engine, tests/fake_device.py), the held prefix joined to them after the last copy landed."""
     prefill, decode = regions
+    pool = HostPool(64 << 20, pinned=False)
+    if upload:
+        decode = local_region(_engine(), prefill=False, name="dec-gpu")
+        assert decode.decode is not None and isinstance(decode.decode.backend, HFDecode)
+        decode.decode.backend.uploader = LayerUploader(FakeDevice(), pool, torch.device("cpu"))
+    try:
+        _holding_the_prefix(prefill, decode, tiny_engine, long_text)
+        assert pool.acquires == (2 * tiny_engine.num_layers if upload else 0) and pool.in_use_bytes == 0
+    finally:
+        if upload:
+            decode.close()
+
+
+def _holding_the_prefix(prefill: Region, decode: Region, tiny_engine: HFEngine, long_text: str) -> None:
     ids = tiny_engine.encode(long_text)[1000:1200]
     turn1, cached1 = _local(decode, ids)  # the decode region now holds the prompt's and the reply's blocks
     assert cached1 == 0

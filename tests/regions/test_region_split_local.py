@@ -8,10 +8,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from region_kit import Region, events_kinds, generate_tokens, local_region, split_generate
+import torch
+from fake_device import FakeDevice
+from region_kit import Region, events_kinds, generate_tokens, local_region, split_generate, wait_until
 
+from prfaas.decode_region.hf_backend import HFDecode
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
+from prfaas.engine.staging import HostPool, LayerCopier
+from prfaas.engine.upload import LayerUploader
+from prfaas.prefill_region.hf_backend import HFPrefill
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -42,6 +48,33 @@ def test_split_tokens_equal_colocated_generate(
     complete = run.events[-1].shipment_complete
     assert complete.raw_bytes == kv_bytes
     assert region.decode is not None and region.decode.book.used_bytes == 0  # freed after the decode
+
+
+def test_split_through_both_gpu_staging_paths_on_a_fake_device(tiny_engine: HFEngine, long_text: str) -> None:
+    """The path a GPU region takes, through real gRPC and KV sockets, with a fake device's copy engine: each
+    layer staged out of "device memory" as the forward writes it, shipped, and uploaded into "device memory"
+    as it lands; the tokens are the colocated ones and every pinned buffer goes back to its pool."""
+    region = local_region(tiny_engine)
+    device = FakeDevice(delay_s=0.001)
+    out, into = HostPool(64 << 20, pinned=False), HostPool(64 << 20, pinned=False)
+    try:
+        assert region.prefill is not None and region.decode is not None
+        prefill, decode = region.prefill.backend, region.decode.backend
+        assert isinstance(prefill, HFPrefill) and isinstance(decode, HFDecode)
+        assert prefill.copier is None and decode.uploader is None  # on the CPU: neither path
+        prefill.copier = LayerCopier(device, out)
+        decode.uploader = LayerUploader(device, into, torch.device("cpu"))
+        ids = tiny_engine.encode(long_text)[:300]
+        kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+        run = split_generate(region.prefill_stub, region.decode_stub, ids, GREEDY, kv_bytes)
+        assert run.tokens == tiny_engine.generate(ids, GREEDY)
+        layers = tiny_engine.num_layers
+        assert device.copies == layers + 2 * layers  # out: K and V of a layer in one copy; in: each part
+        assert into.acquires == 2 * layers and into.in_use_bytes == 0
+        wait_until(lambda: out.in_use_bytes == 0, 5)  # given back once the transfer ended
+        assert out.acquires == 2 * layers
+    finally:
+        region.close()
 
 
 def test_generate_local_path_equals_engine(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
