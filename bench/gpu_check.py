@@ -11,7 +11,9 @@ Needs torch, transformers and what prfaas needs (no Redis, no control plane). Fo
    `overlap_pct`, the share of the copies' time that ran while the forward was still running;
    `layer_to_host_ms`, a layer's end to its bytes in host memory (mean); `d2h_gb_per_s`, the copies' rate
    (side stream into pinned buffers) beside `d2h_sync_gb_per_s` (a blocking `.cpu()` of the same tensors);
-   `kv_bytes_per_s`, KV bytes produced per second of prefill, against each link of `--topology`.
+   `kv_bytes_per_s`, KV bytes produced per second of prefill, against each link of `--topology`. Then the
+   decode side's upload of those bytes (engine/upload.py): `h2d_gb_per_s` through pinned buffers on a side
+   stream, beside `h2d_sync_gb_per_s` (a blocking `.to(device)`), and `upload_wall_ms`.
 2. Two region processes on the same device (`prfaas region`, a prefill and a decode region), driven over
    gRPC: `ttft_colocated_s` (Generate on the decode region) and `ttft_split_s` (Reserve, Prefill shipping
    each layer over TCP, Decode), each the median of `--repeats`; `tokens_identical`: the split job's greedy
@@ -41,9 +43,11 @@ import yaml
 from prfaas.devstack.processes import RegionProcess, spawn_region, write_region_config
 from prfaas.engine.device import select_device
 from prfaas.engine.hf import HFEngine
+from prfaas.engine.kv import DTYPES
 from prfaas.engine.models import prepare_model
 from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.staging import CudaOps, HostPool, LayerCopier
+from prfaas.engine.upload import LayerUploader
 from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prfaas.region.requests import sampling_to_proto
 from prfaas.transport.tickets import TicketSigner
@@ -67,7 +71,8 @@ class TimedCudaOps(CudaOps):
     def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         start, end = timing_event(), timing_event()
         with torch.cuda.stream(stream):
-            stream.wait_event(event)
+            if event is not None:  # an upload waits for nothing
+                stream.wait_event(event)
             start.record(stream)
         done = super().copy_after(stream, event, pairs)
         with torch.cuda.stream(stream):
@@ -93,10 +98,11 @@ def copy_figures(engine: HFEngine, ids: list[int]) -> dict[str, Any]:
     result = engine.prefill(ids, SamplingParams(max_new_tokens=1), on_layer=on_layer)
     end.record()
     prefill_s = time.perf_counter() - t0
-    to_host = []
+    to_host, received = [], []
     for layer in staged:
-        copier.host_bytes(layer, CALL_S)
+        k_bytes, v_bytes = copier.host_bytes(layer, CALL_S)
         to_host.append(layer.landed_at - layer.staged_at)
+        received.append((bytes(k_bytes), bytes(v_bytes), result_shape(engine, layer.nbytes[0])))
     torch.cuda.synchronize(device)
     forward_ms = begin.elapsed_time(end)
     copied = sum(k + v for k, v in (layer.nbytes for layer in staged))
@@ -114,12 +120,46 @@ def copy_figures(engine: HFEngine, ids: list[int]) -> dict[str, Any]:
     for tensor in tensors:
         tensor.cpu()
     sync_s = time.perf_counter() - t1
-    return {
+    return upload_figures(engine, received) | {
         "forward_ms": forward_ms, "prefill_s": prefill_s, "kv_bytes": copied,
         "overlap_pct": 100.0 * overlapped / total if total else 0.0,
         "layer_to_host_ms": 1e3 * statistics.fmean(to_host), "d2h_gb_per_s": copied / (copy_ms / 1e3) / 1e9,
         "d2h_sync_gb_per_s": copied / sync_s / 1e9,
     }  # fmt: skip
+
+
+def result_shape(engine: HFEngine, nbytes: int) -> tuple[int, int, int]:
+    """[kv_heads, tokens, head_dim] of a layer part of `nbytes` in the engine's dtype."""
+    facts = engine.facts
+    per_token = facts.num_kv_heads * facts.head_dim * DTYPES[facts.dtype].itemsize
+    return facts.num_kv_heads, nbytes // per_token, facts.head_dim
+
+
+def upload_figures(engine: HFEngine, received: list[tuple[bytes, bytes, tuple[int, int, int]]]) -> dict[str, Any]:
+    """The decode side (engine/upload.py): the layers' bytes, in pageable host memory as a receiver holds
+    them, uploaded through pinned buffers on a side stream: `h2d_gb_per_s` (the copies' own rate),
+    `upload_wall_ms` (the first layer's put to the last copy landed; the puts return at once) beside
+    `h2d_sync_gb_per_s` (a blocking `.to(device)` of the same bytes)."""
+    device, dtype = engine.device, DTYPES[engine.facts.dtype]
+    ops = TimedCudaOps(device)
+    upload = LayerUploader(ops, HostPool(4 << 30, pinned=True), device).begin(CALL_S)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    uploaded = [upload.put(part, shape, dtype) for k, v, shape in received for part in (k, v)]
+    upload.finish()
+    wall_s = time.perf_counter() - t0
+    copy_ms = sum(s.elapsed_time(e) for s, e in ops.spans)
+    nbytes = sum(len(k) + len(v) for k, v, _ in received)
+    sources = [torch.frombuffer(bytearray(part), dtype=torch.uint8) for k, v, _ in received for part in (k, v)]
+    torch.cuda.synchronize(device)
+    t1 = time.perf_counter()
+    for source in sources:
+        source.to(device)
+    torch.cuda.synchronize(device)
+    sync_s = time.perf_counter() - t1
+    assert len(uploaded) == len(sources)
+    return {"h2d_gb_per_s": nbytes / (copy_ms / 1e3) / 1e9, "upload_wall_ms": 1e3 * wall_s,
+            "h2d_sync_gb_per_s": nbytes / sync_s / 1e9}  # fmt: skip
 
 
 def start_region(folder: Path, model: str, name: str, role: str, device: str) -> RegionProcess:
@@ -213,6 +253,8 @@ def main() -> None:
                     "kv_bytes_per_s": kv_bytes / prefill_s, "d2h_gb_per_s": gpu.get("d2h_gb_per_s"),
                     "d2h_sync_gb_per_s": gpu.get("d2h_sync_gb_per_s"), "overlap_pct": gpu.get("overlap_pct"),
                     "layer_to_host_ms": gpu.get("layer_to_host_ms"), "forward_ms": gpu.get("forward_ms"),
+                    "h2d_gb_per_s": gpu.get("h2d_gb_per_s"), "h2d_sync_gb_per_s": gpu.get("h2d_sync_gb_per_s"),
+                    "upload_wall_ms": gpu.get("upload_wall_ms"),
                     "links_pct_of_kv_rate": {name: 100 * rate / (kv_bytes / prefill_s) for name, rate in links.items()},
                 }  # fmt: skip
                 rows.append(row)
