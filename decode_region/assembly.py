@@ -14,16 +14,18 @@ to them then).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from prfaas.engine.kv import DTYPES, LayerKV
+from prfaas.engine.staging import PoolExhausted
 from prfaas.engine.upload import Upload
-from prfaas.region.errors import DeadlineExceeded, PermissionDenied, PreconditionFailed
+from prfaas.region.errors import DeadlineExceeded, Exhausted, PermissionDenied, PreconditionFailed
 from prfaas.transport.errors import TransferTimeout
 from prfaas.transport.inbound import Inbound
 
@@ -104,23 +106,40 @@ def assemble(
                 shapes = layout.check(inbound, max_bytes, tenant)
                 held = _held(prefix, shapes[0][1], num_tokens)
             if upload is not None:
-                layers.append(LayerKV(k=upload.put(k, shapes[index], torch_dtype),
-                                      v=upload.put(v, shapes[index], torch_dtype)))  # fmt: skip
+                with _upload_errors():
+                    layers.append(LayerKV(k=upload.put(k, shapes[index], torch_dtype),
+                                          v=upload.put(v, shapes[index], torch_dtype)))  # fmt: skip
                 continue
             pk, pv = held[index] if held else (None, None)
             layers.append(LayerKV(k=_tensor(k, shapes[index], torch_dtype, pk),
                                   v=_tensor(v, shapes[index], torch_dtype, pv)))  # fmt: skip
         if upload is not None:
-            upload.finish()
+            with _upload_errors():
+                upload.finish()
             layers = [_joined(layer, pair) for layer, pair in zip(layers, held, strict=True)] if held else layers
-    except BaseException:
-        inbound.cancel("the decode region gave up on this shipment")
+    except BaseException as exc:  # the sender is told why (its Prefill call ends with the reason)
+        inbound.cancel(f"the decode region gave up on this shipment: {exc}"[:400])
         raise
     finally:
         if upload is not None:
             upload.close()
         inbound.release()
     return layers
+
+
+@contextlib.contextmanager
+def _upload_errors() -> Iterator[None]:
+    """The upload's failures as the region's errors: no pinned buffer came free in time (Exhausted: retry
+    elsewhere or later), a copy to the device did not land (DeadlineExceeded), a layer larger than the whole
+    pool (PreconditionFailed: `staging_bytes` is too small for this shipment)."""
+    try:
+        yield
+    except ValueError as exc:
+        raise PreconditionFailed(f"KV upload to the device: {exc}") from None
+    except PoolExhausted as exc:
+        raise Exhausted(f"KV upload to the device: {exc}") from None
+    except TimeoutError as exc:
+        raise DeadlineExceeded(f"KV upload to the device: {exc}") from None
 
 
 def _joined(layer: LayerKV, prefix: tuple[torch.Tensor, torch.Tensor]) -> LayerKV:

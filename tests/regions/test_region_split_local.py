@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 from fake_device import FakeDevice
@@ -15,7 +16,7 @@ from region_kit import Region, events_kinds, generate_tokens, local_region, spli
 from prfaas.decode_region.hf_backend import HFDecode
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
-from prfaas.engine.staging import HostPool, LayerCopier
+from prfaas.engine.staging import MIN_BUFFER_BYTES, HostPool, LayerCopier
 from prfaas.engine.upload import LayerUploader
 from prfaas.prefill_region.hf_backend import HFPrefill
 
@@ -73,6 +74,27 @@ def test_split_through_both_gpu_staging_paths_on_a_fake_device(tiny_engine: HFEn
         assert into.acquires == 2 * layers and into.in_use_bytes == 0
         wait_until(lambda: out.in_use_bytes == 0, 5)  # given back once the transfer ended
         assert out.acquires == 2 * layers
+    finally:
+        region.close()
+
+
+def test_a_layer_larger_than_the_upload_pool_fails_the_shipment_with_the_reason(
+    tiny_engine: HFEngine, long_text: str
+) -> None:
+    region = local_region(tiny_engine)
+    try:
+        assert region.decode is not None and isinstance(region.decode.backend, HFDecode)
+        pool = HostPool(MIN_BUFFER_BYTES, pinned=False)  # staging_bytes below one layer part
+        region.decode.backend.uploader = LayerUploader(FakeDevice(), pool, torch.device("cpu"))
+        ids = tiny_engine.encode(long_text)[:600]
+        kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+        assert kv_bytes // tiny_engine.num_layers // 2 > MIN_BUFFER_BYTES
+        with pytest.raises(grpc.RpcError) as info:
+            split_generate(region.prefill_stub, region.decode_stub, ids, GREEDY, kv_bytes)
+        # the prefill's stream ends first: the decode region canceled the shipment, saying why
+        assert info.value.code() == grpc.StatusCode.CANCELLED, info.value
+        assert "KV upload to the device" in info.value.details() and "does not fit" in info.value.details()
+        assert pool.in_use_bytes == 0
     finally:
         region.close()
 
