@@ -95,10 +95,14 @@ class HostPool:
         make room. Called with the lock held."""
         if self._free[size]:
             return self._free[size].pop()
+        evicted = False
         for other, idle in self._free.items():
             while idle and self.allocated_bytes + size > self.max_bytes:
                 idle.pop()
                 self.allocated_bytes -= other
+                evicted = True
+        if evicted and self.pinned:  # torch caches freed pinned blocks: give them back, or the bound is not one
+            _empty_host_cache()
         if self.allocated_bytes + size > self.max_bytes:
             return None
         self.allocated_bytes += size
@@ -112,6 +116,16 @@ class HostPool:
             if size is None:
                 raise ValueError("this buffer was not handed out by this pool (or was released already)")
             self._free[size].append(buffer)
+            self._cond.notify_all()
+
+    def discard(self, buffer: torch.Tensor) -> None:
+        """Forget a handed-out buffer without reusing it (something may still read it: a transfer that ended
+        early); its room in the bound comes free now, its memory when the last reference to it goes."""
+        with self._cond:
+            size = self._out.pop(id(buffer), None)
+            if size is None:
+                raise ValueError("this buffer was not handed out by this pool (or was released already)")
+            self.allocated_bytes -= size
             self._cond.notify_all()
 
 
@@ -180,7 +194,8 @@ class StagedLayer:
     index: int
     nbytes: tuple[int, int]
     buffers: tuple[torch.Tensor, torch.Tensor]
-    copied: Any  # the event that fires when both are in host memory
+    copied: Any  # the event that fires when both are in host memory; None: copied already (not pooled)
+    pooled: bool = True  # the buffers are the pool's (else a synchronous copy's own host tensors)
     staged_at: float = field(default_factory=time.monotonic)  # when the layer was done (its copy enqueued)
     landed_at: float | None = None  # when the sender saw its bytes in host memory
 
@@ -192,25 +207,40 @@ class LayerCopier:
         self.ops = ops
         self.pool = pool
         self.stream = ops.side_stream()
+        self.unpinned_layers = 0  # layers copied synchronously: no pinned buffer was free
 
-    def stage(self, index: int, k: torch.Tensor, v: torch.Tensor, timeout_s: float = 30.0) -> StagedLayer:
-        """Enqueue layer `index`'s copy behind the compute done so far; returns without waiting for the copy
-        (only for a host buffer, when the pool is at its bound). `k`, `v`: contiguous device tensors."""
+    def stage(self, index: int, k: torch.Tensor, v: torch.Tensor) -> StagedLayer:
+        """Enqueue layer `index`'s copy behind the compute done so far; returns without waiting for it. When
+        the pool has no buffer free now (shipments in flight hold it all, or a part is larger than the whole
+        pool), the layer is copied synchronously into pageable memory instead: the forward waits for that
+        layer's copy, as it did without a side stream, and the shipment goes on."""
+        k, v = k.contiguous(), v.contiguous()  # before the event: a copy made here is compute to wait for
         event = self.ops.layer_done()
         sizes = (k.numel() * k.element_size(), v.numel() * v.element_size())
-        kb = self.pool.acquire(sizes[0], timeout_s)
+        buffers: list[torch.Tensor] = []
         try:
-            vb = self.pool.acquire(sizes[1], timeout_s)
-        except BaseException:
-            self.pool.release(kb)
-            raise
-        pairs = [(kb[: sizes[0]], k.contiguous()), (vb[: sizes[1]], v.contiguous())]
+            for size in sizes:
+                buffers.append(self.pool.acquire(size, 0.0))
+        except (PoolExhausted, ValueError):
+            for buffer in buffers:
+                self.pool.release(buffer)
+            return self._copied_now(index, k, v, sizes)
+        kb, vb = buffers
+        pairs = [(kb[: sizes[0]], k), (vb[: sizes[1]], v)]
         return StagedLayer(index, sizes, (kb, vb), self.ops.copy_after(self.stream, event, pairs))
+
+    def _copied_now(self, index: int, k: torch.Tensor, v: torch.Tensor, sizes: tuple[int, int]) -> StagedLayer:
+        self.unpinned_layers += 1
+        if self.unpinned_layers == 1 or self.unpinned_layers % 1000 == 0:
+            log.warning("no pinned host buffer free (%d of %d bytes held by shipments): layer copies block the "
+                        "forward (%d so far); raise staging_bytes", self.pool.in_use_bytes, self.pool.max_bytes,
+                        self.unpinned_layers)  # fmt: skip
+        return StagedLayer(index, sizes, (as_bytes(k.cpu()), as_bytes(v.cpu())), None, pooled=False)
 
     def host_bytes(self, layer: StagedLayer, timeout_s: float) -> tuple[memoryview, memoryview]:
         """Wait for `layer`'s copy (its event, not the forward), then its K and V bytes in host memory.
         Raises TimeoutError when the copy has not landed within `timeout_s`."""
-        if not self.ops.wait(layer.copied, timeout_s):
+        if layer.copied is not None and not self.ops.wait(layer.copied, timeout_s):
             raise TimeoutError(f"layer {layer.index}'s device-to-host copy did not finish within {timeout_s:g} s")
         layer.landed_at = time.monotonic()
         (kb, vb), (kn, vn) = layer.buffers, layer.nbytes
@@ -218,14 +248,21 @@ class LayerCopier:
 
     def release(self, layer: StagedLayer) -> None:
         """Give the layer's host buffers back (once its bytes are encoded, or its shipment ended)."""
-        for buffer in layer.buffers:
+        for buffer in layer.buffers if layer.pooled else ():
             self.pool.release(buffer)
+
+    def discard(self, layer: StagedLayer) -> None:
+        """Drop the layer's host buffers from the pool without reusing them (a transfer that ended early may
+        still be reading them)."""
+        for buffer in layer.buffers if layer.pooled else ():
+            self.pool.discard(buffer)
 
 
 class StagedShipment:
     """A shipment fed from staged layers: a thread of its own waits on each layer's copy, in the order they
     were staged, and adds its host bytes to `shipment`; every buffer goes back to the pool once `end()` is
-    called (the transfer ended: its bytes were encoded, sent or dropped). `failed(error)` is told when a copy
+    called (the transfer completed: its bytes were encoded and sent), or is dropped from it (`reuse=False`:
+    the transfer ended otherwise, and an encoder or sender may still read a buffer). `failed(error)` is told when a copy
     does not land; the shipment is then missing that layer and its transfer is the caller's to cancel."""
 
     def __init__(self, copier: LayerCopier, shipment: Shipment, failed: Callable[[BaseException], None],
@@ -238,18 +275,19 @@ class StagedShipment:
         self._queue: queue.Queue[StagedLayer | None] = queue.Queue()
         self._lock = threading.Lock()
         self._ended = False
+        self._reuse = True
         self._thread = threading.Thread(target=self._feed, name="prfaas-kv-stager", daemon=True)
         self._thread.start()
 
     def put(self, index: int, k: torch.Tensor, v: torch.Tensor) -> StagedLayer:
         """Stage layer `index` (returns once its copy is enqueued: the forward goes on)."""
-        layer = self.copier.stage(index, k, v, self.timeout_s)
+        layer = self.copier.stage(index, k, v)
         with self._lock:
             ended = self._ended
             if not ended:
                 self.layers.append(layer)
         if ended:  # the transfer ended meanwhile: nothing will read it; its buffers back once the copy landed
-            self._give_back(layer)
+            self._give_back(layer, self._reuse)
         else:
             self._queue.put(layer)
         return layer
@@ -265,22 +303,24 @@ class StagedShipment:
             except Exception as exc:  # a copy that never landed, or a shipment that refuses the layer
                 self.failed(exc)
 
-    def end(self) -> None:
-        """The transfer ended: stop feeding and give every buffer back (idempotent)."""
+    def end(self, reuse: bool = True) -> None:
+        """The transfer ended: stop feeding and give every buffer back, or drop it from the pool when the
+        transfer did not complete (`reuse=False`). Idempotent."""
         with self._lock:
             if self._ended:
                 return
             self._ended = True
+            self._reuse = reuse
             layers, self.layers = self.layers, []
         self._queue.put(None)
         self._thread.join(self.timeout_s)
         for layer in layers:
-            self._give_back(layer)
+            self._give_back(layer, reuse)
 
-    def _give_back(self, layer: StagedLayer) -> None:
-        """The layer's buffers back to the pool, only once no copy can still land in them."""
-        if self.copier.ops.wait(layer.copied, self.timeout_s):
-            self.copier.release(layer)
+    def _give_back(self, layer: StagedLayer, reuse: bool) -> None:
+        """The layer's buffers back to the pool (or dropped from it), only once no copy can still land in them."""
+        if layer.copied is None or self.copier.ops.wait(layer.copied, self.timeout_s):
+            (self.copier.release if reuse else self.copier.discard)(layer)
         else:
             log.error("layer %d's device-to-host copy never finished: its host buffers are not reused",
                       layer.index)  # fmt: skip
@@ -301,6 +341,13 @@ def device_copier(device: torch.device, max_bytes: int) -> LayerCopier | None:
     if device.type != "cuda":
         return None
     return LayerCopier(CudaOps(device), HostPool(max_bytes, pinned=True))
+
+
+def _empty_host_cache() -> None:
+    """Return the pinned blocks torch's host allocator caches to the system (CUDA builds of torch)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,10 @@ class Upload:
         view = buffer[: source.size]
         view.numpy()[:] = source
         target = torch.empty(shape, dtype=dtype, device=self.uploader.device)
-        event = self.uploader.ops.copy_after(self.uploader.stream, None, [(target, view)])
+        # the side stream waits for what the compute stream queued so far: the allocator may have handed out
+        # memory that queued kernels (another job's decode step) still use
+        queued = self.uploader.ops.layer_done()
+        event = self.uploader.ops.copy_after(self.uploader.stream, queued, [(target, view)])
         self._pending.append((buffer, event))
         self.uploaded_bytes += source.size
         return target

@@ -132,9 +132,12 @@ class HFPrefill:
         shipment = Shipment(spec)
         transfer = self.channels.get(work.destination).submit(shipment)
         job.attach(transfer.cancel)
-        feed = self._feed(shipment, transfer)
+        feed = self._feed(shipment, transfer, job.cancel)
         try:
             return self._run(work, job, start, transfer, feed)
+        except BaseException:
+            transfer.cancel()  # stopped before its staged buffers are let go
+            raise
         finally:
             feed.end()
 
@@ -183,6 +186,9 @@ class HFPrefill:
                 for index, layer in enumerate(kv.layers):
                     feed.add(index, layer.k, layer.v, 0)
                 status = wait_transfer(transfer, deadline, threading.Event(), kind="reship")
+            except BaseException:
+                transfer.cancel()
+                raise
             finally:
                 feed.end()
             if status is not TransferStatus.COMPLETED:
@@ -201,18 +207,28 @@ class HFPrefill:
     def path_reports(self) -> list[tuple[str, PathReport]]:
         return self.channels.path_reports()
 
-    def _feed(self, shipment: Shipment, transfer: Transfer) -> _Feed:
+    def _feed(self, shipment: Shipment, transfer: Transfer,
+              fail: Callable[[BaseException], None] | None = None) -> _Feed:  # fmt: skip
+        """`fail(error)`: how a layer copy that never landed ends the job (with its reason); else the transfer
+        is canceled."""
         if self.copier is None:
-            return _Feed(shipment, None)
-        return _Feed(shipment, StagedShipment(self.copier, shipment, failed=lambda _exc: transfer.cancel()))
+            return _Feed(shipment, transfer, None)
+
+        def failed(exc: BaseException) -> None:
+            if fail is not None:
+                fail(DeadlineExceeded(f"KV copy out of device memory: {exc}"))
+            transfer.cancel()
+
+        return _Feed(shipment, transfer, StagedShipment(self.copier, shipment, failed=failed))
 
 
 class _Feed:
     """How a shipment gets its layers: their bytes at once on the CPU; on a GPU, staged out of device memory
     (`StagedShipment`: the forward does not wait for the copy)."""
 
-    def __init__(self, shipment: Shipment, staged: StagedShipment | None) -> None:
+    def __init__(self, shipment: Shipment, transfer: Transfer, staged: StagedShipment | None) -> None:
         self.shipment = shipment
+        self.transfer = transfer
         self.staged = staged
 
     def add(self, index: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
@@ -222,8 +238,10 @@ class _Feed:
         feed_layer(self.shipment, self.staged, index, k, v)
 
     def end(self) -> None:
+        """The staged buffers back to the pool once the transfer completed; dropped from it otherwise (an
+        encoder or sender of the canceled transfer may still read one)."""
         if self.staged is not None:
-            self.staged.end()
+            self.staged.end(reuse=self.transfer.status() is TransferStatus.COMPLETED)
 
 
 def _transfer_failed(job: JobProgress, transfer: Transfer) -> None:

@@ -317,12 +317,13 @@ class PrfaasConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
+        ended: list[Any] = []  # their staged buffers are let go after the lock (it may wait for a late copy)
         with self._lock:
             self._finished_reqs |= finished_req_ids
             for req_id, out in list(self._outbound.items()):
                 if req_id in self._finished_reqs and out.transfer.status().terminal:
                     if out.staged is not None:
-                        out.staged.end()
+                        ended.append(out)
                     del self._outbound[req_id]
                     self._finished_reqs.discard(req_id)
                     results.finished_sending.add(req_id)
@@ -332,6 +333,8 @@ class PrfaasConnector(KVConnectorBase_V1):
                 self._finished_reqs.discard(req_id)
                 results.finished_sending.add(req_id)
             results.finished_recving, self._recv_done = self._recv_done, set()
+        for out in ended:  # reused only after a completed transfer (a canceled one's sender may still read)
+            out.staged.end(reuse=out.transfer.status() is TransferStatus.COMPLETED)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -99,7 +99,7 @@ def gather_layer(
     trim)."""
     layout = PagedLayout.of(cache, k_transposed)
     count = layout.num_blocks_for(num_tokens)
-    index = _block_index(block_ids, count, layout)
+    index = _block_index(block_ids, count, layout).to(cache.device)  # index_select takes it on the cache's device
     heads, size, dim = layout.num_kv_heads, layout.block_size, layout.head_dim
     full = num_tokens // size
     rest = num_tokens - full * size

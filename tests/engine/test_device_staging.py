@@ -203,3 +203,51 @@ def test_an_upload_whose_copy_never_lands_times_out_and_its_buffer_is_not_reused
         upload.finish()
     upload.close()
     assert pool.in_use_bytes > 0  # held back: a late copy could still read it
+
+
+def test_a_shipment_past_the_pool_copies_its_other_layers_synchronously_and_completes() -> None:
+    device = FakeDevice(delay_s=0.05)
+    layer = torch.randn(2, 128, 16)
+    pool = HostPool(2 * size_class(layer.numel() * 4), pinned=False)  # one layer's K and V
+    copier = LayerCopier(device, pool)
+    layers = [(layer + i, layer - i) for i in range(5)]
+    shipment = _Collecting()
+    shipment.expected = len(layers)
+    staged = StagedShipment(copier, shipment, failed=lambda exc: pytest.fail(str(exc)))  # type: ignore[arg-type]
+    for index, (k, v) in enumerate(layers):
+        staged.put(index, k, v)  # the first takes the pool; the rest do not wait for it
+    assert copier.unpinned_layers == len(layers) - 1
+    assert shipment.done.wait(5)
+    for index, (k, v) in enumerate(layers):
+        assert shipment.added[index] == (k.numpy().tobytes(), v.numpy().tobytes())
+    staged.end()
+    assert pool.in_use_bytes == 0 and pool.allocations == 2
+
+
+def test_the_buffers_of_a_transfer_that_did_not_complete_are_dropped_not_reused() -> None:
+    pool = HostPool(8 << 20, pinned=False)
+    copier = LayerCopier(FakeDevice(delay_s=0.0), pool)
+    shipment = _Collecting()
+    shipment.expected = 2
+    staged = StagedShipment(copier, shipment, failed=lambda exc: pytest.fail(str(exc)))  # type: ignore[arg-type]
+    for index in range(2):
+        staged.put(index, torch.zeros(4, 64), torch.zeros(4, 64))
+    assert shipment.done.wait(5)
+    held = [bytes(shipment.added[0][0])]  # an encoder of the canceled transfer could still hold a view
+    staged.end(reuse=False)
+    assert pool.in_use_bytes == 0 and pool.allocated_bytes == 0  # out of the pool: the next shipment makes new
+    staged.end()  # idempotent
+    assert held and pool.acquire(1000, 1.0) is not None and pool.allocations == 5
+
+
+def test_an_upload_waits_for_the_compute_queued_before_it() -> None:
+    """The device memory an upload writes may have been freed by kernels still queued on the compute stream:
+    its copy waits for them (an event on the compute stream), not only for its own bytes."""
+    device = FakeDevice(delay_s=0.0, compute_s=0.2)
+    upload = LayerUploader(device, HostPool(8 << 20, pinned=False), torch.device("cpu")).begin(timeout_s=5)
+    began = time.monotonic()
+    target = upload.put(torch.ones(4, 64).numpy().tobytes(), (4, 64), torch.float32)
+    time.sleep(0.05)
+    assert device.copies == 0  # the compute queued before it has not finished
+    upload.finish()
+    assert time.monotonic() - began >= 0.2 and torch.equal(target, torch.ones(4, 64))
