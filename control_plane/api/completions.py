@@ -43,7 +43,14 @@ from prfaas.control_plane.api.errors import (
 )
 from prfaas.control_plane.api.sampling import sampling_spec
 from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
-from prfaas.control_plane.api.sse import ClosingStreamingResponse, PromptJob, completion_tokens, ended_error, sse
+from prfaas.control_plane.api.sse import (
+    ClosingStreamingResponse,
+    PromptJob,
+    client_gone,
+    completion_tokens,
+    ended_error,
+    sse,
+)
 from prfaas.control_plane.jobs.celery_app import enqueue
 from prfaas.control_plane.jobs.errors import AdmissionRefused, JobNotFound
 from prfaas.control_plane.jobs.generation import JobEnded
@@ -297,6 +304,7 @@ def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> JSO
         options = body.stream_options
         return ClosingStreamingResponse(
             sse(s, g.follower, jobs, kind, bool(options and options.include_usage)),
+            unstarted=lambda: client_gone(g.follower, jobs),  # gone before its first chunk
             media_type="text/event-stream",
             headers=headers | {"Cache-Control": "no-cache"},
         )

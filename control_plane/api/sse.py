@@ -5,10 +5,11 @@ without its tokens ends the stream with an error event (api/errors.py)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,16 +51,22 @@ class ClosingStreamingResponse(StreamingResponse):
     """Closes its generator as soon as the response ends, however it ends. On a client
     disconnect Starlette just stops iterating; the generator's `finally` (which cancels the job
     in both regions) would otherwise run only when the garbage collector reaches it, seconds
-    later, while the decode region keeps generating."""
+    later, while the decode region keeps generating. A client gone before the first chunk was
+    asked for leaves a generator that never started, whose `finally` never runs: `unstarted`
+    is called then instead (it ends the request's jobs)."""
 
-    def __init__(self, content: Generator[str, None, None], **kwargs: Any) -> None:
+    def __init__(self, content: Generator[str, None, None], *, unstarted: Callable[[], None] | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(content, **kwargs)
         self.source = content
+        self.unstarted = unstarted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if self.unstarted is not None and inspect.getgeneratorstate(self.source) == inspect.GEN_CREATED:
+                await run_in_threadpool(self.unstarted)
             try:
                 await run_in_threadpool(self.source.close)  # no-op when it ran to its end
             except ValueError:  # a next() still in flight (Starlette waits for it; defensive): GC closes it
@@ -108,11 +115,17 @@ def sse(
     finally:
         close = getattr(stream, "close", None)
         if not finished:  # the client went away mid-stream
-            with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
-                if len(jobs) == 1 and jobs[0].leader:
-                    follower.disconnected(job_id, jobs[0].stream)
-                for job in jobs if len(jobs) > 1 else ():
-                    if job.leader:
-                        follower.cancel(job.job_id, "client disconnected")
+            client_gone(follower, jobs)
         if close is not None:
             close()
+
+
+def client_gone(follower: Follower, jobs: list[PromptJob]) -> None:
+    """The client of a streamed request went away before its end: its own jobs are canceled in both regions
+    (a single job read by requests attached to it is read to its end for them)."""
+    with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
+        if len(jobs) == 1 and jobs[0].leader:
+            follower.disconnected(jobs[0].job_id, jobs[0].stream)
+        for job in jobs if len(jobs) > 1 else ():
+            if job.leader:
+                follower.cancel(job.job_id, "client disconnected")
