@@ -129,14 +129,14 @@ def assemble(
 
 @contextlib.contextmanager
 def _upload_errors() -> Iterator[None]:
-    """The upload's failures as the region's errors: no pinned buffer came free in time (Exhausted: retry
-    elsewhere or later), a copy to the device did not land (DeadlineExceeded), a layer larger than the whole
-    pool (PreconditionFailed: `staging_bytes` is too small for this shipment)."""
+    """The upload's failures as the region's errors: no pinned buffer came free in time, or no device
+    memory (Exhausted: retry elsewhere or later), a copy to the device did not land (DeadlineExceeded), a
+    layer larger than the whole pool (PreconditionFailed: `staging_bytes` is too small for this shipment)."""
     try:
         yield
     except ValueError as exc:
         raise PreconditionFailed(f"KV upload to the device: {exc}") from None
-    except PoolExhausted as exc:
+    except (PoolExhausted, torch.OutOfMemoryError) as exc:  # no pinned buffer, or no device memory, now
         raise Exhausted(f"KV upload to the device: {exc}") from None
     except TimeoutError as exc:
         raise DeadlineExceeded(f"KV upload to the device: {exc}") from None
