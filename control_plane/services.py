@@ -24,7 +24,7 @@ from prfaas.control_plane.scheduling.snapshot import ModelShape
 from prfaas.control_plane.settings import Settings
 from prfaas.control_plane.tenants import TenantStore
 
-DTYPE_BYTES = 4  # regions serve float32 here (region config `dtype` default)
+DTYPE_BYTES = 4  # the model's KV figure is in float32; a region reporting another dtype is counted in its own
 PLACEMENTS = ("auto", "local", "split")
 
 
@@ -61,7 +61,12 @@ class ServedModel:
         head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
         kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
         layers = int(c["num_hidden_layers"])
-        return ModelShape(name=self.name, num_layers=layers, kv_bytes_per_token=2 * layers * kv_heads * head_dim * 4)
+        return ModelShape(
+            name=self.name,
+            num_layers=layers,
+            kv_bytes_per_token=2 * layers * kv_heads * head_dim * 4,
+            kv_dtype="float32",
+        )  # fmt: skip  (regions that report another dtype are counted in theirs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -55,6 +55,7 @@ class InstanceRecord(Load):
     suspect: bool = False  # a call to it just failed UNAVAILABLE: no new work until that mark expires
     prefix_block_tokens: int = 0  # its prefix cache's block size; 0: none
     prefix_blocks: frozenset[str] = frozenset()  # short digests of the prompt blocks its prefix cache holds
+    kv_dtype: str = ""  # its engine's KV dtype ("" from a region that does not say: the model's figure applies)
 
     @property
     def key(self) -> str:
@@ -89,6 +90,7 @@ class RegionRecord(Load):
     instances: tuple[InstanceRecord, ...]  # by instance id
     drained: bool
     prefix_blocks: frozenset[str] = frozenset()  # held by any healthy instance
+    kv_dtype: str = ""  # as its latest registration says (its instances agree: fleet/registry.py)
 
     @staticmethod
     def of(instances: list[InstanceRecord]) -> RegionRecord:
@@ -104,7 +106,8 @@ class RegionRecord(Load):
             model=newest.model, instances=tuple(sorted(instances, key=lambda i: i.instance)), drained=newest.drained,
             alive=bool(live), draining=bool(live) and all(i.draining for i in live),
             heartbeat_age_s=min(i.heartbeat_age_s for i in instances),
-            prefix_blocks=frozenset().union(*(i.prefix_blocks for i in healthy)), **totals,
+            prefix_blocks=frozenset().union(*(i.prefix_blocks for i in healthy)), kv_dtype=newest.kv_dtype,
+            **totals,
         )  # fmt: skip
 
     @property

@@ -26,14 +26,22 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 
 from prfaas.control_plane.billing.prices import PriceBook, price_book
 from prfaas.control_plane.fleet.links import LinkEstimate, effective
 from prfaas.control_plane.fleet.records import DEFAULT_INSTANCE, InstanceRecord, RegionNotFound, RegionRecord
-from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, Link, ModelShape, Region, Role
+from prfaas.control_plane.scheduling.snapshot import (
+    KV_DTYPE_BYTES,
+    ClusterSnapshot,
+    KVDtype,
+    Link,
+    ModelShape,
+    Region,
+    Role,
+)
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import registry_pb2
 
@@ -69,14 +77,16 @@ class RegionRegistry:
             raise ValueError("name is required and role must be prefill, decode or both")
         instance = request.instance or DEFAULT_INSTANCE
         for other in self.region_instances(request.name):
-            if other.instance != instance and other.alive and (other.role, other.model_fingerprint) != (
-                request.role, request.model_fingerprint
+            if other.instance != instance and other.alive and (other.role, other.model_fingerprint, other.kv_dtype) != (
+                request.role, request.model_fingerprint, request.kv_dtype
             ):  # fmt: skip
                 raise ValueError(
-                    f"instance {instance} of region {request.name} registers role {request.role} and model "
-                    f"{request.model_fingerprint[:16]}; its instance {other.instance} serves {other.role}, "
-                    f"{other.model_fingerprint[:16]}"
+                    f"instance {instance} of region {request.name} registers role {request.role}, model "
+                    f"{request.model_fingerprint[:16]} and KV dtype {request.kv_dtype or '-'}; its instance "
+                    f"{other.instance} serves {other.role}, {other.model_fingerprint[:16]}, {other.kv_dtype or '-'}"
                 )
+        if request.kv_dtype and request.kv_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"kv_dtype {request.kv_dtype!r} is none of {', '.join(KV_DTYPE_BYTES)}")
         token = uuid.uuid4().hex[:16]
         fields: dict[str, Any] = {
             "name": request.name, "instance": instance, "token": token, "role": request.role,
@@ -87,6 +97,7 @@ class RegionRegistry:
             "last_beat_at": time.time(), "queue_depth": 0, "busy_workers": 0, "kv_used_bytes": 0,
             "kv_free_bytes": request.kv_buffer_bytes, "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0,
             "draining": 0, "prefix_block_tokens": request.prefix_block_tokens, "prefix_version": -1, "prefix": "",
+            "kv_dtype": request.kv_dtype,
         }  # fmt: skip
         if request.prefix_block_tokens and request.prefix_block_tokens != self.settings.prefix.block_tokens:
             log.warning(
@@ -215,6 +226,7 @@ class RegionRegistry:
             draining=f["draining"] == "1", drained=drained,
             alive=age <= self.settings.heartbeat_misses * interval, heartbeat_age_s=age, suspect=suspect,
             prefix_block_tokens=int(f.get("prefix_block_tokens", 0)), prefix_blocks=self._blocks(f),
+            kv_dtype=f.get("kv_dtype", ""),
             queued_prefill_tokens=int(f.get("queued_prefill_tokens", 0)),
             running_prefill_tokens=int(f.get("running_prefill_tokens", 0)),
             decode_running=int(f.get("decode_running", 0)), decode_slots=int(f.get("decode_slots", 0)),
@@ -292,6 +304,7 @@ class RegionRegistry:
             heartbeat_age_s=r.heartbeat_age_s, cached_prefix_hashes=r.prefix_blocks,
             queued_prefill_tokens=r.queued_prefill_tokens, running_prefill_tokens=r.running_prefill_tokens,
             decode_running=r.decode_running, decode_slots=r.decode_slots,
+            kv_dtype=cast(KVDtype | None, r.kv_dtype or None),  # checked at registration
         )  # fmt: skip
 
 

@@ -189,7 +189,8 @@ class Dispatcher:
     ) -> None:  # fmt: skip
         jobs = self.s.jobs
         lease_s = self.lease_s(decision)
-        kv_bytes = int(job["prompt_tokens"]) * self.s.model.shape.kv_bytes_per_token
+        per_token = self.s.model.shape.kv_bytes_at(decode.kv_dtype)  # in its dtype
+        kv_bytes = int(job["prompt_tokens"]) * per_token
         token_ids = json.loads(job["token_ids"])
         decode_stub = decode_pb2_grpc.DecodeRegionStub(self.channel(decode.grpc_endpoint, decode.name))
         reserve = decode_pb2.ReserveRequest(
@@ -228,7 +229,7 @@ class Dispatcher:
             self._release(decode_stub, job_id)
             raise
         self.leases.grant(self.lease(job_id, attempt, stage, prefill.key, lease_s))
-        shipped = kv_bytes - reply.cached_tokens * self.s.model.shape.kv_bytes_per_token  # the rest is held there
+        shipped = kv_bytes - reply.cached_tokens * per_token  # the rest is held there
         started = Started(job_id, job["tenant"], attempt, shipped, decode, prefill, lease_s, span)
         if reship:
             again = prefill_pb2.ReshipRequest(job_id=job_id, attempt=attempt, destination=destination)

@@ -157,8 +157,8 @@ class CostModel:
         wait_s = self.queue_wait_s(prefill, request.priority)
         prefill_s = uncached_prefill / prefill.prefill_tokens_per_s
         budget_s = request.slo.ttft_ms / 1000.0 - wait_s - prefill_s
-        plan = self.plan_transfer(request, model, link, uncached_decode * model.kv_bytes_per_token, prefill_s, budget_s,
-                                  wait_s + prefill_s)  # fmt: skip
+        kv_bytes = uncached_decode * model.kv_bytes_at(prefill.kv_dtype)  # shipped in the prefill's dtype
+        plan = self.plan_transfer(request, model, link, kv_bytes, prefill_s, budget_s, wait_s + prefill_s)
         price = prefill.usd_per_gpu_hour
         if self.prefill_on_spot and prefill.spot_usd_per_gpu_hour is not None:
             price = prefill.spot_usd_per_gpu_hour

@@ -45,7 +45,7 @@ class CapacityFilter(_Plugin):
 
     def keep(self, ctx: Context, candidate: Candidate) -> bool:
         if ctx.stage is Stage.DECODE:
-            return candidate.region.kv_buffer_free_bytes >= ctx.kv_bytes_needed
+            return candidate.region.kv_buffer_free_bytes >= ctx.kv_bytes_needed(candidate.region)
         return not candidate.region.queue_full
 
 

@@ -60,10 +60,10 @@ class Context:
             count = self._uncached[region.name] = self.request.uncached_in(region)
         return count
 
-    @property
-    def kv_bytes_needed(self) -> int:
-        """KV buffer the decode region reserves: prompt plus generated tokens, as decoded."""
-        return (self.request.prompt_tokens + self.request.max_new_tokens) * self.snapshot.model.kv_bytes_per_token
+    def kv_bytes_needed(self, region: Region) -> int:
+        """KV buffer `region` reserves to decode the request: prompt plus generated tokens, in its dtype."""
+        tokens = self.request.prompt_tokens + self.request.max_new_tokens
+        return tokens * self.snapshot.model.kv_bytes_at(region.kv_dtype)
 
 
 class Candidate:

@@ -206,7 +206,7 @@ class GlobalScheduler:
             by_name = snapshot.regions_by_name()
             for link in snapshot.links_into(decode.name):
                 source = by_name[link.src]
-                if source.can_serve_split_prefill:
+                if source.can_serve_split_prefill and source.ships_kv_to(decode):
                     candidates.append(Candidate(ctx, source, decode, link, source.name))
             note = f"uncached {uncached} >= {threshold}: {len(candidates) - 1} split candidates"
         elif threshold >= DisaggregationRule.NEVER:

@@ -78,10 +78,9 @@ class DecodeHeadroomScorer(_Plugin):
     Spreads decode over regions by what they can still take."""
 
     def score(self, ctx: Context, candidates: Sequence[Candidate]) -> list[float]:
-        needed = ctx.kv_bytes_needed
         scores = []
         for c in candidates:
-            whole = c.region.kv_buffer_bytes
+            whole, needed = c.region.kv_buffer_bytes, ctx.kv_bytes_needed(c.region)
             scores.append(1.0 if not whole else max(0.0, c.region.kv_buffer_free_bytes - needed) / whole)
         return scores
 

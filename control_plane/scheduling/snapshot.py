@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -25,6 +25,10 @@ class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"
+
+
+KVDtype = Literal["float32", "bfloat16", "float16"]
+KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class Region(BaseModel):
@@ -69,6 +73,9 @@ class Region(BaseModel):
     cached_prefix_hashes: frozenset[str] = Field(
         default=frozenset(), description="chained hashes of the prompt blocks in this region's prefix cache"
     )
+    kv_dtype: KVDtype | None = Field(
+        default=None, description="its engine's KV dtype; a split needs both ends alike (None: not reported)"
+    )
 
     @model_validator(mode="after")
     def _busy_within_workers(self) -> Self:
@@ -83,6 +90,11 @@ class Region(BaseModel):
     @property
     def can_serve_split_prefill(self) -> bool:
         return self.role is not Role.DECODE
+
+    def ships_kv_to(self, decode: Region) -> bool:
+        """Whether a decode region takes this region's KV: the same dtype, when both report one (a decode
+        region refuses KV of another dtype)."""
+        return self.kv_dtype is None or decode.kv_dtype is None or self.kv_dtype == decode.kv_dtype
 
     @property
     def gpus_per_worker(self) -> float:
@@ -125,6 +137,15 @@ class ModelShape(BaseModel):
     name: str = Field(min_length=1)
     num_layers: int = Field(ge=1)
     kv_bytes_per_token: int = Field(ge=1, description="K and V of one token over all layers, bytes, as decoded")
+    kv_dtype: KVDtype | None = Field(
+        default=None, description="the dtype kv_bytes_per_token is counted in; None: every region's alike"
+    )
+
+    def kv_bytes_at(self, dtype: str | None) -> int:
+        """K and V of one token in `dtype` (a region's engine's; None or "": not reported, the model's figure)."""
+        if not dtype or self.kv_dtype is None or dtype == self.kv_dtype:
+            return self.kv_bytes_per_token
+        return self.kv_bytes_per_token * KV_DTYPE_BYTES[dtype] // KV_DTYPE_BYTES[self.kv_dtype]
 
 
 class ClusterSnapshot(BaseModel):

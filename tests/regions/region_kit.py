@@ -63,6 +63,7 @@ class Region:
     server: RegionServer
     prefill: PrefillAgent | None = None
     decode: DecodeAgent | None = None
+    registration: registry_pb2.RegisterRequest | None = None  # what it tells the control plane
     channel: grpc.Channel = field(init=False)
 
     def __post_init__(self) -> None:
@@ -113,13 +114,13 @@ def local_region(
         "heartbeat_interval_s": heartbeat_s,
         "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0" if metrics else None},
     })  # fmt: skip
-    server, _registration = build_region(config, ROLES, engine)
+    server, registration = build_region(config, ROLES, engine)
     server.start(registry)
     agents = {name: agent for name, (agent, _add) in server.agents.items()}
     p, d = agents.get("prfaas.v1.PrefillRegion"), agents.get("prfaas.v1.DecodeRegion")
     assert p is None or isinstance(p, PrefillAgent)
     assert d is None or isinstance(d, DecodeAgent)
-    return Region(server, p, d)
+    return Region(server, p, d, registration)
 
 
 @dataclass

@@ -63,6 +63,7 @@ def test_split_through_both_gpu_staging_paths_on_a_fake_device(tiny_engine: HFEn
         prefill, decode = region.prefill.backend, region.decode.backend
         assert isinstance(prefill, HFPrefill) and isinstance(decode, HFDecode)
         assert prefill.copier is None and decode.uploader is None  # on the CPU: neither path
+        assert region.registration is not None and region.registration.kv_dtype == tiny_engine.facts.dtype
         prefill.copier = LayerCopier(device, out)
         decode.uploader = LayerUploader(device, into, torch.device("cpu"))
         ids = tiny_engine.encode(long_text)[:300]

@@ -36,6 +36,7 @@ class RegisterRequest(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
     PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_DTYPE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     role: _builtins.str
     """"prefill", "decode", "both" """
@@ -54,6 +55,8 @@ class RegisterRequest(_message.Message):
     """this instance of the region (a region is a pool of them); empty = "0" """
     prefix_block_tokens: _builtins.int
     """tokens per prefix cache block; 0 = no prefix cache"""
+    kv_dtype: _builtins.str
+    """its engine's KV dtype: "float32", "bfloat16", "float16"; empty = not said"""
     def __init__(
         self,
         *,
@@ -71,10 +74,11 @@ class RegisterRequest(_message.Message):
         heartbeat_interval_s: _builtins.float = ...,
         instance: _builtins.str = ...,
         prefix_block_tokens: _builtins.int = ...,
+        kv_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "gpu_type", b"gpu_type", "grpc_endpoint", b"grpc_endpoint", "heartbeat_interval_s", b"heartbeat_interval_s", "instance", b"instance", "kv_buffer_bytes", b"kv_buffer_bytes", "kv_endpoint", b"kv_endpoint", "model", b"model", "model_fingerprint", b"model_fingerprint", "name", b"name", "num_workers", b"num_workers", "prefix_block_tokens", b"prefix_block_tokens", "role", b"role", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "gpu_type", b"gpu_type", "grpc_endpoint", b"grpc_endpoint", "heartbeat_interval_s", b"heartbeat_interval_s", "instance", b"instance", "kv_buffer_bytes", b"kv_buffer_bytes", "kv_dtype", b"kv_dtype", "kv_endpoint", b"kv_endpoint", "model", b"model", "model_fingerprint", b"model_fingerprint", "name", b"name", "num_workers", b"num_workers", "prefix_block_tokens", b"prefix_block_tokens", "role", b"role", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -181,6 +181,32 @@ def test_an_instance_cannot_join_a_region_as_another_role(registry: tuple[Region
     assert "its instance i-1 serves decode" in (info.value.details() or "")
 
 
+def test_a_regions_kv_dtype_reaches_the_snapshot_and_its_instances_agree_on_it(
+    registry: tuple[RegionRegistry, str],
+) -> None:
+    reg, address = registry
+    gpu = _registration("d-b", "decode", 4.0, "i-1")
+    gpu.kv_dtype = "bfloat16"
+    Heartbeater(address, gpu, lambda: _load(0), INTERVAL_S).beat()
+    Heartbeater(address, _registration("p-a", "prefill", 1.0), lambda: _load(0), INTERVAL_S).beat()  # says none
+    snapshot = reg.snapshot(MODEL)
+    assert (snapshot.region("d-b").kv_dtype, snapshot.region("p-a").kv_dtype) == ("bfloat16", None)
+    with grpc.insecure_channel(address) as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        other = _registration("d-b", "decode", 4.0, "i-2")
+        other.kv_dtype = "float32"
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Register(other, timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "KV dtype float32; its instance i-1 serves decode" in (info.value.details() or "")
+        odd = _registration("x-c", "decode", 4.0)
+        odd.kv_dtype = "int8"
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Register(odd, timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "kv_dtype 'int8' is none of float32, bfloat16, float16" in (info.value.details() or "")
+
+
 @pytest.fixture
 def tls_registry(tmp_path: Path) -> Iterator[tuple[RegionRegistry, str, dict[str, TlsFiles]]]:
     issue = {"cp": "prfaas://control-plane/prod", "d-b": "prfaas://decode/d-b/1", "p-a": "prfaas://prefill/p-a/*"}

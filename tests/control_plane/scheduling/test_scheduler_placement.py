@@ -257,3 +257,18 @@ def test_prefill_only_region_is_never_a_decode_region() -> None:
     with pytest.raises(NoHealthyRegion) as info:
         SCHEDULER.decide(snapshot, request())
     assert info.value.explanation.stages[0].num_candidates == 2  # only the two decode regions
+
+
+def test_kv_is_counted_in_each_regions_dtype_and_splits_only_between_alike_regions() -> None:
+    bf16 = {"kv_dtype": "bfloat16"}
+    model = fleet().model.model_copy(update={"kv_dtype": "float32"})  # the figure is float32's
+    alike = fleet(regions={"dec-east": bf16, "dec-west": bf16, "pre-cheap": bf16, "pre-mid": bf16})
+    decision = SCHEDULER.decide(alike.model_copy(update={"model": model}), request())
+    assert decision.mode is Mode.SPLIT and decision.kv_bytes_raw == 655_360_000 // 2  # shipped in bf16
+    mixed = fleet(regions={"pre-cheap": bf16, "pre-mid": bf16})  # bf16 prefill, fp32 (unsaid) decode: alike
+    assert SCHEDULER.decide(mixed, request()).mode is Mode.SPLIT
+    fp32 = {"kv_dtype": "float32"}
+    unlike = fleet(regions={"dec-east": fp32, "dec-west": fp32, "pre-cheap": bf16, "pre-mid": bf16})
+    decision = SCHEDULER.decide(unlike.model_copy(update={"model": model}), request())
+    assert decision.mode is Mode.LOCAL  # a decode region refuses KV of another dtype: no split candidate
+    assert "0 split candidates" in str(decision.explanation)
