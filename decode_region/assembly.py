@@ -114,9 +114,9 @@ def assemble(
             layers.append(LayerKV(k=_tensor(k, shapes[index], torch_dtype, pk),
                                   v=_tensor(v, shapes[index], torch_dtype, pv)))  # fmt: skip
         if upload is not None:
-            with _upload_errors():
+            with _upload_errors():  # the join allocates on the device too
                 upload.finish()
-            layers = [_joined(layer, pair) for layer, pair in zip(layers, held, strict=True)] if held else layers
+                layers = [_joined(layer, pair) for layer, pair in zip(layers, held, strict=True)] if held else layers
     except BaseException as exc:  # the sender is told why (its Prefill call ends with the reason)
         inbound.cancel(f"the decode region gave up on this shipment: {exc}"[:400])
         raise

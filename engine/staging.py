@@ -95,6 +95,9 @@ class HostPool:
         make room. Called with the lock held."""
         if self._free[size]:
             return self._free[size].pop()
+        idle_bytes = sum(other * len(idle) for other, idle in self._free.items())
+        if self.allocated_bytes - idle_bytes + size > self.max_bytes:
+            return None  # evicting every idle buffer would not make room: keep them for their own sizes
         evicted = False
         for other, idle in self._free.items():
             while idle and self.allocated_bytes + size > self.max_bytes:

@@ -54,14 +54,18 @@ class Upload:
         source = np.frombuffer(data, dtype=np.uint8)
         if math.prod(shape) * dtype.itemsize != source.size:
             raise ValueError(f"{source.size} bytes do not fill a {list(shape)} {dtype} tensor")
+        target = torch.empty(shape, dtype=dtype, device=self.uploader.device)  # before a buffer: it may be OOM
         buffer = self._buffer(source.size)
-        view = buffer[: source.size]
-        view.numpy()[:] = source
-        target = torch.empty(shape, dtype=dtype, device=self.uploader.device)
-        # the side stream waits for what the compute stream queued so far: the allocator may have handed out
-        # memory that queued kernels (another job's decode step) still use
-        queued = self.uploader.ops.layer_done()
-        event = self.uploader.ops.copy_after(self.uploader.stream, queued, [(target, view)])
+        try:
+            view = buffer[: source.size]
+            view.numpy()[:] = source
+            # the side stream waits for what the compute stream queued so far: the allocator may have handed
+            # out memory that queued kernels (another job's decode step) still use
+            queued = self.uploader.ops.layer_done()
+            event = self.uploader.ops.copy_after(self.uploader.stream, queued, [(target, view)])
+        except BaseException:  # no copy was enqueued: nothing reads the buffer
+            self.uploader.pool.release(buffer)
+            raise
         self._pending.append((buffer, event))
         self.uploaded_bytes += source.size
         return target

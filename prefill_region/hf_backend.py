@@ -209,13 +209,13 @@ class HFPrefill:
 
     def _feed(self, shipment: Shipment, transfer: Transfer,
               fail: Callable[[BaseException], None] | None = None) -> _Feed:  # fmt: skip
-        """`fail(error)`: how a layer copy that never landed ends the job (with its reason); else the transfer
-        is canceled."""
+        """`fail(error)`: how a layer copy that never landed ends the job (with its reason); the transfer is
+        canceled either way."""
         if self.copier is None:
             return _Feed(shipment, transfer, None)
 
         def failed(exc: BaseException) -> None:
-            if fail is not None:
+            if fail is not None and isinstance(exc, TimeoutError):  # else the transfer's own error says it
                 fail(DeadlineExceeded(f"KV copy out of device memory: {exc}"))
             transfer.cancel()
 

@@ -77,9 +77,14 @@ class RegionRegistry:
             raise ValueError("name is required and role must be prefill, decode or both")
         instance = request.instance or DEFAULT_INSTANCE
         for other in self.region_instances(request.name):
-            if other.instance != instance and other.alive and (other.role, other.model_fingerprint, other.kv_dtype) != (
-                request.role, request.model_fingerprint, request.kv_dtype
-            ):  # fmt: skip
+            dtypes_differ = bool(other.kv_dtype and request.kv_dtype) and other.kv_dtype != request.kv_dtype
+            if (
+                other.instance != instance
+                and other.alive
+                and (
+                    (other.role, other.model_fingerprint) != (request.role, request.model_fingerprint) or dtypes_differ
+                )
+            ):  # an instance that does not say its dtype (an older region) is not refused for it
                 raise ValueError(
                     f"instance {instance} of region {request.name} registers role {request.role}, model "
                     f"{request.model_fingerprint[:16]} and KV dtype {request.kv_dtype or '-'}; its instance "

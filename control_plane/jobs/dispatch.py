@@ -170,9 +170,14 @@ class Dispatcher:
             raise AttemptFailed(decision.decode_region, str(exc)) from exc
         if reship is not None:  # the KV is leased in the prefill region that computed it
             try:
-                prefill = self.s.regions.get(reship["region"]).instance(reship["instance"])
+                leased: InstanceRecord | None = self.s.regions.get(reship["region"]).instance(reship["instance"])
             except RegionNotFound:
-                reship = None  # gone with its lease: compute the prompt again, as decided
+                leased = None
+            dtypes = {leased.kv_dtype, decode.kv_dtype} - {""} if leased is not None else set()
+            if leased is not None and len(dtypes) <= 1:
+                prefill = leased
+            else:  # gone with its lease, or its KV is of a dtype the decode region refuses: compute it again
+                reship = None
         where = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}", "placement_s": placement_s}  # metering
         if not jobs.update(job_id, attempt, **placed_fields(decision, decode, prefill), **where):
             raise Superseded(job_id)

@@ -99,7 +99,9 @@ def gather_layer(
     trim)."""
     layout = PagedLayout.of(cache, k_transposed)
     count = layout.num_blocks_for(num_tokens)
-    index = _block_index(block_ids, count, layout).to(cache.device)  # index_select takes it on the cache's device
+    host_index = _block_index(block_ids, count, layout)
+    # index_select takes the index on the cache's device; the copy does not wait for the forward's queue
+    index = host_index if cache.device.type == "cpu" else host_index.pin_memory().to(cache.device, non_blocking=True)
     heads, size, dim = layout.num_kv_heads, layout.block_size, layout.head_dim
     full = num_tokens // size
     rest = num_tokens - full * size
@@ -112,7 +114,7 @@ def gather_layer(
             whole = result[:, : full * size].view(heads, full, size, dim)
             torch.index_select(blocks, 1, index[:full], out=whole)
         if rest:
-            result[:, full * size :] = blocks[:, int(index[full]), :rest]
+            result[:, full * size :] = blocks[:, int(host_index[full]), :rest]  # no device-to-host read
         out.append(result)
     return out[0], out[1]
 
@@ -142,7 +144,8 @@ def scatter_layer(
         raise ValueError(f"start_token {start_token} must be block-aligned and within [0, {num_tokens}]")
     first = start_token // layout.block_size
     full_end = num_tokens // layout.block_size  # blocks filled completely
-    index = _block_index(block_ids, layout.num_blocks_for(num_tokens), layout).to(cache.device)
+    host_index = _block_index(block_ids, layout.num_blocks_for(num_tokens), layout)
+    index = host_index.to(cache.device)
     # host KV into a CUDA cache: one copy to the device per part (indexed writes take no host source)
     for part, src in zip(_split(cache, layout), (k.to(cache.device), v.to(cache.device)), strict=True):
         if full_end > first:
@@ -154,7 +157,7 @@ def scatter_layer(
                 part[index[first:full_end]] = blocks.permute(1, 2, 0, 3)
         tail = num_tokens - max(full_end, first) * layout.block_size
         if tail > 0:
-            block = int(index[full_end])
+            block = int(host_index[full_end])
             rows = src[:, full_end * layout.block_size :]  # [heads, tail, dim]
             if layout.kind == "cpu":
                 part[block, :, :tail] = rows

@@ -92,8 +92,9 @@ def test_a_layer_larger_than_the_upload_pool_fails_the_shipment_with_the_reason(
         assert kv_bytes // tiny_engine.num_layers // 2 > MIN_BUFFER_BYTES
         with pytest.raises(grpc.RpcError) as info:
             split_generate(region.prefill_stub, region.decode_stub, ids, GREEDY, kv_bytes)
-        # the prefill's stream ends first: the decode region canceled the shipment, saying why
-        assert info.value.code() == grpc.StatusCode.CANCELLED, info.value
+        # the prefill's stream ends with the decode region's cancel, saying why; or, when its last layer was
+        # sent before the decode region read the first (the cancel then comes too late), the Decode call does
+        assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION), info.value
         assert "KV upload to the device" in info.value.details() and "does not fit" in info.value.details()
         assert pool.in_use_bytes == 0
     finally:

@@ -199,6 +199,8 @@ def test_a_regions_kv_dtype_reaches_the_snapshot_and_its_instances_agree_on_it(
             stub.Register(other, timeout=5)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "KV dtype float32; its instance i-1 serves decode" in (info.value.details() or "")
+        older = _registration("d-b", "decode", 4.0, "i-3")  # a region binary from before kv_dtype: not refused
+        assert stub.Register(older, timeout=5).region_id
         odd = _registration("x-c", "decode", 4.0)
         odd.kv_dtype = "int8"
         with pytest.raises(grpc.RpcError) as info:
