@@ -3,10 +3,11 @@
 On a GPU each layer's K and V are copied to host buffers as soon as the layer has written them: the layer's
 end is an event recorded on the compute stream, a side stream waits on that event (not on the forward) and
 copies into pinned host buffers, and records a second event; the sender waits on that one and then hands the
-host bytes to the shipment (`LayerCopier.stage`, `StagedLayer.wait`). The forward only enqueues work, so the
-next layer computes while the last one crosses PCIe. Host buffers come from a bounded pool of pinned memory
-(`HostPool`): reused across shipments, never more than `max_bytes` allocated, a request that does not fit
-waits for a release until its deadline (then `PoolExhausted`, which fails that shipment, not the region).
+host bytes to the shipment (`LayerCopier.stage`, `LayerCopier.host_bytes`). The forward only enqueues work,
+so the next layer computes while the last one crosses PCIe. Host buffers come from a bounded pool of pinned
+memory (`HostPool`): reused across shipments after a completed transfer, never more than `max_bytes`
+allocated; a layer that finds no buffer free is copied synchronously instead (the forward waits for it, the
+shipment goes on); a waiter on the pool (the decode side) gets `PoolExhausted` at its deadline.
 
 The GPU-specific calls sit behind `DeviceOps` (`CudaOps` on CUDA), so tests drive the same logic with a
 fake device. On the CPU nothing of this runs: a CPU tensor's bytes are already in host memory
