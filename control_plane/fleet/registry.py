@@ -41,6 +41,7 @@ from prfaas.control_plane.scheduling.snapshot import (
     ModelShape,
     Region,
     Role,
+    kv_dtypes_alike,
 )
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import registry_pb2
@@ -77,14 +78,12 @@ class RegionRegistry:
             raise ValueError("name is required and role must be prefill, decode or both")
         instance = request.instance or DEFAULT_INSTANCE
         for other in self.region_instances(request.name):
-            dtypes_differ = bool(other.kv_dtype and request.kv_dtype) and other.kv_dtype != request.kv_dtype
+            unlike = not kv_dtypes_alike(other.kv_dtype, request.kv_dtype)  # one that says none (older) is alike
             if (
                 other.instance != instance
                 and other.alive
-                and (
-                    (other.role, other.model_fingerprint) != (request.role, request.model_fingerprint) or dtypes_differ
-                )
-            ):  # an instance that does not say its dtype (an older region) is not refused for it
+                and ((other.role, other.model_fingerprint) != (request.role, request.model_fingerprint) or unlike)
+            ):
                 raise ValueError(
                     f"instance {instance} of region {request.name} registers role {request.role}, model "
                     f"{request.model_fingerprint[:16]} and KV dtype {request.kv_dtype or '-'}; its instance "

@@ -40,6 +40,7 @@ from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.watcher import Watcher
 from prfaas.control_plane.scheduling.decision import Decision, Mode
 from prfaas.control_plane.scheduling.errors import PlacementRejected
+from prfaas.control_plane.scheduling.snapshot import kv_dtypes_alike
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prfaas.region.channels import ChannelCache
@@ -173,8 +174,7 @@ class Dispatcher:
                 leased: InstanceRecord | None = self.s.regions.get(reship["region"]).instance(reship["instance"])
             except RegionNotFound:
                 leased = None
-            dtypes = {leased.kv_dtype, decode.kv_dtype} - {""} if leased is not None else set()
-            if leased is not None and len(dtypes) <= 1:
+            if leased is not None and kv_dtypes_alike(leased.kv_dtype, decode.kv_dtype):
                 prefill = leased
             else:  # gone with its lease, or its KV is of a dtype the decode region refuses: compute it again
                 reship = None

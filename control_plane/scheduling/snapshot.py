@@ -31,6 +31,12 @@ KVDtype = Literal["float32", "bfloat16", "float16"]
 KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def kv_dtypes_alike(a: str | None, b: str | None) -> bool:
+    """Whether KV in dtype `a` may go to a region holding `b` (a decode region refuses another dtype's);
+    None or "" (not reported) is alike to any."""
+    return not a or not b or a == b
+
+
 class Region(BaseModel):
     """One region's capacity, prices and load, as of its last heartbeat."""
 
@@ -94,7 +100,7 @@ class Region(BaseModel):
     def ships_kv_to(self, decode: Region) -> bool:
         """Whether a decode region takes this region's KV: the same dtype, when both report one (a decode
         region refuses KV of another dtype)."""
-        return self.kv_dtype is None or decode.kv_dtype is None or self.kv_dtype == decode.kv_dtype
+        return kv_dtypes_alike(self.kv_dtype, decode.kv_dtype)
 
     @property
     def gpus_per_worker(self) -> float:
