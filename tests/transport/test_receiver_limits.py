@@ -315,9 +315,10 @@ def test_a_peers_verified_connections_past_its_cap_are_closed_newest_first(kit: 
     connection is closed, the first two keep theirs."""
     limits = ReceiverLimits(max_connections=8, max_unverified=4, max_per_peer=2, handshake_timeout_s=30)
     with TcpReceiver(kit.verifier, limits=limits) as rx, contextlib.ExitStack() as stack:
-        channels = [stack.enter_context(TcpChannel(rx.address, num_streams=1)) for _ in range(3)]
-        sockets = []
-        for channel in channels:
+        channels, sockets = [], []
+        for _ in range(3):  # each connects after the last proved itself: accepted (aged) in this order
+            channel = stack.enter_context(TcpChannel(rx.address, num_streams=1))
+            channels.append(channel)
             transfer, _inbound, _, _ = ship(channel, rx, kit.spec(num_layers=1))
             assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
             sockets.append(channel.streams[0].sock)
