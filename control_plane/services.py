@@ -20,11 +20,10 @@ from prfaas.control_plane.jobs.prefix import BLIND
 from prfaas.control_plane.jobs.store import JobStore
 from prfaas.control_plane.scheduling.policy import build_scheduler, default_policy, load_policy
 from prfaas.control_plane.scheduling.scheduler import DisaggregationRule, GlobalScheduler
-from prfaas.control_plane.scheduling.snapshot import ModelShape
+from prfaas.control_plane.scheduling.snapshot import KV_DTYPE_BYTES, ModelShape
 from prfaas.control_plane.settings import Settings
 from prfaas.control_plane.tenants import TenantStore
 
-DTYPE_BYTES = 4  # the model's KV figure is in float32; a region reporting another dtype is counted in its own
 PLACEMENTS = ("auto", "local", "split")
 
 
@@ -64,7 +63,7 @@ class ServedModel:
         return ModelShape(
             name=self.name,
             num_layers=layers,
-            kv_bytes_per_token=2 * layers * kv_heads * head_dim * 4,
+            kv_bytes_per_token=2 * layers * kv_heads * head_dim * KV_DTYPE_BYTES["float32"],
             kv_dtype="float32",
         )  # fmt: skip  (regions that report another dtype are counted in theirs)
 
