@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 
 models: install
 	$(BIN)/prfaas model prepare tiny-llama smollm2-135m
+	$(BIN)/prfaas model calibrate tiny-llama smollm2-135m
 
 services:
 	bash tests/ensure-services.sh

@@ -25,6 +25,9 @@ through the codec (encode, decode), as a decode region would receive it:
 Besides the wire codecs, `kvq-K-V[-G]` names a point of the kv codecs' family: keys with codes up
 to K (127: 8 bits) per channel (a scale per G tokens; none: one), values rotated with codes up to
 V per token: what the ratio / agreement curve in docs/benchmarks.md was drawn from.
+`NAME+qw` is a kv codec with query-weighted key scales (the model's query energy,
+prfaas.engine.calibration, as a prefill region ships with), and `kvqw-K-L-V[-G]` a weighted point:
+codes up to K, the geometric mean of the key steps at amax / L.
 """
 
 from __future__ import annotations
@@ -40,14 +43,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
+from prfaas.engine.calibration import calibration_windows, load_query_energy, measure_query_energy
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.kv import KVCache, LayerKV
 from prfaas.engine.sampling import SamplingParams
 from prfaas.transport.codecs import Codec, CodecId, KVQuantizedCodec, TensorMeta, get_codec
-from prfaas.transport.kvquant import KVQuantizer
+from prfaas.transport.kvquant import KV_QUANTIZERS, KVQuantizer
 
 PROMPT_TOKENS = 256
 CONTINUATION_TOKENS = 64
@@ -158,9 +163,21 @@ ABLATIONS = {
 }
 
 
+WEIGHTED: set[str] = set()  # codecs whose keys are encoded with the model's query energy
+QUERY_ENERGY: list[np.ndarray] = []  # [num_layers, num_kv_heads, head_dim], once measured
+
+
 def codec_named(name: str) -> Codec | Ablation:
     if name == Bf16Rounding.name:
         return Bf16Rounding()
+    if name.endswith("+qw") or name.startswith("kvqw-"):
+        WEIGHTED.add(name)
+        if name.startswith("kvqw-"):  # kvqw-K-L-V[-G]
+            k_qmax, level, v_qmax, *group = (int(p) for p in name.split("-")[1:])
+            quantizer = KVQuantizer(name, k_qmax, v_qmax, group[0] if group else 0, level)
+        else:
+            quantizer = KV_QUANTIZERS[name.removesuffix("+qw")]
+        return KVQuantizedCodec(CodecId.KV8, name, quantizer)
     if name.startswith("kvq-"):  # a point of the kv codecs' family: kvq-K-V[-G]
         k_qmax, v_qmax, *group = (int(p) for p in name.split("-")[1:])
         return KVQuantizedCodec(CodecId.KV8, name, KVQuantizer(name, k_qmax, v_qmax, group[0] if group else 0))
@@ -172,12 +189,16 @@ def ratio_bf16(kv: KVCache, codec: Codec | Ablation) -> float | None:
     if isinstance(codec, (Ablation, Bf16Rounding)):
         return None
     raw = wire = 0
-    for layer in kv.layers:
+    for index, layer in enumerate(kv.layers):
         for part, t in enumerate((layer.k, layer.v)):
-            meta = TensorMeta("bfloat16", tuple(t.shape), part)
+            meta = TensorMeta("bfloat16", tuple(t.shape), part, key_weights(codec, index, part))
             raw += meta.nbytes
             wire += len(codec.encode(tensor_bytes(t.to(torch.bfloat16)), meta))
     return raw / wire
+
+
+def key_weights(codec: Codec | Ablation, layer: int, part: int) -> np.ndarray | None:
+    return QUERY_ENERGY[0][layer] if part == 0 and codec.name in WEIGHTED else None
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -195,12 +216,12 @@ def roundtrip(kv: KVCache, codec: Codec | Ablation) -> KVCache:
         )
         return KVCache(kv.model_fingerprint, kv.dtype, layers, kv.num_tokens, kv.token_ids_hash)
 
-    def through(t: torch.Tensor, part: int) -> torch.Tensor:
-        meta = TensorMeta(kv.dtype, tuple(t.shape), part)
+    def through(t: torch.Tensor, index: int, part: int) -> torch.Tensor:
+        meta = TensorMeta(kv.dtype, tuple(t.shape), part, key_weights(codec, index, part))
         decoded = codec.decode(codec.encode(tensor_bytes(t), meta), meta)
         return torch.frombuffer(bytearray(decoded), dtype=t.dtype).view(t.shape)
 
-    layers = tuple(LayerKV(k=through(layer.k, 0), v=through(layer.v, 1)) for layer in kv.layers)
+    layers = tuple(LayerKV(k=through(layer.k, i, 0), v=through(layer.v, i, 1)) for i, layer in enumerate(kv.layers))
     return KVCache(kv.model_fingerprint, kv.dtype, layers, kv.num_tokens, kv.token_ids_hash)
 
 
@@ -260,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     engine = HFEngine("smollm2-135m", dtype=args.dtype)
+    if WEIGHTED:
+        facts = engine.facts
+        stored = load_query_energy(facts.fingerprint, facts.num_layers, facts.num_kv_heads, facts.head_dim)
+        QUERY_ENERGY.append(
+            stored if stored is not None else measure_query_energy(engine.model, calibration_windows(engine.tokenizer))
+        )
+        print(f"query energy: {'stored' if stored is not None else 'measured now'}", flush=True)
     params = SamplingParams(max_new_tokens=GENERATED_TOKENS, ignore_eos=True)
     per_prompt: list[dict[str, Any]] = []
     totals: dict[str, dict[str, float]] = {

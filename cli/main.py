@@ -69,6 +69,26 @@ def model_prepare(
         console.print(f"{verb} {prepared.name} at {prepared.path} (sha256 {prepared.checksum[:16]}...)")
 
 
+@model_app.command("calibrate")
+def model_calibrate(
+    models: list[str] = typer.Argument(..., help="catalog names (prepared) or HF model folders"),
+    force: bool = typer.Option(False, help="measure again even if stored"),
+) -> None:
+    """Measure each model's query energy per key channel, which the kv codecs shape key scales by, into
+    $PRFAAS_HOME/calibration (idempotent; a prefill region loads it by the model's fingerprint)."""
+    from prfaas.engine.calibration import calibrate
+    from prfaas.engine.models import resolve_model
+
+    _quiet_transformers()
+    for model in models:
+        try:
+            path, measured = calibrate(resolve_model(model), force=force)
+        except (EngineError, RuntimeError) as exc:
+            console.print(f"[red]error:[/red] {model}: {exc}")
+            raise typer.Exit(2) from None
+        console.print(f"{'measured' if measured else 'kept'} the query energy of {model} at {path}")
+
+
 @sched_app.command(
     "explain",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from prfaas.engine.base import DecodeStep, ModelFacts, PrefillResult, check_prompt
 from prfaas.engine.blocks import block_hashes
+from prfaas.engine.calibration import load_query_energy
 from prfaas.engine.device import DeviceChoice
 from prfaas.engine.errors import (
     InvalidPrompt,
@@ -89,6 +90,8 @@ class HFEngine:
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, max_context=self._max_context,
             eos_token_ids=self.eos_token_ids,
         )  # fmt: skip
+        # the query energy the kv codecs shape key scales by (`prfaas model calibrate`); None: not calibrated
+        self.query_energy = load_query_energy(self._fingerprint, self.num_layers, self.num_kv_heads, self.head_dim)
 
     @property
     def fingerprint(self) -> str:

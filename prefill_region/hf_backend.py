@@ -128,7 +128,7 @@ class HFPrefill:
         start = work.ship_from_token  # the decode region holds the KV before it
         shape = (facts.num_kv_heads, len(work.token_ids) - start, facts.head_dim)
         spec = ship_spec(work.job_id, work.attempt, work.destination, facts.dtype, (shape,) * facts.num_layers,
-                         work.deadline - time.monotonic(), work.trace)  # fmt: skip
+                         work.deadline - time.monotonic(), work.trace, self.engine.query_energy)  # fmt: skip
         shipment = Shipment(spec)
         transfer = self.channels.get(work.destination).submit(shipment)
         job.attach(transfer.cancel)
@@ -177,7 +177,8 @@ class HFPrefill:
         try:
             kv = lease.result.kv
             shapes = tuple((layer.k.shape[0], layer.k.shape[1], layer.k.shape[2]) for layer in kv.layers)
-            spec = ship_spec(job_id, attempt, destination, kv.dtype, shapes, deadline - time.monotonic())
+            spec = ship_spec(job_id, attempt, destination, kv.dtype, shapes, deadline - time.monotonic(),
+                             key_weights=self.engine.query_energy)  # fmt: skip
             shipment = Shipment(spec)
             transfer = self.channels.get(destination).submit(shipment)
             on_cancel(transfer.cancel)

@@ -24,12 +24,13 @@ from prfaas.transport.tls import client_context
 
 def ship_spec(
     job_id: str, attempt: int, dest: Destination, dtype: str, shapes: tuple[Shape, ...], timeout_s: float,
-    trace: str = "",
+    trace: str = "", key_weights: Any = None,
 ) -> ShipmentSpec:  # fmt: skip
+    """`key_weights`: the engine's query energy [num_layers, num_kv_heads, head_dim] (None: not calibrated)."""
     if timeout_s <= 0:
         raise DeadlineExceeded("no time left for the KV transfer")
     return ShipmentSpec(job_id, attempt, dest.ticket, dtype, shapes, codec=dest.codec, timeout_s=timeout_s,
-                        traceparent=trace)  # fmt: skip
+                        traceparent=trace, key_weights=key_weights)  # fmt: skip
 
 
 def wait_transfer(transfer: Transfer, deadline: float, stop: threading.Event, *, kind: str) -> TransferStatus:

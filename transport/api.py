@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
 from prfaas.transport.codecs import DTYPE_SIZES, get_codec
 from prfaas.transport.errors import TransferCanceled, TransferTimeout, TransportError
@@ -63,6 +63,8 @@ class ShipmentSpec:
     layer_shapes: one [num_kv_heads, num_tokens, head_dim] per layer (K and V alike).
     timeout_s: deadline of the whole transfer from `submit`, derived from the job's SLO.
     traceparent: the sender's trace context (W3C), carried in OPEN to the receiver; "" for none.
+    key_weights: the model's query energy, [num_layers][num_kv_heads, head_dim]
+    (prfaas.engine.calibration), which the kv codecs shape key scales by; None: by range alone.
     """
 
     job_id: str
@@ -74,6 +76,7 @@ class ShipmentSpec:
     timeout_s: float = 30.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     traceparent: str = ""
+    key_weights: Any = field(default=None, compare=False, repr=False)  # indexable by layer
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -85,6 +88,16 @@ class ShipmentSpec:
         if not 4096 <= self.chunk_bytes <= 16 << 20:
             raise ValueError(f"chunk_bytes must be in [4 KiB, 16 MiB], got {self.chunk_bytes}")
         get_codec(self.codec)  # unknown codec -> CodecError now, not on the hot path
+        if self.key_weights is not None:
+            if len(self.key_weights) != len(self.layer_shapes):
+                raise ValueError(f"key_weights has {len(self.key_weights)} layers, the shipment has {self.num_layers}")
+            for index, (heads, _, head_dim) in enumerate(self.layer_shapes):
+                if tuple(getattr(self.key_weights[index], "shape", ())) != (heads, head_dim):
+                    raise ValueError(f"key_weights[{index}] must have shape ({heads}, {head_dim})")
+
+    def layer_key_weights(self, layer: int) -> Any:
+        """The query energy of `layer`'s keys ([num_kv_heads, head_dim]), or None."""
+        return None if self.key_weights is None else self.key_weights[layer]
 
     @property
     def num_layers(self) -> int:

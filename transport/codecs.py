@@ -44,7 +44,7 @@ import functools
 import importlib
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -82,11 +82,15 @@ class TensorMeta:
     dtype: "float32" | "float16" | "bfloat16".
     shape: [num_kv_heads, num_tokens, head_dim]; RAW and LOSSLESS accept any shape.
     part: 0 = K, 1 = V.
+    key_weights: for the encoder only, and only of keys: the model's query energy per
+    [num_kv_heads, head_dim] channel of this layer (prfaas.engine.calibration), which the kv codecs
+    shape their key scales by; None: scales by range alone. The payload decodes without it.
     """
 
     dtype: str
     shape: tuple[int, ...]
     part: int = 0
+    key_weights: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -332,7 +336,8 @@ class KVQuantizedCodec:
 
     def encode(self, data: bytes | memoryview, meta: TensorMeta) -> bytes:
         view = checked_view(self.name, data, meta)
-        aux, codes = self._quantizer().quantize(view, meta.dtype, _shape3(self.name, meta), meta.part)
+        weights = meta.key_weights if meta.part == 0 else None
+        aux, codes = self._quantizer().quantize(view, meta.dtype, _shape3(self.name, meta), meta.part, weights)
         return _pack(self.codec_id, meta, aux, _compress(codes, 1))
 
     def decode(self, payload: bytes | memoryview, meta: TensorMeta) -> bytes:

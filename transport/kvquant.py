@@ -15,6 +15,15 @@ finding, and ours: docs/benchmarks.md):
   rotates back (the matrix is its own inverse). Attention weighs values by token, so their
   error averages out across tokens; a per-token scale fits them.
 
+Query-weighted key scales (encoder only; the payload and its decoder are the same): given the
+model's query energy per key channel (`weights`, [num_kv_heads, head_dim]: E[q_c^2] of the queries
+that read this layer's keys, from `prfaas.engine.calibration`), a key channel's step is set by how
+much its error moves attention logits (q . dk), not by its own range: step_c = the head's geometric
+mean of amax / k_level, times (w_c / geometric mean of w) ^ -1/2, never finer than amax_c / k_qmax (so
+codes stay in range). Channels the queries barely read get coarse steps; the ones they weigh get
+fine steps, past k_level's. On SmolLM2 this halves the KL of 4-bit keys at the same bytes
+(docs/benchmarks.md, "Query-weighted key scales").
+
 Scales are bfloat16 (the encoder quantizes with the rounded scale, so the decoder's is the
 same); codes are one byte each (code + qmax), so the lossless stage's entropy coder (zstd)
 spends on them what their distribution needs (~7.4 bits per key code at qmax 127). Error
@@ -54,12 +63,20 @@ def _rotates(head_dim: int) -> bool:
 @dataclass(frozen=True)
 class KVQuantizer:
     """`k_qmax`, `v_qmax`: the largest code of keys and values (127: 8-bit codes, 63: 7-bit, 7: 4-bit);
-    `k_group`: tokens per key scale (0: one scale per channel over all tokens)."""
+    `k_group`: tokens per key scale (0: one scale per channel over all tokens); `k_level`: the code
+    that a channel's amax maps to (0: k_qmax), and with query weights the head's geometric mean of
+    it; a `k_level` below `k_qmax` leaves the weighted channels room for finer steps."""
 
     name: str
     k_qmax: int
     v_qmax: int
     k_group: int = 0
+    k_level: int = 0
+    weighted: bool = True  # shapes key scales by query weights when given (False: ignores them)
+
+    @property
+    def level(self) -> int:
+        return self.k_level or self.k_qmax
 
     def _groups(self, num_tokens: int) -> int:
         return 1 if not self.k_group else max(1, -(-num_tokens // self.k_group))
@@ -71,25 +88,33 @@ class KVQuantizer:
             return heads * head_dim * 4 + heads * self._groups(tokens) * head_dim * 2
         return heads * tokens * 2
 
-    def quantize(self, data: memoryview, dtype: str, shape: Shape, part: int) -> tuple[bytes, bytes]:
-        """(side data, one code byte per element)."""
+    def quantize(
+        self, data: memoryview, dtype: str, shape: Shape, part: int, weights: np.ndarray | None = None
+    ) -> tuple[bytes, bytes]:
+        """(side data, one code byte per element). `weights`: the keys' query energy per
+        [head, channel] (ignored for values), or None for scales by range alone."""
         if 0 in shape:
             return bytes(self.aux_bytes(shape, part)), b""
         x = _to_float32(data, dtype, shape)
         if not bool(torch.isfinite(x).all()):
             raise CodecError(f"{self.name} cannot encode a tensor holding NaN or infinity; use a lossless codec")
         if part == KEYS:
-            return self._keys(x)
+            checked = _checked_weights(weights, shape, self.name) if weights is not None and self.weighted else None
+            return self._keys(x, checked)
         return self._values(x)
 
-    def _keys(self, x: torch.Tensor) -> tuple[bytes, bytes]:
+    def _keys(self, x: torch.Tensor, weights: torch.Tensor | None) -> tuple[bytes, bytes]:
         heads, tokens, head_dim = x.shape
         mean = x.mean(dim=1, keepdim=True)
         y = x - mean
         groups = self._groups(tokens)
         size = tokens if not self.k_group else self.k_group
         padded = torch.nn.functional.pad(y, (0, 0, 0, groups * size - tokens)).view(heads, groups, size, head_dim)
-        scale = _scale(padded.abs().amax(dim=2, keepdim=True), self.k_qmax)  # [heads, groups, 1, head_dim]
+        amax = padded.abs().amax(dim=2, keepdim=True)  # [heads, groups, 1, head_dim]
+        if weights is None:
+            scale = _scale(amax, self.level)
+        else:
+            scale = _weighted_scale(amax, weights.view(heads, 1, 1, head_dim), self.level, self.k_qmax)
         codes = _codes(padded / scale, self.k_qmax).view(heads, groups * size, head_dim)[:, :tokens]
         return mean.numpy().tobytes() + _tensor_bytes(scale.to(torch.bfloat16)), _tensor_bytes(codes)
 
@@ -126,6 +151,31 @@ def _scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
     return torch.where(scale > 0, scale, 1.0)
 
 
+def _weighted_scale(amax: torch.Tensor, weights: torch.Tensor, level: int, qmax: int) -> torch.Tensor:
+    """Steps [heads, groups, 1, head_dim] ∝ weights^-1/2 around the geometric mean of amax / level over each
+    (head, group)'s non-zero channels, none finer than amax / qmax; bfloat16-rounded, 1 where amax is 0."""
+    nonzero = amax > 0
+    log_amax = amax.clamp_min(torch.finfo(torch.float32).tiny).log()
+    count = nonzero.sum(dim=3, keepdim=True).clamp_min(1)
+    log_level = (log_amax * nonzero).sum(dim=3, keepdim=True) / count - math.log(level)
+    log_w = weights.log()
+    shape = -0.5 * (log_w - log_w.mean(dim=3, keepdim=True))
+    step = torch.maximum((log_level + shape).exp(), amax / qmax)
+    step = step.to(torch.bfloat16).float()
+    return torch.where(nonzero & (step > 0) & torch.isfinite(step), step, 1.0)
+
+
+def _checked_weights(weights: np.ndarray, shape: Shape, name: str) -> torch.Tensor:
+    """`weights` as a float32 [heads, head_dim] tensor floored at 1e-6 of its max; CodecError unless finite, >= 0,
+    not all zero and of that shape."""
+    w = torch.as_tensor(np.asarray(weights, dtype=np.float32))
+    if tuple(w.shape) != (shape[0], shape[2]):
+        raise CodecError(f"{name}: key weights of shape {tuple(w.shape)} for keys of shape {shape}")
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or not bool((w > 0).any()):
+        raise CodecError(f"{name}: key weights must be finite, non-negative and not all zero")
+    return w.clamp_min(float(w.max()) * 1e-6)
+
+
 def _codes(y: torch.Tensor, qmax: int) -> torch.Tensor:
     """Offset codes: round(y) in [-qmax, qmax], + qmax, as bytes (a bf16-rounded scale may fall short)."""
     return y.round_().clamp_(-qmax, qmax).add_(qmax).to(torch.uint8)
@@ -143,7 +193,8 @@ KV_QUANTIZERS = {
     q.name: q
     for q in (
         KVQuantizer("kv8", k_qmax=127, v_qmax=63),  # 8-bit keys, 7-bit rotated values
-        KVQuantizer("kv6", k_qmax=63, v_qmax=31),  # 7-bit keys, 6-bit rotated values
-        KVQuantizer("kv4", k_qmax=7, v_qmax=7, k_group=64),  # 4-bit keys (a scale per 64 tokens), 4-bit values
+        # not weighted until measured so: their codes' range leaves weighted channels no finer steps
+        KVQuantizer("kv6", k_qmax=63, v_qmax=31, weighted=False),  # 7-bit keys, 6-bit rotated values
+        KVQuantizer("kv4", k_qmax=7, v_qmax=7, k_group=64, weighted=False),  # 4-bit keys (a scale per 64 tokens)
     )
 }

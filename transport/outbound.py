@@ -145,7 +145,8 @@ class OutboundTransfer:
         chunks: list[Chunk] = []
         try:
             for part, data in enumerate((k, v)):
-                meta = TensorMeta(self.spec.dtype, self.spec.layer_shapes[index], part)
+                weights = self.spec.layer_key_weights(index) if part == 0 else None
+                meta = TensorMeta(self.spec.dtype, self.spec.layer_shapes[index], part, weights)
                 if self._codec.codec_id is CodecId.RAW:  # no copy: chunks are views of the producer's buffer
                     payload = checked_view(self._codec.name, data, meta)
                 else:

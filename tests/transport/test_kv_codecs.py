@@ -18,7 +18,7 @@ from prfaas.engine.sampling import SamplingParams
 from prfaas.transport.codecs import CodecId, TensorMeta, get_codec
 from prfaas.transport.errors import CodecError, FrameError
 from prfaas.transport.inbound import OpenInfo
-from prfaas.transport.kvquant import KV_QUANTIZERS, hadamard
+from prfaas.transport.kvquant import KV_QUANTIZERS, KVQuantizer, hadamard
 
 KV_CODECS = tuple(KV_QUANTIZERS)
 dtypes = st.sampled_from(sorted(TORCH))
@@ -122,3 +122,105 @@ def test_an_old_peer_refuses_a_shipment_in_a_codec_id_it_does_not_know() -> None
               "chunk_bytes": 4096}  # fmt: skip
     with pytest.raises(FrameError, match="codec"):
         OpenInfo.from_json(opened)
+
+
+# -- query-weighted key scales (encoder only: the same payload layout, the same decoder) ----------------
+
+
+def key_steps(payload: bytes, shape: tuple[int, int, int], groups: int) -> torch.Tensor:
+    """The bf16 key scales [heads, groups, 1, head_dim] a payload carries (docs/wire-format.md: a
+    24-byte header, float32 means per (head, channel), then the scales)."""
+    heads, _, head_dim = shape
+    start = 24 + heads * head_dim * 4
+    raw = torch.frombuffer(bytearray(payload[start : start + heads * groups * head_dim * 2]), dtype=torch.bfloat16)
+    return raw.float().view(heads, groups, 1, head_dim)
+
+
+def weighted_round_trip(name: str, x: torch.Tensor, dtype: str, weights: object) -> tuple[torch.Tensor, bytes]:
+    codec = get_codec(name)
+    payload = codec.encode(tensor_bytes(x), TensorMeta(dtype, tuple(x.shape), 0, weights))
+    decoded = codec.decode(payload, TensorMeta(dtype, tuple(x.shape), 0))  # the decoder needs no weights
+    return from_bytes(decoded, TensorMeta(dtype, tuple(x.shape), 0)), payload
+
+
+@pytest.mark.parametrize("name", KV_CODECS)
+@settings(max_examples=30, deadline=None)
+@given(dtype=dtypes, shape=shapes, seed=st.integers(0, 2**32 - 1))
+def test_weighted_keys_come_back_within_half_of_their_own_step_never_finer_than_the_range(
+    name: str, dtype: str, shape: tuple[int, int, int], seed: int
+) -> None:
+    x = kv_like(shape, dtype, seed, decades=2)
+    g = torch.Generator().manual_seed(seed + 1)
+    weights = (10 ** torch.empty(shape[0], shape[2]).uniform_(-3, 3, generator=g)).numpy()
+    y, payload = weighted_round_trip(name, x, dtype, weights)
+    if not x.numel():
+        return
+    q = KV_QUANTIZERS[name]
+    tokens = x.shape[1]
+    size = q.k_group or max(1, tokens)
+    groups = -(-tokens // size)
+    steps = key_steps(payload, tuple(x.shape), groups)  # what the encoder chose
+    x64, y64 = x.double(), y.double()
+    centred = x64 - x64.mean(dim=1, keepdim=True)
+    step = torch.cat([steps[:, i].expand(-1, min(size, tokens - i * size), -1) for i in range(groups)], dim=1)
+    amax = torch.cat([centred[:, i : i + size].abs().amax(dim=1, keepdim=True).expand_as(centred[:, i : i + size])
+                      for i in range(0, tokens, size)], dim=1)  # fmt: skip
+    # codes never clip: no step below the group's range / qmax (but bf16's rounding of it)
+    assert bool((step.double() >= amax / q.k_qmax * (1 - 2.0**-8) - 1e-30).all())
+    bound = step.double() * 0.5 + amax * 2.0**-8 + ROUNDING[dtype] * y64.abs() + 1e-6 * (x64.abs() + amax) + 2e-24
+    assert bool(((y64 - x64).abs() <= bound * 1.01).all())
+
+
+def test_weights_move_the_keys_error_to_the_channels_the_queries_do_not_read() -> None:
+    """A level below the code range leaves weighted channels room for finer steps: at about the same
+    bytes, the error that queries see (sum of w * err^2) falls several-fold."""
+    from prfaas.transport.codecs import KVQuantizedCodec
+
+    shape = (2, 512, 64)
+    x = kv_like(shape, "float32", seed=11, decades=1)
+    weights = torch.ones(2, 64)
+    weights[:, ::8] = 1000.0  # queries read one channel in eight
+    codec = KVQuantizedCodec(CodecId.KV8, "kvqw-test", KVQuantizer("kvqw-test", 127, 63, 0, 31))
+    plain = codec.encode(tensor_bytes(x), TensorMeta("float32", shape, 0))
+    weighted = codec.encode(tensor_bytes(x), TensorMeta("float32", shape, 0, weights.numpy()))
+    meta = TensorMeta("float32", shape, 0)
+
+    def seen_error(payload: bytes) -> float:
+        y = from_bytes(codec.decode(payload, meta), meta)
+        return float(((y - x).pow(2) * weights.view(2, 1, 64)).sum())
+
+    assert seen_error(weighted) < seen_error(plain) / 4
+    assert len(weighted) < len(plain) * 1.15
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),  # kv8 takes weights; kv6 and kv4 ignore them (test above)
+    [
+        (torch.ones(3, 8), "shape"),
+        (torch.full((2, 8), float("nan")), "finite"),
+        (-torch.ones(2, 8), "non-negative"),
+        (torch.zeros(2, 8), "not all zero"),
+    ],
+)
+def test_bad_key_weights_are_refused(weights: torch.Tensor, match: str) -> None:
+    x = kv_like((2, 16, 8), "float32", seed=3)
+    with pytest.raises(CodecError, match=match):
+        get_codec("kv8").encode(tensor_bytes(x), TensorMeta("float32", (2, 16, 8), 0, weights.numpy()))
+
+
+def test_values_ignore_key_weights() -> None:
+    x = kv_like((2, 16, 8), "float32", seed=4)
+    codec = get_codec("kv8")
+    plain = codec.encode(tensor_bytes(x), TensorMeta("float32", (2, 16, 8), 1))
+    assert codec.encode(tensor_bytes(x), TensorMeta("float32", (2, 16, 8), 1, torch.ones(7).numpy())) == plain
+
+
+def test_a_shipment_checks_its_key_weights_against_its_layers() -> None:
+    from prfaas.transport.api import ShipmentSpec
+
+    shapes = ((2, 10, 8), (2, 10, 8))
+    ShipmentSpec("j", 1, "t", "float32", shapes, codec="kv8", key_weights=torch.ones(2, 2, 8).numpy())
+    with pytest.raises(ValueError, match="layers"):
+        ShipmentSpec("j", 1, "t", "float32", shapes, codec="kv8", key_weights=torch.ones(1, 2, 8).numpy())
+    with pytest.raises(ValueError, match=r"key_weights\[0\]"):
+        ShipmentSpec("j", 1, "t", "float32", shapes, codec="kv8", key_weights=torch.ones(2, 3, 8).numpy())

@@ -1,0 +1,137 @@
+"""A model's query energy per key channel: what the kv codecs' query-weighted key scales need.
+
+A key channel's quantization error moves attention logits by q . dk / sqrt(head_dim): a channel
+the queries barely read can take a coarse step, one they weigh needs a fine one. The energy
+E[q_c^2] of every (layer, kv head, channel), over the post-RoPE queries that read it (the query
+heads of its group, averaged), measured once per model on a fixed calibration text: 10 windows of
+512 tokens of standard-library sources not among the codec bench's prompts (bench/codec_quality.py).
+
+Stored as `$PRFAAS_HOME/calibration/<model fingerprint>.npz` (`query_energy`: float32
+[num_layers, num_kv_heads, head_dim]); `prfaas model calibrate` writes it, `make models` runs that,
+and an engine loads it by its model's fingerprint (`load_query_energy`; None when absent: the
+codecs then scale keys by their range alone). Only the prefill side uses it: the payload it shapes
+decodes without it.
+
+Measuring switches the model to a recording copy of SDPA attention for one forward pass: run it
+on a model that serves nothing else (the CLI loads its own).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from prfaas.engine.models import model_fingerprint, prfaas_home
+
+CALIBRATION_MODULES = ("ast", "pickle", "threading", "tokenize", "random")  # two windows each
+WINDOW_TOKENS = 512
+_RECORDER = "prfaas_query_energy"
+
+
+def calibration_windows(tokenizer: Any) -> list[list[int]]:
+    """Token windows of the calibration text: WINDOW_TOKENS each, at a quarter and a half of each module."""
+    windows = []
+    for name in CALIBRATION_MODULES:
+        ids = tokenizer.encode(inspect.getsource(importlib.import_module(name)), add_special_tokens=False)
+        for start in (len(ids) // 4, len(ids) // 2):
+            windows.append(ids[start : start + WINDOW_TOKENS])
+    return windows
+
+
+@torch.inference_mode()
+def measure_query_energy(model: Any, windows: list[list[int]]) -> np.ndarray:
+    """E[q_c^2] [num_layers, num_kv_heads, head_dim] of `model`'s post-RoPE queries over `windows`,
+    averaged over each kv head's query heads."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = model.config
+    layers = int(config.num_hidden_layers)
+    sums: dict[int, torch.Tensor] = {}
+    count = [0]
+
+    def recording(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        energy = query.float().pow(2).sum(dim=(0, 2))  # [query heads, head_dim]
+        index = int(module.layer_idx)
+        sums[index] = sums[index] + energy if index in sums else energy
+        if index == 0:
+            count[0] += query.shape[0] * query.shape[2]
+        return sdpa_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register(_RECORDER, recording)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_RECORDER, sdpa_mask)
+    previous = config._attn_implementation
+    model.set_attn_implementation(_RECORDER)
+    try:
+        device = next(model.parameters()).device
+        for window in windows:
+            model(input_ids=torch.tensor([window], device=device), use_cache=False, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+    if len(sums) != layers or not count[0]:
+        raise RuntimeError(f"recorded queries of {len(sums)} of {layers} layers: not a decoder using SDPA?")
+    kv_heads = int(config.num_key_value_heads)
+    per_layer = [(sums[i] / count[0]).view(kv_heads, -1, sums[i].shape[-1]).mean(dim=1) for i in range(layers)]
+    return torch.stack(per_layer).cpu().numpy().astype(np.float32)
+
+
+def calibration_path(fingerprint: str) -> Path:
+    return prfaas_home() / "calibration" / f"{fingerprint}.npz"
+
+
+def save_query_energy(fingerprint: str, energy: np.ndarray) -> Path:
+    """Write atomically (a temporary file renamed into place); the path written."""
+    path = calibration_path(fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(prefix=".calibration-", suffix=".npz", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, query_energy=energy, fingerprint=np.array(fingerprint))
+        os.replace(scratch, path)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_query_energy(fingerprint: str, num_layers: int, num_kv_heads: int, head_dim: int) -> np.ndarray | None:
+    """The stored query energy of the model `fingerprint`, or None when there is none, or one that is not
+    a finite, non-negative array of [num_layers, num_kv_heads, head_dim] for that fingerprint."""
+    path = calibration_path(fingerprint)
+    try:
+        with np.load(path) as stored:
+            energy = np.asarray(stored["query_energy"], dtype=np.float32)
+            owner = str(stored["fingerprint"])
+    except (OSError, KeyError, ValueError):
+        return None
+    if owner != fingerprint or energy.shape != (num_layers, num_kv_heads, head_dim):
+        return None
+    if not np.isfinite(energy).all() or (energy < 0).any() or not bool((energy > 0).any(axis=(1, 2)).all()):
+        return None
+    return energy
+
+
+def calibrate(folder: Path, *, force: bool = False) -> tuple[Path, bool]:
+    """Measure and store the query energy of the model in `folder` unless stored already;
+    (path, measured now)."""
+    fingerprint = model_fingerprint(folder)
+    path = calibration_path(fingerprint)
+    if path.exists() and not force:
+        return path, False
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    energy = measure_query_energy(model, calibration_windows(tokenizer))
+    if not math.isfinite(float(energy.sum())):
+        raise RuntimeError(f"query energy of {folder} is not finite")
+    return save_query_energy(fingerprint, energy), True
