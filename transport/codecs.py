@@ -84,7 +84,8 @@ class TensorMeta:
     part: 0 = K, 1 = V.
     key_weights: for the encoder only, and only of keys: the model's query energy per
     [num_kv_heads, head_dim] channel of this layer (prfaas.engine.calibration), which the kv codecs
-    shape their key scales by; None: scales by range alone. The payload decodes without it.
+    shape their key scales by (those that opt in: kvquant.KVQuantizer.weighted); None: scales by range
+    alone. The payload decodes without it.
     """
 
     dtype: str

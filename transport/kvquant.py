@@ -21,8 +21,9 @@ that read this layer's keys, from `prfaas.engine.calibration`), a key channel's 
 much its error moves attention logits (q . dk), not by its own range: step_c = the head's geometric
 mean of amax / k_level, times (w_c / geometric mean of w) ^ -1/2, never finer than amax_c / k_qmax (so
 codes stay in range). Channels the queries barely read get coarse steps; the ones they weigh get
-fine steps, past k_level's. On SmolLM2 this halves the KL of 4-bit keys at the same bytes
-(docs/benchmarks.md, "Query-weighted key scales").
+fine steps, past k_level's. On SmolLM2 this cuts the KL of 4-bit KV by 45% and of 6-bit KV by 37% at
+the same bytes (docs/benchmarks.md, "Query-weighted key scales"); the wire codecs do not use it yet
+(`weighted`, KV_QUANTIZERS).
 
 Scales are bfloat16 (the encoder quantizes with the rounded scale, so the decoder's is the
 same); codes are one byte each (code + qmax), so the lossless stage's entropy coder (zstd)
@@ -192,8 +193,11 @@ def _read_scales(aux: memoryview, shape: tuple[int, ...], name: str) -> torch.Te
 KV_QUANTIZERS = {
     q.name: q
     for q in (
-        KVQuantizer("kv8", k_qmax=127, v_qmax=63),  # 8-bit keys, 7-bit rotated values
-        # not weighted until measured so: their codes' range leaves weighted channels no finer steps
+        # The wire codecs ignore query weights: on kv8 they only move along its curve (2.23x and 9.1e-5 KL
+        # against 2.19x and 8.6e-5, docs/benchmarks.md), and kv6's and kv4's code ranges leave weighted
+        # channels no finer steps; the weighted points that win (kvqw-127-45-31, kvqw-127-5-7-64) need
+        # key codes up to 127: new codec ids, not yet on the wire.
+        KVQuantizer("kv8", k_qmax=127, v_qmax=63, weighted=False),  # 8-bit keys, 7-bit rotated values
         KVQuantizer("kv6", k_qmax=63, v_qmax=31, weighted=False),  # 7-bit keys, 6-bit rotated values
         KVQuantizer("kv4", k_qmax=7, v_qmax=7, k_group=64, weighted=False),  # 4-bit keys (a scale per 64 tokens)
     )
