@@ -25,9 +25,9 @@ through the codec (encode, decode), as a decode region would receive it:
 Besides the wire codecs, `kvq-K-V[-G]` names a point of the kv codecs' family: keys with codes up
 to K (127: 8 bits) per channel (a scale per G tokens; none: one), values rotated with codes up to
 V per token: what the ratio / agreement curve in docs/benchmarks.md was drawn from.
-`NAME+qw` is a kv codec with query-weighted key scales (the model's query energy,
-prfaas.engine.calibration, as a prefill region ships with), and `kvqw-K-L-V[-G]` a weighted point:
-codes up to K, the geometric mean of the key steps at amax / L.
+The wire codecs kvw6 and kvw4 get the model's query energy (prfaas.engine.calibration) as a
+calibrated prefill region ships them. `NAME+qw` is a kv codec with query-weighted key scales, and
+`kvqw-K-L-V[-G]` a weighted point: codes up to K, the geometric mean of the key steps at amax / L.
 """
 
 from __future__ import annotations
@@ -181,6 +181,8 @@ def codec_named(name: str) -> Codec | Ablation:
     if name.startswith("kvq-"):  # a point of the kv codecs' family: kvq-K-V[-G]
         k_qmax, v_qmax, *group = (int(p) for p in name.split("-")[1:])
         return KVQuantizedCodec(CodecId.KV8, name, KVQuantizer(name, k_qmax, v_qmax, group[0] if group else 0))
+    if name in KV_QUANTIZERS and KV_QUANTIZERS[name].weighted:  # kvw6, kvw4: as a calibrated region ships them
+        WEIGHTED.add(name)
     return ABLATIONS[name] if name in ABLATIONS else get_codec(name)
 
 

@@ -1,13 +1,16 @@
 """Compression ratio and speed of KV codecs on real SmolLM2 KV, side by side in one run.
 
-    .venv/bin/python -m prfaas.bench.codec_ratio [--tokens 2048] [--repeat 5] [--json PATH]
+    .venv/bin/python -m prfaas.bench.codec_ratio [--tokens 2048] [--repeat 5] [--only NAME,...] [--json PATH]
 
 Prefills SmolLM2-135M on the source of argparse in bfloat16 and float32, then runs every
 layer's K and V ([kv_heads, tokens, head_dim], one tensor a call, as the sender does)
 through each candidate lossless stage and the transport's codecs (whose sizes include
 their header and scales). Speeds are MB of raw KV per second on one core (torch and
 blosc2 limited to one thread), best of `--repeat` rounds; then the lossless codec's
-aggregate encode speed with one and two concurrent sender threads. zipnn is measured
+aggregate encode speed with one and two concurrent sender threads. Keys carry the model's query
+energy (`prfaas model calibrate`), as a calibrated prefill region ships them: kvw6 and kvw4
+shape their key steps by it (the bench says so when the model is not calibrated). `--only`
+keeps the candidates whose name contains one of the given strings. zipnn is measured
 where it is installed (it is not a dependency). A lossless candidate that does not
 roundtrip bit for bit, or that writes into its input, is flagged.
 """
@@ -56,9 +59,15 @@ def real_kv(dtype: str, num_tokens: int) -> list[tuple[bytes, TensorMeta]]:
     engine = HFEngine("smollm2-135m", dtype=dtype)
     ids = engine.encode(inspect.getsource(argparse))[:num_tokens]
     kv = engine.prefill(ids, SamplingParams(max_new_tokens=1)).kv
+    energy = engine.query_energy
+    if energy is None:
+        print("smollm2-135m is not calibrated (prfaas model calibrate): kvw6 and kvw4 keys by range alone")
     return [
-        (t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), TensorMeta(dtype, tuple(t.shape), part))
-        for layer in kv.layers
+        (
+            t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+            TensorMeta(dtype, tuple(t.shape), part, energy[index] if energy is not None and part == 0 else None),
+        )
+        for index, layer in enumerate(kv.layers)
         for part, t in enumerate((layer.k, layer.v))
     ]
 
@@ -163,11 +172,13 @@ def run_round(timing: Timing, tensors: list[tuple[bytes, TensorMeta]]) -> None:
     timing.mutated |= any(copy != data for copy, (data, _) in zip(inputs, tensors, strict=True))
 
 
-def measure(dtype: str, tensors: list[tuple[bytes, TensorMeta]], repeat: int) -> list[Row]:
+def measure(dtype: str, tensors: list[tuple[bytes, TensorMeta]], repeat: int, only: list[str]) -> list[Row]:
     """One row per candidate. Rounds go over all candidates in turn, so a burst of load from
     elsewhere on the machine slows one round of every candidate rather than all of one."""
     timings: dict[str, Timing] = {}
     for name, make in candidates():
+        if only and not any(part in name for part in only):
+            continue
         try:
             timings[name] = Timing(make())
         except Exception as exc:  # a candidate library that is not installed
@@ -233,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens to prefill (default 2048)")
     parser.add_argument("--repeat", type=int, default=5, help="timing rounds, best kept (default 5)")
+    parser.add_argument("--only", default="", help="comma-separated: candidates whose name contains one")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    only = [part for part in args.only.split(",") if part]
     torch.set_num_threads(1)
 
     rows: list[Row] = []
@@ -243,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         tensors = real_kv(dtype, args.tokens)
         meta = tensors[0][1]
         print(f"\n{dtype}: {len(tensors)} tensors of shape {list(meta.shape)}, {meta.nbytes} bytes each", flush=True)
-        for row in measure(dtype, tensors, args.repeat):
+        for row in measure(dtype, tensors, args.repeat, only):
             rows.append(row)
             print(
                 f"  {row.name:28s} ratio {row.ratio:5.3f}  encode {row.encode_mb_s:6.0f} MB/s  "

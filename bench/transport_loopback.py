@@ -55,7 +55,8 @@ def load_parts(kv_path: Path | None) -> tuple[list[tuple[bytes, bytes]], tuple[i
 
     if kv_path is not None and kv_path.exists():
         arrays = np.load(kv_path)
-        parts = [(arrays[f"{i}_0"].tobytes(), arrays[f"{i}_1"].tobytes()) for i in range(len(arrays.files) // 2)]
+        num_layers = sum(1 for name in arrays.files if name.endswith("_0"))  # besides them: query_energy
+        parts = [(arrays[f"{i}_0"].tobytes(), arrays[f"{i}_1"].tobytes()) for i in range(num_layers)]
         return parts, tuple(int(d) for d in arrays["0_0"].shape)
     rng = np.random.default_rng(1)
     n = int(np.prod(SYNTH_SHAPE)) * 2

@@ -37,7 +37,8 @@ BIG_BUF = 64 << 20
 
 
 def real_kv(path: Path) -> None:
-    """Write SmolLM2 bf16 KV of 2048 real tokens: one .npy per layer part."""
+    """Write SmolLM2 bf16 KV of 2048 real tokens: one .npy per layer part, and the model's query energy
+    (what a calibrated prefill region ships keys with: kvw6 and kvw4 shape key steps by it)."""
     import argparse as text_source
     import inspect
 
@@ -51,6 +52,9 @@ def real_kv(path: Path) -> None:
     kv = engine.prefill(engine.encode(inspect.getsource(text_source))[:2048], SamplingParams(max_new_tokens=1)).kv
     arrays = {f"{i}_{p}": t.contiguous().view(torch.int16).numpy() for i, layer in enumerate(kv.layers)
               for p, t in enumerate((layer.k, layer.v))}  # fmt: skip
+    if engine.query_energy is None:
+        raise SystemExit("smollm2-135m is not calibrated: run `prfaas model calibrate smollm2-135m` (make models)")
+    arrays["query_energy"] = engine.query_energy
     np.savez(path, **arrays)  # type: ignore[arg-type]
 
 
@@ -71,7 +75,8 @@ def role_sender(host: str, kv_path: str) -> None:
     from prfaas.transport.tcp_sender import TcpChannel
 
     arrays = np.load(kv_path)
-    num_real = len(arrays.files) // 2
+    num_real = sum(1 for name in arrays.files if name.endswith("_0"))
+    energy = arrays["query_energy"]
     parts = [(arrays[f"{i}_0"].tobytes(), arrays[f"{i}_1"].tobytes()) for i in range(num_real)]
     shape = tuple(int(d) for d in arrays["0_0"].shape)
     channels: dict[bool, TcpChannel] = {}  # by tls
@@ -90,8 +95,9 @@ def role_sender(host: str, kv_path: str) -> None:
             reply({"ok": True})
         elif cmd["op"] == "ship":
             channel = channels[bool(cmd.get("tls"))]
+            weights = [energy[i % num_real] for i in range(cmd["layers"])]
             spec = ShipmentSpec(cmd["job"], 1, cmd["ticket"], "bfloat16", (shape,) * cmd["layers"], cmd["codec"],
-                                cmd["timeout_s"])  # fmt: skip
+                                cmd["timeout_s"], key_weights=weights)  # fmt: skip
             cpu0, start = time.process_time(), time.perf_counter()
             shipment = Shipment(spec)
             transfer = channel.submit(shipment)
@@ -286,7 +292,9 @@ def main() -> None:
     else:
         profiles = args.profile or ["continental", "intercontinental"]
     kv_path = Path(os.environ.get("PRFAAS_HOME", Path.home() / ".cache" / "prfaas")) / "bench" / "smollm2-kv-2048.npz"
-    if not kv_path.exists():
+    import numpy as np
+
+    if not kv_path.exists() or "query_energy" not in np.load(kv_path).files:  # written before kvw6 and kvw4
         kv_path.parent.mkdir(parents=True, exist_ok=True)
         real_kv(kv_path)
     rows: list[dict[str, Any]] = []

@@ -57,7 +57,7 @@ class RegionSpec(_Strict):
     usd_per_gpu_hour: float = Field(ge=0, allow_inf_nan=False)
     workers: int = Field(default=1, ge=1, le=256)
     instances: int = Field(default=1, ge=1, le=8, description="instances of the region (processes; hosts with --hosts)")
-    codec: Literal["raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4"] = "raw"
+    codec: Literal["raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4", "kvw6", "kvw4"] = "raw"
     kv_buffer_bytes: int | str = Field(default="1GiB", description="decode KV buffer: bytes or '1GiB'")
     extra: dict[str, Any] = Field(default_factory=dict, description="more region config fields (docs/regions.md)")
 

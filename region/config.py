@@ -149,7 +149,7 @@ class RegionConfig(BaseSettings):
     dev: bool = False  # allows placeholder secrets
     queue_depth: int = Field(default=8, ge=0, le=10_000)  # prefill jobs waiting beyond `workers`
     # the codec when a request names none (docs/wire-format.md, "Codec ids")
-    codec: Literal["raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4"] = "lossless"
+    codec: Literal["raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4", "kvw6", "kvw4"] = "lossless"
     kv_lease_s: float = Field(default=30.0, gt=0)  # finished KV kept for Reship
     kv_lease_bytes: int = Field(default=2 << 30, ge=0)  # most leased KV bytes; oldest leases go first
     # The HF engine's prefix cache (engine/prefix_cache.py), both roles: prompt blocks kept for

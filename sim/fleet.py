@@ -21,6 +21,8 @@ CODEC_RATIOS: dict[str, float] = {
     "kv8": 2.25,
     "kv6": 2.63,
     "kv4": 4.22,
+    "kvw6": 2.67,
+    "kvw4": 4.17,
 }
 # Goodput / line rate of the adaptive multi-stream transport on clean or BBR paths: 0.88-0.95.
 WIRE_EFFICIENCY = 0.90

@@ -67,6 +67,8 @@ class CodecId(IntEnum):
     KV8 = 4
     KV6 = 5
     KV4 = 6
+    KVW6 = 7
+    KVW4 = 8
 
 
 # name -> (dtype code on the wire, bytes per element)
@@ -358,6 +360,8 @@ _CODECS: tuple[Codec, ...] = (
     KVQuantizedCodec(CodecId.KV8, "kv8"),
     KVQuantizedCodec(CodecId.KV6, "kv6"),
     KVQuantizedCodec(CodecId.KV4, "kv4"),
+    KVQuantizedCodec(CodecId.KVW6, "kvw6"),
+    KVQuantizedCodec(CodecId.KVW4, "kvw4"),
 )
 _BY_NAME: dict[str, Codec] = {codec.name: codec for codec in _CODECS}
 _BY_ID: dict[int, Codec] = {int(codec.codec_id): codec for codec in _CODECS}

@@ -1,5 +1,5 @@
-"""Key- and value-aware quantization of one KV tensor: the lossy half of the kv8, kv6 and kv4
-codecs (transport/codecs.py), measured on SmolLM2 in docs/benchmarks.md ("KV codecs").
+"""Key- and value-aware quantization of one KV tensor: the lossy half of the kv8, kv6, kv4, kvw6 and
+kvw4 codecs (transport/codecs.py), measured on SmolLM2 in docs/benchmarks.md ("KV codecs").
 
 A tensor is [num_kv_heads, num_tokens, head_dim], float32, float16 or bfloat16, and is either a
 layer's keys or its values (`TensorMeta.part`); the two are quantized differently (KIVI's
@@ -22,8 +22,10 @@ much its error moves attention logits (q . dk), not by its own range: step_c = t
 mean of amax / k_level, times (w_c / geometric mean of w) ^ -1/2, never finer than amax_c / k_qmax (so
 codes stay in range). Channels the queries barely read get coarse steps; the ones they weigh get
 fine steps, past k_level's. On SmolLM2 this cuts the KL of 4-bit KV by 45% and of 6-bit KV by 37% at
-the same bytes (docs/benchmarks.md, "Query-weighted key scales"); the wire codecs do not use it yet
-(`weighted`, KV_QUANTIZERS).
+the same bytes (docs/benchmarks.md, "Query-weighted key scales"): kvw6 and kvw4 use it; kv8, kv6 and
+kv4 ignore the weights (`weighted`). Without weights (a region not calibrated, a vLLM region today)
+kvw6 and kvw4 quantize keys by range at `plain_level` (kv6's and kv4's keys: the same steps, codes
+offset by 127 instead of 63 or 7), so they are never worse than the codec they replace.
 
 Scales are bfloat16 (the encoder quantizes with the rounded scale, so the decoder's is the
 same); codes are one byte each (code + qmax), so the lossless stage's entropy coder (zstd)
@@ -66,7 +68,8 @@ class KVQuantizer:
     """`k_qmax`, `v_qmax`: the largest code of keys and values (127: 8-bit codes, 63: 7-bit, 7: 4-bit);
     `k_group`: tokens per key scale (0: one scale per channel over all tokens); `k_level`: the code
     that a channel's amax maps to (0: k_qmax), and with query weights the head's geometric mean of
-    it; a `k_level` below `k_qmax` leaves the weighted channels room for finer steps."""
+    it; a `k_level` below `k_qmax` leaves the weighted channels room for finer steps; `plain_level`:
+    the code a channel's amax maps to when no weights are given (0: the level)."""
 
     name: str
     k_qmax: int
@@ -74,10 +77,21 @@ class KVQuantizer:
     k_group: int = 0
     k_level: int = 0
     weighted: bool = True  # shapes key scales by query weights when given (False: ignores them)
+    plain_level: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.level <= self.k_qmax and 0 < self.unweighted_level <= self.k_qmax and self.v_qmax > 0):
+            raise ValueError(f"{self.name}: key levels must lie in 1..k_qmax ({self.k_qmax}), v_qmax above 0")
+        if not 0 < max(self.k_qmax, self.v_qmax) * 2 < 256:
+            raise ValueError(f"{self.name}: codes are one byte: qmax at most 127")
 
     @property
     def level(self) -> int:
         return self.k_level or self.k_qmax
+
+    @property
+    def unweighted_level(self) -> int:
+        return self.plain_level or self.level
 
     def _groups(self, num_tokens: int) -> int:
         return 1 if not self.k_group else max(1, -(-num_tokens // self.k_group))
@@ -96,9 +110,7 @@ class KVQuantizer:
         [head, channel] (ignored for values), or None for scales by range alone."""
         if 0 in shape:
             return bytes(self.aux_bytes(shape, part)), b""
-        x = _to_float32(data, dtype, shape)
-        if not bool(torch.isfinite(x).all()):
-            raise CodecError(f"{self.name} cannot encode a tensor holding NaN or infinity; use a lossless codec")
+        x = _to_float32(data, dtype, shape)  # fresh: quantized in place
         if part == KEYS:
             checked = _checked_weights(weights, shape, self.name) if weights is not None and self.weighted else None
             return self._keys(x, checked)
@@ -107,23 +119,25 @@ class KVQuantizer:
     def _keys(self, x: torch.Tensor, weights: torch.Tensor | None) -> tuple[bytes, bytes]:
         heads, tokens, head_dim = x.shape
         mean = x.mean(dim=1, keepdim=True)
-        y = x - mean
+        y = x.sub_(mean)
         groups = self._groups(tokens)
         size = tokens if not self.k_group else self.k_group
-        padded = torch.nn.functional.pad(y, (0, 0, 0, groups * size - tokens)).view(heads, groups, size, head_dim)
-        amax = padded.abs().amax(dim=2, keepdim=True)  # [heads, groups, 1, head_dim]
+        pad = groups * size - tokens
+        padded = torch.nn.functional.pad(y, (0, 0, 0, pad)) if pad else y
+        grouped = padded.view(heads, groups, size, head_dim)
+        amax = _amax(grouped, 2, self.name)  # [heads, groups, 1, head_dim]
         if weights is None:
-            scale = _scale(amax, self.level)
+            scale = _scale(amax, self.unweighted_level)
         else:
             scale = _weighted_scale(amax, weights.view(heads, 1, 1, head_dim), self.level, self.k_qmax)
-        codes = _codes(padded / scale, self.k_qmax).view(heads, groups * size, head_dim)[:, :tokens]
+        codes = _codes(grouped.div_(scale), self.k_qmax).view(heads, groups * size, head_dim)[:, :tokens]
         return mean.numpy().tobytes() + _tensor_bytes(scale.to(torch.bfloat16)), _tensor_bytes(codes)
 
     def _values(self, x: torch.Tensor) -> tuple[bytes, bytes]:
         if _rotates(x.shape[2]):
             x = x @ hadamard(x.shape[2])
-        scale = _scale(x.abs().amax(dim=2, keepdim=True), self.v_qmax)  # [heads, tokens, 1]
-        return _tensor_bytes(scale.to(torch.bfloat16)), _tensor_bytes(_codes(x / scale, self.v_qmax))
+        scale = _scale(_amax(x, 2, self.name), self.v_qmax)  # [heads, tokens, 1]
+        return _tensor_bytes(scale.to(torch.bfloat16)), _tensor_bytes(_codes(x.div_(scale), self.v_qmax))
 
     def dequantize(self, codes: bytearray, aux: memoryview, dtype: str, shape: Shape, part: int) -> bytes:
         heads, tokens, head_dim = shape
@@ -136,14 +150,24 @@ class KVQuantizer:
             groups = self._groups(tokens)
             scale = _read_scales(aux[heads * head_dim * 4 :], (heads, groups, 1, head_dim), self.name)
             size = tokens if not self.k_group else self.k_group
-            padded = torch.nn.functional.pad(code, (0, 0, 0, groups * size - tokens))
-            y = (padded.view(heads, groups, size, head_dim) * scale).view(heads, groups * size, head_dim)[:, :tokens]
-            x = y + mean.view(heads, 1, head_dim)
+            pad = groups * size - tokens
+            padded = torch.nn.functional.pad(code, (0, 0, 0, pad)) if pad else code
+            y = padded.view(heads, groups, size, head_dim).mul_(scale).view(heads, groups * size, head_dim)[:, :tokens]
+            x = y.add_(mean.view(heads, 1, head_dim))
         else:
             x = code.mul_(_read_scales(aux, (heads, tokens, 1), self.name))
             if _rotates(head_dim):
                 x = x @ hadamard(head_dim)
         return _tensor_bytes(x.to(TORCH_DTYPES[dtype]))
+
+
+def _amax(x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+    """max |x| over `dim` (kept, size 1), without an |x| temporary; CodecError if any is not finite. NaN and
+    infinity anywhere in the tensor reach it (a NaN through max, an infinity through the key mean: inf - inf)."""
+    amax = torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg_())
+    if not bool(torch.isfinite(amax).all()):
+        raise CodecError(f"{name} cannot encode a tensor holding NaN or infinity; use a lossless codec")
+    return amax
 
 
 def _scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -178,8 +202,10 @@ def _checked_weights(weights: np.ndarray, shape: Shape, name: str) -> torch.Tens
 
 
 def _codes(y: torch.Tensor, qmax: int) -> torch.Tensor:
-    """Offset codes: round(y) in [-qmax, qmax], + qmax, as bytes (a bf16-rounded scale may fall short)."""
-    return y.round_().clamp_(-qmax, qmax).add_(qmax).to(torch.uint8)
+    """Offset codes: round(y) in [-qmax, qmax], + qmax, as bytes (a bf16-rounded scale may fall short), in place.
+    Through int8 (float -> int8 is ~5x faster than float -> uint8 here), then + qmax modulo 256: exact, as
+    code + qmax lies in [0, 254]."""
+    return y.round_().clamp_(-qmax, qmax).to(torch.int8).view(torch.uint8).add_(qmax)
 
 
 def _read_scales(aux: memoryview, shape: tuple[int, ...], name: str) -> torch.Tensor:
@@ -193,12 +219,15 @@ def _read_scales(aux: memoryview, shape: tuple[int, ...], name: str) -> torch.Te
 KV_QUANTIZERS = {
     q.name: q
     for q in (
-        # The wire codecs ignore query weights: on kv8 they only move along its curve (2.23x and 9.1e-5 KL
+        # kv8, kv6 and kv4 ignore query weights: on kv8 they only move along its curve (2.23x and 9.1e-5 KL
         # against 2.19x and 8.6e-5, docs/benchmarks.md), and kv6's and kv4's code ranges leave weighted
-        # channels no finer steps; the weighted points that win (kvqw-127-45-31, kvqw-127-5-7-64) need
-        # key codes up to 127: new codec ids, not yet on the wire.
+        # channels no finer steps. kvw6 and kvw4 are the weighted points that win at 6 and 4 bits.
         KVQuantizer("kv8", k_qmax=127, v_qmax=63, weighted=False),  # 8-bit keys, 7-bit rotated values
         KVQuantizer("kv6", k_qmax=63, v_qmax=31, weighted=False),  # 7-bit keys, 6-bit rotated values
         KVQuantizer("kv4", k_qmax=7, v_qmax=7, k_group=64, weighted=False),  # 4-bit keys (a scale per 64 tokens)
+        # Query-weighted keys around level 45 (without weights: kv6's keys), kv6's values.
+        KVQuantizer("kvw6", k_qmax=127, v_qmax=31, k_level=45, plain_level=63),
+        # Query-weighted keys around level 5, a scale per 64 tokens (without weights: kv4's keys), kv4's values.
+        KVQuantizer("kvw4", k_qmax=127, v_qmax=7, k_group=64, k_level=5, plain_level=7),
     )
 }

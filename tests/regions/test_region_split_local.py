@@ -51,6 +51,36 @@ def test_split_tokens_equal_colocated_generate(
     assert region.decode is not None and region.decode.book.used_bytes == 0  # freed after the decode
 
 
+def test_a_kvw6_split_decodes_from_the_keys_the_models_query_energy_shaped(
+    region: Region, tiny_engine: HFEngine, long_text: str
+) -> None:
+    """A calibrated prefill region (make models calibrates tiny-llama) ships kvw6 with its engine's query
+    energy: the decode region's tokens are those decoded here from the same KV through kvw6 with those
+    weights, and the wire carries what kvw6 promises."""
+    from prfaas.engine.kv import KVCache, LayerKV
+    from prfaas.transport.codecs import TensorMeta, get_codec
+
+    energy = tiny_engine.query_energy
+    assert energy is not None, "tiny-llama is not calibrated: run `make models`"
+    ids = tiny_engine.encode(long_text)[:300]
+    kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+    run = split_generate(region.prefill_stub, region.decode_stub, ids, GREEDY, kv_bytes, codec="kvw6")
+
+    exact = tiny_engine.prefill(ids, GREEDY)
+    codec = get_codec("kvw6")
+
+    def through(t: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+        meta = TensorMeta(exact.kv.dtype, tuple(t.shape), part, energy[layer] if part == 0 else None)
+        data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return torch.frombuffer(bytearray(codec.decode(codec.encode(data, meta), meta)), dtype=t.dtype).view(t.shape)
+
+    layers = tuple(LayerKV(through(x.k, i, 0), through(x.v, i, 1)) for i, x in enumerate(exact.kv.layers))
+    lossy = KVCache(exact.kv.model_fingerprint, exact.kv.dtype, layers, exact.kv.num_tokens, exact.kv.token_ids_hash)
+    assert run.tokens == [exact.first_token, *tiny_engine.decode(lossy, exact.first_token, GREEDY, ids)]
+    complete = run.events[-1].shipment_complete
+    assert complete.raw_bytes == kv_bytes and complete.raw_bytes / complete.wire_bytes > 2.2
+
+
 def test_split_through_both_gpu_staging_paths_on_a_fake_device(tiny_engine: HFEngine, long_text: str) -> None:
     """The path a GPU region takes, through real gRPC and KV sockets, with a fake device's copy engine: each
     layer staged out of "device memory" as the forward writes it, shipped, and uploaded into "device memory"

@@ -19,7 +19,7 @@ from prfaas.transport.errors import CodecError
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Half an ulp of each dtype's mantissa: the error of rounding a float32 into it.
 ROUNDING = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-LOSSY = ("fp8", "int8", "kv8", "kv6", "kv4")
+LOSSY = ("fp8", "int8", "kv8", "kv6", "kv4", "kvw6", "kvw4")
 Bound = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (x, y, dtype) -> allowed |y - x|
 
 dtypes = st.sampled_from(sorted(TORCH))
@@ -214,13 +214,13 @@ def test_unknown_codec_names_the_known_ones() -> None:
         CodecError, match=r"unknown codec 'zip'; known: raw \(0\), lossless \(1\), fp8 \(2\), int8 \(3\)"
     ):
         get_codec("zip")
-    with pytest.raises(CodecError, match="unknown codec 7"):
-        get_codec(7)
+    with pytest.raises(CodecError, match="unknown codec 9"):
+        get_codec(9)
 
 
 def test_codec_ids_and_names_are_the_wire_values() -> None:
-    assert [int(c) for c in CodecId] == [0, 1, 2, 3, 4, 5, 6]
-    assert CODEC_NAMES == ("raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4")
+    assert [int(c) for c in CodecId] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert CODEC_NAMES == ("raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4", "kvw6", "kvw4")
     for codec_id, name in zip(CodecId, CODEC_NAMES, strict=True):
         codec: Codec = get_codec(name)
         assert get_codec(codec_id) is codec and get_codec(int(codec_id)) is codec

@@ -1,10 +1,11 @@
-"""The key- and value-aware codecs (kv8, kv6, kv4): every key within half a step of its channel group's
-scale, every value token within the rotated step's bound, on random and on real KV; zeros stay
+"""The key- and value-aware codecs (kv8, kv6, kv4, kvw6, kvw4): every key within half a step of its channel
+group's scale, every value token within the rotated step's bound, on random and on real KV; zeros stay
 a payload for the other part and an old peer's unknown codec id are refused (zeros and non-finite input:
 test_codecs.py, with every lossy codec)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_codecs import ROUNDING, TORCH, from_bytes, kv_like, tensor_bytes
+from transport_kit import Kit
 
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
@@ -44,7 +46,8 @@ def assert_keys_within_bound(name: str, x: torch.Tensor, y: torch.Tensor, dtype:
     size = q.k_group or max(1, tokens)
     groups = [centred[:, i : i + size] for i in range(0, tokens, size)]
     amax = torch.cat([g.abs().amax(dim=1, keepdim=True).expand_as(g) for g in groups], dim=1)
-    bound = amax / q.k_qmax * 0.5 + amax * 2.0**-8 + ROUNDING[dtype] * y64.abs() + 1e-6 * (x64.abs() + amax) + 2e-24
+    step = amax / q.unweighted_level  # without query weights: by range alone
+    bound = step * 0.5 + amax * 2.0**-8 + ROUNDING[dtype] * y64.abs() + 1e-6 * (x64.abs() + amax) + 2e-24
     assert bool(((y64 - x64).abs() <= bound * 1.01).all())
 
 
@@ -105,7 +108,7 @@ def test_real_kv_comes_back_within_the_bounds_and_compresses(
             wire += len(get_codec(name).encode(tensor_bytes(bf16), meta))
         assert_keys_within_bound(name, k, round_trip(name, k, "float32", 0), "float32")
         assert_values_within_bound(name, v, round_trip(name, v, "float32", 1), "float32")
-    floor = {"kv8": 1.9, "kv6": 2.2, "kv4": 3.5}[name]  # bf16 raw / wire; SmolLM2: 2.2, 2.55, 4.2
+    floor = {"kv8": 1.9, "kv6": 2.2, "kv4": 3.5, "kvw6": 2.2, "kvw4": 3.5}[name]  # SmolLM2: 2.2, 2.55, 4.2
     assert raw / wire > floor
 
 
@@ -118,7 +121,7 @@ def test_a_key_payload_does_not_decode_as_values() -> None:
 
 
 def test_an_old_peer_refuses_a_shipment_in_a_codec_id_it_does_not_know() -> None:
-    assert [int(CodecId.KV8), int(CodecId.KV6), int(CodecId.KV4)] == [4, 5, 6]
+    assert [int(c) for c in (CodecId.KV8, CodecId.KV6, CodecId.KV4, CodecId.KVW6, CodecId.KVW4)] == [4, 5, 6, 7, 8]
     opened = {"ticket": "t", "num_layers": 1, "dtype": "bfloat16", "layer_shapes": [[1, 2, 8]], "codec": 99,
               "chunk_bytes": 4096}  # fmt: skip
     with pytest.raises(FrameError, match="codec"):
@@ -137,13 +140,32 @@ def key_steps(payload: bytes, shape: tuple[int, int, int], groups: int) -> torch
     return raw.float().view(heads, groups, 1, head_dim)
 
 
-WEIGHTED = {  # the weighted points measured in docs/benchmarks.md; no wire codec uses weights yet
-    q.name: q for q in (KVQuantizer("kvqw-127-45-31", 127, 31, 0, 45), KVQuantizer("kvqw-127-5-7-64", 127, 7, 64, 5))
-}
+WEIGHTED = {name: q for name, q in KV_QUANTIZERS.items() if q.weighted}  # kvw6, kvw4
+PLAIN = {"kvw6": "kv6", "kvw4": "kv4"}  # what each weighted codec's keys are without weights
 
 
 def weighted_codec(name: str) -> KVQuantizedCodec:
-    return KVQuantizedCodec(CodecId.KV8, name, WEIGHTED[name])
+    return KVQuantizedCodec(CodecId.KV8, name, WEIGHTED[name]) if name not in KV_QUANTIZERS else get_codec(name)
+
+
+def test_the_weighted_wire_codecs_are_the_measured_points() -> None:
+    """kvw6 and kvw4 are kvqw-127-45-31 and kvqw-127-5-7-64 of docs/benchmarks.md."""
+    assert set(WEIGHTED) == {"kvw6", "kvw4"}
+    assert (WEIGHTED["kvw6"].k_qmax, WEIGHTED["kvw6"].level, WEIGHTED["kvw6"].v_qmax) == (127, 45, 31)
+    assert (WEIGHTED["kvw4"].k_qmax, WEIGHTED["kvw4"].level, WEIGHTED["kvw4"].v_qmax) == (127, 5, 7)
+    assert WEIGHTED["kvw4"].k_group == 64 and WEIGHTED["kvw6"].k_group == 0
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN))
+@pytest.mark.parametrize("part", [0, 1])
+def test_without_weights_a_weighted_codec_decodes_to_its_plain_codecs_values(name: str, part: int) -> None:
+    """An uncalibrated region (a vLLM region today) ships kvw6 as kv6's steps: never worse than kv6."""
+    x = kv_like((3, 200, 64), "float32", seed=8, decades=2)
+    meta = TensorMeta("float32", tuple(x.shape), part)
+    plain, weighted = get_codec(PLAIN[name]), get_codec(name)
+    assert weighted.decode(weighted.encode(tensor_bytes(x), meta), meta) == plain.decode(
+        plain.encode(tensor_bytes(x), meta), meta
+    )
 
 
 def weighted_round_trip(name: str, x: torch.Tensor, dtype: str, weights: object) -> tuple[torch.Tensor, bytes]:
@@ -213,14 +235,14 @@ def test_weights_move_the_keys_error_to_the_channels_the_queries_do_not_read() -
 def test_bad_key_weights_are_refused(weights: torch.Tensor, match: str) -> None:
     x = kv_like((2, 16, 8), "float32", seed=3)
     with pytest.raises(CodecError, match=match):
-        weighted_codec("kvqw-127-45-31").encode(tensor_bytes(x), TensorMeta("float32", (2, 16, 8), 0, weights.numpy()))
+        weighted_codec("kvw6").encode(tensor_bytes(x), TensorMeta("float32", (2, 16, 8), 0, weights.numpy()))
 
 
-@pytest.mark.parametrize(("name", "part"), [*((n, 0) for n in KV_CODECS), ("kvqw-127-45-31", 1)])
-def test_wire_codecs_and_values_ignore_key_weights(name: str, part: int) -> None:
-    """A calibrated prefill region ships today's kv8, kv6 and kv4 payloads byte for byte."""
+@pytest.mark.parametrize(("name", "part"), [("kv8", 0), ("kv6", 0), ("kv4", 0), ("kvw6", 1), ("kvw4", 1)])
+def test_unweighted_codecs_and_values_ignore_key_weights(name: str, part: int) -> None:
+    """A calibrated prefill region ships kv8, kv6 and kv4 payloads, and any codec's values, byte for byte."""
     x = kv_like((2, 16, 8), "float32", seed=4)
-    codec = weighted_codec(name) if name in WEIGHTED else get_codec(name)
+    codec = get_codec(name)
     plain = codec.encode(tensor_bytes(x), TensorMeta("float32", (2, 16, 8), part))
     skewed = np.array([[1000.0] * 2 + [1.0] * 6] * 2, dtype=np.float32)
     assert codec.encode(tensor_bytes(x), TensorMeta("float32", (2, 16, 8), part, skewed)) == plain
@@ -235,3 +257,37 @@ def test_a_shipment_checks_its_key_weights_against_its_layers() -> None:
         ShipmentSpec("j", 1, "t", "float32", shapes, codec="kv8", key_weights=torch.ones(1, 2, 8).numpy())
     with pytest.raises(ValueError, match=r"key_weights\[0\]"):
         ShipmentSpec("j", 1, "t", "float32", shapes, codec="kv8", key_weights=torch.ones(2, 3, 8).numpy())
+
+
+def test_a_shipment_in_kvw6_carries_the_steps_its_key_weights_set(kit: Kit) -> None:
+    """End to end through the sender and a receiver: each layer's keys arrive as the weighted encoder
+    made them (not as an unweighted kvw6 would), values as any kvw6 would, and no weights travel."""
+    from transport_kit import fill
+
+    from prfaas.transport.api import Shipment, TransferStatus
+    from prfaas.transport.inproc import InProcessChannel, InProcessReceiver
+
+    shape = (3, 128, 64)
+    base = kit.spec(codec="kvw6", num_layers=2, shape=shape)
+    g = torch.Generator().manual_seed(2)
+    weights = (10 ** torch.empty(2, 3, 64).uniform_(-2, 2, generator=g)).numpy()
+    spec = dataclasses.replace(base, key_weights=weights)
+
+    def part(seed: int) -> bytes:
+        return tensor_bytes(kv_like(shape, "bfloat16", seed=seed))
+
+    layers = [(part(20 + i), part(30 + i)) for i in range(2)]
+    receiver = InProcessReceiver(kit.verifier)
+    inbound = receiver.expect(spec.job_id, spec.attempt, timeout_s=10)
+    shipment = Shipment(spec)
+    transfer = InProcessChannel(receiver).submit(shipment)
+    fill(shipment, layers)
+    assert transfer.wait(10) is TransferStatus.COMPLETED and inbound.wait(10) is TransferStatus.COMPLETED
+    codec = get_codec("kvw6")
+    for index, (k, v) in enumerate(layers):
+        k_meta, v_meta = TensorMeta("bfloat16", shape, 0, weights[index]), TensorMeta("bfloat16", shape, 1)
+        got_k, got_v = inbound.layer(index, timeout_s=1)
+        assert bytes(got_k) == codec.decode(codec.encode(k, k_meta), k_meta)
+        unweighted = TensorMeta("bfloat16", shape, 0)
+        assert bytes(got_k) != codec.decode(codec.encode(k, unweighted), unweighted)
+        assert bytes(got_v) == codec.decode(codec.encode(v, v_meta), v_meta)

@@ -63,7 +63,8 @@ def test_default_policy_uses_only_registered_plugins() -> None:
     scheduler = build_scheduler(policy)
     assert [f.name for f in scheduler.prefill.filters] == ["health", "residency", "capacity", "link-headroom", "slo"]
     assert scheduler.rule.min_uncached_tokens == 19_400
-    assert [c.name for c in scheduler.cost_model.codecs] == ["raw", "lossless", "int8", "kv8", "kv6", "kv4"]
+    codecs = ["raw", "lossless", "int8", "kv8", "kv6", "kv4", "kvw6", "kvw4"]
+    assert [c.name for c in scheduler.cost_model.codecs] == codecs
 
 
 def test_load_policy_reads_a_file(tmp_path: Any) -> None:
