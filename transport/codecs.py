@@ -8,6 +8,8 @@ Ratios measured on SmolLM2-135M KV, bf16 / fp32 (docs/benchmarks.md, "KV codecs"
     1   lossless  yes       blosc2 chunk: byte shuffle + zstd level 1          1.47 / 1.20
     2   fp8       no        e4m3 codes (float32 scale per head), then 1        2.42 / 4.85
     3   int8      no        int8 codes (float32 scale per channel), then 1     2.19 / 4.39
+    4-8 kv8, kv6, kv4, kvw6, kvw4: keys per channel, values rotated per token (transport/kvquant.py,
+        docs/wire-format.md); 2.25, 2.63, 4.22, 2.67, 4.17 on bf16
 
 LOSSLESS is the measured winner (bench/codec_ratio.py). Byte planes + zstd-1 compress 1%
 more but decode slower; zipnn 0.5.4 compresses 1% more and faster on bf16, but holds
