@@ -36,6 +36,18 @@ PROFILES = {"continental": (40.0, 300.0, 0.01), "intercontinental": (80.0, 300.0
 BIG_BUF = 64 << 20
 
 
+def kv_file() -> Path:
+    """The KV file `real_kv` writes (under $PRFAAS_HOME/bench), written first when it is missing or older
+    than kvw6 and kvw4 (without the query energy)."""
+    import numpy as np
+
+    path = Path(os.environ.get("PRFAAS_HOME", Path.home() / ".cache" / "prfaas")) / "bench" / "smollm2-kv-2048.npz"
+    if not path.exists() or "query_energy" not in np.load(path).files:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        real_kv(path)
+    return path
+
+
 def real_kv(path: Path) -> None:
     """Write SmolLM2 bf16 KV of 2048 real tokens: one .npy per layer part, and the model's query energy
     (what a calibrated prefill region ships keys with: kvw6 and kvw4 shape key steps by it)."""
@@ -291,12 +303,7 @@ def main() -> None:
         profiles = ["custom"]
     else:
         profiles = args.profile or ["continental", "intercontinental"]
-    kv_path = Path(os.environ.get("PRFAAS_HOME", Path.home() / ".cache" / "prfaas")) / "bench" / "smollm2-kv-2048.npz"
-    import numpy as np
-
-    if not kv_path.exists() or "query_energy" not in np.load(kv_path).files:  # written before kvw6 and kvw4
-        kv_path.parent.mkdir(parents=True, exist_ok=True)
-        real_kv(kv_path)
+    kv_path = kv_file()
     rows: list[dict[str, Any]] = []
     try:
         for name in profiles:
