@@ -106,14 +106,20 @@ def save_query_energy(fingerprint: str, energy: np.ndarray) -> Path:
 def load_query_energy(fingerprint: str, num_layers: int, num_kv_heads: int, head_dim: int) -> np.ndarray | None:
     """The stored query energy of the model `fingerprint`, or None when there is none, or one that is not
     a finite, non-negative array of [num_layers, num_kv_heads, head_dim] for that fingerprint."""
-    path = calibration_path(fingerprint)
+    return read_query_energy(calibration_path(fingerprint), fingerprint, (num_layers, num_kv_heads, head_dim))
+
+
+def read_query_energy(path: Path, fingerprint: str, shape: tuple[int, int, int]) -> np.ndarray | None:
+    """The query energy stored at `path` (a vLLM worker is handed the path by its region), or None unless
+    it is that model's, of `shape` [num_layers, num_kv_heads, head_dim], finite, non-negative and not all
+    zero in any layer."""
     try:
         with np.load(path) as stored:
             energy = np.asarray(stored["query_energy"], dtype=np.float32)
             owner = str(stored["fingerprint"])
     except (OSError, KeyError, ValueError):
         return None
-    if owner != fingerprint or energy.shape != (num_layers, num_kv_heads, head_dim):
+    if owner != fingerprint or energy.shape != shape:
         return None
     if not np.isfinite(energy).all() or (energy < 0).any() or not bool((energy > 0).any(axis=(1, 2)).all()):
         return None

@@ -23,7 +23,7 @@ mean of amax / k_level, times (w_c / geometric mean of w) ^ -1/2, never finer th
 codes stay in range). Channels the queries barely read get coarse steps; the ones they weigh get
 fine steps, past k_level's. On SmolLM2 this cuts the KL of 4-bit KV by 45% and of 6-bit KV by 37% at
 the same bytes (docs/benchmarks.md, "Query-weighted key scales"): kvw6 and kvw4 use it; kv8, kv6 and
-kv4 ignore the weights (`weighted`). Without weights (a region not calibrated, a vLLM region today)
+kv4 ignore the weights (`weighted`). Without weights (a prefill region whose model is not calibrated)
 kvw6 and kvw4 quantize keys by range at `plain_level` (kv6's and kv4's keys: the same steps, codes
 offset by 127 instead of 63 or 7), so they are never worse than the codec they replace.
 

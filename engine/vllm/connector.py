@@ -120,6 +120,32 @@ def _tls(extra: dict[str, Any]) -> NodeCert | None:
     return NodeCert(Path(files["cert"]), Path(files["key"]), Path(files["ca"]))
 
 
+class _QueryEnergy:
+    """The model's query energy for kvw6's and kvw4's key steps (`query_energy: {"path", "fingerprint"}`,
+    handed by the region that started this engine), read at the first shipment, when the layers' shapes
+    are known; None when not given, or when the file is not this model's or does not fit its layers
+    (logged once: keys are then quantized by range, kv6's and kv4's steps)."""
+
+    def __init__(self, extra: dict[str, Any]) -> None:
+        given = extra.get("query_energy") or {}
+        self._path = Path(given["path"]) if given else None
+        self._fingerprint = str(given.get("fingerprint", ""))
+        self._read = False
+        self._energy: Any = None
+
+    def for_layers(self, shapes: list[tuple[int, int, int]]) -> Any:
+        if not self._read:
+            self._read = True
+            if self._path is not None:
+                from prfaas.engine.calibration import read_query_energy
+
+                heads, head_dim = shapes[0][0], shapes[0][2]
+                self._energy = read_query_energy(self._path, self._fingerprint, (len(shapes), heads, head_dim))
+                if self._energy is None:
+                    log.warning("query energy %s does not fit this model: kvw6 and kvw4 keys by range", self._path)
+        return self._energy
+
+
 @dataclass(eq=False)
 class _Outbound:
     """One request's shipment while its layers are being computed and sent."""
@@ -154,6 +180,7 @@ class PrfaasConnector(KVConnectorBase_V1):
         self._error_blocks: set[int] = set()
         self._k_transposed = False  # CPU backend: how its kernel lays keys out (register_kv_caches)
         self._copier: LayerCopier | None = None  # GPU blocks: their layers staged to pinned host buffers
+        self._query_energy = _QueryEnergy(extra)
         if role == KVConnectorRole.WORKER:
             node = str(extra.get("node", f"vllm-{self._engine_id[:8]}"))
             host, port = str(extra.get("kv_host", "127.0.0.1")), int(extra.get("kv_port", 0))
@@ -262,7 +289,14 @@ class PrfaasConnector(KVConnectorBase_V1):
             shapes.append((int(heads), job.num_tokens, int(head_dim)))
         p = job.params
         spec = ShipmentSpec(
-            p.job_id, p.attempt, p.ticket, TORCH_DTYPES[kv_layer.dtype], tuple(shapes), p.codec, p.timeout_s
+            p.job_id,
+            p.attempt,
+            p.ticket,
+            TORCH_DTYPES[kv_layer.dtype],
+            tuple(shapes),
+            p.codec,
+            p.timeout_s,
+            key_weights=self._query_energy.for_layers(shapes),
         )
         shipment = Shipment(spec)
         transfer = self._link.channel(p.address, p.server_name).submit(shipment)

@@ -89,6 +89,7 @@ class VLLMHost:
         kv_transfer_config: dict[str, Any] | None = None,
         tls: NodeCert | None = None,
         prefix_caching: bool = True,
+        query_energy: tuple[Path, str] | None = None,
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's KVLink must be ours
         try:
@@ -109,6 +110,8 @@ class VLLMHost:
             extra["ticket_keys"] = {kid: key.hex() for kid, key in ticket_keys.items()}
         if tls is not None:  # paths only: the connector loads the files
             extra["tls"] = {"cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)}
+        if query_energy is not None:  # (path, model fingerprint): the connector loads and checks it
+            extra["query_energy"] = {"path": str(query_energy[0]), "fingerprint": query_energy[1]}
         if kv_transfer_config is None:
             transfer = KVTransferConfig(
                 kv_connector="PrfaasConnector",

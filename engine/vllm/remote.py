@@ -230,6 +230,13 @@ def start_vllm_engine(
         argv.append("--no-prefix-caching")
     if tls is not None:
         argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
+    from prfaas.engine.calibration import calibration_path, load_query_energy  # torch: only when starting one
+
+    energy = calibration_path(facts.fingerprint)
+    if load_query_energy(facts.fingerprint, facts.num_layers, facts.num_kv_heads, facts.head_dim) is not None:
+        argv += ["--query-energy", str(energy), "--fingerprint", facts.fingerprint]  # kvw6's, kvw4's key steps
+    else:
+        log.info("%s is not calibrated (prfaas model calibrate): kvw6 and kvw4 ship keys by range", facts.fingerprint)
     with log_path.open("ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.info("vLLM server starting (pid %d, log %s)", proc.pid, log_path)

@@ -171,6 +171,8 @@ def serve(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's automatic prefix caching off")
+    parser.add_argument("--query-energy", type=Path, help="the model's calibration (kvw6's and kvw4's key steps)")
+    parser.add_argument("--fingerprint", default="", help="the model's fingerprint, which --query-energy must carry")
     for part in ("cert", "key", "ca"):  # paths, never the key itself on a command line
         parser.add_argument(f"--tls-{part}", type=Path, help="KV over mutual TLS: this node's certificate, key, CA")
     parser.add_argument(
@@ -208,6 +210,7 @@ def serve(argv: list[str] | None = None) -> None:
         kv_transfer_config=ns.kv_transfer_config,
         tls=tls,
         prefix_caching=not ns.no_prefix_caching,
+        query_energy=(ns.query_energy, ns.fingerprint) if ns.query_energy else None,
     )
     listener = Listener((ns.control_host, ns.control_port))  # authenticated per connection (_serve_one)
     ready = {"control": list(listener.address), "kv": list(host.kv_address or ())}

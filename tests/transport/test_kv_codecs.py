@@ -159,7 +159,7 @@ def test_the_weighted_wire_codecs_are_the_measured_points() -> None:
 @pytest.mark.parametrize("name", sorted(PLAIN))
 @pytest.mark.parametrize("part", [0, 1])
 def test_without_weights_a_weighted_codec_decodes_to_its_plain_codecs_values(name: str, part: int) -> None:
-    """An uncalibrated region (a vLLM region today) ships kvw6 as kv6's steps: never worse than kv6."""
+    """An uncalibrated region ships kvw6 as kv6's steps: never worse than kv6."""
     x = kv_like((3, 200, 64), "float32", seed=8, decades=2)
     meta = TensorMeta("float32", tuple(x.shape), part)
     plain, weighted = get_codec(PLAIN[name]), get_codec(name)

@@ -141,9 +141,9 @@ def _decode(region: RegionProcess) -> decode_pb2_grpc.DecodeRegionStub:
 
 
 def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int], params: SamplingParams = GREEDY,
-           salt: str | None = None) -> tuple[list[Any], list[Any]]:  # fmt: skip
+           salt: str | None = None, codec: str = "raw") -> tuple[list[Any], list[Any]]:  # fmt: skip
     """What the control plane does for a split job: Reserve, Prefill, Decode from PrefillDone (`salt`: the
-    job's prefix cache scope; None: it uses no prefix cache).
+    job's prefix cache scope; None: it uses no prefix cache; `codec`: the KV's on the wire).
     -> (the job's token events: step 0 from PrefillDone, then the decode's; the prefill's events)"""
     job = str(uuid.uuid4())
     reply = _decode(decode).Reserve(
@@ -167,7 +167,7 @@ def _split(prefill: RegionProcess, decode: RegionProcess, prompt: list[int], par
         timeout_s=120,
         destination=prefill_pb2.Destination(
             kv_endpoint=reply.kv_endpoint,
-            codec="raw",
+            codec=codec,
             ticket=SIGNER.issue(job, 1, "acme", KV_BYTES, ttl_s=120),  # for the bytes reserved
             decode_region=decode.name,  # the KV port's TLS server name
         ),
@@ -281,6 +281,22 @@ def test_vllm_prefill_region_to_hf_decode_region_gives_the_colocated_tokens(
 
     assert _ids(decoded) == colocated
     assert events[-1].shipment_complete.raw_bytes == KV_BYTES
+
+
+def test_a_calibrated_vllm_prefill_region_ships_kvw6_keys_by_the_models_query_energy(
+    regions: dict[str, RegionProcess], prompt: list[int]
+) -> None:
+    """`make models` calibrates smollm2-135m and the region hands its vLLM engine the calibration, so kvw6's
+    keys are quantized by query energy: 1.6% fewer bytes than kv6 on this model's fp32 KV (without the
+    weights kvw6 ships kv6's key steps, within 0.05% of kv6's bytes; HF-side, 512-2,048 tokens), and the HF
+    decode region continues from it."""
+    _, six = _split(regions["vllm-p"], regions["hf"], prompt, codec="kv6")
+    decoded, weighted = _split(regions["vllm-p"], regions["hf"], prompt, codec="kvw6")
+
+    assert len(decoded) == GREEDY.max_new_tokens
+    kv6, kvw6 = six[-1].shipment_complete, weighted[-1].shipment_complete
+    assert kv6.raw_bytes == kvw6.raw_bytes == KV_BYTES
+    assert kvw6.wire_bytes < 0.99 * kv6.wire_bytes, (kvw6.wire_bytes, kv6.wire_bytes)
 
 
 # Greedy with every parameter that changes or reports the choice: a split must apply them as
