@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from prfaas.engine.models import model_fingerprint, prfaas_home
 CALIBRATION_MODULES = ("ast", "pickle", "threading", "tokenize", "random")  # two windows each
 WINDOW_TOKENS = 512
 _RECORDER = "prfaas_query_energy"
+log = logging.getLogger(__name__)
 
 
 def calibration_windows(tokenizer: Any) -> list[list[int]]:
@@ -124,6 +127,28 @@ def read_query_energy(path: Path, fingerprint: str, shape: tuple[int, int, int])
     if not np.isfinite(energy).all() or (energy < 0).any() or not bool((energy > 0).any(axis=(1, 2)).all()):
         return None
     return energy
+
+
+class CalibrationFile:
+    """A model's calibration handed over by path (a vLLM region to its server's connector), read at the first
+    shipment, when the layers' shapes are known: `for_layers` is its query energy, or None when the file is
+    missing, not the model `fingerprint`'s or does not fit the layers (logged once: keys then go by range,
+    kv6's and kv4's steps). Thread-safe enough: a race reads the file twice, to the same result."""
+
+    def __init__(self, path: Path, fingerprint: str) -> None:
+        self.path, self.fingerprint = path, fingerprint
+        self._read = False
+        self._energy: np.ndarray | None = None
+
+    def for_layers(self, shapes: Sequence[tuple[int, int, int]]) -> np.ndarray | None:
+        """`shapes`: each layer's [num_kv_heads, num_tokens, head_dim]."""
+        if not self._read:
+            heads, head_dim = shapes[0][0], shapes[0][2]
+            self._energy = read_query_energy(self.path, self.fingerprint, (len(shapes), heads, head_dim))
+            self._read = True
+            if self._energy is None:
+                log.warning("calibration %s does not fit this model: kvw6 and kvw4 quantize keys by range", self.path)
+        return self._energy
 
 
 def calibrate(folder: Path, *, force: bool = False) -> tuple[Path, bool]:

@@ -50,14 +50,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from prfaas.engine.calibration import CalibrationFile
 from prfaas.engine.kv import tensor_view
 from prfaas.engine.staging import LayerCopier, StagedShipment, device_copier, feed_layer
 from prfaas.engine.vllm.layout import cpu_keys_transposed, gather_layer, layer_index, scatter_layer
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
 from prfaas.transport.api import Shipment, ShipmentSpec, Transfer, TransferStatus
-from prfaas.transport.tickets import TicketVerifier
-from prfaas.transport.tls import NodeCert
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -105,47 +104,6 @@ def _request_params(request: Request) -> ShipParams | LoadParams | None:
         return None
 
 
-def _verifier(extra: dict[str, Any]) -> TicketVerifier | None:
-    keys = extra.get("ticket_keys")
-    if not keys:
-        return None
-    return TicketVerifier({str(kid): bytes.fromhex(str(key)) for kid, key in dict(keys).items()})
-
-
-def _tls(extra: dict[str, Any]) -> NodeCert | None:
-    """The engine's certificate: `tls: {"cert", "key", "ca"}` (file paths), or None: plaintext."""
-    files = extra.get("tls")
-    if not files:
-        return None
-    return NodeCert(Path(files["cert"]), Path(files["key"]), Path(files["ca"]))
-
-
-class _QueryEnergy:
-    """The model's query energy for kvw6's and kvw4's key steps (`query_energy: {"path", "fingerprint"}`,
-    handed by the region that started this engine), read at the first shipment, when the layers' shapes
-    are known; None when not given, or when the file is not this model's or does not fit its layers
-    (logged once: keys are then quantized by range, kv6's and kv4's steps)."""
-
-    def __init__(self, extra: dict[str, Any]) -> None:
-        given = extra.get("query_energy") or {}
-        self._path = Path(given["path"]) if given else None
-        self._fingerprint = str(given.get("fingerprint", ""))
-        self._read = False
-        self._energy: Any = None
-
-    def for_layers(self, shapes: list[tuple[int, int, int]]) -> Any:
-        if not self._read:
-            self._read = True
-            if self._path is not None:
-                from prfaas.engine.calibration import read_query_energy
-
-                heads, head_dim = shapes[0][0], shapes[0][2]
-                self._energy = read_query_energy(self._path, self._fingerprint, (len(shapes), heads, head_dim))
-                if self._energy is None:
-                    log.warning("query energy %s does not fit this model: kvw6 and kvw4 keys by range", self._path)
-        return self._energy
-
-
 @dataclass(eq=False)
 class _Outbound:
     """One request's shipment while its layers are being computed and sent."""
@@ -180,11 +138,10 @@ class PrfaasConnector(KVConnectorBase_V1):
         self._error_blocks: set[int] = set()
         self._k_transposed = False  # CPU backend: how its kernel lays keys out (register_kv_caches)
         self._copier: LayerCopier | None = None  # GPU blocks: their layers staged to pinned host buffers
-        self._query_energy = _QueryEnergy(extra)
+        given = extra.get("query_energy") or {}  # {"path", "fingerprint"}: the region's calibration of the model
+        self._query_energy = CalibrationFile(Path(given["path"]), str(given["fingerprint"])) if given else None
         if role == KVConnectorRole.WORKER:
-            node = str(extra.get("node", f"vllm-{self._engine_id[:8]}"))
-            host, port = str(extra.get("kv_host", "127.0.0.1")), int(extra.get("kv_port", 0))
-            self._link = LINKS.open(self._engine_id, node, _verifier(extra), host, port, _tls(extra))
+            self._link = LINKS.open_configured(self._engine_id, extra)
 
     # ---------------- scheduler side ----------------
 
@@ -296,7 +253,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             tuple(shapes),
             p.codec,
             p.timeout_s,
-            key_weights=self._query_energy.for_layers(shapes),
+            key_weights=self._query_energy.for_layers(shapes) if self._query_energy is not None else None,
         )
         shipment = Shipment(spec)
         transfer = self._link.channel(p.address, p.server_name).submit(shipment)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from prfaas.transport.api import TransferStatus
 from prfaas.transport.inbound import Inbound
@@ -165,6 +167,16 @@ class LinkRegistry:
             if link is None:
                 link = self._links[engine_id] = KVLink(node, verifier, host, port, tls)
             return link
+
+    def open_configured(self, engine_id: str, extra: dict[str, Any]) -> KVLink:
+        """`open` from the connector's `kv_connector_extra_config`: `node`, `kv_host`, `kv_port`,
+        `ticket_keys` ({kid: hex}; none: no receiver) and `tls` ({"cert", "key", "ca"} paths; none: plaintext)."""
+        keys, files = extra.get("ticket_keys"), extra.get("tls")
+        verifier = TicketVerifier({str(k): bytes.fromhex(str(v)) for k, v in dict(keys).items()}) if keys else None
+        tls = NodeCert(Path(files["cert"]), Path(files["key"]), Path(files["ca"])) if files else None
+        node = str(extra.get("node", f"vllm-{engine_id[:8]}"))
+        host, port = str(extra.get("kv_host", "127.0.0.1")), int(extra.get("kv_port", 0))
+        return self.open(engine_id, node, verifier, host, port, tls)
 
     def get(self, engine_id: str) -> KVLink:
         with self._lock:

@@ -12,6 +12,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from prfaas.engine.calibration import (
+    CalibrationFile,
     calibrate,
     calibration_path,
     calibration_windows,
@@ -70,6 +71,25 @@ def test_stored_energy_is_found_by_fingerprint_and_refused_when_it_does_not_fit(
     path.write_bytes(b"not an npz")
     assert load_query_energy("abc", 2, 3, 4) is None
     assert not list(tmp_path.glob("calibration/.calibration-*"))  # no scratch left behind
+
+
+def test_a_calibration_handed_by_path_is_checked_against_the_layers_it_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a vLLM region hands its server's connector: read once, at the first shipment's shapes."""
+    monkeypatch.setenv("PRFAAS_HOME", str(tmp_path))
+    energy = np.arange(1, 2 * 3 * 4 + 1, dtype=np.float32).reshape(2, 3, 4)
+    path = save_query_energy("abc", energy)
+    layers = [(3, 100, 4), (3, 100, 4)]
+    np.testing.assert_array_equal(CalibrationFile(path, "abc").for_layers(layers), energy)
+    assert CalibrationFile(path, "abc").for_layers([(3, 100, 4)] * 3) is None  # another model's layers
+    assert CalibrationFile(path, "other").for_layers(layers) is None  # another model's file
+    assert CalibrationFile(tmp_path / "missing.npz", "abc").for_layers(layers) is None
+    assert "kvw6 and kvw4 quantize keys by range" in caplog.text
+    once = CalibrationFile(path, "abc")
+    assert once.for_layers(layers) is not None
+    path.unlink()
+    assert once.for_layers(layers) is not None  # read once: a shipment never waits on the disk again
 
 
 def test_calibrate_measures_once_and_an_engine_loads_it(
