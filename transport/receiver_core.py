@@ -229,6 +229,9 @@ class ReceiverCore:
             inbound = self._inbounds.get(key)
         if inbound is None and self._completed(key, None):
             return [Frame(FrameType.ACK, job, attempt, payload=_ack_payload([frame.key]))]  # a late duplicate
+        ended = self._end_of(key, None) if inbound is None else None
+        if ended is not None:  # a chunk in flight when the shipment ended otherwise: tell how, as its OPEN would
+            return [ended]
         if inbound is None or inbound.info is None or key not in session.opened:
             return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, _NOT_OPEN, job, attempt)]
         if not payload_ok:
@@ -260,6 +263,9 @@ class ReceiverCore:
             inbound = self._inbounds.get(key)
         if inbound is None and self._completed(key, None):
             return Discard([Frame(FrameType.ACK, job, attempt, payload=_ack_payload([chunk]))])  # a late duplicate
+        ended = self._end_of(key, None) if inbound is None else None
+        if ended is not None:  # a chunk in flight when the shipment ended otherwise (canceled, refused, late):
+            return Discard([ended])  # tell its stream how, not UNKNOWN_SHIPMENT (which would fail the sender)
         if inbound is None or inbound.info is None or key not in session.opened:
             return Discard([error_frame(ErrorCode.UNKNOWN_SHIPMENT, _NOT_OPEN, job, attempt)])
         try:
