@@ -4,11 +4,11 @@ import pytest
 from transport_kit import Kit, fill, layers_for
 
 from prfaas.transport.api import Shipment, TransferStatus
-from prfaas.transport.errors import TicketRejected, TransferCanceled
-from prfaas.transport.framing import ErrorCode, Frame, FrameType, json_payload, parse
+from prfaas.transport.errors import TicketRejected, TransferCanceled, TransferTimeout
+from prfaas.transport.framing import HEADER_SIZE, ErrorCode, Frame, FrameType, encode, json_payload, parse, parse_header
 from prfaas.transport.inproc import InProcessChannel, InProcessReceiver
 from prfaas.transport.outbound import OutboundTransfer
-from prfaas.transport.receiver_core import Session
+from prfaas.transport.receiver_core import Discard, ReceiverCore, Session
 from prfaas.transport.tickets import TicketSigner
 
 
@@ -142,3 +142,40 @@ def test_a_late_open_on_another_connection_is_told_how_the_shipment_ended(
     reply = core.handle(open_frame, True, late)[-1]
     code = reply.json()["code"] if reply.type is FrameType.ERROR else None
     assert (reply.type, code) == expected
+
+
+@pytest.mark.parametrize(
+    ("end", "expected"),
+    [("cancel", (FrameType.CANCEL, None)), ("deadline", (FrameType.ERROR, ErrorCode.DEADLINE))],
+)
+def test_a_chunk_in_flight_when_the_shipment_ended_is_told_how_it_ended(
+    kit: Kit, end: str, expected: tuple[FrameType, str | None]
+) -> None:
+    """A pooled sender's other streams still carry chunks when the receiver ends a shipment. Each must
+    be answered as the shipment ended, not "not open on this connection": that UNKNOWN_SHIPMENT error
+    reached the sender before the CANCEL on another stream and failed a canceled transfer (seen in CI:
+    test_conformance's test_receiver_cancel_reaches_the_sender[tcp], 2 runs in 12)."""
+    core = InProcessReceiver(kit.verifier).core
+    spec = kit.spec(num_layers=1, shape=(1, 8, 64), chunk_bytes=4096)
+    inbound = core.expect(spec.job_id, spec.attempt, 10, tenant="acme")
+    transfer = OutboundTransfer(Shipment(spec), lambda chunks: None)
+    session = Session(lambda frame: None)
+    core.handle(Frame(FrameType.HELLO, payload=json_payload({"versions": [1]})), True, session)
+    core.handle(parse(transfer.open_frame)[0], True, session)
+    if end == "cancel":
+        inbound.cancel("client went away")
+    else:
+        inbound.fail(TransferTimeout("past its deadline"))
+    assert core.num_expected == 0  # ended and forgotten: only its end is remembered
+    size = spec.part_bytes(0)
+    data = Frame(FrameType.DATA, transfer.job, spec.attempt, 0, 0, 0, 0, 1, size, bytes(size))
+    for reply in (core.handle(*parse(encode(data)), session)[-1], _discarded(core, data, session)):
+        code = reply.json()["code"] if reply.type is FrameType.ERROR else None
+        assert (reply.type, code) == expected
+
+
+def _discarded(core: ReceiverCore, data: Frame, session: Session) -> Frame:
+    """The reply the TCP receiver's path (data_slot) gives a DATA frame it does not want."""
+    slot = core.data_slot(parse_header(encode(data)[:HEADER_SIZE]), session)
+    assert isinstance(slot, Discard)
+    return slot.replies[-1]
