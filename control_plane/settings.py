@@ -3,12 +3,17 @@ process of it (API, Celery worker, beat), validated at start. Secrets that look 
 unless `dev` is set.
 
 Flat fields read `PRFAAS_<FIELD>` (`PRFAAS_REDIS_URL`). Sections are small models read as
-`PRFAAS_<SECTION>_<FIELD>`: `ledger` (`PRFAAS_LEDGER_URL`), `prices` (`PRFAAS_PRICES_PATH`), `aws`
-(`PRFAAS_AWS_ENDPOINT_URL`, `PRFAAS_AWS_TIMEOUT_S`), `pricing` (`PRFAAS_PRICING_ENDPOINT_URL`,
-`PRFAAS_PRICING_REGION`), `prefix` (`PRFAAS_PREFIX_BLOCK_TOKENS`, `PRFAAS_PREFIX_SCOPE`) and `tls`
-(`PRFAAS_TLS_CA`, `PRFAAS_TLS_CERT`, `PRFAAS_TLS_KEY`: the control plane's certificate, its key and the
-deployment's CA, each a path or the PEM itself). In code:
-`Settings(ledger={"url": ...})` or `settings.ledger.url`."""
+`PRFAAS_<SECTION>_<FIELD>` (the env name splits at its first `_` only, so `PRFAAS_DEFAULT_BUDGET_USD` is
+`default.budget_usd`): `job` (`PRFAAS_JOB_TTL_S`, `PRFAAS_JOB_TIMEOUT_S`), `dispatch`
+(`PRFAAS_DISPATCH_VISIBILITY_S`, `PRFAAS_DISPATCH_TIMEOUT_S`), `lease` (`PRFAAS_LEASE_FLOOR_S`,
+`PRFAAS_LEASE_FACTOR`), `default` (`PRFAAS_DEFAULT_RPS`, `_CONCURRENCY`, `_BUDGET_USD`, `_MAX_TOKENS`,
+`_TEMPERATURE`), `admission` (`PRFAAS_ADMISSION_HOLD_S`, `PRFAAS_ADMISSION_PLACEMENT`), `ledger`
+(`PRFAAS_LEDGER_URL`), `prices` (`PRFAAS_PRICES_PATH`), `aws` (`PRFAAS_AWS_ENDPOINT_URL`,
+`PRFAAS_AWS_TIMEOUT_S`), `pricing` (`PRFAAS_PRICING_ENDPOINT_URL`, `PRFAAS_PRICING_REGION`), `prefix`
+(`PRFAAS_PREFIX_BLOCK_TOKENS`, `PRFAAS_PREFIX_SCOPE`) and `tls` (`PRFAAS_TLS_CA`, `PRFAAS_TLS_CERT`,
+`PRFAAS_TLS_KEY`: the control plane's certificate, its key and the deployment's CA, each a path or the PEM
+itself). In code: `Settings(ledger={"url": ...})` or `settings.ledger.url`. A flat field's first word is
+never a section's name (`PRFAAS_JOB_X` would be read as `job.x`)."""
 
 from __future__ import annotations
 
@@ -77,6 +82,59 @@ class PrefixSection(_Section):
     scope: Literal["tenant", "global", "off"] = "tenant"
 
 
+class JobSection(_Section):
+    """A job's life in Redis: `PRFAAS_JOB_TIMEOUT_S`, the deadline of the whole job; `PRFAAS_JOB_TTL_S`, how
+    long its keys outlive its end."""
+
+    ttl_s: int = Field(default=7 * 86400, ge=1, description="finished jobs are kept this long in Redis")
+    timeout_s: float = Field(default=300.0, gt=0, description="deadline of a whole job, as the API waits")
+
+
+class DispatchSection(_Section):
+    """Celery dispatch: `PRFAAS_DISPATCH_VISIBILITY_S` (the broker's visibility timeout) and
+    `PRFAAS_DISPATCH_TIMEOUT_S` (the ceiling of a stage's lease)."""
+
+    visibility_s: int = Field(
+        default=60, ge=1, description="a dispatch task not acknowledged this long is handed to another worker"
+    )
+    timeout_s: float = Field(default=120.0, gt=0, description="longest lease of one attempt's prefill")
+
+
+class LeaseSection(_Section):
+    """A stage's lease (jobs/dispatch.py): `PRFAAS_LEASE_FACTOR` x the scheduler's predicted TTFT, at least
+    `PRFAAS_LEASE_FLOOR_S`, at most `dispatch.timeout_s`."""
+
+    floor_s: float = Field(default=30.0, gt=0, description="shortest lease of a prefill (or reship) stage")
+    factor: float = Field(default=4.0, ge=1, description="a stage's lease: this x the scheduler's prediction")
+
+
+class DefaultSection(_Section):
+    """What is not given: a new tenant's limits (`PRFAAS_DEFAULT_RPS`, `PRFAAS_DEFAULT_CONCURRENCY`,
+    `PRFAAS_DEFAULT_BUDGET_USD`) and a request's `max_tokens` and `temperature` (`PRFAAS_DEFAULT_MAX_TOKENS`,
+    `PRFAAS_DEFAULT_TEMPERATURE`)."""
+
+    rps: float = Field(default=50.0, gt=0, description="tenant default: requests per second")
+    concurrency: int = Field(default=16, ge=1, description="tenant default: concurrent jobs")
+    budget_usd: float = Field(default=100.0, ge=0, description="tenant default: monthly $ budget")
+    max_tokens: int = Field(default=16, ge=1, description="for requests without one (OpenAI's completions default)")
+    temperature: float = Field(
+        default=0.0, ge=0.0, le=2.0, description="for requests without one: 0 (greedy, reproducible); vLLM uses 1"
+    )
+
+
+class AdmissionSection(_Section):
+    """Admission (jobs/store.py, api/completions.py): `PRFAAS_ADMISSION_HOLD_S`, `PRFAAS_ADMISSION_PLACEMENT`."""
+
+    hold_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a request admitted before its prompt is tokenized holds its concurrency slot this long at most",
+    )
+    placement: bool = Field(
+        default=True, description="the API places local jobs itself at admission (no Celery round trip)"
+    )
+
+
 class Settings(BaseSettings):
     """One per control-plane deployable (API process, Celery worker, registry)."""
 
@@ -99,28 +157,13 @@ class Settings(BaseSettings):
     measure_links: bool = Field(
         default=True, description="move the configured links by what the KV senders measure; false: configured only"
     )
-    job_ttl_s: int = Field(default=7 * 86400, ge=1, description="finished jobs are kept this long in Redis")
     max_attempts: int = Field(default=3, ge=1, description="dispatch attempts before a job is FAILED")
     backoff_s: float = Field(default=0.2, ge=0, description="first retry backoff; doubles each attempt, +-50% jitter")
-    dispatch_visibility_s: int = Field(
-        default=60, ge=1, description="a dispatch task not acknowledged this long is handed to another worker"
-    )
-    dispatch_timeout_s: float = Field(default=120.0, gt=0, description="longest lease of one attempt's prefill")
-    lease_floor_s: float = Field(default=30.0, gt=0, description="shortest lease of a prefill (or reship) stage")
-    lease_factor: float = Field(default=4.0, ge=1, description="a stage's lease: this x the scheduler's prediction")
     beat_s: float = Field(default=1.0, gt=0, description="workers and API processes beat this often")
     dead_after_s: float = Field(default=3.0, gt=0, description="a worker or API process silent this long is dead")
     sweep_s: float = Field(default=1.0, gt=0, description="the sweeper looks for overrun leases this often")
-    job_timeout_s: float = Field(default=300.0, gt=0, description="deadline of a whole job, as the API waits")
     tenant_cache_ttl_s: float = Field(
         default=60.0, gt=0, description="tenants and keys cached in Redis are read from the database again after this"
-    )
-    default_rps: float = Field(default=50.0, gt=0, description="tenant default: requests per second")
-    default_concurrency: int = Field(default=16, ge=1, description="tenant default: concurrent jobs")
-    default_budget_usd: float = Field(default=100.0, ge=0, description="tenant default: monthly $ budget")
-    default_max_tokens: int = Field(default=16, ge=1)
-    default_temperature: float = Field(
-        default=0.0, ge=0.0, le=2.0, description="for requests without one: 0 (greedy, reproducible); vLLM uses 1"
     )
     max_new_tokens_limit: int = Field(default=4096, ge=1)
     max_body_bytes: int = Field(
@@ -129,17 +172,14 @@ class Settings(BaseSettings):
         description="largest request body (413 beyond, counted while reading, chunked bodies too); 8 MiB holds a "
         "128k-token prompt as token ids (~1 MB of JSON) several times over",
     )
-    admission_hold_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="a request admitted before its prompt is tokenized holds its concurrency slot this long at most",
-    )
-    admission_placement: bool = Field(
-        default=True, description="the API places local jobs itself at admission (no Celery round trip)"
-    )
     snapshot_ttl_s: float = Field(default=0.25, ge=0, description="how stale the API's view of the fleet may be")
     ttft_slo_ms: float = Field(default=600_000.0, gt=0, description="SLO given to the scheduler")
     tpot_slo_ms: float = Field(default=60_000.0, gt=0)
+    job: JobSection = Field(default_factory=JobSection)
+    dispatch: DispatchSection = Field(default_factory=DispatchSection)
+    lease: LeaseSection = Field(default_factory=LeaseSection)
+    default: DefaultSection = Field(default_factory=DefaultSection)
+    admission: AdmissionSection = Field(default_factory=AdmissionSection)
     ledger: LedgerSection = Field(default_factory=LedgerSection)
     prices: PricesSection = Field(default_factory=PricesSection)
     aws: AwsSection = Field(default_factory=AwsSection)

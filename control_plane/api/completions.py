@@ -138,10 +138,10 @@ def _run(
     response: `n` choices per prompt, `index` = prompt x n + choice (OpenAI's numbering). A batch's
     prompts run side by side; one refused at admission ends the others (a batch is one request)."""
     s, tenant = g.services, g.tenant
-    max_new = max_tokens or s.settings.default_max_tokens
+    max_new = max_tokens or s.settings.default.max_tokens
     if max_new > s.settings.max_new_tokens_limit:
         raise PROMPT_TOO_LONG.error(param="max_tokens")
-    params = sampling_spec(body, max_new, len(s.model.tokenizer), s.settings.default_temperature)
+    params = sampling_spec(body, max_new, len(s.model.tokenizer), s.settings.default.temperature)
     for prompt, _ in runs:
         if isinstance(prompt, list) and len(prompt) + max_new > s.model.max_context:
             raise PROMPT_TOO_LONG.error(param=_param(kind))
@@ -285,7 +285,7 @@ def _create(
     asked |= {"max_new_tokens": str(max_new * params.n), "placement_asked": placement} | blocks  # not 100k ids
     asked |= objectives
     placing = time.time_ns()
-    placed = g.follower.placer.place(asked, hand_off=s.settings.admission_placement)
+    placed = g.follower.placer.place(asked, hand_off=s.settings.admission.placement)
     tracing.span_at("api.placement", span, placing, time.time_ns(),
                     {"prfaas.placement": str(placed.fields.get("placement_chosen", "dispatched"))})  # fmt: skip
     created = s.jobs.create(

@@ -23,7 +23,7 @@ def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
     now = time.time()
     for tenant in s.tenants.all():
         index = s.settings.key("tenant", tenant.id, "jobs")
-        for raw in s.redis.zrangebyscore(index, now - window_s - s.settings.job_timeout_s, now):  # type: ignore[union-attr]
+        for raw in s.redis.zrangebyscore(index, now - window_s - s.settings.job.timeout_s, now):  # type: ignore[union-attr]
             job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
             try:
                 job = s.jobs.get(job_id)

@@ -81,7 +81,7 @@ class Attempts:
         self.enqueue(job_id, 0.0)
 
     def _queued_lease(self, job_id: str, attempt: int, countdown_s: float) -> Lease:
-        deadline = time.time() + countdown_s + self.settings.dispatch_visibility_s
+        deadline = time.time() + countdown_s + self.settings.dispatch.visibility_s
         lease = Lease(job_id, attempt, "queued", self.owner, "", deadline)
         self.leases.grant(lease)
         return lease

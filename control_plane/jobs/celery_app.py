@@ -30,7 +30,7 @@ def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
         # kombu sweeps for unacked messages past visibility_timeout only every interval x throttle
         # (10 s x 10 by default): sweep each second, or a dead worker's dispatch waits ~100 s more
         broker_transport_options={
-            "visibility_timeout": settings.dispatch_visibility_s,
+            "visibility_timeout": settings.dispatch.visibility_s,
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
         },

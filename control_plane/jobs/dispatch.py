@@ -6,7 +6,7 @@ loop per worker process), which records each transition. Tokens do not pass thro
 process streams from the decode region itself.
 
 Each stage runs under a lease (jobs/leases.py) whose deadline is the scheduler's prediction for
-it times `lease_factor` (at least `lease_floor_s`, at most `dispatch_timeout_s`), and the
+it times `lease.factor` (at least `lease.floor_s`, at most `dispatch.timeout_s`), and the
 prefill region is given the same deadline. The sweeper (jobs/sweeper.py) takes back what
 overran its lease or whose worker stopped beating. A failed attempt goes to jobs/attempts.py:
 the next attempt, after a backoff, leaving out the instances that failed it, up to
@@ -91,12 +91,12 @@ class Dispatcher:
         return Lease(job_id, attempt, stage, self.owner, where, time.time() + seconds)
 
     def lease_s(self, decision: Decision) -> float:
-        """A stage's lease: `lease_factor` x the scheduler's predicted TTFT (queue, prefill and
-        transfer), within [lease_floor_s, dispatch_timeout_s]."""
+        """A stage's lease: `lease.factor` x the scheduler's predicted TTFT (queue, prefill and
+        transfer), within [lease.floor_s, dispatch.timeout_s]."""
         settings = self.s.settings
         predicted = decision.predicted_ttft_ms / 1000.0
-        wanted = settings.lease_factor * predicted if predicted == predicted else settings.dispatch_timeout_s
-        return min(settings.dispatch_timeout_s, max(settings.lease_floor_s, wanted))
+        wanted = settings.lease.factor * predicted if predicted == predicted else settings.dispatch.timeout_s
+        return min(settings.dispatch.timeout_s, max(settings.lease.floor_s, wanted))
 
     def run(self, job_id: str) -> str:
         """Start `job_id`'s current attempt (its prefill, or its hand-off); returns the outcome."""
@@ -136,7 +136,7 @@ class Dispatcher:
         """No region can take the job now. The fleet's view may be stale (no heartbeats while the
         registry's process restarts, every region busy): the same attempt is tried again every
         `UNPLACED_RETRY_S` until the job's deadline, then FAILED with the reason."""
-        deadline = float(job.get("created_at", 0)) + self.s.settings.job_timeout_s
+        deadline = float(job.get("created_at", 0)) + self.s.settings.job.timeout_s
         if time.time() + UNPLACED_RETRY_S < deadline and self.attempts.unclaim(job_id, attempt, UNPLACED_RETRY_S):
             log.info("job %s attempt %d: %s; again in %.0f s", job_id, attempt, reason, UNPLACED_RETRY_S)
             return "unplaced"

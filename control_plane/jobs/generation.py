@@ -110,7 +110,7 @@ class Follower:
         """FAILED with `reason`, for a job this process can no longer follow (Redis unreachable): tried on a
         thread of its own every second until Redis answers (or the job's deadline), so that a Redis that comes
         back with its data does not keep the job running for nobody; a Redis that comes back empty lost it."""
-        deadline = time.monotonic() + self.s.settings.job_timeout_s
+        deadline = time.monotonic() + self.s.settings.job.timeout_s
 
         def fail() -> None:
             while time.monotonic() < deadline:
@@ -134,7 +134,7 @@ class Follower:
                 output: Outputs, parent: tracing.Span | None) -> Generator[Token, None, bool]:  # fmt: skip
         """The tokens; returns True when the DONE move also ended this process's follow of the job."""
         jobs = self.s.jobs
-        deadline = time.monotonic() + self.s.settings.job_timeout_s
+        deadline = time.monotonic() + self.s.settings.job.timeout_s
         info = ready
         conflicts = 0
         while True:
@@ -148,7 +148,7 @@ class Follower:
                 if job["state"] == JobState.DONE:
                     raise JobEnded("DONE", "finished elsewhere")
                 self.cancel(job_id, "deadline")
-                raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job_timeout_s:g} s")
+                raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job.timeout_s:g} s")
             attempt = int(info["attempt"])
             after = attempt
             if job is None:
@@ -244,7 +244,7 @@ class Follower:
             raise JobEnded("FAILED", STORE_LOST) from None
 
     def _attached(self, job_id: str) -> Iterator[Token]:
-        deadline = time.monotonic() + self.s.settings.job_timeout_s
+        deadline = time.monotonic() + self.s.settings.job.timeout_s
         self.log.attach(job_id, 1)
         try:
             seen = 0
@@ -269,7 +269,7 @@ class Follower:
                             yield token
                     return
                 if time.monotonic() >= deadline:
-                    raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job_timeout_s:g} s")
+                    raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job.timeout_s:g} s")
         finally:
             self.log.attach(job_id, -1)
 

@@ -9,10 +9,10 @@ Admission is two scripts around tokenizing (api/completions.py): `admit` (idempo
 headroom, concurrency cap, rate limit; the request then holds a concurrency slot) runs before the
 prompt is tokenized, so a tenant over a limit costs no tokenizer time; `create` reserves the job's
 predicted $ within the budget and writes the job. A request refused in between (`release`) gives its
-slot and its rate count back; a slot never given back (the process died) lapses after `admission_hold_s`.
+slot and its rate count back; a slot never given back (the process died) lapses after `admission.hold_s`.
 
 Keys (prefix `p`): `p:job:{id}` hash, `p:job:{id}:timeline` list of JSON entries (both expire
-`job_timeout_s + job_ttl_s` after creation, `job_ttl_s` after a terminal move), `p:job:{id}:ready`
+`job.timeout_s + job.ttl_s` after creation, `job.ttl_s` after a terminal move), `p:job:{id}:ready`
 list (dispatch -> API: where to decode), `p:tenant:{t}:jobs` zset (created at; entries past the keys'
 TTL trimmed at each creation), `p:tenant:{t}:active` set, `p:tenant:{t}:admitting` zset (admitted,
 not yet created: job id -> hold deadline), `p:tenant:{t}:spend:{YYYYMM}` float,
@@ -43,7 +43,7 @@ from prfaas.control_plane.tenants import Quota
 class Admission:
     """A request let in before its prompt is tokenized (`JobStore.admit`). Unless `existing`, it holds a
     concurrency slot and a rate count until `JobStore.create` writes its job or `JobStore.release` gives
-    them back (or `admission_hold_s` passes)."""
+    them back (or `admission.hold_s` passes)."""
 
     tenant: str
     job_id: str  # the job to create; `existing`: the job an earlier request with the same key created
@@ -116,7 +116,7 @@ class JobStore:
         now = time.time()
         k = self.settings.key
         rate_key = k("tenant", tenant, "rate", str(int(now)))
-        hold_s = self.settings.admission_hold_s
+        hold_s = self.settings.admission.hold_s
         keys = [
             self._idem(tenant, idempotency_key), self.spend_key(tenant, now), self.reservation_keys(tenant)[1],
             k("tenant", tenant, "active"), k("tenant", tenant, "admitting"), rate_key,
@@ -177,8 +177,8 @@ class JobStore:
             self.spend_key(tenant, now), *self.reservation_keys(tenant), self._idem(tenant, admission.idempotency_key),
             self._job(job_id) + ":ready" if handed_off else "", s.key("following") if follow_as else "",
         ]  # fmt: skip
-        keep_s = int(s.job_timeout_s) + s.job_ttl_s  # a live job's keys: its deadline, then as long as a finished one
-        args: list[Any] = [job_id, now, quota.budget_usd, repr(float(reserve_usd)), keep_s, now - keep_s, s.job_ttl_s]
+        keep_s = int(s.job.timeout_s) + s.job.ttl_s  # a live job's keys: its deadline, then as long as a finished one
+        args: list[Any] = [job_id, now, quota.budget_usd, repr(float(reserve_usd)), keep_s, now - keep_s, s.job.ttl_s]
         args.append(admission.body_hash)
         start: list[Any] = ["", "", ""]
         if handed_off:
@@ -224,7 +224,7 @@ class JobStore:
             self._job(job_id) + ":readers",
             self.settings.key("following") if unfollow else "",
         ]
-        args: list[Any] = [target.value, attempt, time.time(), self.settings.job_ttl_s, note, cost_usd, len(fields),
+        args: list[Any] = [target.value, attempt, time.time(), self.settings.job.ttl_s, note, cost_usd, len(fields),
                            *flat, log_token or "", unfollow]  # fmt: skip
         code, state, current = self._transition(keys=keys, args=args)
         code = _text(code)
@@ -310,7 +310,7 @@ class JobStore:
         key = self._job(job_id) + ":ready"
         with self.redis.pipeline() as pipe:
             pipe.rpush(key, json.dumps({"attempt": attempt} | info))
-            pipe.expire(key, self.settings.job_ttl_s)
+            pipe.expire(key, self.settings.job.ttl_s)
             pipe.publish(self._job(job_id) + ":notify", attempt)
             pipe.execute()
 

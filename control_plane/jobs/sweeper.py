@@ -1,6 +1,6 @@
 """The sweeper: every `sweep_s`, in every worker process, it takes back what nobody will finish.
 
-- A lease past its deadline (the stage overran the scheduler's prediction x `lease_factor`), or
+- A lease past its deadline (the stage overran the scheduler's prediction x `lease.factor`), or
   whose owner stopped beating (its worker died: SIGKILL, OOM, host lost): the attempt is
   stopped in its regions (prefill canceled, decode reservation released, both best effort) and
   handed to jobs/attempts.py: the next attempt (an overrun leaves its instance out), or FAILED.

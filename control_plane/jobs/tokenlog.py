@@ -2,7 +2,7 @@
 reason, stop reason, logprobs] whose index is the token's (`p:job:{id}:tokens`). A request that attaches to a running
 job (an Idempotency-Key retry) reads its tokens from here instead of decoding again; attached
 readers are counted (`p:job:{id}:readers`) and woken through the job's notify channel, which
-the log publishes to only while someone is attached. Both keys live `job_ttl_s`."""
+the log publishes to only while someone is attached. Both keys live `job.ttl_s`."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class TokenLog:
         """Append the job's next token (its index is its place in the log); wakes attached
         readers, if any (a job nobody attached to publishes nothing)."""
         key = self.settings.key("job", job_id)
-        args = [token.entry(), self.settings.job_ttl_s]
+        args = [token.entry(), self.settings.job.ttl_s]
         self._log(keys=[key + ":tokens", key + ":readers", key + ":notify"], args=args)
 
     def logged_tokens(self, job_id: str, start: int) -> list[Token]:
@@ -87,7 +87,7 @@ class TokenLog:
         key = self.settings.key("job", job_id) + ":readers"
         with self.redis.pipeline() as pipe:
             pipe.incrby(key, readers)
-            pipe.expire(key, self.settings.job_ttl_s)
+            pipe.expire(key, self.settings.job.ttl_s)
             count, _ = pipe.execute()
         return int(count)
 

@@ -60,12 +60,12 @@ class TenantStore:
     # -- operators' writes: the database, then the cache -------------------------------------------------
 
     def create(self, name: str, limits: TenantChanges | None = None) -> Tenant:
-        """A new active tenant; limits left None take the settings' defaults (`default_rps`, ...)."""
+        """A new active tenant; limits left None take the settings' defaults (`default.rps`, ...)."""
         s = self.settings
         now = time.time()
         fields = (
-            {"status": TenantStatus.ACTIVE.value, "allow_placement": False, "rps": s.default_rps,
-             "concurrency": s.default_concurrency, "budget_usd": s.default_budget_usd}
+            {"status": TenantStatus.ACTIVE.value, "allow_placement": False, "rps": s.default.rps,
+             "concurrency": s.default.concurrency, "budget_usd": s.default.budget_usd}
             | (limits or TenantChanges()).fields()
         )  # fmt: skip
         row = TenantRow(id="t-" + uuid.uuid4().hex[:16], name=name, created_at=now, updated_at=now, **fields)

@@ -147,7 +147,7 @@ def test_celery_worker_killed_mid_dispatch_another_worker_finishes_the_job(stack
     first = stack.workers["w1"]
     first.send_signal(signal.SIGKILL)  # the worker is following the slow prefill's events
     first.wait(5)
-    stack.start_worker("w2")  # the unacked task comes back to it after dispatch_visibility_s (3 s)
+    stack.start_worker("w2")  # the unacked task comes back to it after dispatch.visibility_s (3 s)
     retried_once_and_answered(stack, key, job_id, call, replies, prompt, 40)
 
 

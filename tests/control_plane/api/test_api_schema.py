@@ -19,7 +19,7 @@ from prfaas.control_plane.app import create_app
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[tuple[FastAPI, str]]:
-    for s in settings_fixture(job_timeout_s=1):
+    for s in settings_fixture(job={"timeout_s": 1}):
         application = create_app(s)
         with TestClient(application) as client:
             tenant = client.post(

@@ -44,7 +44,7 @@ def path_to(target: JobState) -> list[JobState]:
 @pytest.fixture(scope="module")
 def store() -> Iterator[JobStore]:
     settings: Settings
-    for settings in settings_fixture(job_ttl_s=60):
+    for settings in settings_fixture(job={"ttl_s": 60}):
         client = redis.Redis.from_url(settings.redis_url)
         yield JobStore(client, settings)
         client.close()

@@ -14,7 +14,7 @@ from cp_kit import settings_fixture
 from prfaas.control_plane.jobs.errors import AdmissionRefused, IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.jobs.store import JobStore
-from prfaas.control_plane.settings import Settings
+from prfaas.control_plane.settings import AdmissionSection, Settings
 from prfaas.control_plane.tenants import Quota
 
 ROOMY = Quota(rps=1000, concurrency=1000, budget_usd=1000)
@@ -22,7 +22,7 @@ ROOMY = Quota(rps=1000, concurrency=1000, budget_usd=1000)
 
 @pytest.fixture
 def settings() -> Iterator[Settings]:
-    yield from settings_fixture(job_ttl_s=60)
+    yield from settings_fixture(job={"ttl_s": 60})
 
 
 @pytest.fixture
@@ -193,7 +193,7 @@ def test_a_refused_admission_gives_its_slot_and_rate_count_back(store: JobStore)
 
 def test_an_admission_never_created_lapses_after_the_hold(settings: Settings) -> None:
     client = redis.Redis.from_url(settings.redis_url)
-    store = JobStore(client, settings.model_copy(update={"admission_hold_s": 0.3}))
+    store = JobStore(client, settings.model_copy(update={"admission": AdmissionSection(hold_s=0.3)}))
     quota = Quota(rps=100, concurrency=1, budget_usd=10)
     store.admit("acme", quota)  # its process died while tokenizing: nobody releases it
     with pytest.raises(AdmissionRefused, match="concurrency"):
@@ -266,7 +266,7 @@ def test_idempotency_key_with_another_body_is_refused(store: JobStore) -> None:
 
 def test_job_keys_expire_from_creation_and_the_index_is_trimmed(store: JobStore) -> None:
     index = store.settings.key("tenant", "acme", "jobs")
-    keep_s = int(store.settings.job_timeout_s) + store.settings.job_ttl_s
+    keep_s = int(store.settings.job.timeout_s) + store.settings.job.ttl_s
     store.redis.zadd(index, {"long-gone": time.time() - keep_s - 1, "recent": time.time() - 10})
     job = store.create("acme", {}, ROOMY).job_id
     assert set(store.redis.zrange(index, 0, -1)) == {b"recent", job.encode()}  # trimmed in the creating script
@@ -274,10 +274,10 @@ def test_job_keys_expire_from_creation_and_the_index_is_trimmed(store: JobStore)
         assert keep_s - 5 < store.redis.ttl(key) <= keep_s  # a job nobody ends still goes away
     second = store.create("acme", {}, ROOMY).job_id
     store.transition(job, JobState.CANCELED, 0)
-    assert store.redis.ttl(store.settings.key("job", job)) <= store.settings.job_ttl_s  # the shorter TTL
-    assert store.redis.ttl(index) > store.settings.job_ttl_s  # a live job still names it
+    assert store.redis.ttl(store.settings.key("job", job)) <= store.settings.job.ttl_s  # the shorter TTL
+    assert store.redis.ttl(index) > store.settings.job.ttl_s  # a live job still names it
     store.transition(second, JobState.CANCELED, 0)
-    assert 0 < store.redis.ttl(index) <= store.settings.job_ttl_s  # the last live job ended: so may the index
+    assert 0 < store.redis.ttl(index) <= store.settings.job.ttl_s  # the last live job ended: so may the index
 
 
 def test_the_follow_is_written_with_the_job_and_ended_by_the_move_that_ends_it(store: JobStore) -> None:
