@@ -33,9 +33,11 @@ locals {
   # only in the decode region, a replica uses its region's aws/secretsmanager key
   wiring = {
     for slot in keys(var.regions) : slot => {
-      control_plane_url     = module.control_plane.registry_target
-      ticket_key_secret_arn = local.ticket_arns[slot]
-      ticket_key_kms_arn    = slot == "decode" ? module.control_plane.ticket_key_kms_arn : ""
+      control_plane_url = module.control_plane.registry_target
+      ticket_key_secret = {
+        arn     = local.ticket_arns[slot]
+        kms_arn = slot == "decode" ? module.control_plane.ticket_key_kms_arn : ""
+      }
     }
   }
   # a prefill slot's VPC peers with the decode slot's
@@ -59,10 +61,8 @@ module "control_plane" {
   providers = { aws = aws.decode }
 
   name                       = var.name
-  vpc_id                     = module.slot_decode.vpc.id
-  vpc_cidr                   = module.slot_decode.vpc.cidr
-  private_subnet_ids         = module.slot_decode.subnet_ids.private
-  public_subnet_ids          = module.slot_decode.subnet_ids.public
+  vpc                        = module.slot_decode.vpc
+  subnet_ids                 = module.slot_decode.subnet_ids
   certificate_arn            = var.certificate_arn
   container_image            = var.container_image
   model                      = var.model

@@ -2,11 +2,8 @@
 # `prfaas regions import outputs.json --apply` (outputs.sample.json shows the shape).
 
 output "control_plane" {
-  description = "where tenants (the ALB) and regions (the registry's NLB) reach the control plane"
-  value = {
-    api_url         = module.control_plane.api_url
-    registry_target = module.control_plane.registry_target
-  }
+  description = "where tenants (the ALB) and regions (the registry's NLB) reach the control plane: {api_url, registry_target}"
+  value       = module.control_plane.endpoints
 }
 
 output "regions" {

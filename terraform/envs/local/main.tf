@@ -21,9 +21,7 @@ module "control_plane" {
 
   python             = var.python
   run_dir            = local.run_dir
-  api_port           = var.api_port
-  registry_port      = var.registry_port
-  redis_port         = var.redis_port
+  ports              = { api = var.api_port, registry = var.registry_port, redis = var.redis_port }
   redis_url          = var.redis_url
   admin_key          = var.admin_key
   ticket_key         = var.ticket_key
@@ -48,14 +46,4 @@ module "region" {
   python            = var.python
   run_dir           = local.run_dir
   dev               = var.dev
-}
-
-moved {
-  from = module.prefill
-  to   = module.region["prefill"]
-}
-
-moved {
-  from = module.decode
-  to   = module.region["decode"]
 }

@@ -1,11 +1,8 @@
 # The same outputs as envs/aws-example: `prfaas regions import` reads `terraform output -json`.
 
 output "control_plane" {
-  description = "where tenants and regions reach the control plane (inside the network namespace)"
-  value = {
-    api_url         = module.control_plane.api_url
-    registry_target = module.control_plane.registry_target
-  }
+  description = "where tenants and regions reach the control plane (inside the network namespace): {api_url, registry_target}"
+  value       = module.control_plane.endpoints
 }
 
 output "regions" {

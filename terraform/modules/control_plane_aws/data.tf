@@ -1,14 +1,21 @@
 # State: ElastiCache Redis (TLS, auth token, encrypted, multi-AZ) for jobs, tenants, the
 # registry and the Celery broker; RDS PostgreSQL (encrypted, private) for the ledger.
 
+# both stores live in the private subnets
 resource "aws_elasticache_subnet_group" "this" {
-  name       = "prfaas-${var.name}"
-  subnet_ids = var.private_subnet_ids
+  name       = local.name
+  subnet_ids = var.subnet_ids.private
   tags       = var.tags
 }
 
+resource "aws_db_subnet_group" "this" {
+  name_prefix = "${local.name}-"
+  subnet_ids  = var.subnet_ids.private
+  tags        = var.tags
+}
+
 resource "aws_elasticache_replication_group" "this" {
-  replication_group_id       = "prfaas-${var.name}"
+  replication_group_id       = local.name
   description                = "prfaas ${var.name}: jobs, tenants, registry, Celery broker"
   engine                     = "redis"
   engine_version             = "7.1"
@@ -29,14 +36,8 @@ resource "aws_elasticache_replication_group" "this" {
   tags                       = var.tags
 }
 
-resource "aws_db_subnet_group" "this" {
-  name_prefix = "prfaas-${var.name}-"
-  subnet_ids  = var.private_subnet_ids
-  tags        = var.tags
-}
-
 resource "aws_db_parameter_group" "ledger" {
-  name_prefix = "prfaas-${var.name}-"
+  name_prefix = "${local.name}-"
   family      = "postgres16"
   parameter {
     name  = "log_statement"
@@ -55,7 +56,7 @@ resource "aws_db_parameter_group" "ledger" {
 }
 
 resource "aws_db_instance" "ledger" {
-  identifier_prefix                   = "prfaas-${var.name}-"
+  identifier_prefix                   = "${local.name}-"
   engine                              = "postgres"
   engine_version                      = "16"
   instance_class                      = var.db_instance_class
@@ -81,6 +82,6 @@ resource "aws_db_instance" "ledger" {
   performance_insights_kms_key_id     = module.kms.arn
   enabled_cloudwatch_logs_exports     = ["postgresql", "upgrade"]
   skip_final_snapshot                 = false
-  final_snapshot_identifier           = "prfaas-${var.name}-final"
+  final_snapshot_identifier           = "${local.name}-final"
   tags                                = var.tags
 }

@@ -5,7 +5,7 @@ resource "aws_lb" "api" {
   name_prefix                = "prfaas"
   load_balancer_type         = "application"
   internal                   = var.internal_api
-  subnets                    = var.internal_api ? var.private_subnet_ids : var.public_subnet_ids
+  subnets                    = var.internal_api ? var.subnet_ids.private : var.subnet_ids.public
   security_groups            = [module.security_groups.ids["alb"]]
   drop_invalid_header_fields = true
   enable_deletion_protection = true
@@ -26,7 +26,7 @@ resource "aws_lb_target_group" "api" {
   port        = 8000
   protocol    = "HTTP"
   target_type = "ip"
-  vpc_id      = var.vpc_id
+  vpc_id      = var.vpc.id
   health_check {
     path    = "/readyz"
     matcher = "200"
@@ -65,7 +65,7 @@ resource "aws_lb_listener" "http_redirect" {
 # --- WAF on the ALB ----------------------------------------------------------------------------
 
 resource "aws_wafv2_web_acl" "api" {
-  name  = "prfaas-${var.name}"
+  name  = local.name
   scope = "REGIONAL"
   default_action {
     allow {}
@@ -140,7 +140,7 @@ resource "aws_wafv2_web_acl" "api" {
   }
   visibility_config {
     cloudwatch_metrics_enabled = true
-    metric_name                = "prfaas-${var.name}"
+    metric_name                = local.name
     sampled_requests_enabled   = true
   }
   tags = var.tags
@@ -163,7 +163,7 @@ resource "aws_s3_bucket" "logs" {
   #checkov:skip=CKV_AWS_144:load-balancer access logs are kept in-region for 400 days; cross-region replication doubles cost for no recovery need
   #checkov:skip=CKV2_AWS_62:nothing consumes events of access-log objects
   #checkov:skip=CKV_AWS_145:ELB log delivery supports only SSE-S3 (AES256), not SSE-KMS
-  bucket_prefix = "prfaas-${var.name}-lb-logs-"
+  bucket_prefix = "${local.name}-lb-logs-"
   force_destroy = false
   tags          = var.tags
 }

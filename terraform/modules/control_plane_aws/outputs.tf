@@ -1,11 +1,15 @@
-output "api_url" {
-  description = "base URL of the API (OpenAI clients use API_URL/v1)"
-  value       = "https://${aws_lb.api.dns_name}"
+locals {
+  registry_target = "${aws_lb.registry.dns_name}:${var.registry_port}"
+}
+
+output "endpoints" {
+  description = "where tenants and regions reach the control plane: `api_url`, the API's base URL on the ALB (OpenAI clients use API_URL/v1), and `registry_target`, the registry's NLB (an environment outputs it as `control_plane`)"
+  value       = { api_url = "https://${aws_lb.api.dns_name}", registry_target = local.registry_target }
 }
 
 output "registry_target" {
-  description = "gRPC target of the region registry: the regions' control_plane_url"
-  value       = "${aws_lb.registry.dns_name}:${var.registry_port}"
+  description = "gRPC target of the region registry: the regions' control_plane_url (apart from `endpoints`, so that a region waits for the registry's NLB alone)"
+  value       = local.registry_target
 }
 
 output "ticket_key_secret_arn" {

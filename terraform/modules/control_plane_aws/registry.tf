@@ -6,7 +6,7 @@ resource "aws_lb_target_group" "registry" {
   port        = var.registry_port
   protocol    = "TCP"
   target_type = "ip"
-  vpc_id      = var.vpc_id
+  vpc_id      = var.vpc.id
   tags        = var.tags
 }
 
@@ -28,7 +28,7 @@ resource "aws_lb" "registry" {
   name_prefix                      = "prreg"
   load_balancer_type               = "network"
   internal                         = true
-  subnets                          = var.private_subnet_ids
+  subnets                          = var.subnet_ids.private
   enable_deletion_protection       = true
   enable_cross_zone_load_balancing = true
   tags                             = var.tags

@@ -13,7 +13,7 @@ module "kms" {
   description = "prfaas control plane ${var.name}: secrets, Redis, RDS, logs"
   log_groups = {
     control-plane = "/prfaas/${var.name}/control-plane"
-    waf           = "aws-waf-logs-prfaas-${var.name}" # WAF requires this name prefix
+    waf           = "aws-waf-logs-${local.name}" # WAF requires this name prefix
   }
   log_retention_days = var.log_retention_days
   tags               = var.tags

@@ -4,16 +4,16 @@
 locals {
   # with IP targets the NLB's own address (in vpc_cidr) is the source unless client IP
   # preservation is on (then the regions' CIDRs): both are allowed, nothing else
-  region_sources = distinct(concat(var.region_cidrs, [var.vpc_cidr]))
+  region_sources = distinct(concat(var.region_cidrs, [var.vpc.cidr]))
 }
 
 module "security_groups" {
   source = "../security_groups"
 
-  vpc_id = var.vpc_id
+  vpc_id = var.vpc.id
   groups = {
     alb = {
-      name_prefix = "prfaas-${var.name}-alb-"
+      name_prefix = "${local.name}-alb-"
       description = "prfaas ${var.name} ALB: HTTPS from tenants"
       rules = merge(
         {
@@ -26,7 +26,7 @@ module "security_groups" {
       )
     }
     tasks = {
-      name_prefix = "prfaas-${var.name}-tasks-"
+      name_prefix = "${local.name}-tasks-"
       description = "prfaas ${var.name} API and workers"
       rules = merge(
         { api = { direction = "ingress", port = 8000, peer = "alb", description = "HTTP from the ALB" } },
@@ -48,12 +48,12 @@ module "security_groups" {
       )
     }
     redis = {
-      name_prefix = "prfaas-${var.name}-redis-"
+      name_prefix = "${local.name}-redis-"
       description = "prfaas ${var.name} Redis: from the API and workers only"
       rules       = { tasks = { direction = "ingress", port = 6379, peer = "tasks", description = "Redis TLS from control-plane tasks" } }
     }
     db = {
-      name_prefix = "prfaas-${var.name}-db-"
+      name_prefix = "${local.name}-db-"
       description = "prfaas ${var.name} ledger database: from the API and workers only"
       rules       = { tasks = { direction = "ingress", port = 5432, peer = "tasks", description = "PostgreSQL from control-plane tasks" } }
     }

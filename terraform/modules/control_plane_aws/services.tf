@@ -12,6 +12,7 @@ module "tls_secret" {
 }
 
 locals {
+  name       = "prfaas-${var.name}" # every resource's name, or the start of it
   tls_secret = module.tls_secret.secret
   env = [
     { name = "PRFAAS_MODEL", value = var.model },
@@ -60,7 +61,7 @@ locals {
 }
 
 resource "aws_ecs_cluster" "this" {
-  name = "prfaas-${var.name}"
+  name = local.name
   setting {
     name  = "containerInsights"
     value = "enabled"
@@ -108,7 +109,7 @@ module "roles" {
 
 resource "aws_ecs_task_definition" "this" {
   for_each                 = local.services
-  family                   = "prfaas-${var.name}-${each.key}"
+  family                   = "${local.name}-${each.key}"
   requires_compatibilities = ["FARGATE"]
   network_mode             = "awsvpc"
   cpu                      = each.value.cpu
@@ -134,13 +135,13 @@ resource "aws_ecs_task_definition" "this" {
 
 resource "aws_ecs_service" "this" {
   for_each        = local.services
-  name            = "prfaas-${var.name}-${each.key}"
+  name            = "${local.name}-${each.key}"
   cluster         = aws_ecs_cluster.this.id
   task_definition = aws_ecs_task_definition.this[each.key].arn
   desired_count   = each.value.count
   launch_type     = "FARGATE"
   network_configuration {
-    subnets          = var.private_subnet_ids
+    subnets          = var.subnet_ids.private
     security_groups  = [module.security_groups.ids["tasks"]]
     assign_public_ip = false
   }

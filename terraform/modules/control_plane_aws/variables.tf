@@ -8,25 +8,20 @@ variable "name" {
   }
 }
 
-variable "vpc_id" {
-  description = "VPC of the control plane (e.g. the decode region's: region_aws output vpc_id)"
-  type        = string
+variable "vpc" {
+  description = "the control plane's VPC: {id, cidr} (e.g. the decode region's: region_aws outputs vpc_id, vpc_cidr)"
+  type = object({
+    id   = string
+    cidr = string
+  })
 }
 
-variable "vpc_cidr" {
-  description = "CIDR of that VPC"
-  type        = string
-}
-
-variable "private_subnet_ids" {
-  description = "private subnets (with a NAT route) for tasks, Redis, RDS and the registry NLB"
-  type        = list(string)
-}
-
-variable "public_subnet_ids" {
-  description = "public subnets of the internet-facing ALB"
-  type        = list(string)
-  default     = []
+variable "subnet_ids" {
+  description = "subnets of that VPC: `private` (with a NAT route) for tasks, Redis, RDS and the registry NLB, `public` for the internet-facing ALB"
+  type = object({
+    private = list(string)
+    public  = optional(list(string), [])
+  })
 }
 
 variable "internal_api" {

@@ -8,7 +8,7 @@ terraform {
 
 locals {
   own_redis = var.redis_url == ""
-  redis_url = local.own_redis ? "redis://${var.host}:${var.redis_port}/0" : var.redis_url
+  redis_url = local.own_redis ? "redis://${var.host}:${var.ports.redis}/0" : var.redis_url
   policy    = var.policy_yaml == "" ? "" : "${var.run_dir}/policy.yaml"
   settings = merge(
     {
@@ -36,10 +36,10 @@ module "redis" {
   name    = "${var.name_prefix}redis"
   run_dir = var.run_dir
   command = [
-    var.redis_server, "--bind", var.host, "--port", tostring(var.redis_port), "--save", "",
+    var.redis_server, "--bind", var.host, "--port", tostring(var.ports.redis), "--save", "",
     "--appendonly", "no", "--dir", var.run_dir, "--protected-mode", "yes",
   ]
-  ready_command   = "${var.redis_cli} -h ${var.host} -p ${var.redis_port} ping | grep -q PONG"
+  ready_command   = "${var.redis_cli} -h ${var.host} -p ${var.ports.redis} ping | grep -q PONG"
   ready_timeout_s = 20
 }
 
@@ -50,12 +50,12 @@ locals {
     api = {
       command = [
         var.python, "-m", "uvicorn", "--factory", "prfaas.control_plane.app:app_from_env",
-        "--host", var.host, "--port", tostring(var.api_port), "--log-level", "warning",
+        "--host", var.host, "--port", tostring(var.ports.api), "--log-level", "warning",
       ]
-      environment    = merge(local.settings, { PRFAAS_REGISTRY_LISTEN = "${var.host}:${var.registry_port}" })
+      environment    = merge(local.settings, { PRFAAS_REGISTRY_LISTEN = "${var.host}:${var.ports.registry}" })
       config_file    = local.policy
       config_content = var.policy_yaml
-      ready_command  = "${var.python} -c 'import sys, urllib.request; sys.exit(urllib.request.urlopen(\"http://${var.host}:${var.api_port}/readyz\", timeout=1).status != 200)'"
+      ready_command  = "${var.python} -c 'import sys, urllib.request; sys.exit(urllib.request.urlopen(\"http://${var.host}:${var.ports.api}/readyz\", timeout=1).status != 200)'"
     }
     worker = {
       command = [
@@ -85,14 +85,4 @@ module "service" {
   config_content  = local.services[each.key].config_content
   ready_command   = local.services[each.key].ready_command
   ready_timeout_s = var.ready_timeout_s
-}
-
-moved {
-  from = module.api
-  to   = module.service["api"]
-}
-
-moved {
-  from = module.worker
-  to   = module.service["worker"]
 }

@@ -21,28 +21,20 @@ variable "host" {
   default     = "127.0.0.1"
 }
 
-variable "api_port" {
-  description = "HTTP port of the OpenAI-compatible and admin API"
-  type        = number
-  default     = 8000
-}
-
-variable "registry_port" {
-  description = "gRPC port of the region registry (regions' control_plane_url)"
-  type        = number
-  default     = 7000
+variable "ports" {
+  description = "the ports it listens on, at host"
+  type = object({
+    api      = optional(number, 8000) # HTTP: the OpenAI-compatible and admin API
+    registry = optional(number, 7000) # gRPC: the region registry (regions' control_plane_url)
+    redis    = optional(number, 6390) # the private redis-server's (when redis_url is empty)
+  })
+  default = {}
 }
 
 variable "redis_url" {
-  description = "an existing Redis; empty: start a private redis-server on redis_port"
+  description = "an existing Redis; empty: start a private redis-server on ports.redis"
   type        = string
   default     = ""
-}
-
-variable "redis_port" {
-  description = "port of the private redis-server (when redis_url is empty)"
-  type        = number
-  default     = 6390
 }
 
 variable "redis_server" {

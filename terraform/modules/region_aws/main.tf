@@ -24,7 +24,7 @@ module "config" {
   registry = {
     provider      = "aws"
     location      = data.aws_region.current.name
-    instance_type = var.instance_types[0]
+    instance_type = var.capacity.instance_types[0]
     cidr          = local.vpc_cidr # each instance registers its own endpoints
   }
 }
@@ -45,7 +45,7 @@ locals {
   user_data = templatefile("${path.module}/cloud-init.yaml.tftpl", {
     region_yaml       = module.config.yaml
     package           = var.prfaas_package
-    ticket_secret_arn = var.ticket_key_secret_arn
+    ticket_secret_arn = var.ticket_key_secret.arn
     tls_secret_arn    = local.tls_secret.arn
     tls_secret_region = local.tls_secret.region
     aws_region        = data.aws_region.current.name
@@ -54,8 +54,8 @@ locals {
   })
   # the two secrets an instance reads, and the keys they are encrypted with (empty: the
   # AWS-managed aws/secretsmanager key, which needs no grant here)
-  secret_arns = [var.ticket_key_secret_arn, local.tls_secret.arn]
-  secret_kms  = compact(distinct([var.ticket_key_kms_arn, local.tls_secret.kms_arn]))
+  secret_arns = [var.ticket_key_secret.arn, local.tls_secret.arn]
+  secret_kms  = compact(distinct([var.ticket_key_secret.kms_arn, local.tls_secret.kms_arn]))
 }
 
 # the key of the EBS volumes and of the region's (and a created VPC's flow) logs
@@ -78,12 +78,12 @@ locals {
   # rules on one port for each CIDR of a list (a decode region watches its prefill peer's
   # gRPC health stream, hence gRPC both ways between peers)
   cidr_rules = [
-    { direction = "ingress", name = "kv", port = local.region.kv_port, cidrs = local.serves_decode ? var.peer_cidrs : [], about = "KV shipments from prefill region" },
-    { direction = "ingress", name = "grpc", port = local.region.grpc_port, cidrs = concat(var.control_plane_cidrs, var.peer_cidrs), about = "prfaas gRPC from" },
-    { direction = "ingress", name = "metrics", port = local.region.metrics_port, cidrs = local.region.metrics_port == 0 ? [] : var.metrics_cidrs, about = "Prometheus scrape from" },
-    { direction = "egress", name = "kv", port = local.region.kv_port, cidrs = local.serves_prefill ? var.peer_cidrs : [], about = "KV shipments to decode region" },
-    { direction = "egress", name = "registry", port = var.registry_port, cidrs = var.control_plane_cidrs, about = "registry heartbeats to the control plane in" },
-    { direction = "egress", name = "grpc", port = local.region.grpc_port, cidrs = var.peer_cidrs, about = "gRPC health of peer region" },
+    { direction = "ingress", name = "kv", port = local.region.kv_port, cidrs = local.serves_decode ? var.cidrs.peers : [], about = "KV shipments from prefill region" },
+    { direction = "ingress", name = "grpc", port = local.region.grpc_port, cidrs = concat(var.cidrs.control_plane, var.cidrs.peers), about = "prfaas gRPC from" },
+    { direction = "ingress", name = "metrics", port = local.region.metrics_port, cidrs = local.region.metrics_port == 0 ? [] : var.cidrs.metrics, about = "Prometheus scrape from" },
+    { direction = "egress", name = "kv", port = local.region.kv_port, cidrs = local.serves_prefill ? var.cidrs.peers : [], about = "KV shipments to decode region" },
+    { direction = "egress", name = "registry", port = var.registry_port, cidrs = var.cidrs.control_plane, about = "registry heartbeats to the control plane in" },
+    { direction = "egress", name = "grpc", port = local.region.grpc_port, cidrs = var.cidrs.peers, about = "gRPC health of peer region" },
   ]
   rules = merge(
     merge([
@@ -181,7 +181,7 @@ resource "aws_placement_group" "efa" {
 resource "aws_launch_template" "region" {
   name_prefix   = "prfaas-${local.region.name}-"
   image_id      = local.ami_id
-  instance_type = var.instance_types[0]
+  instance_type = var.capacity.instance_types[0]
   user_data     = base64encode(local.user_data)
   ebs_optimized = true
 
@@ -240,9 +240,9 @@ resource "aws_launch_template" "region" {
 
 resource "aws_autoscaling_group" "region" {
   name_prefix               = "prfaas-${local.region.name}-"
-  min_size                  = var.min_size
-  max_size                  = var.max_size
-  desired_capacity          = var.desired_capacity
+  min_size                  = var.capacity.min_size
+  max_size                  = var.capacity.max_size
+  desired_capacity          = var.capacity.desired_capacity
   vpc_zone_identifier       = local.private_subnet_ids
   health_check_type         = "EC2"
   health_check_grace_period = 600
@@ -252,8 +252,8 @@ resource "aws_autoscaling_group" "region" {
 
   mixed_instances_policy {
     instances_distribution {
-      on_demand_base_capacity                  = var.on_demand_base_capacity
-      on_demand_percentage_above_base_capacity = var.on_demand_percentage
+      on_demand_base_capacity                  = var.capacity.on_demand_base_capacity
+      on_demand_percentage_above_base_capacity = var.capacity.on_demand_percentage
       spot_allocation_strategy                 = "price-capacity-optimized"
     }
     launch_template {
@@ -262,7 +262,7 @@ resource "aws_autoscaling_group" "region" {
         version            = "$Latest"
       }
       dynamic "override" {
-        for_each = var.instance_types
+        for_each = var.capacity.instance_types
         content {
           instance_type = override.value
         }

@@ -10,20 +10,17 @@ variable "control_plane_url" {
 
 # --- AWS only ----------------------------------------------------------------------------
 
-variable "ticket_key_secret_arn" {
-  description = "Secrets Manager ARN (in this AWS region) of the ticket key (control_plane_aws creates it)"
-  type        = string
-}
-
-variable "ticket_key_kms_arn" {
-  description = "KMS key ARN encrypting that secret (empty: the AWS-managed key)"
-  type        = string
-  default     = ""
-}
-
 variable "tls_secret" {
   description = "the region's mutual-TLS material: a Secrets Manager secret holding JSON {\"ca\", \"cert\", \"key\"} (PEM text) from `prfaas certs init --identity prfaas://ROLE/NAME/*`, created by the operator so that no private key passes through Terraform (docs/deploy.md, \"Certificates\")"
   type        = any # {arn, kms_arn}: typed, defaulted and checked once, in modules/tls_secret
+}
+
+variable "ticket_key_secret" {
+  description = "the ticket key's Secrets Manager secret in this AWS region (control_plane_aws creates it, and its replicas): {arn, kms_arn}"
+  type = object({
+    arn     = string
+    kms_arn = optional(string, "") # the KMS key encrypting it; empty: the AWS-managed aws/secretsmanager key
+  })
 }
 
 variable "registry_port" {
@@ -62,44 +59,21 @@ variable "root_volume_gb" {
   default     = 200
 }
 
-variable "instance_types" {
-  description = "GPU instance types, first preferred (the spot pool draws from all)"
-  type        = list(string)
-  default     = ["g6e.xlarge", "g6e.2xlarge"]
+variable "capacity" {
+  description = "the auto-scaling group: GPU instance types, first preferred (the spot pool draws from all), its sizes, and how many instances are on demand (the rest is spot)"
+  type = object({
+    instance_types          = optional(list(string), ["g6e.xlarge", "g6e.2xlarge"])
+    min_size                = optional(number, 1)
+    max_size                = optional(number, 4)
+    desired_capacity        = optional(number, 1)
+    on_demand_base_capacity = optional(number, 1) # instances always on demand
+    on_demand_percentage    = optional(number, 0) # on-demand share above the base, percent
+  })
+  default = {}
   validation {
-    condition     = length(var.instance_types) > 0
-    error_message = "instance_types needs at least one type."
+    condition     = length(var.capacity.instance_types) > 0
+    error_message = "capacity.instance_types needs at least one type."
   }
-}
-
-variable "min_size" {
-  description = "ASG minimum instances"
-  type        = number
-  default     = 1
-}
-
-variable "max_size" {
-  description = "ASG maximum instances"
-  type        = number
-  default     = 4
-}
-
-variable "desired_capacity" {
-  description = "ASG desired instances"
-  type        = number
-  default     = 1
-}
-
-variable "on_demand_base_capacity" {
-  description = "instances always on demand"
-  type        = number
-  default     = 1
-}
-
-variable "on_demand_percentage" {
-  description = "on-demand share above the base, percent (the rest is spot)"
-  type        = number
-  default     = 0
 }
 
 variable "enable_efa" {
@@ -108,45 +82,24 @@ variable "enable_efa" {
   default     = false
 }
 
-variable "vpc_id" {
-  description = "an existing VPC; empty: create one with vpc_cidr"
-  type        = string
-  default     = ""
+variable "vpc" {
+  description = "the region's network: a VPC created with `cidr` (a private and a public subnet in each of `availability_zones`, the public ones holding only NAT gateways), or an existing one by `id`, with its `cidr` and the `private_subnet_ids` of the instances (with a NAT route)"
+  type = object({
+    id                 = optional(string, "")             # an existing VPC; empty: create one
+    cidr               = optional(string, "10.10.0.0/16") # of the created VPC, or the existing one's
+    private_subnet_ids = optional(list(string), [])       # the existing VPC's subnets for the instances
+    availability_zones = optional(list(string), [])       # a created VPC's, named (a fixed set: a new AZ never appears by itself)
+  })
+  default = {}
 }
 
-variable "vpc_cidr" {
-  description = "CIDR of the created VPC, or of the existing one"
-  type        = string
-  default     = "10.10.0.0/16"
-}
-
-variable "private_subnet_ids" {
-  description = "subnets of the existing VPC for the instances (with a NAT route)"
-  type        = list(string)
-  default     = []
-}
-
-variable "availability_zones" {
-  description = "availability zones of a created VPC, named (a fixed set: a new AZ never appears by itself)"
-  type        = list(string)
-  default     = []
-}
-
-variable "peer_cidrs" {
-  description = "CIDRs of peer regions: KV ingress (decode role) / egress (prefill role), gRPC both ways"
-  type        = list(string)
-  default     = []
-}
-
-variable "control_plane_cidrs" {
-  description = "CIDRs of the control plane (gRPC in; registry heartbeats out)"
-  type        = list(string)
-}
-
-variable "metrics_cidrs" {
-  description = "CIDRs allowed to scrape /metrics"
-  type        = list(string)
-  default     = []
+variable "cidrs" {
+  description = "the networks the region's security group opens to, by peer: `control_plane` (gRPC in; registry heartbeats out), `peers`, the peer regions (KV ingress (decode role) / egress (prefill role), gRPC both ways), `metrics` (allowed to scrape /metrics)"
+  type = object({
+    control_plane = list(string)
+    peers         = optional(list(string), [])
+    metrics       = optional(list(string), [])
+  })
 }
 
 variable "log_retention_days" {

@@ -19,11 +19,10 @@ variable "slot" {
 }
 
 variable "wiring" {
-  description = "what comes from resources outside the slot: `control_plane_url`, `ticket_key_secret_arn` and `ticket_key_kms_arn` from the control plane, `peers` (the VPCs to peer with by key, {vpc_id, cidr, route_table_ids, aws_region}: a prefill slot's is the decode slot's). Apart from `slot`, so that the decode slot's VPC does not wait for the control plane that runs in it (a cycle)"
+  description = "what comes from resources outside the slot: `control_plane_url` and `ticket_key_secret` ({arn, kms_arn}: the ticket key's secret in the slot's AWS region) from the control plane, `peers` (the VPCs to peer with by key, {vpc_id, cidr, route_table_ids, aws_region}: a prefill slot's is the decode slot's). Apart from `slot`, so that the decode slot's VPC does not wait for the control plane that runs in it (a cycle)"
   type = object({
-    control_plane_url     = string
-    ticket_key_secret_arn = string
-    ticket_key_kms_arn    = string
+    control_plane_url = string
+    ticket_key_secret = object({ arn = string, kms_arn = string })
     peers = optional(map(object({
       vpc_id          = string
       cidr            = string
@@ -36,22 +35,21 @@ variable "wiring" {
 module "region_aws" {
   source = "../../../modules/region_aws"
 
-  region                  = var.slot.region
-  control_plane_url       = var.wiring.control_plane_url
-  instance_types          = var.slot.instance_types
-  vpc_cidr                = var.slot.vpc_cidr
-  availability_zones      = var.slot.availability_zones
-  peer_cidrs              = var.slot.peer_cidrs
-  control_plane_cidrs     = var.slot.control_plane_cidrs
-  ticket_key_secret_arn   = var.wiring.ticket_key_secret_arn
-  ticket_key_kms_arn      = var.wiring.ticket_key_kms_arn
-  tls_secret              = var.slot.tls_secret
-  prfaas_package          = var.slot.prfaas_package
-  enable_efa              = var.slot.enable_efa
-  min_size                = var.slot.min_size
-  max_size                = var.slot.max_size
-  desired_capacity        = var.slot.min_size
-  on_demand_base_capacity = var.slot.on_demand_base_capacity
+  region            = var.slot.region
+  control_plane_url = var.wiring.control_plane_url
+  tls_secret        = var.slot.tls_secret
+  ticket_key_secret = var.wiring.ticket_key_secret
+  prfaas_package    = var.slot.prfaas_package
+  capacity = {
+    instance_types          = var.slot.instance_types
+    min_size                = var.slot.min_size
+    max_size                = var.slot.max_size
+    desired_capacity        = var.slot.min_size
+    on_demand_base_capacity = var.slot.on_demand_base_capacity
+  }
+  vpc        = { cidr = var.slot.vpc_cidr, availability_zones = var.slot.availability_zones }
+  cidrs      = { control_plane = var.slot.control_plane_cidrs, peers = var.slot.peer_cidrs }
+  enable_efa = var.slot.enable_efa
 }
 
 # --- inter-region peering: this slot's VPC (requester) <-> the peer's (accepter) ----------
