@@ -30,65 +30,55 @@ Rep = TypeVar("Rep")
 
 
 class RegionError(Exception):
-    """Base of the errors region agents raise; `code` is the gRPC status the caller gets."""
+    """Base of the errors region agents raise; `code` is the gRPC status the caller gets.
+
+    A subclass names its status in its bases: `class Exhausted(RegionError, code=...)`; one
+    that names none keeps its parent's."""
 
     code = grpc.StatusCode.INTERNAL
 
+    def __init_subclass__(cls, *, code: grpc.StatusCode | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
 
-class InvalidRequest(RegionError):
+
+class InvalidRequest(RegionError, code=grpc.StatusCode.INVALID_ARGUMENT):
     """The request itself is wrong (a field out of range, a malformed id): sending it again
     anywhere gets the same answer."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
 
-
-class Exhausted(RegionError):
+class Exhausted(RegionError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
     """Queue or KV buffer full: retry elsewhere or later."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class NotFound(RegionError):
+class NotFound(RegionError, code=grpc.StatusCode.NOT_FOUND):
     """No reservation, lease or job of that id here (expired, released, or never made)."""
 
-    code = grpc.StatusCode.NOT_FOUND
 
-
-class Conflict(RegionError):
+class Conflict(RegionError, code=grpc.StatusCode.ALREADY_EXISTS):
     """The job (or this attempt of it) already runs or holds a reservation here."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
 
-
-class Unavailable(RegionError):
+class Unavailable(RegionError, code=grpc.StatusCode.UNAVAILABLE):
     """A peer region is gone, or this region is draining."""
 
-    code = grpc.StatusCode.UNAVAILABLE
 
-
-class DeadlineExceeded(RegionError):
+class DeadlineExceeded(RegionError, code=grpc.StatusCode.DEADLINE_EXCEEDED):
     """The job's deadline passed here (KV not arrived, decode not done): the caller retries or fails it."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
-
-class Canceled(RegionError):
+class Canceled(RegionError, code=grpc.StatusCode.CANCELLED):
     """The job was canceled while this call served it."""
 
-    code = grpc.StatusCode.CANCELLED
 
-
-class PreconditionFailed(RegionError):
+class PreconditionFailed(RegionError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """The request is well formed but does not fit what this region holds (another attempt's
     reservation, KV of another shape or dtype)."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class PermissionDenied(RegionError):
+class PermissionDenied(RegionError, code=grpc.StatusCode.PERMISSION_DENIED):
     """A ticket names another tenant, or a shipment exceeds what its ticket allows."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 # Engine and transport errors reaching a servicer: (type, status, message prefix), the first

@@ -31,7 +31,8 @@ from starlette.responses import Response
 log = logging.getLogger(__name__)
 OPENAI_PREFIX = "/v1"
 VLLM_ROUTES = ("/tokenize", "/detokenize")  # vLLM's server extras (api/extras.py): OpenAI-shaped errors too
-# the type of a status without an entry in the catalogue (a framework error, an admin route's detail)
+# OpenAI's error type by status (`type_of`): of a catalogue entry that names none, of a framework error, of an
+# admin route's detail
 TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 402: "insufficient_quota", 403: "permission_error",
     404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
@@ -47,7 +48,8 @@ class ApiError(StarletteHTTPException):
         status_code: int,
         message: str,
         type: str,
-        code: str | None = None,
+        code: str | None,
+        *,
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
@@ -67,57 +69,59 @@ class Problem:
 
     def error(self, message: str | None = None, *, param: str | None = None) -> ApiError:
         """The exception to raise; `message` replaces the stable one only where it adds a detail."""
-        return ApiError(self.status, message or self.message, self.type, self.code, param, dict(self.headers))
+        return ApiError(
+            self.status, message or self.message, self.type, self.code, param=param, headers=dict(self.headers)
+        )
 
 
-def problem(status: int, type: str, code: str | None, message: str, **headers: str) -> Problem:
-    return Problem(status, type, code, message, tuple((k.replace("_", "-"), v) for k, v in headers.items()))
+def type_of(status: int) -> str:
+    """OpenAI's error type for an HTTP status: its `TYPES` entry, else `server_error` (5xx) or
+    `invalid_request_error`."""
+    return TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def problem(status: int, code: str | None, message: str, *, type: str | None = None, **headers: str) -> Problem:
+    """A catalogue entry; `type` defaults to the status's (`type_of`), a header's `_` stands for `-`."""
+    header_items = tuple((k.replace("_", "-"), v) for k, v in headers.items())
+    return Problem(status, type or type_of(status), code, message, header_items)
 
 
 _BEARER = {"WWW_Authenticate": "Bearer"}
-INVALID_REQUEST = problem(400, "invalid_request_error", "invalid_request", "invalid request")
-PROMPT_EMPTY = problem(400, "invalid_request_error", "empty_prompt", "prompt is empty")
-PROMPT_TOO_LONG = problem(400, "invalid_request_error", "context_length_exceeded", "prompt too long for the model")
-TOKEN_OUT_OF_VOCAB = problem(
-    400, "invalid_request_error", "invalid_token_id", "prompt token id out of the model's vocabulary"
-)
-UNSUPPORTED_PARAMETER = problem(400, "invalid_request_error", "unsupported_parameter", "parameter not supported")
-INVALID_RANGE = problem(400, "invalid_request_error", "invalid_range", "invalid range")
-UNKNOWN_KV_CODEC = problem(
-    400, "invalid_request_error", "unknown_kv_codec", "kv_codec is neither lossless nor a lossy codec of the policy"
-)
-MISSING_API_KEY = problem(401, "authentication_error", "missing_api_key", "missing API key", **_BEARER)
-INVALID_API_KEY = problem(401, "authentication_error", "invalid_api_key", "invalid API key", **_BEARER)
-BUDGET_EXHAUSTED = problem(402, "insufficient_quota", "budget_exhausted", "monthly budget exhausted")
-TENANT_SUSPENDED = problem(403, "permission_error", "tenant_suspended", "tenant suspended")
-ADMIN_REQUIRED = problem(403, "permission_error", "admin_key_required", "admin key required")
-PLACEMENT_NOT_ALLOWED = problem(
-    403, "permission_error", "placement_not_allowed", "placement requests are not enabled for this tenant"
-)
-MODEL_NOT_FOUND = problem(404, "not_found_error", "model_not_found", "model not found")
-JOB_NOT_FOUND = problem(404, "not_found_error", "job_not_found", "job not found")
-USAGE_NOT_FOUND = problem(404, "not_found_error", "usage_entry_not_found", "usage entry not found")
-UNKNOWN_URL = problem(404, "invalid_request_error", "unknown_url", "unknown URL")
-METHOD_NOT_ALLOWED = problem(405, "invalid_request_error", "method_not_allowed", "method not allowed")
-JOB_CANCELED = problem(409, "conflict_error", "job_canceled", "job canceled")
-JOB_FINISHED = problem(409, "conflict_error", "job_finished", "job finished elsewhere")
-BODY_TOO_LARGE = problem(413, "invalid_request_error", "request_too_large", "request body too large")
+INVALID_REQUEST = problem(400, "invalid_request", "invalid request")
+PROMPT_EMPTY = problem(400, "empty_prompt", "prompt is empty")
+PROMPT_TOO_LONG = problem(400, "context_length_exceeded", "prompt too long for the model")
+TOKEN_OUT_OF_VOCAB = problem(400, "invalid_token_id", "prompt token id out of the model's vocabulary")
+UNSUPPORTED_PARAMETER = problem(400, "unsupported_parameter", "parameter not supported")
+INVALID_RANGE = problem(400, "invalid_range", "invalid range")
+UNKNOWN_KV_CODEC = problem(400, "unknown_kv_codec", "kv_codec is neither lossless nor a lossy codec of the policy")
+MISSING_API_KEY = problem(401, "missing_api_key", "missing API key", **_BEARER)
+INVALID_API_KEY = problem(401, "invalid_api_key", "invalid API key", **_BEARER)
+BUDGET_EXHAUSTED = problem(402, "budget_exhausted", "monthly budget exhausted")
+TENANT_SUSPENDED = problem(403, "tenant_suspended", "tenant suspended")
+ADMIN_REQUIRED = problem(403, "admin_key_required", "admin key required")
+PLACEMENT_NOT_ALLOWED = problem(403, "placement_not_allowed", "placement requests are not enabled for this tenant")
+MODEL_NOT_FOUND = problem(404, "model_not_found", "model not found")
+JOB_NOT_FOUND = problem(404, "job_not_found", "job not found")
+USAGE_NOT_FOUND = problem(404, "usage_entry_not_found", "usage entry not found")
+UNKNOWN_URL = problem(404, "unknown_url", "unknown URL", type="invalid_request_error")  # as OpenAI answers it
+METHOD_NOT_ALLOWED = problem(405, "method_not_allowed", "method not allowed")
+JOB_CANCELED = problem(409, "job_canceled", "job canceled")
+JOB_FINISHED = problem(409, "job_finished", "job finished elsewhere")
+BODY_TOO_LARGE = problem(413, "request_too_large", "request body too large")
 IDEMPOTENCY_KEY_REUSED = problem(
-    422, "invalid_request_error", "idempotency_key_reused", "Idempotency-Key already used with a different request body"
+    422, "idempotency_key_reused", "Idempotency-Key already used with a different request body"
 )
-RATE_LIMITED = problem(429, "rate_limit_error", "rate_limit_exceeded", "rate limit exceeded", Retry_After="1")
-TOO_MANY_JOBS = problem(
-    429, "rate_limit_error", "concurrency_limit_exceeded", "too many concurrent jobs", Retry_After="1"
-)
-INTERNAL = problem(500, "server_error", "internal_error", "internal server error")
-JOB_FAILED = problem(503, "server_error", "job_failed", "job failed")
+RATE_LIMITED = problem(429, "rate_limit_exceeded", "rate limit exceeded", Retry_After="1")
+TOO_MANY_JOBS = problem(429, "concurrency_limit_exceeded", "too many concurrent jobs", Retry_After="1")
+INTERNAL = problem(500, "internal_error", "internal server error")
+JOB_FAILED = problem(503, "job_failed", "job failed")
 STORE_UNAVAILABLE = problem(  # Redis unreachable: the client retries after a moment
-    503, "server_error", "store_unavailable", "job store unavailable", Retry_After="2"
+    503, "store_unavailable", "job store unavailable", Retry_After="2"
 )
 DATABASE_UNAVAILABLE = problem(  # the tenants' and ledger's database unreachable
-    503, "server_error", "database_unavailable", "database unavailable", Retry_After="2"
+    503, "database_unavailable", "database unavailable", Retry_After="2"
 )
-JOB_TIMEOUT = problem(504, "server_error", "job_timeout", "job timeout")
+JOB_TIMEOUT = problem(504, "job_timeout", "job timeout")
 
 ADMISSION_REFUSALS = {
     "rate": RATE_LIMITED, "concurrency": TOO_MANY_JOBS, "budget": BUDGET_EXHAUSTED,
@@ -156,8 +160,7 @@ def _from_http(request: Request, exc: StarletteHTTPException) -> ApiError:
         return UNKNOWN_URL.error(f"unknown URL: {request.method} {request.url.path}")
     if exc.status_code == 405:
         return METHOD_NOT_ALLOWED.error(f"method not allowed: {request.method} {request.url.path}")
-    kind = TYPES.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
-    return ApiError(exc.status_code, str(exc.detail), kind, None, None, exc.headers)
+    return ApiError(exc.status_code, str(exc.detail), type_of(exc.status_code), None, headers=exc.headers)
 
 
 def _union_member(part: str) -> bool:

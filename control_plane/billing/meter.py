@@ -43,19 +43,20 @@ class Meter:
         self,
         services: Services,
         ledger: Ledger,
-        metrics: MeteringMetrics | None = None,
-        latency: LatencyMetrics | None = None,
+        registry: CollectorRegistry | None = None,
         *,
         batch_window_s: float = 0.05,
         max_batch: int = 256,
     ) -> None:
+        """`registry`: where this process's metering metrics and the stage latencies of the jobs it bills are
+        exported; None: neither is kept."""
         self.s = services
         self.batch_window_s = batch_window_s  # the writer bills what queued in this long together
         self.max_batch = max_batch
         self.ledger = ledger
         self.prices: PriceBook = services.regions.prices
-        self.metrics = metrics
-        self.latency = latency  # the stage histograms of the jobs this process bills (jobs/latency.py)
+        # latency: the stage histograms of the jobs this process bills (jobs/latency.py)
+        self.metrics, self.latency = _metrics_in(registry, self.prices)
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -234,13 +235,21 @@ _METRICS: weakref.WeakKeyDictionary[CollectorRegistry, tuple[MeteringMetrics, La
 )
 
 
+def _metrics_in(
+    registry: CollectorRegistry | None, prices: PriceBook
+) -> tuple[MeteringMetrics | None, LatencyMetrics | None]:
+    """The metering metrics and stage latencies in `registry`, their price collector reading `prices`; (None, None)
+    without a registry. One set per registry: an app's lifespan may run more than once (tests)."""
+    if registry is None:
+        return None, None
+    if registry not in _METRICS:
+        _METRICS[registry] = (MeteringMetrics(registry), LatencyMetrics(registry))
+    metrics, latency = _METRICS[registry]
+    metrics.prices.prices = prices
+    return metrics, latency
+
+
 def open_meter(services: Services, registry: CollectorRegistry | None = None) -> Meter:
     """A Meter on the ledger at `Settings.ledger.url` (migrated to head), its metrics in `registry`."""
-    metrics = latency = None
-    if registry is not None:  # one set per registry: an app's lifespan may run more than once (tests)
-        if registry not in _METRICS:
-            _METRICS[registry] = (MeteringMetrics(registry), LatencyMetrics(registry))
-        metrics, latency = _METRICS[registry]
-        metrics.prices.prices = services.regions.prices
     ledger = Ledger(services.settings.ledger.url, engine=services.database, migrate=False)
-    return Meter(services, ledger, metrics, latency)
+    return Meter(services, ledger, registry)

@@ -11,8 +11,6 @@ from alembic import op
 
 revision = "0003_tenants"
 down_revision: str | None = "0002_job_metrics"
-branch_labels: str | None = None
-depends_on: str | None = None
 
 
 def upgrade() -> None:

@@ -7,19 +7,11 @@ Revises: 0004_tenant_objectives
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import op
+
+from prfaas.control_plane.db.migrations.columns import added_columns
 
 revision = "0005_ledger_codec"
 down_revision: str | None = "0004_tenant_objectives"
-branch_labels: str | None = None
-depends_on: str | None = None
 
-
-def upgrade() -> None:
-    with op.batch_alter_table("ledger_usage") as batch:
-        batch.add_column(sa.Column("codec", sa.String(16), nullable=False, server_default=""))
-
-
-def downgrade() -> None:
-    with op.batch_alter_table("ledger_usage") as batch:
-        batch.drop_column("codec")
+COLUMNS = (sa.Column("codec", sa.String(16), nullable=False, server_default=""),)
+upgrade, downgrade = added_columns("ledger_usage", COLUMNS)
