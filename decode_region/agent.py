@@ -28,7 +28,8 @@ from prfaas.decode_region.reservations import Reservation, Tombstone, raise_as_r
 from prfaas.decode_region.tokens import TokenStream
 from prfaas.decode_region.workers import WorkerSlots
 from prfaas.engine.sampling import Chosen, SamplingParams
-from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, registry_pb2
+from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, registry_pb2
+from prfaas.region.cancel import CancelService
 from prfaas.region.channels import TlsFiles
 from prfaas.region.errors import (
     Canceled,
@@ -45,7 +46,6 @@ from prfaas.region.errors import (
 )
 from prfaas.region.requests import (
     MAX_TIMEOUT_S,
-    cancel_of,
     firsts_from_proto,
     job_uuid,
     sampling_from_proto,
@@ -83,7 +83,7 @@ class _Events:
         self.agent._end(self.res, error)
 
 
-class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
+class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
     def __init__(
         self,
         backend: DecodeBackend,
@@ -159,13 +159,13 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
     def Release(self, request: decode_pb2.ReleaseRequest, context: grpc.ServicerContext) -> decode_pb2.ReleaseReply:
         with self._lock:
             res = self._reservations.get(job_uuid(request.job_id))
+        if res is not None and request.attempt and res.attempt != request.attempt:
+            res = None  # another attempt's (a newer one's: this message is stale)
         if res is not None:
             self._end(res, Canceled("released by the caller"))
         return decode_pb2.ReleaseReply(found=res is not None)
 
-    @unary
-    def Cancel(self, request: common_pb2.CancelRequest, context: grpc.ServicerContext) -> common_pb2.CancelReply:
-        job_id, canceled = cancel_of(request)
+    def cancel(self, job_id: str, canceled: Canceled) -> bool:
         with self._lock:
             res = self._reservations.get(job_id)
             local = self._local.get(job_id)
@@ -173,7 +173,7 @@ class DecodeAgent(decode_pb2_grpc.DecodeRegionServicer):
             self._end(res, canceled)
         if local is not None:
             local.set()
-        return common_pb2.CancelReply(found=res is not None or local is not None)
+        return res is not None or local is not None
 
     def _end(self, res: Reservation, error: BaseException | None) -> None:
         """End `res` once: free its bytes, stop its shipment, its watch and its decode."""

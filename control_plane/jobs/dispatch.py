@@ -231,7 +231,7 @@ class Dispatcher:
             note = f"reship from {prefill.key}" if reship else f"prefill in {decision.prefill_region}"
             jobs.transition(job_id, JobState.PREFILLING, attempt, note=note, reserve_s=reserve_s)
         except (StaleAttempt, IllegalTransition, JobNotFound):
-            self._release(decode_stub, job_id)
+            self._release(decode_stub, job_id, attempt)
             raise
         self.leases.grant(self.lease(job_id, attempt, stage, prefill.key, lease_s))
         shipped = kv_bytes - reply.cached_tokens * per_token  # the rest is held there
@@ -312,15 +312,15 @@ class Dispatcher:
             return  # the sweeper took the lease back (overrun): it decided the attempt's fate
         channel = self.watcher.channel(run.decode.grpc_endpoint, server_name(run.decode.name))
         with contextlib.suppress(grpc.aio.AioRpcError):  # else the reservation expires on its own (ttl_s)
-            await decode_pb2_grpc.DecodeRegionStub(channel).Release(decode_pb2.ReleaseRequest(job_id=run.job_id),
-                                                                    timeout=5)  # fmt: skip
+            release = decode_pb2.ReleaseRequest(job_id=run.job_id, attempt=run.attempt)
+            await decode_pb2_grpc.DecodeRegionStub(channel).Release(release, timeout=5)
         failed = self._failed(run.prefill.key, step, exc)
         self.attempts.fail(run.job_id, run.attempt, failed.where, str(failed), **fields)
 
     @staticmethod
-    def _release(stub: decode_pb2_grpc.DecodeRegionStub, job_id: str) -> None:
+    def _release(stub: decode_pb2_grpc.DecodeRegionStub, job_id: str, attempt: int) -> None:
         with contextlib.suppress(grpc.RpcError):  # else the reservation expires on its own (ttl_s)
-            stub.Release(decode_pb2.ReleaseRequest(job_id=job_id), timeout=5)
+            stub.Release(decode_pb2.ReleaseRequest(job_id=job_id, attempt=attempt), timeout=5)
 
     def _failed(self, where: str, step: str, exc: grpc.RpcError) -> AttemptFailed:
         # every code costs the attempt (RETRYABLE ones are the expected ones); the next tries elsewhere

@@ -69,6 +69,16 @@ def test_buffer_full_is_resource_exhausted_and_frees_on_release(region: Region) 
     assert region.decode is not None and region.decode.book.used_bytes == 0
 
 
+def test_a_stale_attempts_release_keeps_the_newer_attempts_reservation(region: Region) -> None:
+    stub, job_id = region.decode_stub, new_job()
+    reserve(stub, job_id, 1000, attempt=1)
+    reserve(stub, job_id, 1000, attempt=2)  # supersedes attempt 1's
+    assert not stub.Release(decode_pb2.ReleaseRequest(job_id=job_id, attempt=1), timeout=5).found
+    assert region.decode is not None and region.decode.book.used_bytes == 1000  # attempt 2 still holds it
+    assert stub.Release(decode_pb2.ReleaseRequest(job_id=job_id, attempt=2), timeout=5).found
+    assert region.decode.book.used_bytes == 0
+
+
 def test_forged_ticket_stores_no_kv(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
     ids = tiny_engine.encode(long_text)[:64]
     job_id = new_job()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from prfaas.protos.prfaas.v1 import common_pb2 as prfaas_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prfaas/v1/decode.proto\x12\tprfaas.v1\x1a\x16prfaas/v1/common.proto\"\xcb\x01\n\x0eReserveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\x12\x14\n\x0cprefill_grpc\x18\x06 \x01(\t\x12\x16\n\x0eprefill_region\x18\x07 \x01(\t\x12\x17\n\ncache_salt\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\t \x03(\rB\r\n\x0b_cache_salt\"d\n\x0cReserveReply\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x12\n\nfree_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\" \n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x1d\n\x0cReleaseReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xf2\x02\n\rDecodeRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12#\n\x02kv\x18\x04 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12&\n\x07\x63hoices\x18\t \x03(\x0b\x32\x15.prfaas.v1.FirstToken\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12\x17\n\ncache_salt\x18\x0b \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x9c\x01\n\x0fGenerateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\xfd\x01\n\nTokenEvent\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\r\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x11\n\telapsed_s\x18\x05 \x01(\x01\x12*\n\x08logprobs\x18\x06 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x08 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\n \x01(\r2\xc6\x02\n\x0c\x44\x65\x63odeRegion\x12=\n\x07Reserve\x12\x19.prfaas.v1.ReserveRequest\x1a\x17.prfaas.v1.ReserveReply\x12=\n\x07Release\x12\x19.prfaas.v1.ReleaseRequest\x1a\x17.prfaas.v1.ReleaseReply\x12;\n\x06\x44\x65\x63ode\x12\x18.prfaas.v1.DecodeRequest\x1a\x15.prfaas.v1.TokenEvent0\x01\x12?\n\x08Generate\x12\x1a.prfaas.v1.GenerateRequest\x1a\x15.prfaas.v1.TokenEvent0\x01\x12:\n\x06\x43\x61ncel\x12\x18.prfaas.v1.CancelRequest\x1a\x16.prfaas.v1.CancelReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prfaas/v1/decode.proto\x12\tprfaas.v1\x1a\x16prfaas/v1/common.proto\"\xcb\x01\n\x0eReserveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\x12\x14\n\x0cprefill_grpc\x18\x06 \x01(\t\x12\x16\n\x0eprefill_region\x18\x07 \x01(\t\x12\x17\n\ncache_salt\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\t \x03(\rB\r\n\x0b_cache_salt\"d\n\x0cReserveReply\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x12\n\nfree_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"1\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\"\x1d\n\x0cReleaseReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xf2\x02\n\rDecodeRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12#\n\x02kv\x18\x04 \x01(\x0b\x32\x17.prfaas.v1.KVDescriptor\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12&\n\x07\x63hoices\x18\t \x03(\x0b\x32\x15.prfaas.v1.FirstToken\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12\x17\n\ncache_salt\x18\x0b \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x9c\x01\n\x0fGenerateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\xfd\x01\n\nTokenEvent\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\r\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x11\n\telapsed_s\x18\x05 \x01(\x01\x12*\n\x08logprobs\x18\x06 \x01(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x08 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.prfaas.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\n \x01(\r2\xc6\x02\n\x0c\x44\x65\x63odeRegion\x12=\n\x07Reserve\x12\x19.prfaas.v1.ReserveRequest\x1a\x17.prfaas.v1.ReserveReply\x12=\n\x07Release\x12\x19.prfaas.v1.ReleaseRequest\x1a\x17.prfaas.v1.ReleaseReply\x12;\n\x06\x44\x65\x63ode\x12\x18.prfaas.v1.DecodeRequest\x1a\x15.prfaas.v1.TokenEvent0\x01\x12?\n\x08Generate\x12\x1a.prfaas.v1.GenerateRequest\x1a\x15.prfaas.v1.TokenEvent0\x01\x12:\n\x06\x43\x61ncel\x12\x18.prfaas.v1.CancelRequest\x1a\x16.prfaas.v1.CancelReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,15 +37,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVEREPLY']._serialized_start=267
   _globals['_RESERVEREPLY']._serialized_end=367
   _globals['_RELEASEREQUEST']._serialized_start=369
-  _globals['_RELEASEREQUEST']._serialized_end=401
-  _globals['_RELEASEREPLY']._serialized_start=403
-  _globals['_RELEASEREPLY']._serialized_end=432
-  _globals['_DECODEREQUEST']._serialized_start=435
-  _globals['_DECODEREQUEST']._serialized_end=805
-  _globals['_GENERATEREQUEST']._serialized_start=808
-  _globals['_GENERATEREQUEST']._serialized_end=964
-  _globals['_TOKENEVENT']._serialized_start=967
-  _globals['_TOKENEVENT']._serialized_end=1220
-  _globals['_DECODEREGION']._serialized_start=1223
-  _globals['_DECODEREGION']._serialized_end=1549
+  _globals['_RELEASEREQUEST']._serialized_end=418
+  _globals['_RELEASEREPLY']._serialized_start=420
+  _globals['_RELEASEREPLY']._serialized_end=449
+  _globals['_DECODEREQUEST']._serialized_start=452
+  _globals['_DECODEREQUEST']._serialized_end=822
+  _globals['_GENERATEREQUEST']._serialized_start=825
+  _globals['_GENERATEREQUEST']._serialized_end=981
+  _globals['_TOKENEVENT']._serialized_start=984
+  _globals['_TOKENEVENT']._serialized_end=1237
+  _globals['_DECODEREGION']._serialized_start=1240
+  _globals['_DECODEREGION']._serialized_end=1566
 # @@protoc_insertion_point(module_scope)

@@ -78,7 +78,7 @@ class DecodeRegionServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Free a reservation (and any KV it received). Idempotent.
+        """Free an attempt's reservation (and any KV it received). Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

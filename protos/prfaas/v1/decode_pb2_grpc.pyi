@@ -41,7 +41,7 @@ class DecodeRegionStub:
     RESOURCE_EXHAUSTED when the buffer cannot hold it; ALREADY_EXISTS for a duplicate.
     """
     Release: _grpc.UnaryUnaryMultiCallable[_decode_pb2.ReleaseRequest, _decode_pb2.ReleaseReply]
-    """Free a reservation (and any KV it received). Idempotent."""
+    """Free an attempt's reservation (and any KV it received). Idempotent."""
     Decode: _grpc.UnaryStreamMultiCallable[_decode_pb2.DecodeRequest, _decode_pb2.TokenEvent]
     """Decode from the shipped KV: token 0 (first_token) once the KV is complete, then the rest."""
     Generate: _grpc.UnaryStreamMultiCallable[_decode_pb2.GenerateRequest, _decode_pb2.TokenEvent]
@@ -61,7 +61,7 @@ class DecodeRegionAsyncStub(DecodeRegionStub):
     RESOURCE_EXHAUSTED when the buffer cannot hold it; ALREADY_EXISTS for a duplicate.
     """
     Release: _aio.UnaryUnaryMultiCallable[_decode_pb2.ReleaseRequest, _decode_pb2.ReleaseReply]  # type: ignore[assignment]
-    """Free a reservation (and any KV it received). Idempotent."""
+    """Free an attempt's reservation (and any KV it received). Idempotent."""
     Decode: _aio.UnaryStreamMultiCallable[_decode_pb2.DecodeRequest, _decode_pb2.TokenEvent]  # type: ignore[assignment]
     """Decode from the shipped KV: token 0 (first_token) once the KV is complete, then the rest."""
     Generate: _aio.UnaryStreamMultiCallable[_decode_pb2.GenerateRequest, _decode_pb2.TokenEvent]  # type: ignore[assignment]
@@ -90,7 +90,7 @@ class DecodeRegionServicer(metaclass=_abc_1.ABCMeta):
         request: _decode_pb2.ReleaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_decode_pb2.ReleaseReply, _abc.Awaitable[_decode_pb2.ReleaseReply]]:
-        """Free a reservation (and any KV it received). Idempotent."""
+        """Free an attempt's reservation (and any KV it received). Idempotent."""
 
     @_abc_1.abstractmethod
     def Decode(
