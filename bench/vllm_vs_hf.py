@@ -64,12 +64,12 @@ def main() -> None:
         ticket = signer.issue(job, 0, "bench", 1 << 31, ttl_s=300)
         ship = ShipParams(job, 0, ticket, f"{address[0]}:{address[1]}", "raw", 120.0)
         host.link.expect(job, 0, 120.0)
-        first = host.generate(prompt, 1, ship.to_kv_params()).token_ids
+        first = host.generate(prompt, 1, kv_params=ship.to_kv_params()).token_ids
         outcome = host.wait_shipped(ship, 120.0)
         assert outcome is not None and outcome.status.value == "completed", outcome
         load = LoadParams(job, 0, 120.0, num_tokens=len(prompt)).to_kv_params()
         begin = time.perf_counter()
-        result = host.generate(prompt + first, n, load)
+        result = host.generate(prompt + first, n, kv_params=load)
         assert result.num_cached_tokens == len(prompt)
         return time.perf_counter() - begin
 

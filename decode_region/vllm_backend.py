@@ -106,16 +106,17 @@ class VLLMDecode:
         load = LoadParams(call.job_id, call.attempt, min(MAX_TIMEOUT_S, max(0.1, remaining)), len(call.token_ids))
         sampling = salted(vllm_sampling(params, "decode", call.first_token), call.cache_salt)
         prompt = [*call.token_ids, call.first_token]
-        rest = self.vllm.stream(prompt, params.max_new_tokens - 1, load.to_kv_params(), remaining, stop=canceled,
-                                sampling=sampling)  # fmt: skip
+        rest = self.vllm.stream(prompt, params.max_new_tokens - 1, stop=canceled, kv_params=load.to_kv_params(),
+                                timeout_s=remaining, sampling=sampling)  # fmt: skip
         remembered = _remembered(rest, self.vllm.prefix_cache, prompt, call.cache_salt)
         return [_arrived_at_first(hold.events, remembered)]  # one choice (check_supported refuses n > 1)
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
                  canceled: threading.Event, cache_salt: str | None = None) -> Generated:  # fmt: skip
         sampling = salted(vllm_sampling(params, "generate"), cache_salt)
-        tokens = self.vllm.stream(token_ids, params.max_new_tokens, None, deadline - time.monotonic(), stop=canceled,
-                                  sampling=sampling)  # fmt: skip
+        remaining = deadline - time.monotonic()
+        count = params.max_new_tokens
+        tokens = self.vllm.stream(token_ids, count, stop=canceled, timeout_s=remaining, sampling=sampling)
         # vLLM's cache hit is not streamed back: cached_tokens stays 0 here
         return Generated([_canceled_on_stop(_remembered(tokens, self.vllm.prefix_cache, token_ids, cache_salt))])
 

@@ -63,7 +63,7 @@ class VLLMPrefill:
         kv_params = ship.to_kv_params()
         t0 = time.monotonic()
         sampling = salted(vllm_sampling(work.params, "prefill"), work.cache_salt)
-        result = self.vllm.generate(work.token_ids, 1, kv_params, timeout_s=max(0.1, work.deadline - t0),
+        result = self.vllm.generate(work.token_ids, 1, kv_params=kv_params, timeout_s=max(0.1, work.deadline - t0),
                                     sampling=sampling)  # fmt: skip
         remember(self.vllm.prefix_cache, work.token_ids, work.cache_salt)
         prefill_s = time.monotonic() - t0

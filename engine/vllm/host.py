@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from prfaas.engine.models import resolve_model
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
-from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
+from prfaas.engine.vllm.params import GenerateOptions, LoadParams, ShipParams, parse_kv_params
 from prfaas.engine.vllm.sampling import CACHE_SALT_KEY, Step, WireLogprobs, wire_logprobs, wire_prompt_logprobs
 from prfaas.transport.tls import NodeCert
 
@@ -231,15 +231,10 @@ class VLLMHost:
         self._engine.abort_request([request_id])
         pending.future.set_exception(Aborted(f"request {request_id} aborted"))
 
-    def generate(
-        self,
-        token_ids: Sequence[int],
-        max_tokens: int,
-        kv_params: dict[str, Any] | None = None,
-        timeout_s: float = 600.0,
-        sampling: dict[str, Any] | None = None,
-    ) -> Generation:
-        return self.submit(token_ids, max_tokens, kv_params, sampling=sampling).result(timeout_s)
+    def generate(self, token_ids: Sequence[int], max_tokens: int, **options: Unpack[GenerateOptions]) -> Generation:
+        """`submit`, then wait for the result (`timeout_s`: 600 s by default)."""
+        future = self.submit(token_ids, max_tokens, options.get("kv_params"), sampling=options.get("sampling"))
+        return future.result(options.get("timeout_s", 600.0))
 
     def wait_shipped(self, params: ShipParams, timeout_s: float) -> ShipOutcome | None:
         return self.link.wait_shipped(params.job_id, timeout_s)

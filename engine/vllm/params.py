@@ -23,7 +23,7 @@ import ipaddress
 import re
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from prfaas.transport.codecs import get_codec
 from prfaas.transport.errors import CodecError
@@ -51,6 +51,15 @@ def _timeout(value: Any) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
         raise ValueError(f"timeout_s must be in (0, 3600], got {value!r}")
     return float(value)
+
+
+class GenerateOptions(TypedDict, total=False):
+    """What a generation takes beside its prompt and length, passed unchanged by each layer that
+    carries it to vLLM (`RemoteVLLM` -> `VLLMClient` -> the server -> `VLLMHost`)."""
+
+    kv_params: dict[str, Any] | None  # vLLM's kv_transfer_params: a shipment to make or to load (None: neither)
+    timeout_s: float  # how long the whole generation may take (each layer has its default)
+    sampling: dict[str, Any] | None  # kwargs of vLLM's SamplingParams (sampling.py's `vllm_sampling`; None: greedy)
 
 
 @dataclass(frozen=True)

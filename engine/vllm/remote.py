@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from threading import Event
+from typing import Any, Unpack
 
 from prfaas.engine.base import ModelFacts
 from prfaas.engine.device import DeviceChoice
@@ -33,6 +34,7 @@ from prfaas.engine.errors import EngineError, EngineUnavailable, WorkerTimeout
 from prfaas.engine.models import resolve_model
 from prfaas.engine.prefix_cache import ResidencyMirror
 from prfaas.engine.sampling import Chosen
+from prfaas.engine.vllm.params import GenerateOptions
 from prfaas.engine.vllm.sampling import chosen
 from prfaas.engine.vllm.server import AUTHKEY_ENV, TICKET_KEYS_ENV, RemoteError, VLLMClient
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferCanceled, TransferTimeout, TransportError
@@ -114,22 +116,19 @@ class VLLMEngine:
         except (OSError, EOFError) as exc:
             raise self._unavailable(exc) from None
 
-    def generate(self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None,
-                 timeout_s: float, sampling: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    def generate(self, token_ids: list[int], max_tokens: int, **options: Unpack[GenerateOptions]) -> dict[str, Any]:
         """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds", "logprobs",
-        "prompt_logprobs"}; `sampling`: engine/vllm/sampling.py's `vllm_sampling`."""
-        result: dict[str, Any] = self._call(
-            lambda: self.client.generate(token_ids, max_tokens, kv_params, timeout_s, sampling)
-        )
+        "prompt_logprobs"}"""
+        result: dict[str, Any] = self._call(lambda: self.client.generate(token_ids, max_tokens, **options))
         return result
 
-    def stream(self, token_ids: list[int], max_tokens: int, kv_params: dict[str, Any] | None,
-               timeout_s: float, stop: threading.Event | None = None,
-               sampling: dict[str, Any] | None = None) -> Iterator[Chosen]:  # fmt: skip
+    def stream(
+        self, token_ids: list[int], max_tokens: int, stop: Event | None = None, **options: Unpack[GenerateOptions]
+    ) -> Iterator[Chosen]:
         """The generated tokens one by one as vLLM produces them (with their logprobs when
         `sampling` asks; the first with the prompt's); closing the iterator early, or setting
         `stop` (-> `StreamStopped`), aborts the request in the server."""
-        steps = self._call(lambda: self.client.stream(token_ids, max_tokens, kv_params, timeout_s, stop, sampling))
+        steps = self._call(lambda: self.client.stream(token_ids, max_tokens, stop, **options))
         try:
             while True:
                 try:

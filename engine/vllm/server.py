@@ -33,8 +33,10 @@ from collections.abc import Generator
 from dataclasses import asdict
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
-from typing import Any
+from threading import Event
+from typing import Any, Unpack
 
+from prfaas.engine.vllm.params import GenerateOptions
 from prfaas.transport.tls import NodeCert
 
 AUTHKEY_ENV = "PRFAAS_VLLM_AUTHKEY"
@@ -86,7 +88,8 @@ def _serve_one(host: Any, conn: Connection, authkey: bytes) -> None:
                 return
             if op == "generate":
                 token_ids, max_tokens, kv_params, timeout_s, sampling = args
-                result: Any = asdict(host.generate(token_ids, max_tokens, kv_params, timeout_s, sampling))
+                options = GenerateOptions(kv_params=kv_params, timeout_s=timeout_s, sampling=sampling)
+                result: Any = asdict(host.generate(token_ids, max_tokens, **options))
             elif op == "expect":
                 job_id, attempt, timeout_s, tenant, max_bytes = args
                 host.link.expect(job_id, attempt, timeout_s, tenant=tenant, max_bytes=max_bytes)
@@ -253,22 +256,17 @@ class VLLMClient:
         return result
 
     def stream(
-        self,
-        token_ids: list[int],
-        max_tokens: int,
-        kv_params: dict[str, Any] | None = None,
-        timeout_s: float = 300.0,
-        stop: threading.Event | None = None,
-        sampling: dict[str, Any] | None = None,
+        self, token_ids: list[int], max_tokens: int, stop: Event | None = None, **options: Unpack[GenerateOptions]
     ) -> Generator[list[Any], None, dict[str, Any]]:
         """Yields each step's new tokens as `Step`s (token id, logprobs, prompt logprobs on the
         first: engine/vllm/sampling.py); returns what `generate` returns. `sampling`: kwargs of
         vLLM's SamplingParams (None: greedy, EOS ignored). Closing the generator early aborts the
         request on the server; so does `stop` (checked every 0.1 s, also while vLLM waits for a
-        shipment), which raises `StreamStopped`."""
+        shipment), which raises `StreamStopped`. `timeout_s`: 300 s by default."""
+        timeout_s = options.get("timeout_s", 300.0)
         conn = _connect(self.address, self._authkey)
         try:
-            conn.send(("stream", (token_ids, max_tokens, kv_params, timeout_s, sampling)))
+            conn.send(("stream", (token_ids, max_tokens, options.get("kv_params"), timeout_s, options.get("sampling"))))
             deadline = time.monotonic() + timeout_s + 5
             while True:
                 remaining = deadline - time.monotonic()
@@ -288,18 +286,13 @@ class VLLMClient:
         finally:
             conn.close()
 
-    def generate(
-        self,
-        token_ids: list[int],
-        max_tokens: int,
-        kv_params: dict[str, Any] | None = None,
-        timeout_s: float = 300.0,
-        sampling: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    def generate(self, token_ids: list[int], max_tokens: int, **options: Unpack[GenerateOptions]) -> dict[str, Any]:
         """-> {"token_ids", "kv_transfer_params", "num_cached_tokens", "seconds", "first_token_at",
         "logprobs", "prompt_logprobs"} (`first_token_at`: the server's time.monotonic(),
-        comparable on the same host; logprobs as engine/vllm/sampling.py's WireLogprobs)"""
-        args = (token_ids, max_tokens, kv_params, timeout_s, sampling)
+        comparable on the same host; logprobs as engine/vllm/sampling.py's WireLogprobs); `timeout_s`: 300 s by
+        default"""
+        timeout_s = options.get("timeout_s", 300.0)
+        args = (token_ids, max_tokens, options.get("kv_params"), timeout_s, options.get("sampling"))
         result: dict[str, Any] = self._call("generate", args, timeout_s + 5)
         return result
 

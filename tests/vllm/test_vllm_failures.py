@@ -28,7 +28,7 @@ def test_missing_shipment_is_recomputed_within_its_deadline(vllm_pair: VLLMPair,
     reference = vllm_pair.decode.client.generate(prompt, 8)
     load = LoadParams(str(uuid.uuid4()), 0, timeout_s=3.0).to_kv_params()
     started = time.monotonic()
-    result = vllm_pair.decode.client.generate(prompt, 8, load, timeout_s=120)
+    result = vllm_pair.decode.client.generate(prompt, 8, kv_params=load, timeout_s=120)
     elapsed = time.monotonic() - started
     assert result["num_cached_tokens"] == 0  # nothing loaded: the prompt was computed here
     assert result["token_ids"][:8] == reference["token_ids"][:8]
@@ -42,9 +42,9 @@ def _forged_split(pair: VLLMPair, prompt: list[int]) -> tuple[dict, dict | None]
     ship = ShipParams(job, 0, forged, pair.decode.kv_endpoint, "lossless", 5.0).to_kv_params()
     load = LoadParams(job, 0, timeout_s=2.0, num_tokens=len(prompt)).to_kv_params()
     pair.decode.client.expect(job, 0, 2.0)
-    first = pair.prefill.client.generate(prompt, 1, ship)["token_ids"]
+    first = pair.prefill.client.generate(prompt, 1, kv_params=ship)["token_ids"]
     outcome = pair.prefill.client.wait_shipped(ship, 30)
-    return pair.decode.client.generate(prompt + first, 4, load), outcome
+    return pair.decode.client.generate(prompt + first, 4, kv_params=load), outcome
 
 
 def test_block_pools_return_to_their_start_after_20_requests(vllm_pair: VLLMPair, long_text: str) -> None:
@@ -61,7 +61,7 @@ def test_block_pools_return_to_their_start_after_20_requests(vllm_pair: VLLMPair
             return "refused"
         if i % 4 == 1:  # no prefill at all: decode waits out the deadline, recomputes
             load = LoadParams(str(uuid.uuid4()), 0, timeout_s=2.0).to_kv_params()
-            decoded = vllm_pair.decode.client.generate(prompt, 4, load)
+            decoded = vllm_pair.decode.client.generate(prompt, 4, kv_params=load)
             assert decoded["num_cached_tokens"] == 0
             return "missing"
         _tokens, decoded, outcome = split(vllm_pair, prompt, layerwise=i % 8 != 2)  # some sent after the forward
@@ -113,12 +113,12 @@ def test_a_shipment_for_another_tenant_or_past_the_reservation_is_refused_and_re
     ship = ShipParams(job, 0, ticket, vllm_pair.decode.kv_endpoint, "lossless", 10.0, True,
                       vllm_pair.decode_server_name).to_kv_params()  # fmt: skip
     vllm_pair.decode.client.expect(job, 0, 10.0, tenant=tenant, max_bytes=max_bytes)
-    first = vllm_pair.prefill.client.generate(prompt, 1, ship)["token_ids"]
+    first = vllm_pair.prefill.client.generate(prompt, 1, kv_params=ship)["token_ids"]
     outcome = vllm_pair.prefill.client.wait_shipped(ship, 30)
     assert outcome is not None and outcome["status"] == "failed", outcome
     assert outcome["error_type"] == "TicketRejected", outcome
     load = LoadParams(job, 0, timeout_s=2.0, num_tokens=len(prompt)).to_kv_params()
-    decoded = vllm_pair.decode.client.generate(prompt + first, 3, load)
+    decoded = vllm_pair.decode.client.generate(prompt + first, 3, kv_params=load)
     assert decoded["num_cached_tokens"] == 0  # nothing was stored: the prompt was computed here
     assert len(decoded["token_ids"]) == 3
 

@@ -52,7 +52,7 @@ def test_hf_prefill_then_vllm_decode_gives_the_same_tokens(
             shipment.add_layer(index, _byte_view(layer.k), _byte_view(layer.v))
         assert transfer.wait(60) is TransferStatus.COMPLETED, transfer.error
     load = LoadParams(job, 0, timeout_s=60, num_tokens=num_tokens).to_kv_params()
-    result = vllm_pair.decode.client.generate([*prompt, pre.first_token], NEW_TOKENS - 1, load)
+    result = vllm_pair.decode.client.generate([*prompt, pre.first_token], NEW_TOKENS - 1, kv_params=load)
 
     assert result["num_cached_tokens"] == num_tokens  # decoded from HF's KV, not recomputed
     assert [pre.first_token, *result["token_ids"]] == reference["token_ids"]

@@ -58,12 +58,12 @@ def split(
     load = LoadParams(job, 0, timeout_s, num_tokens=len(prompt)).to_kv_params()
     pair.decode.client.expect(job, 0, timeout_s, tenant="tenant-a", max_bytes=len(prompt) * KV_BYTES_PER_TOKEN)
     prefill = vllm_sampling(params, "prefill") if params else None
-    first = pair.prefill.client.generate(prompt, 1, ship, sampling=prefill)["token_ids"]
+    first = pair.prefill.client.generate(prompt, 1, kv_params=ship, sampling=prefill)["token_ids"]
     outcome = pair.prefill.client.wait_shipped(ship, timeout_s)
     decode = vllm_sampling(params, "decode", first[0]) if params else None
     if decode is not None and not first_output:
         decode.pop("extra_args", None)
-    decoded = pair.decode.client.generate(prompt + first, NEW_TOKENS - 1, load, sampling=decode)
+    decoded = pair.decode.client.generate(prompt + first, NEW_TOKENS - 1, kv_params=load, sampling=decode)
     return first + decoded["token_ids"], decoded, outcome
 
 
@@ -120,7 +120,7 @@ def test_prefill_blocks_are_freed_once_the_shipment_ends(vllm_pair: VLLMPair, lo
     job = str(uuid.uuid4())
     ticket = vllm_pair.signer.issue(job, 0, "tenant-a", 1 << 30, ttl_s=60)
     ship = ShipParams(job, 0, ticket, "127.0.0.1:9", "raw", 8.0, layerwise).to_kv_params()
-    first = vllm_pair.prefill.client.generate(prompt, 1, ship)
+    first = vllm_pair.prefill.client.generate(prompt, 1, kv_params=ship)
     outcome = vllm_pair.prefill.client.wait_shipped(ship, 30)
     assert len(first["token_ids"]) == 1
     assert outcome is not None and outcome["status"] in {"failed", "timeout"}, outcome
