@@ -30,7 +30,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,56 +37,49 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import yaml
 
+from prfaas.bench.deployment_kit import add_steady_load_options, fresh_deployment
 from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.devstack.deployment import Deployment
-from prfaas.devstack.topology import Topology
+from prfaas.devstack.topology import split_topology
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.loadgen import steady
 
 MODEL = "tiny-llama"
-TOPOLOGY: dict[str, Any] = {
-    "name": "chaos", "model": MODEL,
-    "control_plane": {"workers": 2, "worker_concurrency": 4},
-    "policy": {"min_uncached_tokens": 128},
-    "tenant": {"name": "chaos", "rps": 50, "concurrency": 64, "budget_usd": 1000},
-    "regions": [
-        {"name": "prefill-a", "role": "prefill", "usd_per_gpu_hour": 0.5, "extra": {"test_layer_delay_s": 0.15}},
-        {"name": "prefill-b", "role": "prefill", "usd_per_gpu_hour": 0.6, "extra": {"test_layer_delay_s": 0.15}},
+SLOW_LAYERS = {"test_layer_delay_s": 0.15}
+TOPOLOGY = split_topology(
+    "chaos", MODEL,
+    regions=[
+        {"name": "prefill-a", "role": "prefill", "usd_per_gpu_hour": 0.5, "extra": SLOW_LAYERS},
+        {"name": "prefill-b", "role": "prefill", "usd_per_gpu_hour": 0.6, "extra": SLOW_LAYERS},
         {"name": "dec", "role": "decode", "usd_per_gpu_hour": 4.0, "instances": 2, "kv_buffer_bytes": "512MiB",
          "extra": {"test_token_delay_s": 0.05}},
     ],
-    "links": [
+    links=[
         {"src": "prefill-a", "dst": "dec", "rtt_ms": 20, "rate_mbit": 200},
         {"src": "prefill-b", "dst": "dec", "rtt_ms": 30, "rate_mbit": 200},
     ],
-}  # fmt: skip
+    workers=2,
+)  # fmt: skip
 TERMINAL = {b"DONE", b"FAILED", b"CANCELED"}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--rate", type=float, default=2.0, help="requests started per second")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    add_steady_load_options(parser)
     parser.add_argument("--prompts", type=int, default=8, help="distinct prompts (each checked against a local run)")
     parser.add_argument("--deadline-s", type=float, default=120.0, help="a request gives up this long after its start")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     root = os.geteuid() == 0
-    home = Path(tempfile.mkdtemp(prefix="prfaas-chaos-"))
-    os.environ["PRFAAS_LEDGER_URL"] = f"sqlite:///{home / 'ledger.db'}"
     os.environ.setdefault("PRFAAS_REDIS_URL", "redis://127.0.0.1:6379/0")
     engine = HFEngine(MODEL)
     corpus = engine.encode(Path(json.__file__).read_text() * 4)
     prompts = [corpus[i * 350 : i * 350 + 300] for i in range(args.prompts)]
     expected = [engine.decode_text(engine.generate(p, SamplingParams(max_new_tokens=args.max_tokens))) for p in prompts]
-    topology_path = home / "topology.yaml"
-    topology_path.write_text(yaml.safe_dump(TOPOLOGY))
-    topology = Topology.model_validate(TOPOLOGY)
-    deployment = Deployment(topology, str(topology_path), home, root, lambda m: print(m, flush=True))
+    deployment = fresh_deployment(TOPOLOGY, root, lambda m: print(m, flush=True), prefix="prfaas-chaos-")
     try:
         state = deployment.start()
         n = len(prompts)

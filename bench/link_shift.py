@@ -29,7 +29,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,29 +36,26 @@ from typing import Any
 
 import httpx
 import openai
-import yaml
 
-from prfaas.devstack.deployment import Deployment
-from prfaas.devstack.topology import Topology
+from prfaas.bench.deployment_kit import fresh_deployment
+from prfaas.devstack.topology import split_topology
 from prfaas.engine.hf import HFEngine
 
 MODEL = "tiny-llama"
 PREFILL = ("pre-a", "pre-b")
-TOPOLOGY: dict[str, Any] = {
-    "name": "shift", "model": MODEL,
-    "control_plane": {"workers": 1, "worker_concurrency": 8},
-    "policy": {"min_uncached_tokens": 128},
-    "tenant": {"name": "shift", "rps": 50, "concurrency": 64, "budget_usd": 1000},
-    "regions": [
+TOPOLOGY = split_topology(
+    "shift", MODEL,
+    regions=[
         {"name": PREFILL[0], "role": "prefill", "usd_per_gpu_hour": 0.5},
         {"name": PREFILL[1], "role": "prefill", "usd_per_gpu_hour": 0.5},
         {"name": "dec", "role": "decode", "usd_per_gpu_hour": 4.0, "kv_buffer_bytes": "1GiB"},
     ],
-    "links": [
+    links=[
         {"src": PREFILL[0], "dst": "dec", "rtt_ms": 40, "rate_mbit": 100},
         {"src": PREFILL[1], "dst": "dec", "rtt_ms": 40, "rate_mbit": 100},
     ],
-}  # fmt: skip
+    worker_concurrency=8,
+)  # fmt: skip
 
 
 def main() -> int:
@@ -92,12 +88,9 @@ def main() -> int:
 
 def run(mode: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     os.environ["PRFAAS_MEASURE_LINKS"] = "true" if mode == "measured" else "false"
-    home = Path(tempfile.mkdtemp(prefix=f"prfaas-shift-{mode}-"))
-    os.environ["PRFAAS_LEDGER_URL"] = f"sqlite:///{home / 'ledger.db'}"
-    topology_path = home / "topology.yaml"
-    topology_path.write_text(yaml.safe_dump(TOPOLOGY))
-    deployment = Deployment(Topology.model_validate(TOPOLOGY), str(topology_path), home, True,
-                            lambda m: print(f"[{mode}] {m}", flush=True))  # fmt: skip
+    deployment = fresh_deployment(
+        TOPOLOGY, True, lambda m: print(f"[{mode}] {m}", flush=True), prefix=f"prfaas-shift-{mode}-"
+    )
     rows: list[dict[str, Any]] = []
     links: list[dict[str, Any]] = []  # /admin/links every second: what the scheduler saw
     stop = threading.Event()

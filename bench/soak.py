@@ -23,54 +23,47 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import redis
-import yaml
 
+from prfaas.bench.deployment_kit import add_steady_load_options, fresh_deployment
 from prfaas.devstack.deployment import Deployment
-from prfaas.devstack.topology import Topology
+from prfaas.devstack.topology import split_topology
 from prfaas.engine.hf import HFEngine
 from prfaas.loadgen import steady
 
 MODEL = "tiny-llama"
 SAMPLE_S = 10.0
 WARMUP_S = 120.0
-TOPOLOGY: dict[str, Any] = {
-    "name": "soak", "model": MODEL,
-    "control_plane": {"workers": 1, "worker_concurrency": 4},
-    "policy": {"min_uncached_tokens": 128},
-    "tenant": {"name": "soak", "rps": 50, "concurrency": 64, "budget_usd": 100000},
-    "regions": [
+TOPOLOGY = split_topology(
+    "soak", MODEL,
+    regions=[
         {"name": "prefill-a", "role": "prefill", "usd_per_gpu_hour": 0.5},
         {"name": "dec", "role": "decode", "usd_per_gpu_hour": 4.0, "kv_buffer_bytes": "512MiB"},
     ],
-    "links": [{"src": "prefill-a", "dst": "dec", "rtt_ms": 20, "rate_mbit": 200}],
-}  # fmt: skip
+    links=[{"src": "prefill-a", "dst": "dec", "rtt_ms": 20, "rate_mbit": 200}],
+    budget_usd=100000,
+)  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--rate", type=float, default=2.0, help="requests started per second")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    add_steady_load_options(parser)
     parser.add_argument("--job-ttl-s", type=int, default=120, help="finished jobs' keys live this long")
     parser.add_argument("--emulate-wan", action="store_true", help="regions in namespaces (root)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="prfaas-soak-"))
-    os.environ["PRFAAS_LEDGER_URL"] = f"sqlite:///{home / 'ledger.db'}"
     os.environ["PRFAAS_JOB_TTL_S"] = str(args.job_ttl_s)
     os.environ.setdefault("PRFAAS_REDIS_URL", "redis://127.0.0.1:6379/0")
     corpus = HFEngine(MODEL).encode(Path(json.__file__).read_text() * 4)
-    topology_path = home / "topology.yaml"
-    topology_path.write_text(yaml.safe_dump(TOPOLOGY))
-    deployment = Deployment(Topology.model_validate(TOPOLOGY), str(topology_path), home,
-                            args.emulate_wan and os.geteuid() == 0, lambda m: print(m, flush=True))  # fmt: skip
+    deployment = fresh_deployment(
+        TOPOLOGY, args.emulate_wan and os.geteuid() == 0, lambda m: print(m, flush=True), prefix="prfaas-soak-"
+    )
     samples: dict[str, list[tuple[float, float]]] = {}
     try:
         state = deployment.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
@@ -10,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prfaas.cli.bench import bench as bench_command
+from prfaas.cli.model import model_app, quiet_transformers
 from prfaas.cli.sim import sim_app
 from prfaas.cli.tour import tour as tour_command
 from prfaas.cli.trace import trace as trace_command
@@ -18,75 +18,12 @@ from prfaas.engine.errors import EngineError
 app = typer.Typer(
     help="prfaas: cross-region Prefill-as-a-Service.", no_args_is_help=True, pretty_exceptions_show_locals=False
 )
-model_app = typer.Typer(help="Prepare and list the offline model catalog.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 sched_app = typer.Typer(help="The global scheduler: explain a placement.", no_args_is_help=True)
 app.add_typer(sched_app, name="sched")
 certs_app = typer.Typer(help="Certificates for mutual TLS between components.", no_args_is_help=True)
 app.add_typer(certs_app, name="certs")
 console = Console()
-
-
-def _quiet_transformers() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
-@model_app.command("list")
-def model_list() -> None:
-    """List catalog models and whether they are prepared."""
-    from prfaas.engine.models import list_models, models_root
-
-    table = Table("name", "prepared", "sha256", "description", "source")
-    for status in list_models():
-        prepared = "yes" if status.prepared else "no"
-        table.add_row(status.name, prepared, (status.checksum or "-")[:12], status.description, status.source)
-    console.print(table)
-    console.print(f"model cache: {models_root()}")
-
-
-@model_app.command("prepare")
-def model_prepare(
-    names: list[str] = typer.Argument(..., help="catalog model names (see `prfaas model list`)"),
-    force: bool = typer.Option(False, help="rebuild even if an intact copy exists"),
-) -> None:
-    """Build models into $PRFAAS_HOME/models from local sources (idempotent)."""
-    from prfaas.engine.models import prepare_model
-
-    _quiet_transformers()
-    for name in names:
-        try:
-            prepared = prepare_model(name, force=force)
-        except EngineError as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from None
-        verb = "kept" if prepared.reused else "prepared"
-        console.print(f"{verb} {prepared.name} at {prepared.path} (sha256 {prepared.checksum[:16]}...)")
-
-
-@model_app.command("calibrate")
-def model_calibrate(
-    models: list[str] = typer.Argument(..., help="catalog names (prepared) or HF model folders"),
-    force: bool = typer.Option(False, help="measure again even if stored"),
-) -> None:
-    """Measure each model's query energy per key channel, which the kv codecs shape key scales by, into
-    $PRFAAS_HOME/calibration (idempotent; a prefill region loads it by the model's fingerprint)."""
-    from prfaas.engine.calibration import calibrate
-    from prfaas.engine.models import resolve_model
-
-    _quiet_transformers()
-    for model in models:
-        try:
-            path, measured = calibrate(resolve_model(model), force=force)
-        except (EngineError, RuntimeError) as exc:
-            console.print(f"[red]error:[/red] {model}: {exc}")
-            raise typer.Exit(2) from None
-        console.print(f"{'measured' if measured else 'kept'} the query energy of {model} at {path}")
 
 
 @sched_app.command(
@@ -150,7 +87,7 @@ def demo(
     """Generate split (prefill and decode in two processes) and colocated; compare."""
     from prfaas.devstack.demo import DEFAULT_PROMPT, run_demo
 
-    _quiet_transformers()
+    quiet_transformers()
     try:
         report = run_demo(model, prompt or DEFAULT_PROMPT, max_new_tokens)
     except EngineError as exc:
@@ -192,7 +129,7 @@ def region(
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
-    _quiet_transformers()
+    quiet_transformers()
     from prfaas.decode_region.role import build_decode
     from prfaas.prefill_region.role import build_prefill
     from prfaas.region.main import serve
@@ -280,7 +217,7 @@ def _prepare_for_up(topology: str, model: str) -> None:
         missing = unprepared(model)
         if missing is None:
             return
-        _quiet_transformers()
+        quiet_transformers()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as bar:  # fmt: skip
             bar.add_task(f"preparing model {missing} in {models_root()} (first run only)", total=None)

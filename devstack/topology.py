@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Self
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from prfaas.region.config import field_errors, read_yaml_mapping, yaml_mapping
@@ -129,3 +130,35 @@ def load_topology(path: str | Path) -> Topology:
         policy = topology.policy.model_copy(update={"path": (path.parent / topology.policy.path).resolve()})
         topology = topology.model_copy(update={"policy": policy})
     return topology
+
+
+def split_topology(
+    name: str,
+    model: str,
+    regions: list[dict[str, Any]],
+    links: list[dict[str, Any]],
+    *,
+    workers: int = 1,
+    worker_concurrency: int = 4,
+    budget_usd: float = 1000.0,
+) -> Topology:
+    """The benchmarks' deployments: prompts split from 128 uncached tokens on (the built-in policy's
+    threshold keeps prompts of a few hundred tokens local), one tenant named after the deployment
+    (default rate limits, `budget_usd` a month); `regions` and `links` as a topology file lists them."""
+    return topology_from_mapping(
+        {
+            "name": name,
+            "model": model,
+            "control_plane": {"workers": workers, "worker_concurrency": worker_concurrency},
+            "policy": {"min_uncached_tokens": 128},
+            "tenant": {"name": name, "budget_usd": budget_usd},
+            "regions": regions,
+            "links": links,
+        },
+        name,
+    )
+
+
+def write_topology(topology: Topology, path: Path) -> None:
+    """`topology` as a file that `load_topology` reads back the same."""
+    path.write_text(yaml.safe_dump(topology.model_dump(mode="json"), sort_keys=False))

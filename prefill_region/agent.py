@@ -25,7 +25,8 @@ from prfaas.prefill_region.backend import JobStopped, PrefillBackend, PrefillWor
 from prfaas.prefill_region.destination import Destination
 from prfaas.prefill_region.job import END, Job
 from prfaas.prefill_region.shipping import link_report
-from prfaas.protos.prfaas.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, registry_pb2
+from prfaas.protos.prfaas.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2
+from prfaas.region.cancel import CancelService
 from prfaas.region.errors import (
     Canceled,
     Conflict,
@@ -38,7 +39,6 @@ from prfaas.region.errors import (
 )
 from prfaas.region.requests import (
     MAX_TIMEOUT_S,
-    cancel_of,
     firsts_to_proto,
     job_uuid,
     logprobs_to_proto,
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
 
 
-class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
+class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
     def __init__(
         self,
         backend: PrefillBackend,
@@ -209,15 +209,13 @@ class PrefillAgent(prefill_pb2_grpc.PrefillRegionServicer):
             prompt_logprobs=prompt_logprobs_to_proto(reshipped.firsts[0]),
         )
 
-    @unary
-    def Cancel(self, request: common_pb2.CancelRequest, context: grpc.ServicerContext) -> common_pb2.CancelReply:
-        job_id, canceled = cancel_of(request)
+    def cancel(self, job_id: str, canceled: Canceled) -> bool:
         with self._lock:
             job = self._jobs.get(job_id)
         kept = self.backend.drop(job_id)
         if job is not None:
             job.cancel(canceled)
-        return common_pb2.CancelReply(found=job is not None or kept)
+        return job is not None or kept
 
     # -- region ----------------------------------------------------------------------------
 

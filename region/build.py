@@ -73,7 +73,7 @@ def build_region(
         instance=config.instance,
         kv_endpoint=next((b.kv_endpoint for b in built if b.kv_endpoint), ""), engine=config.engine,
         model=config.model, model_fingerprint=engine.facts.fingerprint,
-        kv_buffer_bytes=config.kv_buffer_bytes if config.serves_decode else 0,
+        kv_buffer_bytes=config.kv_buffer_bytes if config.identity.serves_decode else 0,
         heartbeat_interval_s=config.heartbeat_interval_s,
         prefix_block_tokens=prefix_cache.block_tokens if prefix_cache is not None else 0,
         kv_dtype=engine.facts.dtype,
@@ -112,7 +112,7 @@ def load_engine(config: RegionConfig) -> Any:
     choice = select_device(config.device, config.dtype)  # the vLLM server picks its own device; the dtype is ours
     engine = start_vllm_engine(
         config.model, dtype=choice.dtype, node=config.name, kv_host=host, kv_port=port,
-        ticket_keys=config.ticket_keys if config.serves_decode else None,
+        ticket_keys=config.ticket_keys if config.identity.serves_decode else None,
         options=ServerOptions(
             python=Path(opts.python) if opts.python else DEFAULT_VLLM_PYTHON, start_timeout_s=opts.start_timeout_s,
             enforce_eager=opts.enforce_eager, max_model_len=opts.max_model_len, kv_cache_gib=opts.kv_cache_gib,

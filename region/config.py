@@ -267,14 +267,6 @@ class RegionConfig(BaseSettings):
         """Who this region instance is (its certificate names the same, or `*` for its instance)."""
         return Identity(self.role, self.name, self.instance)
 
-    @property
-    def serves_prefill(self) -> bool:
-        return self.identity.serves_prefill
-
-    @property
-    def serves_decode(self) -> bool:
-        return self.identity.serves_decode
-
 
 def field_errors(exc: ValidationError) -> list[str]:
     """One `field.path[index]: message` line per error of `exc` (a config's bad fields)."""

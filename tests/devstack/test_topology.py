@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prfaas.devstack.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology, parse_topology
+from prfaas.devstack.topology import (
+    DEFAULT_TOPOLOGY,
+    TopologyError,
+    load_topology,
+    parse_topology,
+    split_topology,
+    write_topology,
+)
 
 GOOD = {
     "regions": [
@@ -81,6 +88,17 @@ def test_a_second_link_between_the_same_regions_is_refused() -> None:
 def test_a_file_that_is_not_a_topology_says_so(text: str, expected: str) -> None:
     with pytest.raises(TopologyError, match=expected):
         parse_topology(text, "t.yaml")
+
+
+def test_a_split_topology_splits_short_prompts_and_is_written_as_it_reads_back(tmp_path: Path) -> None:
+    topology = split_topology("bench", "tiny-llama", GOOD["regions"], GOOD["links"], workers=2, budget_usd=5.0)
+    assert topology.policy.min_uncached_tokens == 128  # the benchmarks' prompts are a few hundred tokens
+    assert (topology.tenant.name, topology.tenant.budget_usd) == ("bench", 5.0)
+    assert topology.control_plane.workers == 2
+
+    write_topology(topology, tmp_path / "t.yaml")
+
+    assert load_topology(tmp_path / "t.yaml") == topology
 
 
 def test_prfaas_up_with_a_bad_topology_exits_2_naming_the_field(tmp_path: Path) -> None:

@@ -155,7 +155,7 @@ def test_malformed_config_error_names_the_field(change: dict[str, object], field
 def test_config_sizes_env_and_roles(monkeypatch: pytest.MonkeyPatch) -> None:
     config = config_from_mapping(VALID | {"kv_buffer_bytes": "2GiB", "control_plane_url": "grpc://cp:7000"})
     assert config.kv_buffer_bytes == 2 << 30 and config.control_plane_url == "cp:7000"
-    assert config.serves_decode and not config.serves_prefill
+    assert config.identity.serves_decode and not config.identity.serves_prefill
     monkeypatch.setenv("PRFAAS_LISTEN__GRPC", "0.0.0.0:9000")
     monkeypatch.setenv("PRFAAS_INSECURE", "true")
     assert config_from_mapping(VALID).listen.grpc == "0.0.0.0:9000"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -64,28 +65,29 @@ def assert_values_within_bound(name: str, x: torch.Tensor, y: torch.Tensor, dtyp
     assert bool((err <= bound * 1.01 + 1e-6 * x64.norm(dim=2) + 2e-24).all())
 
 
+@pytest.mark.parametrize(
+    ("part", "assert_within_bound"),
+    [
+        pytest.param(0, assert_keys_within_bound, id="keys"),
+        pytest.param(1, assert_values_within_bound, id="values"),
+    ],
+)
 @pytest.mark.parametrize("name", KV_CODECS)
 @settings(max_examples=30, deadline=None)
 @given(dtype=dtypes, shape=shapes, seed=st.integers(0, 2**32 - 1))
-def test_keys_come_back_within_half_a_channel_step(
-    name: str, dtype: str, shape: tuple[int, int, int], seed: int
+def test_keys_and_values_come_back_within_their_bounds(
+    part: int,
+    assert_within_bound: Callable[[str, torch.Tensor, torch.Tensor, str], None],
+    name: str,
+    dtype: str,
+    shape: tuple[int, int, int],
+    seed: int,
 ) -> None:
+    """Keys within half a channel step, values within the rotated token step (the bounds above)."""
     x = kv_like(shape, dtype, seed, decades=2)
-    y = round_trip(name, x, dtype, 0)
+    y = round_trip(name, x, dtype, part)
     if x.numel():
-        assert_keys_within_bound(name, x, y, dtype)
-
-
-@pytest.mark.parametrize("name", KV_CODECS)
-@settings(max_examples=30, deadline=None)
-@given(dtype=dtypes, shape=shapes, seed=st.integers(0, 2**32 - 1))
-def test_values_come_back_within_the_rotated_token_step(
-    name: str, dtype: str, shape: tuple[int, int, int], seed: int
-) -> None:
-    x = kv_like(shape, dtype, seed, decades=2)
-    y = round_trip(name, x, dtype, 1)
-    if x.numel():
-        assert_values_within_bound(name, x, y, dtype)
+        assert_within_bound(name, x, y, dtype)
 
 
 @pytest.fixture(scope="module")

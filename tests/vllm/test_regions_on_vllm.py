@@ -261,25 +261,23 @@ def test_a_vllm_prefill_region_computes_only_what_its_prefix_cache_lacks(
     assert _ids(other) == reference
 
 
-def test_hf_prefill_region_to_vllm_decode_region_gives_the_same_tokens(
-    regions: dict[str, RegionProcess], prompt: list[int]
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [
+        pytest.param("hf", "vllm-d", id="hf-prefill-to-vllm-decode"),
+        pytest.param("vllm-p", "hf", id="vllm-prefill-to-hf-decode"),
+    ],
+)
+def test_a_split_across_engines_gives_the_decode_regions_own_tokens(
+    regions: dict[str, RegionProcess], prompt: list[int], prefill: str, decode: str
 ) -> None:
-    reference = _ids(_generate(regions["vllm-d"], prompt))
+    """An HF prefill region to a vLLM decode region and the reverse: the tokens the decode region gives the
+    whole request by itself (Generate; on the HF region, prefill and decode in one process)."""
+    reference = _ids(_generate(regions[decode], prompt))
 
-    decoded, events = _split(regions["hf"], regions["vllm-d"], prompt)
+    decoded, events = _split(regions[prefill], regions[decode], prompt)
 
     assert _ids(decoded) == reference
-    assert events[-1].shipment_complete.raw_bytes == KV_BYTES
-
-
-def test_vllm_prefill_region_to_hf_decode_region_gives_the_colocated_tokens(
-    regions: dict[str, RegionProcess], prompt: list[int]
-) -> None:
-    colocated = _ids(_generate(regions["hf"], prompt))  # HF prefill and decode in one process
-
-    decoded, events = _split(regions["vllm-p"], regions["hf"], prompt)
-
-    assert _ids(decoded) == colocated
     assert events[-1].shipment_complete.raw_bytes == KV_BYTES
 
 
