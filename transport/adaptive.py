@@ -16,16 +16,25 @@ one count measure anywhere from 0.5 to 37 MB/s on the intercontinental bench lin
 Rules, per window, while backlogged, on a WAN path (minimum RTT >= `lan_rtt_s`):
 - no queue → double the count (up to `max_streams`): the link has room;
 - queue → the link is full: hold this count.
+A path with no queue is not always one with room: when the sender's CPU (encoding, the stream
+threads) is the limit, the link shows no queue at any count and more streams only cost CPU (kvw4
+on the intercontinental bench: 3.3x at 4 streams, 2.4-2.6x at 8-32). So a step taken on delay is
+a trial: if the best of its first `trial_windows` windows delivers less than the median of the
+count before it, the step is undone and the next probe waits twice as long (up to 8x). Best
+against median, not mean against mean: one window's goodput on a lossy path swings from a loss
+collapse to a slow-start burst, and a single bad window must not undo a climb that pays.
 On a LAN path (or without TCP_INFO) delay says nothing: start from `min_streams` and
 hill-climb on goodput, a step must gain `gain` or it is undone.
-After `hold_intervals` windows, or `reprobe_clear` windows in a row without a queue, probe
-upward again (slow-start overshoot ends, paths change).
+After `hold_intervals` windows, or `reprobe_clear` windows in a row without a queue (unless the
+last probe was undone), probe upward again (slow-start overshoot ends, paths change).
 
 Pure policy: `StreamController` sees measurements and returns a count; no sockets here.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 LAN_RTT_S = 0.001  # below: same host or region, where a queue is too small to see
@@ -56,6 +65,7 @@ class StreamController:
     hold_intervals: windows to stay at a settled count before probing upward again.
     reprobe_clear: on a WAN path, consecutive backlogged windows without a queue that end the
         hold early (the queue that stopped the climb was a transient, or the path changed).
+    trial_windows: windows with data in flight after a step taken on delay that judge it (see above).
     """
 
     initial: int = 4
@@ -67,6 +77,7 @@ class StreamController:
     interval_s: float = 1.0
     hold_intervals: int = 20
     reprobe_clear: int = 3
+    trial_windows: int = 2
     current: int = field(init=False)
     _rates: dict[int, float] = field(init=False, default_factory=dict)  # this probe's best rate per count
     _lan: bool = field(init=False, default=False)
@@ -74,6 +85,11 @@ class StreamController:
     _held: int = field(init=False, default=0)
     _probing: bool = field(init=False, default=True)
     _skip: int = field(init=False, default=0)
+    _recent: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=5))  # active windows' rates here
+    _trial: list[float] = field(init=False, default_factory=list)  # the step on trial: its windows' rates
+    _trial_from: int | None = field(init=False, default=None)  # the count it stepped up from
+    _trial_base: float = field(init=False, default=0.0)  # the median rate at that count
+    _undone: int = field(init=False, default=0)  # probes undone in a row: each doubles the next hold
     # (t_s, streams, bytes/s, queueing delay s or None, backlogged)
     history: list[tuple[float, int, float, float | None, bool]] = field(init=False, default_factory=list)
 
@@ -87,9 +103,18 @@ class StreamController:
         # CUBIC's sawtooth on a lossy long path spans many RTTs: shorter windows measure noise.
         return max(self.interval_s, 8 * rtt_s) if rtt_s else self.interval_s
 
-    def update(self, now_s: float, rate_bps: float, backlogged: bool, path: PathSample | None = None) -> int:
-        """Feed one window's goodput (bytes/s acknowledged), whether data waited through the
-        whole window, and the path's delay if known; returns the stream count to use next."""
+    def update(
+        self,
+        now_s: float,
+        rate_bps: float,
+        backlogged: bool,
+        path: PathSample | None = None,
+        *,
+        active: bool | None = None,
+    ) -> int:
+        """Feed one window's goodput (bytes/s acknowledged), whether data waited for the path
+        through the whole window (`backlogged`), whether data was in flight through it (`active`;
+        default: `backlogged`), and the path's delay if known; returns the stream count to use next."""
         self.history.append((now_s, self.current, rate_bps, path.srtt_s - path.min_rtt_s if path else None, backlogged))
         if path is not None and path.min_rtt_s < self.lan_rtt_s:
             path = None  # too short a path for delay to tell anything
@@ -98,22 +123,30 @@ class StreamController:
                 if self.current != self.min_streams:
                     self._rates = {}
                     return self._restart(self.min_streams)
-        if not backlogged:
-            return self.current  # producer-limited: the window says nothing about the path
+        active = backlogged if active is None else active
+        if not (backlogged or active):
+            return self.current  # nothing to send: the window says nothing about the path
         if self._skip:
             self._skip -= 1  # new connections are still in slow start
             return self.current
+        if active:
+            self._recent.append(rate_bps)
+            if self._trial_from is not None and self._judge(rate_bps):
+                return self.current  # undone
+        if not backlogged:
+            return self.current  # producer-limited: the window says nothing about the path
         queued = path.queued(self.queue_threshold) if path is not None else None
         if not self._probing:
             self._held += 1
             self._clear = 0 if queued or queued is None else self._clear + 1
             if self.current >= self.max_streams or queued:
                 return self.current
-            if self._held < self.hold_intervals and self._clear < self.reprobe_clear:
+            hold = self.hold_intervals * 2 ** min(self._undone, 3)
+            if self._held < hold and (self._clear < self.reprobe_clear or self._undone):
                 return self.current
             self._probing = True  # paths change: probe upward again from here
             self._rates = {self.current: rate_bps}
-            return self._step_up()
+            return self._step_up(by_delay=queued is not None)  # with a delay signal, on trial
         self._rates[self.current] = max(rate_bps, self._rates.get(self.current, 0.0))
         if queued is None:  # no delay signal: a step must pay for itself
             previous = self._rates.get(self.current // 2)
@@ -124,11 +157,30 @@ class StreamController:
         # slow-start bursts and loss collapses (measured: 0.5 to 37 MB/s at one count).
         if queued:  # the link is full: this count is enough
             return self._settle(self.current)
-        return self._step_up(by_delay=True)  # no queue: the link has room, more streams can only use it
+        if len(self._recent) < self.trial_windows:
+            return self.current  # measuring this count: the step that led here is on trial, the next needs a base
+        return self._step_up(by_delay=True)  # no queue: the link has room, more streams may use it
+
+    def _judge(self, rate_bps: float) -> bool:
+        """One more window of the step on trial; True when it is undone."""
+        self._trial.append(rate_bps)
+        if len(self._trial) < self.trial_windows:
+            return False
+        origin, paid = self._trial_from, max(self._trial) >= self._trial_base
+        self._trial_from, self._trial = None, []
+        if paid:
+            self._undone = 0
+            return False
+        assert origin is not None
+        self._undone += 1
+        self._settle(origin)
+        return True
 
     def _restart(self, count: int) -> int:
         """Probe again from `count`."""
         self.current, self._probing, self._skip = count, True, 1
+        self._trial_from, self._trial = None, []
+        self._recent.clear()
         return count
 
     def _top(self) -> int:
@@ -137,12 +189,17 @@ class StreamController:
     def _step_up(self, by_delay: bool = False) -> int:
         if self.current >= self.max_streams:  # no queue even at the top: stay there
             return self._settle(self.current if by_delay else self._top())
+        if by_delay and self._recent:  # judged against what this count delivered
+            self._trial_from, self._trial_base, self._trial = self.current, statistics.median(self._recent), []
         self.current = min(self.max_streams, self.current * 2)
         self._skip = 1
+        self._recent.clear()
         return self.current
 
     def _settle(self, count: int) -> int:
         if count != self.current:
             self._skip = 1
+            self._recent.clear()
         self.current, self._probing, self._held, self._clear = count, False, 0, 0
+        self._trial_from, self._trial = None, []
         return self.current

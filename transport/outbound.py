@@ -99,6 +99,7 @@ class OutboundTransfer:
         self._lock = threading.Lock()
         self._unacked: dict[ChunkKey, Chunk] = {}
         self._parts_encoded = 0
+        self._layers_given = 0  # handed in by the producer (each is two parts to encode)
         info = OpenInfo(spec.dtype, spec.layer_shapes, int(self._codec.codec_id), spec.chunk_bytes, spec.traceparent)
         self.open_frame = encode(
             Frame(FrameType.OPEN, self.job, spec.attempt, payload=json_payload(info.to_json(spec.ticket)))
@@ -133,7 +134,18 @@ class OutboundTransfer:
 
     # -- producer side -------------------------------------------------------------------
 
+    @property
+    def encoding_backlog(self) -> int:
+        """Layer parts handed in and not yet encoded (while live): the sender's CPU, not the producer,
+        is what holds them."""
+        if self.cell.status().terminal:
+            return 0
+        with self._lock:
+            return 2 * self._layers_given - self._parts_encoded
+
     def _on_layer(self, index: int, k: Buffer, v: Buffer) -> None:
+        with self._lock:
+            self._layers_given += 1
         if self._executor is None:
             self._encode_layer(index, k, v)
         else:

@@ -1,5 +1,8 @@
 """The in-process transport: same frames, tickets and receiver rules as TCP, no sockets."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from transport_kit import Kit, fill, layers_for
 
@@ -179,3 +182,22 @@ def _discarded(core: ReceiverCore, data: Frame, session: Session) -> Frame:
     slot = core.data_slot(parse_header(encode(data)[:HEADER_SIZE]), session)
     assert isinstance(slot, Discard)
     return slot.replies[-1]
+
+
+def test_encoding_backlog_counts_the_parts_the_sender_has_not_encoded_yet(kit: Kit) -> None:
+    """The stream controller tells a sender whose CPU is the limit (layers wait to be encoded) from a
+    shipment's tail (nothing left to encode) by this count."""
+    release = threading.Event()
+    with ThreadPoolExecutor(1) as executor:
+        executor.submit(release.wait, 10)  # the encoder is busy: what comes next waits
+        spec = kit.spec(num_layers=3, shape=(1, 8, 64), codec="lossless")
+        shipment = Shipment(spec)
+        transfer = OutboundTransfer(shipment, lambda chunks: None, executor)
+        transfer.start()
+        for index, (k, v) in enumerate(layers_for(spec)):
+            shipment.add_layer(index, k, v)
+        assert transfer.encoding_backlog == 6  # 3 layers x (K, V)
+        release.set()
+    assert transfer.encoding_backlog == 0  # the executor drained on exit
+    transfer.cancel()
+    assert transfer.encoding_backlog == 0
