@@ -65,7 +65,7 @@ class StreamController:
     hold_intervals: windows to stay at a settled count before probing upward again.
     reprobe_clear: on a WAN path, consecutive backlogged windows without a queue that end the
         hold early (the queue that stopped the climb was a transient, or the path changed).
-    trial_windows: windows with data in flight after a step taken on delay that judge it (see above).
+    trial_windows: windows with data waiting (`active`) after a step taken on delay that judge it (see above).
     """
 
     initial: int = 4
@@ -113,8 +113,9 @@ class StreamController:
         active: bool | None = None,
     ) -> int:
         """Feed one window's goodput (bytes/s acknowledged), whether data waited for the path
-        through the whole window (`backlogged`), whether data was in flight through it (`active`;
-        default: `backlogged`), and the path's delay if known; returns the stream count to use next."""
+        through the whole window (`backlogged`), whether the sender had data waiting through it at all
+        (`active`: queued, unsent, or not yet encoded; default: `backlogged`), and the path's delay if
+        known; returns the stream count to use next."""
         self.history.append((now_s, self.current, rate_bps, path.srtt_s - path.min_rtt_s if path else None, backlogged))
         if path is not None and path.min_rtt_s < self.lan_rtt_s:
             path = None  # too short a path for delay to tell anything
