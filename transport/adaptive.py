@@ -65,7 +65,7 @@ class StreamController:
     hold_intervals: windows to stay at a settled count before probing upward again.
     reprobe_clear: on a WAN path, consecutive backlogged windows without a queue that end the
         hold early (the queue that stopped the climb was a transient, or the path changed).
-    trial_windows: windows with data waiting (`active`) after a step taken on delay that judge it (see above).
+    trial_windows: windows with data waiting (`backlogged` or `waiting`) after a step on delay that judge it.
     """
 
     initial: int = 4
@@ -104,18 +104,12 @@ class StreamController:
         return max(self.interval_s, 8 * rtt_s) if rtt_s else self.interval_s
 
     def update(
-        self,
-        now_s: float,
-        rate_bps: float,
-        backlogged: bool,
-        path: PathSample | None = None,
-        *,
-        active: bool | None = None,
+        self, now_s: float, rate_bps: float, backlogged: bool, path: PathSample | None = None, waiting: bool = False
     ) -> int:
         """Feed one window's goodput (bytes/s acknowledged), whether data waited for the path
-        through the whole window (`backlogged`), whether the sender had data waiting through it at all
-        (`active`: queued, unsent, or not yet encoded; default: `backlogged`), and the path's delay if
-        known; returns the stream count to use next."""
+        through the whole window (`backlogged`), whether data waited in the sender itself through it
+        (`waiting`: layers not yet encoded, the CPU the limit), and the path's delay if known; returns
+        the stream count to use next."""
         self.history.append((now_s, self.current, rate_bps, path.srtt_s - path.min_rtt_s if path else None, backlogged))
         if path is not None and path.min_rtt_s < self.lan_rtt_s:
             path = None  # too short a path for delay to tell anything
@@ -124,8 +118,8 @@ class StreamController:
                 if self.current != self.min_streams:
                     self._rates = {}
                     return self._restart(self.min_streams)
-        active = backlogged if active is None else active
-        if not (backlogged or active):
+        active = backlogged or waiting  # this count's goodput is what the channel delivers
+        if not active:
             return self.current  # nothing to send: the window says nothing about the path
         if self._skip:
             self._skip -= 1  # new connections are still in slow start

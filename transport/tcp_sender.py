@@ -248,7 +248,7 @@ class TcpChannel:
                 metrics.QUEUEING_DELAY.labels(self.peer).set(max(0.0, path.srtt_s - path.min_rtt_s))
             if self.controller is not None:
                 rate = acked / (read_at - window_start)
-                count = self.controller.update(now, rate, backlogged=full, path=path, active=demand >= 0.8 * samples)
+                count = self.controller.update(now, rate, backlogged=full, path=path, waiting=demand >= 0.8 * samples)
                 if count != self.num_streams:
                     log.info(
                         "streams to %s: %d -> %d (%.1f MB/s, queueing %s)", self.address, self.num_streams, count,
