@@ -111,7 +111,8 @@ def load_engine(config: RegionConfig) -> Any:
     host, port = parse_hostport(config.listen.kv)
     python = Path(opts.python) if opts.python else DEFAULT_VLLM_PYTHON
     # the vLLM server picks its own device: device and dtype follow what its environment's torch sees
-    choice = select_device(config.device, config.dtype, cuda_of(python))
+    # (asked only when the choice depends on it: `device: cpu` needs no GPU count)
+    choice = select_device(config.device, config.dtype, cuda_of(python) if config.device != "cpu" else None)
     engine = start_vllm_engine(
         config.model, dtype=choice.dtype, node=config.name, kv_host=host, kv_port=port,
         ticket_keys=config.ticket_keys if config.identity.serves_decode else None,
