@@ -121,7 +121,7 @@ def role_sender(host: str, kv_path: str) -> None:
                     "raw_bytes": transfer.stats.raw_bytes, "wire_bytes": transfer.stats.wire_bytes,
                     "cpu_s": time.process_time() - cpu0, "streams": channel.num_streams,
                     "resent": transfer.stats.resent_chunks,
-                    "history": channel.controller.history[-40:] if channel.controller else None})  # fmt: skip
+                    "history": list(channel.controller.history)[-40:] if channel.controller else None})  # fmt: skip
     for channel in channels.values():
         channel.close()
 

@@ -27,6 +27,9 @@ On a LAN path (or without TCP_INFO) delay says nothing: start from `min_streams`
 hill-climb on goodput, a step must gain `gain` or it is undone.
 After `hold_intervals` windows, or `reprobe_clear` windows in a row without a queue (unless the
 last probe was undone), probe upward again (slow-start overshoot ends, paths change).
+A window that delivers nothing (every stream reconnecting, the receiver gone) says nothing about a
+count, nor does one without TCP_INFO on a path already seen to be a WAN: an outage must not read as
+"no queue, room for more streams".
 
 Pure policy: `StreamController` sees measurements and returns a count; no sockets here.
 """
@@ -38,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 LAN_RTT_S = 0.001  # below: same host or region, where a queue is too small to see
+HISTORY_WINDOWS = 600  # windows kept in `StreamController.history` (~10 minutes at 1 s a window)
 
 
 @dataclass(frozen=True)
@@ -81,21 +85,27 @@ class StreamController:
     current: int = field(init=False)
     _rates: dict[int, float] = field(init=False, default_factory=dict)  # this probe's best rate per count
     _lan: bool = field(init=False, default=False)
+    _wan: bool = field(init=False, default=False)  # a delay signal seen on a WAN path
     _clear: int = field(init=False, default=0)  # backlogged windows in a row without a queue, while holding
     _held: int = field(init=False, default=0)
     _probing: bool = field(init=False, default=True)
     _skip: int = field(init=False, default=0)
-    _recent: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=5))  # active windows' rates here
+    _recent: deque[float] = field(init=False)  # active windows' rates at this count (the last 5, or trial_windows)
     _trial: list[float] = field(init=False, default_factory=list)  # the step on trial: its windows' rates
     _trial_from: int | None = field(init=False, default=None)  # the count it stepped up from
     _trial_base: float = field(init=False, default=0.0)  # the median rate at that count
     _undone: int = field(init=False, default=0)  # probes undone in a row: each doubles the next hold
-    # (t_s, streams, bytes/s, queueing delay s or None, backlogged)
-    history: list[tuple[float, int, float, float | None, bool]] = field(init=False, default_factory=list)
+    # the last HISTORY_WINDOWS windows: (t_s, streams, bytes/s, queueing delay s or None, backlogged)
+    history: deque[tuple[float, int, float, float | None, bool]] = field(
+        init=False, default_factory=lambda: deque(maxlen=HISTORY_WINDOWS)
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_streams <= self.initial <= self.max_streams:
             raise ValueError("need 1 <= min_streams <= initial <= max_streams")
+        if self.trial_windows < 1:
+            raise ValueError("trial_windows must be at least 1")
+        self._recent = deque(maxlen=max(5, self.trial_windows))
         self.current = self.initial
         self._skip = 1  # the first window's connections are in slow start: its queue is an overshoot
 
@@ -118,16 +128,20 @@ class StreamController:
                 if self.current != self.min_streams:
                     self._rates = {}
                     return self._restart(self.min_streams)
-        active = backlogged or waiting  # this count's goodput is what the channel delivers
-        if not active:
+        elif path is not None:
+            self._wan = True
+        elif self._wan:
+            return self.current  # TCP_INFO gone on a WAN path (streams reconnecting): no measure of this count
+        if not (backlogged or waiting):
             return self.current  # nothing to send: the window says nothing about the path
+        if rate_bps <= 0:
+            return self.current  # nothing delivered with data waiting: an outage, not this count's goodput
         if self._skip:
             self._skip -= 1  # new connections are still in slow start
             return self.current
-        if active:
-            self._recent.append(rate_bps)
-            if self._trial_from is not None and self._judge(rate_bps):
-                return self.current  # undone
+        self._recent.append(rate_bps)  # data waited: this count's goodput is what the channel delivers
+        if self._trial_from is not None and self._judge(rate_bps):
+            return self.current  # undone
         if not backlogged:
             return self.current  # producer-limited: the window says nothing about the path
         queued = path.queued(self.queue_threshold) if path is not None else None
@@ -150,8 +164,8 @@ class StreamController:
             return self._settle(self._top())
         # Delay decides: one window's goodput on a long lossy path is dominated by new streams'
         # slow-start bursts and loss collapses (measured: 0.5 to 37 MB/s at one count).
-        if queued:  # the link is full: this count is enough
-            return self._settle(self.current)
+        if queued:  # the link is full: this count is enough (a step on trial is still judged)
+            return self._settle(self.current, keep_trial=True)
         if len(self._recent) < self.trial_windows:
             return self.current  # measuring this count: the step that led here is on trial, the next needs a base
         return self._step_up(by_delay=True)  # no queue: the link has room, more streams may use it
@@ -191,10 +205,12 @@ class StreamController:
         self._recent.clear()
         return self.current
 
-    def _settle(self, count: int) -> int:
+    def _settle(self, count: int, keep_trial: bool = False) -> int:
+        """Hold `count`; `keep_trial`: it is the count on trial, whose remaining windows still judge it."""
         if count != self.current:
             self._skip = 1
             self._recent.clear()
         self.current, self._probing, self._held, self._clear = count, False, 0, 0
-        self._trial_from, self._trial = None, []
+        if not keep_trial:
+            self._trial_from, self._trial = None, []
         return self.current

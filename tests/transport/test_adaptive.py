@@ -148,7 +148,7 @@ def test_a_lan_path_starts_from_one_stream_and_climbs_only_on_goodput() -> None:
     for t in range(1, 10):
         controller.update(float(t), 2e9, backlogged=True, path=lan)
     assert controller.current == 1
-    assert max(n for _t, n, _rate, _delay, _backlogged in controller.history[1:]) == 2  # one probe of 2, undone
+    assert max(n for _t, n, _rate, _delay, _backlogged in list(controller.history)[1:]) == 2  # one probe of 2, undone
 
 
 def test_a_transient_queue_does_not_hold_the_count_down() -> None:
@@ -185,3 +185,55 @@ def test_a_step_that_pays_passes_its_trial_though_one_window_collapsed() -> None
     collapse = iter([1.0] * 6 + [0.1] + [1.0] * 100)
     counts = drive(StreamController(hold_intervals=1000), lambda n: 0.9e6 * next(collapse), 30, capacity=1e12)
     assert counts[-1] == 64
+
+
+CPU_LIMITED = {1: 20e6, 2: 28e6, 4: 33e6, 8: 23e6, 16: 20e6, 32: 15e6, 64: 10e6}  # more streams deliver less
+NO_QUEUE = PathSample(srtt_s=0.150, min_rtt_s=0.150)
+
+
+@pytest.mark.parametrize("outage", [range(0, 1), range(1, 6), range(30, 75)])
+def test_an_outage_does_not_read_as_room_for_more_streams(outage: range) -> None:
+    """While every stream reconnects, TCP_INFO is gone and nothing is delivered, but the chunks taken back
+    wait in the queue (backlogged): those windows must not double the count, which the CPU-limited path
+    would then keep for good."""
+    controller = StreamController(hold_intervals=20)
+    counts = []
+    for t in range(300):
+        down = t in outage
+        rate = 0.0 if down else CPU_LIMITED[controller.current]
+        counts.append(controller.update(float(t), rate, backlogged=True, path=None if down else NO_QUEUE))
+    assert all(counts[t] == 4 for t in outage)
+    assert max(counts) <= 8 and counts[-100:].count(4) >= 95  # only the periodic probes of 8, each undone
+
+
+def test_a_queue_on_a_trials_first_window_does_not_end_the_trial() -> None:
+    """8 streams deliver a third of 4's; a queue on 8's first judged window (slow start past the skipped
+    one) holds 8 but the trial still runs to its end, and is undone."""
+    controller = StreamController(hold_intervals=1000)
+    rates = {4: 30e6, 8: 10e6}
+    judged_at_8 = 0
+    counts = []
+    for t in range(30):
+        n = controller.current
+        queued = False
+        if n == 8 and controller._skip == 0:
+            judged_at_8 += 1
+            queued = judged_at_8 == 1
+        path = PathSample(srtt_s=0.150 * (1.5 if queued else 1.0), min_rtt_s=0.150)
+        counts.append(controller.update(float(t), rates[n], backlogged=True, path=path))
+    assert 8 in counts and counts[-1] == 4
+
+
+def test_more_trial_windows_than_the_recent_rates_kept_still_climb() -> None:
+    controller = StreamController(trial_windows=6, hold_intervals=1000)
+    counts = drive(controller, lambda n: 0.9e6, windows=60, capacity=37.5e6)
+    assert counts[-1] == 64
+    with pytest.raises(ValueError, match="trial_windows"):
+        StreamController(trial_windows=0)
+
+
+def test_history_is_bounded() -> None:
+    controller = StreamController()
+    for t in range(2000):
+        controller.update(float(t), 0.0, backlogged=False)
+    assert len(controller.history) == 600 and controller.history[-1][0] == 1999.0
