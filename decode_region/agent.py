@@ -137,22 +137,32 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
             self._tombstones.pop(job_id, None)
         try:
             salt = request.cache_salt if request.HasField("cache_salt") else None
-            res.hold = self.backend.expect(res.expected(salt, tuple(request.token_ids)), ttl_s, _Events(self, res))
+            hold = self.backend.expect(res.expected(salt, tuple(request.token_ids)), ttl_s, _Events(self, res))
         except ValueError as exc:
             self._end(res, Conflict(str(exc)))
             raise Conflict(str(exc)) from None
         except Exception as exc:  # e.g. the engine's server is gone: the bytes go back at once
             self._end(res, exc)
             raise
+        watch = None
         if request.prefill_grpc:
-            res.watch = self.watcher.watch(
+            watch = self.watcher.watch(
                 request.prefill_grpc, lambda why: self._end(res, Unavailable(why)), request.prefill_region
             )
-        res.hold.start()  # after the watch: the shipment's arrival stops it
+        with res.cond:  # `_end` stops what it finds attached; one that ran already found nothing
+            attached = not res.ended
+            if attached:
+                res.hold, res.watch = hold, watch
+        if not attached:  # canceled, superseded or released while it was being set up
+            if watch is not None:
+                watch.stop()
+            hold.end(f"reservation ended: {res.error}")
+            raise_as_region_error(res.error or Canceled("reservation ended while it was being made"))
+        hold.start()  # after the watch: the shipment's arrival stops it
         self._gauges()
         return decode_pb2.ReserveReply(
             kv_endpoint=self.backend.kv_endpoint, free_bytes=free, expires_in_s=ttl_s,
-            cached_tokens=res.hold.cached_tokens,
+            cached_tokens=hold.cached_tokens,
         )  # fmt: skip
 
     @unary
@@ -191,7 +201,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         if res.watch is not None:
             res.watch.stop()
         if res.hold is not None:
-            res.hold.end(f"reservation ended: {error}" if error is not None else "reservation ended", res.decoding)
+            res.hold.end(f"reservation ended: {error}" if error is not None else "reservation ended")
         outcome = "done"
         if error is not None:
             code, message = status_of(error)

@@ -96,8 +96,8 @@ class KVHold(Protocol):
         `is_active()` is false (the caller left)."""
         ...
 
-    def end(self, reason: str, claimed: bool) -> None:
-        """The reservation ended (`claimed`: a Decode took its KV): free what is held."""
+    def end(self, reason: str) -> None:
+        """The reservation ended: free what is held (whatever a Decode already took stays with it)."""
         ...
 
 

@@ -98,7 +98,7 @@ class Assembly:
             raise Canceled("reservation ended")
         return layers
 
-    def end(self, reason: str, claimed: bool) -> None:
+    def end(self, reason: str) -> None:
         with self._cond:
             self._ended = True
             self._layers = None

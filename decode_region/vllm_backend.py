@@ -52,11 +52,14 @@ class ServerHold:
     def wait(self, deadline: float, is_active: Callable[[], bool]) -> bool:
         return not self._ended  # vLLM loads the KV or, failing that, recomputes it
 
-    def end(self, reason: str, claimed: bool) -> None:
+    def end(self, reason: str) -> None:
+        """Drop the registration in the server, whether or not a Decode claimed the reservation: a claimed
+        one may never send its vLLM request (max_tokens 1, EOS or a stop as the first token, a cancel while it
+        waited for a slot), and a registration no request takes stays until the server closes. Once a vLLM
+        request took the KV (`KVLink.take`), forget finds nothing: a no-op."""
         self._ended = True
-        if not claimed:  # no vLLM request will take the shipment: drop it there
-            with contextlib.suppress(Exception):  # the server is gone or slow: the registration expires
-                self.vllm.forget(self.expected.job_id, self.expected.attempt)
+        with contextlib.suppress(Exception):  # the server is gone or slow: its registrations go with it
+            self.vllm.forget(self.expected.job_id, self.expected.attempt)
 
 
 class VLLMDecode:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -29,6 +30,7 @@ from prfaas.devstack.processes import free_port
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, prefill_pb2
+from prfaas.region.errors import Canceled
 from prfaas.region.requests import sampling_to_proto
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -77,6 +79,37 @@ def test_a_stale_attempts_release_keeps_the_newer_attempts_reservation(region: R
     assert region.decode is not None and region.decode.book.used_bytes == 1000  # attempt 2 still holds it
     assert stub.Release(decode_pb2.ReleaseRequest(job_id=job_id, attempt=2), timeout=5).found
     assert region.decode.book.used_bytes == 0
+
+
+def test_a_cancel_while_reserve_sets_up_leaves_no_hold_or_watch(
+    region: Region, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant's Cancel that lands while Reserve is between booking the bytes and attaching the hold and the
+    prefill region's watch: Reserve answers CANCELLED, and the hold and the watch it made are ended, not
+    left running for a reservation that is gone."""
+    decode = region.decode
+    assert decode is not None
+    made: dict[str, Any] = {}
+    expect, watch = decode.backend.expect, decode.watcher.watch
+
+    def expect_as_the_cancel_lands(expected: Any, ttl_s: float, events: Any) -> Any:
+        decode.cancel(expected.job_id, Canceled("canceled by the tenant"))
+        made["hold"] = expect(expected, ttl_s, events)
+        return made["hold"]
+
+    def recorded_watch(*args: Any, **kwargs: Any) -> Any:
+        made["watch"] = watch(*args, **kwargs)
+        return made["watch"]
+
+    monkeypatch.setattr(decode.backend, "expect", expect_as_the_cancel_lands)
+    monkeypatch.setattr(decode.watcher, "watch", recorded_watch)
+    job_id = new_job()
+    target = region.server.grpc_address
+    assert _code(lambda: reserve(region.decode_stub, job_id, 1000, prefill_grpc=target)) == grpc.StatusCode.CANCELLED
+    assert made["watch"].stopped.is_set()
+    assert made["hold"].wait(time.monotonic() + 1, lambda: True) is False  # ended: nothing to wait for
+    assert decode.book.used_bytes == 0
+    assert not region.decode_stub.Release(decode_pb2.ReleaseRequest(job_id=job_id, attempt=1), timeout=5).found
 
 
 def test_forged_ticket_stores_no_kv(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
