@@ -24,7 +24,9 @@ through the codec (encode, decode), as a decode region would receive it:
 
 Besides the wire codecs, `kvq-K-V[-G]` names a point of the kv codecs' family: keys with codes up
 to K (127: 8 bits) per channel (a scale per G tokens; none: one), values rotated with codes up to
-V per token: what the ratio / agreement curve in docs/benchmarks.md was drawn from.
+V per token: what the ratio / agreement curve in docs/benchmarks.md was drawn from. `pre:CODEC` is a
+kv codec with its keys quantized before RoPE; it, the bf16-round control and the ablations are in
+bench/codec_variants.py.
 The wire codecs kvw6 and kvw4 get the model's query energy (prfaas.engine.calibration) as a
 calibrated prefill region ships them. `NAME+qw` is a kv codec with query-weighted key scales, and
 `kvqw-K-L-V[-G]` a weighted point: codes up to K, the geometric mean of the key steps at amax / L.
@@ -39,7 +41,6 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from prfaas.bench.codec_variants import ABLATIONS, Ablation, Bf16Rounding, PreRope, rope_of, tensor_bytes
 from prfaas.engine.calibration import calibration_windows, load_query_energy, measure_query_energy
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.kv import KVCache, LayerKV
@@ -94,80 +96,18 @@ def text_windows(engine: HFEngine, num_prompts: int) -> list[tuple[str, list[int
     return windows[:num_prompts]
 
 
-class Bf16Rounding:
-    """A control, not a transport codec: float32 KV rounded to bfloat16 and back, the error a
-    bfloat16 prefill would bring anyway. Puts the lossy codecs' figures in proportion."""
-
-    codec_id = CodecId.RAW  # never on the wire
-    name = "bf16-round"
-    lossless = False
-
-    def encode(self, data: bytes | memoryview, meta: TensorMeta) -> bytes:
-        if meta.dtype != "float32":
-            raise SystemExit("the bf16-round control needs --dtype float32")
-        x = torch.frombuffer(bytearray(data), dtype=torch.float32)
-        return tensor_bytes(x.to(torch.bfloat16).float())
-
-    def decode(self, payload: bytes | memoryview, meta: TensorMeta) -> bytes:
-        return bytes(payload)
-
-
-F8 = torch.float8_e4m3fn
-
-
-def _fp8(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """e4m3 roundtrip with one scale per slice over `dims` (amax / 448)."""
-    scale = (x.abs().amax(dim=dims, keepdim=True) / 448.0).clamp_min(1e-30)
-    return (x / scale).clamp(-448.0, 448.0).to(F8).float() * scale
-
-
-def _int8(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    scale = (x.abs().amax(dim=dims, keepdim=True) / 127.0).clamp_min(1e-30)
-    return (x / scale).round().clamp(-127.0, 127.0) * scale
-
-
-def _companded_fp8(x: torch.Tensor, power: float, dims: tuple[int, ...]) -> torch.Tensor:
-    """fp8 of sign(x)|x|^power: finer steps for large values, coarser for small ones."""
-    y = _fp8(x.sign() * x.abs().pow(power), dims)
-    return y.sign() * y.abs().pow(1.0 / power)
-
-
-Quantize = Callable[[torch.Tensor], torch.Tensor]
-HEAD, CHANNEL = (1, 2), (1,)  # amax over (tokens, head_dim) per head; over tokens per (head, channel)
-
-
-class Ablation:
-    """Not a codec: a quantizer variant applied to K and V separately ([heads, tokens, head_dim],
-    float32 math), to find where the lossy codecs' error comes from."""
-
-    codec_id = CodecId.RAW  # never on the wire
-    lossless = False
-
-    def __init__(self, name: str, k: Quantize, v: Quantize) -> None:
-        self.name, self.k, self.v = name, k, v
-
-
-def _exact(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-ABLATIONS = {
-    a.name: a
-    for a in (
-        Ablation("fp8-k-only", lambda x: _fp8(x, HEAD), _exact),
-        Ablation("fp8-v-only", _exact, lambda x: _fp8(x, HEAD)),
-        Ablation("fp8-per-channel", lambda x: _fp8(x, CHANNEL), lambda x: _fp8(x, CHANNEL)),
-        Ablation("fp8-pow1.5", lambda x: _companded_fp8(x, 1.5, CHANNEL), lambda x: _companded_fp8(x, 1.5, CHANNEL)),
-        Ablation("int8-k+fp8-v", lambda x: _int8(x, CHANNEL), lambda x: _fp8(x, HEAD)),
-    )
-}
-
-
 WEIGHTED: set[str] = set()  # codecs whose keys are encoded with the model's query energy
 QUERY_ENERGY: list[np.ndarray] = []  # [num_layers, num_kv_heads, head_dim], once measured
 
 
 def codec_named(name: str) -> Codec | Ablation:
+    if name.startswith("pre:"):  # a kv codec with keys quantized before RoPE (bench/codec_variants.py)
+        inner = codec_named(name.removeprefix("pre:"))
+        if not isinstance(inner, KVQuantizedCodec):
+            raise SystemExit(f"{name}: pre: goes with a kv codec (kv8, kvw6, kvq-..., kvqw-...)")
+        if inner.name in WEIGHTED:
+            WEIGHTED.add(name)
+        return PreRope(inner)
     if name == Bf16Rounding.name:
         return Bf16Rounding()
     if name.endswith("+qw") or name.startswith("kvqw-"):
@@ -201,10 +141,6 @@ def ratio_bf16(kv: KVCache, codec: Codec | Ablation) -> float | None:
 
 def key_weights(codec: Codec | Ablation, layer: int, part: int) -> np.ndarray | None:
     return QUERY_ENERGY[0][layer] if part == 0 and codec.name in WEIGHTED else None
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def roundtrip(kv: KVCache, codec: Codec | Ablation) -> KVCache:
@@ -290,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             stored if stored is not None else measure_query_energy(engine.model, calibration_windows(engine.tokenizer))
         )
         print(f"query energy: {'stored' if stored is not None else 'measured now'}", flush=True)
+    for codec in codecs:
+        if isinstance(codec, PreRope):
+            codec.rope = rope_of(engine.model, PROMPT_TOKENS)
     params = SamplingParams(max_new_tokens=GENERATED_TOKENS, ignore_eos=True)
     per_prompt: list[dict[str, Any]] = []
     totals: dict[str, dict[str, float]] = {
