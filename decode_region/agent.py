@@ -49,6 +49,7 @@ from prfaas.region.requests import (
     firsts_from_proto,
     job_uuid,
     sampling_from_proto,
+    stops,
     timeout_from,
 )
 from prfaas.telemetry import tracing
@@ -103,7 +104,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         self._lock = threading.Lock()
         self._reservations: dict[str, Reservation] = {}
         self._tombstones: dict[str, Tombstone] = {}
-        self._local: dict[str, threading.Event] = {}  # Generate jobs: job id -> cancel
+        self._local: dict[str, tuple[int, threading.Event]] = {}  # Generate jobs: job id -> (attempt, cancel)
         self._rate = 0.0  # tokens/s, smoothed
         self._prefill_rate = 0.0  # prompt tokens/s of local prefills (Generate), smoothed: what local costs
         self._closed = threading.Event()
@@ -175,14 +176,18 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
             self._end(res, Canceled("released by the caller"))
         return decode_pb2.ReleaseReply(found=res is not None)
 
-    def cancel(self, job_id: str, canceled: Canceled) -> bool:
+    def cancel(self, job_id: str, canceled: Canceled, attempt: int = 0) -> bool:
         with self._lock:
             res = self._reservations.get(job_id)
             local = self._local.get(job_id)
+        if res is not None and not stops(attempt, res.attempt):
+            res = None  # a newer attempt's reservation: this Cancel is stale
+        if local is not None and not stops(attempt, local[0]):
+            local = None
         if res is not None:
             self._end(res, canceled)
         if local is not None:
-            local.set()
+            local[1].set()
         return res is not None or local is not None
 
     def _end(self, res: Reservation, error: BaseException | None) -> None:
@@ -325,7 +330,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         with self._lock:
             if job_id in self._local or job_id in self._reservations:
                 raise Conflict(f"job {job_id} is already running here")
-            self._local[job_id] = canceled
+            self._local[job_id] = (request.attempt, canceled)
         context.add_callback(canceled.set)
         rests: list[Iterator[Chosen]] = []
         try:
@@ -381,7 +386,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
             local = list(self._local.values())
         for res in reservations:
             self._end(res, Unavailable("decode region shutting down"))
-        for event in local:
+        for _attempt, event in local:
             event.set()
         self.watcher.close()
         self.backend.close()

@@ -44,6 +44,7 @@ from prfaas.region.requests import (
     logprobs_to_proto,
     prompt_logprobs_to_proto,
     sampling_from_proto,
+    stops,
     timeout_from,
 )
 from prfaas.telemetry import tracing
@@ -209,10 +210,12 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
             prompt_logprobs=prompt_logprobs_to_proto(reshipped.firsts[0]),
         )
 
-    def cancel(self, job_id: str, canceled: Canceled) -> bool:
+    def cancel(self, job_id: str, canceled: Canceled, attempt: int = 0) -> bool:
         with self._lock:
             job = self._jobs.get(job_id)
-        kept = self.backend.drop(job_id)
+        if job is not None and not stops(attempt, job.work.attempt):
+            job = None  # a newer attempt's prefill: this Cancel is stale
+        kept = self.backend.drop(job_id, attempt)
         if job is not None:
             job.cancel(canceled)
         return job is not None or kept

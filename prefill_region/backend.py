@@ -117,8 +117,9 @@ class PrefillBackend(Protocol):
         is not kept here. `on_cancel(fn)` registers what cancels the re-shipment."""
         ...
 
-    def drop(self, job_id: str) -> bool:
-        """Forget what is kept of `job_id` for a re-shipment; True if there was something."""
+    def drop(self, job_id: str, attempt: int = 0) -> bool:
+        """Forget what is kept of `job_id` for a re-shipment, if `attempt` (0: any) or a newer one made it
+        (`region.requests.stops`); True if there was something."""
         ...
 
     def path_reports(self) -> list[tuple[str, PathReport]]:

@@ -26,6 +26,7 @@ from prfaas.prefill_region.destination import Destination
 from prfaas.prefill_region.shipping import ChannelPool, ship_spec, wait_transfer
 from prfaas.protos.prfaas.v1 import common_pb2
 from prfaas.region.errors import Canceled, DeadlineExceeded, NotFound
+from prfaas.region.requests import stops
 from prfaas.transport.api import Shipment, Transfer, TransferStatus
 from prfaas.transport.pathmeter import PathReport
 
@@ -34,6 +35,7 @@ from prfaas.transport.pathmeter import PathReport
 class _Lease:
     result: PrefillResult
     expires: float  # time.monotonic()
+    attempt: int  # the job's attempt that computed it
     shipping: int = 0  # live re-shipments: the KV stays until they end
 
 
@@ -54,9 +56,9 @@ class Leases:
         with self._lock:
             return list(self._leases)
 
-    def put(self, job_id: str, result: PrefillResult) -> None:
+    def put(self, job_id: str, result: PrefillResult, attempt: int = 0) -> None:
         with self._lock:
-            self._leases[job_id] = _Lease(result, time.monotonic() + self.lease_s)
+            self._leases[job_id] = _Lease(result, time.monotonic() + self.lease_s, attempt)
             total = sum(lease.result.kv.nbytes for lease in self._leases.values())
             for old_id, old in list(self._leases.items()):
                 if total <= self.max_bytes:
@@ -79,9 +81,13 @@ class Leases:
         with self._lock:
             lease.shipping -= 1
 
-    def drop(self, job_id: str) -> bool:
+    def drop(self, job_id: str, attempt: int = 0) -> bool:
+        """Forget `job_id`'s lease if `attempt` (0: any) or a newer one made it; whether one was dropped."""
         with self._lock:
-            found = self._leases.pop(job_id, None) is not None
+            lease = self._leases.get(job_id)
+            found = lease is not None and stops(attempt, lease.attempt)
+            if found:
+                del self._leases[job_id]
             metrics.LEASES.set(len(self._leases))
         return found
 
@@ -159,7 +165,7 @@ class HFPrefill:
             _transfer_failed(job, transfer)
             raise
         prefill_s = time.monotonic() - t0
-        self.leases.put(work.job_id, result)
+        self.leases.put(work.job_id, result, work.attempt)
         if work.ship_whole:
             for index, layer in enumerate(result.kv.layers):
                 feed.add(index, layer.k, layer.v, start)
@@ -198,8 +204,8 @@ class HFPrefill:
         finally:
             self.leases.unhold(lease)
 
-    def drop(self, job_id: str) -> bool:
-        return self.leases.drop(job_id)
+    def drop(self, job_id: str, attempt: int = 0) -> bool:
+        return self.leases.drop(job_id, attempt)
 
     def close(self) -> None:
         self.leases.close()

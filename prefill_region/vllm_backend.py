@@ -85,7 +85,7 @@ class VLLMPrefill:
                on_cancel: Callable[[Callable[[], None]], object]) -> Reshipped:  # fmt: skip
         raise NotFound("no KV lease: a vLLM prefill region frees a prompt's KV once it is shipped; prefill again")
 
-    def drop(self, job_id: str) -> bool:
+    def drop(self, job_id: str, attempt: int = 0) -> bool:
         return False
 
     def path_reports(self) -> list[tuple[str, PathReport]]:

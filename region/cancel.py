@@ -18,9 +18,10 @@ class CancelService(ABC):
     @unary
     def Cancel(self, request: common_pb2.CancelRequest, context: grpc.ServicerContext) -> common_pb2.CancelReply:
         job_id, canceled = cancel_of(request)
-        return common_pb2.CancelReply(found=self.cancel(job_id, canceled))
+        return common_pb2.CancelReply(found=self.cancel(job_id, canceled, request.attempt))
 
     @abstractmethod
-    def cancel(self, job_id: str, canceled: Canceled) -> bool:
-        """Stop the job's work here at once, ending it with `canceled`; whether the region held anything
-        for it (False: already ended). Idempotent."""
+    def cancel(self, job_id: str, canceled: Canceled, attempt: int = 0) -> bool:
+        """Stop the job's work here at once, ending it with `canceled`: `attempt`'s and older attempts' (0:
+        every attempt's; `region.requests.stops`); whether the region held anything it stopped (False:
+        already ended, or a newer attempt's). Idempotent."""

@@ -110,5 +110,11 @@ def firsts_from_proto(first_token: int, first_logprobs: common_pb2.TokenLogprobs
 
 
 def cancel_of(request: common_pb2.CancelRequest) -> tuple[str, Canceled]:
-    """A Cancel call's job id (checked) and the error the job ends with."""
+    """A Cancel call's job id (checked) and the error the job ends with (its attempt: `request.attempt`)."""
     return job_uuid(request.job_id), Canceled(f"canceled: {request.reason or 'by the caller'}")
+
+
+def stops(attempt: int, of: int) -> bool:
+    """Whether a Cancel of `attempt` (0: every attempt) stops work of attempt `of` (0: unknown): its own and
+    older attempts', never a newer one's (the Cancel is stale)."""
+    return not attempt or of <= attempt

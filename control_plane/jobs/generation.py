@@ -165,7 +165,7 @@ class Follower:
             try:
                 if handed["mode"] == "local":
                     local = decode_pb2.GenerateRequest(
-                        job_id=job_id, token_ids=_ids(job), sampling=sampling(job), timeout_s=remaining
+                        job_id=job_id, token_ids=_ids(job), sampling=sampling(job), timeout_s=remaining, attempt=attempt
                     )
                     if (salt := cache_salt(job)) is not None:
                         local.cache_salt = salt
@@ -296,7 +296,8 @@ class Follower:
     def _cancel_decode(self, job_id: str, handed: dict[str, Any], reason: str) -> None:
         stub = self._decode_stub(handed["decode_grpc"], handed.get("decode_region", ""))
         try:
-            stub.Cancel(common_pb2.CancelRequest(job_id=job_id, reason=reason), timeout=2)
+            request = common_pb2.CancelRequest(job_id=job_id, reason=reason, attempt=int(handed["attempt"]))
+            stub.Cancel(request, timeout=2)
         except grpc.RpcError as exc:
             log.warning("cancel of %s's older call in %s: %s", job_id, handed["decode_grpc"], exc.code().name)
 

@@ -106,7 +106,7 @@ class Sweeper:
         if lease.stage == "queued":  # its dispatch never started: queue it again
             self.attempts.requeue(lease.job_id, lease.attempt)
             return f"{lease.job_id}: dispatch {late}, queued again"
-        self._stop_in_regions(job, f"{lease.stage} {late}")
+        self._stop_in_regions(job, f"{lease.stage} {late}", lease.attempt)
         where = lease.where if overran else ""  # a dead worker is no fault of the instance
         reason = f"{lease.stage} of attempt {lease.attempt} on {lease.where or 'a worker'} {late}"
         return f"{lease.job_id}: {self.attempts.fail(lease.job_id, lease.attempt, where, reason)} ({reason})"
@@ -120,7 +120,7 @@ class Sweeper:
                     return f"{job_id}: already {job['state']}"
                 if self.adopt is not None and job.get("idempotent"):
                     return self._adopted(job, reason)
-                self._stop_in_regions(job, reason)
+                self._stop_in_regions(job, reason, int(job["attempt"]))
                 self.jobs.transition(job_id, JobState.FAILED, int(job["attempt"]), note=reason, error=reason,
                                      tenant=job["tenant"])  # fmt: skip
                 return f"{job_id}: FAILED ({reason})"
@@ -134,7 +134,7 @@ class Sweeper:
         assert self.adopt is not None
         job_id, attempt = job["id"], int(job["attempt"])
         if job["state"] in (JobState.TRANSFERRING, JobState.DECODING, JobState.LOCAL):  # its decode died with it
-            self._stop_decode(job, reason)  # its decode call may not have ended yet: the next one is refused meanwhile
+            self._stop_decode(job, reason, attempt)  # its call may not have ended: the next one is refused meanwhile
             reship: dict[str, str] | str = ""
             if job["state"] != JobState.LOCAL and job.get("prefill_instance"):
                 reship = {"region": job["prefill_region"], "instance": job["prefill_instance"]}
@@ -146,20 +146,22 @@ class Sweeper:
             self.adopt(job_id, attempt - 1)
         return f"{job_id}: adopted ({reason})"
 
-    def _stop_in_regions(self, job: dict[str, str], reason: str) -> None:
-        """Cancel the job in its prefill and its decode region (idempotent there: a prefill
-        stops, a reservation is released, a decode ends; a region that does not answer lets
-        them expire on their own)."""
-        request = common_pb2.CancelRequest(job_id=job["id"], reason=reason)
+    def _stop_in_regions(self, job: dict[str, str], reason: str, attempt: int) -> None:
+        """Cancel `attempt` of the job (and older ones) in its prefill and its decode region (idempotent
+        there: a prefill stops, a reservation is released, a decode ends; a newer attempt's work is kept,
+        for the job record read here may be older than what another sweeper or API process did since; a
+        region that does not answer lets them expire on their own)."""
+        request = common_pb2.CancelRequest(job_id=job["id"], reason=reason, attempt=attempt)
         if job.get("prefill_grpc"):
             channel = self.channels.get(job["prefill_grpc"], server_name(job.get("prefill_region", "")))
             with contextlib.suppress(grpc.RpcError):
                 prefill_pb2_grpc.PrefillRegionStub(channel).Cancel(request, timeout=2)
-        self._stop_decode(job, reason)
+        self._stop_decode(job, reason, attempt)
 
-    def _stop_decode(self, job: dict[str, str], reason: str) -> None:
-        """Cancel the job in its decode region only (a prefill region's KV lease is kept for a reship)."""
-        request = common_pb2.CancelRequest(job_id=job["id"], reason=reason)
+    def _stop_decode(self, job: dict[str, str], reason: str, attempt: int) -> None:
+        """Cancel `attempt` of the job in its decode region only (a prefill region's KV lease is kept for a
+        reship)."""
+        request = common_pb2.CancelRequest(job_id=job["id"], reason=reason, attempt=attempt)
         if job.get("decode_grpc"):
             channel = self.channels.get(job["decode_grpc"], server_name(job.get("decode_region", "")))
             with contextlib.suppress(grpc.RpcError):

@@ -81,6 +81,24 @@ def test_a_stale_attempts_release_keeps_the_newer_attempts_reservation(region: R
     assert region.decode.book.used_bytes == 0
 
 
+def test_a_stale_attempts_cancel_keeps_the_newer_attempts_work(region: Region, tiny_engine: HFEngine) -> None:
+    """A Cancel names the attempt it stops, with the older ones (the sweeper acts on a job record it read a
+    moment ago, and another process may have started the next attempt since): attempt 2's reservation and
+    KV lease outlive a Cancel of attempt 1, not one of attempt 2."""
+    assert region.decode is not None
+    job_id = new_job()
+    reserve(region.decode_stub, job_id, 1000, attempt=2)
+    region.leases.put(job_id, tiny_engine.prefill(list(range(1, 17)), GREEDY), attempt=2)
+    stale = common_pb2.CancelRequest(job_id=job_id, reason="test", attempt=1)
+    assert not region.decode_stub.Cancel(stale, timeout=5).found
+    assert not region.prefill_stub.Cancel(stale, timeout=5).found
+    assert region.decode.book.used_bytes == 1000 and job_id in region.leases.job_ids()
+    current = common_pb2.CancelRequest(job_id=job_id, reason="test", attempt=2)
+    assert region.decode_stub.Cancel(current, timeout=5).found
+    assert region.prefill_stub.Cancel(current, timeout=5).found
+    assert region.decode.book.used_bytes == 0 and job_id not in region.leases.job_ids()
+
+
 def test_a_cancel_while_reserve_sets_up_leaves_no_hold_or_watch(
     region: Region, monkeypatch: pytest.MonkeyPatch
 ) -> None:

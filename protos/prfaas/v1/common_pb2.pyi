@@ -233,18 +233,24 @@ class CancelRequest(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """UUID"""
     reason: _builtins.str
+    attempt: _builtins.int
+    """Stop this attempt's work and any older attempt's; a newer attempt's is kept (this message is
+    stale). 0: every attempt (the job ends).
+    """
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
