@@ -60,7 +60,7 @@ class Attempts:
             self.jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=reason, tenant=job["tenant"],
                                  excluded=sorted(excluded), **fields)  # fmt: skip
         except (StaleAttempt, IllegalTransition, JobNotFound):
-            self.leases.take(job_id, queued.attempt)
+            self.leases.drop_granted(queued)  # kept if another caller's move queued that attempt: it guards it
             return "superseded"
         self.enqueue(job_id, backoff)
         return "retrying"
@@ -68,9 +68,9 @@ class Attempts:
     def unclaim(self, job_id: str, attempt: int, countdown_s: float) -> bool:
         """Give back the claim on `attempt` (still QUEUED: it was not placed) and queue its
         dispatch again after `countdown_s`; False if the job moved on meanwhile."""
-        self._queued_lease(job_id, attempt, countdown_s)
+        queued = self._queued_lease(job_id, attempt, countdown_s)
         if not self.leases.unclaim(job_id, attempt):
-            self.leases.take(job_id, attempt)
+            self.leases.drop_granted(queued)
             return False
         self.enqueue(job_id, countdown_s)
         return True

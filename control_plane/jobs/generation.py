@@ -208,11 +208,15 @@ class Follower:
                         if not done:
                             self.log.log_token(job_id, token)
                         else:  # the last token logged before DONE, in the same step; billed from the ledger
-                            jobs.transition(
-                                job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
-                                log_token=token.entry(), unfollow=self.owner,
-                                **output.record(), **served_timing(first, event.elapsed_s), **served,
-                            )  # fmt: skip
+                            try:
+                                jobs.transition(
+                                    job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
+                                    log_token=token.entry(), unfollow=self.owner,
+                                    **output.record(), **served_timing(first, event.elapsed_s), **served,
+                                )  # fmt: skip
+                            except (StaleAttempt, IllegalTransition):
+                                output.undo(token)  # not sent: the newer attempt's stream brings it, and ends the job
+                                raise
                             if self.meter is not None:
                                 self.meter.job_done(job_id)
                             finished.set()

@@ -67,6 +67,19 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 return held
 """
 
+# KEYS: leases zset, leases info hash, job hash. ARGV: job id, the info JSON granted, its attempt. Takes back
+# a `queued` lease its granter no longer needs (the move it was for was refused): only if it is still that
+# very grant (not a dispatcher's claim or a later grant) and the job is not QUEUED at that attempt, which
+# another caller's move made, and which the lease now guards just as well. Returns 1 when removed.
+_DROP_GRANTED = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+local cur = redis.call('HMGET', KEYS[3], 'state', 'attempt')
+if cur[1] == 'QUEUED' and cur[2] == ARGV[3] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -116,6 +129,7 @@ class Leases:
         self._take = client.register_script(_TAKE)
         self._unfollow = client.register_script(_UNFOLLOW)
         self._unclaim = client.register_script(_UNCLAIM)
+        self._drop_granted = client.register_script(_DROP_GRANTED)
 
     def claim_dispatch(self, lease: Lease) -> str:
         """'ok' when this caller is the one to dispatch `lease.attempt`, now under `lease`
@@ -132,6 +146,12 @@ class Leases:
         """Remove the lease of `attempt` (0: whatever attempt); the lease if this call removed it."""
         held = self._take(keys=[self._zset, self._info], args=[job_id, attempt])
         return Lease.of(job_id, held) if held else None
+
+    def drop_granted(self, lease: Lease) -> bool:
+        """Take back `lease`, granted by this caller for a move that was then refused (_DROP_GRANTED): not if
+        another grant or claim replaced it, nor while the job is QUEUED at its attempt; True when removed."""
+        keys = [self._zset, self._info, self.settings.key("job", lease.job_id)]
+        return bool(self._drop_granted(keys=keys, args=[lease.job_id, lease.info(), lease.attempt]))
 
     def get(self, job_id: str) -> Lease | None:
         held = self.redis.hget(self._info, job_id)

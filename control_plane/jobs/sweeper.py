@@ -139,12 +139,20 @@ class Sweeper:
             if job["state"] != JobState.LOCAL and job.get("prefill_instance"):
                 reship = {"region": job["prefill_region"], "instance": job["prefill_instance"]}
             outcome = self.attempts.fail(job_id, attempt, "", reason, reship_from=reship)
-            if outcome != "retrying":
+            if outcome == "failed" or (outcome == "superseded" and not self._live(job_id)):
                 return f"{job_id}: {outcome} ({reason})"
+            # retrying, or superseded by a newer attempt that another process queued (a sweeper's lease
+            # recovery, a failed stage) while this one stopped the decode: none of those follows it, this one must
             self.adopt(job_id, attempt)
         else:  # not decoding yet: its dispatch goes on, the hand-off is still to come
             self.adopt(job_id, attempt - 1)
         return f"{job_id}: adopted ({reason})"
+
+    def _live(self, job_id: str) -> bool:
+        try:
+            return self.jobs.get(job_id)["state"] not in TERMINAL
+        except JobNotFound:
+            return False
 
     def _stop_in_regions(self, job: dict[str, str], reason: str, attempt: int) -> None:
         """Cancel `attempt` of the job (and older ones) in its prefill and its decode region (idempotent

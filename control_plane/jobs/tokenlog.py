@@ -138,6 +138,14 @@ class Outputs:
             self.ended[token.choice] = token
         return True
 
+    def undo(self, token: Token) -> None:
+        """Forget `token`, the last one `add` recorded of its choice (it was not sent after all)."""
+        tokens = self.tokens.get(token.choice, [])
+        if tokens and token.index == len(tokens) - 1:
+            tokens.pop()
+            if self.ended.get(token.choice) is token:
+                del self.ended[token.choice]
+
     @property
     def count(self) -> int:
         return sum(len(t) for t in self.tokens.values())
