@@ -76,7 +76,7 @@ class Frame:
     def json(self) -> Any:
         try:
             return json.loads(bytes(self.payload))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except ValueError as exc:  # not UTF-8, not JSON, or an integer past Python's digit limit
             raise FrameError(f"{self.type.name} payload is not JSON: {exc}") from None
 
 

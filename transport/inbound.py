@@ -20,6 +20,8 @@ from prfaas.transport.errors import CodecError, FrameError, TicketRejected, Tran
 from prfaas.transport.tickets import Ticket
 
 MAX_TRACEPARENT = 128  # a W3C traceparent is 55 characters
+MAX_LAYERS = 1024  # the most layers an OPEN may announce (models have ~30-130): each part costs a buffer
+ENCODED_SLACK = 65536  # an encoded part is at most 2x its raw bytes plus this (headers, a tiny tensor's scales)
 
 
 @dataclass(frozen=True)
@@ -52,14 +54,16 @@ class OpenInfo:
             raise FrameError("OPEN payload is not a JSON object")
         try:
             ticket, dtype, codec, chunk_bytes = value["ticket"], value["dtype"], value["codec"], value["chunk_bytes"]
-            shapes = tuple(tuple(int(d) for d in s) for s in value["layer_shapes"])
+            shapes = tuple(tuple(_whole(d) for d in s) for s in value["layer_shapes"])
             num_layers = value["num_layers"]
         except (KeyError, TypeError, ValueError) as exc:
             raise FrameError(f"OPEN payload is missing or mistyping a field: {exc}") from None
-        if not isinstance(ticket, str) or dtype not in DTYPE_SIZES:
+        if not isinstance(ticket, str) or not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise FrameError(f"OPEN payload has a bad ticket or dtype {dtype!r}")
         if num_layers != len(shapes) or not shapes or any(len(s) != 3 or min(s) < 0 for s in shapes):
             raise FrameError("OPEN layer_shapes must be num_layers lists of [heads, tokens, head_dim]")
+        if len(shapes) > MAX_LAYERS:
+            raise FrameError(f"OPEN announces {len(shapes)} layers, more than {MAX_LAYERS}")
         if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= 16 << 20:
             raise FrameError(f"OPEN chunk_bytes {chunk_bytes!r} outside [4 KiB, 16 MiB]")
         try:
@@ -72,11 +76,19 @@ class OpenInfo:
         return OpenInfo(dtype, shapes, int(codec), chunk_bytes, trace), ticket  # type: ignore[arg-type]
 
 
+def _whole(value: object) -> int:
+    """A JSON integer (not a float, a bool or a string): TypeError otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
 class _Part:
     """One layer part being assembled: chunk i lands at i * chunk_bytes of one buffer."""
 
     def __init__(self, count: int, size: int, pool: PartPool) -> None:
         self.count = count
+        self.size = size
         self.buf = pool.get(size)  # every byte that is read back gets written by a chunk first
         self.claimed: dict[int, Claimant | None] = {}  # being read into the buffer now, by whom
         self.done: set[int] = set()  # verified and in place
@@ -136,6 +148,9 @@ class Inbound:
         self.pending_wait_s = PENDING_WAIT_S
         self._lock = threading.Condition()
         self._parts: dict[tuple[int, int], _Part] = {}
+        # an ended shipment's parts that a connection was still reading a chunk into: their buffers go back
+        # to the pool when the last such read lets go (`commit`), never while a reader may still write
+        self._draining: dict[tuple[int, int], _Part] = {}
         self._done_parts: set[tuple[int, int]] = set()  # assembled (then decoded): later copies are duplicates
         self._decoded: dict[tuple[int, int], bytes | bytearray | memoryview] = {}
         self._layers: dict[int, tuple[LayerBuffer, LayerBuffer]] = {}
@@ -177,9 +192,13 @@ class Inbound:
 
     def allowance(self, info: OpenInfo, ticket: Ticket) -> int:
         """The most part-buffer bytes the shipment may take: its ticket's budget (no more than
-        its reservation's), plus one chunk per part (an encoded part's buffer is whole
-        chunks, and an incompressible part encodes a little larger than raw)."""
-        return ticket.budget + 2 * len(info.layer_shapes) * (info.chunk_bytes + 4096)
+        its reservation's), plus per part one chunk, but no more than its raw bytes + ENCODED_SLACK,
+        and 4 KiB: an encoded part's buffer is whole chunks, at most 2x raw + ENCODED_SLACK, and an
+        incompressible part encodes a little larger than raw. So a shipment of many tiny layers
+        cannot take a whole chunk for each."""
+        size = DTYPE_SIZES[info.dtype]
+        per_part = (min(info.chunk_bytes, h * t * d * size + ENCODED_SLACK) + 4096 for h, t, d in info.layer_shapes)
+        return ticket.budget + 2 * sum(per_part)
 
     def slot(
         self, layer: int, part: int, chunk: int, count: int, codec: int, raw_len: int, payload_len: int,
@@ -207,7 +226,7 @@ class Inbound:
                 raise FrameError(f"chunk_count {count} does not fit {raw_len} raw bytes in {size}-byte chunks")
             last = raw_len - (count - 1) * size
         else:  # encoded size varies, but no codec more than doubles a tensor
-            if count > max(1, -(-(2 * raw_len + 65536) // size)):
+            if count > max(1, -(-(2 * raw_len + ENCODED_SLACK) // size)):
                 raise FrameError(f"chunk_count {count} is too large for a {raw_len}-byte tensor")
             last = payload_len if 0 < payload_len <= size else -1
         if payload_len != (last if chunk == count - 1 else size):
@@ -219,7 +238,7 @@ class Inbound:
                 return Slot.DUPLICATE
             entry = self._parts.get((layer, part))
             if entry is None:
-                nbytes = raw_len if codec == CodecId.RAW else count * size
+                nbytes = raw_len if codec == CodecId.RAW else min(count * size, 2 * raw_len + ENCODED_SLACK)
                 assert self.ticket is not None  # set with `info`
                 allowed = self.allowance(info, self.ticket)
                 if self.stored_bytes + nbytes > allowed:
@@ -233,9 +252,11 @@ class Inbound:
                 raise FrameError(f"chunk_count {count} disagrees with {entry.count} for layer {layer} part {part}")
             if chunk in entry.done:
                 return Slot.DUPLICATE
+            offset = chunk * size
+            if offset + payload_len > entry.size:
+                raise FrameError(f"chunk {chunk} ends past the most bytes layer {layer} part {part} can encode to")
             if chunk not in entry.claimed:
                 entry.claimed[chunk] = claimant
-                offset = chunk * size
                 return memoryview(entry.buf)[offset : offset + payload_len]
             stale = entry.claimed[chunk]
         if stale is not None and stale is not claimant:
@@ -248,6 +269,8 @@ class Inbound:
         and V are."""
         info = self.info
         assert info is not None
+        if self._drained(layer, part, chunk):
+            return  # the shipment ended while this chunk was read
         with self._lock:
             entry = self._parts.get((layer, part))
             if entry is None:  # the shipment ended meanwhile
@@ -332,9 +355,34 @@ class Inbound:
     def fail(self, error: TransportError) -> None:
         self.cell.finish(TransferStatus.FAILED, error)
 
+    def _drained(self, layer: int, part: int, chunk: int) -> bool:
+        """Whether (layer, part) is a part of the ended shipment that reads still held; drops this read's claim
+        and, with the last one, hands the buffer back."""
+        with self._lock:
+            entry = self._draining.get((layer, part))
+            if entry is None:
+                return False
+            entry.claimed.pop(chunk, None)
+            if entry.claimed:
+                return True
+            del self._draining[(layer, part)]
+        self._free([entry.buf])
+        return True
+
+    def _free(self, buffers: list[LayerBuffer]) -> None:
+        if self.pool is not POOL:  # arena memory is not garbage-collected: hand it back (see arena.Arena)
+            for buf in buffers:
+                if isinstance(buf, bytearray | memoryview):
+                    self.pool.put(buf)
+
     def _on_terminal(self, status: TransferStatus) -> None:
         with self._lock:
-            dropped: list[LayerBuffer] = [entry.buf for entry in self._parts.values()]
+            dropped: list[LayerBuffer] = []
+            for key, entry in self._parts.items():
+                if entry.claimed:  # a connection is reading a chunk into it now: freed when it lets go
+                    self._draining[key] = entry
+                else:
+                    dropped.append(entry.buf)
             dropped += self._decoded.values()
             self._parts.clear()
             self._decoded.clear()
@@ -342,10 +390,7 @@ class Inbound:
                 dropped += [buf for pair in self._layers.values() for buf in pair]
                 self._layers.clear()  # a failed shipment's KV must not be used, nor kept
             self._lock.notify_all()
-        if self.pool is not POOL:  # arena memory is not garbage-collected: hand it back (see arena.Arena)
-            for buf in dropped:
-                if isinstance(buf, bytearray | memoryview):
-                    self.pool.put(buf)
+        self._free(dropped)
 
     # -- consumer side -------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from prfaas.transport.quant import TORCH_DTYPES, _tensor_bytes, _to_float32
 
 Shape = tuple[int, int, int]  # [num_kv_heads, num_tokens, head_dim]
 KEYS, VALUES = 0, 1
+MAX_HEAD_DIM = 1024  # the values' rotation is a head_dim x head_dim matrix: a peer's shape must not size it at will
 
 
 @cache
@@ -108,6 +109,7 @@ class KVQuantizer:
     ) -> tuple[bytes, bytes]:
         """(side data, one code byte per element). `weights`: the keys' query energy per
         [head, channel] (ignored for values), or None for scales by range alone."""
+        _check_head_dim(shape, self.name)
         if 0 in shape:
             return bytes(self.aux_bytes(shape, part)), b""
         x = _to_float32(data, dtype, shape)  # fresh: quantized in place
@@ -141,6 +143,7 @@ class KVQuantizer:
 
     def dequantize(self, codes: bytearray, aux: memoryview, dtype: str, shape: Shape, part: int) -> bytes:
         heads, tokens, head_dim = shape
+        _check_head_dim(shape, self.name)
         if 0 in shape:
             return b""
         qmax = self.k_qmax if part == KEYS else self.v_qmax
@@ -159,6 +162,11 @@ class KVQuantizer:
             if _rotates(head_dim):
                 x = x @ hadamard(head_dim)
         return _tensor_bytes(x.to(TORCH_DTYPES[dtype]))
+
+
+def _check_head_dim(shape: Shape, name: str) -> None:
+    if shape[2] > MAX_HEAD_DIM:
+        raise CodecError(f"{name} carries head_dim up to {MAX_HEAD_DIM}, not {shape[2]}; use a lossless codec")
 
 
 def _amax(x: torch.Tensor, dim: int, name: str) -> torch.Tensor:

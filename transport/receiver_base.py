@@ -115,9 +115,9 @@ class FrameConnection:
                 try:
                     read_into(self.sock, slot)
                 except BaseException:
-                    self.core.data_commit(header, payload_ok=False)  # release the claim
+                    self.core.data_commit(header, False, self.session)  # release the claim
                     raise
-                return self.core.data_commit(header, self.verify(header, slot))
+                return self.core.data_commit(header, self.verify(header, slot), self.session)
         payload = read_exact(self.sock, header.payload_len) if header.payload_len else bytearray()
         replies = self.core.handle(to_frame(header, payload), self.verify(header, payload), self.session)
         return self.handled(header, payload, replies)

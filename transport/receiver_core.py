@@ -51,6 +51,7 @@ class Session:
         self.ticketed = False
         self.peer = ""  # who counts against `max_per_peer` once verified ("": no one), set by the connection
         self.opened: dict[Key, int] = {}  # shipments whose OPEN was accepted here -> their chunk_bytes
+        self.reading: Inbound | None = None  # the shipment whose chunk this connection reads into place now
         self.chunk_bytes = 0  # the largest chunk_bytes accepted here: the bound of its DATA frames
 
     @property
@@ -145,9 +146,9 @@ class ReceiverCore:
             return self._open(frame, key, session)
         if frame.type is FrameType.DATA:
             return self._data(frame, payload_ok, key, session)
-        if frame.type is FrameType.CANCEL:
+        if frame.type is FrameType.CANCEL:  # only a connection that opened the shipment may cancel it
             with self._lock:
-                inbound = self._inbounds.get(key)
+                inbound = self._inbounds.get(key) if key in session.opened else None
             if inbound is not None:
                 inbound.cell.cancel(f"canceled by the sender: {bytes(frame.payload).decode(errors='replace')}")
             return []
@@ -163,7 +164,8 @@ class ReceiverCore:
             raise FrameError(f"first frame must be HELLO, got {frame.type.name}")
         hello = frame.json()
         versions = hello.get("versions") if isinstance(hello, dict) else None
-        common = set(versions or []) & set(SUPPORTED_VERSIONS)
+        offered = versions if isinstance(versions, list) else []
+        common = {v for v in offered if isinstance(v, int) and not isinstance(v, bool)} & set(SUPPORTED_VERSIONS)
         if not common:
             session.send(
                 error_frame(ErrorCode.UNSUPPORTED_VERSION, f"receiver speaks versions {list(SUPPORTED_VERSIONS)}")
@@ -280,13 +282,14 @@ class ReceiverCore:
             return None
         if isinstance(view, Slot):  # a duplicate, or the shipment ended: acknowledge it again
             return Discard([Frame(FrameType.ACK, job, attempt, payload=_ack_payload([chunk]))])
+        session.reading = inbound
         return view
 
-    def data_commit(self, header: Header, payload_ok: bool) -> list[Frame]:
-        """The payload of a `data_slot` frame is in place: ACK it, or NACK a bad checksum."""
+    def data_commit(self, header: Header, payload_ok: bool, session: Session) -> list[Frame]:
+        """The payload of a `data_slot` frame is in place: ACK it, or NACK a bad checksum. The claim goes
+        back to the shipment the slot came from, even one that ended meanwhile (its buffer is freed then)."""
         job, attempt = header.job_id, header.attempt
-        with self._lock:
-            inbound = self._inbounds.get((job, attempt))
+        inbound, session.reading = session.reading, None
         if inbound is not None:
             inbound.commit(header.layer, header.part, header.chunk, header.payload_len, payload_ok)
         if not payload_ok:

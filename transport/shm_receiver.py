@@ -56,6 +56,7 @@ from prfaas.transport.receiver_core import Discard, ReceiverCore
 from prfaas.transport.tickets import TicketVerifier
 
 log = logging.getLogger(__name__)
+MAX_PLACEMENTS = 4096  # arena placements a connection keeps; one per shipment it opened, pruned of ended ones past this
 Key = tuple[bytes, int]
 Placement = tuple[int, list[tuple[int, int]]]  # (chunk_bytes, [(k offset, v offset) per layer]) in the arena
 
@@ -157,12 +158,16 @@ class ShmConnection(FrameConnection):
                 view = self.core.data_slot(probe, self.session)
                 offset = self.rx.arena.offset_of(view) if isinstance(view, memoryview) else None
                 if isinstance(view, memoryview):
-                    self.core.data_commit(probe, payload_ok=False)
+                    self.core.data_commit(probe, False, self.session)
                 if offset is None:
                     return Frame(FrameType.OPEN_OK, job, attempt)  # heap part (arena full): inline
                 pair.append(offset)
             offsets.append((pair[0], pair[1]))
         self.placed[(job, attempt)] = (info.chunk_bytes, offsets)
+        if len(self.placed) > MAX_PLACEMENTS:  # the oldest ended ones: no DATA of theirs is still on its way
+            opened = set(self.session.opened)
+            for key in [k for k in self.placed if k not in opened][: len(self.placed) - MAX_PLACEMENTS]:
+                del self.placed[key]
         return Frame(FrameType.OPEN_OK, job, attempt, payload=json_payload({"parts": offsets}))
 
     def _placed_data(self, header: Header, placement: Placement) -> list[Frame]:
@@ -176,9 +181,9 @@ class ShmConnection(FrameConnection):
             return view.replies
         if view is not None:
             if self.rx.arena.offset_of(view) != start:  # cannot happen while parts stay put; refuse loudly
-                self.core.data_commit(header, payload_ok=False)
+                self.core.data_commit(header, False, self.session)
                 raise FrameError("placed chunk is not where OPEN_OK said")
-            return self.core.data_commit(header, self.verify(header, view))
+            return self.core.data_commit(header, self.verify(header, view), self.session)
         in_place = self.rx.arena.view(start, header.payload_len)  # duplicate, ended, unknown: the core decides
         return self.core.handle(to_frame(header, in_place), self.verify(header, in_place), self.session)
 

@@ -12,6 +12,7 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import threading
 import time
@@ -43,6 +44,16 @@ def _b64(data: bytes) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _well_typed(ticket: Ticket) -> bool:
+    def whole(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    texts = (ticket.job, ticket.tenant, ticket.nonce, ticket.kid)
+    number = whole(ticket.exp) or (isinstance(ticket.exp, float) and math.isfinite(ticket.exp))
+    counts = (ticket.attempt, ticket.budget, ticket.v)
+    return all(isinstance(t, str) for t in texts) and all(whole(c) for c in counts) and number
 
 
 def _check_keys(keys: Mapping[str, bytes]) -> None:
@@ -89,6 +100,8 @@ class TicketVerifier:
             ticket = Ticket(**claims)
         except (ValueError, TypeError) as exc:
             raise TicketRejected(f"malformed ticket: {exc}") from None
+        if not _well_typed(ticket):  # before any claim is used: a peer's JSON may put a list where a key id goes
+            raise TicketRejected("malformed ticket: a claim has the wrong type")
         key = self._keys.get(ticket.kid)
         if key is None:
             raise TicketRejected(f"ticket signed with unknown key {ticket.kid!r}")
