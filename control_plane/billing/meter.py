@@ -163,10 +163,11 @@ class Meter:
             if regions not in tables:
                 tables[regions] = self.price_table(*regions)
             jobs.append((usage, tables[regions]))
-        results = self.ledger.record_many(jobs)
-        written = [entry for entry, inserted in results if inserted]
-        # only the writer of an entry settles it: the spend rises once per job (a crash in between: reconcile)
-        self.spend.settle((entry.tenant, entry.job_id, entry.total_usd) for entry in written)
+        with self.spend.settling({usage.tenant for usage, _ in jobs}):  # no sync counts an entry in between
+            results = self.ledger.record_many(jobs)
+            written = [entry for entry, inserted in results if inserted]
+            # only the writer of an entry settles it: the spend rises once per job (a crash in between: reconcile)
+            self.spend.settle((entry.tenant, entry.job_id, entry.total_usd, entry.finished_at) for entry in written)
         if self.metrics is not None:
             each_s = (time.perf_counter() - started) / max(1, len(written))
             for entry in written:
@@ -195,7 +196,11 @@ class Meter:
         for w in wasted_work(job, timeline, attempts):
             if w.gpu_s <= 0:
                 continue
-            table = PriceTable({w.region: self.gpu_hour(w.region, prefill=w.phase == "prefill")})
+            try:
+                table = PriceTable({w.region: self.gpu_hour(w.region, prefill=w.phase == "prefill")})
+            except KeyError as exc:  # the platform's own cost, unpriced: never a reason not to bill the tenant
+                log.warning("job %s attempt %d: wasted %s not recorded: %s", job["id"], w.attempt, w.phase, exc)
+                continue
             row, inserted = self.ledger.record_wasted_once(
                 job_id=job["id"], attempt=w.attempt, phase=w.phase, tenant=job["tenant"], region=w.region,
                 gpu_s=w.gpu_s, prices=table, reason=w.reason[:500],

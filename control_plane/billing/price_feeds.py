@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 from typing import Any
 
 from prfaas.control_plane.billing.prices import PriceFeedError, RegionPrices
@@ -78,6 +79,8 @@ def parse_spot(reply: dict[str, Any], instance_type: str) -> float:
         if item.get("InstanceType") != instance_type:
             continue
         zone, at, price = item.get("AvailabilityZone", ""), item.get("Timestamp"), float(item["SpotPrice"])
+        if not (math.isfinite(price) and price > 0):
+            continue  # a price no market quotes: not this zone's
         if zone not in latest or (at is not None and at > latest[zone][0]):
             latest[zone] = (at, price)
     if not latest:
@@ -93,6 +96,6 @@ def parse_on_demand(reply: dict[str, Any]) -> float:
             for dim in term.get("priceDimensions", {}).values():
                 if dim.get("unit") in ("Hrs", "Hours") and "USD" in dim.get("pricePerUnit", {}):
                     price = float(dim["pricePerUnit"]["USD"])
-                    if price > 0:
+                    if math.isfinite(price) and price > 0:
                         return price
     raise PriceFeedError("no hourly on-demand USD price in the Price List reply")

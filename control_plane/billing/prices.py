@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -111,6 +112,8 @@ class PriceBook:
                     if not conf.instance_type:
                         raise PriceFeedError("no instance_type configured")
                     usd = feed.on_demand(conf) if market == "on-demand" else feed.spot(conf)
+                    if not (isinstance(usd, int | float) and math.isfinite(usd) and usd > 0):
+                        raise PriceFeedError(f"the feed's price {usd!r} is not a positive finite number")
                     entry |= {"usd": usd, "source": "aws-pricelist" if market == "on-demand" else "aws-spot"}
                 except Exception as exc:  # any feed failure (botocore, parse, network) falls back to the table
                     if table is None:
@@ -140,6 +143,10 @@ class PriceBook:
 
     def quote(self, region: str, market: Market) -> Quote | None:
         entry = self._cached().get(f"{region}|{market}")
+        if entry is not None and not _price(entry.get("usd")):
+            log.warning("cached %s price of %s is %r, not a positive finite number: using the table", market, region,
+                        entry.get("usd"))  # fmt: skip
+            entry = None
         if entry is not None:
             age = max(0.0, self._clock() - float(entry["fetched_at"]))
             return Quote(
@@ -176,6 +183,10 @@ def quote_dict(q: Quote) -> dict[str, Any]:
 def price_book(client: Any, key: str, path: Path | None) -> PriceBook:
     """The price book at Redis hash `key` over the table at `path` (`Settings.prices.path`; None: no table)."""
     return PriceBook(client, key, PriceConfig.load(path))
+
+
+def _price(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _text(value: Any) -> str:

@@ -7,6 +7,7 @@ writer died before settling it). Idempotent: the ledger writes once per job and 
 
 from __future__ import annotations
 
+import logging
 import time
 
 from prfaas.control_plane.billing.meter import Meter
@@ -14,6 +15,7 @@ from prfaas.control_plane.jobs.errors import JobNotFound
 from prfaas.control_plane.jobs.states import JobState
 
 SETTLE_GRACE_S = 60.0  # a DONE job's biller settles it within this long of billing it, or not at all
+log = logging.getLogger(__name__)
 
 
 def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
@@ -26,16 +28,29 @@ def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
         for raw in s.redis.zrangebyscore(index, now - window_s - s.settings.job.timeout_s, now):  # type: ignore[union-attr]
             job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
             try:
-                job = s.jobs.get(job_id)
-            except JobNotFound:
-                continue
-            if job["state"] == JobState.DONE and meter.ledger.entry(job_id) is None:
-                written += meter.bill(job_id) is not None
-            elif job["state"] in (JobState.FAILED, JobState.CANCELED):
-                meter.record_wasted(job, s.jobs.timeline(job_id), range(1, int(job["attempt"]) + 1))
-        meter.spend.sync(tenant.id, meter.ledger)
-        meter.spend.release(tenant.id, left_behind(meter, tenant.id, now))
+                written += _reconcile_job(meter, job_id)
+            except Exception:  # one job that cannot be billed (no price for a region gone) stops no other
+                log.exception("reconcile: job %s of tenant %s; the next sweep tries again", job_id, tenant.id)
+        try:
+            meter.spend.sync(tenant.id, meter.ledger)
+            meter.spend.release(tenant.id, left_behind(meter, tenant.id, now))
+        except Exception:
+            log.exception("reconcile: the spend of tenant %s; the next sweep tries again", tenant.id)
     return written
+
+
+def _reconcile_job(meter: Meter, job_id: str) -> int:
+    """Bill a DONE job the meter missed (1 when written), or record a FAILED / CANCELED job's wasted attempts."""
+    s = meter.s
+    try:
+        job = s.jobs.get(job_id)
+    except JobNotFound:
+        return 0
+    if job["state"] == JobState.DONE and meter.ledger.entry(job_id) is None:
+        return int(meter.bill(job_id) is not None)
+    if job["state"] in (JobState.FAILED, JobState.CANCELED):
+        meter.record_wasted(job, s.jobs.timeline(job_id), range(1, int(job["attempt"]) + 1))
+    return 0
 
 
 def left_behind(meter: Meter, tenant: str, now: float) -> list[str]:

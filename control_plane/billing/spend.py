@@ -8,9 +8,10 @@ is caught up) and ends reservations left behind (`release`)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prfaas.control_plane.jobs.scripts import RELEASE_RESERVATION_FN
@@ -21,12 +22,16 @@ if TYPE_CHECKING:
 
 SPEND_TTL_S = 40 * 86400  # a month's key outlives its month
 
-# Set the spend key to ARGV[1] unless it already holds more (spend only rises within a month).
+# KEYS: spend, the tenant's settles under way. Set the spend key to ARGV[1] unless it already holds more (spend
+# only rises within a month), or a biller is between its ledger write and its settle (KEYS[2] > 0): the sum
+# read may hold an entry whose increment is still to come, and counting it here too would count it twice.
 _RAISE_SPEND = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then return tostring(cur) end
 if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
 return tostring(math.max(cur, tonumber(ARGV[1])))
 """
+SETTLING_TTL_S = 120  # a biller that died between its ledger write and its settle holds no sync off for longer
 
 # KEYS: spend, reservations hash, their sum. ARGV: $ billed, TTL of the spend key, then the billed jobs' ids:
 # the $ joins the spend and each job's reservation ends, in one step.
@@ -67,20 +72,45 @@ class TenantSpend:
         self._settle = client.register_script(_SETTLE)
         self._release = client.register_script(_RELEASE)
 
-    def settle(self, billed: Iterable[tuple[str, str, float]]) -> None:
-        """Newly written entries, (tenant, job id, $) each: add their $ to each tenant's monthly spend and end
-        their jobs' reservations (actual replaces reserved), atomically per tenant, in one round trip."""
-        by_tenant: dict[str, tuple[float, list[str]]] = {}
-        for tenant, job_id, usd in billed:
-            total, ids = by_tenant.get(tenant, (0.0, []))
-            by_tenant[tenant] = (total + usd, [*ids, job_id])
-        if not by_tenant:
+    @contextlib.contextmanager
+    def settling(self, tenants: Iterable[str]) -> Iterator[None]:
+        """Around a biller's ledger write and its `settle`: while any is under way, `sync` leaves the tenant's
+        spend as it is (its sum could count an entry the settle is about to add)."""
+        keys = [self._settling_key(t) for t in sorted(set(tenants))]
+        if keys:
+            with self.redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.incr(key)
+                    pipe.expire(key, SETTLING_TTL_S)
+                pipe.execute()
+        try:
+            yield
+        finally:
+            if keys:
+                with self.redis.pipeline(transaction=False) as pipe:
+                    for key in keys:
+                        pipe.decr(key)
+                    pipe.execute()
+
+    def settle(self, billed: Iterable[tuple[str, str, float, dt.datetime]]) -> None:
+        """Newly written entries, (tenant, job id, $, finished at (UTC)) each: add their $ to each tenant's spend of
+        the month the job finished in (the month the ledger counts it in) and end their jobs' reservations
+        (actual replaces reserved), atomically per tenant and month, in one round trip."""
+        by_key: dict[tuple[str, str], tuple[float, list[str]]] = {}
+        for tenant, job_id, usd, finished_at in billed:
+            key = (tenant, self.jobs.spend_key(tenant, _epoch(finished_at)))
+            total, ids = by_key.get(key, (0.0, []))
+            by_key[key] = (total + usd, [*ids, job_id])
+        if not by_key:
             return
         with self.redis.pipeline(transaction=False) as pipe:
-            for tenant, (usd, ids) in by_tenant.items():
-                keys = [self.jobs.spend_key(tenant), *self.jobs.reservation_keys(tenant)]
+            for (tenant, spend_key), (usd, ids) in by_key.items():
+                keys = [spend_key, *self.jobs.reservation_keys(tenant)]
                 self._settle(keys=keys, args=[repr(usd), SPEND_TTL_S, *ids], client=pipe)
             pipe.execute()
+
+    def _settling_key(self, tenant: str) -> str:
+        return str(self.jobs.settings.key("tenant", tenant, "settling"))
 
     def reservations(self, tenant: str) -> dict[str, float]:
         """Job id -> $ reserved, for the tenant's jobs admitted and not yet billed or ended."""
@@ -94,7 +124,15 @@ class TenantSpend:
         return int(self._release(keys=list(self.jobs.reservation_keys(tenant)), args=job_ids))
 
     def sync(self, tenant: str, ledger: Ledger) -> float:
-        """Raise the tenant's monthly spend to the ledger's sum for the month; returns the spend now."""
-        start, end = month_window()
+        """Raise the tenant's monthly spend to the ledger's sum for the month (unless a biller is between its write
+        and its settle: the next sweep does it); returns the spend now."""
+        now = time.time()  # one clock read: the month summed is the month whose key is raised
+        start, end = month_window(now)
         total = ledger.spend(tenant, start, end)
-        return float(self._raise_spend(keys=[self.jobs.spend_key(tenant)], args=[repr(total), SPEND_TTL_S]))
+        keys = [self.jobs.spend_key(tenant, now), self._settling_key(tenant)]
+        return float(self._raise_spend(keys=keys, args=[repr(total), SPEND_TTL_S]))
+
+
+def _epoch(t: dt.datetime) -> float:
+    """A ledger time (UTC, naive or aware) as epoch seconds."""
+    return (t if t.tzinfo is not None else t.replace(tzinfo=dt.UTC)).timestamp()

@@ -231,3 +231,33 @@ def test_metering_metrics(metered: Metered) -> None:
     writes = samples["prfaas_ledger_write_seconds_count"]
     assert writes >= len(metered.jobs["alpha"]) + len(metered.jobs["beta"])
     print(f"ledger writes: {writes:.0f}, mean {samples['prfaas_ledger_write_seconds_sum'] / writes * 1000:.1f} ms each")
+
+
+def test_a_job_that_cannot_be_priced_stops_no_other_job_of_the_sweep(
+    metered: Metered, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DONE job of a region that is gone with its price (no table entry, no registration) cannot be billed:
+    the sweep logs it and goes on, so a job the meter missed after it is still billed."""
+    m = metered
+    monkeypatch.setenv("PRFAAS_PRICES_PATH", m.stack.env["PRFAAS_PRICES_PATH"])
+    services = Services.create(stack_settings(m.stack))
+    ledger = Ledger(m.stack.ledger_url)
+    try:
+        tenant_id, _ = m.stack.tenant("epsilon")
+        jobs, quota = services.jobs, Quota(rps=100, concurrency=100, budget_usd=100)
+        fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
+        ids = []
+        for region in ("gone-region", "decode-b"):  # created in this order: the sweep meets the unpriced one first
+            job = jobs.create(tenant_id, fields, quota).job_id
+            jobs.update(job, 1, placement_chosen="local", decode_region=region, prefill_region=region)
+            jobs.transition(job, JobState.LOCAL, 1, note=f"local in {region}")
+            timing = {"gen_first_s": 0.2, "gen_last_s": 0.5, "first_token_at": time.time()}
+            jobs.transition(job, JobState.DONE, 1, completion_tokens=3, **timing)
+            ids.append(job)
+            time.sleep(0.01)
+        meter = Meter(services, ledger)
+        assert reconcile(meter) >= 1
+        assert ledger.entry(ids[0]) is None and ledger.entry(ids[1]) is not None
+    finally:
+        ledger.close()
+        services.close()
