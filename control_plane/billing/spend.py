@@ -2,9 +2,10 @@
 scripts check budgets against, with the $ reserved by jobs in flight: 402). Every new ledger entry settles
 its job (`settle`: one script per tenant adds the entries' $ to the spend and ends their jobs'
 reservations, so the budget never sees a job both reserved and spent, nor neither; one round trip for a
-batch); the reconciliation sweep raises the key to the ledger's sum for the month (`sync`: a
-set-if-greater script, so racing writers never lower it, and a bill whose increment was lost in a crash
-is caught up) and ends reservations left behind (`release`)."""
+batch; into the month the job finished in, as the ledger counts it); the reconciliation sweep raises the
+key to the ledger's sum for the month (`sync`: a set-if-greater script, so racing writers never lower it, and
+a bill whose increment was lost in a crash is caught up; skipped while a biller is between its ledger write
+and its settle, `settling`, so no entry is counted twice) and ends reservations left behind (`release`)."""
 
 from __future__ import annotations
 
