@@ -10,7 +10,7 @@ identically. `choose` is that rule, in vLLM's order:
    the end-of-sequence ids unless `ignore_eos`) cannot be chosen; logit_bias is added;
 3. penalties: repetition (over prompt and output: positive logits divided by it, negative ones
    multiplied), then frequency (x count in the output) and presence (x 1 if in the output);
-4. greedy (temperature 0) takes the argmax here, ties to the lowest id;
+4. greedy (temperature 0, or below SAMPLING_EPS as in vLLM) takes the argmax here, ties to the lowest id;
 5. else temperature, min_p, top_k, top_p, then a draw.
 
 The random stream is not carried over from step to step: the generator for step `i` is seeded
@@ -35,6 +35,8 @@ MAX_N = 16  # choices per prompt: each decodes from its own copy of the prompt's
 MAX_STOP = 16  # stop strings and stop token ids, each
 MAX_STOP_CHARS = 256
 
+
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -129,7 +131,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax: temperature 0, or below SAMPLING_EPS, as vLLM reads it (logits / 1e-310 overflow to inf)."""
+        return self.temperature < SAMPLING_EPS
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: what a job record stores (`from_dict` reads it back)."""

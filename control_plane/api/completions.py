@@ -154,7 +154,9 @@ def _run(
     jobs: list[PromptJob] = []
     try:
         for index, (prompt, echo) in enumerate(runs):
-            key = g.idempotency_key and (g.idempotency_key if index == 0 else f"{g.idempotency_key}:{index}")
+            # a batch's later prompts: the key and "\n" + the index, which no header value can hold (a client's
+            # own key "K:1" must never name prompt 1 of the batch sent with key "K")
+            key = g.idempotency_key and (g.idempotency_key if index == 0 else f"{g.idempotency_key}\n{index}")
             n, chat = params.n, kind == "chat.completion"
             choices = [Choice(s.model, params, chat, index * n + c, echo) for c in range(n)]  # OpenAI's numbering
             jobs.append(_start(g, body, prompt, params, placement, kind, key, choices))

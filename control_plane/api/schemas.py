@@ -41,6 +41,8 @@ class StreamOptions(BaseModel):
 
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
 Stop = Annotated[str, Field(min_length=1, max_length=256)]
+MetadataKey = Annotated[str, Field(max_length=64)]  # OpenAI's limits: 16 pairs, keys of 64, values of 512 characters
+MetadataValue = Annotated[str, Field(max_length=512)]
 # Parameters of OpenAI's schemas that prfaas does not implement: refused with 400 `unsupported_parameter`
 # (api/errors.py) unless null. The lists are walked by tests/control_plane/api/test_openai_params.py.
 REFUSED_COMPLETION = ("best_of", "suffix")
@@ -123,7 +125,7 @@ class ChatCompletionCreate(_Generation):
     # accepted with no effect, as OpenAI documents them: identifiers and hints for OpenAI's own services
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
-    metadata: dict[str, str] | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
     store: Literal[False] | None = None
     service_tier: Literal["auto", "default"] | None = None
     parallel_tool_calls: bool | None = None

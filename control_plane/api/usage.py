@@ -37,11 +37,15 @@ Format = Annotated[Literal["json", "csv"], Query(description="json, or csv (the 
 
 
 def window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:
-    def utc(t: dt.datetime) -> dt.datetime:
-        return t.replace(tzinfo=dt.UTC) if t.tzinfo is None else t.astimezone(dt.UTC)
+    def utc(t: dt.datetime, param: str) -> dt.datetime:
+        try:
+            return t.replace(tzinfo=dt.UTC) if t.tzinfo is None else t.astimezone(dt.UTC)
+        except OverflowError:  # 9999-12-31T23:59-23:59 is past year 9999 in UTC
+            message = f"invalid range: {param} is outside the years 1-9999 in UTC"
+            raise INVALID_RANGE.error(message, param=param) from None
 
-    s = utc(start) if start is not None else month_window()[0]
-    e = utc(end) if end is not None else dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+    s = utc(start, "from") if start is not None else month_window()[0]
+    e = utc(end, "to") if end is not None else dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
     if e <= s:
         raise INVALID_RANGE.error("invalid range: to must be after from", param="to")
     if e - s > MAX_WINDOW:

@@ -34,12 +34,13 @@ from prfaas.control_plane.fleet.records import InstanceRecord, RegionNotFound
 from prfaas.control_plane.jobs.attempts import Attempts, Enqueue
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Lease, Leases, process_id
+from prfaas.control_plane.jobs.objectives import slo_ms
 from prfaas.control_plane.jobs.prefix import cache_salt, pins, prefix_hashes
 from prfaas.control_plane.jobs.records import job_request, placed_fields, ready_info, sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.watcher import Watcher
 from prfaas.control_plane.scheduling.decision import Decision, Mode
-from prfaas.control_plane.scheduling.errors import PlacementRejected
+from prfaas.control_plane.scheduling.errors import PlacementRejected, RejectReason
 from prfaas.control_plane.scheduling.snapshot import kv_dtypes_alike
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -124,7 +125,7 @@ class Dispatcher:
             return self.attempts.fail(job_id, attempt, exc.where, str(exc))
         except PlacementRejected as exc:
             tracing.failed(span, exc)
-            return self._unplaced(job_id, job, attempt, f"no placement: {exc}")
+            return self._unplaced(job_id, job, attempt, f"no placement: {exc}", exc.reason == RejectReason.SLO)
         except (StaleAttempt, IllegalTransition, Superseded, JobNotFound):
             span.set_attribute("prfaas.outcome", "superseded")
             self.leases.take(job_id, attempt)
@@ -132,11 +133,15 @@ class Dispatcher:
         finally:
             span.end()
 
-    def _unplaced(self, job_id: str, job: dict[str, str], attempt: int, reason: str) -> str:
+    def _unplaced(self, job_id: str, job: dict[str, str], attempt: int, reason: str, slo: bool = False) -> str:
         """No region can take the job now. The fleet's view may be stale (no heartbeats while the
         registry's process restarts, every region busy): the same attempt is tried again every
-        `UNPLACED_RETRY_S` until the job's deadline, then FAILED with the reason."""
-        deadline = float(job.get("created_at", 0)) + self.s.settings.job.timeout_s
+        `UNPLACED_RETRY_S` until the job's deadline, then FAILED with the reason. Refused for its
+        objectives (`slo`), it waits no longer than its TTFT objective: past it, no placement can meet it."""
+        created = float(job.get("created_at", 0))
+        deadline = created + self.s.settings.job.timeout_s
+        if slo:
+            deadline = min(deadline, created + slo_ms(job, self.s.settings)[0] / 1000.0)
         if time.time() + UNPLACED_RETRY_S < deadline and self.attempts.unclaim(job_id, attempt, UNPLACED_RETRY_S):
             log.info("job %s attempt %d: %s; again in %.0f s", job_id, attempt, reason, UNPLACED_RETRY_S)
             return "unplaced"

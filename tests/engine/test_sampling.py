@@ -61,6 +61,18 @@ def test_tiny_top_p_is_greedy() -> None:
     assert {sample_next(logits, params, s) for s in range(20)} == {1}
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 9e-6])
+def test_a_temperature_below_vllms_epsilon_is_greedy(temperature: float) -> None:
+    """vLLM samples greedily below 1e-5; dividing logits by 1e-310 would overflow to inf and NaN
+    probabilities (torch.multinomial raised, and the region's decode failed)."""
+    logits = torch.tensor([1.0, 5.0, 5.0, 2.0])
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert params.greedy and {sample_next(logits, params, s) for s in range(5)} == {1}
+    assert not SamplingParams(temperature=1e-5, seed=3).greedy
+    with pytest.raises(InvalidSamplingParams, match="n must be 1 when using greedy sampling"):
+        SamplingParams(temperature=temperature, seed=3, n=2)  # as vLLM refuses it
+
+
 # -- the rest of the specification, in vLLM's order ---------------------------------------------
 
 EOS = frozenset({0})

@@ -270,3 +270,18 @@ def test_prefill_region_killed_fails_over_and_bills_once(
 def _spend(s: Stack, tenant_id: str) -> float:
     tenants = httpx.get(s.url + "/admin/tenants", headers=ADMIN, timeout=5).json()
     return float(next(t["spend_usd_this_month"] for t in tenants if t["id"] == tenant_id))
+
+
+def test_an_objective_no_placement_meets_fails_once_it_has_passed(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
+) -> None:
+    """A TTFT objective of 5 ms that no region is predicted to meet: the job fails when the objective has
+    passed (retrying a placement past it cannot meet it), not at the job's deadline (300 s here)."""
+    s, _ = stack
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:
+        _client(s, tenant[1]).completions.create(
+            model="tiny-llama", prompt=[5, 6, 7, 8] * 200, max_tokens=2, extra_body={"prfaas": {"ttft_slo_ms": 5}}
+        )
+    assert time.monotonic() - started < 30
+    assert info.value.status_code == 503 and "slo" in str(info.value.body), info.value.body

@@ -155,6 +155,37 @@ def test_idempotency_key_reused_with_another_body_is_422(stack: Stack) -> None:
         s.close()
 
 
+def test_a_clients_own_key_never_names_a_prompt_of_another_requests_batch(stack: Stack) -> None:
+    """A batch stores its later prompts under keys of their own: the client key "bat:1", with the same body,
+    is a new request, not prompt 1 of the batch sent with "bat" (whose output it would have answered)."""
+    _, key = stack.tenant("idem-batch")
+    c = client(stack, key)
+    streams = []
+    for idem in ("bat", "bat:1"):
+        streams.append(c.completions.create(model="tiny-llama", prompt=["a", "b"], max_tokens=2, stream=True,
+                                            extra_headers={"Idempotency-Key": idem}))  # fmt: skip
+    listed = httpx.get(f"{stack.url}/v1/jobs", headers={"Authorization": f"Bearer {key}"}, timeout=5).json()["data"]
+    assert len(listed) == 4  # two prompts each, none shared
+    assert streams[0].response.headers["x-prfaas-job-id"] != streams[1].response.headers["x-prfaas-job-id"]
+    for s in streams:
+        s.close()
+
+
+def test_metadata_is_held_to_openais_limits_and_refuses_lone_surrogates(stack: Stack) -> None:
+    """A lone surrogate in metadata failed the Idempotency-Key's body hash with a 500; now metadata strings are
+    checked as every other string (and to OpenAI's 16 pairs, keys of 64 and values of 512 characters)."""
+    _, key = stack.tenant("meta")
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "Idempotency-Key": "meta-1"}
+    body = (
+        b'{"model":"tiny-llama","messages":[{"role":"user","content":"x"}],"max_tokens":2,"metadata":{"k":"\\ud800"}}'
+    )
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", content=body, headers=headers, timeout=10)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_request", reply.text
+    many = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2, "metadata": {str(i): "v" for i in range(17)}}
+    reply = httpx.post(f"{stack.url}/v1/completions", json=many, headers=headers, timeout=10)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "metadata", reply.text
+
+
 def _waiting(stack: Stack, key: str, stream: bool = False) -> tuple[threading.Thread, list[object], str]:
     """A completion asked on a thread of its own; returns once its job is QUEUED (the tenant's only job)."""
     outcome: list[object] = []

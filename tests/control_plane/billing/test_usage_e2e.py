@@ -124,6 +124,8 @@ def test_tenants_see_only_their_usage(metered: Metered) -> None:
         ({"from": "2026-11-10", "to": "2026-11-01"}, "invalid range: to must be after from", "to"),
         ({"from": "2020-01-01", "to": "2026-01-01"}, "invalid range: at most 400 days", "from"),
         ({"format": "xml"}, "invalid request: format: Input should be", "format"),
+        ({"from": "9999-12-31T23:59:59-23:59"}, "invalid range: from is outside the years 1-9999", "from"),
+        ({"to": "0001-01-01T00:00:00+23:59"}, "invalid range: to is outside the years 1-9999", "to"),
     ],
 )
 def test_bad_usage_parameters_are_400(metered: Metered, params: dict[str, str], message: str, param: str) -> None:
