@@ -38,6 +38,7 @@ MAX_STOP_CHARS = 256
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens (units: tokens; probabilities in [0, 1]).
