@@ -36,7 +36,7 @@ from prfaas.transport.framing import (
     json_payload,
     parse_ack,
 )
-from prfaas.transport.inbound import OpenInfo
+from prfaas.transport.open_info import OpenInfo
 
 _seq = itertools.count()
 

@@ -26,7 +26,8 @@ from prfaas.transport.errors import (
 )
 from prfaas.transport.framing import SUPPORTED_VERSIONS, ErrorCode, Frame, FrameType, Header, error_frame, json_payload
 from prfaas.transport.framing import ack_payload as _ack_payload
-from prfaas.transport.inbound import Inbound, OpenInfo, Slot
+from prfaas.transport.inbound import Inbound, Slot
+from prfaas.transport.open_info import OpenInfo
 from prfaas.transport.tickets import ReplayGuard, TicketVerifier
 
 log = logging.getLogger(__name__)

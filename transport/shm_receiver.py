@@ -50,7 +50,7 @@ from prfaas.transport.framing import (
     read_exact,
     to_frame,
 )
-from prfaas.transport.inbound import OpenInfo
+from prfaas.transport.open_info import OpenInfo
 from prfaas.transport.receiver_base import FrameConnection, ListeningReceiver, Payload
 from prfaas.transport.receiver_core import Discard, ReceiverCore
 from prfaas.transport.tickets import TicketVerifier

@@ -18,7 +18,7 @@ from prfaas.telemetry import tracing
 from prfaas.telemetry.spans import JsonLinesExporter, job_trace, read_spans, tree
 from prfaas.transport.codecs import CodecId
 from prfaas.transport.errors import FrameError
-from prfaas.transport.inbound import OpenInfo
+from prfaas.transport.open_info import OpenInfo
 
 
 @pytest.fixture

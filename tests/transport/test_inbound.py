@@ -10,7 +10,8 @@ import pytest
 from prfaas.transport.api import TransferStatus
 from prfaas.transport.codecs import CodecId
 from prfaas.transport.errors import FrameError, TicketRejected
-from prfaas.transport.inbound import Inbound, OpenInfo, Slot
+from prfaas.transport.inbound import Inbound, Slot
+from prfaas.transport.open_info import OpenInfo
 from prfaas.transport.tickets import Ticket
 
 SHAPE = (2, 64, 64)  # 16 KiB per bf16 part

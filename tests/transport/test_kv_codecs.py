@@ -21,8 +21,8 @@ from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.transport.codecs import CodecId, KVQuantizedCodec, TensorMeta, get_codec
 from prfaas.transport.errors import CodecError, FrameError
-from prfaas.transport.inbound import OpenInfo
 from prfaas.transport.kvquant import KV_QUANTIZERS, KVQuantizer, hadamard
+from prfaas.transport.open_info import OpenInfo
 
 KV_CODECS = tuple(KV_QUANTIZERS)
 dtypes = st.sampled_from(sorted(TORCH))

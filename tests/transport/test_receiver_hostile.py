@@ -23,7 +23,7 @@ from prfaas.transport.arena import Arena
 from prfaas.transport.codecs import CodecId, TensorMeta, _compress, _pack
 from prfaas.transport.errors import FrameError
 from prfaas.transport.framing import Frame, FrameType, encode, job_bytes, json_payload, read_frame
-from prfaas.transport.inbound import MAX_LAYERS, OpenInfo
+from prfaas.transport.open_info import MAX_LAYERS, OpenInfo
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tickets import TicketSigner, TicketVerifier
 

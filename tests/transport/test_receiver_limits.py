@@ -26,7 +26,7 @@ from transport_kit import KEY, Kit, fill, layers_for, ship
 from prfaas.transport.admission import ReceiverLimits
 from prfaas.transport.api import Shipment, ShipmentSpec, TransferStatus
 from prfaas.transport.framing import ErrorCode, Frame, FrameType, encode, encode_header, json_payload, read_frame
-from prfaas.transport.inbound import OpenInfo
+from prfaas.transport.open_info import OpenInfo
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
 

@@ -31,7 +31,7 @@ from prfaas.transport.framing import (
     read_exact,
     read_frame,
 )
-from prfaas.transport.inbound import OpenInfo
+from prfaas.transport.open_info import OpenInfo
 from prfaas.transport.outbound import encoder_pool
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
