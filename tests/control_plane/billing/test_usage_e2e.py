@@ -154,6 +154,21 @@ def test_billing_again_changes_nothing(metered: Metered) -> None:
         services.close()
 
 
+SWEPT_FIELDS = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
+SWEPT_QUOTA = Quota(rps=100, concurrency=100, budget_usd=100)
+
+
+def _done_locally(services: Services, tenant_id: str, region: str) -> str:
+    """A job run locally in `region` and moved to DONE without `job_done` (its API process died in between)."""
+    jobs = services.jobs
+    job = jobs.create(tenant_id, SWEPT_FIELDS, SWEPT_QUOTA).job_id
+    jobs.update(job, 1, placement_chosen="local", decode_region=region, prefill_region=region)
+    jobs.transition(job, JobState.LOCAL, 1, note=f"local in {region}")
+    timing = {"gen_first_s": 0.2, "gen_last_s": 0.5, "first_token_at": time.time()}
+    jobs.transition(job, JobState.DONE, 1, completion_tokens=3, **timing)
+    return job
+
+
 def test_sweep_bills_a_job_its_api_process_never_billed(metered: Metered, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job moved to DONE without `job_done` (its API process died in between) and a FAILED job: the
     reconciliation sweep bills the first once and records the second's attempt as platform cost."""
@@ -163,14 +178,9 @@ def test_sweep_bills_a_job_its_api_process_never_billed(metered: Metered, monkey
     ledger = Ledger(m.stack.ledger_url)
     try:
         tenant_id, _ = m.stack.tenant("delta")
-        jobs, quota = services.jobs, Quota(rps=100, concurrency=100, budget_usd=100)
-        fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
-        done = jobs.create(tenant_id, fields, quota).job_id
-        jobs.update(done, 1, placement_chosen="local", decode_region="decode-b", prefill_region="decode-b")
-        jobs.transition(done, JobState.LOCAL, 1, note="local in decode-b")
-        timing = {"gen_first_s": 0.2, "gen_last_s": 0.5, "first_token_at": time.time()}
-        jobs.transition(done, JobState.DONE, 1, completion_tokens=3, **timing)
-        failed = jobs.create(tenant_id, fields, quota).job_id
+        jobs = services.jobs
+        done = _done_locally(services, tenant_id, "decode-b")
+        failed = jobs.create(tenant_id, SWEPT_FIELDS, SWEPT_QUOTA).job_id
         jobs.update(failed, 1, placement_chosen="split", **{"regions_a1": "prefill-a>decode-b"})
         jobs.transition(failed, JobState.PREFILLING, 1, note="prefill in prefill-a")
         time.sleep(0.2)
@@ -246,17 +256,9 @@ def test_a_job_that_cannot_be_priced_stops_no_other_job_of_the_sweep(
     ledger = Ledger(m.stack.ledger_url)
     try:
         tenant_id, _ = m.stack.tenant("epsilon")
-        jobs, quota = services.jobs, Quota(rps=100, concurrency=100, budget_usd=100)
-        fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
-        ids = []
-        for region in ("gone-region", "decode-b"):  # created in this order: the sweep meets the unpriced one first
-            job = jobs.create(tenant_id, fields, quota).job_id
-            jobs.update(job, 1, placement_chosen="local", decode_region=region, prefill_region=region)
-            jobs.transition(job, JobState.LOCAL, 1, note=f"local in {region}")
-            timing = {"gen_first_s": 0.2, "gen_last_s": 0.5, "first_token_at": time.time()}
-            jobs.transition(job, JobState.DONE, 1, completion_tokens=3, **timing)
-            ids.append(job)
-            time.sleep(0.01)
+        ids = [_done_locally(services, tenant_id, "gone-region")]  # the sweep meets the unpriced one first
+        time.sleep(0.01)
+        ids.append(_done_locally(services, tenant_id, "decode-b"))
         meter = Meter(services, ledger)
         assert reconcile(meter) >= 1
         assert ledger.entry(ids[0]) is None and ledger.entry(ids[1]) is not None
