@@ -82,6 +82,7 @@ class Inbound:
         self.stored_bytes = 0  # part buffers taken for this shipment (bounded by `allowance`)
         self.cell = StatusCell(timeout_s)
         self.info: OpenInfo | None = None
+        self.allowed = 0  # `allowance` of the accepted OPEN: the bound of `stored_bytes`
         self.ticket: Ticket | None = None
         self.wire_bytes = 0
         self.pending_wait_s = PENDING_WAIT_S
@@ -113,6 +114,7 @@ class Inbound:
                     raise FrameError("OPEN disagrees with the shipment's first OPEN")
                 return False
             self.info, self.ticket = info, ticket
+            self.allowed = self.allowance(info, ticket)  # once: it sums over every layer
         self.cell.start()
         return True
 
@@ -178,8 +180,7 @@ class Inbound:
             entry = self._parts.get((layer, part))
             if entry is None:
                 nbytes = raw_len if codec == CodecId.RAW else min(count * size, 2 * raw_len + ENCODED_SLACK)
-                assert self.ticket is not None  # set with `info`
-                allowed = self.allowance(info, self.ticket)
+                allowed = self.allowed
                 if self.stored_bytes + nbytes > allowed:
                     raise TicketRejected(
                         f"layer {layer} part {part} would take the shipment past its budget "
