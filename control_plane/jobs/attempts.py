@@ -22,6 +22,8 @@ from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
+# A new attempt starts with no KV shipped: a failed-over split job is billed the bytes its last attempt shipped.
+_SHIPPED_NONE = {"bytes_raw": 0, "bytes_wire": 0}
 Enqueue = Callable[[str, float], object]  # (job id, countdown s): queue the job's dispatch
 
 
@@ -57,8 +59,9 @@ class Attempts:
         backoff = self.backoff_s(attempt)
         queued = self._queued_lease(job_id, attempt + 1, backoff)  # before the move: never a QUEUED job unwatched
         try:
+            # the KV bytes are the attempt's own: the next one records what it ships, and the bill waits for it
             self.jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=reason, tenant=job["tenant"],
-                                 excluded=sorted(excluded), **fields)  # fmt: skip
+                                 excluded=sorted(excluded), **(_SHIPPED_NONE | fields))  # fmt: skip
         except (StaleAttempt, IllegalTransition, JobNotFound):
             self.leases.drop_granted(queued)  # kept if another caller's move queued that attempt: it guards it
             return "superseded"
