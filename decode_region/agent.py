@@ -159,6 +159,9 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
                 watch.stop()
             hold.end(f"reservation ended: {res.error}")
             raise_as_region_error(res.error or Canceled("reservation ended while it was being made"))
+        if not context.is_active():  # the caller gave up (its deadline passed): it will never use or release it
+            self._end(res, Canceled("the caller left before its reservation was made"))
+            raise_as_region_error(res.error or Canceled("reservation ended while it was being made"))
         hold.start()  # after the watch: the shipment's arrival stops it
         self._gauges()
         return decode_pb2.ReserveReply(

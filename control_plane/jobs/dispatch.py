@@ -219,6 +219,8 @@ class Dispatcher:
             reply = decode_stub.Reserve(reserve, timeout=10, metadata=tracing.metadata(call))
         except grpc.RpcError as exc:
             tracing.failed(call, exc.code().name)
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # its reply may be lost, not its reservation
+                self._release(decode_stub, job_id, attempt)
             raise self._failed(decode.key, "reserve", exc) from exc
         finally:
             call.end()

@@ -130,6 +130,25 @@ def test_a_cancel_while_reserve_sets_up_leaves_no_hold_or_watch(
     assert not region.decode_stub.Release(decode_pb2.ReleaseRequest(job_id=job_id, attempt=1), timeout=5).found
 
 
+def test_a_reserve_its_caller_left_frees_its_bytes_at_once(region: Region, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Reserve whose caller's deadline passed while the region was making it: the caller will neither use
+    nor release it, so the region ends it then, not at its TTL (60 s here)."""
+    decode = region.decode
+    assert decode is not None
+    expect = decode.backend.expect
+
+    def slow_expect(expected: Any, ttl_s: float, events: Any) -> Any:
+        time.sleep(1.0)  # a loaded region: the caller's 0.3 s deadline passes meanwhile
+        return expect(expected, ttl_s, events)
+
+    monkeypatch.setattr(decode.backend, "expect", slow_expect)
+    job_id = new_job()
+    request = decode_pb2.ReserveRequest(job_id=job_id, attempt=1, tenant="acme", kv_bytes=1000, ttl_s=60)
+    assert _code(lambda: region.decode_stub.Reserve(request, timeout=0.3)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: job_id not in decode._reservations, timeout_s=5)
+    assert decode.book.used_bytes == 0
+
+
 def test_forged_ticket_stores_no_kv(region: Region, tiny_engine: HFEngine, long_text: str) -> None:
     ids = tiny_engine.encode(long_text)[:64]
     job_id = new_job()
