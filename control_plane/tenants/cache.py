@@ -37,6 +37,18 @@ if #fields == 0 then return false end
 return fields
 """
 
+# KEYS: the tenant hash, then keyhash keys; ARGV: the TTL s, the tenant id, the hash's fields flat. What a
+# database read fills in only where nothing is cached: a write that landed since the read (a revoke's "!",
+# an update's hash) is newer than what the read saw and stays.
+_FILL = """
+local ttl = tonumber(ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+  redis.call('EXPIRE', KEYS[1], ttl)
+end
+for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[2], 'EX', ttl, 'NX') end
+"""
+
 MISS = object()  # what `lookup` returns when the cache does not know the key
 
 
@@ -47,6 +59,7 @@ class TenantCache:
         self.settings = settings
         self.ttl_s = max(1, round(settings.tenant_cache_ttl_s))
         self._authenticate = client.register_script(_AUTHENTICATE)
+        self._fill = client.register_script(_FILL)
         self._async: Any = None  # (client, its script): `lookup_async`, on the API's event loop
 
     def use_async(self, client: redis.asyncio.Redis | None) -> None:
@@ -76,6 +89,13 @@ class TenantCache:
             for d in key_digests:
                 pipe.set(self.settings.key("keyhash", d), tenant.id, ex=self.ttl_s)
             pipe.execute()
+
+    def fill(self, tenant: Tenant, key_digests: Sequence[str] = ()) -> None:
+        """`put` what a database read found, but only where the cache holds nothing: a revoke or an update
+        written through since that read is newer and is kept. Raises redis.RedisError."""
+        flat = [x for item in _fields(tenant).items() for x in item]
+        keys = [self.settings.key("tenant", tenant.id), *(self.settings.key("keyhash", d) for d in key_digests)]
+        self._fill(keys=keys, args=[self.ttl_s, tenant.id, *flat])
 
     def deny(self, key_digest: str, ttl_s: int | None = None) -> None:
         """Refuse this digest (revoked: for the cache's TTL; unknown: `ttl_s`)."""

@@ -4,7 +4,8 @@ holds the ledger), with Redis as a cache in front of it for the request path (te
 Every write goes to the database first, then through to the cache; a cache write that fails (Redis away) is
 logged and the entry ages out within `tenant_cache_ttl_s`. Reads by operators (`get`, `all`, `list_keys`)
 go to the database; `authenticate` (every request) asks the cache, and on a miss the database, whose answer
-it caches (`on_fill` runs for a tenant cached anew: the API raises its monthly spend in Redis to the
+it caches where the cache still holds nothing (a revoke or update written through since that read stays;
+`on_fill` runs for a tenant cached anew: the API raises its monthly spend in Redis to the
 ledger's sum there, so a Redis restarted empty does not reset budgets). `warm` fills the cache at start.
 """
 
@@ -170,20 +171,20 @@ class TenantStore:
         if tenant is None:
             self.cache.deny(key_digest, UNKNOWN_TTL_S if row is None else None)
             return None
-        self.cache.put(tenant, [key_digest])
+        self.cache.fill(tenant, [key_digest])  # a revoke or suspension since the read above stays
         if self.on_fill is not None:
             self.on_fill(tenant)
         return tenant
 
     def warm(self) -> int:
-        """Cache every tenant and unrevoked key (at start); returns the keys cached."""
+        """Cache every tenant and unrevoked key not cached already (at start); returns the keys read."""
         with self._session() as session:
             tenants = {row.id: _tenant(row) for row in session.scalars(select(TenantRow))}
             keys: dict[str, list[str]] = {}
             for row in session.scalars(select(ApiKeyRow).where(ApiKeyRow.revoked.is_(False))):
                 keys.setdefault(row.tenant_id, []).append(row.digest)
         for tenant in tenants.values():
-            self.cache.put(tenant, keys.get(tenant.id, []))
+            self.cache.fill(tenant, keys.get(tenant.id, []))
         return sum(len(k) for k in keys.values())
 
 

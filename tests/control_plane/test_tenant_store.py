@@ -96,6 +96,34 @@ def test_revocation_suspension_and_updates_reach_the_cache(services: Services) -
         store.update("t-nobody", TenantChanges(rps=1.0))
 
 
+@pytest.mark.parametrize("write", ["revoke", "suspend"])
+def test_a_write_between_a_fills_read_and_its_cache_write_is_kept(services: Services, write: str) -> None:
+    """A request fills the cache from the database; the operator's revoke or suspension commits and is
+    written through after that read but before the fill's cache write. The fill must not put its older
+    answer over it (the revoked key or suspended tenant would be served for the cache's TTL)."""
+    store = services.tenants
+    acme = store.create("acme")
+    key, full = store.issue_key(acme.id)
+    _empty_redis(services)  # the next authenticate misses and reads the database
+    fill = store.cache.fill
+
+    def operator_writes_first(tenant: object, digests: object = ()) -> None:
+        if write == "revoke":
+            store.revoke_key(acme.id, key.id)
+        else:
+            store.update(acme.id, TenantChanges(status=TenantStatus.SUSPENDED))
+        fill(tenant, digests)  # type: ignore[arg-type]
+
+    store.cache.fill = operator_writes_first  # type: ignore[method-assign]
+    assert store.authenticate(full) == acme  # this request read the database before the write
+    store.cache.fill = fill  # type: ignore[method-assign]
+    later = store.authenticate(full)
+    if write == "revoke":
+        assert later is None
+    else:
+        assert later is not None and later.status is TenantStatus.SUSPENDED
+
+
 def test_unknown_and_malformed_keys(services: Services) -> None:
     store = services.tenants
     assert store.authenticate("not-a-key") is None
