@@ -30,8 +30,8 @@ from cryptography import x509
 
 Kind = Literal["control-plane", "prefill", "decode", "both"]
 KINDS: tuple[Kind, ...] = ("control-plane", "prefill", "decode", "both")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a region name (region config `name`)
-_INSTANCE = re.compile(r"^(\*|[A-Za-z0-9][A-Za-z0-9._-]{0,127})$")  # "*": any instance of the region
+REGION_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # a region name (region config `name`), fullmatch
+INSTANCE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # an instance id within its region, fullmatch
 
 
 class IdentityError(ValueError):
@@ -47,12 +47,12 @@ class Identity:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise IdentityError(f"kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if not _NAME.match(self.region):
+        if not REGION_NAME.fullmatch(self.region):
             raise IdentityError(f"name {self.region!r} is not a region name (lowercase letters, digits, '-')")
         if self.kind == "control-plane":
             if self.instance:
                 raise IdentityError("a control-plane identity names no instance")
-        elif not _INSTANCE.match(self.instance):
+        elif self.instance != "*" and not INSTANCE_ID.fullmatch(self.instance):  # "*": any instance of the region
             raise IdentityError(
                 f"instance {self.instance!r} is not an instance id (letters, digits, '.', '_', '-'; or '*')"
             )

@@ -25,12 +25,15 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from prfaas.control_plane.scheduling.snapshot import Link
+from prfaas.control_plane.scheduling.snapshot import MAX_BANDWIDTH_GBPS, MAX_RTT_MS, Link
 from prfaas.protos.prfaas.v1 import registry_pb2
 
 PRIOR_S = 2.0  # backlogged seconds before the measured goodput fully replaces the configured bandwidth
 TAU_S = 5.0  # smoothing time constant, s of measurement
 STALE_S = 120.0  # an estimate older than this is ignored
+MAX_REPORT_S = 3600.0  # a report covers at most this much time (beats come every few seconds)
+MIN_RATE_S = 1e-3  # a report's seconds below this give no rate (a sample too short to divide by)
+MAX_BYTES_PER_S = MAX_BANDWIDTH_GBPS * 1e9 / 8  # a rate above is a broken meter
 
 
 class LinkEstimate(BaseModel):
@@ -52,12 +55,15 @@ class LinkEstimate(BaseModel):
     updated_at: float = 0.0
 
     def updated(self, report: registry_pb2.LinkReport, now: float | None = None) -> LinkEstimate:
-        """This estimate with one report folded in."""
-        seconds = max(0.0, report.seconds)
+        """This estimate with one report folded in; a report with a figure no path gives (not finite, negative,
+        an RTT over MAX_RTT_MS, a rate over MAX_BYTES_PER_S) is dropped whole."""
+        if not _plausible(report):
+            return self
+        seconds = report.seconds
         goodput = self.goodput_bytes_per_s
-        if report.backlogged_s > 0 and report.backlogged_bytes > 0:
+        if report.backlogged_s >= MIN_RATE_S and report.backlogged_bytes > 0:
             goodput = _smooth(goodput, report.backlogged_bytes / report.backlogged_s, report.backlogged_s)
-        rate = report.bytes_acked / seconds if seconds > 0 else 0.0
+        rate = report.bytes_acked / seconds if seconds >= MIN_RATE_S else 0.0
         return self.model_copy(
             update={
                 "goodput_bytes_per_s": goodput,
@@ -67,7 +73,7 @@ class LinkEstimate(BaseModel):
                     _smooth(self.min_rtt_ms, report.min_rtt_ms, seconds) if report.min_rtt_ms > 0 else self.min_rtt_ms
                 ),
                 "backlogged_bytes": self.backlogged_bytes + report.backlogged_bytes,
-                "backlogged_s": self.backlogged_s + max(0.0, report.backlogged_s),
+                "backlogged_s": self.backlogged_s + report.backlogged_s,
                 "bytes_acked": self.bytes_acked + report.bytes_acked,
                 "retransmits": self.retransmits + report.retransmits,
                 "updated_at": time.time() if now is None else now,
@@ -85,6 +91,16 @@ class LinkEstimate(BaseModel):
     def weight(self) -> float:
         """How far the measured goodput replaces the configured bandwidth (0..1)."""
         return 0.0 if self.goodput_bytes_per_s is None else min(1.0, self.backlogged_s / PRIOR_S)
+
+
+def _plausible(r: registry_pb2.LinkReport) -> bool:
+    times = (r.seconds, r.backlogged_s)
+    if not all(0.0 <= t <= MAX_REPORT_S for t in times) or not all(
+        0.0 <= x <= MAX_RTT_MS for x in (r.srtt_ms, r.min_rtt_ms)
+    ):
+        return False  # NaN fails every comparison
+    rates = (r.bytes_acked / max(r.seconds, MIN_RATE_S), r.backlogged_bytes / max(r.backlogged_s, MIN_RATE_S))
+    return all(rate <= MAX_BYTES_PER_S for rate in rates)
 
 
 def _smooth(previous: float | None, sample: float, seconds: float) -> float | None:

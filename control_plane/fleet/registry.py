@@ -21,14 +21,17 @@ flag (an operator drained the region), `p:links` hash `src>dst` -> JSON (configu
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, cast
 
 import redis
+from pydantic import ValidationError
 
 from prfaas.control_plane.billing.prices import PriceBook, price_book
 from prfaas.control_plane.fleet.links import LinkEstimate, effective
@@ -45,6 +48,7 @@ from prfaas.control_plane.scheduling.snapshot import (
 )
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import registry_pb2
+from prfaas.transport.identity import INSTANCE_ID, REGION_NAME
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,10 @@ FALLBACK_PREFILL_TPS = 2000.0  # tokens/s assumed until a region measures its ow
 FALLBACK_DECODE_TPS = 50.0
 PARSED_BLOCKS_KEPT = 256  # instances' parsed prefix block sets kept (about 4 per instance)
 FORGET_AFTER_BEATS = 60  # an instance silent this many intervals (at least 5 minutes) is forgotten
+MAX_HEARTBEAT_INTERVAL_S = 60.0  # as a region's config allows: a longer one would keep a dead instance alive
+MIN_RATE, MAX_RATE = 1e-3, 1e9  # tokens/s a region may report; outside: a broken meter, taken as unmeasured
+MAX_LINKS_PER_BEAT = 256  # peer regions one beat may report on
+ESTIMATE_KEPT_S = 3600.0  # a link estimate not refreshed for this long is deleted (ignored after STALE_S)
 
 
 class RegionRegistry:
@@ -74,9 +82,17 @@ class RegionRegistry:
         """Record an instance (again, if it restarted); -> the token its heartbeats carry.
         ValueError for a bad registration, or one that contradicts the region's other live
         instances (another role or model: a region's instances are interchangeable)."""
-        if not request.name or request.role not in ("prefill", "decode", "both"):
-            raise ValueError("name is required and role must be prefill, decode or both")
+        if not REGION_NAME.fullmatch(request.name) or request.role not in ("prefill", "decode", "both"):
+            raise ValueError("name must be a region name (lowercase letters, digits, '-') and role prefill, "
+                             "decode or both")  # fmt: skip
         instance = request.instance or DEFAULT_INSTANCE
+        if not INSTANCE_ID.fullmatch(instance):
+            raise ValueError(f"instance {instance[:64]!r} is not an instance id (letters, digits, '.', '_', '-')")
+        if not (math.isfinite(request.usd_per_gpu_hour) and request.usd_per_gpu_hour >= 0):
+            raise ValueError("usd_per_gpu_hour must be a finite number >= 0")
+        interval = request.heartbeat_interval_s or 1.0
+        if not 0 < interval <= MAX_HEARTBEAT_INTERVAL_S:  # NaN fails too
+            raise ValueError(f"heartbeat_interval_s must be in (0, {MAX_HEARTBEAT_INTERVAL_S:g}] s")
         for other in self.region_instances(request.name):
             unlike = not kv_dtypes_alike(other.kv_dtype, request.kv_dtype)  # one that says none (older) is alike
             if (
@@ -97,7 +113,7 @@ class RegionRegistry:
             "gpu_type": request.gpu_type or "cpu", "num_workers": max(1, request.num_workers),
             "usd_per_gpu_hour": request.usd_per_gpu_hour, "grpc_endpoint": request.grpc_endpoint,
             "kv_endpoint": request.kv_endpoint, "model": request.model, "model_fingerprint": request.model_fingerprint,
-            "kv_buffer_bytes": request.kv_buffer_bytes, "heartbeat_interval_s": request.heartbeat_interval_s or 1.0,
+            "kv_buffer_bytes": request.kv_buffer_bytes, "heartbeat_interval_s": interval,
             "last_beat_at": time.time(), "queue_depth": 0, "busy_workers": 0, "kv_used_bytes": 0,
             "kv_free_bytes": request.kv_buffer_bytes, "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0,
             "draining": 0, "prefix_block_tokens": request.prefix_block_tokens, "prefix_version": -1, "prefix": "",
@@ -121,16 +137,16 @@ class RegionRegistry:
         """Record a beat; True when the instance must register again (unknown or stale token)."""
         key = self._key(request.name, request.instance or DEFAULT_INSTANCE)
         known = self.redis.hget(key, "token")
-        if known is None or known.decode() != request.region_id:
+        if known is None or not hmac.compare_digest(known, request.region_id.encode()):
             return True
         load = request.load
         fields: dict[str, Any] = {
             "last_beat_at": time.time(), "queue_depth": load.queue_depth, "busy_workers": load.busy_workers,
             "kv_used_bytes": load.kv_used_bytes, "kv_free_bytes": load.kv_free_bytes,
-            "prefill_tokens_per_s": load.prefill_tokens_per_s, "decode_tokens_per_s": load.decode_tokens_per_s,
-            "draining": int(load.draining), "queued_prefill_tokens": load.queued_prefill_tokens,
-            "running_prefill_tokens": load.running_prefill_tokens, "decode_running": load.decode_running,
-            "decode_slots": load.decode_slots,
+            "prefill_tokens_per_s": _rate(load.prefill_tokens_per_s),
+            "decode_tokens_per_s": _rate(load.decode_tokens_per_s), "draining": int(load.draining),
+            "queued_prefill_tokens": load.queued_prefill_tokens, "running_prefill_tokens": load.running_prefill_tokens,
+            "decode_running": load.decode_running, "decode_slots": load.decode_slots,
         }  # fmt: skip
         if load.prefix_included:  # a beat without them keeps the last ones sent
             fields |= {"prefix_version": load.prefix_version, "prefix": ",".join(load.prefix_blocks)}
@@ -144,14 +160,12 @@ class RegionRegistry:
         instances of one region beating at the same instant may lose one report, which the
         smoothing absorbs)."""
         key = self.settings.key("link_estimates")
-        fields = sorted({f"{src}>{r.peer_region}" for r in reports if r.peer_region})
+        fields = sorted({f"{src}>{r.peer_region}" for r in reports if REGION_NAME.fullmatch(r.peer_region)})
+        fields = fields[:MAX_LINKS_PER_BEAT]
         if not fields:
             return
         stored = dict(zip(fields, self.redis.hmget(key, fields), strict=True))
-        estimates = {
-            field: LinkEstimate.model_validate_json(raw) if raw else LinkEstimate(src=src, dst=field.split(">", 1)[1])
-            for field, raw in stored.items()
-        }
+        estimates = {field: _estimate(raw, src, field.split(">", 1)[1]) for field, raw in stored.items()}
         for report in reports:
             field = f"{src}>{report.peer_region}"
             if field in estimates:
@@ -159,9 +173,21 @@ class RegionRegistry:
         self.redis.hset(key, mapping={field: e.model_dump_json() for field, e in estimates.items()})
 
     def link_estimates(self) -> dict[tuple[str, str], LinkEstimate]:
-        raw = self.redis.hgetall(self.settings.key("link_estimates"))
-        estimates = (LinkEstimate.model_validate_json(v) for v in raw.values())
-        return {(e.src, e.dst): e for e in estimates}
+        """The measured links; one unreadable or not refreshed for ESTIMATE_KEPT_S is deleted here."""
+        key = self.settings.key("link_estimates")
+        estimates, dropped = {}, []
+        for field, raw in self.redis.hgetall(key).items():
+            try:
+                e = LinkEstimate.model_validate_json(raw)
+            except ValidationError:  # written by an older version, or by hand
+                e = None
+            if e is None or e.age_s() > ESTIMATE_KEPT_S:
+                dropped.append(field)
+            else:
+                estimates[(e.src, e.dst)] = e
+        if dropped:
+            self.redis.hdel(key, *dropped)
+        return estimates
 
     def instances(self) -> list[InstanceRecord]:
         """Every registered instance (two Redis round trips however many there are); those
@@ -179,7 +205,13 @@ class RegionRegistry:
         now = time.time()
         records, gone = [], []
         for key, raw, suspect in zip(keys, replies[: 2 * len(keys) : 2], replies[1 : 2 * len(keys) : 2], strict=True):
-            record = self._record(raw, drained.get(key.split("/", 1)[0], False), now, bool(suspect)) if raw else None
+            try:
+                record = (
+                    self._record(raw, drained.get(key.split("/", 1)[0], False), now, bool(suspect)) if raw else None
+                )
+            except (KeyError, ValueError) as exc:  # a partial or foreign write: forgotten, it registers again
+                log.warning("instance %s: unreadable record (%s); forgotten", key, exc)
+                record = None
             if record is None or record.heartbeat_age_s > max(300.0, FORGET_AFTER_BEATS * record.heartbeat_interval_s):
                 gone.append(key)
             else:
@@ -284,7 +316,12 @@ class RegionRegistry:
         self, records: list[RegionRecord], links: list[Link], model: ModelShape, exclude: frozenset[str] = frozenset()
     ) -> ClusterSnapshot:
         priors = _rate_priors(records)
-        regions = [self._region(r, exclude, self.prices, priors.get(r.gpu_type, {})) for r in records]
+        regions = []
+        for r in records:
+            try:
+                regions.append(self._region(r, exclude, self.prices, priors.get(r.gpu_type, {})))
+            except ValidationError as exc:  # one region's odd figures never stop placement in the others
+                log.warning("region %s left out of the snapshot: %s", r.name, exc)
         names = {r.name for r in regions}
         kept = tuple(link for link in links if link.src in names and link.dst in names)
         return ClusterSnapshot(taken_at_s=time.time(), model=model, regions=tuple(regions), links=kept)
@@ -292,6 +329,8 @@ class RegionRegistry:
     @staticmethod
     def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook, prior: dict[str, float]) -> Region:
         left = [i for i in r.healthy_instances if i.key not in exclude]
+        if left and len(left) < len(r.healthy_instances):  # capacity, load and cache of what a retry may use
+            r = RegionRecord.of([i for i in r.instances if i.key not in exclude])
         decode_tps = r.decode_tokens_per_s or prior.get("decode_tokens_per_s") or FALLBACK_DECODE_TPS
         prefill_tps = r.prefill_tokens_per_s or prior.get("prefill_tokens_per_s") or FALLBACK_PREFILL_TPS
         on_demand = prices.on_demand(r.name)
@@ -310,6 +349,21 @@ class RegionRegistry:
             decode_running=r.decode_running, decode_slots=r.decode_slots,
             kv_dtype=cast(KVDtype | None, r.kv_dtype or None),  # checked at registration
         )  # fmt: skip
+
+
+def _rate(value: float) -> float:
+    """A reported rate, or 0 (unmeasured) when it is not one a region can reach."""
+    return value if MIN_RATE <= value <= MAX_RATE else 0.0  # NaN fails both
+
+
+def _estimate(raw: bytes | None, src: str, dst: str) -> LinkEstimate:
+    """The stored estimate of src>dst, or a new one (none stored, or unreadable)."""
+    if raw:
+        try:
+            return LinkEstimate.model_validate_json(raw)
+        except ValidationError:
+            log.warning("link %s>%s: unreadable estimate replaced", src, dst)
+    return LinkEstimate(src=src, dst=dst)
 
 
 def _rate_priors(records: list[RegionRecord]) -> dict[str, dict[str, float]]:

@@ -234,6 +234,6 @@ class CostModel:
             wire_bytes, exposed_s, codec_name = fitting
         else:
             exposed_s, wire_bytes, codec_name = fastest
-        wanted = math.ceil(free * link.rtt_ms / 1000.0 / self.stream_window_bytes)
-        streams = min(self.max_streams, max(self.min_streams, wanted))
+        wanted = free * link.rtt_ms / 1000.0 / self.stream_window_bytes  # the path's bandwidth-delay product
+        streams = self.max_streams if wanted >= self.max_streams else max(self.min_streams, math.ceil(wanted))
         return TransferPlan(codec_name, streams, raw_bytes, wire_bytes, exposed_s)

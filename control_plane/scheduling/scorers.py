@@ -20,14 +20,15 @@ class _Plugin(BaseModel):
 
 
 def relative_to_best(values: Sequence[float]) -> list[float]:
-    """best / value for costs (lower is better): 1 for the lowest, 0 for infinite ones."""
-    best = min(values, default=0.0)
+    """best / value for costs (lower is better): 1 for the lowest, 0 for infinite or NaN ones (whatever
+    their place in `values`)."""
+    best = min((v for v in values if not math.isnan(v)), default=0.0)
     out: list[float] = []
     for value in values:
-        if value <= best:
-            out.append(1.0)
-        elif math.isinf(value):
+        if math.isnan(value) or math.isinf(value):
             out.append(0.0)
+        elif value <= best:
+            out.append(1.0)
         else:
             out.append(best / value)
     return out

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+MAX_RTT_MS = 60_000.0  # a link's round trip, at most: a figure above is a typo or a broken meter
+MAX_BANDWIDTH_GBPS = 100_000.0  # 100 Tbit/s
 
 
 class Role(StrEnum):
@@ -118,8 +120,10 @@ class Link(BaseModel):
 
     src: str = Field(min_length=1)
     dst: str = Field(min_length=1)
-    rtt_ms: NonNegFloat
-    bandwidth_gbps: NonNegFloat = Field(description="measured goodput the transport reaches on this path, Gbit/s")
+    rtt_ms: NonNegFloat = Field(le=MAX_RTT_MS)
+    bandwidth_gbps: NonNegFloat = Field(
+        le=MAX_BANDWIDTH_GBPS, description="measured goodput the transport reaches on this path, Gbit/s"
+    )
     utilization: float = Field(default=0.0, ge=0, le=1, description="share of bandwidth_gbps in use by other transfers")
     egress_usd_per_gb: NonNegFloat = Field(default=0.0, description="$ per GB (10^9 bytes) leaving src toward dst")
 

@@ -136,6 +136,7 @@ def test_codec_falls_back_to_the_fastest_when_none_fits() -> None:
         (1.0, 40.0, 2),  # 125 MB/s * 40 ms = 5 MB: 2 windows
         (1.0, 1.0, 1),  # 125 KB in flight: one stream
         (0.0, 40.0, 1),  # no bandwidth: the minimum
+        (100_000.0, 60_000.0, 64),  # the longest, widest link a snapshot holds: capped, no overflow
     ],
 )
 def test_stream_count_covers_the_bandwidth_delay_product(gbps: float, rtt_ms: float, expected: int) -> None:
