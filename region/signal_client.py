@@ -73,7 +73,9 @@ class OfferListener:
         try:
             answer = self._answer({"type": "offer", "sdp": offer.offer_sdp}, 10.0)
             reply = registry_pb2.SignalAnswer(id=offer.id, answer_sdp=answer["sdp"])
-        except (ValueError, TimeoutError, OSError) as exc:
+        except Exception as exc:  # whatever one offer raises is that offer's answer, not the listener's end
+            if not isinstance(exc, ValueError | TimeoutError | OSError):
+                log.warning("offer %s: %r", offer.id, exc)
             reply = registry_pb2.SignalAnswer(id=offer.id, error=str(exc) or type(exc).__name__)
         try:
             self._stub.Answer(reply, timeout=5)

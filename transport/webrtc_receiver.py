@@ -53,14 +53,18 @@ class WebRtcReceiver(ReceiverBase[FrameConnection]):
         async def run() -> Description:
             pc = aiortc.RTCPeerConnection(configuration=rtc_configuration(self._ice_servers))
             pc.on("datachannel", lambda channel: self._accept(pc, channel))
-            await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=offer["sdp"], type="offer"))
-            await pc.setLocalDescription(await pc.createAnswer())
+            try:
+                await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=offer["sdp"], type="offer"))
+                await pc.setLocalDescription(await pc.createAnswer())
+            except BaseException:
+                await pc.close()  # the offer is refused: nothing of it is kept
+                raise
             return {"type": pc.localDescription.type, "sdp": pc.localDescription.sdp}
 
         try:
             return self._rtc.run(run(), timeout_s)
-        except (ValueError, AttributeError) as exc:  # aiortc's SDP parser
-            raise ValueError(f"bad SDP offer: {exc}") from None
+        except (ValueError, AttributeError, AssertionError, KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"bad SDP offer: {exc!r}") from None  # aiortc's SDP parser asserts and indexes
 
     def _accept(self, pc: Any, channel: Any) -> None:
         self.serve(FrameConnection(DataChannelStream(self._rtc, pc, channel), self.core, self.limits))
