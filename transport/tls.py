@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 import secrets
 import socket
 import ssl
@@ -37,6 +38,7 @@ from prfaas.transport.identity import Identity
 from prfaas.transport.tls_records import RecordFraming
 
 T = TypeVar("T")
+NODE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # a node's file name in the certificate folder
 RECV_BYTES = 1 << 20  # ciphertext moved into the TLS engine per receive (bulk transfer)
 HANDSHAKE_RECV_BYTES = 16 << 10  # per receive during the handshake: no peer is known yet
 # A receive shorter than this that ends inside a record waits for the record's rest. Over a
@@ -103,6 +105,9 @@ def init_certs(
         raise ValueError("name at least one node")
     if not sans:
         raise ValueError("give at least one DNS name or IP address the node is reached at")
+    for name in names:  # all checked before anything is written
+        if not NODE_NAME.fullmatch(name) or name in ("ca", "ca-key"):  # "ca": the CA's own files
+            raise ValueError(f"bad node name {name!r}: letters, digits, '.', '_', '-', not leading '.'; not ca")
     directory.mkdir(parents=True, exist_ok=True)
     ca_path, ca_key_path = directory / "ca.pem", directory / "ca-key.pem"
     now = datetime.datetime.now(datetime.UTC)
@@ -136,8 +141,6 @@ def init_certs(
         ca_cert = x509.load_pem_x509_certificate(ca_path.read_bytes())
     nodes = []
     for name in names:
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"bad node name {name!r}")
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
             x509.CertificateBuilder()

@@ -58,8 +58,11 @@ def test_certs_init_cli_keeps_the_ca_and_writes_private_keys_0600(tmp_path: Path
     assert (tmp_path / "ca.pem").read_bytes() == ca  # region-b is signed by the same CA
     for key in ("ca-key.pem", "region-a-key.pem", "region-b-key.pem"):
         assert stat.S_IMODE(os.stat(tmp_path / key).st_mode) == 0o600
-    bad = run("--name", "../escape")
-    assert bad.returncode == 2 and "bad node name" in bad.stdout
+    for name in ("../escape", "ca", "ca-key", ".hidden"):  # "ca": its files are the CA's (its key overwritten)
+        bad = run("--name", "region-c", "--name", name)
+        assert bad.returncode == 2 and "bad node name" in bad.stdout
+        assert not (tmp_path / "region-c.pem").exists()  # every name is checked before anything is written
+    assert (tmp_path / "ca.pem").read_bytes() == ca
 
 
 @pytest.mark.parametrize("codec", ["raw", "lossless"])
