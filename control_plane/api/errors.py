@@ -211,6 +211,11 @@ def install(app: FastAPI) -> None:
         log.warning("database unreachable: %s", exc.orig)
         return render(request, DATABASE_UNAVAILABLE.error())
 
+    @app.exception_handler(sqlalchemy.exc.DataError)
+    async def unstorable(request: Request, exc: sqlalchemy.exc.DataError) -> Response:  # a NUL byte in PostgreSQL text
+        log.info("database refused a value: %s", exc.orig)
+        return render(request, INVALID_REQUEST.error("invalid request: a value the database cannot hold"))
+
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:  # Starlette logs it and re-raises
         return render(request, INTERNAL.error())

@@ -201,7 +201,7 @@ class JobList(BaseModel):
 
 class TenantCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")  # no control characters
     rps: float | None = Field(default=None, gt=0, le=1e6)
     concurrency: int | None = Field(default=None, ge=1, le=1_000_000)
     budget_usd: float | None = Field(default=None, ge=0, le=1e12)

@@ -8,10 +8,13 @@ import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import openai
+import psycopg
+import pytest
 import redis
 
 from prfaas.control_plane.services import Services
@@ -28,6 +31,7 @@ __all__ = [
     "ensure_redis",
     "make_settings",
     "openai_client",
+    "postgres_database",
     "settings_fixture",
     "stack_services",
     "stack_settings",
@@ -38,6 +42,24 @@ __all__ = [
 def ensure_redis() -> None:
     script = Path(__file__).resolve().parents[1] / "ensure-services.sh"
     subprocess.run(["bash", str(script)], check=True, capture_output=True, timeout=30)
+
+
+@contextmanager
+def postgres_database() -> Iterator[str]:
+    """A database of the caller's own on the PostgreSQL at 127.0.0.1:5432 (its SQLAlchemy URL), dropped after;
+    the test is skipped where no PostgreSQL answers."""
+    name = f"prfaas_test_{uuid.uuid4().hex[:8]}"
+    admin = "postgresql://postgres@127.0.0.1:5432/test"
+    try:
+        with psycopg.connect(admin, autocommit=True, connect_timeout=5) as c:
+            c.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as exc:
+        pytest.skip(f"no PostgreSQL at 127.0.0.1:5432 ({exc})")
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with psycopg.connect(admin, autocommit=True, connect_timeout=5) as c:
+            c.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
 
 def make_settings(**overrides: object) -> Settings:

@@ -4,13 +4,12 @@ server at 127.0.0.1:5432)."""
 
 from __future__ import annotations
 
-import uuid
+import contextlib
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 import redis
-from cp_kit import cleanup, ensure_redis, make_settings
+from cp_kit import cleanup, ensure_redis, make_settings, postgres_database
 
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import (
@@ -22,29 +21,19 @@ from prfaas.control_plane.tenants import (
     digest,
 )
 
-PG = "postgresql+psycopg://postgres@127.0.0.1:5432/"
-
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def services(request: pytest.FixtureRequest) -> Iterator[Services]:
     ensure_redis()
-    overrides: dict[str, object] = {}
-    database = f"prfaas_tenants_{uuid.uuid4().hex[:8]}"
-    if request.param == "postgresql":
-        try:
-            with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True, connect_timeout=5) as c:
-                c.execute(f'CREATE DATABASE "{database}"')
-        except psycopg.OperationalError as exc:
-            pytest.skip(f"no PostgreSQL at 127.0.0.1:5432 ({exc})")
-        overrides["ledger"] = {"url": PG + database}
-    settings = make_settings(**overrides)
-    s = Services.create(settings)
-    yield s
-    s.close()
-    cleanup(settings)
-    if request.param == "postgresql":
-        with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True, connect_timeout=5) as c:
-            c.execute(f'DROP DATABASE "{database}" WITH (FORCE)')
+    with contextlib.ExitStack() as stack:
+        overrides: dict[str, object] = {}
+        if request.param == "postgresql":
+            overrides["ledger"] = {"url": stack.enter_context(postgres_database())}
+        settings = make_settings(**overrides)
+        s = Services.create(settings)
+        yield s
+        s.close()
+        cleanup(settings)
 
 
 def _empty_redis(s: Services) -> None:

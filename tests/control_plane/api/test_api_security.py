@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from cp_kit import ADMIN_KEY, settings_fixture
+from cp_kit import ADMIN_KEY, postgres_database, settings_fixture
 from fastapi.testclient import TestClient
 
 from prfaas.control_plane.app import create_app
@@ -165,3 +165,31 @@ def test_health_ready_metrics(client: TestClient) -> None:
 
 def _prefix(client: TestClient) -> str:
     return _services(client).settings.key_prefix
+
+
+def test_a_nul_byte_the_database_cannot_hold_is_a_4xx_not_a_500() -> None:
+    """PostgreSQL text holds no NUL: an id or name with one, in a path, a query or a body, is refused with a
+    4xx (a tenant can reach one of them), never a 500. (SQLite stores it, so this runs on PostgreSQL.)"""
+    with postgres_database() as url:
+        for settings in settings_fixture(ledger={"url": url}):
+            with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+                tenant_id, headers = _tenant(c, "alpha")
+                answers = {
+                    "usage entry": c.get("/v1/usage/jobs/a%00b", headers=headers),
+                    "tenant name": c.post("/admin/tenants", json={"name": "a\x00"}, headers=ADMIN),
+                    "tenant kv_codec": c.patch(
+                        f"/admin/tenants/{tenant_id}", json={"kv_codec": "k\x00"}, headers=ADMIN
+                    ),
+                    "tenant id": c.patch("/admin/tenants/x%00", json={"rps": 1}, headers=ADMIN),
+                    "keys": c.get("/admin/tenants/x%00/keys", headers=ADMIN),
+                    "key id": c.delete(f"/admin/tenants/{tenant_id}/keys/x%00", headers=ADMIN),
+                    "usage tenant": c.get("/admin/usage", params={"tenant": "a\x00"}, headers=ADMIN),
+                }
+                assert {what: r.status_code for what, r in answers.items()} == {
+                    "usage entry": 400, "tenant name": 422, "tenant kv_codec": 400, "tenant id": 400, "keys": 400,
+                    "key id": 400, "usage tenant": 400,
+                }  # fmt: skip
+                assert answers["usage entry"].json()["error"]["message"] == (
+                    "invalid request: a value the database cannot hold"
+                )
+                assert c.get("/v1/models", headers=headers).status_code == 200  # and the app still serves
