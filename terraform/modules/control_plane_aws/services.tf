@@ -36,8 +36,10 @@ locals {
       cpu    = var.api_cpu
       memory = var.api_memory
       count  = var.api_count
+      # port 8000 admits the ALB alone (security.tf): its X-Forwarded-Proto is trusted, so the app sees https
+      # and the dashboard's cookies are Secure (uvicorn trusts only 127.0.0.1 by default)
       command = ["uvicorn", "--factory", "prfaas.control_plane.app:app_from_env", "--host", "0.0.0.0",
-      "--port", "8000", "--proxy-headers"]
+      "--port", "8000", "--proxy-headers", "--forwarded-allow-ips", "*"]
       environment = concat(local.env, [{ name = "PRFAAS_REGISTRY_LISTEN", value = "0.0.0.0:${var.registry_port}" }])
       container = {
         portMappings = [{ containerPort = 8000, protocol = "tcp" }, { containerPort = var.registry_port, protocol = "tcp" }]
