@@ -42,6 +42,13 @@ def _services(request: Request) -> Services:
     return found
 
 
+def _admin_key_id(s: Services) -> str:
+    """What an admin session keeps of the admin key it signed in with (a keyed digest, not the key): the session
+    ends when the control plane's admin key is no longer that one."""
+    secret = s.settings.admin_key.get_secret_value().encode()
+    return hmac.new(secret, b"prfaas dashboard admin session", "sha256").hexdigest()[:32]
+
+
 def _sessions(request: Request) -> SessionStore:
     return SessionStore(_services(request).redis, _services(request).settings.key_prefix)
 
@@ -82,7 +89,7 @@ def login(
     s = _services(request)
     key = api_key.strip()
     if hmac.compare_digest(key.encode(), s.settings.admin_key.get_secret_value().encode()):
-        token, _ = _sessions(request).create("admin")
+        token, _ = _sessions(request).create("admin", key_id=_admin_key_id(s))
     else:
         tenant = s.tenants.authenticate(key)
         if tenant is None:
@@ -122,6 +129,9 @@ def dashboard(request: Request) -> Response:
         return _to_login()
     meter: Meter = request.app.state.meter
     if session.kind == "admin":
+        if not same(session.key_id, _admin_key_id(_services(request))):  # signed in with a key since rotated
+            _sessions(request).delete(request.cookies.get(SESSION_COOKIE))
+            return _to_login()
         return _page(request, "admin.html", {"csrf": session.csrf, "signed_in": True, "v": admin_view(meter)})
     s = _services(request)
     try:

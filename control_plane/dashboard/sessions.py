@@ -24,7 +24,7 @@ SESSION_TTL_S = 8 * 3600
 class Session:
     kind: str  # "tenant" or "admin"
     tenant: str  # "" for admin
-    key_id: str  # "" for admin
+    key_id: str  # the API key's id; for admin, a digest of the admin key (routes._admin_key_id)
     csrf: str
     created_at: float
 
