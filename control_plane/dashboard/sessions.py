@@ -1,7 +1,8 @@
 """Dashboard sessions in Redis. The browser holds a random 256-bit token (cookie `prfaas_session`, HttpOnly,
 SameSite=Strict, Secure over HTTPS); Redis holds `p:dash:session:{sha256(token)}` (who, the API key id it
 signed in with, its CSRF token; expires after `SESSION_TTL_S`). Signing out deletes the record, so a copied
-cookie is dead too. A tenant session also ends when its key is revoked or the tenant suspended.
+cookie is dead too. A tenant session also ends when its key is revoked or the tenant suspended; an admin
+session when the control plane's admin key is no longer the one it signed in with.
 
 CSRF: every form carries a token checked against the session's (sign-out), or, before there is a session
 (sign-in), against a random `prfaas_csrf` cookie set with the form (double submit; SameSite=Strict)."""
