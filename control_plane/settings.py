@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prfaas.region.channels import TlsFiles
+from prfaas.region.config import is_loopback
 
 PLACEHOLDERS = ("change-me", "changeme", "placeholder", "secret", "example")
 MIN_SECRET_CHARS = 32
@@ -153,6 +154,11 @@ class Settings(BaseSettings):
     registry_listen: str | None = Field(
         default=None, description="host:port of the region registry gRPC service; None: not served by this process"
     )
+    registry_insecure: bool = Field(
+        default=False,
+        description="serve the registry in plaintext off loopback (no tls): whoever reaches it can register a region "
+        "and take over its endpoints; as a region's `insecure: true`",
+    )
     heartbeat_misses: int = Field(default=3, ge=1, description="missed heartbeats before a region is dead")
     measure_links: bool = Field(
         default=True, description="move the configured links by what the KV senders measure; false: configured only"
@@ -195,6 +201,16 @@ class Settings(BaseSettings):
     def _control_plane_certificate(self) -> Self:
         if self.tls is not None and not self.tls.identity.is_control_plane:
             raise ValueError(f"tls.cert names {self.tls.identity.uri}, not a prfaas://control-plane/NAME identity")
+        return self
+
+    @model_validator(mode="after")
+    def _registry_tls(self) -> Self:
+        plaintext = self.tls is None and not self.registry_insecure
+        if self.registry_listen and plaintext and not is_loopback(self.registry_listen):
+            raise ValueError(
+                f"registry_listen {self.registry_listen} is not on loopback and there is no tls: set tls "
+                "(certificates from `prfaas certs init`), or registry_insecure=true to serve it in plaintext"
+            )
         return self
 
     @model_validator(mode="after")

@@ -192,6 +192,8 @@ class Deployment:
         env[TRACE_DIR_ENV] = str(self.trace_dir)  # `prfaas trace JOB_ID` reads the spans there
         if self.pki is not None:
             env |= self.pki.control_plane_env()
+        else:  # --insecure: plaintext off loopback too, as its regions' `insecure: true`
+            env["PRFAAS_REGISTRY_INSECURE"] = "1"
         if self.topology.control_plane.ttft_slo_ms is not None:
             env["PRFAAS_TTFT_SLO_MS"] = str(self.topology.control_plane.ttft_slo_ms)
         return env

@@ -100,3 +100,21 @@ def test_no_flat_field_starts_with_a_section_name() -> None:
 def test_the_readme_lists_every_env_name() -> None:
     text = README.read_text()
     assert [name for name in env_names() if f"`{name}`" not in text] == []
+
+
+@pytest.mark.parametrize(
+    ("listen", "insecure", "served"),
+    [("127.0.0.1:7000", "", True), ("[::1]:7000", "", True), ("localhost:7000", "", True),
+     ("0.0.0.0:7000", "", False), ("10.0.0.5:7000", "", False), ("0.0.0.0:7000", "true", True)],
+)  # fmt: skip
+def test_a_plaintext_registry_off_loopback_needs_registry_insecure(
+    monkeypatch: pytest.MonkeyPatch, listen: str, insecure: str, served: bool
+) -> None:
+    """Without tls, anyone who reaches the registry can register as a region and take over its endpoints: off
+    loopback that must be asked for, as a region's `insecure: true`."""
+    env = {"PRFAAS_REGISTRY_LISTEN": listen} | ({"PRFAAS_REGISTRY_INSECURE": insecure} if insecure else {})
+    if served:
+        assert from_env(monkeypatch, **env).registry_listen == listen
+    else:
+        with pytest.raises(ValidationError, match="registry_insecure"):
+            from_env(monkeypatch, **env)
