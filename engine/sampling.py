@@ -21,6 +21,7 @@ it runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,8 +88,8 @@ class SamplingParams:
 
         if self.max_new_tokens < 1:
             raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # also rejects NaN
+            raise bad(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -226,6 +227,7 @@ def process(logits: torch.Tensor, params: SamplingParams, history: History, eos_
                 seen[torch.tensor(list(history.prompt), dtype=torch.long)] = True
             penalty = torch.where(seen, params.repetition_penalty, 1.0).to(out.dtype)
             out *= torch.where(out > 0, 1.0 / penalty, penalty)
+            out.clamp_(max=torch.finfo(out.dtype).max)  # a tiny penalty overflows a positive logit: inf, then NaN
         out -= params.frequency_penalty * counts
         out -= params.presence_penalty * seen_out.to(out.dtype)
     return out

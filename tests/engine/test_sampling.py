@@ -13,6 +13,7 @@ from prfaas.engine.sampling import History, SamplingParams, choose, process, sam
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"temperature": -0.5, "seed": 1}, "temperature must be >= 0"),
         ({"temperature": float("nan"), "seed": 1}, "temperature must be >= 0"),
+        ({"temperature": float("inf"), "seed": 1}, "temperature must be >= 0 and finite"),  # -inf/inf: NaN probs
         ({"top_p": 0.0}, "top_p must be in (0, 1]"),
         ({"top_p": 1.5}, "top_p must be in (0, 1]"),
         ({"temperature": 0.7}, "seed is required"),  # sampling without a seed could not be split
@@ -85,6 +86,16 @@ def test_penalties_follow_vllms_formulas() -> None:
     # repetition over prompt and output (positive / 2, negative x 2), then 0.5 x count and 0.25 if in the output
     expected = torch.tensor([2.0, -2.0, 0.25 - 0.5 * 2 - 0.25, 3.0, -4.0 - 0.5 - 0.25])
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("penalty", [1e-40, 1e-300])
+def test_a_tiny_repetition_penalty_samples_instead_of_failing(penalty: float) -> None:
+    """A positive logit over a tiny penalty overflows float32; the softmax of inf is NaN and multinomial raised
+    (INTERNAL in the region). The overflow is capped: the repeated token is the one drawn."""
+    logits = torch.tensor([2.0, 1.0, 3.0, 0.5])
+    params = SamplingParams(temperature=1.0, seed=7, repetition_penalty=penalty)
+    for step in range(4):
+        assert choose(logits, params, step, History(prompt=[0], output=[])).token == 0
 
 
 def test_penalties_change_the_greedy_choice() -> None:
