@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prfaas.engine.base import ModelFacts
+from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.sampling import Chosen, SamplingParams
+from prfaas.region.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,15 @@ class DecodeCall:
     token_ids_hash: str
     firsts: list[Chosen] = field(default_factory=list)  # each choice's first token (sampling.n)
     cache_salt: str | None = None  # keep the prompt's and the output's blocks under it (prefix cache)
+
+    def check_prompt_matches(self) -> None:
+        """`token_ids` is the prompt the KV was computed from, as far as the request can tell: one id per KV
+        token and, where the descriptor has one, its hash. Else InvalidRequest: another prompt's ids would
+        put this KV in the prefix cache under them, for other jobs to decode from."""
+        if len(self.token_ids) != self.num_tokens:
+            raise InvalidRequest(f"token_ids holds {len(self.token_ids)} tokens, the KV covers {self.num_tokens}")
+        if self.token_ids_hash and hash_token_ids(self.token_ids) != self.token_ids_hash:
+            raise InvalidRequest("token_ids do not match the KV's token_ids_hash (another prompt's cache)")
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,11 @@ class HFDecode:
         return store.lookup(block_hashes(tokens, store.block_tokens, expected.cache_salt, limit=reusable))
 
     def check_decode(self, call: DecodeCall, params: SamplingParams) -> None:
-        pass  # the KV itself is checked as it arrives (assembly.LayoutCheck) and when adopted
+        """The prompt, when the request sends one (it may decode from the KV alone): it must be the KV's and in the
+        vocabulary. The KV itself is checked as it arrives (assembly.LayoutCheck) and when adopted."""
+        if call.token_ids:
+            call.check_prompt_matches()
+            self.engine.check_prompt(call.token_ids, params)
 
     def decode(self, hold: KVHold, call: DecodeCall, params: SamplingParams, deadline: float,
                canceled: threading.Event) -> list[Iterator[Chosen]]:  # fmt: skip
@@ -151,7 +155,8 @@ class HFDecode:
         facts = self.engine.facts
         kv = KVCache(facts.fingerprint, facts.dtype, tuple(layers), call.num_tokens, call.token_ids_hash)
         firsts = call.firsts or [Chosen(call.first_token)]
-        salt = call.cache_salt if hold.lossless else None  # lossy KV never enters the prefix cache
+        # lossy KV never enters the prefix cache, nor KV whose prompt no hash vouches for
+        salt = call.cache_salt if hold.lossless and call.token_ids_hash else None
         return [
             self._paced(
                 self.engine.decode_chosen(kv, first.token, params.for_choice(c), call.token_ids, salt), canceled

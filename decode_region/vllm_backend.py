@@ -24,7 +24,6 @@ from typing import Any
 
 from prfaas.decode_region.backend import DecodeCall, Expected, Generated, KVHold, ShipmentEvents, close_tokens
 from prfaas.engine.base import ModelFacts, check_prompt
-from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.prefix_cache import ResidencyMirror
 from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.vllm.params import LoadParams
@@ -85,10 +84,7 @@ class VLLMDecode:
         prompt = call.token_ids
         if not prompt:
             raise InvalidRequest("token_ids is empty: a vLLM decode region needs the prompt the KV belongs to")
-        if len(prompt) != call.num_tokens:
-            raise InvalidRequest(f"token_ids holds {len(prompt)} tokens, the KV covers {call.num_tokens}")
-        if call.token_ids_hash and hash_token_ids(prompt) != call.token_ids_hash:
-            raise InvalidRequest("token_ids do not match the KV's token_ids_hash (another prompt's cache)")
+        call.check_prompt_matches()
         self.check_prompt(prompt, params)
 
     @functools.cached_property

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 from fake_device import FakeDevice
@@ -23,6 +24,7 @@ from prfaas.protos.prfaas.v1 import decode_pb2, prefill_pb2
 from prfaas.region.requests import sampling_to_proto
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+PENALIZED = SamplingParams(max_new_tokens=10, ignore_eos=True, repetition_penalty=1.2)
 BLOCK = 16
 SALT = "acme"
 
@@ -142,6 +144,33 @@ def test_kv_through_a_lossy_codec_never_enters_the_decode_cache(
     digests = block_hashes(ids, BLOCK, SALT)
     assert _cache(decode).lookup(digests) is None
     assert _cache(prefill).lookup(digests) is not None  # the prefill region computed it losslessly itself
+
+
+def test_a_decode_whose_prompt_is_not_its_kvs_is_refused_and_caches_nothing(
+    regions: tuple[Region, Region], tiny_engine: HFEngine, long_text: str
+) -> None:
+    """A Decode that names another prompt (or ids outside the vocabulary) than the one its KV was computed
+    from is INVALID_ARGUMENT before any token: it would have put this KV in the prefix cache under the other
+    prompt's blocks, and a later job of that prompt and salt decoded from it (its output changed); out of
+    the vocabulary with a repetition penalty, it was INTERNAL after token 0."""
+    prefill, decode = regions
+    ids, other = tiny_engine.encode(long_text)[6000:6064], tiny_engine.encode(long_text)[7000:7064]
+    cold = tiny_engine.generate(other, GREEDY)  # the other prompt's output, from an engine that never saw the forgery
+    for claimed, params in ((other, GREEDY), ([tiny_engine.vocab_size + 7] * len(ids), PENALIZED)):
+        job_id = new_job()
+        kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+        reply = decode.decode_stub.Reserve(decode_pb2.ReserveRequest(
+            job_id=job_id, attempt=1, tenant="acme", kv_bytes=kv_bytes, ttl_s=60), timeout=10)  # fmt: skip
+        events = list(prefill.prefill_stub.Prefill(
+            prefill_request(job_id, ids, params, reply.kv_endpoint, budget=kv_bytes), timeout=60))  # fmt: skip
+        call = decode_request(job_id, params, next(e.prefill_done for e in events if e.HasField("prefill_done")))
+        call.token_ids.extend(claimed)
+        call.cache_salt = SALT
+        with pytest.raises(grpc.RpcError) as info:
+            list(decode.decode_stub.Decode(call, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert _cache(decode).lookup(block_hashes(other, BLOCK, SALT)) is None
+    assert _local(decode, other)[0] == cold
 
 
 def test_heartbeats_publish_resident_blocks_when_they_change(
