@@ -12,7 +12,7 @@ from prfaas.prefill_region import metrics
 from prfaas.prefill_region.destination import Destination
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.channels import TlsFiles
-from prfaas.region.errors import DeadlineExceeded, InvalidRequest
+from prfaas.region.errors import DeadlineExceeded, Exhausted, InvalidRequest
 from prfaas.transport.api import Shape, ShipmentSpec, Transfer, TransferStatus
 from prfaas.transport.endpoints import Endpoint
 from prfaas.transport.identity import server_name
@@ -20,6 +20,11 @@ from prfaas.transport.pathmeter import PathReport
 from prfaas.transport.shm_sender import ShmChannel
 from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tls import client_context
+
+IDLE_CLOSE_S = 300.0  # a channel no shipment has used for this long is closed (its decode instance gone, a typo)
+MAX_CHANNELS = 64  # open channels at most: past it the least recently used idle one is closed for the new one
+
+Channel = TcpChannel | ShmChannel
 
 
 def ship_spec(
@@ -66,9 +71,11 @@ def link_report(region: str, report: PathReport) -> registry_pb2.LinkReport:
 
 
 class ChannelPool:
-    """One channel per decode region KV endpoint, created on first use, closed together:
-    TCP (mutual TLS with `tls`: the receiver must present its region's server name), same-host
-    shared memory, or WebRTC (signalled through `control_plane`)."""
+    """One channel per decode region KV endpoint, created on first use: TCP (mutual TLS with `tls`: the
+    receiver must present its region's server name), same-host shared memory, or WebRTC (signalled through
+    `control_plane`). A channel with no transfer in flight that no shipment used for IDLE_CLOSE_S is closed
+    (each holds a reaper, an encoder pool and a thread per stream that redials for good), and at most
+    MAX_CHANNELS are open: a destination past them is RESOURCE_EXHAUSTED while every one is busy."""
 
     def __init__(
         self,
@@ -84,21 +91,47 @@ class ChannelPool:
         self.tls = tls
         self._ssl = client_context(tls.node_cert()) if tls is not None else None
         self._lock = threading.Lock()
-        self._channels: dict[tuple[Endpoint, str], TcpChannel | ShmChannel] = {}
+        self._channels: dict[tuple[Endpoint, str], Channel] = {}
+        self._used: dict[tuple[Endpoint, str], float] = {}  # time.monotonic() of each channel's last get
 
-    def get(self, destination: Destination) -> TcpChannel | ShmChannel:
+    def get(self, destination: Destination) -> Channel:
         """The channel to the destination's endpoint; a TCP one opened here starts at the destination's
         stream count (the scheduler's plan), and its controller moves from there as it measures."""
         key = (destination.address, destination.decode_region)
-        with self._lock:
-            channel = self._channels.get(key)
-            if channel is None or channel.closed.is_set():
-                channel = self._channels[key] = self._open(
-                    destination.address, destination.decode_region, destination.num_streams or None
-                )
+        now = time.monotonic()
+        doomed: list[Channel] = []
+        try:
+            with self._lock:
+                doomed += self._idle(now)
+                channel = self._channels.get(key)
+                if channel is None or channel.closed.is_set():
+                    if len(self._channels) >= MAX_CHANNELS:
+                        doomed.append(self._make_room())
+                    channel = self._channels[key] = self._open(
+                        destination.address, destination.decode_region, destination.num_streams or None
+                    )
+                self._used[key] = now
             return channel
+        finally:
+            _close_later(doomed)
 
-    def _open(self, endpoint: Endpoint, region: str, streams: int | None = None) -> TcpChannel | ShmChannel:
+    def _idle(self, now: float) -> list[Channel]:
+        """Take out (under the lock) the channels closed, or idle for IDLE_CLOSE_S with nothing in flight."""
+        gone = [k for k, ch in self._channels.items()
+                if ch.closed.is_set() or (now - self._used[k] > IDLE_CLOSE_S and not ch.table.live())]  # fmt: skip
+        for key in gone:
+            self._used.pop(key)
+        return [self._channels.pop(key) for key in gone]
+
+    def _make_room(self) -> Channel:
+        idle = [k for k, ch in self._channels.items() if not ch.table.live()]
+        if not idle:
+            raise Exhausted(f"{len(self._channels)} KV channels are open and busy; the destination must wait")
+        oldest = min(idle, key=self._used.__getitem__)
+        self._used.pop(oldest)
+        return self._channels.pop(oldest)
+
+    def _open(self, endpoint: Endpoint, region: str, streams: int | None = None) -> Channel:
         if endpoint.kind == "shm":
             return ShmChannel(endpoint.path, node=self.node)
         if endpoint.kind == "webrtc":
@@ -118,13 +151,25 @@ class ChannelPool:
 
     def path_reports(self) -> list[tuple[str, PathReport]]:
         """Each TCP channel's path figures since the last call, by decode region (a region with
-        several instances: one report per instance's channel)."""
+        several instances: one report per instance's channel). Idle channels are closed here too
+        (a heartbeat calls it)."""
         with self._lock:
+            _close_later(self._idle(time.monotonic()))
             channels = [(region, ch) for (_, region), ch in self._channels.items() if isinstance(ch, TcpChannel)]
         return [(region, report) for region, ch in channels if region and (report := ch.meter.take()) is not None]
 
+    def num_open(self) -> int:
+        with self._lock:
+            return len(self._channels)
+
     def close(self) -> None:
         with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels, self._used = list(self._channels.values()), {}, {}
         for channel in channels:
             channel.close()
+
+
+def _close_later(channels: list[Channel]) -> None:
+    """Close `channels` on a thread of their own: a close waits up to 5 s for its streams."""
+    for channel in channels:
+        threading.Thread(target=channel.close, name="prfaas-channel-close", daemon=True).start()
