@@ -145,8 +145,12 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
                 try:
                     item = job.events.get(timeout=0.25)
                 except queue.Empty:
-                    if time.monotonic() > job.deadline + 5.0:  # the worker enforces the deadline; this is a backstop
+                    # a worker enforces a running job's deadline (this is a backstop); a queued job's is enforced here
+                    if time.monotonic() > job.deadline + (5.0 if job.running else 0.0):
                         job.cancel(DeadlineExceeded("prefill job deadline reached"))
+                    if self._dequeued(job):  # stopped before a worker took it: its slot is free, its stream ends
+                        ended = True
+                        raise job.error or Canceled("stopped while queued") from None
                     continue
                 if item is END:
                     ended = True
@@ -159,14 +163,27 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         finally:
             if not ended:
                 job.cancel(Canceled("the caller disconnected"))
+                self._dequeued(job)
+
+    def _dequeued(self, job: Job) -> bool:
+        """Take `job` out of the queue if it was stopped (canceled, its deadline) before a worker took it."""
+        with self._lock:
+            if job.error is None or job.running or self._jobs.get(job.job_id) is not job:
+                return False
+            del self._jobs[job.job_id]
+        self._gauges()
+        metrics.JOBS.labels(type(job.error).__name__).inc()
+        return True
 
     # -- the job ---------------------------------------------------------------------------
 
     def _run(self, job: Job) -> None:
+        with self._lock:
+            if self._jobs.get(job.job_id) is not job:  # stopped while queued: its stream has ended
+                return
+            self._busy += 1
+            job.running = True
         try:
-            with self._lock:
-                self._busy += 1
-                job.running = True
             self._gauges()
             job.emit(prefill_pb2.PrefillEvent(started=prefill_pb2.Started(queued_s=time.monotonic() - job.started)))
             job.check()
@@ -179,7 +196,8 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         finally:
             with self._lock:
                 self._busy -= 1
-                self._jobs.pop(job.job_id, None)
+                if self._jobs.get(job.job_id) is job:
+                    del self._jobs[job.job_id]
             self._gauges()
             outcome = "done" if job.error is None else type(job.error).__name__
             metrics.JOBS.labels(outcome).inc()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -402,3 +404,33 @@ def test_leases_past_their_byte_cap_are_dropped_oldest_first(tiny_engine: HFEngi
         assert leases.job_ids() == jobs[1:]
     finally:
         region.close()
+
+
+def test_a_queued_prefill_ends_at_its_own_deadline_and_frees_its_slot(tiny_engine: HFEngine) -> None:
+    """One worker, held by a job shipping to a KV port that accepts and never answers: a job queued behind it
+    with a 1 s timeout ends DEADLINE_EXCEEDED at about 1 s, its queue slot freed (before, at the first job's
+    end, 25 s later in the probe), and a queued job canceled ends at once."""
+    region = local_region(tiny_engine, decode=False, workers=1, queue_depth=4)
+    hole = socket.create_server(("127.0.0.1", 0), backlog=64)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: [held.append(hole.accept()[0]) for _ in range(64)], daemon=True).start()
+    endpoint = f"127.0.0.1:{hole.getsockname()[1]}"
+    ids = tiny_engine.encode("the worker is busy shipping to a port that never answers")
+    try:
+        busy = region.prefill_stub.Prefill(prefill_request(new_job(), ids, GREEDY, endpoint, timeout_s=20), timeout=30)
+        next(busy)  # started: the worker is taken
+        started = time.monotonic()
+        queued = prefill_request(new_job(), ids, GREEDY, endpoint, timeout_s=1)
+        assert _code(lambda: region.prefill_stub.Prefill(queued, timeout=30)) == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 3.0
+        assert region.prefill is not None and region.prefill.load()["queue_depth"] == 0
+        canceled = prefill_request(new_job(), ids, GREEDY, endpoint, timeout_s=20)
+        stream = region.prefill_stub.Prefill(canceled, timeout=30)
+        wait_until(lambda: region.prefill is not None and region.prefill.load()["queue_depth"] == 1, timeout_s=5)
+        started = time.monotonic()
+        cancel(region.prefill_stub, canceled.job_id)
+        assert _code(lambda: stream) == grpc.StatusCode.CANCELLED and time.monotonic() - started < 2.0
+        busy.cancel()
+    finally:
+        region.close()
+        hole.close()
