@@ -24,7 +24,7 @@ from prfaas.decode_region import metrics
 from prfaas.decode_region.backend import DecodeBackend, DecodeCall, close_tokens
 from prfaas.decode_region.book import KVBook
 from prfaas.decode_region.peer_watch import PeerWatcher
-from prfaas.decode_region.reservations import Reservation, Tombstone, raise_as_region_error
+from prfaas.decode_region.reservations import Reservation, ReservationEvents, Tombstone, raise_as_region_error
 from prfaas.decode_region.tokens import TokenStream
 from prfaas.decode_region.workers import WorkerSlots
 from prfaas.engine.sampling import Chosen, SamplingParams
@@ -35,6 +35,7 @@ from prfaas.region.errors import (
     Canceled,
     Conflict,
     DeadlineExceeded,
+    Exhausted,
     InvalidRequest,
     NotFound,
     PreconditionFailed,
@@ -66,24 +67,6 @@ class _Start(NamedTuple):
     deadline: float
 
 
-class _Events:
-    """A reservation's `ShipmentEvents`: what its backend reports about the shipment."""
-
-    def __init__(self, agent: DecodeAgent, res: Reservation) -> None:
-        self.agent = agent
-        self.res = res
-
-    def arrived(self, trace: str = "") -> None:
-        if self.res.watch is not None:
-            self.res.watch.stop()  # the prefill region owes us nothing more
-        res = self.res
-        tracing.span_at("decode.kv_receive", tracing.from_traceparent(trace or res.trace), res.created_ns,
-                        time.time_ns(), {tracing.JOB_ID: res.job_id, "prfaas.kv_bytes": res.kv_bytes})  # fmt: skip
-
-    def failed(self, error: BaseException) -> None:
-        self.agent._end(self.res, error)
-
-
 class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
     def __init__(
         self,
@@ -93,12 +76,16 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         num_workers: int = 1,
         heartbeat_interval_s: float = 1.0,
         max_reservation_s: float = 600.0,
+        max_jobs: int = 64,
         tls: TlsFiles | None = None,  # this region's: the prefill regions it watches are checked by name
     ) -> None:
+        """`max_jobs`: reservations and local Generate jobs held at once; past it Reserve and Generate are
+        RESOURCE_EXHAUSTED (each holds a gRPC thread while it waits: the server sizes its pool for them)."""
         self.backend = backend
         self.book = KVBook(kv_buffer_bytes)
         self.workers = WorkerSlots(num_workers)
         self.max_reservation_s = max_reservation_s
+        self.max_jobs = max_jobs
         self.watcher = PeerWatcher(heartbeat_interval_s, tls)
         self.draining = False
         self._lock = threading.Lock()
@@ -133,12 +120,15 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         with self._lock:
             if job_id in self._reservations:
                 raise Conflict(f"job {job_id} already holds a reservation")
+            self._admit()
             free = self.book.reserve(job_id, request.kv_bytes)  # BufferFull -> RESOURCE_EXHAUSTED
             self._reservations[job_id] = res
             self._tombstones.pop(job_id, None)
         try:
             salt = request.cache_salt if request.HasField("cache_salt") else None
-            hold = self.backend.expect(res.expected(salt, tuple(request.token_ids)), ttl_s, _Events(self, res))
+            hold = self.backend.expect(
+                res.expected(salt, tuple(request.token_ids)), ttl_s, ReservationEvents(res, self._end)
+            )
         except ValueError as exc:
             self._end(res, Conflict(str(exc)))
             raise Conflict(str(exc)) from None
@@ -178,6 +168,11 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         if res is not None:
             self._end(res, Canceled("released by the caller"))
         return decode_pb2.ReleaseReply(found=res is not None)
+
+    def _admit(self) -> None:
+        """Room for one more job (under the lock), else Exhausted."""
+        if len(self._reservations) + len(self._local) >= self.max_jobs:
+            raise Exhausted(f"decode region holds {self.max_jobs} jobs (max_jobs); place the job elsewhere")
 
     def cancel(self, job_id: str, canceled: Canceled, attempt: int = 0) -> bool:
         with self._lock:
@@ -333,6 +328,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         with self._lock:
             if job_id in self._local or job_id in self._reservations:
                 raise Conflict(f"job {job_id} is already running here")
+            self._admit()
             self._local[job_id] = (request.attempt, canceled)
         context.add_callback(canceled.set)
         rests: list[Iterator[Chosen]] = []

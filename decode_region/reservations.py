@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -18,6 +19,7 @@ import grpc
 from prfaas.decode_region.backend import Expected, KVHold
 from prfaas.decode_region.peer_watch import Watch
 from prfaas.region.errors import Canceled, RegionError, status_of
+from prfaas.telemetry import tracing
 
 
 @dataclass(eq=False)
@@ -67,3 +69,22 @@ def raise_as_region_error(error: BaseException) -> NoReturn:
         raise error
     code, message = status_of(error)
     raise CarriedStatus(code, message)
+
+
+class ReservationEvents:
+    """A reservation's `ShipmentEvents`: what its backend reports about the shipment; `end` ends the
+    reservation (the agent's)."""
+
+    def __init__(self, res: Reservation, end: Callable[[Reservation, BaseException], None]) -> None:
+        self.res = res
+        self.end = end
+
+    def arrived(self, trace: str = "") -> None:
+        res = self.res
+        if res.watch is not None:
+            res.watch.stop()  # the prefill region owes us nothing more
+        tracing.span_at("decode.kv_receive", tracing.from_traceparent(trace or res.trace), res.created_ns,
+                        time.time_ns(), {tracing.JOB_ID: res.job_id, "prfaas.kv_bytes": res.kv_bytes})  # fmt: skip
+
+    def failed(self, error: BaseException) -> None:
+        self.end(self.res, error)

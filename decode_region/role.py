@@ -32,7 +32,7 @@ def build_decode(config: RegionConfig, engine: Any) -> BuiltRole:
     agent = DecodeAgent(
         backend, kv_buffer_bytes=config.kv_buffer_bytes, num_workers=config.workers,
         heartbeat_interval_s=config.heartbeat_interval_s, max_reservation_s=config.max_reservation_s,
-        tls=config.tls,
+        max_jobs=config.max_jobs, tls=config.tls,
     )  # fmt: skip
     add = decode_pb2_grpc.add_DecodeRegionServicer_to_server
     return BuiltRole("prfaas.v1.DecodeRegion", agent, add, backend.kv_endpoint)

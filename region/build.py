@@ -53,7 +53,8 @@ def build_region(
     try:
         wanted = ("prefill", "decode") if config.role == "both" else (config.role,)
         built = [roles[role](config, engine) for role in wanted]
-        threads = 16 + 4 * config.workers + config.queue_depth  # streams held open by queued jobs need threads too
+        # streams held open by queued prefill jobs and by a decode role's jobs (max_jobs) need threads too
+        threads = 16 + 4 * config.workers + config.queue_depth + (config.max_jobs if "decode" in wanted else 0)
         prefix_cache = getattr(engine, "prefix_cache", None)  # the HF engine's; a vLLM region reports none yet
         server = RegionServer(
             config.listen.grpc, {b.service: (b.agent, b.add_to_server) for b in built},

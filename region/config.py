@@ -159,6 +159,10 @@ class RegionConfig(BaseSettings):
     prefix_block_tokens: int = Field(default=64, ge=1, le=4096)
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_reservation_s: float = Field(default=600.0, gt=0)
+    # Decode role: split reservations plus local Generate jobs held at once; past it Reserve and Generate are
+    # RESOURCE_EXHAUSTED. Each holds a gRPC thread while it waits (the server's pool counts them in), so
+    # health checks, Reserve and Cancel always find a thread.
+    max_jobs: int = Field(default=64, ge=1, le=4096)
     drain_timeout_s: float = Field(default=30.0, ge=0)
     # How senders reach this decode region's KV: `tcp` (listen.kv), or `webrtc` for a region
     # that accepts no inbound TCP (data channels, signalled through control_plane_url).

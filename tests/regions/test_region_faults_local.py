@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from region_kit import (
     FORGER,
     Region,
@@ -434,3 +435,36 @@ def test_a_queued_prefill_ends_at_its_own_deadline_and_frees_its_slot(tiny_engin
     finally:
         region.close()
         hole.close()
+
+
+def test_decodes_waiting_for_kv_leave_threads_for_health_reserve_and_cancel(tiny_engine: HFEngine) -> None:
+    """24 Decodes whose KV has not come each hold a gRPC thread: health, Reserve and Cancel still answer (the
+    server's pool counts max_jobs in; before, 24 took the whole pool of a 1-worker region and health checks
+    timed out, so the region looked dead and could not even be canceled). Past max_jobs, Reserve and
+    Generate are RESOURCE_EXHAUSTED."""
+    region = local_region(tiny_engine, prefill=False, workers=1, queue_depth=4, max_jobs=26)
+    health = health_pb2_grpc.HealthStub(region.channel)
+    kv = common_pb2.KVDescriptor(model_fingerprint=tiny_engine.fingerprint, dtype=tiny_engine.dtype, num_tokens=10)
+    jobs = [new_job() for _ in range(24)]
+    calls = []
+    try:
+        for job_id in jobs:
+            reserve(region.decode_stub, job_id, 1 << 20)
+        calls = [region.decode_stub.Decode(decode_request(j, GREEDY, kv=kv), timeout=60) for j in jobs]
+        waiting = [threading.Thread(target=_code, args=(lambda c=c: c,), daemon=True) for c in calls]
+        for thread in waiting:
+            thread.start()
+        time.sleep(1.0)  # every Decode is in the region, waiting for its KV
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reserve(region.decode_stub, new_job(), 1 << 20)  # the 25th job
+        assert cancel(region.decode_stub, jobs[0])
+        for _ in range(2):  # 24 again after the cancel, then 26: max_jobs
+            reserve(region.decode_stub, new_job(), 1 << 20)
+        full = grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _code(lambda: reserve(region.decode_stub, new_job(), 1 << 20)) == full
+        assert _code(lambda: generate_tokens(region.decode_stub, [1, 2, 3], GREEDY)) == full
+    finally:
+        for call in calls:
+            call.cancel()
+        region.close()
