@@ -372,6 +372,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
             "kv_free_bytes": self.book.capacity_bytes - used, "decode_tokens_per_s": self._rate,
             "prefill_tokens_per_s": self._prefill_rate,
             "decode_running": self.workers.busy, "decode_slots": self.workers.num_workers,
+            "mean_job_s": self.workers.mean_hold_s,
         }  # fmt: skip
 
     def idle(self) -> bool:

@@ -19,6 +19,7 @@ class WorkerSlots:
         self._lock = threading.Lock()
         self.busy = 0
         self.waiting = 0
+        self.mean_hold_s = 0.0  # smoothed seconds a slot is held per job (the region's queue wait per job ahead)
 
     @contextlib.contextmanager
     def slot(self, deadline: float) -> Iterator[None]:
@@ -34,10 +35,13 @@ class WorkerSlots:
         with self._lock:
             self.busy += 1
             metrics.BUSY_WORKERS.set(self.busy)
+        taken = time.monotonic()
         try:
             yield
         finally:
+            held = time.monotonic() - taken
             with self._lock:
+                self.mean_hold_s = held if self.mean_hold_s == 0 else 0.8 * self.mean_hold_s + 0.2 * held
                 self.busy -= 1
                 metrics.BUSY_WORKERS.set(self.busy)
             self._slots.release()

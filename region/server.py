@@ -117,6 +117,7 @@ class RegionServer:
             queued_prefill_tokens=int(total.get("queued_prefill_tokens", 0)),
             running_prefill_tokens=int(total.get("running_prefill_tokens", 0)),
             decode_running=int(total.get("decode_running", 0)), decode_slots=int(total.get("decode_slots", 0)),
+            mean_job_s=total.get("mean_job_s", 0.0),  # the decode role's alone
             links=[report for agent, _add in self.agents.values() for report in agent.link_reports()],
         )  # fmt: skip
         self._publish_prefix(load)

@@ -32,6 +32,7 @@ class Load:
     running_prefill_tokens: int = 0  # prompts being computed
     decode_running: int = 0  # sequences decoding
     decode_slots: int = 0  # sequences it decodes at once at most
+    mean_job_s: float = 0.0  # a worker's recent time per job (a decode region's; 0: none measured)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +76,7 @@ SUMMED = (  # over healthy instances
     "num_workers", "queue_depth", "busy_workers", "kv_used_bytes", "kv_free_bytes", "queued_prefill_tokens",
     "running_prefill_tokens", "decode_running", "decode_slots",
 )  # fmt: skip
-RATES = ("prefill_tokens_per_s", "decode_tokens_per_s")  # one job's rate: the mean of those measured
+RATES = ("prefill_tokens_per_s", "decode_tokens_per_s", "mean_job_s")  # one job's: the mean of those measured
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,6 +59,7 @@ FORGET_AFTER_BEATS = 60  # an instance silent this many intervals (at least 5 mi
 MAX_HEARTBEAT_INTERVAL_S = 60.0  # as a region's config allows: a longer one would keep a dead instance alive
 MIN_RATE, MAX_RATE = 1e-3, 1e9  # tokens/s a region may report; outside: a broken meter, taken as unmeasured
 MAX_LINKS_PER_BEAT = 256  # peer regions one beat may report on
+MAX_JOB_S = 86400.0  # a worker's time per job a region may report; above (or not finite): unmeasured
 ESTIMATE_KEPT_S = 3600.0  # a link estimate not refreshed for this long is deleted (ignored after STALE_S)
 
 
@@ -147,6 +148,7 @@ class RegionRegistry:
             "decode_tokens_per_s": _rate(load.decode_tokens_per_s), "draining": int(load.draining),
             "queued_prefill_tokens": load.queued_prefill_tokens, "running_prefill_tokens": load.running_prefill_tokens,
             "decode_running": load.decode_running, "decode_slots": load.decode_slots,
+            "mean_job_s": load.mean_job_s if 0 <= load.mean_job_s <= MAX_JOB_S else 0.0,  # NaN fails
         }  # fmt: skip
         if load.prefix_included:  # a beat without them keeps the last ones sent
             fields |= {"prefix_version": load.prefix_version, "prefix": ",".join(load.prefix_blocks)}
@@ -266,6 +268,7 @@ class RegionRegistry:
             queued_prefill_tokens=int(f.get("queued_prefill_tokens", 0)),
             running_prefill_tokens=int(f.get("running_prefill_tokens", 0)),
             decode_running=int(f.get("decode_running", 0)), decode_slots=int(f.get("decode_slots", 0)),
+            mean_job_s=float(f.get("mean_job_s", 0.0)),
         )  # fmt: skip
 
     def _blocks(self, f: dict[str, str]) -> frozenset[str]:
@@ -345,7 +348,9 @@ class RegionRegistry:
             prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
             tpot_ms=1000.0 / decode_tps, healthy=bool(left) and r.name not in exclude,
             heartbeat_age_s=r.heartbeat_age_s, cached_prefix_hashes=r.prefix_blocks,
-            queued_prefill_tokens=r.queued_prefill_tokens, running_prefill_tokens=r.running_prefill_tokens,
+            # a decode region reports its queue in jobs (each holds a worker for its whole generation), not tokens
+            queued_prefill_tokens=None if r.role == "decode" else r.queued_prefill_tokens,
+            running_prefill_tokens=r.running_prefill_tokens, mean_prefill_s=r.mean_job_s,
             decode_running=r.decode_running, decode_slots=r.decode_slots,
             kv_dtype=cast(KVDtype | None, r.kv_dtype or None),  # checked at registration
         )  # fmt: skip

@@ -468,3 +468,11 @@ def test_decodes_waiting_for_kv_leave_threads_for_health_reserve_and_cancel(tiny
         for call in calls:
             call.cancel()
         region.close()
+
+
+def test_a_decode_region_reports_its_time_per_job(region: Region) -> None:
+    """What a job queued there waits per job ahead of it (the scheduler's queue wait for a decode region)."""
+    assert region.decode is not None
+    generate_tokens(region.decode_stub, [1, 2, 3, 4], GREEDY)
+    assert 0.0 < region.decode.load()["mean_job_s"] < 30.0
+    assert region.server.load().mean_job_s == region.decode.load()["mean_job_s"]

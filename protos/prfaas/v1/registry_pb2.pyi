@@ -122,6 +122,7 @@ class Load(_message.Message):
     RUNNING_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     DECODE_RUNNING_FIELD_NUMBER: _builtins.int
     DECODE_SLOTS_FIELD_NUMBER: _builtins.int
+    MEAN_JOB_S_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """prefill jobs waiting for a worker"""
     busy_workers: _builtins.int
@@ -148,6 +149,10 @@ class Load(_message.Message):
     """sequences decoding"""
     decode_slots: _builtins.int
     """sequences it decodes at once at most (0: not a decode region)"""
+    mean_job_s: _builtins.float
+    """A worker's mean time per job, recent, s (0: none measured): a decode region's worker is held for a
+    job's whole generation, so a job queued there waits about this per job ahead of it.
+    """
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkReport]:
         """a prefill region's KV paths, measured since its last beat"""
@@ -172,10 +177,11 @@ class Load(_message.Message):
         running_prefill_tokens: _builtins.int = ...,
         decode_running: _builtins.int = ...,
         decode_slots: _builtins.int = ...,
+        mean_job_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_workers", b"busy_workers", "decode_running", b"decode_running", "decode_slots", b"decode_slots", "decode_tokens_per_s", b"decode_tokens_per_s", "draining", b"draining", "kv_free_bytes", b"kv_free_bytes", "kv_used_bytes", b"kv_used_bytes", "links", b"links", "prefill_tokens_per_s", b"prefill_tokens_per_s", "prefix_blocks", b"prefix_blocks", "prefix_included", b"prefix_included", "prefix_version", b"prefix_version", "queue_depth", b"queue_depth", "queued_prefill_tokens", b"queued_prefill_tokens", "running_prefill_tokens", b"running_prefill_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_workers", b"busy_workers", "decode_running", b"decode_running", "decode_slots", b"decode_slots", "decode_tokens_per_s", b"decode_tokens_per_s", "draining", b"draining", "kv_free_bytes", b"kv_free_bytes", "kv_used_bytes", b"kv_used_bytes", "links", b"links", "mean_job_s", b"mean_job_s", "prefill_tokens_per_s", b"prefill_tokens_per_s", "prefix_blocks", b"prefix_blocks", "prefix_included", b"prefix_included", "prefix_version", b"prefix_version", "queue_depth", b"queue_depth", "queued_prefill_tokens", b"queued_prefill_tokens", "running_prefill_tokens", b"running_prefill_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -19,6 +19,8 @@ from test_link_estimates import link_report
 
 from prfaas.control_plane.fleet.links import LinkEstimate
 from prfaas.control_plane.fleet.registry import ESTIMATE_KEPT_S, FALLBACK_DECODE_TPS, RegionRegistry
+from prfaas.control_plane.scheduling.costmodel import CostModel
+from prfaas.control_plane.scheduling.request import Priority
 from prfaas.control_plane.scheduling.scorers import relative_to_best
 from prfaas.control_plane.scheduling.snapshot import Link, ModelShape
 from prfaas.protos.prfaas.v1 import registry_pb2
@@ -155,3 +157,20 @@ def test_a_links_figures_are_bounded(bad: dict[str, float]) -> None:
 def test_a_nan_cost_scores_last_wherever_it_stands() -> None:
     assert relative_to_best([NAN, 2.0, 1.0]) == [0.0, 0.5, 1.0]
     assert relative_to_best([2.0, NAN, 1.0]) == [0.5, 0.0, 1.0]
+
+
+def test_a_busy_decode_region_predicts_the_wait_of_its_queue(reg: RegionRegistry) -> None:
+    """A decode region reports its queue in jobs, each holding a worker for its whole generation (mean_job_s),
+    not in prompt tokens: the snapshot gives the cost model the jobs formula. (Before, its zero queued tokens
+    made a region with 200 jobs waiting and every worker busy predict no wait, score as idle and pass the slo
+    filter.)"""
+    busy, idle = _register(reg, "busy"), _register(reg, "idle")
+    assert not _beat(reg, "busy", busy, queue_depth=200, busy_workers=2, mean_job_s=2.0)
+    assert not _beat(reg, "idle", idle, mean_job_s=2.0)
+    regions = reg.snapshot(MODEL).regions_by_name()
+    assert CostModel.queue_wait_s(regions["busy"], Priority.NORMAL) == pytest.approx((200 + 1) / 2 * 2.0)
+    assert CostModel.queue_wait_s(regions["idle"], Priority.NORMAL) == 0.0
+    pre = _register(reg, "pre", "prefill")
+    assert not _beat(reg, "pre", pre, queue_depth=3, busy_workers=2, queued_prefill_tokens=15_000)
+    prefill = reg.snapshot(MODEL).regions_by_name()["pre"]
+    assert CostModel.queue_wait_s(prefill, Priority.NORMAL) == pytest.approx(15_000 / (2 * 5000.0))  # in tokens
