@@ -77,7 +77,7 @@ def build_region(
         kv_buffer_bytes=config.kv_buffer_bytes if config.identity.serves_decode else 0,
         heartbeat_interval_s=config.heartbeat_interval_s,
         prefix_block_tokens=prefix_cache.block_tokens if prefix_cache is not None else 0,
-        kv_dtype=engine.facts.dtype,
+        kv_dtype=engine.facts.dtype, queue_limit=config.queue_depth if wanted == ("prefill",) else 0,
     )  # fmt: skip
     return server, registration
 

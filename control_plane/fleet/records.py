@@ -33,6 +33,7 @@ class Load:
     decode_running: int = 0  # sequences decoding
     decode_slots: int = 0  # sequences it decodes at once at most
     mean_job_s: float = 0.0  # a worker's recent time per job (a decode region's; 0: none measured)
+    queue_limit: int = 0  # prefill jobs it queues beyond its workers (0: no limit known)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +75,7 @@ class InstanceRecord(Load):
 
 SUMMED = (  # over healthy instances
     "num_workers", "queue_depth", "busy_workers", "kv_used_bytes", "kv_free_bytes", "queued_prefill_tokens",
-    "running_prefill_tokens", "decode_running", "decode_slots",
+    "running_prefill_tokens", "decode_running", "decode_slots", "queue_limit",
 )  # fmt: skip
 RATES = ("prefill_tokens_per_s", "decode_tokens_per_s", "mean_job_s")  # one job's: the mean of those measured
 

@@ -118,7 +118,7 @@ class RegionRegistry:
             "last_beat_at": time.time(), "queue_depth": 0, "busy_workers": 0, "kv_used_bytes": 0,
             "kv_free_bytes": request.kv_buffer_bytes, "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0,
             "draining": 0, "prefix_block_tokens": request.prefix_block_tokens, "prefix_version": -1, "prefix": "",
-            "kv_dtype": request.kv_dtype,
+            "kv_dtype": request.kv_dtype, "queue_limit": request.queue_limit,
         }  # fmt: skip
         if request.prefix_block_tokens and request.prefix_block_tokens != self.settings.prefix.block_tokens:
             log.warning(
@@ -268,7 +268,7 @@ class RegionRegistry:
             queued_prefill_tokens=int(f.get("queued_prefill_tokens", 0)),
             running_prefill_tokens=int(f.get("running_prefill_tokens", 0)),
             decode_running=int(f.get("decode_running", 0)), decode_slots=int(f.get("decode_slots", 0)),
-            mean_job_s=float(f.get("mean_job_s", 0.0)),
+            mean_job_s=float(f.get("mean_job_s", 0.0)), queue_limit=int(f.get("queue_limit", 0)),
         )  # fmt: skip
 
     def _blocks(self, f: dict[str, str]) -> frozenset[str]:
@@ -351,6 +351,7 @@ class RegionRegistry:
             # a decode region reports its queue in jobs (each holds a worker for its whole generation), not tokens
             queued_prefill_tokens=None if r.role == "decode" else r.queued_prefill_tokens,
             running_prefill_tokens=r.running_prefill_tokens, mean_prefill_s=r.mean_job_s,
+            queue_capacity=r.queue_limit or None,  # its instances' together
             decode_running=r.decode_running, decode_slots=r.decode_slots,
             kv_dtype=cast(KVDtype | None, r.kv_dtype or None),  # checked at registration
         )  # fmt: skip

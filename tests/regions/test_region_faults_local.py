@@ -412,6 +412,7 @@ def test_a_queued_prefill_ends_at_its_own_deadline_and_frees_its_slot(tiny_engin
     with a 1 s timeout ends DEADLINE_EXCEEDED at about 1 s, its queue slot freed (before, at the first job's
     end, 25 s later in the probe), and a queued job canceled ends at once."""
     region = local_region(tiny_engine, decode=False, workers=1, queue_depth=4)
+    assert region.registration.queue_limit == 4  # what the scheduler's capacity filter reads
     hole = socket.create_server(("127.0.0.1", 0), backlog=64)
     held: list[socket.socket] = []
     threading.Thread(target=lambda: [held.append(hole.accept()[0]) for _ in range(64)], daemon=True).start()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18prfaas/v1/registry.proto\x12\tprfaas.v1\"\xcc\x02\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\x12\x18\n\x10usd_per_gpu_hour\x18\x05 \x01(\x01\x12\x15\n\rgrpc_endpoint\x18\x06 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x07 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\r\n\x05model\x18\t \x01(\t\x12\x19\n\x11model_fingerprint\x18\n \x01(\t\x12\x17\n\x0fkv_buffer_bytes\x18\x0b \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x0c \x01(\x01\x12\x10\n\x08instance\x18\r \x01(\t\x12\x1b\n\x13prefix_block_tokens\x18\x0e \x01(\r\x12\x10\n\x08kv_dtype\x18\x0f \x01(\t\"\"\n\rRegisterReply\x12\x11\n\tregion_id\x18\x01 \x01(\t\"\x9b\x03\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x14\n\x0c\x62usy_workers\x18\x02 \x01(\r\x12\x15\n\rkv_used_bytes\x18\x03 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x05 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12$\n\x05links\x18\x08 \x03(\x0b\x32\x15.prfaas.v1.LinkReport\x12\x16\n\x0eprefix_version\x18\t \x01(\x04\x12\x15\n\rprefix_blocks\x18\n \x03(\t\x12\x17\n\x0fprefix_included\x18\x0f \x01(\x08\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x04\x12\x1e\n\x16running_prefill_tokens\x18\x0c \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_running\x18\r \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_slots\x18\x0e \x01(\r\x12\x12\n\nmean_job_s\x18\x10 \x01(\x01\"\xb1\x01\n\nLinkReport\x12\x13\n\x0bpeer_region\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x62ytes_acked\x18\x03 \x01(\x04\x12\x14\n\x0c\x62\x61\x63klogged_s\x18\x04 \x01(\x01\x12\x18\n\x10\x62\x61\x63klogged_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07srtt_ms\x18\x06 \x01(\x01\x12\x12\n\nmin_rtt_ms\x18\x07 \x01(\x01\x12\x13\n\x0bretransmits\x18\x08 \x01(\x04\"q\n\x10HeartbeatRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tregion_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x1d\n\x04load\x18\x04 \x01(\x0b\x32\x0f.prfaas.v1.Load\x12\x10\n\x08instance\x18\x05 \x01(\t\"$\n\x0eHeartbeatReply\x12\x12\n\nreregister\x18\x01 \x01(\x08\"E\n\rSignalRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x11\n\toffer_sdp\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"!\n\x0bSignalReply\x12\x12\n\nanswer_sdp\x18\x01 \x01(\t\"\x1f\n\rOffersRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\",\n\x0bSignalOffer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\toffer_sdp\x18\x02 \x01(\t\"=\n\x0cSignalAnswer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nanswer_sdp\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\r\n\x0b\x41nswerReply2\xc6\x02\n\x08Registry\x12@\n\x08Register\x12\x1a.prfaas.v1.RegisterRequest\x1a\x18.prfaas.v1.RegisterReply\x12\x43\n\tHeartbeat\x12\x1b.prfaas.v1.HeartbeatRequest\x1a\x19.prfaas.v1.HeartbeatReply\x12:\n\x06Signal\x12\x18.prfaas.v1.SignalRequest\x1a\x16.prfaas.v1.SignalReply\x12<\n\x06Offers\x12\x18.prfaas.v1.OffersRequest\x1a\x16.prfaas.v1.SignalOffer0\x01\x12\x39\n\x06\x41nswer\x12\x17.prfaas.v1.SignalAnswer\x1a\x16.prfaas.v1.AnswerReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18prfaas/v1/registry.proto\x12\tprfaas.v1\"\xe1\x02\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\x12\x18\n\x10usd_per_gpu_hour\x18\x05 \x01(\x01\x12\x15\n\rgrpc_endpoint\x18\x06 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x07 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\r\n\x05model\x18\t \x01(\t\x12\x19\n\x11model_fingerprint\x18\n \x01(\t\x12\x17\n\x0fkv_buffer_bytes\x18\x0b \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x0c \x01(\x01\x12\x10\n\x08instance\x18\r \x01(\t\x12\x1b\n\x13prefix_block_tokens\x18\x0e \x01(\r\x12\x10\n\x08kv_dtype\x18\x0f \x01(\t\x12\x13\n\x0bqueue_limit\x18\x10 \x01(\r\"\"\n\rRegisterReply\x12\x11\n\tregion_id\x18\x01 \x01(\t\"\x9b\x03\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x14\n\x0c\x62usy_workers\x18\x02 \x01(\r\x12\x15\n\rkv_used_bytes\x18\x03 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x05 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12$\n\x05links\x18\x08 \x03(\x0b\x32\x15.prfaas.v1.LinkReport\x12\x16\n\x0eprefix_version\x18\t \x01(\x04\x12\x15\n\rprefix_blocks\x18\n \x03(\t\x12\x17\n\x0fprefix_included\x18\x0f \x01(\x08\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x04\x12\x1e\n\x16running_prefill_tokens\x18\x0c \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_running\x18\r \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_slots\x18\x0e \x01(\r\x12\x12\n\nmean_job_s\x18\x10 \x01(\x01\"\xb1\x01\n\nLinkReport\x12\x13\n\x0bpeer_region\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x62ytes_acked\x18\x03 \x01(\x04\x12\x14\n\x0c\x62\x61\x63klogged_s\x18\x04 \x01(\x01\x12\x18\n\x10\x62\x61\x63klogged_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07srtt_ms\x18\x06 \x01(\x01\x12\x12\n\nmin_rtt_ms\x18\x07 \x01(\x01\x12\x13\n\x0bretransmits\x18\x08 \x01(\x04\"q\n\x10HeartbeatRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tregion_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x1d\n\x04load\x18\x04 \x01(\x0b\x32\x0f.prfaas.v1.Load\x12\x10\n\x08instance\x18\x05 \x01(\t\"$\n\x0eHeartbeatReply\x12\x12\n\nreregister\x18\x01 \x01(\x08\"E\n\rSignalRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x11\n\toffer_sdp\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"!\n\x0bSignalReply\x12\x12\n\nanswer_sdp\x18\x01 \x01(\t\"\x1f\n\rOffersRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\",\n\x0bSignalOffer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\toffer_sdp\x18\x02 \x01(\t\"=\n\x0cSignalAnswer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nanswer_sdp\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\r\n\x0b\x41nswerReply2\xc6\x02\n\x08Registry\x12@\n\x08Register\x12\x1a.prfaas.v1.RegisterRequest\x1a\x18.prfaas.v1.RegisterReply\x12\x43\n\tHeartbeat\x12\x1b.prfaas.v1.HeartbeatRequest\x1a\x19.prfaas.v1.HeartbeatReply\x12:\n\x06Signal\x12\x18.prfaas.v1.SignalRequest\x1a\x16.prfaas.v1.SignalReply\x12<\n\x06Offers\x12\x18.prfaas.v1.OffersRequest\x1a\x16.prfaas.v1.SignalOffer0\x01\x12\x39\n\x06\x41nswer\x12\x17.prfaas.v1.SignalAnswer\x1a\x16.prfaas.v1.AnswerReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,29 +32,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prfaas.v1.registry_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERREQUEST']._serialized_start=40
-  _globals['_REGISTERREQUEST']._serialized_end=372
-  _globals['_REGISTERREPLY']._serialized_start=374
-  _globals['_REGISTERREPLY']._serialized_end=408
-  _globals['_LOAD']._serialized_start=411
-  _globals['_LOAD']._serialized_end=822
-  _globals['_LINKREPORT']._serialized_start=825
-  _globals['_LINKREPORT']._serialized_end=1002
-  _globals['_HEARTBEATREQUEST']._serialized_start=1004
-  _globals['_HEARTBEATREQUEST']._serialized_end=1117
-  _globals['_HEARTBEATREPLY']._serialized_start=1119
-  _globals['_HEARTBEATREPLY']._serialized_end=1155
-  _globals['_SIGNALREQUEST']._serialized_start=1157
-  _globals['_SIGNALREQUEST']._serialized_end=1226
-  _globals['_SIGNALREPLY']._serialized_start=1228
-  _globals['_SIGNALREPLY']._serialized_end=1261
-  _globals['_OFFERSREQUEST']._serialized_start=1263
-  _globals['_OFFERSREQUEST']._serialized_end=1294
-  _globals['_SIGNALOFFER']._serialized_start=1296
-  _globals['_SIGNALOFFER']._serialized_end=1340
-  _globals['_SIGNALANSWER']._serialized_start=1342
-  _globals['_SIGNALANSWER']._serialized_end=1403
-  _globals['_ANSWERREPLY']._serialized_start=1405
-  _globals['_ANSWERREPLY']._serialized_end=1418
-  _globals['_REGISTRY']._serialized_start=1421
-  _globals['_REGISTRY']._serialized_end=1747
+  _globals['_REGISTERREQUEST']._serialized_end=393
+  _globals['_REGISTERREPLY']._serialized_start=395
+  _globals['_REGISTERREPLY']._serialized_end=429
+  _globals['_LOAD']._serialized_start=432
+  _globals['_LOAD']._serialized_end=843
+  _globals['_LINKREPORT']._serialized_start=846
+  _globals['_LINKREPORT']._serialized_end=1023
+  _globals['_HEARTBEATREQUEST']._serialized_start=1025
+  _globals['_HEARTBEATREQUEST']._serialized_end=1138
+  _globals['_HEARTBEATREPLY']._serialized_start=1140
+  _globals['_HEARTBEATREPLY']._serialized_end=1176
+  _globals['_SIGNALREQUEST']._serialized_start=1178
+  _globals['_SIGNALREQUEST']._serialized_end=1247
+  _globals['_SIGNALREPLY']._serialized_start=1249
+  _globals['_SIGNALREPLY']._serialized_end=1282
+  _globals['_OFFERSREQUEST']._serialized_start=1284
+  _globals['_OFFERSREQUEST']._serialized_end=1315
+  _globals['_SIGNALOFFER']._serialized_start=1317
+  _globals['_SIGNALOFFER']._serialized_end=1361
+  _globals['_SIGNALANSWER']._serialized_start=1363
+  _globals['_SIGNALANSWER']._serialized_end=1424
+  _globals['_ANSWERREPLY']._serialized_start=1426
+  _globals['_ANSWERREPLY']._serialized_end=1439
+  _globals['_REGISTRY']._serialized_start=1442
+  _globals['_REGISTRY']._serialized_end=1768
 # @@protoc_insertion_point(module_scope)

@@ -37,6 +37,7 @@ class RegisterRequest(_message.Message):
     INSTANCE_FIELD_NUMBER: _builtins.int
     PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     KV_DTYPE_FIELD_NUMBER: _builtins.int
+    QUEUE_LIMIT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     role: _builtins.str
     """"prefill", "decode", "both" """
@@ -57,6 +58,10 @@ class RegisterRequest(_message.Message):
     """tokens per prefix cache block; 0 = no prefix cache"""
     kv_dtype: _builtins.str
     """its engine's KV dtype: "float32", "bfloat16", "float16"; empty = not said"""
+    queue_limit: _builtins.int
+    """Prefill jobs it queues beyond its workers (the region config's queue_depth): past them a Prefill is
+    RESOURCE_EXHAUSTED, so the scheduler leaves a full region out. 0 = not said (no limit known).
+    """
     def __init__(
         self,
         *,
@@ -75,10 +80,11 @@ class RegisterRequest(_message.Message):
         instance: _builtins.str = ...,
         prefix_block_tokens: _builtins.int = ...,
         kv_dtype: _builtins.str = ...,
+        queue_limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "gpu_type", b"gpu_type", "grpc_endpoint", b"grpc_endpoint", "heartbeat_interval_s", b"heartbeat_interval_s", "instance", b"instance", "kv_buffer_bytes", b"kv_buffer_bytes", "kv_dtype", b"kv_dtype", "kv_endpoint", b"kv_endpoint", "model", b"model", "model_fingerprint", b"model_fingerprint", "name", b"name", "num_workers", b"num_workers", "prefix_block_tokens", b"prefix_block_tokens", "role", b"role", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "gpu_type", b"gpu_type", "grpc_endpoint", b"grpc_endpoint", "heartbeat_interval_s", b"heartbeat_interval_s", "instance", b"instance", "kv_buffer_bytes", b"kv_buffer_bytes", "kv_dtype", b"kv_dtype", "kv_endpoint", b"kv_endpoint", "model", b"model", "model_fingerprint", b"model_fingerprint", "name", b"name", "num_workers", b"num_workers", "prefix_block_tokens", b"prefix_block_tokens", "queue_limit", b"queue_limit", "role", b"role", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

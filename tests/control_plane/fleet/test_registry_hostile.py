@@ -174,3 +174,18 @@ def test_a_busy_decode_region_predicts_the_wait_of_its_queue(reg: RegionRegistry
     assert not _beat(reg, "pre", pre, queue_depth=3, busy_workers=2, queued_prefill_tokens=15_000)
     prefill = reg.snapshot(MODEL).regions_by_name()["pre"]
     assert CostModel.queue_wait_s(prefill, Priority.NORMAL) == pytest.approx(15_000 / (2 * 5000.0))  # in tokens
+
+
+def test_a_prefill_region_whose_queue_is_full_is_full_in_the_snapshot(reg: RegionRegistry) -> None:
+    """A prefill region registers how many jobs it queues beyond its workers; a full one is `queue_full`, which
+    the capacity filter cuts (before, it was never set: a full region was picked and refused the Prefill)."""
+    pre = _register(reg, "pre", "prefill", queue_limit=2)
+    assert not _beat(reg, "pre", pre, queue_depth=1, busy_workers=2)
+    assert not reg.snapshot(MODEL).regions_by_name()["pre"].queue_full
+    assert not _beat(reg, "pre", pre, queue_depth=2, busy_workers=2)
+    region = reg.snapshot(MODEL).regions_by_name()["pre"]
+    assert region.queue_capacity == 2 and region.queue_full
+    assert reg.snapshot(MODEL).regions_by_name()["pre"].queue_capacity == 2
+    unsaid = _register(reg, "old", "prefill")  # a region that does not say: no limit known
+    assert not _beat(reg, "old", unsaid, queue_depth=50, busy_workers=2)
+    assert reg.snapshot(MODEL).regions_by_name()["old"].queue_capacity is None
