@@ -34,7 +34,7 @@ import redis
 from pydantic import ValidationError
 
 from prfaas.control_plane.billing.prices import PriceBook, price_book
-from prfaas.control_plane.fleet.links import LinkEstimate, effective
+from prfaas.control_plane.fleet.links import LinkEstimate, effective, merged
 from prfaas.control_plane.fleet.records import DEFAULT_INSTANCE, InstanceRecord, RegionNotFound, RegionRecord
 from prfaas.control_plane.scheduling.snapshot import (
     KV_DTYPE_BYTES,
@@ -154,10 +154,10 @@ class RegionRegistry:
             fields |= {"prefix_version": load.prefix_version, "prefix": ",".join(load.prefix_blocks)}
         self.redis.hset(key, mapping=fields)
         if load.links:
-            self._measured(request.name, load.links)
+            self._measured(request.name, load.links, request.instance or DEFAULT_INSTANCE)
         return False
 
-    def _measured(self, src: str, reports: Sequence[registry_pb2.LinkReport]) -> None:
+    def _measured(self, src: str, reports: Sequence[registry_pb2.LinkReport], sender: str) -> None:
         """Fold a heartbeat's link reports into the estimates (read, update, write: two
         instances of one region beating at the same instant may lose one report, which the
         smoothing absorbs)."""
@@ -168,10 +168,11 @@ class RegionRegistry:
             return
         stored = dict(zip(fields, self.redis.hmget(key, fields), strict=True))
         estimates = {field: _estimate(raw, src, field.split(">", 1)[1]) for field, raw in stored.items()}
+        by_peer: dict[str, list[registry_pb2.LinkReport]] = {}
         for report in reports:
-            field = f"{src}>{report.peer_region}"
-            if field in estimates:
-                estimates[field] = estimates[field].updated(report)
+            by_peer.setdefault(f"{src}>{report.peer_region}", []).append(report)
+        for field in estimates:
+            estimates[field] = estimates[field].updated(merged(by_peer[field]), sender=sender)
         self.redis.hset(key, mapping={field: e.model_dump_json() for field, e in estimates.items()})
 
     def link_estimates(self) -> dict[tuple[str, str], LinkEstimate]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prfaas.control_plane.fleet.links import PRIOR_S, STALE_S, TAU_S, LinkEstimate, effective
+from prfaas.control_plane.fleet.links import PRIOR_S, SENDER_QUIET_S, STALE_S, TAU_S, LinkEstimate, effective, merged
 from prfaas.control_plane.scheduling.snapshot import Link
 from prfaas.protos.prfaas.v1 import registry_pb2
 
@@ -52,3 +52,29 @@ def test_producer_limited_windows_measure_no_goodput_but_count_as_use() -> None:
     assert idle_ish.sending_bytes_per_s * 8 / 1e9 == pytest.approx(0.5, rel=0.01)
     assert effective(LINK, idle_ish, now=NOW).utilization == pytest.approx(0.5 / 8.0, rel=0.02)
     assert idle_ish.retransmits == 6 and idle_ish.bytes_acked > estimate.bytes_acked
+
+
+def test_concurrent_senders_add_up_and_a_quiet_one_stops_counting() -> None:
+    """Two instances of the prefill region at 4.8 Gbit/s each fill 96% of a 10 Gbit/s link (before, their
+    reports were smoothed as one sender's: 48%, and the link-headroom filter let the full link through)."""
+    estimate = LinkEstimate(src="pre", dst="dec")
+    for step in range(30):
+        for sender in ("a", "b"):
+            estimate = estimate.updated(link_report(4.8, seconds=1.0, backlogged=False), now=NOW + step, sender=sender)
+    ten = LINK.model_copy(update={"bandwidth_gbps": 10.0})
+    assert effective(ten, estimate, now=NOW + 29).utilization == pytest.approx(0.96, rel=0.01)
+    assert effective(ten, estimate, now=NOW + 29 + SENDER_QUIET_S + 1).utilization == 0.0  # both went quiet
+    for step in range(30, 60):  # b stops shipping: a alone
+        estimate = estimate.updated(link_report(4.8, seconds=1.0, backlogged=False), now=NOW + step, sender="a")
+    assert effective(ten, estimate, now=NOW + 59).utilization == pytest.approx(0.48, rel=0.01)
+
+
+def test_one_beats_channels_to_one_peer_are_merged_into_one_report() -> None:
+    """A prefill instance has a channel per decode instance: one beat carries a report of each, at once."""
+    reports = [link_report(4.8, seconds=1.0, rtt_ms=40.0), link_report(4.8, seconds=1.0, rtt_ms=50.0)]
+    one = merged(reports)
+    assert one.bytes_acked == 2 * reports[0].bytes_acked and one.seconds == 1.0 and one.min_rtt_ms == 40.0
+    assert one.backlogged_bytes == 2 * reports[0].backlogged_bytes and one.retransmits == 6
+    assert one.srtt_ms == pytest.approx(50.0)  # byte-weighted mean of 45 and 55
+    odd = registry_pb2.LinkReport(peer_region="dec", seconds=float("nan"), bytes_acked=1)
+    assert merged([odd, reports[0]]) == reports[0]  # one channel's impossible figures spoil no other's
