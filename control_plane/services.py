@@ -28,10 +28,25 @@ PLACEMENTS = ("auto", "local", "split")
 
 
 class ServedModel:
-    """The model's tokenizer (chat template included) and KV geometry; no weights."""
+    """The model's tokenizer (chat template included) and KV geometry; no weights. `fingerprint`: what
+    every region must serve (`model_fingerprint` when set, else the folder's weights' if it has them)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, fingerprint: str | None = None) -> None:
         self.name = name
+        self._fingerprint = fingerprint
+
+    @cached_property
+    def fingerprint(self) -> str | None:
+        """engine/models.py `model_fingerprint` of the served model; None where this host has no weights (a
+        control plane with the tokenizer alone): regions are then not checked against it."""
+        if self._fingerprint:
+            return self._fingerprint
+        from prfaas.engine.models import ModelPrepareError, model_fingerprint
+
+        try:
+            return model_fingerprint(self._folder)
+        except ModelPrepareError:
+            return None
 
     @cached_property
     def _folder(self) -> Any:
@@ -106,9 +121,10 @@ class Services:
         local = build_scheduler(policy)
         local.rule = dataclasses.replace(local.rule, min_uncached_tokens=DisaggregationRule.NEVER)
         schedulers = {"auto": auto, "split": split, "local": local} | dict.fromkeys(BLIND, auto)  # no prefix hints
+        served = ServedModel(settings.model, settings.model_fingerprint)
         return cls(
             settings, client, JobStore(client, settings), TenantStore(client, settings, database),
-            RegionRegistry(client, settings), ServedModel(settings.model), schedulers,
+            RegionRegistry(client, settings, served=lambda: served.fingerprint), served, schedulers,
             [c.model_dump(exclude_none=True) for c in policy.transfer.codecs],
         )  # fmt: skip
 

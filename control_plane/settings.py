@@ -150,6 +150,11 @@ class Settings(BaseSettings):
     ticket_key: SecretStr = Field(description="HMAC key of KV transfer tickets (shared with decode regions)")
     ticket_key_id: str = "k1"
     model: str = Field(default="tiny-llama", description="the served model: catalog name or HF folder")
+    model_fingerprint: str | None = Field(
+        default=None,
+        description="the model fingerprint every region must register with (`prfaas model list` shows it); None: "
+        "the served model folder's, when it holds the weights (else regions are not checked)",
+    )
     policy_path: Path | None = Field(default=None, description="scheduler policy YAML; None: the default policy")
     registry_listen: str | None = Field(
         default=None, description="host:port of the region registry gRPC service; None: not served by this process"

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import redis
@@ -64,10 +64,15 @@ ESTIMATE_KEPT_S = 3600.0  # a link estimate not refreshed for this long is delet
 
 
 class RegionRegistry:
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(
+        self, client: redis.Redis, settings: Settings, served: Callable[[], str | None] = lambda: None
+    ) -> None:
+        """`served`: the served model's fingerprint (None: not known here); a region serving another is refused
+        (it would answer local jobs with another model's tokens). Asked at the first registration."""
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
+        self.served = served
         self.prices = price_book(
             client, settings.key("prices"), settings.prices.path
         )  # live/table prices override registered ones
@@ -94,6 +99,12 @@ class RegionRegistry:
         interval = request.heartbeat_interval_s or 1.0
         if not 0 < interval <= MAX_HEARTBEAT_INTERVAL_S:  # NaN fails too
             raise ValueError(f"heartbeat_interval_s must be in (0, {MAX_HEARTBEAT_INTERVAL_S:g}] s")
+        served = self.served()
+        if served and request.model_fingerprint and request.model_fingerprint != served:
+            raise ValueError(
+                f"region {request.name} serves model {request.model or '?'} ({request.model_fingerprint[:16]}...); "
+                f"this control plane serves {self.settings.model} ({served[:16]}...)"
+            )
         for other in self.region_instances(request.name):
             unlike = not kv_dtypes_alike(other.kv_dtype, request.kv_dtype)  # one that says none (older) is alike
             if (

@@ -189,3 +189,23 @@ def test_a_prefill_region_whose_queue_is_full_is_full_in_the_snapshot(reg: Regio
     unsaid = _register(reg, "old", "prefill")  # a region that does not say: no limit known
     assert not _beat(reg, "old", unsaid, queue_depth=50, busy_workers=2)
     assert reg.snapshot(MODEL).regions_by_name()["old"].queue_capacity is None
+
+
+def test_a_region_serving_another_model_is_refused(reg: RegionRegistry) -> None:
+    """Local jobs run on the decode region's own model: one serving another model would answer them with that
+    model's tokens. A registration whose fingerprint is not the served model's is refused (one that says none,
+    from an older region, is let in)."""
+    served = RegionRegistry(reg.redis, reg.settings, served=lambda: "f" * 32)
+    with pytest.raises(ValueError, match="serves model"):
+        _register(served, "dec", model_fingerprint="e" * 32)
+    _register(served, "dec", model_fingerprint="f" * 32)
+    _register(served, "old")
+    assert [r.name for r in served.snapshot(MODEL).regions] == ["dec", "old"]
+
+
+def test_the_served_models_fingerprint_is_the_regions_engines() -> None:
+    from prfaas.control_plane.services import ServedModel
+    from prfaas.engine.base import ModelFacts
+
+    assert ServedModel("tiny-llama").fingerprint == ModelFacts.read("tiny-llama", "float32").fingerprint
+    assert ServedModel("tiny-llama", "pinned").fingerprint == "pinned"
