@@ -173,6 +173,8 @@ class HFPrefill:
         job.prefill_done(result.choices, _descriptor(self.facts, result), prefill_s, result.cached_tokens)
         status = wait_transfer(transfer, work.deadline, job.stop, kind="prefill")
         if status is not TransferStatus.COMPLETED:
+            if time.monotonic() >= work.deadline:  # wait_transfer canceled it there: the job's deadline, not a cancel
+                job.cancel(DeadlineExceeded("the KV transfer did not finish by the job's deadline"))
             _transfer_failed(job, transfer)
             raise JobStopped
         return _shipped(transfer)
@@ -199,6 +201,8 @@ class HFPrefill:
             finally:
                 feed.end()
             if status is not TransferStatus.COMPLETED:
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded("the re-shipment did not finish by its deadline")
                 raise transfer.error or DeadlineExceeded("re-shipment did not complete")
             return Reshipped(_shipped(transfer), _descriptor(self.engine.facts, lease.result), lease.result.choices)
         finally:

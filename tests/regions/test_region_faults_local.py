@@ -407,16 +407,36 @@ def test_leases_past_their_byte_cap_are_dropped_oldest_first(tiny_engine: HFEngi
         region.close()
 
 
-def test_a_queued_prefill_ends_at_its_own_deadline_and_frees_its_slot(tiny_engine: HFEngine) -> None:
+@pytest.fixture
+def silent_kv_port() -> Iterator[str]:
+    """A KV endpoint that accepts connections and never answers."""
+    hole = socket.create_server(("127.0.0.1", 0), backlog=64)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: [held.append(hole.accept()[0]) for _ in range(64)], daemon=True).start()
+    yield f"127.0.0.1:{hole.getsockname()[1]}"
+    hole.close()
+
+
+def test_a_shipment_past_the_job_deadline_is_deadline_exceeded(tiny_engine: HFEngine, silent_kv_port: str) -> None:
+    """(Before: CANCELLED, "canceled by the sender", which docs/regions.md keeps for Cancel and disconnects.)"""
+    region = local_region(tiny_engine, decode=False)
+    try:
+        request = prefill_request(new_job(), tiny_engine.encode("no one reads this KV"), GREEDY, silent_kv_port,
+                                  timeout_s=1)  # fmt: skip
+        assert _code(lambda: region.prefill_stub.Prefill(request, timeout=30)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        region.close()
+
+
+def test_a_queued_prefill_ends_at_its_own_deadline_and_frees_its_slot(
+    tiny_engine: HFEngine, silent_kv_port: str
+) -> None:
     """One worker, held by a job shipping to a KV port that accepts and never answers: a job queued behind it
     with a 1 s timeout ends DEADLINE_EXCEEDED at about 1 s, its queue slot freed (before, at the first job's
     end, 25 s later in the probe), and a queued job canceled ends at once."""
     region = local_region(tiny_engine, decode=False, workers=1, queue_depth=4)
     assert region.registration.queue_limit == 4  # what the scheduler's capacity filter reads
-    hole = socket.create_server(("127.0.0.1", 0), backlog=64)
-    held: list[socket.socket] = []
-    threading.Thread(target=lambda: [held.append(hole.accept()[0]) for _ in range(64)], daemon=True).start()
-    endpoint = f"127.0.0.1:{hole.getsockname()[1]}"
+    endpoint = silent_kv_port
     ids = tiny_engine.encode("the worker is busy shipping to a port that never answers")
     try:
         busy = region.prefill_stub.Prefill(prefill_request(new_job(), ids, GREEDY, endpoint, timeout_s=20), timeout=30)
@@ -435,7 +455,6 @@ def test_a_queued_prefill_ends_at_its_own_deadline_and_frees_its_slot(tiny_engin
         busy.cancel()
     finally:
         region.close()
-        hole.close()
 
 
 def test_decodes_waiting_for_kv_leave_threads_for_health_reserve_and_cancel(tiny_engine: HFEngine) -> None:
