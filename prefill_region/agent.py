@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -70,6 +70,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="prfaas-prefill")
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
+        self._reships: dict[str, tuple[int, list[Callable[[], None]]]] = {}  # job -> (attempt, its transfer's stops)
         self._busy = 0
         self._rate = 0.0  # prompt tokens/s, smoothed
 
@@ -216,9 +217,22 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         job_id = job_uuid(request.job_id)
         timeout_s = timeout_from(request.timeout_s, default_s=DEFAULT_TIMEOUT_S, max_s=MAX_TIMEOUT_S)
         destination = Destination.parse(request.destination, self.codec)
-        reshipped = self.backend.reship(
-            job_id, request.attempt, destination, time.monotonic() + timeout_s, context.add_callback
-        )
+        stops_: list[Callable[[], None]] = []
+
+        def on_cancel(stop: Callable[[], None]) -> None:  # the caller leaving, or a Cancel (`cancel`), stops it
+            context.add_callback(stop)
+            stops_.append(stop)
+
+        with self._lock:
+            self._reships[job_id] = (request.attempt, stops_)
+        try:
+            reshipped = self.backend.reship(
+                job_id, request.attempt, destination, time.monotonic() + timeout_s, on_cancel
+            )
+        finally:
+            with self._lock:
+                if self._reships.get(job_id, (0, None))[1] is stops_:
+                    del self._reships[job_id]
         return prefill_pb2.ReshipReply(
             shipment=_complete(reshipped.shipped),
             kv=reshipped.kv,
@@ -231,8 +245,12 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
     def cancel(self, job_id: str, canceled: Canceled, attempt: int = 0) -> bool:
         with self._lock:
             job = self._jobs.get(job_id)
+            reship = self._reships.get(job_id)
         if job is not None and not stops(attempt, job.work.attempt):
             job = None  # a newer attempt's prefill: this Cancel is stale
+        if reship is not None and stops(attempt, reship[0]):
+            for stop in reship[1]:
+                stop()  # its transfer: the Reship call ends with it
         kept = self.backend.drop(job_id, attempt)
         if job is not None:
             job.cancel(canceled)

@@ -496,3 +496,24 @@ def test_a_decode_region_reports_its_time_per_job(region: Region) -> None:
     generate_tokens(region.decode_stub, [1, 2, 3, 4], GREEDY)
     assert 0.0 < region.decode.load()["mean_job_s"] < 30.0
     assert region.server.load().mean_job_s == region.decode.load()["mean_job_s"]
+
+
+def test_a_cancel_stops_a_reship_in_progress(tiny_engine: HFEngine, long_text: str, silent_kv_port: str) -> None:
+    """A Reship shipping to a decode region that never reads stops at the job's Cancel, not at its own
+    deadline (before, the Cancel dropped the lease and the transfer went on for its whole timeout)."""
+    a = local_region(tiny_engine)
+    try:
+        ids = tiny_engine.encode(long_text)[:100]
+        kv_bytes = len(ids) * tiny_engine.kv_bytes_per_token
+        job_id = split_generate(a.prefill_stub, a.decode_stub, ids, GREEDY, kv_bytes).job_id  # its KV leased in a
+        destination = prefill_pb2.Destination(
+            kv_endpoint=silent_kv_port, ticket=ticket(job_id, 2, budget=kv_bytes), codec="raw"
+        )
+        request = prefill_pb2.ReshipRequest(job_id=job_id, attempt=2, destination=destination, timeout_s=30)
+        call = a.prefill_stub.Reship.future(request, timeout=40)
+        time.sleep(1.0)  # the transfer is under way, to a reader that never answers
+        started = time.monotonic()
+        assert a.prefill_stub.Cancel(common_pb2.CancelRequest(job_id=job_id, reason="test", attempt=2), timeout=5).found
+        assert _code(call.result) == grpc.StatusCode.CANCELLED and time.monotonic() - started < 5.0
+    finally:
+        a.close()
