@@ -9,6 +9,8 @@ else gets PERMISSION_DENIED before the registry is touched, so the real instance
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,10 +18,16 @@ import grpc
 
 from prfaas.control_plane.fleet.records import DEFAULT_INSTANCE
 from prfaas.control_plane.fleet.registry import RegionRegistry
-from prfaas.control_plane.fleet.signaling import SignalRelay
+from prfaas.control_plane.fleet.signaling import SignalQueueFull, SignalRelay
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
 from prfaas.region.authz import Authorizer, peer_identity, registry_policy
 from prfaas.region.channels import SERVER_OPTIONS, TlsFiles
+
+# Signalling calls that hold a thread while they wait (a region's Offers stream, a sender's Signal for up to 30 s)
+# at once; past it RESOURCE_EXHAUSTED. The server's pool has this many threads more than Register and Heartbeat
+# need, so webrtc regions never starve the heartbeats of the fleet.
+MAX_SIGNAL_CALLS = 64
+THREADS = 16 + MAX_SIGNAL_CALLS
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
@@ -27,6 +35,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self.registry = registry
         self.relay = SignalRelay(registry.redis, registry.settings)
         self.tls = tls  # callers then carry identities, checked against what they say of themselves
+        self._signal_calls = threading.BoundedSemaphore(MAX_SIGNAL_CALLS)
+
+    @contextlib.contextmanager
+    def _signal_slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        if not self._signal_calls.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_SIGNAL_CALLS} signalling calls wait already")
+        try:
+            yield
+        finally:
+            self._signal_calls.release()
 
     def _speaks_for(
         self, context: grpc.ServicerContext, region: str, *, role: str | None = None, instance: str | None = None
@@ -63,7 +81,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self, request: registry_pb2.SignalRequest, context: grpc.ServicerContext
     ) -> registry_pb2.SignalReply:
         try:
-            sdp = self.relay.signal(request.region, request.offer_sdp, request.timeout_s or 10.0)
+            with self._signal_slot(context):
+                sdp = self.relay.signal(request.region, request.offer_sdp, request.timeout_s or 10.0)
+        except SignalQueueFull as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise AssertionError("unreachable") from exc
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise AssertionError("unreachable") from exc
@@ -78,17 +100,19 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         if not request.region:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "region is required")
         self._speaks_for(context, request.region)
-        while context.is_active():
-            offer = self.relay.next_offer(request.region)
-            if offer is not None:
-                yield registry_pb2.SignalOffer(id=offer[0], offer_sdp=offer[1])
+        with self._signal_slot(context):
+            while context.is_active():
+                offer = self.relay.next_offer(request.region)
+                if offer is not None:
+                    yield registry_pb2.SignalOffer(id=offer[0], offer_sdp=offer[1])
 
     def Answer(  # noqa: N802
         self, request: registry_pb2.SignalAnswer, context: grpc.ServicerContext
     ) -> registry_pb2.AnswerReply:
-        if not request.id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "id is required")
-        self.relay.answer(request.id, request.answer_sdp, request.error)
+        try:
+            self.relay.answer(request.id, request.answer_sdp, request.error)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return registry_pb2.AnswerReply()
 
 
@@ -96,7 +120,7 @@ def serve_registry(registry: RegionRegistry, listen: str, tls: TlsFiles | None =
     """Start the Registry gRPC service on `listen` (port 0 picks one), with mutual TLS when `tls`
     is given; returns it and its address."""
     server = grpc.server(
-        ThreadPoolExecutor(8, thread_name_prefix="prfaas-registry"), options=SERVER_OPTIONS,
+        ThreadPoolExecutor(THREADS, thread_name_prefix="prfaas-registry"), options=SERVER_OPTIONS,
         interceptors=[Authorizer(registry_policy)] if tls is not None else None,
     )  # fmt: skip
     registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry, tls is not None), server)

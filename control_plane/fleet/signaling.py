@@ -8,6 +8,8 @@ their deadline."""
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 import uuid
 from typing import Any
@@ -15,6 +17,15 @@ from typing import Any
 import redis
 
 from prfaas.control_plane.settings import Settings
+from prfaas.transport.identity import REGION_NAME
+
+MAX_SDP_BYTES = 64 << 10  # an offer or answer (a data channel's SDP is about 1 KB)
+MAX_PENDING_OFFERS = 64  # offers waiting for one region; past it a Signal is refused
+_OFFER_ID = re.compile(r"[0-9a-f]{32}")
+
+
+class SignalQueueFull(Exception):
+    """The region has MAX_PENDING_OFFERS offers waiting already."""
 
 
 class SignalRelay:
@@ -33,10 +44,14 @@ class SignalRelay:
     def signal(self, region: str, offer_sdp: str, timeout_s: float) -> str:
         """Post an offer to `region`, wait for its answer. TimeoutError: no answer in time;
         ValueError: the region refused the offer."""
-        if not region or not offer_sdp:
-            raise ValueError("region and offer_sdp are required")
+        if not REGION_NAME.fullmatch(region) or not offer_sdp or len(offer_sdp) > MAX_SDP_BYTES:
+            raise ValueError(f"a region name and an offer_sdp of 1 to {MAX_SDP_BYTES} characters are required")
+        if not 0 < timeout_s < math.inf:  # NaN too
+            raise ValueError("timeout_s must be a finite number > 0")
         offer_id = uuid.uuid4().hex
         queue = self.settings.key(f"signal:{region}")
+        if self.redis.llen(queue) >= MAX_PENDING_OFFERS:
+            raise SignalQueueFull(f"region {region} has {MAX_PENDING_OFFERS} offers waiting already")
         with self.redis.pipeline() as pipe:
             pipe.rpush(queue, json.dumps({"id": offer_id, "sdp": offer_sdp, "exp": time.time() + timeout_s}))
             pipe.expire(queue, self.OFFER_TTL_S)
@@ -63,6 +78,9 @@ class SignalRelay:
         return str(offer["id"]), str(offer["sdp"])
 
     def answer(self, offer_id: str, answer_sdp: str, error: str = "") -> None:
+        """ValueError for an id no offer has, or an answer or error over MAX_SDP_BYTES."""
+        if not _OFFER_ID.fullmatch(offer_id) or len(answer_sdp) > MAX_SDP_BYTES or len(error) > 4096:
+            raise ValueError(f"an offer's id (32 hex digits) and an answer of at most {MAX_SDP_BYTES} characters")
         key = self.settings.key(f"signal-answer:{offer_id}")
         with self.redis.pipeline() as pipe:
             pipe.rpush(key, json.dumps({"sdp": answer_sdp, "error": error}))
