@@ -41,7 +41,8 @@ class ServedModel:
         control plane with the tokenizer alone): regions are then not checked against it."""
         if self._fingerprint:
             return self._fingerprint
-        from prfaas.engine.models import ModelPrepareError, model_fingerprint
+        from prfaas.engine.errors import ModelPrepareError
+        from prfaas.engine.models import model_fingerprint
 
         try:
             return model_fingerprint(self._folder)

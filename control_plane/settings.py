@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prfaas.region.channels import TlsFiles
-from prfaas.region.config import is_loopback
+from prfaas.transport.endpoints import is_loopback
 
 PLACEHOLDERS = ("change-me", "changeme", "placeholder", "secret", "example")
 MIN_SECRET_CHARS = 32

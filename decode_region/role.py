@@ -12,7 +12,8 @@ from prfaas.decode_region.backend import DecodeBackend
 from prfaas.protos.prfaas.v1 import decode_pb2_grpc
 from prfaas.region.addresses import advertised_host, hostport
 from prfaas.region.build import BuiltRole
-from prfaas.region.config import RegionConfig, ice_servers, parse_hostport
+from prfaas.region.config import RegionConfig, ice_servers
+from prfaas.transport.endpoints import parse_hostport
 from prfaas.transport.inbound import Receiver
 from prfaas.transport.tickets import TicketVerifier
 

@@ -12,7 +12,8 @@ import ipaddress
 import socket
 from typing import Literal
 
-from prfaas.region.config import RegionConfig, parse_hostport
+from prfaas.region.config import RegionConfig
+from prfaas.transport.endpoints import parse_hostport
 
 WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 

@@ -20,8 +20,9 @@ from prometheus_client import Gauge
 
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.addresses import advertised_host, hostport
-from prfaas.region.config import RegionConfig, parse_hostport
+from prfaas.region.config import RegionConfig
 from prfaas.region.server import Agent, RegionServer
+from prfaas.transport.endpoints import parse_hostport
 
 log = logging.getLogger(__name__)
 DEVICE_INFO = Gauge("prfaas_region_device_info", "1 for the device and dtype the region's engine runs on",

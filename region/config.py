@@ -8,7 +8,6 @@ set from the environment, `PRFAAS_` + the field path joined by `__` (e.g.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import socket
@@ -20,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prfaas.region.channels import TlsFiles
+from prfaas.transport.endpoints import is_loopback, parse_hostport
 from prfaas.transport.identity import Identity
 from prfaas.transport.webrtc import IceServer
 
@@ -49,23 +49,6 @@ def _host_instance() -> str:
     """This host's name as an instance id (a region's instances run on hosts of their own)."""
     name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._")
     return name[:128] or "instance"
-
-
-def is_loopback(hostport: str) -> bool:
-    host, _port = parse_hostport(hostport)
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def parse_hostport(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{value!r} is not host:port (port 0-65535; 0 picks a free one)")
-    return host.strip("[]"), int(port)
 
 
 class Listen(BaseModel):

@@ -24,8 +24,8 @@ from prfaas.engine.device import DeviceChoice
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.authz import Authorizer, region_policy
 from prfaas.region.channels import SERVER_OPTIONS, TlsFiles
-from prfaas.region.config import parse_hostport
 from prfaas.region.registry_client import Heartbeater
+from prfaas.transport.endpoints import parse_hostport
 
 if TYPE_CHECKING:
     from prfaas.engine.prefix_cache import Residency

@@ -14,6 +14,7 @@ else WebRTC.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -36,6 +37,25 @@ class Endpoint:
         if self.kind == "webrtc":
             return f"webrtc://{self.region}"
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """A listen or dial address `host:port` (`[v6]:port`); port 0 picks a free one. ValueError otherwise."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not host:port (port 0-65535; 0 picks a free one)")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(hostport: str) -> bool:
+    """`host:port` on this host only (localhost, 127.0.0.0/8, ::1): what may be served without TLS."""
+    host, _port = parse_hostport(hostport)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_endpoint(text: str) -> Endpoint:
