@@ -9,6 +9,7 @@ and call `ack`, `nack`, `done`, `remote_error`, `remote_cancel` as frames arrive
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -38,6 +39,7 @@ from prfaas.transport.framing import (
 )
 from prfaas.transport.open_info import OpenInfo
 
+log = logging.getLogger(__name__)
 _seq = itertools.count()
 
 
@@ -61,6 +63,7 @@ class Chunk:
     sends: int = 0  # sends that completed (the socket took every byte)
     queued: bool = False  # waiting in a channel's send queue (never twice)
     inflight: bool = False  # counted against the channel's in-flight byte budget
+    acked: bool = False  # the receiver has it: a copy still queued (after a NACK) is not sent again
 
     @property
     def size(self) -> int:
@@ -148,8 +151,12 @@ class OutboundTransfer:
             self._layers_given += 1
         if self._executor is None:
             self._encode_layer(index, k, v)
-        else:
+            return
+        try:
             self._executor.submit(self._encode_layer, index, k, v)
+        except RuntimeError:  # the channel closed its encoders: it canceled this transfer first
+            if not self.cell.status().terminal:
+                raise
 
     def _encode_layer(self, index: int, k: Buffer, v: Buffer) -> None:
         if self.cell.status().terminal:
@@ -176,6 +183,10 @@ class OutboundTransfer:
         except TransportError as exc:
             self.cell.finish(TransferStatus.FAILED, exc)
             return
+        except Exception as exc:  # a codec's or the header's own error: the transfer fails now, not at its deadline
+            log.exception("job %s layer %d: encoding failed", self.spec.job_id, index)
+            self.cell.finish(TransferStatus.FAILED, TransportError(f"encoding layer {index} failed: {exc!r}"))
+            return
         with self._lock:
             for chunk in chunks:
                 self._unacked[chunk.key] = chunk
@@ -200,6 +211,7 @@ class OutboundTransfer:
             for key in keys:
                 chunk = self._unacked.pop(key, None)
                 if chunk is not None:
+                    chunk.acked = True
                     self.stats.raw_bytes += chunk.raw_share
                     acked.append(chunk)
         return acked

@@ -21,12 +21,25 @@ class SendQueue:
         self.closed = False
 
     def put(self, chunks: list[Chunk]) -> None:
+        """Queue `chunks`; those of an ended transfer are dropped (`purge` took its others out)."""
         with self._cond:
             for chunk in chunks:
-                if not chunk.queued:
+                if not chunk.queued and not chunk.transfer.cell.status().terminal:
                     chunk.queued = True
                     heapq.heappush(self._heap, (chunk.order, chunk))
             self._cond.notify_all()
+
+    def purge(self, transfer: object) -> None:
+        """Take an ended transfer's chunks out of the queue (with no connection, no `get` would ever pop them:
+        they held the transfer, its producer's buffers and the encoded bytes)."""
+        with self._cond:
+            kept = [entry for entry in self._heap if entry[1].transfer is not transfer]
+            if len(kept) != len(self._heap):
+                for entry in self._heap:
+                    if entry[1].transfer is transfer:
+                        entry[1].queued = False
+                heapq.heapify(kept)
+                self._heap = kept
 
     def get(self, timeout_s: float, interrupt: Callable[[], bool] | None = None) -> Chunk | None:
         """The next chunk of a live transfer, once the in-flight budget allows; None on timeout,
@@ -34,8 +47,8 @@ class SendQueue:
         end = time.monotonic() + timeout_s
         with self._cond:
             while not self.closed and not (interrupt is not None and interrupt()):
-                while self._heap and self._heap[0][1].transfer.cell.status().terminal:
-                    heapq.heappop(self._heap)[1].queued = False  # dropped with its transfer
+                while self._heap and (self._heap[0][1].acked or self._heap[0][1].transfer.cell.status().terminal):
+                    heapq.heappop(self._heap)[1].queued = False  # dropped with its transfer, or it arrived meanwhile
                 # never past the budget (but one chunk always goes): unacknowledged bytes, all a
                 # broken path can make the channel send again, stay within max_inflight_bytes
                 if self._heap and (self._inflight + self._heap[0][1].size <= self._max_inflight or self._inflight == 0):

@@ -222,10 +222,12 @@ class ShmChannel:
     def _enqueue(self, chunks: list[Chunk]) -> None:
         if not chunks:
             return
-        key = chunks[0].transfer.key
+        transfer = chunks[0].transfer
         with self._lock:
-            if key not in self._placements:
-                self._waiting.setdefault(key, []).extend(chunks)
+            if transfer.cell.status().terminal:
+                return  # encoded after it ended (`_ended` has run or runs next): nothing may keep them
+            if transfer.key not in self._placements:
+                self._waiting.setdefault(transfer.key, []).extend(chunks)
                 return
         for chunk in chunks:
             self._queue.put(chunk)

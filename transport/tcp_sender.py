@@ -165,8 +165,9 @@ class TcpChannel:
                     stream.send_control(cancel)
         for stream in self.streams:
             stream.opened.discard(transfer.key)
-        # Whatever the outcome, its bytes no longer count against the in-flight budget.
+        # Whatever the outcome, its bytes no longer count against the in-flight budget, nor its chunks wait.
         self.queue.release(transfer.drop_unacked())
+        self.queue.purge(transfer)
 
     def connect_ok(self, _stream: TcpStream) -> None:
         with self._lock:
