@@ -287,7 +287,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
                 raise PreconditionFailed(f"job {call.job_id}'s reservation is not set up yet; Decode after Reserve")
             if not res.hold.wait(deadline, context.is_active):
                 res.raise_ended()
-            with self.workers.slot(deadline):
+            with self.workers.slot(deadline, res.canceled):
                 rests = self.backend.decode(res.hold, call, params, deadline, res.canceled)
                 yield from self._tokens(firsts, rests, params, res.canceled, deadline, started, "split")
         except Exception as exc:
@@ -333,7 +333,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         context.add_callback(canceled.set)
         rests: list[Iterator[Chosen]] = []
         try:
-            with self.workers.slot(deadline):
+            with self.workers.slot(deadline, canceled):
                 salt = request.cache_salt if request.HasField("cache_salt") else None
                 begun = time.monotonic()
                 generated = self.backend.generate(token_ids, params, deadline, canceled, salt)

@@ -9,7 +9,9 @@ import time
 from collections.abc import Iterator
 
 from prfaas.decode_region import metrics
-from prfaas.region.errors import DeadlineExceeded
+from prfaas.region.errors import Canceled, DeadlineExceeded
+
+WAIT_STEP_S = 0.05  # how soon a job waiting for a worker notices its cancel
 
 
 class WorkerSlots:
@@ -22,13 +24,17 @@ class WorkerSlots:
         self.mean_hold_s = 0.0  # smoothed seconds a slot is held per job (the region's queue wait per job ahead)
 
     @contextlib.contextmanager
-    def slot(self, deadline: float) -> Iterator[None]:
-        """One worker, held for the block; DeadlineExceeded if none frees up by `deadline`."""
+    def slot(self, deadline: float, canceled: threading.Event | None = None) -> Iterator[None]:
+        """One worker, held for the block; DeadlineExceeded if none frees up by `deadline`, Canceled as soon as
+        `canceled` is set while it waits (a job canceled in the queue leaves it then, not when a worker frees)."""
         with self._lock:
             self.waiting += 1
         try:
-            if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise DeadlineExceeded(f"all {self.num_workers} decode workers stayed busy until the deadline")
+            while not self._slots.acquire(timeout=min(WAIT_STEP_S, max(0.0, deadline - time.monotonic()))):
+                if canceled is not None and canceled.is_set():
+                    raise Canceled("canceled while waiting for a decode worker")
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded(f"all {self.num_workers} decode workers stayed busy until the deadline")
         finally:
             with self._lock:
                 self.waiting -= 1

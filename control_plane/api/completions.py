@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 import kombu.exceptions
@@ -46,6 +46,7 @@ from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCre
 from prfaas.control_plane.api.sse import (
     ClosingStreamingResponse,
     PromptJob,
+    cancel_batch,
     client_gone,
     completion_tokens,
     ended_error,
@@ -313,15 +314,16 @@ def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> JSO
     try:
         if len(jobs) == 1:
             _fill(jobs[0])
-        else:  # the prompts' jobs run side by side
+        else:  # the prompts' jobs run side by side; the first to fail cancels the others (they then end soon)
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="prfaas-batch") as pool:
-                for future in [pool.submit(_fill, job) for job in jobs]:
+                futures = [pool.submit(_fill, job) for job in jobs]
+                wait(futures, return_when=FIRST_EXCEPTION)
+                if any(f.done() and f.exception() is not None for f in futures):
+                    cancel_batch(g.follower, jobs, "another prompt of the request failed")
+                for future in futures:
                     future.result()
     except JobEnded as exc:
-        for job in jobs:
-            if job.leader:
-                with contextlib.suppress(redis.RedisError):
-                    g.follower.cancel(job.job_id, "another prompt of the request failed")
+        cancel_batch(g.follower, jobs, "another prompt of the request failed")
         raise ended_error(exc) from None
     reply = {
         "id": jobs[0].job_id, "object": kind, "created": int(time.time()), "model": s.model.name,

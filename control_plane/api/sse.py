@@ -108,9 +108,11 @@ def sse(
         yield "data: [DONE]\n\n"
     except JobEnded as exc:
         finished = True
+        cancel_batch(follower, jobs, "another prompt of the request failed")  # the stream ends here for all
         yield sse_error(ended_error(exc))
     except redis.RedisError:  # a read outside the follower (it turns its own into JobEnded)
         finished = True
+        cancel_batch(follower, jobs, "another prompt of the request failed")
         yield sse_error(STORE_UNAVAILABLE.error())
     finally:
         close = getattr(stream, "close", None)
@@ -126,6 +128,14 @@ def client_gone(follower: Follower, jobs: list[PromptJob]) -> None:
     with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
         if len(jobs) == 1 and jobs[0].leader:
             follower.disconnected(jobs[0].job_id, jobs[0].stream)
-        for job in jobs if len(jobs) > 1 else ():
-            if job.leader:
-                follower.cancel(job.job_id, "client disconnected")
+    cancel_batch(follower, jobs, "client disconnected")
+
+
+def cancel_batch(follower: Follower, jobs: list[PromptJob], reason: str) -> None:
+    """A batch's response ended early (one prompt's job failed, or its client left): the jobs of its other
+    prompts are canceled, not left running for no one, billed, and holding the tenant's concurrency slots.
+    (A single job: its own end, or `client_gone`.) A job that has ended already is left as it is."""
+    for job in jobs if len(jobs) > 1 else ():
+        if job.leader:
+            with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
+                follower.cancel(job.job_id, reason)

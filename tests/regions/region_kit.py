@@ -104,6 +104,7 @@ def local_region(
     name: str = "test",
     tls: dict[str, str] | None = None,
     max_jobs: int = 64,
+    token_delay_s: float = 0.0,
 ) -> Region:
     """A region built as `prfaas region` builds one (region/build.py), on `engine`; `tls`: its
     ca / cert / key files (mutual TLS on gRPC and KV)."""
@@ -112,7 +113,7 @@ def local_region(
         "name": name, "role": role, "ticket_key": KEY.decode(), "ticket_key_id": "k1", "workers": workers, "tls": tls,
         "instance": "1",
         "queue_depth": queue_depth, "codec": codec, "kv_buffer_bytes": kv_buffer_bytes,
-        "heartbeat_interval_s": heartbeat_s, "max_jobs": max_jobs,
+        "heartbeat_interval_s": heartbeat_s, "max_jobs": max_jobs, "test_token_delay_s": token_delay_s,
         "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0", "metrics": "127.0.0.1:0" if metrics else None},
     })  # fmt: skip
     server, registration = build_region(config, ROLES, engine)

@@ -517,3 +517,26 @@ def test_a_cancel_stops_a_reship_in_progress(tiny_engine: HFEngine, long_text: s
         assert _code(call.result) == grpc.StatusCode.CANCELLED and time.monotonic() - started < 5.0
     finally:
         a.close()
+
+
+def test_a_job_canceled_while_it_waits_for_a_worker_ends_at_once(tiny_engine: HFEngine) -> None:
+    """One decode worker, held by a paced Generate: a second one waiting for it ends CANCELLED as its Cancel
+    lands, not when the worker frees (before, 6 s later in the API's batch test: the slot wait ignored it)."""
+    region = local_region(tiny_engine, prefill=False, workers=1, token_delay_s=0.1)
+    try:
+        params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+        busy = decode_pb2.GenerateRequest(job_id=new_job(), token_ids=[1, 2, 3], sampling=sampling_to_proto(params),
+                                          timeout_s=60)  # fmt: skip
+        holding = region.decode_stub.Generate(busy, timeout=60)
+        next(holding)  # it has the worker
+        waiting = decode_pb2.GenerateRequest(job_id=new_job(), token_ids=[4, 5, 6], sampling=sampling_to_proto(params),
+                                             timeout_s=60)  # fmt: skip
+        stream = region.decode_stub.Generate(waiting, timeout=60)
+        assert region.decode is not None
+        wait_until(lambda: region.decode is not None and region.decode.workers.waiting == 1, timeout_s=5)
+        started = time.monotonic()
+        assert cancel(region.decode_stub, waiting.job_id)
+        assert _code(lambda: stream) == grpc.StatusCode.CANCELLED and time.monotonic() - started < 1.0
+        holding.cancel()
+    finally:
+        region.close()

@@ -238,3 +238,51 @@ def test_an_api_process_killed_with_jobs_in_flight_ends_them_with_a_reason_and_f
                       headers=headers, timeout=60) as reply:  # fmt: skip
         text, job_id, _ = _sse_text(reply)
     assert job_id == kept[0]["id"] and text == _reference(prompt, 60)
+
+
+BATCH = {"model": "tiny-llama", "prompt": ["hello there", "general kenobi"], "max_tokens": 60, "ignore_eos": True}
+
+
+def _wait_states(stack: Stack, key: str, job_ids: list[str], timeout_s: float) -> list[str]:
+    ended = ("DONE", "CANCELED", "FAILED")
+    wait_until(lambda: all(_job(stack, key, j)["state"] in ended for j in job_ids), timeout_s, 0.1)
+    return [str(_job(stack, key, j)["state"]) for j in job_ids]
+
+
+def test_a_streamed_batch_whose_one_job_ends_cancels_the_others(stack: Stack) -> None:
+    """One prompt's job is canceled mid-stream: the stream ends with its error and the other prompt's job is
+    canceled too (before, it was left running for no one, and could hold the tenant's concurrency slot for
+    good), long before its 60 tokens at 0.1 s would have ended it."""
+    _tenant, key = stack.tenant("batch-stream", concurrency=2)
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.stream("POST", stack.url + "/v1/completions", json=BATCH | {"stream": True}, headers=headers,
+                      timeout=60) as response:  # fmt: skip
+        job_ids = response.headers["x-prfaas-job-id"].split(",")
+        events = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                last, events = line, events + 1
+                if events == 3:
+                    httpx.delete(f"{stack.url}/v1/jobs/{job_ids[0]}", headers=headers, timeout=5)
+    assert "job_canceled" in last
+    assert _wait_states(stack, key, job_ids, 3.0) == ["CANCELED", "CANCELED"]
+
+
+def test_a_batch_whose_one_job_ends_answers_at_once_and_cancels_the_others(stack: Stack) -> None:
+    """Not streamed: the 409 comes as the canceled job ends, and the other job is canceled, not run to its end
+    and billed (before, the answer waited for the other prompt's whole decode)."""
+    _tenant, key = stack.tenant("batch", concurrency=2)
+    headers = {"Authorization": f"Bearer {key}"}
+    answer: dict[str, httpx.Response] = {}
+    caller = threading.Thread(target=lambda: answer.update(
+        r=httpx.post(stack.url + "/v1/completions", json=BATCH, headers=headers, timeout=60)))  # fmt: skip
+    caller.start()
+    listed = lambda: [j["id"] for j in httpx.get(stack.url + "/v1/jobs", headers=headers, timeout=5).json()["data"]]  # noqa: E731
+    wait_until(lambda: len(listed()) == 2, 20, 0.1)
+    time.sleep(0.5)  # both decoding
+    job_ids = listed()
+    canceled = time.monotonic()
+    httpx.delete(f"{stack.url}/v1/jobs/{job_ids[0]}", headers=headers, timeout=5)
+    caller.join(30)
+    assert answer["r"].status_code == 409 and time.monotonic() - canceled < 3.0
+    assert sorted(_wait_states(stack, key, job_ids, 3.0)) == ["CANCELED", "CANCELED"]
