@@ -46,7 +46,7 @@ class Choice:
         self._echo_logprobs = bool(echo) and params.prompt_logprobs is not None
 
     def add(self, token: Token) -> None:
-        if token.prompt_logprobs:
+        if token.prompt_logprobs:  # the job's first token carries them (PromptJob.add gives them to every choice)
             self.prompt_logprobs = token.prompt_logprobs
         self.tokens.append(token.token)
         self.logprobs.append(token.logprobs)

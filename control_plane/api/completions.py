@@ -335,4 +335,4 @@ def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> JSO
 
 def _fill(job: PromptJob) -> None:
     for token in job.stream:
-        job.choices[token.choice].add(token)
+        job.add(token)

@@ -38,6 +38,16 @@ class PromptJob:
     choices: list[Choice]  # the job's n choices
     leader: bool  # its stream is this request's own (not attached to another request's job)
 
+    def add(self, token: Token) -> Choice:
+        """Give `token` to its choice; the prompt's logprobs (on the job's first token) go to every choice, as
+        vLLM echoes them in each."""
+        if token.prompt_logprobs:
+            for choice in self.choices:
+                choice.prompt_logprobs = token.prompt_logprobs
+        choice = self.choices[token.choice]
+        choice.add(token)
+        return choice
+
 
 def completion_tokens(jobs: list[PromptJob]) -> int:
     return sum(len(choice.tokens) for job in jobs for choice in job.choices)
@@ -97,8 +107,7 @@ def sse(
             roles = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield chunk([{"index": c.index} | roles for job in jobs for c in job.choices])
         for index, token in stream:
-            choice = jobs[index].choices[token.choice]
-            choice.add(token)
+            choice = jobs[index].add(token)
             piece = choice.chunk()
             if piece is not None:
                 yield chunk([piece])

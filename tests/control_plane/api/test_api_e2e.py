@@ -285,3 +285,24 @@ def test_an_objective_no_placement_meets_fails_once_it_has_passed(
         )
     assert time.monotonic() - started < 30
     assert info.value.status_code == 503 and "slo" in str(info.value.body), info.value.body
+
+
+def test_every_choice_of_an_echo_with_logprobs_carries_the_prompts_logprobs(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
+) -> None:
+    """As vLLM: `echo` with `logprobs` and n=2 gives each choice the prompt's logprobs (before, choices after the
+    first had null for every prompt token), streamed and not."""
+    s, _ = stack
+    client = _client(s, tenant[1])
+    asked = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 3, "echo": True, "logprobs": 1,
+             "n": 2, "temperature": 0.8, "seed": 3}  # fmt: skip
+    whole = client.completions.create(**asked)  # type: ignore[call-overload]
+    by_choice = {c.index: c.logprobs.token_logprobs for c in whole.choices}
+    streamed: dict[int, list[float | None]] = {0: [], 1: []}
+    for chunk in client.completions.create(**asked, stream=True):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            streamed[c.index] += c.logprobs.token_logprobs if c.logprobs else []
+    for logprobs in (by_choice, streamed):
+        prompt = [lp[: len(lp) - 3] for lp in (logprobs[0], logprobs[1])]  # the echoed prompt's tokens
+        assert prompt[0] == prompt[1] and len(prompt[0]) > 1
+        assert prompt[0][0] is None and all(v is not None for v in prompt[0][1:])
