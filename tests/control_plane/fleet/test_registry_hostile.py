@@ -3,7 +3,9 @@ heartbeat or link report must never stop the snapshot every placement reads, for
 Refused at the gate: names that are not region names, a price or heartbeat interval that is not one. Taken as
 unmeasured: rates that are not finite or out of any GPU's reach. Dropped: link reports no path gives, and
 stored records nobody can read. Also: a retry's excluded instance no longer counts in its region's capacity
-and cache, a link's RTT and bandwidth are bounded, and a NaN cost scores last wherever it stands."""
+and cache, a link's RTT and bandwidth are bounded, and a NaN cost scores last wherever it stands. And what
+regions report of their queues reaches the cost model: a decode region's wait per job (`mean_job_s`), a prefill
+region's queue limit; a region serving another model than the control plane's is refused."""
 
 from __future__ import annotations
 
