@@ -17,6 +17,7 @@ transfers sooner (`unavailable_after_s`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
 import statistics
@@ -212,6 +213,7 @@ class TcpChannel:
             now = time.monotonic()
             for transfer in self.table.live():
                 transfer.cell.expire_if_due(now)
+            metrics.STREAMS.labels(self.peer).set(self.num_streams)
             metrics.STREAMS_CONNECTED.labels(self.peer).set(self.num_connected)
             infos = {s.index: i for s in self.streams if (i := s.tcp_info()) is not None}
             # the byte counts' time, for the window: a GIL wait before the reads (a busy host) must not
@@ -298,6 +300,9 @@ class TcpChannel:
             stream.thread.join(timeout_s)
         self._reaper.join(timeout_s)
         self._encoder.shutdown(wait=True, cancel_futures=True)
+        for gauge in (metrics.STREAMS, metrics.STREAMS_CONNECTED, metrics.QUEUEING_DELAY):  # not its last figures
+            with contextlib.suppress(KeyError):  # for good (a channel to the peer opened since sets its own)
+                gauge.remove(self.peer)
 
     def __enter__(self) -> TcpChannel:
         return self

@@ -333,6 +333,10 @@ def test_the_stream_count_and_transfer_outcomes_are_in_the_metrics(kit: Kit, rec
         while value("prfaas_kv_streams_connected") != 4 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert value("prfaas_kv_streams_connected") == 4
+    # a closed channel's (the pool closes idle ones) gauges go with it: not its last figures for good
+    assert value("prfaas_kv_streams") is None and value("prfaas_kv_streams_connected") is None
+    assert value("prfaas_kv_queueing_delay_seconds") is None
+    assert value("prfaas_kv_transfers_total", status="completed") == 1  # counters stay
 
 
 def test_jobs_submitted_while_the_pool_connects_all_complete(kit: Kit, receiver: TcpReceiver) -> None:
