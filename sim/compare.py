@@ -29,8 +29,10 @@ def arrivals_for(scenario: Scenario, trace: list[Arrival] | None, seed: int) -> 
     """Rate -> arrivals: the scenario's workload drawn at that rate, or the trace replayed at it."""
     if trace is None:
         return lambda rate: scenario.workload.generate(rate, scenario.num_requests, seed)
-    span = trace[-1].at_s - trace[0].at_s if len(trace) > 1 else 1.0
-    native = len(trace) / span if span > 0 else 1.0
+    span = trace[-1].at_s - trace[0].at_s
+    if span <= 0:  # no rate of its own to scale from
+        raise ValueError("a trace replayed at a rate needs arrivals at two times or more")
+    native = (len(trace) - 1) / span  # n arrivals span n - 1 gaps
     return lambda rate: scale_rate(trace, rate / native)
 
 

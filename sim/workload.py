@@ -141,19 +141,31 @@ def prfaas_paper_workload() -> Workload:
 
 def load_trace(path: str | Path) -> list[Arrival]:
     """JSONL, one request a line: `t_s` (arrival offset, s), `prompt_tokens`, `output_tokens`
-    (or `max_new_tokens`), optional `cached_tokens`. Lines are sorted by `t_s`."""
+    (or `max_new_tokens`), optional `cached_tokens`. Lines are sorted by `t_s`. A file that cannot
+    be read, holds no request, or has a row no request could have is a ValueError naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the trace ({exc})") from None
     rows: list[Arrival] = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             doc = json.loads(line)
             output = doc["output_tokens"] if "output_tokens" in doc else doc["max_new_tokens"]
-            rows.append(
-                Arrival(float(doc["t_s"]), int(doc["prompt_tokens"]), int(output), int(doc.get("cached_tokens", 0)))
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            row = Arrival(float(doc["t_s"]), int(doc["prompt_tokens"]), int(output), int(doc.get("cached_tokens", 0)))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"{path}:{number}: bad trace row ({exc!r})") from None
+        if not (math.isfinite(row.at_s) and row.at_s >= 0 and row.prompt_tokens >= 1 and row.output_tokens >= 1):
+            raise ValueError(
+                f"{path}:{number}: a request needs t_s >= 0 (finite), prompt_tokens >= 1, output_tokens >= 1"
+            )
+        if not 0 <= row.cached_tokens < row.prompt_tokens:
+            raise ValueError(f"{path}:{number}: cached_tokens must be in [0, prompt_tokens)")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: the trace holds no request")
     return sorted(rows, key=lambda a: a.at_s)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from prfaas.cli.main import app
@@ -59,3 +60,28 @@ def test_cli_writes_json_rows(tmp_path: Path) -> None:
 def test_cli_rejects_an_unknown_scenario() -> None:
     result = CliRunner().invoke(app, ["sim", "run", "--scenario", "nope"])
     assert result.exit_code == 2 and "unknown scenario" in result.output
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ([], "holds no request"),
+        (['{"t_s": NaN, "prompt_tokens": 10, "output_tokens": 5}'], "t_s >= 0 (finite)"),
+        (['{"t_s": Infinity, "prompt_tokens": 10, "output_tokens": 5}'], "t_s >= 0 (finite)"),
+        (['{"t_s": 0, "prompt_tokens": 0, "output_tokens": 5}'], "prompt_tokens >= 1"),
+        (['{"t_s": 0, "prompt_tokens": 10, "output_tokens": -1}'], "output_tokens >= 1"),
+        (['{"t_s": 0, "prompt_tokens": 10, "output_tokens": 5, "cached_tokens": 10}'], "cached_tokens must be"),
+        (['{"t_s": 1, "prompt_tokens": 10, "output_tokens": 5}'] * 2, "arrivals at two times or more"),
+    ],
+)
+def test_cli_refuses_a_trace_no_workload_could_be(tmp_path: Path, lines: list[str], message: str) -> None:
+    """A clear error (exit 2), never a traceback or a figure from nothing (a NaN time read 0 req/s at SLO)."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(app, ["sim", "run", "--policy", "prfaas", "--trace", str(trace)])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_cli_names_a_trace_it_cannot_read(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["sim", "run", "--policy", "prfaas", "--trace", str(tmp_path / "nope.jsonl")])
+    assert result.exit_code == 2 and "cannot read the trace" in result.output, result.output
