@@ -166,8 +166,15 @@ class Meter:
         with self.spend.settling({usage.tenant for usage, _ in jobs}):  # no sync counts an entry in between
             results = self.ledger.record_many(jobs)
             written = [entry for entry, inserted in results if inserted]
-            # only the writer of an entry settles it: the spend rises once per job (a crash in between: reconcile)
-            self.spend.settle((entry.tenant, entry.job_id, entry.total_usd, entry.finished_at) for entry in written)
+            try:  # only the writer of an entry settles it: the spend rises once per job (a crash in between: reconcile)
+                self.spend.settle((e.tenant, e.job_id, e.total_usd, e.finished_at) for e in written)
+            finally:  # the entries are written: their metrics too (a retry finds them written, and observes nothing)
+                self._observe(written, stages, started)
+        return [entry for entry, _ in results]
+
+    def _observe(
+        self, written: list[UsageEntry], stages: dict[str, tuple[dict[str, str], dict[str, float]]], started: float
+    ) -> None:
         if self.metrics is not None:
             each_s = (time.perf_counter() - started) / max(1, len(written))
             for entry in written:
@@ -177,7 +184,6 @@ class Meter:
             for entry in written:
                 if entry.job_id in stages:
                     self.latency.observe(*stages[entry.job_id])
-        return [entry for entry, _ in results]
 
     def _with_wire_bytes(self, job: dict[str, str], wait_s: float = 5.0) -> dict[str, str]:
         """A split job's wire bytes come with the prefill region's `shipment_complete` event, which the

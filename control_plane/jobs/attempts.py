@@ -22,8 +22,9 @@ from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
-# A new attempt starts with no KV shipped: a failed-over split job is billed the bytes its last attempt shipped.
-_SHIPPED_NONE = {"bytes_raw": 0, "bytes_wire": 0}
+# A new attempt starts with no KV shipped and no Reserve: a failed-over split job is billed the bytes its last
+# attempt shipped, and a local retry's stage metrics have no Reserve (jobs/latency.py).
+_ATTEMPT_FRESH = {"bytes_raw": 0, "bytes_wire": 0, "reserve_s": ""}
 Enqueue = Callable[[str, float], object]  # (job id, countdown s): queue the job's dispatch
 
 
@@ -61,7 +62,7 @@ class Attempts:
         try:
             # the KV bytes are the attempt's own: the next one records what it ships, and the bill waits for it
             self.jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=reason, tenant=job["tenant"],
-                                 excluded=sorted(excluded), **(_SHIPPED_NONE | fields))  # fmt: skip
+                                 excluded=sorted(excluded), **(_ATTEMPT_FRESH | fields))  # fmt: skip
         except (StaleAttempt, IllegalTransition, JobNotFound):
             self.leases.drop_granted(queued)  # kept if another caller's move queued that attempt: it guards it
             return "superseded"

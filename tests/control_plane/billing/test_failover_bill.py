@@ -1,6 +1,8 @@
 """A split job that failed over is billed what its answering attempt shipped (real Redis, the ledger in a
 SQLite file): the first attempt's KV bytes, recorded before it failed, are not the bill's, and the biller
-waits for the last attempt's, which its prefill region reports after DONE."""
+waits for the last attempt's, which its prefill region reports after DONE. Its stage metrics are the
+answering attempt's too: a local retry has no Reserve. And a bill whose spend settle fails after its ledger
+write still counts in the metering metrics (the retry finds the entry written and observes nothing)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 from cp_kit import settings_fixture
+from prometheus_client import CollectorRegistry
 
 from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.control_plane.billing.meter import Meter
+from prfaas.control_plane.billing.spend import TenantSpend
 from prfaas.control_plane.jobs.attempts import Attempts
+from prfaas.control_plane.jobs.latency import stage_seconds
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
@@ -65,6 +71,61 @@ def test_a_failed_over_split_job_is_billed_its_last_attempts_wire_bytes(settings
         late.join()
         assert entry is not None and entry.attempts == 2
         assert (entry.prefill_region, entry.kv_bytes_wire) == ("prefill-c", LAST_WIRE)
+    finally:
+        ledger.close()
+        services.close()
+
+
+def test_a_local_retry_of_a_split_job_has_no_reserve_stage(settings: Settings) -> None:
+    services = Services.create(settings)
+    try:
+        jobs = services.jobs
+        fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
+        job = jobs.create("t-" + uuid.uuid4().hex[:8], fields, Quota(rps=100, concurrency=100, budget_usd=100)).job_id
+        jobs.update(job, 1, placement_chosen="split", prefill_region="prefill-a", decode_region="decode-a")
+        jobs.transition(job, JobState.PREFILLING, 1, note="prefill in prefill-a", reserve_s=4.2)
+        attempts = Attempts(jobs, Leases(services.redis, settings), lambda *_: None, "test")
+        assert attempts.fail(job, 1, "decode-a/0", "decode: UNAVAILABLE") == "retrying"
+
+        jobs.update(job, 2, placement_chosen="local", decode_region="decode-b", placement_s=0.01)
+        jobs.transition(job, JobState.LOCAL, 2, note="local in decode-b")
+        jobs.transition(job, JobState.DONE, 2, completion_tokens=3)
+        stages = stage_seconds(jobs.get(job), jobs.timeline(job))
+        assert "reserve" not in stages and stages["placement"] == 0.01, stages  # attempt 1's 4.2 s Reserve
+    finally:
+        services.close()
+
+
+class SettleFailsOnce(TenantSpend):
+    """The spend's Redis step fails once, after the ledger write (Redis away for a moment)."""
+
+    failed = False
+
+    def settle(self, billed: object) -> None:
+        if not self.failed:
+            self.failed = True
+            raise redis.ConnectionError("Redis away")
+        super().settle(billed)  # type: ignore[arg-type]
+
+
+def test_a_bill_whose_settle_fails_after_the_ledger_write_is_still_in_the_metrics(settings: Settings) -> None:
+    services = Services.create(settings)
+    ledger = Ledger(settings.ledger.url)
+    try:
+        jobs = services.jobs
+        fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
+        job = jobs.create("t-" + uuid.uuid4().hex[:8], fields, Quota(rps=100, concurrency=100, budget_usd=100)).job_id
+        jobs.update(job, 1, placement_chosen="local", decode_region="decode-b")
+        jobs.transition(job, JobState.LOCAL, 1, note="local in decode-b")
+        jobs.transition(job, JobState.DONE, 1, completion_tokens=3, gen_first_s=0.2, gen_last_s=0.4)
+        registry = CollectorRegistry()
+        meter = Meter(services, ledger, registry)
+        meter.spend = SettleFailsOnce(services.redis, jobs)
+        with pytest.raises(redis.ConnectionError):
+            meter.bill(job)
+        entry = meter.bill(job)  # the retry: written before, so not settled nor observed again
+        assert entry is not None and ledger.entry(job) is not None
+        assert registry.get_sample_value("prfaas_billed_jobs_total", {"placement": "local"}) == 1.0
     finally:
         ledger.close()
         services.close()
