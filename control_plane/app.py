@@ -86,8 +86,11 @@ def create_app(settings: Settings) -> FastAPI:
     dashboard.install(app)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(CountResponses, counter=api_metrics.responses)  # outermost: counts early 413s too
     errors.install(app)
+    # outermost, around Starlette's ServerErrorMiddleware too (`add_middleware` puts it inside): counts early 413s
+    # and the 500s of unhandled errors
+    stack = app.build_middleware_stack
+    app.build_middleware_stack = lambda: CountResponses(stack(), counter=api_metrics.responses)  # type: ignore[method-assign]
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:

@@ -163,6 +163,22 @@ def test_health_ready_metrics(client: TestClient) -> None:
     assert 'prfaas_api_responses_total{route="/readyz",status="200"} 1.0' in text
 
 
+def test_a_500_is_counted() -> None:
+    """An unhandled error's 500 (rendered by Starlette's outermost ServerErrorMiddleware) is in
+    `prfaas_api_responses_total`, which error-rate alerts read."""
+    for settings in settings_fixture():
+        app = create_app(settings)
+
+        @app.get("/v1/boom")
+        def boom() -> None:
+            raise RuntimeError("a bug")
+
+        with TestClient(app, raise_server_exceptions=False) as c:
+            response = c.get("/v1/boom")
+            assert (response.status_code, response.json()["error"]["type"]) == (500, "server_error")
+            assert 'prfaas_api_responses_total{route="/v1/boom",status="500"} 1.0' in c.get("/metrics").text
+
+
 def _prefix(client: TestClient) -> str:
     return _services(client).settings.key_prefix
 
