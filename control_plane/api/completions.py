@@ -25,7 +25,7 @@ from typing import Any
 import kombu.exceptions
 import redis
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.deps import Generation, GenerationDep, ServicesDep, TenantDep
@@ -52,6 +52,7 @@ from prfaas.control_plane.api.sse import (
     ended_error,
     sse,
 )
+from prfaas.control_plane.api.unary import AnswerResponse
 from prfaas.control_plane.jobs.celery_app import enqueue
 from prfaas.control_plane.jobs.errors import AdmissionRefused, JobNotFound
 from prfaas.control_plane.jobs.generation import JobEnded
@@ -80,7 +81,7 @@ def list_models(_tenant: TenantDep, s: ServicesDep) -> dict[str, Any]:
 
 
 @router.post("/completions", response_model=None)
-def create_completion(body: CompletionCreate, g: GenerationDep) -> JSONResponse | StreamingResponse:
+def create_completion(body: CompletionCreate, g: GenerationDep) -> AnswerResponse | StreamingResponse:
     model = _served_model(g.services, body.model)
     prompts: list[str | list[int]]
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
@@ -99,7 +100,7 @@ def create_completion(body: CompletionCreate, g: GenerationDep) -> JSONResponse 
 
 
 @router.post("/chat/completions", response_model=None)
-def create_chat_completion(body: ChatCompletionCreate, g: GenerationDep) -> JSONResponse | StreamingResponse:
+def create_chat_completion(body: ChatCompletionCreate, g: GenerationDep) -> AnswerResponse | StreamingResponse:
     model = _served_model(g.services, body.model)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     runs: list[tuple[Prompt, str]] = [(lambda: model.encode_chat(messages), "")]
@@ -134,7 +135,7 @@ def _refused(g: Generation, exc: AdmissionRefused) -> ApiError:
 
 def _run(
     g: Generation, body: Body, runs: list[tuple[Prompt, str]], max_tokens: int | None, kind: str
-) -> JSONResponse | StreamingResponse:
+) -> AnswerResponse | StreamingResponse:
     """One job per prompt (`runs`: the prompt, and the text a completion's `echo` shows), then the
     response: `n` choices per prompt, `index` = prompt x n + choice (OpenAI's numbering). A batch's
     prompts run side by side; one refused at admission ends the others (a batch is one request)."""
@@ -300,7 +301,7 @@ def _create(
     return created.job_id, placed.handed_off, created.record
 
 
-def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> JSONResponse | StreamingResponse:
+def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> AnswerResponse | StreamingResponse:
     s = g.services
     headers = {"X-Prfaas-Job-Id": ",".join(job.job_id for job in jobs)}
     if body.stream:
@@ -311,6 +312,11 @@ def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> JSO
             media_type="text/event-stream",
             headers=headers | {"Cache-Control": "no-cache"},
         )
+    return AnswerResponse(lambda: _answer(g, jobs, kind), lambda: client_gone(g.follower, jobs, reading=True), headers)
+
+
+def _answer(g: Generation, jobs: list[PromptJob], kind: str) -> dict[str, Any]:
+    """The `stream=false` body, once every job of the request has ended (on a worker thread: api/unary.py)."""
     try:
         if len(jobs) == 1:
             _fill(jobs[0])
@@ -325,12 +331,11 @@ def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> JSO
     except JobEnded as exc:
         cancel_batch(g.follower, jobs, "another prompt of the request failed")
         raise ended_error(exc) from None
-    reply = {
-        "id": jobs[0].job_id, "object": kind, "created": int(time.time()), "model": s.model.name,
+    return {
+        "id": jobs[0].job_id, "object": kind, "created": int(time.time()), "model": g.services.model.name,
         "choices": [choice.full() for job in jobs for choice in job.choices],
         "usage": usage(sum(j.prompt_tokens for j in jobs), completion_tokens(jobs)),
     }  # fmt: skip
-    return JSONResponse(reply, headers=headers)
 
 
 def _fill(job: PromptJob) -> None:

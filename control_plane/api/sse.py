@@ -131,12 +131,16 @@ def sse(
             close()
 
 
-def client_gone(follower: Follower, jobs: list[PromptJob]) -> None:
-    """The client of a streamed request went away before its end: its own jobs are canceled in both regions
-    (a single job read by requests attached to it is read to its end for them)."""
+def client_gone(follower: Follower, jobs: list[PromptJob], *, reading: bool = False) -> None:
+    """The client of a request went away before its end: its own jobs are canceled in both regions (a single
+    job read by requests attached to it is read to its end for them). `reading`: a thread is reading the jobs'
+    streams (a `stream=false` answer being built), which then end with their jobs."""
     with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
         if len(jobs) == 1 and jobs[0].leader:
-            follower.disconnected(jobs[0].job_id, jobs[0].stream)
+            if reading:
+                follower.left(jobs[0].job_id)
+            else:
+                follower.disconnected(jobs[0].job_id, jobs[0].stream)
     cancel_batch(follower, jobs, "client disconnected")
 
 

@@ -281,8 +281,7 @@ class Follower:
         """The client of the job's own stream (`tokens`) went away mid-stream: the job is
         canceled in both regions, unless requests are attached to it, for which `stream` is
         read to its end on a thread of its own."""
-        if self.log.readers(job_id) <= 0:
-            self.cancel(job_id, "client disconnected")
+        if self.left(job_id):
             close = getattr(stream, "close", None)
             if close is not None:
                 close()  # its end: no longer this process's to follow
@@ -296,6 +295,14 @@ class Follower:
                 log.info("job %s, followed for attached requests only, ended: %s", job_id, exc)
 
         threading.Thread(target=drain, name=f"drain-{job_id[:8]}", daemon=True).start()
+
+    def left(self, job_id: str) -> bool:
+        """The client of the job's own request went away: the job is canceled in both regions (True), unless
+        requests are attached to it, for which it runs on (its reader then reads it to its end for them)."""
+        if self.log.readers(job_id) > 0:
+            return False
+        self.cancel(job_id, "client disconnected")
+        return True
 
     def _cancel_decode(self, job_id: str, handed: dict[str, Any], reason: str) -> None:
         stub = self._decode_stub(handed["decode_grpc"], handed.get("decode_region", ""))

@@ -5,7 +5,9 @@ region is slowed by the test-only `test_layer_delay_s` (0.5 s a layer: ~2 s a pr
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -137,6 +139,27 @@ def test_client_disconnect_mid_stream_cancels_the_job_in_both_regions(stack: Sta
     tokens = metric(decode.metrics, "prfaas_decode_tokens_total")
     time.sleep(0.5)
     assert metric(decode.metrics, "prfaas_decode_tokens_total") == tokens  # decoding stopped
+
+
+def test_client_gone_before_a_non_streamed_answer_cancels_its_job(stack: Stack, long_text: str) -> None:
+    """vLLM aborts a request whose client left, streamed or not: a `stream=false` job is canceled when its client
+    goes away, not run to its end for no one, billed."""
+    _, key = stack.tenant("unary-gone", allow_placement=True)  # its job list holds this job only
+    prompt = HFEngine("tiny-llama").encode(long_text)[:600]
+    body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 3000, "prfaas": {"placement": "split"}})
+    host, _, port = stack.url.removeprefix("http://").partition(":")
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}")  # fmt: skip
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(request.encode())
+        wait_until(lambda: [j["state"] for j in listed(stack, key)] == ["DECODING"], 15, 0.02)
+    job_id = str(listed(stack, key)[0]["id"])  # the client has gone, ~4 s before the decode's end
+
+    canceled_s = wait_until(lambda: job(stack, key, job_id)["state"] == "CANCELED", 10, 0.02)
+    print(f"canceled {canceled_s:.3f} s after the disconnect")
+    assert canceled_s < 1.0
+    record = job(stack, key, job_id)
+    assert "client disconnected" in str(record.get("error")), record
 
 
 def test_celery_worker_killed_mid_dispatch_another_worker_finishes_the_job(stack: Stack, long_text: str) -> None:
