@@ -24,6 +24,7 @@ from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.latency import stage_seconds
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.store import JobStore
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
 from prfaas.control_plane.tenants import Quota
@@ -34,10 +35,24 @@ FIRST_WIRE, LAST_WIRE = 900_000_000, 2_000_000
 
 
 @pytest.fixture
+def stores(settings: Settings) -> Iterator[tuple[Services, Ledger]]:
+    services = Services.create(settings)
+    ledger = Ledger(settings.ledger.url)
+    yield services, ledger
+    ledger.close()
+    services.close()
+
+
+@pytest.fixture
 def settings(tmp_path: Path) -> Iterator[Settings]:
     prices = tmp_path / "prices.yaml"
     prices.write_text(yaml.safe_dump({"max_age_s": 3600, "refresh_s": 3600, "regions": PRICES}))
     yield from settings_fixture(prices={"path": str(prices)})
+
+
+def _new_job(jobs: JobStore) -> str:
+    fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
+    return jobs.create("t-" + uuid.uuid4().hex[:8], fields, Quota(rps=100, concurrency=100, budget_usd=100)).job_id
 
 
 def _split(services: Services, job: str, attempt: int, prefill: str) -> None:
@@ -48,40 +63,35 @@ def _split(services: Services, job: str, attempt: int, prefill: str) -> None:
     jobs.transition(job, JobState.TRANSFERRING, attempt, note="prefill done, KV shipping")
 
 
-def test_a_failed_over_split_job_is_billed_its_last_attempts_wire_bytes(settings: Settings) -> None:
-    services = Services.create(settings)
-    ledger = Ledger(settings.ledger.url)
-    try:
-        jobs = services.jobs
-        fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
-        job = jobs.create("t-" + uuid.uuid4().hex[:8], fields, Quota(rps=100, concurrency=100, budget_usd=100)).job_id
-        _split(services, job, 1, "prefill-a")
-        jobs.update(job, 1, bytes_wire=FIRST_WIRE)  # shipped, then the decode region died
-        attempts = Attempts(jobs, Leases(services.redis, settings), lambda *_: None, "test")
-        assert attempts.fail(job, 1, "decode-b/0", "decode: UNAVAILABLE") == "retrying"
-        assert int(jobs.get(job)["bytes_wire"]) == 0  # the new attempt has shipped nothing yet
+def test_a_failed_over_split_job_is_billed_its_last_attempts_wire_bytes(
+    settings: Settings, stores: tuple[Services, Ledger]
+) -> None:
+    services, ledger = stores
+    jobs = services.jobs
+    job = _new_job(jobs)
+    _split(services, job, 1, "prefill-a")
+    jobs.update(job, 1, bytes_wire=FIRST_WIRE)  # shipped, then the decode region died
+    attempts = Attempts(jobs, Leases(services.redis, settings), lambda *_: None, "test")
+    assert attempts.fail(job, 1, "decode-b/0", "decode: UNAVAILABLE") == "retrying"
+    assert int(jobs.get(job)["bytes_wire"]) == 0  # the new attempt has shipped nothing yet
 
-        _split(services, job, 2, "prefill-c")
-        jobs.transition(job, JobState.DECODING, 2, note="decoding")
-        jobs.transition(job, JobState.DONE, 2, completion_tokens=3, gen_first_s=0.2, gen_last_s=0.4)
-        # the prefill region's shipment_complete comes after DONE (the dispatcher records it then)
-        late = threading.Timer(0.5, lambda: jobs.update(job, 2, bytes_wire=LAST_WIRE))
-        late.start()
-        entry = Meter(services, ledger).bill(job)
-        late.join()
-        assert entry is not None and entry.attempts == 2
-        assert (entry.prefill_region, entry.kv_bytes_wire) == ("prefill-c", LAST_WIRE)
-    finally:
-        ledger.close()
-        services.close()
+    _split(services, job, 2, "prefill-c")
+    jobs.transition(job, JobState.DECODING, 2, note="decoding")
+    jobs.transition(job, JobState.DONE, 2, completion_tokens=3, gen_first_s=0.2, gen_last_s=0.4)
+    # the prefill region's shipment_complete comes after DONE (the dispatcher records it then)
+    late = threading.Timer(0.5, lambda: jobs.update(job, 2, bytes_wire=LAST_WIRE))
+    late.start()
+    entry = Meter(services, ledger).bill(job)
+    late.join()
+    assert entry is not None and entry.attempts == 2
+    assert (entry.prefill_region, entry.kv_bytes_wire) == ("prefill-c", LAST_WIRE)
 
 
 def test_a_local_retry_of_a_split_job_has_no_reserve_stage(settings: Settings) -> None:
     services = Services.create(settings)
     try:
         jobs = services.jobs
-        fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
-        job = jobs.create("t-" + uuid.uuid4().hex[:8], fields, Quota(rps=100, concurrency=100, budget_usd=100)).job_id
+        job = _new_job(jobs)
         jobs.update(job, 1, placement_chosen="split", prefill_region="prefill-a", decode_region="decode-a")
         jobs.transition(job, JobState.PREFILLING, 1, note="prefill in prefill-a", reserve_s=4.2)
         attempts = Attempts(jobs, Leases(services.redis, settings), lambda *_: None, "test")
@@ -108,24 +118,20 @@ class SettleFailsOnce(TenantSpend):
         super().settle(billed)  # type: ignore[arg-type]
 
 
-def test_a_bill_whose_settle_fails_after_the_ledger_write_is_still_in_the_metrics(settings: Settings) -> None:
-    services = Services.create(settings)
-    ledger = Ledger(settings.ledger.url)
-    try:
-        jobs = services.jobs
-        fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
-        job = jobs.create("t-" + uuid.uuid4().hex[:8], fields, Quota(rps=100, concurrency=100, budget_usd=100)).job_id
-        jobs.update(job, 1, placement_chosen="local", decode_region="decode-b")
-        jobs.transition(job, JobState.LOCAL, 1, note="local in decode-b")
-        jobs.transition(job, JobState.DONE, 1, completion_tokens=3, gen_first_s=0.2, gen_last_s=0.4)
-        registry = CollectorRegistry()
-        meter = Meter(services, ledger, registry)
-        meter.spend = SettleFailsOnce(services.redis, jobs)
-        with pytest.raises(redis.ConnectionError):
-            meter.bill(job)
-        entry = meter.bill(job)  # the retry: written before, so not settled nor observed again
-        assert entry is not None and ledger.entry(job) is not None
-        assert registry.get_sample_value("prfaas_billed_jobs_total", {"placement": "local"}) == 1.0
-    finally:
-        ledger.close()
-        services.close()
+def test_a_bill_whose_settle_fails_after_the_ledger_write_is_still_in_the_metrics(
+    settings: Settings, stores: tuple[Services, Ledger]
+) -> None:
+    services, ledger = stores
+    jobs = services.jobs
+    job = _new_job(jobs)
+    jobs.update(job, 1, placement_chosen="local", decode_region="decode-b")
+    jobs.transition(job, JobState.LOCAL, 1, note="local in decode-b")
+    jobs.transition(job, JobState.DONE, 1, completion_tokens=3, gen_first_s=0.2, gen_last_s=0.4)
+    registry = CollectorRegistry()
+    meter = Meter(services, ledger, registry)
+    meter.spend = SettleFailsOnce(services.redis, jobs)
+    with pytest.raises(redis.ConnectionError):
+        meter.bill(job)
+    entry = meter.bill(job)  # the retry: written before, so not settled nor observed again
+    assert entry is not None and ledger.entry(job) is not None
+    assert registry.get_sample_value("prfaas_billed_jobs_total", {"placement": "local"}) == 1.0
