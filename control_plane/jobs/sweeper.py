@@ -58,6 +58,8 @@ class Sweeper:
         self.settings = jobs.settings
         self._ticker = Periodic("prfaas-sweeper", self.settings.sweep_s, self.sweep, _sweep_failed)
         self._missing: dict[str, float] = {}  # owners with no beat at all -> when this sweeper first saw that
+        self._last_pass: float | None = None  # when the last pass ended (None: none yet)
+        self._back_since = float("-inf")  # when this sweeper came back from a gap (Redis away, a stall)
 
     def start(self) -> Sweeper:
         self._ticker.start()
@@ -69,6 +71,10 @@ class Sweeper:
     def sweep(self) -> list[str]:
         """One pass; what it did, a line per job."""
         now = time.time()
+        if self._last_pass is not None and now - self._last_pass > 2 * self.settings.sweep_s + 1:
+            # passes were missed (Redis away, this process stalled): the beats the others could not write
+            # meanwhile say nothing of them; none is dead before it has had `dead_after_s` to beat again
+            self._back_since = now
         alive = set().union(*(b.alive() for b in self.beats.values()))
         known = set().union(*(b.known() for b in self.beats.values()))
         missing, self._missing = self._missing, {}  # kept for the owners this pass still finds without a beat
@@ -83,12 +89,14 @@ class Sweeper:
             for job_id, owner in self.leases.following().items():
                 if self._dead(owner, alive, known, missing, now) and self.leases.unfollow(job_id, owner):
                     done.append(self._orphaned(job_id, owner))
+        self._last_pass = time.time()
         return done
 
     def _dead(self, owner: str, alive: set[str], known: set[str], missing: dict[str, float], now: float) -> bool:
         """Its beats aged past `dead_after_s` (or it said it stopped); or it has none at all, for as long: a
-        Redis that came back empty lost every beat, and a live process beats again within `beat_s`."""
-        if owner in alive:
+        Redis that came back empty lost every beat, and a live process beats again within `beat_s`. Never
+        within `dead_after_s` of this sweeper's return from a gap (a Redis outage stopped every beat)."""
+        if owner in alive or now - self._back_since <= self.settings.dead_after_s:
             return False
         if owner in known:
             return True

@@ -1,0 +1,70 @@
+"""The sweeper across a Redis outage (real Redis): while Redis is away no process can beat, so when it comes
+back every live worker's and API process's last beat is older than `dead_after_s`. A sweeper pass then must
+not take their leases (a live prefill canceled and retried) nor fail the jobs they follow: after a gap in
+its own passes, the sweeper declares no one dead until each has had `dead_after_s` to beat again. The outage
+is what the sweeper sees of one: no beat and no pass for 2 s."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from cp_kit import cleanup, ensure_redis, make_settings
+
+from prfaas.control_plane.jobs.attempts import Attempts
+from prfaas.control_plane.jobs.leases import Heartbeats, Lease, Leases
+from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.sweeper import Sweeper
+from prfaas.control_plane.services import Services
+from prfaas.control_plane.tenants import Quota
+from prfaas.region.channels import ChannelCache
+
+DEAD_AFTER_S = 1.0
+
+
+@pytest.fixture
+def services() -> Iterator[Services]:
+    ensure_redis()
+    settings = make_settings(dead_after_s=DEAD_AFTER_S, sweep_s=0.2, beat_s=0.2)
+    services = Services.create(settings)
+    yield services
+    services.close()
+    cleanup(settings)
+
+
+def _prefilling(services: Services, leases: Leases, owner: str) -> str:
+    """A job whose attempt 1 is prefilling under `owner`'s lease."""
+    fields = {"token_ids": [1, 2, 3], "prompt_tokens": 3, "max_new_tokens": 2}
+    quota = Quota(rps=100, concurrency=100, budget_usd=100)
+    job_id = services.jobs.create("t-" + uuid.uuid4().hex[:8], fields, quota).job_id
+    services.jobs.transition(job_id, JobState.PREFILLING, 1, note="prefill")
+    leases.grant(Lease(job_id, 1, "prefill", owner, "prefill-a/i0", time.time() + 60))
+    return job_id
+
+
+def test_after_an_outage_no_one_is_dead_until_they_could_beat_again(services: Services) -> None:
+    leases = Leases(services.redis, services.settings)
+    beats = {"worker": Heartbeats(services.redis, services.settings, "worker")}
+    attempts = Attempts(services.jobs, leases, lambda *_: None, "worker:sweeper")
+    sweeper = Sweeper(services.jobs, leases, attempts, beats, ChannelCache(None))
+    key = services.settings.key("beats", "worker")
+
+    def beat(owner: str) -> None:
+        services.redis.zadd(key, {owner: time.time()})
+
+    live, dead = _prefilling(services, leases, "worker:live"), _prefilling(services, leases, "worker:dead")
+    beat("worker:live")
+    beat("worker:dead")
+    assert sweeper.sweep() == []
+    time.sleep(2.0)  # Redis away: no beat lands, no pass runs
+
+    assert sweeper.sweep() == []  # both beats are 2 s old: neither is declared dead yet
+    assert leases.get(live) is not None and leases.get(dead) is not None
+    beat("worker:live")  # the live worker beats again once Redis is back; the dead one never does
+    time.sleep(DEAD_AFTER_S + 0.1)
+    beat("worker:live")
+    done = sweeper.sweep()
+    assert len(done) == 1 and done[0].startswith(f"{dead}: retrying"), done
+    assert leases.get(live) is not None and services.jobs.get(live)["state"] == JobState.PREFILLING
