@@ -66,6 +66,12 @@ class AttemptFailed(Exception):
         self.where = where
 
 
+class PlaceAgain(Exception):
+    """The placement cannot be carried out now, through no instance's fault: a region it picked left since the
+    snapshot, or the decode instance has no room (RESOURCE_EXHAUSTED at Reserve: a burst of dispatches raced
+    for its buffer). The same attempt is placed again shortly on a fresh snapshot, no instance left out."""
+
+
 class Superseded(Exception):
     """The job moved on without us (canceled, or a newer attempt)."""
 
@@ -126,6 +132,9 @@ class Dispatcher:
         except PlacementRejected as exc:
             tracing.failed(span, exc)
             return self._unplaced(job_id, job, attempt, f"no placement: {exc}", exc.reason == RejectReason.SLO)
+        except PlaceAgain as exc:
+            tracing.failed(span, exc)
+            return self._unplaced(job_id, job, attempt, str(exc))
         except (StaleAttempt, IllegalTransition, Superseded, JobNotFound):
             span.set_attribute("prfaas.outcome", "superseded")
             self.leases.take(job_id, attempt)
@@ -172,8 +181,8 @@ class Dispatcher:
         try:  # one instance of each region: the one holding most of the prompt, else the least loaded
             decode = self.s.regions.get(decision.decode_region).pick(excluded, prefix)
             prefill = self.s.regions.get(decision.prefill_region).pick(excluded, prefix)
-        except RegionNotFound as exc:  # it died since the snapshot: try again without it
-            raise AttemptFailed(decision.decode_region, str(exc)) from exc
+        except RegionNotFound as exc:  # it left since the snapshot (drained, aged out): the next snapshot has it not
+            raise PlaceAgain(f"placement: {exc}") from exc
         if reship is not None:  # the KV is leased in the prefill region that computed it
             try:
                 leased: InstanceRecord | None = self.s.regions.get(reship["region"]).instance(reship["instance"])
@@ -221,6 +230,8 @@ class Dispatcher:
             tracing.failed(call, exc.code().name)
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # its reply may be lost, not its reservation
                 self._release(decode_stub, job_id, attempt)
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full for now, not failing
+                raise PlaceAgain(f"reserve in {decode.key}: RESOURCE_EXHAUSTED {exc.details() or ''}".strip()) from exc
             raise self._failed(decode.key, "reserve", exc) from exc
         finally:
             call.end()
@@ -261,6 +272,7 @@ class Dispatcher:
         jobs = self.s.jobs
         channel = self.watcher.channel(run.prefill.grpc_endpoint, server_name(run.prefill.name))
         span = run.call_span("worker.prefill")
+        lost = False
         call = prefill_pb2_grpc.PrefillRegionStub(channel).Prefill(request, timeout=run.lease_s + 5,
                                                                    metadata=tracing.metadata(span))  # fmt: skip
         try:
@@ -286,15 +298,21 @@ class Dispatcher:
             await self._stage_failed(run, "prefill", exc)
         except (StaleAttempt, IllegalTransition, JobNotFound):
             call.cancel()  # the job moved on (canceled, or the sweeper started the next attempt)
+        except Exception as exc:
+            lost = True
+            call.cancel()
+            self._lost(run, "prefill", span, exc)
         finally:
             span.end()
-            self.leases.take(run.job_id, run.attempt)
+            if not lost:
+                self.leases.take(run.job_id, run.attempt)
 
     async def _follow_reship(self, run: Started, request: prefill_pb2.ReshipRequest) -> None:
         """On the watcher's loop: the leased KV shipped to the new decode instance, then its hand-off."""
         jobs = self.s.jobs
         channel = self.watcher.channel(run.prefill.grpc_endpoint, server_name(run.prefill.name))
         span = run.call_span("worker.reship")
+        lost = False
         try:
             reply = await prefill_pb2_grpc.PrefillRegionStub(channel).Reship(
                 request, timeout=run.lease_s + 5, metadata=tracing.metadata(span)
@@ -310,9 +328,22 @@ class Dispatcher:
             await self._stage_failed(run, "reship", exc, reship_from="")
         except (StaleAttempt, IllegalTransition, JobNotFound):
             pass
+        except Exception as exc:
+            lost = True
+            self._lost(run, "reship", span, exc)
         finally:
             span.end()
-            self.leases.take(run.job_id, run.attempt)
+            if not lost:
+                self.leases.take(run.job_id, run.attempt)
+
+    @staticmethod
+    def _lost(run: Started, step: str, span: tracing.Span, exc: Exception) -> None:
+        """Following the stage failed for a reason of ours (Redis away past its retries): its lease is left
+        in place, so the sweeper takes the attempt back at the lease's deadline (stops it in its regions, tries
+        again); taken here, nothing would ever move the job on."""
+        log.error("job %s attempt %d: following its %s failed (%r); the sweeper takes it back at its lease's end",
+                  run.job_id, run.attempt, step, exc)  # fmt: skip
+        tracing.failed(span, exc)
 
     async def _stage_failed(self, run: Started, step: str, exc: grpc.aio.AioRpcError, **fields: Any) -> None:
         if self.leases.take(run.job_id, run.attempt) is None:

@@ -1,0 +1,204 @@
+"""The dispatcher when a placement cannot be carried out through no instance's fault, and when following a
+stage fails for a reason of ours (real Redis; the regions are test servicers on real gRPC servers, registered
+in the fleet and beating, so each fault happens at the moment that matters, every run):
+
+- the only decode instance is full at Reserve (RESOURCE_EXHAUSTED: a burst of dispatches raced for its buffer):
+  the same attempt is placed again shortly; before, the instance was left out for good and the job FAILED
+  "no placement" at its deadline, though the region had room a moment later;
+- the prefill region leaves between the snapshot and the pick (drained): placed again on a fresh snapshot
+  (locally); before, the decode region was blamed and left out, and the job FAILED at its deadline;
+- a Redis error while the watcher follows the prefill: the lease is left for the sweeper, which takes the
+  attempt back at the lease's end; before, the lease was taken and nothing ever moved the job on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import redis
+from cp_kit import cleanup, ensure_redis, make_settings
+
+from prfaas.control_plane.jobs.dispatch import Dispatcher
+from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.scheduling.snapshot import Link
+from prfaas.control_plane.services import Services
+from prfaas.control_plane.tenants import Quota
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, registry_pb2
+
+FIELDS = {"model": "tiny-llama", "kind": "text_completion", "token_ids": list(range(1, 65)), "prompt_tokens": 64,
+          "max_new_tokens": 3, "temperature": 0.0, "placement_asked": "split"}  # fmt: skip
+
+
+class Prefill(prefill_pb2_grpc.PrefillRegionServicer):
+    async def Prefill(self, request: Any, context: Any) -> Any:  # noqa: N802
+        yield prefill_pb2.PrefillEvent(started=prefill_pb2.Started())
+        kv = common_pb2.KVDescriptor(num_tokens=len(request.token_ids), dtype="float32")
+        yield prefill_pb2.PrefillEvent(prefill_done=prefill_pb2.PrefillDone(first_token=11, kv=kv, prefill_s=0.01))
+
+    async def Cancel(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return common_pb2.CancelReply()
+
+
+class Decode(decode_pb2_grpc.DecodeRegionServicer):
+    def __init__(self) -> None:
+        self.reserves = 0
+        self.full_for = 0  # this many Reserves are refused: the buffer is full
+
+    async def Reserve(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.reserves += 1
+        if self.reserves <= self.full_for:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV buffer full")
+        return decode_pb2.ReserveReply(kv_endpoint="127.0.0.1:9", free_bytes=1 << 40, expires_in_s=request.ttl_s)
+
+    async def Release(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return decode_pb2.ReleaseReply(found=True)
+
+    async def Cancel(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return common_pb2.CancelReply()
+
+
+class Regions:
+    """`prefill-t` and `decode-t`, one instance each, registered and beating every 0.5 s."""
+
+    def __init__(self, services: Services) -> None:
+        self.prefill, self.decode = Prefill(), Decode()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.servers: list[grpc.aio.Server] = []
+        ports = asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(10)
+        self.registry = services.regions
+        self.tokens = {role: self._register(role, port) for role, port in ports.items()}
+        self.registry.set_link(Link(src="prefill-t", dst="decode-t", rtt_ms=1.0, bandwidth_gbps=10.0))
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat, daemon=True)
+        self._beats.start()
+
+    async def _serve(self) -> dict[str, int]:
+        ports = {}
+        servicers = (("prefill", prefill_pb2_grpc.add_PrefillRegionServicer_to_server, self.prefill),
+                     ("decode", decode_pb2_grpc.add_DecodeRegionServicer_to_server, self.decode))  # fmt: skip
+        for role, add, servicer in servicers:
+            server = grpc.aio.server()
+            add(servicer, server)  # type: ignore[operator]
+            ports[role] = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.servers.append(server)
+        return ports
+
+    def _register(self, role: str, port: int) -> str:
+        return self.registry.register(registry_pb2.RegisterRequest(
+            name=f"{role}-t", role=role, num_workers=1, usd_per_gpu_hour=0.5 if role == "prefill" else 4.0,
+            grpc_endpoint=f"127.0.0.1:{port}", kv_endpoint="127.0.0.1:9" if role == "decode" else "",
+            model="tiny-llama", kv_buffer_bytes=1 << 40, heartbeat_interval_s=0.5, instance="i0",
+        ))  # fmt: skip
+
+    def _beat(self) -> None:
+        while not self._stop.wait(0.5):
+            for role, token in self.tokens.items():
+                load = registry_pb2.Load(kv_free_bytes=1 << 40)
+                self.registry.heartbeat(registry_pb2.HeartbeatRequest(name=f"{role}-t", region_id=token,
+                                                                      instance="i0", load=load))  # fmt: skip
+
+    def close(self) -> None:
+        self._stop.set()
+        self._beats.join(5)
+        for server in self.servers:
+            asyncio.run_coroutine_threadsafe(server.stop(0), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture
+def services() -> Iterator[Services]:
+    ensure_redis()
+    settings = make_settings(job={"timeout_s": 20})
+    services = Services.create(settings)
+    yield services
+    services.close()
+    cleanup(settings)
+
+
+@pytest.fixture
+def regions(services: Services) -> Iterator[Regions]:
+    regions = Regions(services)
+    yield regions
+    regions.close()
+
+
+def _job(services: Services) -> str:
+    quota = Quota(rps=1000, concurrency=100, budget_usd=100)
+    return services.jobs.create("t-" + uuid.uuid4().hex[:8], dict(FIELDS), quota).job_id
+
+
+def _dispatch(dispatcher: Dispatcher, queued: list[tuple[str, float]], job_id: str) -> list[str]:
+    """Run the job's dispatch, and each one it queues again after its countdown (Celery's part), up to 5."""
+    outcomes = [dispatcher.run(job_id)]
+    while queued and len(outcomes) < 5:
+        _, countdown = queued.pop(0)
+        time.sleep(countdown)
+        outcomes.append(dispatcher.run(job_id))
+    return outcomes
+
+
+def test_a_full_decode_instance_is_tried_again_not_left_out(services: Services, regions: Regions) -> None:
+    regions.decode.full_for = 1
+    queued: list[tuple[str, float]] = []
+    dispatcher = Dispatcher(services, lambda job_id, countdown: queued.append((job_id, countdown)), owner="worker:t")
+    job_id = _job(services)
+    assert _dispatch(dispatcher, queued, job_id) == ["unplaced", "started"]
+    job = services.jobs.get(job_id)
+    assert job["attempt"] == "1" and json.loads(job.get("excluded") or "[]") == [], job  # no attempt spent
+    assert regions.decode.reserves == 2
+
+
+class Draining(Dispatcher):
+    """The operator drains the prefill region just after the placement's snapshot was read."""
+
+    drained = False
+
+    def decide(self, job: dict[str, str], excluded: frozenset[str]) -> Any:
+        decision = super().decide(job, excluded)
+        if not self.drained:
+            self.drained = True
+            self.s.regions.set_drained("prefill-t", True)
+        return decision
+
+
+def test_a_prefill_region_gone_since_the_snapshot_is_placed_again_blaming_no_one(
+    services: Services, regions: Regions
+) -> None:
+    queued: list[tuple[str, float]] = []
+    dispatcher = Draining(services, lambda job_id, countdown: queued.append((job_id, countdown)), owner="worker:t")
+    job_id = _job(services)
+    assert _dispatch(dispatcher, queued, job_id) == ["unplaced", "started"]
+    job = services.jobs.get(job_id)
+    assert (job["state"], job["attempt"]) == (JobState.LOCAL, "1"), job  # in decode-t, the region left to it
+    assert json.loads(job.get("excluded") or "[]") == [], job
+
+
+def test_a_redis_error_while_following_the_prefill_leaves_the_lease_to_the_sweeper(
+    services: Services, regions: Regions
+) -> None:
+    dispatcher = Dispatcher(services, lambda *_: None, owner="worker:t")
+    post_ready = services.jobs.post_ready
+
+    def unreachable(*args: Any, **kwargs: Any) -> None:  # Redis away when the hand-off is posted
+        services.jobs.post_ready = post_ready  # type: ignore[method-assign]
+        raise redis.ConnectionError("Error 111 connecting to redis. Connection refused.")
+
+    services.jobs.post_ready = unreachable  # type: ignore[method-assign]
+    job_id = _job(services)
+    assert dispatcher.run(job_id) == "started"
+    deadline = time.monotonic() + 10
+    while dispatcher.watcher.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert dispatcher.watcher.in_flight == 0
+    assert services.jobs.get(job_id)["state"] == JobState.TRANSFERRING
+    lease = dispatcher.leases.get(job_id)
+    assert lease is not None and lease.stage == "prefill", lease  # the sweeper takes the attempt back at its end
