@@ -27,8 +27,19 @@ LOGPROB_FLOOR = -9999.0
 
 
 class Choice:
-    def __init__(self, model: ServedModel, params: SamplingParams, chat: bool, index: int, echo: str = "") -> None:
+    def __init__(
+        self,
+        model: ServedModel,
+        params: SamplingParams,
+        chat: bool,
+        index: int,
+        echo: str = "",
+        echo_only: bool = False,
+    ) -> None:
+        """`echo_only` (`echo` with `max_tokens` 0): the text and logprobs are the prompt's alone; the token the
+        engine generated counts in `usage` and gives `finish_reason`, as vLLM answers it."""
         self.model = model
+        self.echo_only = echo_only
         self.chat = chat
         self.index = index
         self.k = params.logprobs
@@ -68,7 +79,7 @@ class Choice:
 
     @property
     def text(self) -> str:
-        return self.echo + self.stops.text
+        return self.echo if self.echo_only else self.echo + self.stops.text
 
     def full(self) -> dict[str, Any]:
         """The choice of a whole (non-streamed) response."""
@@ -77,7 +88,7 @@ class Choice:
     def chunk(self) -> dict[str, Any] | None:
         """The next streamed chunk's choice: new visible text and logprobs since the last one,
         and the finish on the last; None when there is nothing new to send."""
-        visible = self.stops.visible(self.finish is not None)
+        visible = "" if self.echo_only else self.stops.visible(self.finish is not None)
         start = max(self._shown, 0)
         piece = (self.echo if self._shown < 0 else "") + visible[start:]
         self._shown = max(len(visible), start)
@@ -129,7 +140,7 @@ class Choice:
                 token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
                 ranked = _ranked(token, lp)[: self.k + 1]
                 top.append({_token_text(self.model, t, context): max(v, LOGPROB_FLOOR) for t, v in ranked})
-        for i in range(start, end):
+        for i in range(start, 0 if self.echo_only else end):
             token, lp, text_of = self.tokens[i], self.logprobs[i], self._text_at(i)
             text = text_of(token)
             tokens.append(text)

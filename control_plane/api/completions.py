@@ -31,6 +31,7 @@ from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.deps import Generation, GenerationDep, ServicesDep, TenantDep
 from prfaas.control_plane.api.errors import (
     ADMISSION_REFUSALS,
+    INVALID_REQUEST,
     JOB_NOT_FOUND,
     MODEL_NOT_FOUND,
     PLACEMENT_NOT_ALLOWED,
@@ -67,6 +68,7 @@ from prfaas.telemetry import tracing
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
+MAX_TOKENS_ZERO = "invalid request: max_tokens: Input should be greater than or equal to 1 (0 with echo only)"
 Prompt = list[int] | Callable[[], list[int]]  # token ids, or how to tokenize the prompt (after admission)
 Body = CompletionCreate | ChatCompletionCreate
 
@@ -83,6 +85,8 @@ def list_models(_tenant: TenantDep, s: ServicesDep) -> dict[str, Any]:
 @router.post("/completions", response_model=None)
 def create_completion(body: CompletionCreate, g: GenerationDep) -> AnswerResponse | StreamingResponse:
     model = _served_model(g.services, body.model)
+    if body.max_tokens == 0 and not body.echo:
+        raise INVALID_REQUEST.error(MAX_TOKENS_ZERO, param="max_tokens")
     prompts: list[str | list[int]]
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
         prompts = [body.prompt]  # type: ignore[list-item]
@@ -96,7 +100,7 @@ def create_completion(body: CompletionCreate, g: GenerationDep) -> AnswerRespons
             runs.append((prompt, model.decode(prompt) if body.echo else ""))
         else:
             runs.append((_encoder(model, prompt), prompt if body.echo else ""))
-    return _run(g, body, runs, body.max_tokens, "text_completion")
+    return _run(g, body, runs, 1 if body.echo_only else body.max_tokens, "text_completion")
 
 
 @router.post("/chat/completions", response_model=None)
@@ -160,7 +164,8 @@ def _run(
             # own key "K:1" must never name prompt 1 of the batch sent with key "K")
             key = g.idempotency_key and (g.idempotency_key if index == 0 else f"{g.idempotency_key}\n{index}")
             n, chat = params.n, kind == "chat.completion"
-            choices = [Choice(s.model, params, chat, index * n + c, echo) for c in range(n)]  # OpenAI's numbering
+            echo_only = isinstance(body, CompletionCreate) and body.echo_only
+            choices = [Choice(s.model, params, chat, index * n + c, echo, echo_only) for c in range(n)]  # OpenAI's
             jobs.append(_start(g, body, prompt, params, placement, kind, key, choices))
     except BaseException:
         for job in jobs:  # the prompts already started end with the request

@@ -94,10 +94,17 @@ class CompletionCreate(_Generation):
         | Annotated[list[TokenId], Field(min_length=1, max_length=1_000_000)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
     )
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: with `echo` only (the prompt scored, vLLM's)
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: None = None
     suffix: None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the prompt alone comes back (with its logprobs when asked), as vLLM
+        answers it: one token is generated (in `usage` and `finish_reason`), not shown."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class ContentPart(BaseModel):

@@ -66,6 +66,8 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
     "logit_bias": ("completions", {"prompt": COUNT, "max_tokens": 8, "logit_bias": {"216": -100}}),
     "logprobs": ("completions", {"prompt": FRANCE, "max_tokens": 6, "logprobs": 5}),
     "echo_logprobs": ("completions", {"prompt": STORY, "max_tokens": 6, "logprobs": 3, "echo": True}),
+    "echo_only": ("completions", {"prompt": FRANCE, "max_tokens": 0, "echo": True}),  # the prompt scored
+    "echo_only_logprobs": ("completions", {"prompt": STORY, "max_tokens": 0, "logprobs": 2, "echo": True}),
     "chat_system": (
         "chat",
         {
@@ -85,7 +87,7 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
         {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6, "logprobs": True, "top_logprobs": 5},
     ),
 }
-STREAMED = ("stop_string", "stop_mid_token", "min_tokens", "echo", "chat_system", "chat_stop")
+STREAMED = ("stop_string", "stop_mid_token", "min_tokens", "echo", "echo_only", "chat_system", "chat_stop")
 # requests vLLM refuses (400): prfaas must refuse them too
 REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
     "n_greedy": ("completions", {"prompt": FRANCE, "max_tokens": 8, "n": 3}),
@@ -94,6 +96,8 @@ REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
         "chat",
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 2},
     ),
+    "max_tokens_0": ("completions", {"prompt": FRANCE, "max_tokens": 0}),  # without echo
+    "chat_max_tokens_0": ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}),
 }
 
 

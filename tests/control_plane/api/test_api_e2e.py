@@ -306,3 +306,26 @@ def test_every_choice_of_an_echo_with_logprobs_carries_the_prompts_logprobs(
         prompt = [lp[: len(lp) - 3] for lp in (logprobs[0], logprobs[1])]  # the echoed prompt's tokens
         assert prompt[0] == prompt[1] and len(prompt[0]) > 1
         assert prompt[0][0] is None and all(v is not None for v in prompt[0][1:])
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
+) -> None:
+    """As vLLM (tests/e2e/test_openai_parity.py compares the two): `echo` with `max_tokens` 0 answers the prompt
+    alone, with its logprobs when asked; the one token generated counts in usage, not in the text. Without echo,
+    max_tokens 0 is refused."""
+    s, _ = stack
+    client = _client(s, tenant[1])
+    asked = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 0, "echo": True, "logprobs": 1}
+    reply = client.completions.create(**asked)  # type: ignore[call-overload]
+    [choice] = reply.choices
+    assert choice.text == "Once upon a time" and choice.finish_reason in ("length", "stop")
+    assert reply.usage is not None and reply.usage.completion_tokens == 1
+    assert "".join(choice.logprobs.tokens) == "Once upon a time"  # the prompt's tokens, not the generated one
+    assert (
+        choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == reply.usage.prompt_tokens
+    )
+    chunks = list(client.completions.create(**asked, stream=True))  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Once upon a time"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=0)

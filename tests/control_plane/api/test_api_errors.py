@@ -56,7 +56,7 @@ def test_client_errors_have_openai_shape(stack: Stack) -> None:
     cases: list[tuple[Callable[[], object], type[openai.APIStatusError], tuple[Any, ...]]] = [
         (lambda: c.completions.create(model=m, prompt="hi", max_tokens=0), openai.BadRequestError,
          (400, "invalid_request_error", "invalid_request", "max_tokens",
-          "invalid request: max_tokens: Input should be greater than or equal to 1")),
+          "invalid request: max_tokens: Input should be greater than or equal to 1 (0 with echo only)")),
         (lambda: c.chat.completions.create(model=m, messages=[{"role": "robot", "content": "hi"}]),  # type: ignore[misc, list-item]
          openai.BadRequestError, (400, "invalid_request_error", "invalid_request", "messages.0.role", None)),
         (lambda: c.completions.create(model=m, prompt="hi " * 5000), openai.BadRequestError,
