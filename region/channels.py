@@ -195,3 +195,19 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_receive_message_length", 64 << 20),  # a 1M-token prompt is 5 MB of token ids
 ]
+
+
+def listen(server: grpc.Server, address: str, tls: TlsFiles | None) -> int:
+    """Bind `server` to `address` (mutual TLS with `tls`); the port bound. An address that cannot be bound (in
+    use, not this host's) is OSError naming it (grpcio returns 0 or raises RuntimeError, by version)."""
+    try:
+        port = (
+            server.add_insecure_port(address)
+            if tls is None
+            else server.add_secure_port(address, tls.server_credentials())
+        )
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot listen for gRPC on {address}")
+    return int(port)

@@ -23,7 +23,7 @@ from prometheus_client import start_http_server
 from prfaas.engine.device import DeviceChoice
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.authz import Authorizer, region_policy
-from prfaas.region.channels import SERVER_OPTIONS, TlsFiles
+from prfaas.region.channels import SERVER_OPTIONS, TlsFiles, listen
 from prfaas.region.registry_client import Heartbeater
 from prfaas.transport.endpoints import parse_hostport
 
@@ -87,13 +87,7 @@ class RegionServer:
             add(agent, self.server)
         host, port = parse_hostport(grpc_address)
         address = f"{host}:{port}"
-        bound = (
-            self.server.add_insecure_port(address)
-            if tls is None
-            else self.server.add_secure_port(address, tls.server_credentials())
-        )
-        if bound == 0:
-            raise OSError(f"cannot listen for gRPC on {grpc_address}")
+        bound = listen(self.server, address, tls)
         self.grpc_address = f"{host}:{bound}"
         self.metrics_address: str | None = None
         self._metrics: Any = None

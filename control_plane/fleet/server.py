@@ -22,6 +22,7 @@ from prfaas.control_plane.fleet.signaling import SignalQueueFull, SignalRelay
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
 from prfaas.region.authz import Authorizer, peer_identity, registry_policy
 from prfaas.region.channels import SERVER_OPTIONS, TlsFiles
+from prfaas.region.channels import listen as bind
 
 # Signalling calls that hold a thread while they wait (a region's Offers stream, a sender's Signal for up to 30 s)
 # at once; past it RESOURCE_EXHAUSTED. The server's pool has this many threads more than Register and Heartbeat
@@ -125,8 +126,6 @@ def serve_registry(registry: RegionRegistry, listen: str, tls: TlsFiles | None =
     )  # fmt: skip
     registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry, tls is not None), server)
     host = listen.rsplit(":", 1)[0]
-    port = server.add_insecure_port(listen) if tls is None else server.add_secure_port(listen, tls.server_credentials())
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    port = bind(server, listen, tls)
     server.start()
     return server, f"{host}:{port}"

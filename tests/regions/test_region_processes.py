@@ -1,10 +1,12 @@
 """Two real region processes on loopback (`prfaas region --config`), SmolLM2 fp32: a
 2,048-token prompt prefilled in one, its KV shipped layer by layer to the other, decoded
-there; then the prefill region is killed with SIGKILL mid-shipment."""
+there; then the prefill region is killed with SIGKILL mid-shipment. A gRPC port in use is one error line."""
 
 from __future__ import annotations
 
 import signal
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,7 @@ from region_kit import (
     write_config,
 )
 
+from prfaas.devstack.processes import region_argv
 from prfaas.engine.models import model_fingerprint, prepare_model, resolve_model
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -133,3 +136,16 @@ def test_kill_prefill_region_mid_shipment_frees_the_reservation(
 
 def _fingerprint() -> str:
     return model_fingerprint(resolve_model(MODEL))
+
+
+def test_a_grpc_port_in_use_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
+    """grpcio raises RuntimeError for it (a traceback); the region says which address, as for its KV port."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        config = write_config(tmp_path, name="decode-x", role="decode", listen={"grpc": address, "kv": "127.0.0.1:0"})
+        done = subprocess.run(region_argv(config), capture_output=True, text=True, timeout=120, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and f"cannot listen for gRPC on {address}" in output, output
+    assert "Traceback" not in output
