@@ -24,7 +24,7 @@ from prfaas.control_plane.jobs.store import JobStore
 log = logging.getLogger(__name__)
 # A new attempt starts with no KV shipped and no Reserve: a failed-over split job is billed the bytes its last
 # attempt shipped, and a local retry's stage metrics have no Reserve (jobs/latency.py).
-_ATTEMPT_FRESH = {"bytes_raw": 0, "bytes_wire": 0, "reserve_s": ""}
+_ATTEMPT_FRESH: dict[str, Any] = {"bytes_raw": 0, "bytes_wire": 0, "reserve_s": ""}
 Enqueue = Callable[[str, float], object]  # (job id, countdown s): queue the job's dispatch
 
 
