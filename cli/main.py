@@ -159,10 +159,10 @@ def up(
     `prfaas down`) stops everything."""
     from rich.markup import escape
 
-    from prfaas.devstack.deployment import run_up
     from prfaas.devstack.preflight import check_policy
     from prfaas.devstack.state import UpError
     from prfaas.devstack.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
+    from prfaas.devstack.up import Interrupted, run_up
     from prfaas.engine.models import prfaas_home
 
     path = topology or DEFAULT_TOPOLOGY
@@ -195,6 +195,9 @@ def up(
     try:
         run_up(spec, str(path), prfaas_home(), emulate_wan, detach, lambda m: console.print(escape(m)), ready,
                hosts=hosts, insecure=insecure)  # fmt: skip
+    except Interrupted as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(130) from None
     except UpError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None

@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,21 +34,20 @@ import redis
 
 from prfaas.devstack.network import LoopbackNetwork, Network, WanMesh
 from prfaas.devstack.pki import DeploymentPki
-from prfaas.devstack.preflight import policy_yaml, preflight
+from prfaas.devstack.preflight import policy_yaml
 from prfaas.devstack.processes import (
     api_argv,
     beat_argv,
     free_port,
-    group_alive,
     http_ok,
     log_cause,
-    pid_alive,
     spawn_region,
+    stop_group,
     wait_until,
     worker_argv,
     write_region_config,
 )
-from prfaas.devstack.state import UpError, UpState, read_state, state_path, stop_state, write_state
+from prfaas.devstack.state import UpError, UpState, state_path, stop_state, write_state
 from prfaas.devstack.tenant import demo_tenant
 from prfaas.devstack.topology import Topology
 from prfaas.telemetry.tracing import TRACE_DIR_ENV
@@ -108,6 +106,7 @@ class Deployment:
         self.procs: dict[str, subprocess.Popen[Any]] = {}
         self._argv: dict[str, tuple[list[str], dict[str, str]]] = {}  # how each non-region process was started
         self.lock = threading.Lock()
+        self.stopping = False
 
     # ------------------------------------------------------------------ start
 
@@ -131,18 +130,31 @@ class Deployment:
             write_state(self.home, self.state)
         self._start_control_plane()
         instances = [(name, k) for name, count in self.instances.items() for k in range(count)]
-        with ThreadPoolExecutor(len(instances)) as pool:  # model loads overlap
+        pool = ThreadPoolExecutor(len(instances))  # model loads overlap
+        try:
             list(pool.map(lambda instance: self._start_region(*instance), instances))
+        finally:  # an error or a signal: stop() ends the regions still loading (their groups are recorded)
+            pool.shutdown(wait=False, cancel_futures=True)
         self.say(f"waiting for {len(instances)} region instances to register")
         wanted = {f"{name}/{k}" for name, k in instances}
         try:
-            wait_until(lambda: self._healthy() >= wanted, 60, 0.2)
+            wait_until(lambda: not self._fail_if_dead() and self._healthy() >= wanted, 60, 0.2)
         except AssertionError:
             missing = sorted(wanted - self._healthy())
             raise UpError(f"instances not healthy after 60 s: {', '.join(missing)} (logs in {self.run_dir})") from None
         self._configure()
+        self._fail_if_dead()  # "up" only with every process running
         write_state(self.home, self.state)
         return self.state
+
+    def _fail_if_dead(self) -> bool:
+        """Raises UpError naming each process that exited while the deployment started, and why (its log)."""
+        dead = self.dead()
+        if dead:
+            why = "; ".join(f"{name} exited with status {self.procs[name].returncode}: "
+                            f"{log_cause(self.run_dir / f'{name}.log')}" for name in dead)  # fmt: skip
+            raise UpError(f"{why} (logs in {self.run_dir})")
+        return False
 
     def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[Any]:
         self._argv[name] = (argv, env)
@@ -248,14 +260,25 @@ class Deployment:
         vllm = config.get("vllm")
         if config.get("engine") == "vllm":  # the region waits for its vLLM server first
             timeout_s += float(vllm.get("start_timeout_s", 600.0) if isinstance(vllm, dict) else 600.0)
+
+        def spawned(proc: subprocess.Popen[Any]) -> None:  # recorded at once: stop() ends it while it loads
+            with self.lock:
+                self.procs[process] = proc
+                self.state.groups[process] = proc.pid
+                if self.stopping:  # stop() has run: this one is ours to end
+                    stop_group(proc.pid, 5.0)
+                else:
+                    write_state(self.home, self.state)
+
         try:
             region = spawn_region(path, timeout_s, argv_prefix=self.network.argv_prefix(name, k), log=log,
-                                  new_session=True, env={TRACE_DIR_ENV: str(self.trace_dir)})  # fmt: skip
+                                  new_session=True, env={TRACE_DIR_ENV: str(self.trace_dir)},
+                                  on_spawn=spawned)  # fmt: skip
         except RuntimeError as exc:
             raise UpError(str(exc)) from None
         with self.lock:
-            self.procs[process] = region.proc
-            self.state.groups[process] = region.proc.pid
+            if self.stopping:
+                raise UpError(f"{process}: the deployment is stopping")
             self.state.regions[f"{name}/{k}"] = region.grpc
             write_state(self.home, self.state)
         which = f"region {name}" if self.instances[name] == 1 else f"region {name} instance {k}"
@@ -335,66 +358,8 @@ class Deployment:
         return [name for name, proc in self.procs.items() if proc.poll() is not None]
 
     def stop(self) -> None:
+        with self.lock:  # no region starting now records its group after this (it is stopped at once instead)
+            self.stopping = True
         stop_state(self.state, self.say)
         with contextlib.suppress(FileNotFoundError):
             state_path(self.home).unlink()
-
-
-def run_up(
-    topology: Topology,
-    topology_path: str,
-    home: Path,
-    emulate_wan: bool,
-    detach: bool,
-    say: Callable[[str], None],
-    on_ready: Callable[[UpState], None],
-    *,
-    hosts: bool = False,
-    insecure: bool = False,
-) -> UpState | None:
-    """Start the deployment; unless `detach`, keep it up until SIGINT/SIGTERM, then stop it.
-    Returns the state (None once a foreground run has stopped). Raises `UpError`, and before
-    any process starts when the topology's model is unknown or not prepared (`preflight`)."""
-    preflight(topology)
-    old = read_state(home)
-    if old is not None:
-        if any(group_alive(g) for g in old.groups.values()) or (old.supervisor_pid and pid_alive(old.supervisor_pid)):
-            raise UpError(f"a deployment is already up ({old.url or 'starting'}); run `prfaas down` first")
-        stop_state(old, lambda _: None)  # a crashed run's leftovers (namespaces, keys)
-        state_path(home).unlink()
-    home.mkdir(parents=True, exist_ok=True)
-    deployment = Deployment(topology, topology_path, home, emulate_wan, say, hosts=hosts, insecure=insecure)
-
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    # Installed, not inherited: a shell starts background jobs with SIGINT ignored, and Python
-    # then keeps ignoring it, so Ctrl-C (or a supervisor's SIGINT) would not stop the run.
-    previous_int = signal.signal(signal.SIGINT, interrupt)
-    keep = False
-    try:
-        state = deployment.start()
-        if detach:
-            state.supervisor_pid = None
-            write_state(home, state)
-            keep = True
-            on_ready(state)
-            return state
-        on_ready(state)
-        reported: set[str] = set()
-        while True:
-            for name in set(deployment.dead()) - reported:
-                say(f"warning: {name} exited (log {deployment.run_dir / name}.log)")
-                reported.add(name)
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        say("stopping")
-        return None
-    finally:
-        if not keep:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            deployment.stop()
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)

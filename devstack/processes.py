@@ -6,6 +6,7 @@ tests and benches use (stack.py) and the vLLM tests."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -109,12 +110,20 @@ def failure_cause(lines: Sequence[str], limit: int = 300) -> str:
     line (`ModelNotPrepared: model ...`), else the last `error:` line, else the last line;
     "no output" for none. At most `limit` characters."""
     text = [line.rstrip() for line in lines if line.strip()]
-    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
+    # a logger's prefix may come first (uvicorn: "ERROR:    Traceback (most recent call last):")
+    starts = [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]
     cause = ""
     if starts:  # frames are indented; the first line at the margin after them names the exception
         cause = next((line for line in text[starts[-1] + 1 :] if not line[:1].isspace()), "")
     if not cause:
-        cause = next((line for line in reversed(text) if "error:" in line.lower()), text[-1] if text else "no output")
+        found = next((i for i in reversed(range(len(text))) if "error:" in text[i].lower()), None)
+        if found is None:
+            cause = text[-1] if text else "no output"
+        else:
+            cause = text[found]
+            if cause.endswith(":"):  # the details follow, indented (a config's field errors)
+                details = itertools.takewhile(lambda line: line[:1].isspace(), text[found + 1 :])
+                cause = " ".join([cause, *(line.strip() for line in details)])
     cause = cause.strip()
     return cause if len(cause) <= limit else cause[: limit - 3] + "..."
 
@@ -142,13 +151,15 @@ def spawn_region(
     log: Path | None = None,
     new_session: bool = False,
     python: str | None = None,
+    on_spawn: Callable[[subprocess.Popen[Any]], None] | None = None,
 ) -> RegionProcess:
     """Start `prfaas region --config` and wait for its `ready grpc=... kv=...` line.
 
     `argv_prefix` runs it under another command (`ip netns exec NS`); `log` sends its output to
     a file instead of a pipe (a process that outlives us must not write into a closed pipe);
     `new_session` gives it a process group of its own (stopped as a group, deaf to our Ctrl-C);
-    `python` runs it with another interpreter than ours (the vLLM tests run in .venv-vllm).
+    `python` runs it with another interpreter than ours (the vLLM tests run in .venv-vllm); `on_spawn` is
+    given the process as soon as it is started, before it is ready (a supervisor records it, to stop it).
     """
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     argv = [*argv_prefix, *region_argv(config, python)]
@@ -171,6 +182,8 @@ def spawn_region(
         with log.open("w") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=full_env,
                                     start_new_session=new_session)  # fmt: skip
+    if on_spawn is not None:
+        on_spawn(proc)
     deadline = time.monotonic() + timeout_s
     while not ready and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Literal, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from prfaas.region.config import field_errors, read_yaml_mapping, yaml_mapping
+from prfaas.region.config import field_errors, parse_bytes, read_yaml_mapping, yaml_mapping
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[1] / "examples" / "topology.yaml"
 _NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -61,6 +61,13 @@ class RegionSpec(_Strict):
     codec: Literal["raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4", "kvw6", "kvw4"] = "raw"
     kv_buffer_bytes: int | str = Field(default="1GiB", description="decode KV buffer: bytes or '1GiB'")
     extra: dict[str, Any] = Field(default_factory=dict, description="more region config fields (docs/regions.md)")
+
+    @field_validator("kv_buffer_bytes")
+    @classmethod
+    def _byte_count(cls, value: int | str) -> int | str:  # refused here, not by the region once all else started
+        if parse_bytes(value) <= 0:
+            raise ValueError("must be more than 0 bytes")
+        return value
 
 
 class LinkSpec(_Strict):

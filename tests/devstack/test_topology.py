@@ -56,6 +56,8 @@ def test_the_example_topology_is_valid() -> None:
         ("regions.1.name", "Decode_1", "regions[1].name: String should match pattern"),
         ("regions.0.usd_per_gpu_hour", -1, "regions[0].usd_per_gpu_hour: Input should be greater than or equal to 0"),
         ("regions.0.pricee", 1, "regions[0].pricee: Extra inputs are not permitted"),
+        ("regions.1.kv_buffer_bytes", "lots", "regions[1].kv_buffer_bytes: 'lots' is not a byte count"),
+        ("regions.1.kv_buffer_bytes", 0, "regions[1].kv_buffer_bytes: must be more than 0 bytes"),
         ("links.0.dst", "nowhere", "links[0].dst: no region named 'nowhere' (regions: p, d)"),
         ("links.0.src", "d", "links[0].src: region 'd' has role decode, not prefill/both"),
         ("links.0.rtt_ms", -5, "links[0].rtt_ms: Input should be greater than or equal to 0"),
