@@ -36,7 +36,7 @@ from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, Sta
 from prfaas.control_plane.jobs.leases import Lease, Leases, process_id
 from prfaas.control_plane.jobs.objectives import slo_ms
 from prfaas.control_plane.jobs.prefix import cache_salt, pins, prefix_hashes
-from prfaas.control_plane.jobs.records import job_request, placed_fields, ready_info, sampling
+from prfaas.control_plane.jobs.records import first_fields, job_request, placed_fields, ready_info, sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.watcher import Watcher
 from prfaas.control_plane.scheduling.decision import Decision, Mode
@@ -288,7 +288,7 @@ class Dispatcher:
                     jobs.update(run.job_id, run.attempt, bytes_raw=run.kv_bytes, prefill_gpu_s=done.prefill_s,
                                 cached_tokens=done.cached_tokens)  # fmt: skip
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
-                    first = _first(done)
+                    first = first_fields(done)
                     jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
                 elif kind == "shipment_complete":
                     shipped = event.shipment_complete
@@ -321,7 +321,7 @@ class Dispatcher:
             jobs.update(run.job_id, run.attempt, bytes_raw=reply.shipment.raw_bytes,
                         bytes_wire=reply.shipment.wire_bytes, reship_from="")  # fmt: skip
             kv = base64.b64encode(reply.kv.SerializeToString()).decode()
-            first = _first(reply)
+            first = first_fields(reply)
             jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
         except grpc.aio.AioRpcError as exc:  # lease gone, region down: the next attempt computes the prompt again
             tracing.failed(span, exc.code().name)
@@ -387,16 +387,3 @@ class Started:
             name, context=tracing.set_span_in_context(self.span), kind=tracing.SpanKind.CLIENT,
             attributes={tracing.JOB_ID: self.job_id, "prfaas.prefill_region": self.prefill.key},
         )  # fmt: skip
-
-
-def _first(done: prefill_pb2.PrefillDone | prefill_pb2.ReshipReply) -> dict[str, Any]:
-    """The hand-off's first token (chosen at prefill), its logprobs when asked, and every choice's first
-    token when the job asked for n > 1 (each a serialized FirstToken, base64)."""
-    first: dict[str, Any] = {"first_token": done.first_token}
-    if done.HasField("first_logprobs"):
-        first["first_logprobs"] = base64.b64encode(done.first_logprobs.SerializeToString()).decode()
-    if done.choices:
-        first["choices"] = [base64.b64encode(c.SerializeToString()).decode() for c in done.choices]
-    if done.prompt_logprobs:
-        first["prompt_logprobs"] = [base64.b64encode(p.SerializeToString()).decode() for p in done.prompt_logprobs]
-    return first

@@ -4,6 +4,7 @@ placement writes and an attempt's hand-off."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -15,7 +16,7 @@ from prfaas.control_plane.scheduling.decision import Decision, decision_dict
 from prfaas.control_plane.scheduling.request import Request, Slo
 from prfaas.control_plane.settings import Settings
 from prfaas.engine.sampling import SamplingParams
-from prfaas.protos.prfaas.v1 import common_pb2
+from prfaas.protos.prfaas.v1 import common_pb2, prefill_pb2
 from prfaas.region.requests import sampling_to_proto
 
 
@@ -50,6 +51,19 @@ def placed_fields(decision: Decision, decode: InstanceRecord, prefill: InstanceR
 def ready_info(mode: str, decode: InstanceRecord, **fields: Any) -> dict[str, Any]:
     """An attempt's hand-off: where the API process streams its tokens from."""
     return {"mode": mode, "decode_grpc": decode.grpc_endpoint, "decode_region": decode.name} | fields
+
+
+def first_fields(done: prefill_pb2.PrefillDone | prefill_pb2.ReshipReply) -> dict[str, Any]:
+    """The hand-off's first token (chosen at prefill), its logprobs when asked, and every choice's first
+    token when the job asked for n > 1 (each a serialized FirstToken, base64)."""
+    first: dict[str, Any] = {"first_token": done.first_token}
+    if done.HasField("first_logprobs"):
+        first["first_logprobs"] = base64.b64encode(done.first_logprobs.SerializeToString()).decode()
+    if done.choices:
+        first["choices"] = [base64.b64encode(c.SerializeToString()).decode() for c in done.choices]
+    if done.prompt_logprobs:
+        first["prompt_logprobs"] = [base64.b64encode(p.SerializeToString()).decode() for p in done.prompt_logprobs]
+    return first
 
 
 def job_sampling(job: Mapping[str, str]) -> SamplingParams:
