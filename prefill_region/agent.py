@@ -38,6 +38,7 @@ from prfaas.region.errors import (
     unary,
 )
 from prfaas.region.requests import (
+    MAX_RESHIPS,
     MAX_TIMEOUT_S,
     firsts_to_proto,
     job_uuid,
@@ -70,7 +71,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="prfaas-prefill")
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
-        self._reships: dict[str, tuple[int, list[Callable[[], None]]]] = {}  # job -> (attempt, its transfer's stops)
+        self._reships: dict[str, list[_Reship]] = {}  # job -> its Reship calls in progress
         self._busy = 0
         self._rate = 0.0  # prompt tokens/s, smoothed
 
@@ -217,22 +218,35 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         job_id = job_uuid(request.job_id)
         timeout_s = timeout_from(request.timeout_s, default_s=DEFAULT_TIMEOUT_S, max_s=MAX_TIMEOUT_S)
         destination = Destination.parse(request.destination, self.codec)
-        stops_: list[Callable[[], None]] = []
+        reship = _Reship(request.attempt)
+        with self._lock:
+            if self.draining:
+                raise Unavailable("prefill region is draining; prefill the job again elsewhere")
+            if sum(len(calls) for calls in self._reships.values()) >= MAX_RESHIPS:
+                metrics.REJECTED.labels("reships_full").inc()
+                raise Exhausted(f"{MAX_RESHIPS} re-shipments in progress here; prefill the job again elsewhere")
+            self._reships.setdefault(job_id, []).append(reship)
 
         def on_cancel(stop: Callable[[], None]) -> None:  # the caller leaving, or a Cancel (`cancel`), stops it
-            context.add_callback(stop)
-            stops_.append(stop)
+            reship.stops.append(stop)
+            if not context.add_callback(stop) or reship.error is not None:  # gone, or canceled while it started
+                stop()
 
-        with self._lock:
-            self._reships[job_id] = (request.attempt, stops_)
         try:
             reshipped = self.backend.reship(
                 job_id, request.attempt, destination, time.monotonic() + timeout_s, on_cancel
             )
+        except Exception:
+            if reship.error is not None:  # why it was stopped (a Cancel, the region stopping), not the transfer's
+                raise reship.error from None
+            raise
         finally:
             with self._lock:
-                if self._reships.get(job_id, (0, None))[1] is stops_:
-                    del self._reships[job_id]
+                calls = self._reships.get(job_id, [])
+                if reship in calls:
+                    calls.remove(reship)
+                if not calls:
+                    self._reships.pop(job_id, None)
         return prefill_pb2.ReshipReply(
             shipment=_complete(reshipped.shipped),
             kv=reshipped.kv,
@@ -245,16 +259,15 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
     def cancel(self, job_id: str, canceled: Canceled, attempt: int = 0) -> bool:
         with self._lock:
             job = self._jobs.get(job_id)
-            reship = self._reships.get(job_id)
+            reships = [r for r in self._reships.get(job_id, []) if stops(attempt, r.attempt)]
         if job is not None and not stops(attempt, job.work.attempt):
             job = None  # a newer attempt's prefill: this Cancel is stale
-        if reship is not None and stops(attempt, reship[0]):
-            for stop in reship[1]:
-                stop()  # its transfer: the Reship call ends with it
+        for reship in reships:
+            reship.stop(canceled)  # its transfer: the Reship call ends with it
         kept = self.backend.drop(job_id, attempt)
         if job is not None:
             job.cancel(canceled)
-        return job is not None or kept
+        return job is not None or kept or bool(reships)
 
     # -- region ----------------------------------------------------------------------------
 
@@ -281,15 +294,34 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
 
     def idle(self) -> bool:
         with self._lock:
-            return not self._jobs
+            return not self._jobs and not self._reships
 
     def close(self) -> None:
         with self._lock:
             jobs = list(self._jobs.values())
+            reships = [r for calls in self._reships.values() for r in calls]
         for job in jobs:
             job.cancel(Unavailable("prefill region shutting down"))
+        for reship in reships:
+            reship.stop(Unavailable("prefill region shutting down"))
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.backend.close()
+
+
+@dataclasses.dataclass(eq=False)
+class _Reship:
+    """A Reship call in progress: its attempt, what stops its transfer, and why it was stopped (the first
+    reason; a Cancel that comes while it starts stops the transfer as soon as it is registered)."""
+
+    attempt: int
+    stops: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    error: Exception | None = None
+
+    def stop(self, error: Exception) -> None:
+        if self.error is None:
+            self.error = error
+        for stop in list(self.stops):
+            stop()
 
 
 def _stage_spans(span: tracing.Span, event: prefill_pb2.PrefillEvent, received_ns: int) -> None:

@@ -21,6 +21,7 @@ from prometheus_client import Gauge
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.addresses import advertised_host, hostport
 from prfaas.region.config import RegionConfig
+from prfaas.region.requests import MAX_RESHIPS
 from prfaas.region.server import Agent, RegionServer
 from prfaas.transport.endpoints import parse_hostport
 
@@ -54,8 +55,9 @@ def build_region(
     try:
         wanted = ("prefill", "decode") if config.role == "both" else (config.role,)
         built = [roles[role](config, engine) for role in wanted]
-        # streams held open by queued prefill jobs and by a decode role's jobs (max_jobs) need threads too
+        # streams held open by queued prefill jobs, Reships and a decode role's jobs (max_jobs) need threads too
         threads = 16 + 4 * config.workers + config.queue_depth + (config.max_jobs if "decode" in wanted else 0)
+        threads += MAX_RESHIPS if "prefill" in wanted else 0
         prefix_cache = getattr(engine, "prefix_cache", None)  # the HF engine's; a vLLM region reports none yet
         server = RegionServer(
             config.listen.grpc, {b.service: (b.agent, b.add_to_server) for b in built},

@@ -11,6 +11,7 @@ from prfaas.protos.prfaas.v1 import common_pb2
 from prfaas.region.errors import Canceled, InvalidRequest
 
 MAX_TIMEOUT_S = 3600.0  # the longest deadline any region call may ask for (seconds)
+MAX_RESHIPS = 8  # Reship calls a prefill region serves at once (each holds a gRPC thread; past it RESOURCE_EXHAUSTED)
 
 
 def job_uuid(value: str) -> str:

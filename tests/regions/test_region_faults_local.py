@@ -34,7 +34,7 @@ from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, prefill_pb2
 from prfaas.region.errors import Canceled
-from prfaas.region.requests import sampling_to_proto
+from prfaas.region.requests import MAX_RESHIPS, sampling_to_proto
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 CAPACITY = 64 << 20
@@ -517,6 +517,67 @@ def test_a_cancel_stops_a_reship_in_progress(tiny_engine: HFEngine, long_text: s
         assert _code(call.result) == grpc.StatusCode.CANCELLED and time.monotonic() - started < 5.0
     finally:
         a.close()
+
+
+def _reship(region: Region, job_id: str, attempt: int, port: str) -> grpc.Future:
+    destination = prefill_pb2.Destination(kv_endpoint=port, ticket=ticket(job_id, attempt), codec="raw")
+    request = prefill_pb2.ReshipRequest(job_id=job_id, attempt=attempt, destination=destination, timeout_s=30)
+    return region.prefill_stub.Reship.future(request, timeout=40)
+
+
+def test_reships_are_bounded_and_each_one_is_stopped_by_its_cancel(tiny_engine: HFEngine, silent_kv_port: str) -> None:
+    """Re-shipments to a decode region that never reads (one died with many jobs in flight): past MAX_RESHIPS
+    they are RESOURCE_EXHAUSTED at once, and the region still answers health checks, Cancels and Prefills
+    (before, each held a server thread for its whole timeout: 24 of them took all 20, and the region looked
+    dead). Two Reships of one job (attempts 2 and 3) both end at the job's Cancel (before, only the newer)."""
+    region = local_region(tiny_engine, decode=False, workers=1, queue_depth=0)
+    try:
+        kv = tiny_engine.prefill(list(range(1, 33)), GREEDY)
+        jobs = [new_job() for _ in range(MAX_RESHIPS + 2)]
+        for job_id in jobs:
+            region.leases.put(job_id, kv, attempt=1)
+        calls = [_reship(region, job_id, 2, silent_kv_port) for job_id in jobs[:MAX_RESHIPS]]
+        wait_until(lambda: sum(len(c) for c in region.prefill._reships.values()) == MAX_RESHIPS, timeout_s=10)
+        assert _code(_reship(region, jobs[-2], 2, silent_kv_port).result) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        health = health_pb2_grpc.HealthStub(region.channel)
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=3).status == 1  # SERVING
+        started = time.monotonic()
+        assert cancel(region.prefill_stub, jobs[0])
+        assert _code(calls[0].result) == grpc.StatusCode.CANCELLED and time.monotonic() - started < 5.0
+
+        again = _reship(region, jobs[1], 3, silent_kv_port)  # a second Reship of jobs[1], beside attempt 2's
+        wait_until(lambda: len(region.prefill._reships.get(jobs[1], [])) == 2, timeout_s=10)
+        started = time.monotonic()
+        assert cancel(region.prefill_stub, jobs[1])
+        assert _code(calls[1].result) == _code(again.result) == grpc.StatusCode.CANCELLED
+        assert time.monotonic() - started < 5.0
+        for call in calls[2:]:
+            call.cancel()
+    finally:
+        region.close()
+
+
+def test_a_draining_region_refuses_reships_and_waits_for_those_in_progress(
+    tiny_engine: HFEngine, silent_kv_port: str
+) -> None:
+    """Draining, a Reship is UNAVAILABLE as a Prefill is, and one in progress keeps the region from idle (before,
+    drain took the region down under it at once, and the caller read CANCELLED)."""
+    region = local_region(tiny_engine, decode=False)
+    try:
+        assert region.prefill is not None
+        kv = tiny_engine.prefill(list(range(1, 33)), GREEDY)
+        running, refused = new_job(), new_job()
+        for job_id in (running, refused):
+            region.leases.put(job_id, kv, attempt=1)
+        call = _reship(region, running, 2, silent_kv_port)
+        wait_until(lambda: region.prefill is not None and running in region.prefill._reships, timeout_s=10)
+        region.prefill.draining = True  # as RegionServer.drain sets it
+        assert _code(_reship(region, refused, 2, silent_kv_port).result) == grpc.StatusCode.UNAVAILABLE
+        assert not region.prefill.idle()
+        call.cancel()
+        wait_until(lambda: region.prefill is not None and region.prefill.idle(), timeout_s=10)
+    finally:
+        region.close()
 
 
 def test_a_job_canceled_while_it_waits_for_a_worker_ends_at_once(tiny_engine: HFEngine) -> None:
