@@ -264,9 +264,9 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
             job = None  # a newer attempt's prefill: this Cancel is stale
         for reship in reships:
             reship.stop(canceled)  # its transfer: the Reship call ends with it
-        kept = self.backend.drop(job_id, attempt)
-        if job is not None:
+        if job is not None:  # stopped first: a lease its forward puts after the drop below is dropped by the job
             job.cancel(canceled)
+        kept = self.backend.drop(job_id, attempt)
         return job is not None or kept or bool(reships)
 
     # -- region ----------------------------------------------------------------------------

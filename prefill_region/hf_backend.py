@@ -166,6 +166,9 @@ class HFPrefill:
             raise
         prefill_s = time.monotonic() - t0
         self.leases.put(work.job_id, result, work.attempt)
+        if job.stop.is_set():  # canceled after its last layer boundary: its Cancel found no lease to drop
+            self.leases.drop(work.job_id, work.attempt)
+            job.check()
         if work.ship_whole:
             for index, layer in enumerate(result.kv.layers):
                 feed.add(index, layer.k, layer.v, start)

@@ -580,6 +580,42 @@ def test_a_draining_region_refuses_reships_and_waits_for_those_in_progress(
         region.close()
 
 
+def test_a_cancel_near_the_end_of_the_forward_leaves_no_kv_lease(
+    tiny_engine: HFEngine, silent_kv_port: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Cancel after the last layer's boundary, while the rest of the forward computes (here stretched to 1 s):
+    the job ends CANCELLED and keeps no KV lease (before, the lease was put after the Cancel had dropped none,
+    held for kv_lease_s, and a Reship of the canceled job shipped it)."""
+    prefill, last = tiny_engine.prefill, tiny_engine.facts.num_layers - 1
+
+    def slow_tail(token_ids: list[int], params: SamplingParams, on_layer: Any = None, **kwargs: Any) -> Any:
+        def layer(index: int, k: Any, v: Any) -> None:
+            on_layer(index, k, v)
+            if index == last:
+                time.sleep(1.0)  # the compute after the last layer wrote its KV
+
+        return prefill(token_ids, params, on_layer=layer, **kwargs)
+
+    monkeypatch.setattr(tiny_engine, "prefill", slow_tail)
+    region = local_region(tiny_engine, decode=False)
+    try:
+        job_id = new_job()
+        request = prefill_request(job_id, tiny_engine.encode("canceled near its end"), GREEDY, silent_kv_port,
+                                  timeout_s=20)  # fmt: skip
+        stream = region.prefill_stub.Prefill(request, timeout=30)
+        for event in stream:
+            if event.HasField("layer_shipped") and event.layer_shipped.layer == last:
+                break
+        time.sleep(0.2)  # inside the tail of the forward
+        assert cancel(region.prefill_stub, job_id)
+        assert _code(lambda: stream) == grpc.StatusCode.CANCELLED
+        time.sleep(1.0)
+        assert job_id not in region.leases.job_ids()
+        assert _code(lambda: _reship(region, job_id, 2, silent_kv_port).result()) == grpc.StatusCode.NOT_FOUND
+    finally:
+        region.close()
+
+
 def test_a_job_canceled_while_it_waits_for_a_worker_ends_at_once(tiny_engine: HFEngine) -> None:
     """One decode worker, held by a paced Generate: a second one waiting for it ends CANCELLED as its Cancel
     lands, not when the worker frees (before, 6 s later in the API's batch test: the slot wait ignored it)."""
