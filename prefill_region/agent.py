@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,6 +53,9 @@ from prfaas.telemetry import tracing
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
+CANCELED_KEPT_S = 600.0  # a Cancel is remembered this long: a Prefill or Reship of that attempt arriving after it
+MAX_CANCELED = 4096  # (the calls travel on channels of their own, in no set order) is refused
+SUPERSEDE_WAIT_S = 5.0  # a newer attempt waits this long for an older one still here to stop
 
 
 class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
@@ -72,6 +76,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
         self._reships: dict[str, list[_Reship]] = {}  # job -> its Reship calls in progress
+        self._canceled: OrderedDict[str, tuple[int, float]] = OrderedDict()  # job -> (attempt canceled, until)
         self._busy = 0
         self._rate = 0.0  # prompt tokens/s, smoothed
 
@@ -125,10 +130,12 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
     def _prefill(self, job_id: str, job: Job, context: grpc.ServicerContext,
                  span: tracing.Span) -> Iterator[prefill_pb2.PrefillEvent]:  # fmt: skip
         received = time.time_ns()
+        self._supersede(job_id, job.work.attempt)
         with self._lock:
             if self.draining:
                 metrics.REJECTED.labels("draining").inc()
                 raise Unavailable("prefill region is draining; send the job elsewhere")
+            self._check_canceled(job_id, job.work.attempt)
             if job_id in self._jobs:
                 raise Conflict(f"job {job_id} is already queued or running here")
             if len(self._jobs) >= self.num_workers + self.queue_depth:
@@ -166,6 +173,27 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
             if not ended:
                 job.cancel(Canceled("the caller disconnected"))
                 self._dequeued(job)
+
+    def _supersede(self, job_id: str, attempt: int) -> None:
+        """An older attempt of the job still here (its Cancel is winding it down, or none came): it is stopped,
+        and its end waited for a moment, so the newer attempt is not refused ALREADY_EXISTS for it."""
+        with self._lock:
+            old = self._jobs.get(job_id)
+        if old is None or old.work.attempt >= attempt:
+            return
+        old.cancel(Canceled(f"superseded by attempt {attempt}"))
+        deadline = time.monotonic() + SUPERSEDE_WAIT_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._jobs.get(job_id) is not old:
+                    return
+            time.sleep(0.02)
+
+    def _check_canceled(self, job_id: str, attempt: int) -> None:
+        """Under the lock: refuse an attempt a Cancel that came first stopped."""
+        canceled = self._canceled.get(job_id)
+        if canceled is not None and canceled[1] > time.monotonic() and stops(canceled[0], attempt):
+            raise Canceled(f"job {job_id} attempt {attempt} was canceled before this call came")
 
     def _dequeued(self, job: Job) -> bool:
         """Take `job` out of the queue if it was stopped (canceled, its deadline) before a worker took it."""
@@ -222,6 +250,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         with self._lock:
             if self.draining:
                 raise Unavailable("prefill region is draining; prefill the job again elsewhere")
+            self._check_canceled(job_id, request.attempt)
             if sum(len(calls) for calls in self._reships.values()) >= MAX_RESHIPS:
                 metrics.REJECTED.labels("reships_full").inc()
                 raise Exhausted(f"{MAX_RESHIPS} re-shipments in progress here; prefill the job again elsewhere")
@@ -259,6 +288,11 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
     def cancel(self, job_id: str, canceled: Canceled, attempt: int = 0) -> bool:
         with self._lock:
             job = self._jobs.get(job_id)
+            before = self._canceled.pop(job_id, None)  # the widest Cancel is kept (0: every attempt)
+            widest = attempt if before is None or attempt == 0 else 0 if before[0] == 0 else max(attempt, before[0])
+            self._canceled[job_id] = (widest, time.monotonic() + CANCELED_KEPT_S)
+            while len(self._canceled) > MAX_CANCELED:
+                self._canceled.popitem(last=False)
             reships = [r for r in self._reships.get(job_id, []) if stops(attempt, r.attempt)]
         if job is not None and not stops(attempt, job.work.attempt):
             job = None  # a newer attempt's prefill: this Cancel is stale

@@ -32,6 +32,7 @@ from prfaas.decode_region.hf_backend import Assembly
 from prfaas.devstack.processes import free_port
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
+from prfaas.prefill_region.hf_backend import HFPrefill
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, prefill_pb2
 from prfaas.region.errors import Canceled
 from prfaas.region.requests import MAX_RESHIPS, sampling_to_proto
@@ -585,7 +586,7 @@ def test_a_cancel_near_the_end_of_the_forward_leaves_no_kv_lease(
 ) -> None:
     """A Cancel after the last layer's boundary, while the rest of the forward computes (here stretched to 1 s):
     the job ends CANCELLED and keeps no KV lease (before, the lease was put after the Cancel had dropped none,
-    held for kv_lease_s, and a Reship of the canceled job shipped it)."""
+    held for kv_lease_s, and a Reship of the canceled job shipped it); a Reship of the canceled job is refused."""
     prefill, last = tiny_engine.prefill, tiny_engine.facts.num_layers - 1
 
     def slow_tail(token_ids: list[int], params: SamplingParams, on_layer: Any = None, **kwargs: Any) -> Any:
@@ -611,7 +612,48 @@ def test_a_cancel_near_the_end_of_the_forward_leaves_no_kv_lease(
         assert _code(lambda: stream) == grpc.StatusCode.CANCELLED
         time.sleep(1.0)
         assert job_id not in region.leases.job_ids()
-        assert _code(lambda: _reship(region, job_id, 2, silent_kv_port).result()) == grpc.StatusCode.NOT_FOUND
+        region.leases.put(job_id, prefill([1, 2, 3], GREEDY), attempt=1)  # a lease left some other way:
+        assert _code(lambda: _reship(region, job_id, 2, silent_kv_port).result()) == grpc.StatusCode.CANCELLED
+    finally:
+        region.close()
+
+
+def test_a_cancel_that_comes_before_its_prefill_is_remembered(tiny_engine: HFEngine, silent_kv_port: str) -> None:
+    """Cancel and Prefill travel on channels of their own: a Cancel of attempt 1 that arrives first refuses
+    attempt 1's Prefill (CANCELLED; before, it was forgotten and the canceled job ran and shipped its KV), and
+    lets attempt 2's run."""
+    region = local_region(tiny_engine, decode=False)
+    try:
+        job_id, ids = new_job(), tiny_engine.encode("canceled before it came")
+        assert not region.prefill_stub.Cancel(common_pb2.CancelRequest(job_id=job_id, reason="t", attempt=1),
+                                              timeout=5).found  # fmt: skip
+        first = prefill_request(job_id, ids, GREEDY, silent_kv_port, attempt=1, timeout_s=5)
+        assert _code(lambda: region.prefill_stub.Prefill(first, timeout=10)) == grpc.StatusCode.CANCELLED
+        second = region.prefill_stub.Prefill(prefill_request(job_id, ids, GREEDY, silent_kv_port, attempt=2,
+                                                             timeout_s=5), timeout=10)  # fmt: skip
+        assert next(second).HasField("started")
+        second.cancel()
+    finally:
+        region.close()
+
+
+def test_a_newer_attempt_supersedes_an_older_one_still_computing(tiny_engine: HFEngine, silent_kv_port: str) -> None:
+    """Attempt 2 while attempt 1 still computes (its Cancel lost, or not yet landed): attempt 1 is stopped and
+    attempt 2 starts, as a decode region's Reserve supersedes an older attempt (before, ALREADY_EXISTS, and the
+    control plane left this instance out of the job)."""
+    region = local_region(tiny_engine, decode=False)
+    try:
+        assert region.prefill is not None and isinstance(region.prefill.backend, HFPrefill)
+        region.prefill.backend.test_layer_delay_s = 0.5
+        job_id, ids = new_job(), tiny_engine.encode("retried at once")
+        older = region.prefill_stub.Prefill(prefill_request(job_id, ids, GREEDY, silent_kv_port, attempt=1),
+                                            timeout=30)  # fmt: skip
+        next(older)  # started
+        newer = region.prefill_stub.Prefill(prefill_request(job_id, ids, GREEDY, silent_kv_port, attempt=2,
+                                                            timeout_s=5), timeout=10)  # fmt: skip
+        assert next(newer).HasField("started")
+        assert _code(lambda: older) == grpc.StatusCode.CANCELLED
+        newer.cancel()
     finally:
         region.close()
 
