@@ -22,9 +22,9 @@ from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
-# A new attempt starts with no KV shipped and no Reserve: a failed-over split job is billed the bytes its last
-# attempt shipped, and a local retry's stage metrics have no Reserve (jobs/latency.py).
-_ATTEMPT_FRESH: dict[str, Any] = {"bytes_raw": 0, "bytes_wire": 0, "reserve_s": ""}
+# A new attempt starts with no KV shipped, no Reserve and no refusal from a full decode instance: a failed-over
+# split job is billed the bytes its last attempt shipped, and a local retry's stage metrics have no Reserve.
+_ATTEMPT_FRESH: dict[str, Any] = {"bytes_raw": 0, "bytes_wire": 0, "reserve_s": "", "full_refusals": 0}
 Enqueue = Callable[[str, float], object]  # (job id, countdown s): queue the job's dispatch
 
 

@@ -52,6 +52,7 @@ from prfaas.transport.tickets import TicketSigner
 log = logging.getLogger(__name__)
 PLACING_LEASE_S = 30.0  # claim -> prefill started: a snapshot read, a Reserve (10 s at most)
 UNPLACED_RETRY_S = 1.0  # a job no region can take now is placed again this much later
+FULL_RETRIES = 3  # a decode instance full at Reserve is tried again this often, then left out (the attempt fails)
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED, grpc.StatusCode.ALREADY_EXISTS,
@@ -230,7 +231,9 @@ class Dispatcher:
             tracing.failed(call, exc.code().name)
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # its reply may be lost, not its reservation
                 self._release(decode_stub, job_id, attempt)
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full for now, not failing
+            refusals = int(job.get("full_refusals", 0) or 0) + 1
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and refusals <= FULL_RETRIES:  # full for now
+                jobs.update(job_id, attempt, full_refusals=refusals)  # then the attempt fails, leaving it out
                 raise PlaceAgain(f"reserve in {decode.key}: RESOURCE_EXHAUSTED {exc.details() or ''}".strip()) from exc
             raise self._failed(decode.key, "reserve", exc) from exc
         finally:
@@ -272,7 +275,7 @@ class Dispatcher:
         jobs = self.s.jobs
         channel = self.watcher.channel(run.prefill.grpc_endpoint, server_name(run.prefill.name))
         span = run.call_span("worker.prefill")
-        lost = False
+        lost = handed = False
         call = prefill_pb2_grpc.PrefillRegionStub(channel).Prefill(request, timeout=run.lease_s + 5,
                                                                    metadata=tracing.metadata(span))  # fmt: skip
         try:
@@ -290,6 +293,7 @@ class Dispatcher:
                     kv = base64.b64encode(done.kv.SerializeToString()).decode()
                     first = first_fields(done)
                     jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
+                    handed = True  # decoding from here on: what follows is bookkeeping
                 elif kind == "shipment_complete":
                     shipped = event.shipment_complete
                     jobs.update(run.job_id, run.attempt, bytes_raw=shipped.raw_bytes, bytes_wire=shipped.wire_bytes)
@@ -299,9 +303,12 @@ class Dispatcher:
         except (StaleAttempt, IllegalTransition, JobNotFound):
             call.cancel()  # the job moved on (canceled, or the sweeper started the next attempt)
         except Exception as exc:
-            lost = True
-            call.cancel()
-            self._lost(run, "prefill", span, exc)
+            if handed:  # the job decodes: it must not be taken back for a lost byte count
+                log.warning("job %s attempt %d: after its hand-off: %r", run.job_id, run.attempt, exc)
+            else:
+                lost = True
+                call.cancel()
+                self._lost(run, "prefill", span, exc)
         finally:
             span.end()
             if not lost:

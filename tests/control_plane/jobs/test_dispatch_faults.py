@@ -4,11 +4,13 @@ in the fleet and beating, so each fault happens at the moment that matters, ever
 
 - the only decode instance is full at Reserve (RESOURCE_EXHAUSTED: a burst of dispatches raced for its buffer):
   the same attempt is placed again shortly; before, the instance was left out for good and the job FAILED
-  "no placement" at its deadline, though the region had room a moment later;
+  "no placement" at its deadline, though the region had room a moment later; full every time, it is left
+  out after FULL_RETRIES tries;
 - the prefill region leaves between the snapshot and the pick (drained): placed again on a fresh snapshot
   (locally); before, the decode region was blamed and left out, and the job FAILED at its deadline;
 - a Redis error while the watcher follows the prefill: the lease is left for the sweeper, which takes the
-  attempt back at the lease's end; before, the lease was taken and nothing ever moved the job on."""
+  attempt back at the lease's end; before, the lease was taken and nothing ever moved the job on; after the
+  hand-off, the job decodes and its lease is taken as usual."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import pytest
 import redis
 from cp_kit import cleanup, ensure_redis, make_settings
 
-from prfaas.control_plane.jobs.dispatch import Dispatcher
+from prfaas.control_plane.jobs.dispatch import FULL_RETRIES, Dispatcher
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.scheduling.snapshot import Link
 from prfaas.control_plane.services import Services
@@ -41,6 +43,7 @@ class Prefill(prefill_pb2_grpc.PrefillRegionServicer):
         yield prefill_pb2.PrefillEvent(started=prefill_pb2.Started())
         kv = common_pb2.KVDescriptor(num_tokens=len(request.token_ids), dtype="float32")
         yield prefill_pb2.PrefillEvent(prefill_done=prefill_pb2.PrefillDone(first_token=11, kv=kv, prefill_s=0.01))
+        yield prefill_pb2.PrefillEvent(shipment_complete=prefill_pb2.ShipmentComplete(raw_bytes=8, wire_bytes=4))
 
     async def Cancel(self, request: Any, context: Any) -> Any:  # noqa: N802
         return common_pb2.CancelReply()
@@ -157,6 +160,19 @@ def test_a_full_decode_instance_is_tried_again_not_left_out(services: Services, 
     assert regions.decode.reserves == 2
 
 
+def test_a_decode_instance_full_every_time_is_left_out_after_a_few_tries(services: Services, regions: Regions) -> None:
+    """Not forever: a job larger than the instance's free buffer, or one it holds the prefix of, would be placed
+    on it again and again until the job's deadline; after FULL_RETRIES the attempt fails and leaves it out."""
+    regions.decode.full_for = 100
+    queued: list[tuple[str, float]] = []
+    dispatcher = Dispatcher(services, lambda job_id, countdown: queued.append((job_id, countdown)), owner="worker:t")
+    job_id = _job(services)
+    assert _dispatch(dispatcher, queued, job_id)[: FULL_RETRIES + 1] == ["unplaced"] * FULL_RETRIES + ["retrying"]
+    job = services.jobs.get(job_id)
+    assert job["attempt"] == "2" and json.loads(job["excluded"]) == ["decode-t/i0"], job
+    assert job["full_refusals"] == "0"  # the new attempt's own count
+
+
 class Draining(Dispatcher):
     """The operator drains the prefill region just after the placement's snapshot was read."""
 
@@ -202,3 +218,24 @@ def test_a_redis_error_while_following_the_prefill_leaves_the_lease_to_the_sweep
     assert services.jobs.get(job_id)["state"] == JobState.TRANSFERRING
     lease = dispatcher.leases.get(job_id)
     assert lease is not None and lease.stage == "prefill", lease  # the sweeper takes the attempt back at its end
+
+
+def test_a_redis_error_after_the_hand_off_leaves_the_decoding_job_alone(services: Services, regions: Regions) -> None:
+    """The shipment's byte count not recorded (Redis away) once the job decodes: the lease is taken as usual, so
+    the sweeper does not take back (cancel, retry) a job that is decoding fine."""
+    dispatcher = Dispatcher(services, lambda *_: None, owner="worker:t")
+    update = services.jobs.update
+
+    def unreachable(job_id: str, attempt: int, **fields: Any) -> bool:
+        if "bytes_wire" in fields:  # the shipment_complete event, after the hand-off
+            raise redis.ConnectionError("Error 111 connecting to redis. Connection refused.")
+        return update(job_id, attempt, **fields)
+
+    services.jobs.update = unreachable  # type: ignore[method-assign]
+    job_id = _job(services)
+    assert dispatcher.run(job_id) == "started"
+    deadline = time.monotonic() + 10
+    while dispatcher.watcher.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert services.jobs.get(job_id)["state"] == JobState.TRANSFERRING
+    assert dispatcher.leases.get(job_id) is None
