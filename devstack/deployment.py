@@ -264,11 +264,11 @@ class Deployment:
         def spawned(proc: subprocess.Popen[Any]) -> None:  # recorded at once: stop() ends it while it loads
             with self.lock:
                 self.procs[process] = proc
-                self.state.groups[process] = proc.pid
-                if self.stopping:  # stop() has run: this one is ours to end
+                if self.stopping:  # stop() is running: this one is ours to end (its groups are not touched)
                     stop_group(proc.pid, 5.0)
-                else:
-                    write_state(self.home, self.state)
+                    return
+                self.state.groups[process] = proc.pid
+                write_state(self.home, self.state)
 
         try:
             region = spawn_region(path, timeout_s, argv_prefix=self.network.argv_prefix(name, k), log=log,

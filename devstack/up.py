@@ -5,6 +5,7 @@ while it starts stops what has started at once, regions still loading their mode
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -46,7 +47,12 @@ def run_up(
         stop_state(old, lambda _: None)  # a crashed run's leftovers (namespaces, keys)
         state_path(home).unlink()
     home.mkdir(parents=True, exist_ok=True)
-    deployment = Deployment(topology, topology_path, home, emulate_wan, say, hosts=hosts, insecure=insecure)
+
+    def tell(message: str) -> None:  # a closed terminal (SIGHUP) makes every print fail: the stop goes on
+        with contextlib.suppress(OSError):
+            say(message)
+
+    deployment = Deployment(topology, topology_path, home, emulate_wan, tell, hosts=hosts, insecure=insecure)
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
@@ -68,11 +74,11 @@ def run_up(
         reported: set[str] = set()
         while True:
             for name in set(deployment.dead()) - reported:
-                say(f"warning: {name} exited (log {deployment.run_dir / name}.log)")
+                tell(f"warning: {name} exited (log {deployment.run_dir / name}.log)")
                 reported.add(name)
             time.sleep(0.5)
     except KeyboardInterrupt:
-        say("stopping")
+        tell("stopping")
         if not up:
             raise Interrupted("interrupted before the deployment was up; what had started is stopped") from None
         return None

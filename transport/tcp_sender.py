@@ -17,6 +17,7 @@ transfers sooner (`unavailable_after_s`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import ssl
@@ -38,6 +39,10 @@ from prfaas.transport.sockets import TcpInfo
 from prfaas.transport.tcp_stream import TcpStream, refused
 
 log = logging.getLogger(__name__)
+
+
+_PEERS_LOCK = threading.Lock()
+_OPEN_PEERS: collections.Counter[str] = collections.Counter()  # channels open to each peer (its gauges' series)
 
 
 class TcpChannel:
@@ -102,6 +107,9 @@ class TcpChannel:
         self.node = node
         self.dialer = dialer  # (timeout_s) -> a connected socket-like stream; None: TCP to `address`
         self.peer = f"{address[0]}:{address[1]}"
+        with _PEERS_LOCK:
+            _OPEN_PEERS[self.peer] += 1
+            self._counted = True
         self.closed = threading.Event()
         self.queue = SendQueue(max_inflight_bytes)
         self.table = TransferTable()
@@ -300,9 +308,16 @@ class TcpChannel:
             stream.thread.join(timeout_s)
         self._reaper.join(timeout_s)
         self._encoder.shutdown(wait=True, cancel_futures=True)
-        for gauge in (metrics.STREAMS, metrics.STREAMS_CONNECTED, metrics.QUEUEING_DELAY):  # not its last figures
-            with contextlib.suppress(KeyError):  # for good (a channel to the peer opened since sets its own)
-                gauge.remove(self.peer)
+        with _PEERS_LOCK:  # its figures go with the last channel to the peer (not kept for good)
+            if not self._counted:  # closed before
+                return
+            self._counted = False
+            _OPEN_PEERS[self.peer] -= 1
+            if _OPEN_PEERS[self.peer] <= 0:
+                del _OPEN_PEERS[self.peer]
+                for gauge in (metrics.STREAMS, metrics.STREAMS_CONNECTED, metrics.QUEUEING_DELAY):
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(self.peer)
 
     def __enter__(self) -> TcpChannel:
         return self

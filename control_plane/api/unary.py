@@ -16,6 +16,16 @@ from starlette.types import Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 
+_GONE: list[anyio.CapacityLimiter] = []
+
+
+def _gone_limiter() -> anyio.CapacityLimiter:
+    """The threads that cancel the jobs of clients gone (made on the event loop, once)."""
+    if not _GONE:
+        _GONE.append(anyio.CapacityLimiter(16))
+    return _GONE[0]
+
+
 class AnswerResponse(Response):
     """`build()` gives the JSON body; `gone()` is called (on a worker thread) when the client disconnects
     before it is ready, and the answer is then dropped. An error raised by `build` (say, a job that ended
@@ -35,7 +45,9 @@ class AnswerResponse(Response):
             while (await receive())["type"] != "http.disconnect":  # the body was read: only its end can come
                 pass
             left = True
-            await anyio.to_thread.run_sync(self.gone)  # the build's jobs end, and with them `build` (soon)
+            # the build's jobs end, and with them `build` (soon); on threads of its own: under load every default
+            # worker thread may be building an answer, and the cancel must not wait for one of them to end
+            await anyio.to_thread.run_sync(self.gone, limiter=_gone_limiter())
 
         content: dict[str, Any] | None = None
         error: BaseException | None = None

@@ -58,7 +58,7 @@ class Sweeper:
         self.settings = jobs.settings
         self._ticker = Periodic("prfaas-sweeper", self.settings.sweep_s, self.sweep, _sweep_failed)
         self._missing: dict[str, float] = {}  # owners with no beat at all -> when this sweeper first saw that
-        self._last_pass: float | None = None  # when the last pass ended (None: none yet)
+        self._last_pass: float | None = None  # when the last pass read the beats (None: none yet)
         self._back_since = float("-inf")  # when this sweeper came back from a gap (Redis away, a stall)
 
     def start(self) -> Sweeper:
@@ -77,6 +77,7 @@ class Sweeper:
             self._back_since = now
         alive = set().union(*(b.alive() for b in self.beats.values()))
         known = set().union(*(b.known() for b in self.beats.values()))
+        self._last_pass = now  # Redis answered (a pass that fails later on a job is no gap)
         missing, self._missing = self._missing, {}  # kept for the owners this pass still finds without a beat
         done = []
         for lease in self.leases.all():
@@ -89,7 +90,6 @@ class Sweeper:
             for job_id, owner in self.leases.following().items():
                 if self._dead(owner, alive, known, missing, now) and self.leases.unfollow(job_id, owner):
                     done.append(self._orphaned(job_id, owner))
-        self._last_pass = time.time()
         return done
 
     def _dead(self, owner: str, alive: set[str], known: set[str], missing: dict[str, float], now: float) -> bool:

@@ -337,6 +337,13 @@ def test_the_stream_count_and_transfer_outcomes_are_in_the_metrics(kit: Kit, rec
     assert value("prfaas_kv_streams") is None and value("prfaas_kv_streams_connected") is None
     assert value("prfaas_kv_queueing_delay_seconds") is None
     assert value("prfaas_kv_transfers_total", status="completed") == 1  # counters stay
+    # ... with the last channel to the peer: an old one closed after its replacement opened leaves them
+    replacement = TcpChannel(receiver.address, num_streams=2)
+    TcpChannel(receiver.address, num_streams=3).close()
+    time.sleep(0.2)  # the replacement's next tick (every 50 ms) writes its own figure again
+    assert value("prfaas_kv_streams") == 2
+    replacement.close()
+    assert value("prfaas_kv_streams") is None
 
 
 def test_jobs_submitted_while_the_pool_connects_all_complete(kit: Kit, receiver: TcpReceiver) -> None:
