@@ -4,7 +4,7 @@ calling the decode region's `Generate` directly over gRPC.
     .venv/bin/python bench/control_plane.py [--rate 100] [--count 300] [--arrival poisson]
                                             [--client http|openai] [--json PATH]
 
-Starts real processes on loopback (bench/cp_stack.py): the API (uvicorn), one Celery worker,
+Starts real processes on loopback (devstack/stack.py): the API (uvicorn), one Celery worker,
 a prefill and a decode region (`prfaas region`, tiny-llama); Redis must run
 (tests/ensure-services.sh). A short prompt with `max_tokens=1` is placed locally in the
 decode region, so both paths end in the same `Generate` on the same process:

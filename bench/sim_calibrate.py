@@ -6,7 +6,7 @@ the real stack, and compare the simulator's TTFT P50 prediction with the measure
 1. Timings: the tiny-llama engine (HFEngine, one torch thread, as the regions are run) timed
    in-process: prefill at several prompt lengths and decode steps at several contexts, each a
    median of repeats, fitted to the lines of `sim.calibration` -> DIR/timings.json.
-2. The deployment (bench/cp_stack.py, real processes: API, Celery worker, a prefill region
+2. The deployment (devstack/stack.py, real processes: API, Celery worker, a prefill region
    and a decode region, Redis): probe requests of fixed sizes, one at a time (no queueing):
    the fixed overhead outside the engines is the shortest probes' TTFT minus their engine
    time; each region's prefill line is fitted to its probes' TTFT (the prefill region's
@@ -54,7 +54,7 @@ def time_engine(repeats: int) -> dict[str, Any]:
     from prfaas.engine.hf import HFEngine
     from prfaas.engine.sampling import SamplingParams
 
-    torch.set_num_threads(1)  # a region process runs with OMP_NUM_THREADS=1 (cp_stack)
+    torch.set_num_threads(1)  # a region process runs with OMP_NUM_THREADS=1 (devstack/stack.py)
     engine = HFEngine(MODEL)
     rng = random.Random(1)
     greedy = SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)

@@ -69,7 +69,7 @@ def test_apply_serves_a_split_request_and_destroy_leaves_no_process(tmp_path: Pa
         in_netns(ns, ["terraform", "apply", "-auto-approve", "-input=false", "-no-color"], env_dir, env)
         apply_s = time.monotonic() - start
         pids = [int(p.read_text().split()[0]) for p in run_dir.glob("*.pid")]
-        assert len(pids) == 5, sorted(p.name for p in run_dir.glob("*.pid"))  # redis, api, worker, 2 regions
+        assert len(pids) == 6, sorted(p.name for p in run_dir.glob("*.pid"))  # redis, api, worker, beat, 2 regions
         assert sorted(netns_pids(ns)) == sorted(pids)  # every process lives in the namespace
 
         outputs = in_netns(ns, ["terraform", "output", "-json"], env_dir, env).stdout

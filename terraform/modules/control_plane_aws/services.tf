@@ -59,6 +59,17 @@ locals {
       container      = {}
       load_balancers = []
     }
+    # exactly one, never two during a deployment: the metering schedule (price refresh, the ledger's
+    # reconciliation sweep: docs/metering.md); its schedule file on the task's /tmp volume
+    beat = {
+      cpu            = 256
+      memory         = 512
+      count          = 1
+      command        = ["celery", "-A", "prfaas.control_plane.worker", "beat", "--schedule", "/tmp/celerybeat-schedule", "--loglevel", "INFO"]
+      environment    = local.env
+      container      = {}
+      load_balancers = []
+    }
   }
 }
 
@@ -71,7 +82,8 @@ resource "aws_ecs_cluster" "this" {
   tags = var.tags
 }
 
-# --- IAM: the execution role reads exactly these secrets; the task role needs nothing ---
+# --- IAM: the execution role reads exactly these secrets; the task role needs nothing (the price feeds then
+# fall back to the price table: docs/deploy.md) ---
 
 data "aws_iam_policy_document" "execution_secrets" {
   statement {
@@ -142,6 +154,9 @@ resource "aws_ecs_service" "this" {
   task_definition = aws_ecs_task_definition.this[each.key].arn
   desired_count   = each.value.count
   launch_type     = "FARGATE"
+  # beat: the old task stops before the new one starts (two would send every scheduled task twice)
+  deployment_maximum_percent         = each.key == "beat" ? 100 : 200
+  deployment_minimum_healthy_percent = each.key == "beat" ? 0 : 100
   network_configuration {
     subnets          = var.subnet_ids.private
     security_groups  = [module.security_groups.ids["tasks"]]

@@ -69,6 +69,17 @@ locals {
       # Celery logs "<name>@<host> ready." once it consumes the queue
       ready_command = "grep -q '${local.worker_name}@.* ready\\.' '${var.run_dir}/${var.name_prefix}worker.log'"
     }
+    # exactly one: the metering schedule (price refresh, the ledger's reconciliation sweep: docs/metering.md)
+    beat = {
+      command = [
+        var.python, "-m", "celery", "-A", "prfaas.control_plane.worker", "beat",
+        "--schedule", "${var.run_dir}/${var.name_prefix}celerybeat-schedule", "--loglevel", "INFO",
+      ]
+      environment    = local.settings
+      config_file    = ""
+      config_content = ""
+      ready_command  = "grep -q 'beat: Starting' '${var.run_dir}/${var.name_prefix}beat.log'"
+    }
   }
 }
 

@@ -6,23 +6,23 @@
 # plane runs in the decode region's VPC, depend in a cycle on) the control plane.
 
 variable "region" {
-  description = "the region interface (docs/deploy.md); name and role are required"
+  description = "the region interface (docs/deploy.md); name, role and model (the control plane's) are required"
   type = object({
-    name                 = string                         # [a-z0-9-], at most 63 characters
-    role                 = string                         # prefill, decode or both
-    gpu_type             = optional(string, "cpu")        # reported to the registry
-    usd_per_gpu_hour     = optional(number, 0)            # price the scheduler and the ledger use, $/GPU-hour
-    model                = optional(string, "tiny-llama") # catalog name or HF model folder; the control plane's
-    workers              = optional(number, 1)            # engine workers (concurrent prefills / decodes)
-    kv_buffer_bytes      = optional(number, 268435456)    # decode KV buffer, bytes
-    codec                = optional(string, "lossless")   # KV codec when a request names none: raw, lossless, fp8, int8
-    dtype                = optional(string, "float32")    # engine dtype: float32, bfloat16, float16
-    grpc_port            = optional(number, 50051)        # gRPC port of the region's services
-    kv_port              = optional(number, 7400)         # KV port (decode role)
-    metrics_port         = optional(number, 0)            # Prometheus /metrics port; 0: off
-    ticket_key_id        = optional(string, "k1")         # id of the ticket key
-    heartbeat_interval_s = optional(number, 1)            # heartbeat period, seconds
-    drain_timeout_s      = optional(number, 5)            # SIGTERM: seconds running jobs may finish
+    name                 = string                       # [a-z0-9-], at most 63 characters
+    role                 = string                       # prefill, decode or both
+    gpu_type             = optional(string, "cpu")      # reported to the registry
+    usd_per_gpu_hour     = optional(number, 0)          # price the scheduler and the ledger use, $/GPU-hour
+    model                = string                       # catalog name or HF model folder: the control plane's
+    workers              = optional(number, 1)          # engine workers (concurrent prefills / decodes)
+    kv_buffer_bytes      = optional(number, 268435456)  # decode KV buffer, bytes
+    codec                = optional(string, "lossless") # KV codec when a request names none (docs/regions.md)
+    dtype                = optional(string, "float32")  # engine dtype: float32, bfloat16, float16
+    grpc_port            = optional(number, 50051)      # gRPC port of the region's services
+    kv_port              = optional(number, 7400)       # KV port (decode role)
+    metrics_port         = optional(number, 0)          # Prometheus /metrics port; 0: off
+    ticket_key_id        = optional(string, "k1")       # id of the ticket key
+    heartbeat_interval_s = optional(number, 1)          # heartbeat period, seconds
+    drain_timeout_s      = optional(number, 5)          # SIGTERM: seconds running jobs may finish
   })
   validation {
     condition     = can(regex("^[a-z0-9][a-z0-9-]{0,62}$", var.region.name))
