@@ -67,6 +67,15 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 return held
 """
 
+# KEYS: leases zset, leases info hash. ARGV: job id, the info JSON read. Removes the lease only if it is still
+# that very one (a sweeper acting on what it read: not a claim or grant of the same attempt made since).
+_TAKE_EXACT = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
 # KEYS: leases zset, leases info hash, job hash. ARGV: job id, the info JSON granted, its attempt. Takes back
 # a `queued` lease its granter no longer needs (the move it was for was refused): only if it is still that
 # very grant (not a dispatcher's claim or a later grant) and the job is not QUEUED at that attempt, which
@@ -130,6 +139,7 @@ class Leases:
         self._unfollow = client.register_script(_UNFOLLOW)
         self._unclaim = client.register_script(_UNCLAIM)
         self._drop_granted = client.register_script(_DROP_GRANTED)
+        self._take_exact = client.register_script(_TAKE_EXACT)
 
     def claim_dispatch(self, lease: Lease) -> str:
         """'ok' when this caller is the one to dispatch `lease.attempt`, now under `lease`
@@ -146,6 +156,10 @@ class Leases:
         """Remove the lease of `attempt` (0: whatever attempt); the lease if this call removed it."""
         held = self._take(keys=[self._zset, self._info], args=[job_id, attempt])
         return Lease.of(job_id, held) if held else None
+
+    def take_exact(self, lease: Lease) -> bool:
+        """Remove `lease` if it is still the one held (as read by `all`); True when this call removed it."""
+        return bool(self._take_exact(keys=[self._zset, self._info], args=[lease.job_id, lease.info()]))
 
     def drop_granted(self, lease: Lease) -> bool:
         """Take back `lease`, granted by this caller for a move that was then refused (_DROP_GRANTED): not if

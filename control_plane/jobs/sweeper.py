@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -57,6 +58,7 @@ class Sweeper:
         self.channels = channels
         self.settings = jobs.settings
         self._ticker = Periodic("prfaas-sweeper", self.settings.sweep_s, self.sweep, _sweep_failed)
+        self._cancels = ThreadPoolExecutor(4, thread_name_prefix="prfaas-sweeper-cancel")  # Cancels: 2 s each
         self._missing: dict[str, float] = {}  # owners with no beat at all -> when this sweeper first saw that
         self._last_pass: float | None = None  # when the last pass read the beats (None: none yet)
         self._back_since = float("-inf")  # when this sweeper came back from a gap (Redis away, a stall)
@@ -67,6 +69,7 @@ class Sweeper:
 
     def stop(self) -> None:
         self._ticker.stop(join_s=10)
+        self._cancels.shutdown(wait=False)
 
     def sweep(self) -> list[str]:
         """One pass; what it did, a line per job."""
@@ -82,7 +85,7 @@ class Sweeper:
         done = []
         for lease in self.leases.all():
             overran, orphaned = lease.deadline < now, self._dead(lease.owner, alive, known, missing, now)
-            if not (overran or orphaned) or self.leases.take(lease.job_id, lease.attempt) is None:
+            if not (overran or orphaned) or not self.leases.take_exact(lease):  # not one granted since it was read
                 continue
             done.append(self._recover(lease, overran))
         api = self.beats.get("api")
@@ -114,10 +117,13 @@ class Sweeper:
         if lease.stage == "queued":  # its dispatch never started: queue it again
             self.attempts.requeue(lease.job_id, lease.attempt)
             return f"{lease.job_id}: dispatch {late}, queued again"
-        self._stop_in_regions(job, f"{lease.stage} {late}", lease.attempt)
         where = lease.where if overran else ""  # a dead worker is no fault of the instance
         reason = f"{lease.stage} of attempt {lease.attempt} on {lease.where or 'a worker'} {late}"
-        return f"{lease.job_id}: {self.attempts.fail(lease.job_id, lease.attempt, where, reason)} ({reason})"
+        # the next attempt first (moved and guarded by its lease before this process may die), then the regions
+        # told, beside the pass (a region that does not answer holds no other job's recovery up)
+        outcome = self.attempts.fail(lease.job_id, lease.attempt, where, reason)
+        self._cancels.submit(self._stop_quietly, job, f"{lease.stage} {late}", lease.attempt)
+        return f"{lease.job_id}: {outcome} ({reason})"
 
     def _orphaned(self, job_id: str, owner: str) -> str:
         reason = f"the API process following it ({owner}) stopped"
@@ -161,6 +167,12 @@ class Sweeper:
             return self.jobs.get(job_id)["state"] not in TERMINAL
         except JobNotFound:
             return False
+
+    def _stop_quietly(self, job: dict[str, str], reason: str, attempt: int) -> None:
+        try:
+            self._stop_in_regions(job, reason, attempt)
+        except Exception:  # best effort: the regions end the attempt at its deadline
+            log.exception("job %s: telling its regions that attempt %d ended failed", job["id"], attempt)
 
     def _stop_in_regions(self, job: dict[str, str], reason: str, attempt: int) -> None:
         """Cancel `attempt` of the job (and older ones) in its prefill and its decode region (idempotent

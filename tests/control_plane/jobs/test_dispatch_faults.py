@@ -10,7 +10,8 @@ in the fleet and beating, so each fault happens at the moment that matters, ever
   (locally); before, the decode region was blamed and left out, and the job FAILED at its deadline;
 - a Redis error while the watcher follows the prefill: the lease is left for the sweeper, which takes the
   attempt back at the lease's end; before, the lease was taken and nothing ever moved the job on; after the
-  hand-off, the job decodes and its lease is taken as usual."""
+  hand-off, the job decodes and its lease is taken as usual;
+- the sweeper taking back overrun leases while a region's Cancel hangs, and a lease replaced since it read it."""
 
 from __future__ import annotations
 
@@ -27,18 +28,24 @@ import pytest
 import redis
 from cp_kit import cleanup, ensure_redis, make_settings
 
+from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.dispatch import FULL_RETRIES, Dispatcher
+from prfaas.control_plane.jobs.leases import Heartbeats, Lease, Leases
 from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.sweeper import Sweeper
 from prfaas.control_plane.scheduling.snapshot import Link
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Quota
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, registry_pb2
+from prfaas.region.channels import ChannelCache
 
 FIELDS = {"model": "tiny-llama", "kind": "text_completion", "token_ids": list(range(1, 65)), "prompt_tokens": 64,
           "max_new_tokens": 3, "temperature": 0.0, "placement_asked": "split"}  # fmt: skip
 
 
 class Prefill(prefill_pb2_grpc.PrefillRegionServicer):
+    cancel_s = 0.0  # how long a Cancel takes to answer (a region that hangs: 5 s, past the caller's 2 s)
+
     async def Prefill(self, request: Any, context: Any) -> Any:  # noqa: N802
         yield prefill_pb2.PrefillEvent(started=prefill_pb2.Started())
         kv = common_pb2.KVDescriptor(num_tokens=len(request.token_ids), dtype="float32")
@@ -46,6 +53,7 @@ class Prefill(prefill_pb2_grpc.PrefillRegionServicer):
         yield prefill_pb2.PrefillEvent(shipment_complete=prefill_pb2.ShipmentComplete(raw_bytes=8, wire_bytes=4))
 
     async def Cancel(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await asyncio.sleep(self.cancel_s)
         return common_pb2.CancelReply()
 
 
@@ -239,3 +247,56 @@ def test_a_redis_error_after_the_hand_off_leaves_the_decoding_job_alone(services
         time.sleep(0.02)
     assert services.jobs.get(job_id)["state"] == JobState.TRANSFERRING
     assert dispatcher.leases.get(job_id) is None
+
+
+def _sweeper(services: Services) -> tuple[Sweeper, Leases]:
+    leases = Leases(services.redis, services.settings)
+    beats = {"worker": Heartbeats(services.redis, services.settings, "worker")}
+    attempts = Attempts(services.jobs, leases, lambda *_: None, "worker:sweeper")
+    return Sweeper(services.jobs, leases, attempts, beats, ChannelCache(None)), leases
+
+
+def _prefilling(services: Services, leases: Leases, regions: Regions, owner: str, deadline: float) -> str:
+    """A job whose attempt 1 prefills in prefill-t under `owner`'s lease."""
+    job_id = _job(services)
+    target = regions.registry.get("prefill-t").instance("i0")
+    assert target is not None
+    services.jobs.update(job_id, 1, prefill_grpc=target.grpc_endpoint, prefill_region="prefill-t")
+    services.jobs.transition(job_id, JobState.PREFILLING, 1, note="prefill")
+    leases.grant(Lease(job_id, 1, "prefill", owner, "prefill-t/i0", deadline))
+    return job_id
+
+
+def test_the_sweeper_moves_each_job_on_before_telling_a_hanging_region(services: Services, regions: Regions) -> None:
+    """Five overrun prefill leases on a region whose Cancel hangs: one pass moves all five jobs to their next
+    attempt at once (before, each waited for its Cancel's 2 s deadline first, one after another, and a sweeper
+    killed in between left a job with no lease that nothing ever took back)."""
+    regions.prefill.cancel_s = 5.0
+    sweeper, leases = _sweeper(services)
+    jobs = [_prefilling(services, leases, regions, "worker:live", time.time() - 1) for _ in range(5)]
+    started = time.monotonic()
+    done = sweeper.sweep()
+    assert time.monotonic() - started < 2.0, done
+    assert [services.jobs.get(job_id)["attempt"] for job_id in jobs] == ["2"] * 5
+    sweeper.stop()
+
+
+def test_the_sweeper_takes_only_the_lease_it_read(services: Services, regions: Regions) -> None:
+    """An overrun lease read by the sweeper, replaced (same attempt) by a live worker's just after the read: the
+    new lease is left alone and the job is not retried (before, the take matched the attempt only: it removed
+    the live worker's lease and started attempt 2 beside the live one)."""
+    sweeper, leases = _sweeper(services)
+    job_id = _prefilling(services, leases, regions, "worker:gone", time.time() - 1)
+
+    class Racing(Leases):
+        def all(self) -> list[Lease]:
+            read = super().all()
+            self.grant(Lease(job_id, 1, "prefill", "worker:live", "prefill-t/i0", time.time() + 60))
+            return read
+
+    sweeper.leases = Racing(services.redis, services.settings)
+    assert sweeper.sweep() == []
+    held = leases.get(job_id)
+    assert held is not None and held.owner == "worker:live"
+    assert services.jobs.get(job_id)["attempt"] == "1"
+    sweeper.stop()
