@@ -10,6 +10,7 @@ and cost from `GET /v1/jobs/{id}`. Every call has a deadline (`timeout_s`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ import httpx
 
 from prfaas.loadgen.conversations import THINK_S, Conversation
 from prfaas.loadgen.workload import Planned
+
+log = logging.getLogger(__name__)
 
 PLACEMENTS = {  # --compare name -> API placement (control_plane/jobs/prefix.py for the blind ones)
     "colocated": "local", "split-always": "split", "prfaas": "auto",
@@ -198,8 +201,16 @@ async def _conversations(
                 await _send(client, model, prompt, placement, t0, timeout_s, out)
                 outcomes.append(out)
                 on_done(out)
-                if not out.ok:
-                    return  # a failed turn ends the conversation (its history is unknown)
+                if not out.ok:  # a failed turn ends the conversation (its history is unknown): the turns it
+                    planned = len(prompt)  # did not send count as failed, not as none (their prompts: at least
+                    for later in range(turn + 1, len(conv.users)):  # the history so far and the user messages)
+                        planned += len(conv.users[later])
+                        lost = Outcome(conv.index * turns + later, f"turn{later}", conv.start_s, planned,
+                                       len(conv.system), conv.index, conv.max_tokens[later], cache_salt=salt,
+                                       error=f"not sent: turn {turn} of its conversation failed")  # fmt: skip
+                        outcomes.append(lost)
+                        on_done(lost)
+                    return
                 history = prompt + encode(out.text)
                 if turn + 1 < len(conv.users):
                     await asyncio.sleep(think_s)
@@ -215,7 +226,16 @@ async def _conversations(
 def attach_jobs(api_base: str, api_key: str, outcomes: list[Outcome], ledger_wait_s: float = 10.0) -> None:
     """Fill each outcome's `job` from GET /v1/jobs/{id} (placement, regions, bytes, cost) and,
     when the API has a ledger (GET /v1/usage/jobs/{id}), its `usage` entry. Entries are written
-    off the request path, so a missing one is asked again until `ledger_wait_s` has passed."""
+    off the request path, so a missing one is asked again until `ledger_wait_s` has passed. An API gone or
+    answering nonsense meanwhile leaves the rest empty (the run's own figures are still written), with a warning."""
+    try:
+        _attach_jobs(api_base, api_key, outcomes, ledger_wait_s)
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: a body that is not JSON
+        log.warning("jobs and usage not read from the API (%s: %s); the report has the client's figures only",
+                    type(exc).__name__, exc)  # fmt: skip
+
+
+def _attach_jobs(api_base: str, api_key: str, outcomes: list[Outcome], ledger_wait_s: float) -> None:
     headers = {"Authorization": f"Bearer {api_key}"}
     done = [o for o in outcomes if o.job_id and o.ok]
     with httpx.Client(base_url=api_base, headers=headers, timeout=10) as http:
