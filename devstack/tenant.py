@@ -22,7 +22,7 @@ def demo_tenant(admin: Admin, spec: TenantSpec, folder: Path, say: Callable[[str
     limits = {"rps": spec.rps, "concurrency": spec.concurrency, "budget_usd": spec.budget_usd,
               "allow_placement": spec.allow_placement}  # fmt: skip
     path = folder / "demo-tenant.json"
-    saved: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+    saved = _saved(path, say)
     known = {str(x["id"]) for x in admin("GET", "/admin/tenants")}
     if saved.get("tenant_id") in known:
         tenant_id = saved["tenant_id"]
@@ -38,7 +38,24 @@ def demo_tenant(admin: Admin, spec: TenantSpec, folder: Path, say: Callable[[str
         issued = admin("POST", f"/admin/tenants/{tenant_id}/keys")
         saved |= {"key_id": str(issued["id"]), "api_key": str(issued["key"])}
     folder.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600)
-    path.chmod(0o600)
-    path.write_text(json.dumps(saved, indent=2) + "\n")
+    partial = path.with_suffix(".json.partial")  # written whole, then renamed: never a half-written file
+    partial.touch(mode=0o600)
+    partial.chmod(0o600)
+    partial.write_text(json.dumps(saved, indent=2) + "\n")
+    partial.replace(path)
     return tenant_id, saved["api_key"]
+
+
+def _saved(path: Path, say: Callable[[str], None]) -> dict[str, str]:
+    """What `path` kept: {} when there is none, or when it cannot be read (a new tenant and key are made)."""
+    if not path.exists():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        say(f"{path} is unreadable ({exc}); a new demo tenant and key are made")
+        return {}
+    if not isinstance(saved, dict):
+        say(f"{path} holds no tenant; a new demo tenant and key are made")
+        return {}
+    return {str(k): str(v) for k, v in saved.items()}
