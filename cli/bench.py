@@ -104,7 +104,7 @@ def bench(
     slo_ttft_ms: float = typer.Option(2000.0, help="goodput: TTFT target"),
     slo_tpot_ms: float = typer.Option(200.0, help="goodput: TPOT target"),
     warmup: int = typer.Option(2, help="short local and split requests each, sent first (not counted)"),
-    timeout_s: float = typer.Option(300.0, help="deadline of each request"),
+    timeout_s: float = typer.Option(300.0, min=1.0, help="deadline of each request, seconds"),
     out: Path = typer.Option(None, help="folder for bench.json, bench.png, trace.jsonl (default $PRFAAS_HOME/bench/)"),
     json_path: Path = typer.Option(None, "--json", help="also write bench.json's content to this file"),
 ) -> None:  # fmt: skip

@@ -123,6 +123,10 @@ def region(
 
     from prfaas.region.config import ConfigError, load_config
 
+    if not isinstance(logging.getLevelName(log_level.upper()), int):
+        console.print(f"[red]error:[/red] --log-level {escape(log_level)}: one of DEBUG, INFO, WARNING, ERROR",
+                      highlight=False)  # fmt: skip
+        raise typer.Exit(2)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = load_config(config)

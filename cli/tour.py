@@ -29,7 +29,7 @@ def _mb(n: int) -> str:
 
 
 def tour(
-    num_requests: int = typer.Option(8, "--num-requests", "-n", help="requests per policy in the policy table"),
+    num_requests: int = typer.Option(8, "--num-requests", "-n", min=1, help="requests per policy in the policy table"),
     max_tokens: int = typer.Option(48, help="tokens of the split-vs-local completion"),
     fleet: bool = typer.Option(True, help="the fleet-scale view from the simulator (about 20 s)"),
     fleet_requests: int = typer.Option(

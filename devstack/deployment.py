@@ -173,6 +173,8 @@ class Deployment:
             self.say(f"redis: {url} (key prefix {self.state.key_prefix})")
             return
         binary = shutil.which("redis-server")
+        if url and binary is not None:
+            self.say(f"PRFAAS_REDIS_URL={url} does not answer: a private redis-server is started instead")
         if binary is None:
             hint = f"PRFAAS_REDIS_URL={url} does not answer; " if url else ""
             raise UpError(

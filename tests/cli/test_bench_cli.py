@@ -1,4 +1,5 @@
-"""`prfaas bench` refuses bad options and a missing deployment with exit 2 and a clear line."""
+"""`prfaas bench` (and `tour`, `region`) refuse bad options and a missing deployment with exit 2 and a clear
+line."""
 
 from __future__ import annotations
 
@@ -25,9 +26,28 @@ def _bench(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
         (["--compare", "colocated,fastest"], "unknown policy fastest; known: colocated, split-always, prfaas"),
         (["--rate", "2", "--concurrency", "3"], "--rate (open loop) and --concurrency (closed loop) exclude"),
         (["--mix", "nope"], "--mix: unknown mix 'nope'; known: chat-rag, chat-agent"),
-    ],
+        (["--timeout-s", "0"], "Invalid value for '--timeout-s': 0.0 is not in the range x>=1.0"),  # every request
+    ],  # failed before
 )
 def test_bad_bench_options_exit_2_with_a_clear_message(args: list[str], expected: str, tmp_path: Path) -> None:
     out = _bench(args, tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert expected in out.stdout
+    assert expected in out.stdout + out.stderr  # typer's own range errors go to stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["tour", "-n", "0"], "Invalid value for '--num-requests' / '-n': 0 is not in the range x>=1"),  # after part 1
+        (
+            ["region", "--config", "r.yaml", "--log-level", "verbose"],  # a ValueError traceback before
+            "error: --log-level verbose: one of DEBUG, INFO, WARNING, ERROR",
+        ),
+    ],
+)
+def test_other_bad_options_exit_2_before_anything_runs(args: list[str], expected: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PRFAAS_HOME": str(tmp_path), "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "prfaas.cli.main", *args], env=env, capture_output=True, text=True,
+                         timeout=60, check=False)  # fmt: skip
+    assert out.returncode == 2 and expected in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
