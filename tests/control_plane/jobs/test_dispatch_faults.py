@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,16 +26,16 @@ import grpc
 import pytest
 import redis
 from cp_kit import cleanup, ensure_redis, make_settings
+from fake_regions import FakeRegions
 
 from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.dispatch import FULL_RETRIES, Dispatcher
 from prfaas.control_plane.jobs.leases import Heartbeats, Lease, Leases
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.jobs.sweeper import Sweeper
-from prfaas.control_plane.scheduling.snapshot import Link
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Quota
-from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, registry_pb2
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prfaas.region.channels import ChannelCache
 
 FIELDS = {"model": "tiny-llama", "kind": "text_completion", "token_ids": list(range(1, 65)), "prompt_tokens": 64,
@@ -75,56 +74,6 @@ class Decode(decode_pb2_grpc.DecodeRegionServicer):
         return common_pb2.CancelReply()
 
 
-class Regions:
-    """`prefill-t` and `decode-t`, one instance each, registered and beating every 0.5 s."""
-
-    def __init__(self, services: Services) -> None:
-        self.prefill, self.decode = Prefill(), Decode()
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.servers: list[grpc.aio.Server] = []
-        ports = asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(10)
-        self.registry = services.regions
-        self.tokens = {role: self._register(role, port) for role, port in ports.items()}
-        self.registry.set_link(Link(src="prefill-t", dst="decode-t", rtt_ms=1.0, bandwidth_gbps=10.0))
-        self._stop = threading.Event()
-        self._beats = threading.Thread(target=self._beat, daemon=True)
-        self._beats.start()
-
-    async def _serve(self) -> dict[str, int]:
-        ports = {}
-        servicers = (("prefill", prefill_pb2_grpc.add_PrefillRegionServicer_to_server, self.prefill),
-                     ("decode", decode_pb2_grpc.add_DecodeRegionServicer_to_server, self.decode))  # fmt: skip
-        for role, add, servicer in servicers:
-            server = grpc.aio.server()
-            add(servicer, server)  # type: ignore[operator]
-            ports[role] = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            self.servers.append(server)
-        return ports
-
-    def _register(self, role: str, port: int) -> str:
-        return self.registry.register(registry_pb2.RegisterRequest(
-            name=f"{role}-t", role=role, num_workers=1, usd_per_gpu_hour=0.5 if role == "prefill" else 4.0,
-            grpc_endpoint=f"127.0.0.1:{port}", kv_endpoint="127.0.0.1:9" if role == "decode" else "",
-            model="tiny-llama", kv_buffer_bytes=1 << 40, heartbeat_interval_s=0.5, instance="i0",
-        ))  # fmt: skip
-
-    def _beat(self) -> None:
-        while not self._stop.wait(0.5):
-            for role, token in self.tokens.items():
-                load = registry_pb2.Load(kv_free_bytes=1 << 40)
-                self.registry.heartbeat(registry_pb2.HeartbeatRequest(name=f"{role}-t", region_id=token,
-                                                                      instance="i0", load=load))  # fmt: skip
-
-    def close(self) -> None:
-        self._stop.set()
-        self._beats.join(5)
-        for server in self.servers:
-            asyncio.run_coroutine_threadsafe(server.stop(0), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 @pytest.fixture
 def services() -> Iterator[Services]:
     ensure_redis()
@@ -136,8 +85,8 @@ def services() -> Iterator[Services]:
 
 
 @pytest.fixture
-def regions(services: Services) -> Iterator[Regions]:
-    regions = Regions(services)
+def regions(services: Services) -> Iterator[FakeRegions]:
+    regions = FakeRegions(services.regions, Prefill(), Decode())
     yield regions
     regions.close()
 
@@ -145,6 +94,16 @@ def regions(services: Services) -> Iterator[Regions]:
 def _job(services: Services) -> str:
     quota = Quota(rps=1000, concurrency=100, budget_usd=100)
     return services.jobs.create("t-" + uuid.uuid4().hex[:8], dict(FIELDS), quota).job_id
+
+
+def _followed(dispatcher: Dispatcher, services: Services) -> str:
+    """A new job dispatched, once the watcher has followed its prefill to the end."""
+    job_id = _job(services)
+    assert dispatcher.run(job_id) == "started"
+    deadline = time.monotonic() + 10
+    while dispatcher.watcher.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return job_id
 
 
 def _dispatch(dispatcher: Dispatcher, queued: list[tuple[str, float]], job_id: str) -> list[str]:
@@ -157,7 +116,7 @@ def _dispatch(dispatcher: Dispatcher, queued: list[tuple[str, float]], job_id: s
     return outcomes
 
 
-def test_a_full_decode_instance_is_tried_again_not_left_out(services: Services, regions: Regions) -> None:
+def test_a_full_decode_instance_is_tried_again_not_left_out(services: Services, regions: FakeRegions) -> None:
     regions.decode.full_for = 1
     queued: list[tuple[str, float]] = []
     dispatcher = Dispatcher(services, lambda job_id, countdown: queued.append((job_id, countdown)), owner="worker:t")
@@ -168,7 +127,9 @@ def test_a_full_decode_instance_is_tried_again_not_left_out(services: Services, 
     assert regions.decode.reserves == 2
 
 
-def test_a_decode_instance_full_every_time_is_left_out_after_a_few_tries(services: Services, regions: Regions) -> None:
+def test_a_decode_instance_full_every_time_is_left_out_after_a_few_tries(
+    services: Services, regions: FakeRegions
+) -> None:
     """Not forever: a job larger than the instance's free buffer, or one it holds the prefix of, would be placed
     on it again and again until the job's deadline; after FULL_RETRIES the attempt fails and leaves it out."""
     regions.decode.full_for = 100
@@ -195,7 +156,7 @@ class Draining(Dispatcher):
 
 
 def test_a_prefill_region_gone_since_the_snapshot_is_placed_again_blaming_no_one(
-    services: Services, regions: Regions
+    services: Services, regions: FakeRegions
 ) -> None:
     queued: list[tuple[str, float]] = []
     dispatcher = Draining(services, lambda job_id, countdown: queued.append((job_id, countdown)), owner="worker:t")
@@ -207,7 +168,7 @@ def test_a_prefill_region_gone_since_the_snapshot_is_placed_again_blaming_no_one
 
 
 def test_a_redis_error_while_following_the_prefill_leaves_the_lease_to_the_sweeper(
-    services: Services, regions: Regions
+    services: Services, regions: FakeRegions
 ) -> None:
     dispatcher = Dispatcher(services, lambda *_: None, owner="worker:t")
     post_ready = services.jobs.post_ready
@@ -217,18 +178,16 @@ def test_a_redis_error_while_following_the_prefill_leaves_the_lease_to_the_sweep
         raise redis.ConnectionError("Error 111 connecting to redis. Connection refused.")
 
     services.jobs.post_ready = unreachable  # type: ignore[method-assign]
-    job_id = _job(services)
-    assert dispatcher.run(job_id) == "started"
-    deadline = time.monotonic() + 10
-    while dispatcher.watcher.in_flight and time.monotonic() < deadline:
-        time.sleep(0.02)
+    job_id = _followed(dispatcher, services)
     assert dispatcher.watcher.in_flight == 0
     assert services.jobs.get(job_id)["state"] == JobState.TRANSFERRING
     lease = dispatcher.leases.get(job_id)
     assert lease is not None and lease.stage == "prefill", lease  # the sweeper takes the attempt back at its end
 
 
-def test_a_redis_error_after_the_hand_off_leaves_the_decoding_job_alone(services: Services, regions: Regions) -> None:
+def test_a_redis_error_after_the_hand_off_leaves_the_decoding_job_alone(
+    services: Services, regions: FakeRegions
+) -> None:
     """The shipment's byte count not recorded (Redis away) once the job decodes: the lease is taken as usual, so
     the sweeper does not take back (cancel, retry) a job that is decoding fine."""
     dispatcher = Dispatcher(services, lambda *_: None, owner="worker:t")
@@ -240,11 +199,7 @@ def test_a_redis_error_after_the_hand_off_leaves_the_decoding_job_alone(services
         return update(job_id, attempt, **fields)
 
     services.jobs.update = unreachable  # type: ignore[method-assign]
-    job_id = _job(services)
-    assert dispatcher.run(job_id) == "started"
-    deadline = time.monotonic() + 10
-    while dispatcher.watcher.in_flight and time.monotonic() < deadline:
-        time.sleep(0.02)
+    job_id = _followed(dispatcher, services)
     assert services.jobs.get(job_id)["state"] == JobState.TRANSFERRING
     assert dispatcher.leases.get(job_id) is None
 
@@ -256,7 +211,7 @@ def _sweeper(services: Services) -> tuple[Sweeper, Leases]:
     return Sweeper(services.jobs, leases, attempts, beats, ChannelCache(None)), leases
 
 
-def _prefilling(services: Services, leases: Leases, regions: Regions, owner: str, deadline: float) -> str:
+def _prefilling(services: Services, leases: Leases, regions: FakeRegions, owner: str, deadline: float) -> str:
     """A job whose attempt 1 prefills in prefill-t under `owner`'s lease."""
     job_id = _job(services)
     target = regions.registry.get("prefill-t").instance("i0")
@@ -267,7 +222,9 @@ def _prefilling(services: Services, leases: Leases, regions: Regions, owner: str
     return job_id
 
 
-def test_the_sweeper_moves_each_job_on_before_telling_a_hanging_region(services: Services, regions: Regions) -> None:
+def test_the_sweeper_moves_each_job_on_before_telling_a_hanging_region(
+    services: Services, regions: FakeRegions
+) -> None:
     """Five overrun prefill leases on a region whose Cancel hangs: one pass moves all five jobs to their next
     attempt at once (before, each waited for its Cancel's 2 s deadline first, one after another, and a sweeper
     killed in between left a job with no lease that nothing ever took back)."""
@@ -281,7 +238,7 @@ def test_the_sweeper_moves_each_job_on_before_telling_a_hanging_region(services:
     sweeper.stop()
 
 
-def test_the_sweeper_takes_only_the_lease_it_read(services: Services, regions: Regions) -> None:
+def test_the_sweeper_takes_only_the_lease_it_read(services: Services, regions: FakeRegions) -> None:
     """An overrun lease read by the sweeper, replaced (same attempt) by a live worker's just after the read: the
     new lease is left alone and the job is not retried (before, the take matched the attempt only: it removed
     the live worker's lease and started attempt 2 beside the live one)."""

@@ -7,7 +7,6 @@ hands out three tokens a job."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -15,19 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from cp_kit import ensure_redis, stack_settings
+from fake_regions import FakeRegions
 
-from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.jobs.celery_app import enqueue, make_celery
 from prfaas.control_plane.jobs.generation import Follower
-from prfaas.control_plane.scheduling.snapshot import Link
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Quota
 from prfaas.devstack.stack import Stack, wait_until
 from prfaas.engine.models import prepare_model
-from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, registry_pb2
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 JOBS = 500
@@ -74,62 +71,13 @@ class InstantDecode(decode_pb2_grpc.DecodeRegionServicer):
         return common_pb2.CancelReply()
 
 
-class StalledRegions:
-    """Both servers on one asyncio loop on a thread of its own; registered and beating."""
-
-    def __init__(self, registry: RegionRegistry) -> None:
-        self.prefill = StallingPrefill()
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.ports = asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(10)
-        self.registry = registry
-        self.tokens = {role: self._register(role, port) for role, port in self.ports.items()}
-        self._stop = threading.Event()
-        threading.Thread(target=self._beat, daemon=True).start()
-
-    async def _serve(self) -> dict[str, int]:
-        self.servers = []
-        ports = {}
-        for role, add, servicer in (
-            ("prefill", prefill_pb2_grpc.add_PrefillRegionServicer_to_server, self.prefill),
-            ("decode", decode_pb2_grpc.add_DecodeRegionServicer_to_server, InstantDecode()),
-        ):
-            server = grpc.aio.server()
-            add(servicer, server)
-            ports[role] = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            self.servers.append(server)
-        return ports
-
-    def _register(self, role: str, port: int) -> str:
-        return self.registry.register(registry_pb2.RegisterRequest(
-            name=f"{role}-t", role=role, num_workers=1, usd_per_gpu_hour=0.5 if role == "prefill" else 4.0,
-            grpc_endpoint=f"127.0.0.1:{port}", kv_endpoint="127.0.0.1:9" if role == "decode" else "",
-            model="tiny-llama", kv_buffer_bytes=1 << 40, heartbeat_interval_s=0.5, instance="i0",
-        ))  # fmt: skip
-
-    def _beat(self) -> None:
-        while not self._stop.wait(0.5):
-            for role, token in self.tokens.items():
-                load = registry_pb2.Load(kv_free_bytes=1 << 40)
-                self.registry.heartbeat(registry_pb2.HeartbeatRequest(name=f"{role}-t", region_id=token,
-                                                                      instance="i0", load=load))  # fmt: skip
-
-    def close(self) -> None:
-        self._stop.set()
-        for server in self.servers:
-            asyncio.run_coroutine_threadsafe(server.stop(0), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Services, StalledRegions]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Services, FakeRegions]]:
     ensure_redis()
     prepare_model("tiny-llama")
     stack = Stack(Path(tmp_path_factory.mktemp("dispatch-scale")), min_split_tokens=1)
     services = Services.create(stack_settings(stack, policy_path=stack.env["PRFAAS_POLICY_PATH"]))
-    regions = StalledRegions(services.regions)
-    services.regions.set_link(Link(src="prefill-t", dst="decode-t", rtt_ms=1.0, bandwidth_gbps=10.0))
+    regions = FakeRegions(services.regions, StallingPrefill(), InstantDecode())
     try:
         stack.start_worker("w1", concurrency=2)
         yield stack, services, regions
@@ -141,7 +89,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Ser
 
 
 def test_500_jobs_in_flight_at_once_through_one_worker_of_concurrency_2(
-    stack: tuple[Stack, Services, StalledRegions],
+    stack: tuple[Stack, Services, FakeRegions],
 ) -> None:
     _stack, services, regions = stack
     celery = make_celery(services.settings)
