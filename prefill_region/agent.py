@@ -201,6 +201,8 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
             if job.error is None or job.running or self._jobs.get(job.job_id) is not job:
                 return False
             del self._jobs[job.job_id]
+            # its run stays queued in the pool until a worker frees (then ends at once): not with its prompt
+            job.work = dataclasses.replace(job.work, token_ids=[])
         self._gauges()
         metrics.JOBS.labels(type(job.error).__name__).inc()
         return True

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ from prfaas.devstack.processes import free_port
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.prefill_region.hf_backend import HFPrefill
+from prfaas.prefill_region.job import Job
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, prefill_pb2
 from prfaas.region.errors import Canceled
 from prfaas.region.requests import MAX_RESHIPS, sampling_to_proto
@@ -654,6 +656,31 @@ def test_a_newer_attempt_supersedes_an_older_one_still_computing(tiny_engine: HF
         assert next(newer).HasField("started")
         assert _code(lambda: older) == grpc.StatusCode.CANCELLED
         newer.cancel()
+    finally:
+        region.close()
+
+
+def test_queued_jobs_that_ended_keep_no_prompt_while_their_runs_wait(
+    tiny_engine: HFEngine, silent_kv_port: str
+) -> None:
+    """One worker held by a shipment no one reads; queued jobs end at their 0.3 s deadline and free their slots,
+    but each one's run waits in the worker pool until the worker frees: without its prompt (before, each kept
+    its token ids: 4,000-token prompts at a high rate grew memory without bound)."""
+    region = local_region(tiny_engine, decode=False, workers=1, queue_depth=2)
+    try:
+        assert region.prefill is not None
+        busy = region.prefill_stub.Prefill(prefill_request(new_job(), [5] * 50, GREEDY, silent_kv_port,
+                                                            timeout_s=60), timeout=70)  # fmt: skip
+        next(busy)  # the worker is held
+        for _ in range(5):
+            requests = [prefill_request(new_job(), [7] * 4000, GREEDY, silent_kv_port, timeout_s=0.3) for _ in "ab"]
+            calls = [region.prefill_stub.Prefill(request, timeout=10) for request in requests]
+            for call in calls:
+                assert _code(lambda c=call: c) == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[misc]
+        gc.collect()
+        kept = [job for job in gc.get_objects() if type(job) is Job and len(job.work.token_ids) == 4000]
+        assert kept == []  # the 10 ended jobs' runs wait in the pool, and hold no prompt
+        busy.cancel()
     finally:
         region.close()
 
