@@ -81,6 +81,10 @@ class Heartbeater:
                 failures += 1
                 if failures in (1, 10) or failures % 60 == 0:
                     log.warning("heartbeat to %s failed (%d in a row): %s", self.target, failures, exc.code().name)
+            except Exception:  # a figure the message cannot carry, say: the next beat tries again, the thread lives
+                failures += 1
+                if failures in (1, 10) or failures % 60 == 0:
+                    log.exception("heartbeat to %s could not be made (%d in a row)", self.target, failures)
             if self._stop.wait(self.interval_s):
                 return
 

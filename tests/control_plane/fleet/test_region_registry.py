@@ -368,3 +368,24 @@ def test_work_in_tokens_reaches_the_snapshot_summed_over_instances(registry: tup
     region = reg.snapshot(MODEL).region("p-a")
     assert (region.queued_prefill_tokens, region.running_prefill_tokens) == (4000, 500)
     assert (region.decode_running, region.decode_slots) == (4, 8)
+
+
+def test_a_load_that_cannot_be_read_once_does_not_end_the_heartbeats(registry: tuple[RegionRegistry, str]) -> None:
+    """The heartbeat thread outlives an error that is not gRPC's (a figure the message cannot carry): the next
+    beat goes out (before, the thread died and the region aged out of the fleet for good)."""
+    reg, address = registry
+    failed: list[bool] = []
+
+    def load() -> registry_pb2.Load:
+        if not failed:
+            failed.append(True)
+            return registry_pb2.Load(queue_depth=-1)  # uint32: ValueError
+        return _load(0)
+
+    beater = Heartbeater(address, _registration("d-b", "decode", 4.0), load, INTERVAL_S)
+    beater.start()
+    deadline = time.monotonic() + 10 * INTERVAL_S
+    while beater.seq < 2 and time.monotonic() < deadline:
+        time.sleep(INTERVAL_S / 4)
+    assert failed and beater.seq >= 2 and reg.get("d-b").alive
+    beater.stop()
