@@ -10,20 +10,24 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+from anyio.lowlevel import RunVar
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
 
-_GONE: list[anyio.CapacityLimiter] = []
+_GONE: RunVar[anyio.CapacityLimiter] = RunVar("prfaas_gone_limiter")
 
 
 def _gone_limiter() -> anyio.CapacityLimiter:
-    """The threads that cancel the jobs of clients gone (made on the event loop, once)."""
-    if not _GONE:
-        _GONE.append(anyio.CapacityLimiter(16))
-    return _GONE[0]
+    """The threads that cancel the jobs of clients gone (one limiter per event loop, made on it)."""
+    try:
+        return _GONE.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(16)
+        _GONE.set(limiter)
+        return limiter
 
 
 class AnswerResponse(Response):
