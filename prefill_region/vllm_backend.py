@@ -27,6 +27,7 @@ from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.vllm.params import ShipParams, layerwise_for
 from prfaas.engine.vllm.remote import VLLMEngine, shipment_error
 from prfaas.engine.vllm.sampling import check_supported, chosen, remember, salted, vllm_sampling
+from prfaas.engine.vllm.server import StreamStopped
 from prfaas.prefill_region.backend import JobProgress, JobStopped, PrefillWork, Reshipped, Shipped, kv_descriptor
 from prfaas.prefill_region.destination import Destination
 from prfaas.region.errors import InvalidRequest, NotFound
@@ -63,8 +64,11 @@ class VLLMPrefill:
         kv_params = ship.to_kv_params()
         t0 = time.monotonic()
         sampling = salted(vllm_sampling(work.params, "prefill"), work.cache_salt)
-        result = self.vllm.generate(work.token_ids, 1, kv_params=kv_params, timeout_s=max(0.1, work.deadline - t0),
-                                    sampling=sampling)  # fmt: skip
+        try:  # a Cancel (or the region stopping) aborts the request in vLLM, not at the job's deadline
+            result = self.vllm.generate_until(work.token_ids, 1, job.stop, kv_params=kv_params, sampling=sampling,
+                                              timeout_s=max(0.1, work.deadline - t0))  # fmt: skip
+        except StreamStopped:
+            raise JobStopped from None  # job.error says why
         remember(self.vllm.prefix_cache, work.token_ids, work.cache_salt)
         prefill_s = time.monotonic() - t0
         job.check()

@@ -122,6 +122,25 @@ class VLLMEngine:
         result: dict[str, Any] = self._call(lambda: self.client.generate(token_ids, max_tokens, **options))
         return result
 
+    def generate_until(
+        self, token_ids: list[int], max_tokens: int, stop: Event, **options: Unpack[GenerateOptions]
+    ) -> dict[str, Any]:
+        """`generate` that `stop` ends early: `StreamStopped`, the request aborted in the server (a prefill
+        canceled mid-forward, or stuck on a shipment no one reads, does not run on to its deadline)."""
+
+        def run() -> dict[str, Any]:
+            steps = self.client.stream(token_ids, max_tokens, stop, **options)
+            try:
+                while True:
+                    next(steps)
+            except StopIteration as end:
+                return dict(end.value)
+            finally:
+                steps.close()
+
+        result: dict[str, Any] = self._call(run)
+        return result
+
     def stream(
         self, token_ids: list[int], max_tokens: int, stop: Event | None = None, **options: Unpack[GenerateOptions]
     ) -> Iterator[Chosen]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -387,6 +388,32 @@ def test_cancel_of_a_decode_waiting_for_its_kv_ends_it_at_once(
     assert time.monotonic() - canceled < 5
     assert _kv_used(region) == 0
     assert _ids(_generate(region, prompt)) == reference  # while and after the aborted request's load ends
+
+
+def test_cancel_of_a_vllm_prefill_shipping_to_no_one_ends_it_at_once(
+    regions: dict[str, RegionProcess], prompt: list[int]
+) -> None:
+    """A vLLM prefill whose destination takes the connection and never answers: its Cancel ends the Prefill
+    call CANCELLED within seconds (the vLLM request is aborted), and the region serves the next job."""
+    prefill = regions["vllm-p"]
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        job = str(uuid.uuid4())
+        request = prefill_pb2.PrefillRequest(
+            job_id=job, attempt=1, tenant="acme", token_ids=prompt, sampling=sampling_to_proto(GREEDY), timeout_s=60,
+            destination=prefill_pb2.Destination(kv_endpoint=f"127.0.0.1:{silent.getsockname()[1]}", codec="raw",
+                                                ticket=SIGNER.issue(job, 1, "acme", KV_BYTES, ttl_s=60),
+                                                decode_region="vllm-d"),
+        )  # fmt: skip
+        stream = _prefill(prefill).Prefill(request, timeout=90)
+        assert next(stream).HasField("started")
+        time.sleep(1.0)
+        canceled = time.monotonic()
+        assert _prefill(prefill).Cancel(common_pb2.CancelRequest(job_id=job, reason="test"), timeout=10).found
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        print(f"canceled in {time.monotonic() - canceled:.2f} s")
+        assert time.monotonic() - canceled < 5
 
 
 def test_region_exits_when_its_vllm_server_dies(regions: dict[str, RegionProcess]) -> None:
