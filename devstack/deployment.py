@@ -103,6 +103,7 @@ class Deployment:
             topology=topology_path, redis_url="", key_prefix=f"prfaas-up-{topology.name}", registry="",
             log_dir=str(self.run_dir), emulate_wan=emulate_wan, supervisor_pid=os.getpid(),
         )  # fmt: skip
+        self.state.record(os.getpid())
         self.procs: dict[str, subprocess.Popen[Any]] = {}
         self._argv: dict[str, tuple[list[str], dict[str, str]]] = {}  # how each non-region process was started
         self.lock = threading.Lock()
@@ -162,6 +163,7 @@ class Deployment:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         self.state.groups[name] = proc.pid
+        self.state.record(proc.pid)
         write_state(self.home, self.state)
         return proc
 
@@ -270,6 +272,7 @@ class Deployment:
                     stop_group(proc.pid, 5.0)
                     return
                 self.state.groups[process] = proc.pid
+                self.state.record(proc.pid)
                 write_state(self.home, self.state)
 
         try:

@@ -221,6 +221,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None when there is none."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def group_alive(pgid: int) -> bool:
     return _exists(os.killpg, pgid) and any(pid_alive(pid) for pid in group_members(pgid))
 

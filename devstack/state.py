@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 
 from prfaas.devstack.netns import remove_namespaces
-from prfaas.devstack.processes import group_alive, pid_alive, stop_group
+from prfaas.devstack.processes import group_alive, pid_alive, start_ticks, stop_group
 
 STATE_FILE = "up.json"
 
@@ -46,6 +46,19 @@ class UpState:
     devices: list[str] = field(default_factory=list)  # root-namespace interfaces (the WAN mesh's bridge)
     private_redis: bool = False
     regions: dict[str, str] = field(default_factory=dict)  # region name -> gRPC endpoint
+    started: dict[str, int] = field(default_factory=dict)  # pid -> its start time (start_ticks): still ours?
+
+    def record(self, pid: int) -> None:
+        ticks = start_ticks(pid)
+        if ticks is not None:
+            self.started[str(pid)] = ticks
+
+    def ours(self, pid: int) -> bool:
+        """Whether `pid` (a process, or a group's leader) is still the one this state recorded: a crashed run's
+        file may name a pid the system has since given to another process, which `down` must not signal (a
+        group's id is never reused while any of its processes lives, so a leader gone leaves its group ours)."""
+        recorded, now = self.started.get(str(pid)), start_ticks(pid)
+        return recorded is None or now is None or now == recorded
 
 
 def state_path(home: Path) -> Path:
@@ -76,7 +89,7 @@ def stop_state(state: UpState, say: Callable[[str], None]) -> None:
     for name in state.groups:
         phases.setdefault(0 if name.startswith("region-") else rank.get(name, 1), []).append(name)
     for _, names in sorted(phases.items()):  # one phase's groups stop side by side
-        live = [n for n in names if group_alive(state.groups[n])]
+        live = [n for n in names if state.ours(state.groups[n]) and group_alive(state.groups[n])]
         with ThreadPoolExecutor(max(1, len(live))) as pool:
             timeouts = [15.0 if n.startswith("worker") else 8.0 for n in live]
             list(pool.map(stop_group, [state.groups[n] for n in live], timeouts))
@@ -100,7 +113,7 @@ def down(home: Path, say: Callable[[str], None], timeout_s: float = 60.0) -> boo
     if state is None:
         return False
     pid = state.supervisor_pid
-    if pid and pid != os.getpid() and pid_alive(pid):
+    if pid and pid != os.getpid() and pid_alive(pid) and state.ours(pid):
         say(f"asking prfaas up (pid {pid}) to stop")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 15)

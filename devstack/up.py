@@ -42,7 +42,8 @@ def run_up(
     preflight(topology)
     old = read_state(home)
     if old is not None:
-        if any(group_alive(g) for g in old.groups.values()) or (old.supervisor_pid and pid_alive(old.supervisor_pid)):
+        supervised = old.supervisor_pid and pid_alive(old.supervisor_pid) and old.ours(old.supervisor_pid)
+        if any(old.ours(g) and group_alive(g) for g in old.groups.values()) or supervised:
             raise UpError(f"a deployment is already up ({old.url or 'starting'}); run `prfaas down` first")
         stop_state(old, lambda _: None)  # a crashed run's leftovers (namespaces, keys)
         state_path(home).unlink()
