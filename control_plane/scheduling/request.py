@@ -80,7 +80,9 @@ class Request(BaseModel):
         if explicit is not None:
             return explicit
         cached_set = region.cached_prefix_hashes
-        hashes = self.prefix_block_hashes
+        # a region reuses the blocks before the prompt's last token only (it computes that token's logits):
+        # a prompt of k whole blocks reuses k - 1 of them, as the engine's lookup and the decode pin do
+        hashes = self.prefix_block_hashes[: max(0, self.prompt_tokens - 1) // max(1, self.block_tokens)]
         if not cached_set or not hashes:
             return self.prompt_tokens
         lo, hi = 0, len(hashes)  # invariant: hashes[:lo] cached, hashes[hi:] not

@@ -161,6 +161,15 @@ def test_explicit_uncached_count_wins_over_hashes() -> None:
     assert request(40_000, prefix_block_hashes=hashes(100)).uncached_in(warm) == 40_000 - 100 * 16
 
 
+def test_a_prompt_of_whole_blocks_all_cached_still_computes_its_last_block() -> None:
+    """A region reuses the blocks before the prompt's last token only (it computes that token's logits): 100
+    whole blocks, all cached, leave the last block to compute and ship (before, 0: the split and its TTFT and
+    WAN bytes were priced as free)."""
+    warm = region("d", cached_prefix_hashes=frozenset(hashes(100)))
+    assert request(1_600, prefix_block_hashes=hashes(100)).uncached_in(warm) == 16
+    assert request(1_601, prefix_block_hashes=hashes(100)).uncached_in(warm) == 1
+
+
 @pytest.mark.parametrize(
     ("codecs", "kwargs", "message"),
     [
