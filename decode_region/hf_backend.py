@@ -169,7 +169,13 @@ class HFDecode:
 
     def generate(self, token_ids: list[int], params: SamplingParams, deadline: float,
                  canceled: threading.Event, cache_salt: str | None = None) -> Generated:  # fmt: skip
-        result = self.engine.prefill(token_ids, params, cache_salt=cache_salt)
+        def between_layers(_index: int, _k: object, _v: object) -> None:  # a Cancel, the deadline
+            if canceled.is_set():
+                raise Canceled("canceled during its prefill")
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded("the job's deadline passed during its prefill")
+
+        result = self.engine.prefill(token_ids, params, cache_salt=cache_salt, on_layer=between_layers)
         return Generated([
             self._paced(itertools.chain((first,), self.engine.decode_chosen(
                 result.kv, first.token, params.for_choice(c), token_ids, cache_salt)), canceled)

@@ -685,6 +685,41 @@ def test_queued_jobs_that_ended_keep_no_prompt_while_their_runs_wait(
         region.close()
 
 
+def test_a_local_generate_canceled_during_its_prefill_ends_at_the_next_layer(
+    tiny_engine: HFEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local Generate's prefill (stretched to 0.5 s a layer, 2 s in all) stops at the layer after its Cancel,
+    with no token sent (before, the prefill ran to its end, holding its worker, and token 0 went out after the
+    Cancel). Its deadline stops it the same way."""
+    prefill = tiny_engine.prefill
+
+    def slow(token_ids: list[int], params: SamplingParams, on_layer: Any = None, **kwargs: Any) -> Any:
+        def layer(index: int, k: Any, v: Any) -> None:
+            time.sleep(0.5)
+            if on_layer is not None:
+                on_layer(index, k, v)
+
+        return prefill(token_ids, params, on_layer=layer, **kwargs)
+
+    monkeypatch.setattr(tiny_engine, "prefill", slow)
+    region = local_region(tiny_engine, prefill=False)
+    try:
+        request = decode_pb2.GenerateRequest(job_id=new_job(), token_ids=[1, 2, 3, 4], timeout_s=30,
+                                             sampling=sampling_to_proto(GREEDY))  # fmt: skip
+        stream = region.decode_stub.Generate(request, timeout=30)
+        time.sleep(0.3)
+        started = time.monotonic()
+        assert cancel(region.decode_stub, request.job_id)
+        with pytest.raises(grpc.RpcError) as info:
+            next(stream)  # no token
+        assert info.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - started < 1.0
+        late = decode_pb2.GenerateRequest(job_id=new_job(), token_ids=[1, 2, 3, 4], timeout_s=0.7,
+                                          sampling=sampling_to_proto(GREEDY))  # fmt: skip
+        assert _code(lambda: region.decode_stub.Generate(late, timeout=30)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        region.close()
+
+
 def test_a_job_canceled_while_it_waits_for_a_worker_ends_at_once(tiny_engine: HFEngine) -> None:
     """One decode worker, held by a paced Generate: a second one waiting for it ends CANCELLED as its Cancel
     lands, not when the worker frees (before, 6 s later in the API's batch test: the slot wait ignored it)."""
