@@ -9,6 +9,7 @@ else gets PERMISSION_DENIED before the registry is touched, so the real instance
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -29,6 +30,9 @@ from prfaas.region.channels import listen as bind
 # need, so webrtc regions never starve the heartbeats of the fleet.
 MAX_SIGNAL_CALLS = 64
 THREADS = 16 + MAX_SIGNAL_CALLS
+# One caller's Signal calls waiting at once (with TLS, a region's; else a host's): no region can take every slot.
+# A quarter of the slots are the Offers streams' alone, so senders never keep a region from its offers.
+MAX_SIGNALS_PER_CALLER = 8
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
@@ -37,6 +41,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self.relay = SignalRelay(registry.redis, registry.settings)
         self.tls = tls  # callers then carry identities, checked against what they say of themselves
         self._signal_calls = threading.BoundedSemaphore(MAX_SIGNAL_CALLS)
+        self._lock = threading.Lock()
+        self._senders: collections.Counter[str] = collections.Counter()  # caller -> its Signal calls waiting
 
     @contextlib.contextmanager
     def _signal_slot(self, context: grpc.ServicerContext) -> Iterator[None]:
@@ -46,6 +52,28 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             yield
         finally:
             self._signal_calls.release()
+
+    @contextlib.contextmanager
+    def _sender_slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """A Signal call's slot: only a region that can send KV may offer (with TLS), at most
+        MAX_SIGNALS_PER_CALLER of a caller at once, and never the Offers streams' quarter of the slots."""
+        caller = peer_identity(context) if self.tls else None
+        if self.tls and (caller is None or caller.kind not in ("prefill", "both")):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{caller} sends no KV: it may not offer a connection")
+        key = caller.region if caller is not None else context.peer().rsplit(":", 1)[0]
+        with self._lock:
+            waiting = sum(self._senders.values())
+            if waiting >= MAX_SIGNAL_CALLS - MAX_SIGNAL_CALLS // 4 or self._senders[key] >= MAX_SIGNALS_PER_CALLER:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"signalling calls of {key} or of all wait already")
+            self._senders[key] += 1
+        try:
+            with self._signal_slot(context):
+                yield
+        finally:
+            with self._lock:
+                self._senders[key] -= 1
+                if self._senders[key] <= 0:
+                    del self._senders[key]
 
     def _speaks_for(
         self, context: grpc.ServicerContext, region: str, *, role: str | None = None, instance: str | None = None
@@ -82,7 +110,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self, request: registry_pb2.SignalRequest, context: grpc.ServicerContext
     ) -> registry_pb2.SignalReply:
         try:
-            with self._signal_slot(context):
+            with self._sender_slot(context):
                 sdp = self.relay.signal(request.region, request.offer_sdp, request.timeout_s or 10.0)
         except SignalQueueFull as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

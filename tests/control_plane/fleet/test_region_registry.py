@@ -259,6 +259,20 @@ def test_only_a_regions_certificate_registers_it_and_the_real_instance_keeps_ser
         beater._channel.close()
 
 
+def test_only_a_region_that_sends_kv_may_offer_a_connection(
+    tls_registry: tuple[RegionRegistry, str, dict[str, TlsFiles]],
+) -> None:
+    """With TLS, a decode region's certificate may not post WebRTC offers to other regions (before, any region
+    could fill a region's offer queue and every signalling slot of the fleet); a prefill region's may."""
+    _reg, address, files = tls_registry
+    offer = registry_pb2.SignalRequest(region="d-b", offer_sdp="v=0", timeout_s=0.5)
+    for name, code in (("d-b", grpc.StatusCode.PERMISSION_DENIED), ("p-a", grpc.StatusCode.DEADLINE_EXCEEDED)):
+        stub = registry_pb2_grpc.RegistryStub(channel(address, files[name], server_name(None)))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Signal(offer, timeout=5)
+        assert info.value.code() == code, (name, info.value.details())  # p-a's: no one answered in 0.5 s
+
+
 def test_an_instance_that_refused_a_call_gets_no_new_work_until_its_mark_expires(
     registry: tuple[RegionRegistry, str],
 ) -> None:

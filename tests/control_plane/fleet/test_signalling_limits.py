@@ -2,7 +2,7 @@
 that wait (a region's Offers stream, a sender's Signal) never take the threads Register and Heartbeat need
 (before, 8 webrtc regions' Offers streams took the registry's whole pool and the fleet's heartbeats stopped);
 past MAX_SIGNAL_CALLS, or MAX_PENDING_OFFERS for one region, they are RESOURCE_EXHAUSTED; an offer or answer
-that is not one is INVALID_ARGUMENT."""
+that is not one is INVALID_ARGUMENT. One caller's Signals are bounded on their own."""
 
 from __future__ import annotations
 
@@ -95,3 +95,22 @@ def test_offers_past_the_regions_queue_and_odd_answers_are_refused(
             stub.Answer(answer, timeout=5)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     stub.Answer(registry_pb2.SignalAnswer(id="a" * 32, answer_sdp="v=0"), timeout=5)
+
+
+def test_one_caller_cannot_take_every_signalling_slot(
+    registry: tuple[RegionRegistry, registry_pb2_grpc.RegistryStub],
+) -> None:
+    """A caller's waiting Signal calls stop at MAX_SIGNALS_PER_CALLER (RESOURCE_EXHAUSTED), and a region's
+    Offers stream still finds a slot (before, one region's 64 Signals blocked every region's signalling)."""
+    _reg, stub = registry
+    offer = registry_pb2.SignalRequest(region="rtc-0", offer_sdp="v=0", timeout_s=3)
+    waiting = [stub.Signal.future(offer, timeout=10) for _ in range(registry_server.MAX_SIGNALS_PER_CALLER)]
+    time.sleep(0.5)  # each one waiting for an answer
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Signal(offer, timeout=5)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "127.0.0.1" in (info.value.details() or "")
+    stream = stub.Offers(registry_pb2.OffersRequest(region="rtc-0"), timeout=5)
+    assert next(stream).offer_sdp == "v=0"  # the region reads the offers waiting for it
+    stream.cancel()
+    for call in waiting:
+        call.cancel()
