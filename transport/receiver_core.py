@@ -182,8 +182,10 @@ class ReceiverCore:
         try:
             info, token = OpenInfo.from_json(frame.json())
             ticket = self._verifier.verify(token, job=str(uuid.UUID(bytes=job)), attempt=attempt)
-            session.ticketed = True  # a ticket the control plane signed: the peer is a prefill region
+            # a signed ticket proves the peer only when it opens a shipment this receiver expects (or one that
+            # it delivered): a used or stray one may have been read off a plaintext wire
             if self._completed(key, inbound):
+                session.ticketed = True
                 # A stream that opened late, after the other streams finished the shipment: it is
                 # done, say so on this connection too (the sender may read this before the DONE
                 # that went to the others; an error here would fail a delivered shipment).
@@ -197,6 +199,7 @@ class ReceiverCore:
                 return [error_frame(ErrorCode.UNKNOWN_SHIPMENT, "no reservation for this job attempt", job, attempt)]
             self._replay.check(ticket)
             inbound.open(info, ticket)  # a ticket for another tenant or over the reservation ends it
+            session.ticketed = True  # a ticket the control plane signed, for this very shipment: a prefill region
         except TicketRejected as exc:
             ended = self._end_of(key, inbound) if inbound is not None else None  # it ended meanwhile: how
             return [ended or error_frame(_ticket_code(exc), str(exc), job, attempt)]

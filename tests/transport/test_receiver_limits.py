@@ -309,6 +309,31 @@ def test_when_every_connection_is_verified_new_ones_are_refused(kit: Kit) -> Non
         assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
 
 
+def test_a_ticket_the_receiver_refuses_proves_nothing(kit: Kit) -> None:
+    """Plaintext: a ticket sniffed off the wire (valid, but its shipment is not expected here, or done) does
+    not make a connection verified: such connections are evicted for a prefill region's, which ships (before,
+    each counted as verified, and two of them kept the real sender out until the ticket expired)."""
+    limits = ReceiverLimits(max_connections=2, max_unverified=1, handshake_timeout_s=30)
+    with TcpReceiver(kit.verifier, limits=limits) as rx:
+        stale = kit.spec(num_layers=1)  # its ticket: valid, for a shipment no reservation expects
+        info = OpenInfo("bfloat16", stale.layer_shapes, 0, 64 << 10).to_json(stale.ticket)
+        job = uuid.UUID(stale.job_id).bytes
+        squatters = []
+        for _ in range(2):
+            sock = socket.create_connection(rx.address, timeout=5)
+            sock.sendall(HELLO + encode(Frame(FrameType.OPEN, job, 1, payload=json_payload(info))))
+            replies = [read_frame(sock)[0].type for _ in range(2)]
+            assert replies == [FrameType.HELLO_OK, FrameType.ERROR]  # no reservation for it
+            squatters.append(sock)
+        try:
+            with TcpChannel(rx.address, num_streams=1) as channel:
+                transfer, _inbound, _, _ = ship(channel, rx, kit.spec(num_layers=1))
+                assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+        finally:
+            for sock in squatters:
+                sock.close()
+
+
 def test_a_peers_verified_connections_past_its_cap_are_closed_newest_first(kit: Kit) -> None:
     """Plaintext: a peer is its address (every channel here is 127.0.0.1). Three one-stream
     channels prove themselves one after the other; with `max_per_peer` 2 the third's
