@@ -95,10 +95,13 @@ class PrefixCache:
         added = 0
         with self._lock:
             for i, digest in enumerate(digests):
-                if digest not in self._blocks and i in made:
-                    self._blocks[digest] = made[i]
-                    self._bytes += made[i].numel() * made[i].element_size()
-                    added += 1
+                if digest in self._blocks:
+                    continue
+                if i not in made:  # held at the first look, evicted since by another insert: the chain breaks
+                    break  # here (a block after it could never be found: lookups stop at the first miss)
+                self._blocks[digest] = made[i]
+                self._bytes += made[i].numel() * made[i].element_size()
+                added += 1
             self._touch(digests)
             evicted = 0
             while self._bytes > self.max_bytes and self._blocks:

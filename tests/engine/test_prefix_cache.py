@@ -81,6 +81,28 @@ def test_bytes_bound_evicts_a_chains_tail_first() -> None:
     assert cache.lookup(second) is not None
 
 
+def test_a_head_evicted_while_its_chain_is_inserted_leaves_no_unreachable_tail() -> None:
+    """Chain [a, b] inserted while a is held, and another insert evicts a before b lands: b is not added
+    (before, it was: unreachable, since lookups stop at the first miss, yet kept and published)."""
+    cache = PrefixCache(BLOCK, max_bytes=2 * BLOCK_BYTES)
+    chain = block_hashes(list(range(32)), BLOCK)
+    cache.insert(chain[:1], _layers(16))  # a is held
+    other = block_hashes(list(range(1000, 1032)), BLOCK)
+
+    class Racing(list[tuple[torch.Tensor, torch.Tensor]]):
+        raced = False
+
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # read while b's block is built
+            if not self.raced:
+                self.raced = True
+                cache.insert(other, _layers(32, fill=1000))  # fills the cache: a (least recent) goes
+            return super().__iter__()
+
+    cache.insert(chain, Racing(_layers(32)))
+    assert not {short(d) for d in chain} & set(cache.resident())  # neither held nor published
+    assert cache.lookup(other) is not None
+
+
 def test_resident_lists_chain_heads_first_and_version_moves_on_change() -> None:
     cache = PrefixCache(BLOCK, max_bytes=1 << 20, publish_limit=3)
     digests = block_hashes(list(range(64)), BLOCK)
