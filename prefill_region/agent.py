@@ -290,8 +290,8 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
     def cancel(self, job_id: str, canceled: Canceled, attempt: int = 0) -> bool:
         with self._lock:
             job = self._jobs.get(job_id)
-            before = self._canceled.pop(job_id, None)  # the widest Cancel is kept (0: every attempt)
-            widest = attempt if before is None or attempt == 0 else 0 if before[0] == 0 else max(attempt, before[0])
+            before = self._canceled.pop(job_id, (attempt, 0.0))[0]  # the widest Cancel is kept (0: every attempt)
+            widest = 0 if 0 in (attempt, before) else max(attempt, before)
             self._canceled[job_id] = (widest, time.monotonic() + CANCELED_KEPT_S)
             while len(self._canceled) > MAX_CANCELED:
                 self._canceled.popitem(last=False)

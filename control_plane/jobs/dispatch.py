@@ -231,8 +231,8 @@ class Dispatcher:
             tracing.failed(call, exc.code().name)
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # its reply may be lost, not its reservation
                 self._release(decode_stub, job_id, attempt)
-            refusals = int(job.get("full_refusals", 0) or 0) + 1
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and refusals <= FULL_RETRIES:  # full for now
+            full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if full and (refusals := int(job.get("full_refusals", 0) or 0) + 1) <= FULL_RETRIES:  # full for now
                 jobs.update(job_id, attempt, full_refusals=refusals)  # then the attempt fails, leaving it out
                 raise PlaceAgain(f"reserve in {decode.key}: RESOURCE_EXHAUSTED {exc.details() or ''}".strip()) from exc
             raise self._failed(decode.key, "reserve", exc) from exc
