@@ -169,3 +169,16 @@ class Ledger:
         tenant, region or phase (billing/queries.py says how each grouping counts)."""
         with self.session() as s:
             return queries.totals(s, self._window(tenant, start, end), group_by)
+
+    def percentiles(
+        self, tenant: str | None, start: dt.datetime, end: dt.datetime, column: str, qs: tuple[float, ...]
+    ) -> dict[float, Any]:
+        """Nearest-rank percentiles of `column` (`ttft_s`, `tpot_s`) over [start, end) of every entry that has
+        one (queries.py `percentiles`)."""
+        with self.session() as s:
+            return queries.percentiles(s, self._window(tenant, start, end), column, qs)
+
+    def link_bytes(self, start: dt.datetime, end: dt.datetime) -> dict[tuple[str, str], int]:
+        """KV bytes on the wire per (prefill region, decode region) of split jobs finished in [start, end)."""
+        with self.session() as s:
+            return queries.link_bytes(s, self._window(None, start, end))

@@ -8,6 +8,7 @@ decode GPU-s at the decode region's price; 0 for egress)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -127,3 +128,27 @@ def _region_totals(session: Session, window: tuple[Any, ...]) -> list[GroupTotal
         a["savings_usd"] = float(a["colocated_usd"]) - a["total_usd"]
         out.append(_typed({"key": region} | a))
     return out
+
+
+def percentiles(session: Session, window: tuple[Any, ...], column: str, qs: tuple[float, ...]) -> dict[float, Any]:
+    """Nearest-rank percentiles (q in [0, 100]) of `column` over the entries matching `window` that have a
+    value, each one indexed read (a count, then the value at its rank); None for each q when none has one.
+    Portable (SQLite has no percentile_disc) and bounded: no row leaves the database but the answers."""
+    value = getattr(UsageEntry, column)
+    where = (*window, value.is_not(None))
+    n = session.execute(select(func.count()).where(*where)).scalar_one()
+    out: dict[float, Any] = {}
+    for q in qs:
+        rank = max(1, math.ceil(q / 100 * n))
+        out[q] = session.execute(select(value).where(*where).order_by(value).offset(rank - 1).limit(1)).scalar()
+    return out
+
+
+def link_bytes(session: Session, window: tuple[Any, ...]) -> dict[tuple[str, str], int]:
+    """KV bytes on the wire per (prefill region, decode region) of the split entries matching `window`."""
+    u = UsageEntry
+    q = select(u.prefill_region, u.decode_region, func.sum(u.kv_bytes_wire)).where(
+        *window, u.prefill_region != u.decode_region
+    )
+    rows = session.execute(q.group_by(u.prefill_region, u.decode_region)).all()
+    return {(str(src), str(dst)): int(total or 0) for src, dst, total in rows}

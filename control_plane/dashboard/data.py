@@ -4,9 +4,7 @@ Money in $, bytes as GB (10^9), times in ms; days are UTC."""
 from __future__ import annotations
 
 import datetime as dt
-import math
 import time
-from collections import defaultdict
 from typing import Any
 
 from prfaas.control_plane.billing.meter import Meter
@@ -16,15 +14,7 @@ from prfaas.control_plane.billing.spend import month_window
 
 WINDOW = dt.timedelta(days=30)
 RECENT_JOBS = 20
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None when there are no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
+QUANTILES = (50, 90, 99)
 
 
 def _days(start: dt.datetime, end: dt.datetime) -> list[str]:
@@ -36,30 +26,24 @@ def _days(start: dt.datetime, end: dt.datetime) -> list[str]:
 
 
 def tenant_view(meter: Meter, tenant: str, now: float | None = None) -> dict[str, Any]:
+    """Every figure is summed in SQL over the whole window (a tenant's 30 days may hold millions of jobs);
+    only the recent jobs' rows leave the database."""
     end = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.UTC) + dt.timedelta(seconds=1)
     start = (end - WINDOW).replace(hour=0, minute=0, second=0, microsecond=0)
-    entries = meter.ledger.entries(tenant, start, end)
+    ledger = meter.ledger
+    by_day = {g.key: g for g in ledger.totals(tenant, start, end, "day")}
+    by_region = {g.key: g.total_usd for g in ledger.totals(tenant, start, end, "region")}
     days = _days(start, end)
-    by_phase: dict[str, dict[str, float]] = {p: defaultdict(float) for p in ("prefill", "decode", "egress")}
-    colocated: dict[str, float] = defaultdict(float)
-    by_region: dict[str, float] = defaultdict(float)
-    for e in entries:
-        day = e.finished_at.date().isoformat()
-        by_phase["prefill"][day] += e.prefill_usd
-        by_phase["decode"][day] += e.decode_usd
-        by_phase["egress"][day] += e.egress_usd
-        colocated[day] += e.colocated_usd
-        by_region[e.prefill_region] += e.prefill_usd + e.egress_usd
-        by_region[e.decode_region] += e.decode_usd
-    total = sum(e.total_usd for e in entries)
-    colo = sum(e.colocated_usd for e in entries)
-    ttft = [e.ttft_s * 1000 for e in entries if e.ttft_s is not None]
-    tpot = [e.tpot_s * 1000 for e in entries if e.tpot_s is not None]
+    phases = ("prefill", "decode", "egress")
+
+    def daily(field: str) -> list[float]:
+        return [round(getattr(by_day[d], field), 9) if d in by_day else 0.0 for d in days]
+
+    def summed(field: str) -> Any:
+        return sum(getattr(g, field) for g in by_day.values())
+
     charts = {
-        "spend_phase": {
-            "labels": days,
-            "datasets": [{"label": p, "data": [round(by_phase[p].get(d, 0.0), 9) for d in days]} for p in by_phase],
-        },
+        "spend_phase": {"labels": days, "datasets": [{"label": p, "data": daily(f"{p}_usd")} for p in phases]},
         "spend_region": {
             "labels": sorted(by_region),
             "datasets": [{"label": "$", "data": [round(by_region[r], 9) for r in sorted(by_region)]}],
@@ -67,27 +51,30 @@ def tenant_view(meter: Meter, tenant: str, now: float | None = None) -> dict[str
         "savings": {
             "labels": days,
             "datasets": [
-                {"label": "billed", "data": [round(sum(by_phase[p].get(d, 0.0) for p in by_phase), 9) for d in days]},
-                {"label": "colocated", "data": [round(colocated.get(d, 0.0), 9) for d in days]},
+                {"label": "billed", "data": daily("total_usd")},
+                {"label": "colocated", "data": daily("colocated_usd")},
             ],
         },
-    }
+    }  # fmt: skip
+    total, colo = summed("total_usd"), summed("colocated_usd")
+    ttft = ledger.percentiles(tenant, start, end, "ttft_s", QUANTILES)
+    tpot = ledger.percentiles(tenant, start, end, "tpot_s", QUANTILES)
     return {
         "start": start,
         "end": end,
-        "jobs": len(entries),
+        "jobs": summed("jobs"),
         "spend_usd": total,
         "colocated_usd": colo,
         "savings_usd": colo - total,
         "savings_pct": (colo - total) / colo * 100 if colo else 0.0,
-        "tokens_in": sum(e.tokens_in for e in entries),
-        "tokens_out": sum(e.tokens_out for e in entries),
-        "gb_raw": sum(e.kv_bytes_raw for e in entries) / 1e9,
-        "gb_wire": sum(e.kv_bytes_wire for e in entries) / 1e9,
-        "ttft_ms": {q: percentile(ttft, q) for q in (50, 90, 99)},
-        "tpot_ms": {q: percentile(tpot, q) for q in (50, 90, 99)},
-        "recent": [_job_row(e) for e in entries[:RECENT_JOBS]],
-        "month_spend_usd": meter.ledger.spend(tenant, *month_window()),
+        "tokens_in": summed("tokens_in"),
+        "tokens_out": summed("tokens_out"),
+        "gb_raw": summed("kv_bytes_raw") / 1e9,
+        "gb_wire": summed("kv_bytes_wire") / 1e9,
+        "ttft_ms": {q: None if v is None else v * 1000 for q, v in ttft.items()},
+        "tpot_ms": {q: None if v is None else v * 1000 for q, v in tpot.items()},
+        "recent": [_job_row(e) for e in ledger.entries(tenant, start, end, limit=RECENT_JOBS)],
+        "month_spend_usd": ledger.spend(tenant, *month_window()),
         "charts": charts,
     }
 
@@ -117,10 +104,7 @@ def admin_view(meter: Meter, now: float | None = None) -> dict[str, Any]:
             "kv_used_gb": r.kv_used_bytes / 1e9, "kv_free_gb": r.kv_free_bytes / 1e9,
             "price": od.usd_per_gpu_hour if od else r.usd_per_gpu_hour, "price_source": od.source if od else "region",
         })  # fmt: skip
-    shipped: dict[tuple[str, str], int] = defaultdict(int)
-    for e in meter.ledger.entries(None, hour_ago, end):
-        if e.prefill_region != e.decode_region:
-            shipped[(e.prefill_region, e.decode_region)] += e.kv_bytes_wire
+    shipped = meter.ledger.link_bytes(hour_ago, end)
     links = []
     estimates = s.regions.link_estimates()
     for link in s.regions.configured_links():

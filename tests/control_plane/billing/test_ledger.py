@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,51 +19,11 @@ from prfaas.control_plane.db.engine import make_engine
 from prfaas.control_plane.db.migrations import current, upgrade
 from prfaas.control_plane.settings import Settings
 
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PRICES = PriceTable(
     gpu_hour_usd={"us-east": 4.0, "eu-west": 2.5, "ap-south": 1.2},
     egress_usd_per_gb={("ap-south", "us-east"): 0.09, ("eu-west", "us-east"): 0.02},
 )
 T0 = dt.datetime(2026, 11, 1, 12, 0, tzinfo=dt.UTC)
-
-
-def _pg_reachable() -> str | None:
-    try:
-        eng = sa.create_engine(PG_URL, connect_args={"connect_timeout": 2})
-        with eng.connect() as c:
-            c.execute(sa.text("select 1"))
-        eng.dispose()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str | None]]:
-    """(url, schema) of an empty database."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'ledger.db'}", None
-        return
-    why = _pg_reachable()
-    if why is not None:
-        pytest.skip(f"PostgreSQL at {PG_URL} unreachable: {why}")
-    schema = f"ledger_test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL)
-    with admin.begin() as c:
-        c.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        yield PG_URL, schema
-    finally:
-        with admin.begin() as c:
-            c.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
-
-
-@pytest.fixture
-def ledger(db: tuple[str, str | None]) -> Iterator[Ledger]:
-    led = Ledger(db[0], schema=db[1])
-    yield led
-    led.close()
 
 
 def _usage(job_id: str, **kw: object) -> JobUsage:
