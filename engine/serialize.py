@@ -71,7 +71,7 @@ def kv_to_bytes(kv: KVCache) -> bytes:
 def _parse_header(raw: bytes) -> dict[str, Any]:
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or nested past the parser's depth
         raise KVFormatError(f"KV header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise KVFormatError("KV header is not a JSON object")

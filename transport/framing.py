@@ -76,7 +76,8 @@ class Frame:
     def json(self) -> Any:
         try:
             return json.loads(bytes(self.payload))
-        except ValueError as exc:  # not UTF-8, not JSON, or an integer past Python's digit limit
+        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, an integer past Python's digit limit,
+            # or nested past the parser's depth (4 KiB of "[")
             raise FrameError(f"{self.type.name} payload is not JSON: {exc}") from None
 
 

@@ -98,7 +98,7 @@ class TicketVerifier:
             body, mac = _unb64(body_b64), _unb64(mac_b64)
             claims = json.loads(body)
             ticket = Ticket(**claims)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested past the parser's depth
             raise TicketRejected(f"malformed ticket: {exc}") from None
         if not _well_typed(ticket):  # before any claim is used: a peer's JSON may put a list where a key id goes
             raise TicketRejected("malformed ticket: a claim has the wrong type")

@@ -98,3 +98,10 @@ def test_any_altered_byte_is_refused(data: st.DataObject) -> None:
     blob[index] ^= data.draw(st.integers(1, 255))
     with pytest.raises(KVFormatError):
         kv_from_bytes(bytes(blob))
+
+
+def test_a_header_nested_past_the_parsers_depth_is_a_format_error() -> None:
+    header = b"[" * 5000  # within the header limit; json.loads raises RecursionError on it
+    blob = struct.pack("<4sHHIQ", b"PFKV", 1, 0, len(header), 0) + header
+    with pytest.raises(KVFormatError, match="not valid JSON"):
+        kv_from_bytes(blob)

@@ -131,8 +131,19 @@ UNSIGNED_KID = _b64(json.dumps({"job": "j", "attempt": 1, "tenant": "t", "budget
         (None, json.dumps(BASE).replace("[[1, 1, 1]]", "[[1, 1, Infinity]]").encode()),
         (None, json.dumps(BASE).replace('"codec": 0', '"codec": ' + "9" * 5000).encode()),
         (None, json.dumps(BASE | {"ticket": UNSIGNED_KID}).encode()),
+        (b"[" * 4000, None),  # fits the 4 KiB a connection may send before HELLO; nested past the parser's depth
+        (None, b'{"ticket": ' + b"[" * 4000),
     ],
-    ids=["versions-int", "versions-nested", "dtype-list", "infinity", "5000-digits", "kid-list"],
+    ids=[
+        "versions-int",
+        "versions-nested",
+        "dtype-list",
+        "infinity",
+        "5000-digits",
+        "kid-list",
+        "deep-hello",
+        "deep-open",
+    ],
 )
 def test_malformed_json_gets_an_error_frame_not_a_dead_thread(
     errors: list[str], hello: bytes | None, open_payload: bytes | None

@@ -1,3 +1,4 @@
+import base64
 import uuid
 
 import pytest
@@ -60,7 +61,10 @@ def test_rotated_keys_verify_old_and_new() -> None:
         TicketVerifier({"k2": b"n" * 32}).verify(issue(), job=JOB, attempt=1, now=NOW)
 
 
-@pytest.mark.parametrize("token", ["", "abc", "a.b.c", "!!!.???", "e30.AAAA"])
+DEEP = base64.urlsafe_b64encode(b"[" * 5000).rstrip(b"=").decode() + ".AAAA"  # nested past json's depth
+
+
+@pytest.mark.parametrize("token", ["", "abc", "a.b.c", "!!!.???", "e30.AAAA", DEEP])
 def test_malformed_tickets_are_rejected(token: str) -> None:
     with pytest.raises(TicketRejected):
         TicketVerifier({"k1": KEY}).verify(token, job=JOB, attempt=1, now=NOW)
