@@ -117,6 +117,7 @@ class TcpChannel:
         self._encoder = encoder_pool(encode_threads, "prfaas-kv-encode")
         self._refused_since: float | None = None
         self._lock = threading.Lock()
+        self._closing = False  # `close` began (under `_lock`): `submit` refuses
         self._next_index = 0
         self.streams: list[TcpStream] = []
         self.resize(num_streams or (self.controller.current if self.controller else 4))
@@ -148,12 +149,13 @@ class TcpChannel:
         # retiring streams stop taking chunks, drain their acknowledgements, then close
 
     def submit(self, shipment: Shipment) -> OutboundTransfer:
-        if self.closed.is_set():
-            raise PeerUnavailable("channel is closed")
         # Over TLS every record's AEAD tag authenticates the payload: no xxh3 of it (0 = none)
         tls = self.ssl_context is not None and self.dialer is None
         transfer = OutboundTransfer(shipment, self.queue.put, self._encoder, checksum_payload=not tls)
-        self.table.add(transfer)
+        with self._lock:  # `close` marks the channel closing under it, then cancels what the table holds
+            if self._closing:
+                raise PeerUnavailable("channel is closed")
+            self.table.add(transfer)
         transfer.cell.on_terminal(lambda status: self._ended(transfer, status))
         any(stream.send_open(transfer) for stream in self.streams)  # first connected stream
         transfer.start()
@@ -290,13 +292,17 @@ class TcpChannel:
         return sum(1 for s in self.streams if s.connected.is_set())
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Cancel live transfers, close every connection, join every thread."""
+        """Cancel live transfers, close every connection, join every thread; all within `timeout_s` (a thread
+        still running then is a daemon stuck in a call that has its own bound)."""
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            self._closing = True  # no submit gets into the table from now on
         for transfer in self.table.live():
             transfer.cancel()
         with self._lock:
             streams = list(self.streams)
-        end = time.monotonic() + min(1.0, timeout_s)  # their CANCELs out first, where a path takes them
-        while any(s.connected.is_set() and s.has_control() for s in streams) and time.monotonic() < end:
+        cancels_end = time.monotonic() + min(1.0, timeout_s)  # their CANCELs out first, where a path takes them
+        while any(s.connected.is_set() and s.has_control() for s in streams) and time.monotonic() < cancels_end:
             time.sleep(0.005)
         self.closed.set()
         self.queue.close()
@@ -305,8 +311,8 @@ class TcpChannel:
         for stream in streams:
             stream.kill()
         for stream in streams:
-            stream.thread.join(timeout_s)
-        self._reaper.join(timeout_s)
+            stream.thread.join(max(0.0, end - time.monotonic()))
+        self._reaper.join(max(0.0, end - time.monotonic()))
         self._encoder.shutdown(wait=True, cancel_futures=True)
         with _PEERS_LOCK:  # its figures go with the last channel to the peer (not kept for good)
             if not self._counted:  # closed before

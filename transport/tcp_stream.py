@@ -26,7 +26,17 @@ from typing import TYPE_CHECKING
 from prfaas.transport import sockets
 from prfaas.transport.adaptive import LAN_RTT_S
 from prfaas.transport.errors import FrameError
-from prfaas.transport.framing import Frame, FrameType, encode, json_payload, read_frame
+from prfaas.transport.framing import (
+    HEADER_SIZE,
+    Frame,
+    FrameType,
+    encode,
+    json_payload,
+    parse_header,
+    read_exact,
+    read_frame,
+    to_frame,
+)
 from prfaas.transport.outbound import OutboundTransfer
 from prfaas.transport.tls import TlsSocket
 
@@ -35,6 +45,25 @@ if TYPE_CHECKING:
 
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.1, 2.0  # backoff between connection attempts, doubling, jittered
 PING_AFTER_S = 1.0  # a connection that owes replies and has been silent this long is pinged
+MAX_HELLO_OK_BYTES = 4 << 10  # a HELLO_OK is ~30 bytes; an ERROR answering HELLO a line of text
+
+
+class _Before:
+    """Reads from `sock` that all end by `deadline` (time.monotonic()): each waits only what is left, so a peer
+    trickling a reply a byte at a time cannot stretch the wait (a socket timeout bounds one read only)."""
+
+    def __init__(self, sock: socket.socket | TlsSocket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the receiver did not answer HELLO in time")
+        return left
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0, /) -> int:
+        self.sock.settimeout(self.left())
+        return self.sock.recv_into(buffer, nbytes)
 
 
 def refused(exc: BaseException) -> bool:
@@ -51,6 +80,7 @@ class TcpStream:
         self.channel = channel
         self.index = index
         self.sock: socket.socket | TlsSocket | None = None
+        self._dialing: socket.socket | None = None  # the connection being set up (TLS, HELLO): `kill` ends it
         self.opened: set[tuple[bytes, int]] = set()
         self.connected = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"prfaas-kv-stream-{index}", daemon=True)
@@ -67,27 +97,47 @@ class TcpStream:
     def _connect(self) -> socket.socket | TlsSocket:
         ch = self.channel
         if ch.dialer is not None:  # another byte stream under the same protocol (transport/webrtc_sender.py)
-            return self._hello(ch.dialer(ch.connect_timeout_s))
-        sock = socket.create_connection(ch.address, timeout=ch.connect_timeout_s)
-        sockets.configure(sock, ch.sock_buf_bytes)
-        if ch.congestion_control:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, ch.congestion_control.encode())
-        conn: socket.socket | TlsSocket = sock
-        if ch.ssl_context is not None:
+            dialed = ch.dialer(ch.connect_timeout_s)
             try:
+                return self._hello(dialed)
+            except BaseException:
+                dialed.close()
+                raise
+        deadline = time.monotonic() + ch.connect_timeout_s  # for the whole setup: connect, TLS, HELLO
+        sock = socket.create_connection(ch.address, timeout=ch.connect_timeout_s)
+        self._dialing = sock
+        conn: socket.socket | TlsSocket = sock
+        try:
+            if ch.closed.is_set():  # `close` ran while this connected: it could not reach the socket
+                raise OSError("channel closed")
+            sockets.configure(sock, ch.sock_buf_bytes)
+            if ch.congestion_control:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, ch.congestion_control.encode())
+            if ch.ssl_context is not None:
                 name = ch.server_hostname or ch.address[0]
                 conn = TlsSocket.wrap(sock, ch.ssl_context, server_side=False, server_hostname=name,
-                                      timeout_s=ch.connect_timeout_s)  # fmt: skip
-            except BaseException:
+                                      timeout_s=max(0.001, deadline - time.monotonic()))  # fmt: skip
+            return self._hello(conn, deadline)
+        except BaseException:
+            conn.close()
+            if conn is not sock:
                 sock.close()
-                raise
-            conn.settimeout(ch.connect_timeout_s)
-        return self._hello(conn)
+            raise
+        finally:
+            self._dialing = None
 
-    def _hello(self, sock: socket.socket | TlsSocket) -> socket.socket | TlsSocket:
+    def _hello(self, sock: socket.socket | TlsSocket, deadline: float | None = None) -> socket.socket | TlsSocket:
+        """Say HELLO and read HELLO_OK, all before `deadline` (default: the connect timeout from now), however
+        slowly the peer trickles its reply, and at most MAX_HELLO_OK_BYTES of it."""
         ch = self.channel
+        before = _Before(sock, time.monotonic() + ch.connect_timeout_s if deadline is None else deadline)
+        sock.settimeout(before.left())
         sock.sendall(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": ch.node}))))
-        reply, _ok = read_frame(sock)  # bounded by the connect timeout still set on the socket
+        header = parse_header(read_exact(before, HEADER_SIZE))
+        if header.payload_len > MAX_HELLO_OK_BYTES:
+            raise FrameError(f"receiver's reply to HELLO announces {header.payload_len} bytes (at most "
+                             f"{MAX_HELLO_OK_BYTES})")  # fmt: skip
+        reply = to_frame(header, read_exact(before, header.payload_len))
         if reply.type is not FrameType.HELLO_OK:
             raise FrameError(f"receiver answered HELLO with {reply.type.name}: {bytes(reply.payload)[:200]!r}")
         sock.settimeout(None)
@@ -297,7 +347,7 @@ class TcpStream:
         """Break the connection now (tests, `close`, and a `silent` path: then closing it resets
         it, so the kernel drops what it still holds instead of sending it again when the link
         returns, bytes that no resend count would show)."""
-        sock = self.sock
+        sock = self.sock or self._dialing
         if sock is not None:
             if silent:
                 with contextlib.suppress(OSError):

@@ -291,6 +291,67 @@ def test_silent_peer_times_out_at_the_deadline(kit: Kit) -> None:
         silent.close()
 
 
+def test_a_peer_trickling_its_hello_reply_cannot_stretch_the_handshake_or_close(kit: Kit) -> None:
+    """One byte of HELLO_OK every 0.3 s: each read is within the connect timeout, the handshake is not. The
+    setup has one deadline, and `close` ends connections still in it, within its own timeout."""
+    reply = encode(Frame(FrameType.HELLO_OK, payload=json_payload({"version": 1, "node": "r"})))
+    server, stop, conns = socket.create_server(("127.0.0.1", 0)), threading.Event(), []
+
+    def trickle(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.recv(4096)
+            for byte in reply:
+                if stop.wait(0.3):
+                    return
+                conn.send(bytes([byte]))
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn = server.accept()[0]
+                conns.append(conn)
+                threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        channel = TcpChannel(server.getsockname()[:2], num_streams=4, connect_timeout_s=1.0, unavailable_after_s=30)
+        time.sleep(2.5)  # ~8 bytes each at most: every handshake gave up at its deadline and began anew
+        assert channel.num_connected == 0 and len(conns) >= 8
+        start = time.monotonic()
+        channel.close(timeout_s=1.0)
+        assert time.monotonic() - start < 1.5
+        assert not any(stream.thread.is_alive() for stream in channel.streams)
+    finally:
+        stop.set()
+        server.close()
+        for conn in conns:
+            conn.close()
+
+
+def test_a_submit_racing_close_is_canceled_or_refused(kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    silent = socket.create_server(("127.0.0.1", 0))  # no stream ever connects
+    channel = TcpChannel(silent.getsockname()[:2], num_streams=1, connect_timeout_s=0.3)
+    add = channel.table.add
+
+    def slow_add(transfer: object) -> None:  # `close` takes its snapshot of live transfers meanwhile
+        time.sleep(0.3)
+        add(transfer)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(channel.table, "add", slow_add)
+    submitted: list[object] = []
+    thread = threading.Thread(target=lambda: submitted.append(channel.submit(Shipment(kit.spec(timeout_s=30)))))
+    try:
+        thread.start()
+        time.sleep(0.1)
+        channel.close(timeout_s=1.0)
+        thread.join(5)
+        assert [t.status() for t in submitted] == [TransferStatus.CANCELED]  # type: ignore[attr-defined]
+        with pytest.raises(PeerUnavailable):
+            channel.submit(Shipment(kit.spec()))
+    finally:
+        silent.close()
+
+
 def test_streams_can_be_added_and_retired_mid_shipment(kit: Kit, receiver: TcpReceiver) -> None:
     with TcpChannel(receiver.address, num_streams=2, max_inflight_bytes=256 << 10) as channel:
         spec = kit.spec(num_layers=8, shape=(4, 1024, 64))
