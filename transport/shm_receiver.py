@@ -134,10 +134,11 @@ class ShmConnection(FrameConnection):
         return header.payload_xxh3 == 0 or payload_ok(header, payload)
 
     def handled(self, header: Header, payload: bytearray, replies: list[Frame]) -> list[Frame]:
+        # A placement outlives its shipment's CANCEL: the sender's copy threads may still write DATA headers of
+        # it, whose payloads are in the arena; read as inline, they would desync the socket (pruned past
+        # MAX_PLACEMENTS, oldest ended first)
         if header.type is FrameType.OPEN and [r.type for r in replies] == [FrameType.OPEN_OK]:
             return [self._place(header, payload)]
-        if header.type is FrameType.CANCEL:
-            self.placed.pop((header.job_id, header.attempt), None)
         return replies
 
     def _place(self, header: Header, payload: bytearray) -> Frame:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.arena import PAGE, Arena
 from prfaas.transport.endpoints import choose, host_id, parse_endpoint, parse_endpoints
 from prfaas.transport.errors import PeerUnavailable
+from prfaas.transport.framing import HEADER_SIZE, Frame, FrameType, encode, encode_header, json_payload, read_frame
+from prfaas.transport.open_info import OpenInfo
 from prfaas.transport.shm_receiver import ShmReceiver
 from prfaas.transport.shm_sender import ShmChannel
 from prfaas.transport.tcp_receiver import TcpReceiver
@@ -148,3 +152,33 @@ def test_a_receiver_that_stops_reading_fails_the_transfer_long_before_its_deadli
     finally:
         peer.kill()
         peer.wait(10)
+
+
+def test_a_placed_chunk_header_after_its_cancel_does_not_desync_the_control_socket(kit: Kit) -> None:
+    """A sender's copy thread may write a placed chunk's DATA header (its payload is in the arena, not on the
+    socket) after the CANCEL another thread wrote. The receiver still knows the placement: it reads no
+    payload after that header, and the next frame (a PING here) is read as a frame."""
+    with ShmReceiver(kit.verifier, arena_bytes=8 << 20) as rx:
+        spec = kit.spec(num_layers=1, shape=(1, 64, 64), chunk_bytes=4096)
+        rx.expect(spec.job_id, spec.attempt, 10)
+        job = uuid.UUID(spec.job_id).bytes
+        info = OpenInfo(spec.dtype, spec.layer_shapes, 0, spec.chunk_bytes)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(rx.path)
+            sock.sendall(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": "p"}))))
+            data, fds, _flags, _addr = socket.recv_fds(sock, HEADER_SIZE, 1)
+            for fd in fds:
+                os.close(fd)
+            assert read_frame(sock, bytes(data))[0].type is FrameType.HELLO_OK
+            sock.sendall(encode(Frame(FrameType.OPEN, job, 1, payload=json_payload(info.to_json(spec.ticket)))))
+            opened = read_frame(sock)[0]
+            assert opened.type is FrameType.OPEN_OK and opened.json()["parts"]  # placed in the arena
+            placed = Frame(FrameType.DATA, job, 1, 0, 0, 0, 0, 2, spec.part_bytes(0), bytes(4096))
+            sock.sendall(encode(Frame(FrameType.CANCEL, job, 1)) + encode_header(placed, checksum_payload=False))
+            sock.sendall(encode(Frame(FrameType.PING, payload=b"12345678")))
+            reply = read_frame(sock)[0]
+            while reply.type is not FrameType.PONG:  # what the receiver says of the canceled shipment first
+                assert reply.type in (FrameType.CANCEL, FrameType.ERROR), reply
+                reply = read_frame(sock)[0]
+            assert bytes(reply.payload) == b"12345678"
