@@ -36,6 +36,7 @@ from prfaas.transport.framing import (
 )
 from prfaas.transport.inbound import Inbound
 from prfaas.transport.receiver_core import Discard, ReceiverCore, Session
+from prfaas.transport.writer import FrameWriter
 
 Payload = bytes | bytearray | memoryview
 
@@ -63,21 +64,33 @@ class FrameConnection:
         self.core = core
         self.limits = limits
         self.accepted_at = time.monotonic()
-        self._write_lock = threading.Lock()
+        self.writer = FrameWriter(self._sendall, self._fileno, lambda _exc: self.close())
+        self._write_lock = self.writer.lock
         self._scratch: bytearray | None = None  # what unwanted payloads are read through
         self.session = Session(self.send, self.abort)
         self.thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
     def send(self, frame: Frame) -> None:
-        self.write(encode(frame))
+        """A reply from this connection's thread; from any other (a shipment ended by the reaper, the decode
+        engine, close) a frame that never waits on this peer (transport/writer.py)."""
+        if threading.current_thread() is self.thread:
+            self.write(encode(frame))
+        else:
+            self.writer.post(encode(frame))
 
     def write(self, data: bytes) -> None:
         """Send encoded frames whole, or end the connection."""
         try:
-            with self._write_lock:
-                self.sock.sendall(data)
+            self.writer.write(data)
         except OSError:  # broken, or a sender that stopped reading (part of a frame may be out)
             self.close()  # the reader then ends the connection; the sender resends on another
+
+    def _sendall(self, data: bytes, _payload: bytes | bytearray | memoryview) -> None:
+        self.sock.sendall(data)  # a receiver's frames are whole in `data`
+
+    def _fileno(self) -> int:
+        fileno = getattr(self.raw, "fileno", None)
+        return fileno() if callable(fileno) else -1
 
     def _run(self) -> None:
         try:

@@ -21,6 +21,7 @@ import logging
 import queue
 import socket
 import threading
+from functools import partial
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from prfaas.transport.errors import FrameError, PeerUnavailable, TransportError
 from prfaas.transport.framing import HEADER_SIZE, Frame, FrameType, encode, json_payload, read_frame
 from prfaas.transport.outbound import Chunk, OutboundTransfer, TransferTable, encoder_pool
 from prfaas.transport.shm_receiver import Placement, map_arena
+from prfaas.transport.writer import FrameWriter
 
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]
@@ -68,14 +70,16 @@ class _Link:
             raise
         self.sock = sock
         self.alive = True
-        self._write_lock = threading.Lock()
+        self.writer = FrameWriter(partial(sockets.send_frame, sock), sock.fileno, lambda _exc: self.close())
 
     def send(self, header: bytes, payload: bytes | memoryview = b"") -> None:
-        with self._write_lock:
-            if payload:
-                sockets.send_frame(self.sock, header, payload)
-            else:
-                self.sock.sendall(header)
+        """Write a frame, after any posted one (raises OSError: the link cannot be used again)."""
+        self.writer.write(header, payload)
+
+    def post(self, frame: bytes) -> None:
+        """A CANCEL from whatever thread ended a transfer: never waits on a receiver that stopped reading
+        (transport/writer.py); a failed send closes the link."""
+        self.writer.post(frame)
 
     def close(self) -> None:
         self.alive = False
@@ -317,10 +321,7 @@ class ShmChannel:
             )  # fmt: skip
         if status is not TransferStatus.COMPLETED and not transfer.remote_ended and link is not None and link.alive:
             cancel = Frame(FrameType.CANCEL, key[0], key[1], payload=str(transfer.error).encode()[:1000])
-            try:
-                link.send(encode(cancel))
-            except OSError as exc:  # part of the frame may be out: the link cannot be used again
-                self._broken(link, f"shared-memory control socket: {exc}")
+            link.post(encode(cancel))
         transfer.drop_unacked()
 
     def _reap_loop(self) -> None:

@@ -6,6 +6,7 @@ shape cannot size the receiver's memory at will."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import socket
 import threading
@@ -195,3 +196,35 @@ def test_an_open_announcing_more_layers_than_any_model_has_is_refused() -> None:
     with pytest.raises(FrameError, match=f"more than {MAX_LAYERS}"):
         OpenInfo.from_json(body)
     OpenInfo.from_json(body | {"num_layers": MAX_LAYERS, "layer_shapes": [[1, 1, 1]] * MAX_LAYERS})
+
+
+def test_a_sender_that_stops_reading_never_blocks_the_thread_that_ends_its_shipment() -> None:
+    """A prefill process wedged (or hostile) with its connection open stops reading its replies: the
+    receiver's writes to it wait on a full socket. Ending one of its shipments (the decode engine's cancel,
+    the reaper at a deadline, close) must not wait on that socket: the end frame is left for the connection."""
+    receiver = TcpReceiver(VERIFIER)
+    job = str(uuid.uuid4())
+    inbound = receiver.expect(job, 1, 60)
+    other = receiver.expect(str(uuid.uuid4()), 1, 2.5)  # another shipment's deadline, due meanwhile
+    stop = threading.Event()
+    sock = _connect(receiver)
+
+    def flood() -> None:  # PINGs whose PONGs it never reads: the receiver's replies fill the socket
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                sock.sendall(encode(Frame(FrameType.PING, payload=b"x" * 60000)))
+
+    try:
+        assert _open(sock, job, [(1, 8, 64)], 4096).type is FrameType.OPEN_OK
+        threading.Thread(target=flood, daemon=True).start()
+        time.sleep(1.0)  # the connection's thread now waits in a send of a PONG
+        start = time.monotonic()
+        inbound.cancel("the decode engine gave up")
+        assert time.monotonic() - start < 0.5
+        assert other.wait(3) is TransferStatus.TIMEOUT and time.monotonic() - start < 2.5  # reaped on time
+    finally:
+        stop.set()
+        start = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - start < 3
+        sock.close()

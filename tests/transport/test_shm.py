@@ -182,3 +182,33 @@ def test_a_placed_chunk_header_after_its_cancel_does_not_desync_the_control_sock
                 assert reply.type in (FrameType.CANCEL, FrameType.ERROR), reply
                 reply = read_frame(sock)[0]
             assert bytes(reply.payload) == b"12345678"
+
+
+def test_canceling_a_transfer_never_waits_on_a_receiver_that_stopped_reading(kit: Kit) -> None:
+    """A copy thread waits in a send to a stuck receiver (SIGSTOP) holding the control socket: the thread
+    that cancels a transfer (the prefill region's Cancel, a deadline, close) posts its CANCEL and goes on."""
+    spec = kit.spec(num_layers=16, shape=(4, 1024, 64), codec="lossless", timeout_s=60)  # inline payloads
+    layers = layers_for(spec)
+    command = [sys.executable, str(PEER), "shm", KEY.hex(), spec.job_id]
+    peer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        path = json.loads(peer.stdout.readline())["path"]
+        with ShmChannel(path, send_timeout_s=5.0) as channel:
+            shipment = Shipment(spec)
+            transfer = channel.submit(shipment)
+            shipment.add_layer(0, *layers[0])
+            wait_until_sent(transfer)
+            os.kill(peer.pid, signal.SIGSTOP)
+            for index in range(1, spec.num_layers):
+                shipment.add_layer(index, *layers[index])
+            time.sleep(1.0)  # the socket is full: a copy thread waits in its send
+            start = time.monotonic()
+            transfer.cancel()
+            assert time.monotonic() - start < 0.5
+            assert transfer.status() is TransferStatus.CANCELED
+            start = time.monotonic()
+        assert time.monotonic() - start < 6.0  # close: the copy thread's send ends at its 5 s timeout
+    finally:
+        peer.kill()
+        peer.wait(10)

@@ -1,0 +1,89 @@
+"""`FrameWriter`: whole frames onto one byte stream from many threads, where one peer that stops reading
+must not hold up the threads that only tell it something ended.
+
+`write` is for the thread that serves the connection: it waits its turn and sends (bounded by the socket's
+send timeout; raises OSError). `post` is for every other thread (a receiver's reaper ending a shipment at
+its deadline, the decode engine canceling one, `close`): it never waits. The frame goes out now when no
+write is in progress and the socket has room, else it stays queued and the write in progress (or the
+next one) sends it first. Frames keep the order they were handed in: queued ones go before a later write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import threading
+from collections.abc import Callable
+
+Buffer = bytes | bytearray | memoryview
+
+
+class FrameWriter:
+    """`send(data, payload)` writes both whole, in order (raises OSError; sockets.py `send_frame`);
+    `fileno()` names the socket beneath, for the room check (-1 or an error: assume room); `on_error` ends
+    the connection when a posted frame's send failed (part of it may be out)."""
+
+    def __init__(
+        self,
+        send: Callable[[bytes, Buffer], None],
+        fileno: Callable[[], int],
+        on_error: Callable[[OSError], None],
+    ) -> None:
+        self.lock = threading.Lock()  # held by every send (a caller writing around `write` takes it too)
+        self._send = send
+        self._fileno = fileno
+        self._on_error = on_error
+        self._queued: list[bytes] = []
+        self._queued_lock = threading.Lock()
+
+    def write(self, data: bytes, payload: Buffer = b"") -> None:
+        """Send `data` (and `payload`, a frame's body, not copied) after anything queued, waiting for the
+        lock (raises OSError)."""
+        with self.lock:
+            self._send(self._take() + data, payload)
+        self._flush()
+
+    def post(self, data: bytes) -> None:
+        """Send `data` now if that cannot wait on the peer, else leave it for the next write. Never raises."""
+        with self._queued_lock:
+            self._queued.append(data)
+        self._flush()
+
+    @property
+    def queued(self) -> int:
+        with self._queued_lock:
+            return len(self._queued)
+
+    def _take(self) -> bytes:
+        with self._queued_lock:
+            data, self._queued = b"".join(self._queued), []
+        return data
+
+    def _flush(self) -> None:
+        """Queued frames out, if the lock is free and the socket has room. Whoever releases the lock checks
+        again, so a frame queued while another thread held it is not left behind."""
+        while self.queued and self.lock.acquire(blocking=False):
+            try:
+                if not self._room():
+                    return  # the peer does not read: its next write (if any) takes them
+                data = self._take()
+                if data:
+                    self._send(data, b"")
+            except OSError as exc:
+                self._on_error(exc)
+                return
+            finally:
+                self.lock.release()
+
+    def _room(self) -> bool:
+        try:
+            fd = self._fileno()
+        except (OSError, AttributeError, ValueError):
+            return True
+        if fd < 0:
+            return True
+        poller = select.poll()  # (select.select cannot take a descriptor past 1023)
+        poller.register(fd, select.POLLOUT)
+        with contextlib.suppress(OSError, ValueError):
+            return bool(poller.poll(0))
+        return True
