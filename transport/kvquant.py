@@ -31,7 +31,8 @@ Scales are bfloat16 (the encoder quantizes with the rounded scale, so the decode
 same); codes are one byte each (code + qmax), so the lossless stage's entropy coder (zstd)
 spends on them what their distribution needs (~7.4 bits per key code at qmax 127). Error
 bound: every element is within scale / 2 of its value, the values' after the rotation back
-(an orthonormal rotation keeps the error's norm). Stateless, so shared between threads.
+(an orthonormal rotation keeps the error's norm); decoding clamps to the dtype's finite range, so a value near its
+largest never comes back infinite. Stateless, so shared between threads.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from prfaas.transport.quant import TORCH_DTYPES, _tensor_bytes, _to_float32
 
 Shape = tuple[int, int, int]  # [num_kv_heads, num_tokens, head_dim]
 KEYS, VALUES = 0, 1
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_BFLOAT16_MAX = torch.finfo(torch.bfloat16).max
 MAX_HEAD_DIM = 1024  # the values' rotation is a head_dim x head_dim matrix: a peer's shape must not size it at will
 
 
@@ -112,11 +115,19 @@ class KVQuantizer:
         _check_head_dim(shape, self.name)
         if 0 in shape:
             return bytes(self.aux_bytes(shape, part)), b""
+        checked = None
+        if part == KEYS and weights is not None and self.weighted:
+            checked = _checked_weights(weights, shape, self.name)
         x = _to_float32(data, dtype, shape)  # fresh: quantized in place
-        if part == KEYS:
-            checked = _checked_weights(weights, shape, self.name) if weights is not None and self.weighted else None
-            return self._keys(x, checked)
-        return self._values(x)
+        try:
+            return self._keys(x, checked) if part == KEYS else self._values(x)
+        except _NotFinite:
+            # Finite values near float32's range (bfloat16, float32) can overflow it once centred (a key channel's
+            # sum or spread) or rotated; these are quantized again in float64. NaN and infinity stay refused.
+            x = _to_float32(data, dtype, shape).double()
+            if not bool(torch.isfinite(x).all()):
+                raise
+            return self._keys(x, checked) if part == KEYS else self._values(x)
 
     def _keys(self, x: torch.Tensor, weights: torch.Tensor | None) -> tuple[bytes, bytes]:
         heads, tokens, head_dim = x.shape
@@ -133,11 +144,11 @@ class KVQuantizer:
         else:
             scale = _weighted_scale(amax, weights.view(heads, 1, 1, head_dim), self.level, self.k_qmax)
         codes = _codes(grouped.div_(scale), self.k_qmax).view(heads, groups * size, head_dim)[:, :tokens]
-        return mean.numpy().tobytes() + _tensor_bytes(scale.to(torch.bfloat16)), _tensor_bytes(codes)
+        return mean.float().numpy().tobytes() + _tensor_bytes(scale.to(torch.bfloat16)), _tensor_bytes(codes)
 
     def _values(self, x: torch.Tensor) -> tuple[bytes, bytes]:
         if _rotates(x.shape[2]):
-            x = x @ hadamard(x.shape[2])
+            x = x @ hadamard(x.shape[2]).to(x.dtype)
         scale = _scale(_amax(x, 2, self.name), self.v_qmax)  # [heads, tokens, 1]
         return _tensor_bytes(scale.to(torch.bfloat16)), _tensor_bytes(_codes(x.div_(scale), self.v_qmax))
 
@@ -147,20 +158,35 @@ class KVQuantizer:
         if 0 in shape:
             return b""
         qmax = self.k_qmax if part == KEYS else self.v_qmax
-        code = torch.frombuffer(codes, dtype=torch.uint8).view(shape).float().sub_(qmax)
         if part == KEYS:
             mean = torch.from_numpy(np.frombuffer(aux[: heads * head_dim * 4], dtype="<f4").copy())
+            if not bool(torch.isfinite(mean).all()):
+                raise CodecError(f"{self.name} payload holds a key mean that is not a finite number")
             groups = self._groups(tokens)
             scale = _read_scales(aux[heads * head_dim * 4 :], (heads, groups, 1, head_dim), self.name)
+            reach = (255 - qmax) * float(scale.max()) + float(mean.abs().max())
+        else:
+            scale = _read_scales(aux, (heads, tokens, 1), self.name)
+            reach = (255 - qmax) * float(scale.max()) * (math.sqrt(head_dim) if _rotates(head_dim) else 1.0)
+        # `reach` bounds |decoded| (a code is at most 255 - qmax). Near the dtype's largest finite value (a bfloat16
+        # scale may round up; the mean or rotation adds on) decoding clamps to it, in float64 where float32 could
+        # overflow on the way.
+        limit = torch.finfo(TORCH_DTYPES[dtype]).max
+        wide = reach > _FLOAT32_MAX / 2
+        code = torch.frombuffer(codes, dtype=torch.uint8).view(shape)
+        code = (code.double() if wide else code.float()).sub_(qmax)
+        if part == KEYS:
             size = tokens if not self.k_group else self.k_group
             pad = groups * size - tokens
             padded = torch.nn.functional.pad(code, (0, 0, 0, pad)) if pad else code
             y = padded.view(heads, groups, size, head_dim).mul_(scale).view(heads, groups * size, head_dim)[:, :tokens]
             x = y.add_(mean.view(heads, 1, head_dim))
         else:
-            x = code.mul_(_read_scales(aux, (heads, tokens, 1), self.name))
+            x = code.mul_(scale)
             if _rotates(head_dim):
-                x = x @ hadamard(head_dim)
+                x = x @ hadamard(head_dim).to(x.dtype)
+        if reach > limit * 0.999:  # the margin covers float32's rounding on the way
+            x = x.clamp_(-limit, limit)
         return _tensor_bytes(x.to(TORCH_DTYPES[dtype]))
 
 
@@ -169,12 +195,16 @@ def _check_head_dim(shape: Shape, name: str) -> None:
         raise CodecError(f"{name} carries head_dim up to {MAX_HEAD_DIM}, not {shape[2]}; use a lossless codec")
 
 
+class _NotFinite(CodecError):
+    """A NaN or infinity in the centred or rotated tensor: from the input, or from float32 overflowing."""
+
+
 def _amax(x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
-    """max |x| over `dim` (kept, size 1), without an |x| temporary; CodecError if any is not finite. NaN and
+    """max |x| over `dim` (kept, size 1), without an |x| temporary; _NotFinite if any is not finite. NaN and
     infinity anywhere in the tensor reach it (a NaN through max, an infinity through the key mean: inf - inf)."""
     amax = torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg_())
     if not bool(torch.isfinite(amax).all()):
-        raise CodecError(f"{name} cannot encode a tensor holding NaN or infinity; use a lossless codec")
+        raise _NotFinite(f"{name} cannot encode a tensor holding NaN or infinity; use a lossless codec")
     return amax
 
 
@@ -194,7 +224,7 @@ def _weighted_scale(amax: torch.Tensor, weights: torch.Tensor, level: int, qmax:
     log_w = weights.log()
     shape = -0.5 * (log_w - log_w.mean(dim=3, keepdim=True))
     step = torch.maximum((log_level + shape).exp(), amax / qmax)
-    step = step.to(torch.bfloat16).float()
+    step = step.clamp_max(_BFLOAT16_MAX).to(torch.bfloat16).float()
     return torch.where(nonzero & (step > 0) & torch.isfinite(step), step, 1.0)
 
 

@@ -43,11 +43,13 @@ def _to_float32(data: memoryview, dtype: str, shape: Shape) -> torch.Tensor:
 
 
 def _scales(x: torch.Tensor, dims: tuple[int, ...], qmax: float, name: str) -> torch.Tensor:
-    """amax / qmax over `dims` (1 where that is 0), float32 with `dims` kept as size 1."""
+    """amax / qmax over `dims` (1 where that is 0), float32 with `dims` kept as size 1, rounded down where float32
+    rounded it up: qmax * scale never exceeds amax, so near float32's largest value no code decodes past it."""
     amax = torch.maximum(x.amax(dim=dims, keepdim=True), -x.amin(dim=dims, keepdim=True))
     if not bool(torch.isfinite(amax).all()):
         raise CodecError(f"{name} cannot encode a tensor holding NaN or infinity; use a lossless codec")
     scales = amax / qmax
+    scales = torch.where(scales.double() * qmax > amax.double(), scales.nextafter(torch.zeros(())), scales)
     return torch.where(scales > 0, scales, 1.0)
 
 
@@ -114,6 +116,9 @@ class Int8Quantizer:
             return b""
         scale = _checked_scales(scales, (shape[0], 1, shape[2]), self.name)
         x = torch.frombuffer(codes, dtype=torch.int8).view(shape).float().mul_(scale)
+        limit = torch.finfo(TORCH_DTYPES[dtype]).max
+        if 128 * float(scale.max()) > limit:  # a payload's codes may decode past the dtype's largest finite value
+            x = x.clamp_(-limit, limit)
         return _tensor_bytes(x.to(TORCH_DTYPES[dtype]))
 
 

@@ -133,6 +133,35 @@ def test_lossy_codecs_refuse_non_finite_values(name: str, part: int, bad: float)
         get_codec(name).encode(tensor_bytes(x), TensorMeta("float32", (2, 3, 4), part))
 
 
+def near_the_largest(dtype: str) -> list[tuple[str, torch.Tensor]]:
+    """Finite tensors at (and near) the dtype's largest value: a rounded-up scale, a key mean or a rotation
+    carries them past it (or past float32's range) unless the codec takes care."""
+    big = torch.finfo(TORCH[dtype]).max
+    return [
+        ("max and -max", torch.tensor([[[big], [-big]]])),
+        ("a channel beside zeros", torch.tensor([[[big, 0.0], [-big, 0.0]]])),
+        ("one token", torch.tensor([[[big]]])),
+        ("a channel summing past the range", torch.full((1, 4, 1), big)),
+        ("a spread past the range", torch.tensor([[[big], [big], [big], [-big]]])),
+        ("a token rotating past the range", torch.full((1, 2, 4), big)),
+        ("just below the largest", torch.tensor([[[big * 0.999], [-big * 0.999]]])),
+    ]
+
+
+@pytest.mark.parametrize("name", LOSSY)
+@pytest.mark.parametrize("part", [0, 1])
+@pytest.mark.parametrize("dtype", sorted(TORCH))
+def test_lossy_codecs_keep_values_near_the_dtypes_largest_finite_and_close(name: str, part: int, dtype: str) -> None:
+    for what, x in near_the_largest(dtype):
+        x = x.to(TORCH[dtype])
+        meta = TensorMeta(dtype, tuple(x.shape), part)
+        codec = get_codec(name)
+        y = from_bytes(codec.decode(codec.encode(tensor_bytes(x), meta), meta), meta).double()
+        assert bool(torch.isfinite(y).all()), (what, y)
+        # kv4's half step of a spread of 1.5 x max, rotated: within 0.2 x max
+        assert bool(((y - x.double()).abs() <= 0.2 * torch.finfo(TORCH[dtype]).max).all()), (what, y)
+
+
 @pytest.mark.parametrize("name", LOSSY)
 def test_lossy_codecs_need_a_three_dimensional_shape(name: str) -> None:
     with pytest.raises(CodecError, match="num_kv_heads"):

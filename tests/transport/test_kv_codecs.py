@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_codecs import ROUNDING, TORCH, from_bytes, kv_like, tensor_bytes
@@ -120,6 +122,18 @@ def test_a_key_payload_does_not_decode_as_values() -> None:
     payload = codec.encode(tensor_bytes(x), TensorMeta("float32", (2, 40, 8), 0))
     with pytest.raises(CodecError):  # another side-data size: the checksum or the layout does not fit
         codec.decode(payload, TensorMeta("float32", (2, 40, 8), 1))
+
+
+@pytest.mark.parametrize("name", KV_CODECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_key_payload_with_a_mean_that_is_not_finite_is_refused(name: str, bad: float) -> None:
+    # The checksum (xxh3, no MAC) is recomputed: the decoder itself must refuse the mean, as it refuses scales.
+    meta = TensorMeta("bfloat16", (1, 4, 8), 0)
+    payload = bytearray(get_codec(name).encode(tensor_bytes(kv_like((1, 4, 8), "bfloat16", seed=3)), meta))
+    struct.pack_into("<f", payload, 24 + 4 * 5, bad)  # the sixth channel's mean
+    struct.pack_into("<Q", payload, 16, xxhash.xxh3_64_intdigest(bytes(payload[24:])))
+    with pytest.raises(CodecError, match="mean"):
+        get_codec(name).decode(bytes(payload), meta)
 
 
 def test_an_old_peer_refuses_a_shipment_in_a_codec_id_it_does_not_know() -> None:
