@@ -146,7 +146,8 @@ def _remembered(tokens: Iterator[Chosen], mirror: ResidencyMirror | None, prompt
             yield token
     finally:
         close_tokens(tokens)
-        remember(mirror, [*prompt, *output[:-1]], salt)  # the last token's KV was never computed
+        if output:  # no token: the server refused, timed out or lost the request, and may have computed nothing
+            remember(mirror, [*prompt, *output[:-1]], salt)  # the last token's KV was never computed
 
 
 def _canceled_on_stop(tokens: Iterator[Chosen]) -> Iterator[Chosen]:

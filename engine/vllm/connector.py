@@ -53,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from prfaas.engine.calibration import CalibrationFile
 from prfaas.engine.kv import tensor_view
 from prfaas.engine.staging import LayerCopier, StagedShipment, device_copier, feed_layer
-from prfaas.engine.vllm.layout import cpu_keys_transposed, gather_layer, layer_index, scatter_layer
+from prfaas.engine.vllm.layout import cpu_keys_transposed, gather_layer, layer_index, load_blocks, scatter_layer
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
 from prfaas.transport.api import Shipment, ShipmentSpec, Transfer, TransferStatus
@@ -132,7 +132,8 @@ class PrfaasConnector(KVConnectorBase_V1):
         self._caches: dict[int, torch.Tensor] = {}
         self._outbound: dict[str, _Outbound] = {}
         self._lock = threading.Lock()
-        self._finished_reqs: set[str] = set()
+        self._ship_reqs: set[str] = set()  # requests this worker ships: until their shipment is reported
+        self._finished_reqs: set[str] = set()  # those of them vLLM says finished (their blocks wait for us)
         self._recv_done: set[str] = set()
         self._send_failed: set[str] = set()  # shipped after the forward, failed before a transfer existed
         self._error_blocks: set[int] = set()
@@ -210,6 +211,9 @@ class PrfaasConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PrfaasMetadata)
+        if meta.ships:  # before vLLM can say any of them finished (a later step's finished ids)
+            with self._lock:
+                self._ship_reqs.update(job.req_id for job in meta.ships)
         for job in meta.loads:
             threading.Thread(target=self._load, args=(job,), name=f"prfaas-load-{job.req_id}", daemon=True).start()
 
@@ -301,7 +305,7 @@ class PrfaasConnector(KVConnectorBase_V1):
                 return  # get_transfer_results reports it once the transfer has ended
             assert self._link is not None
             outcome = ShipOutcome(TransferStatus.FAILED, 0, 0, 0.0, str(exc), type(exc).__name__)
-            self._link.record_shipped(job.params.job_id, outcome)
+            self._link.record_shipped(job.params.job_id, job.params.attempt, outcome)
             with self._lock:
                 self._send_failed.add(job.req_id)
             self._link.activity.set()
@@ -310,19 +314,19 @@ class PrfaasConnector(KVConnectorBase_V1):
         results = KVConnectorTransferResults()
         ended: list[Any] = []  # their staged buffers are let go after the lock (it may wait for a late copy)
         with self._lock:
-            self._finished_reqs |= finished_req_ids
+            self._finished_reqs |= finished_req_ids & self._ship_reqs  # vLLM names every finished request
             for req_id, out in list(self._outbound.items()):
                 if req_id in self._finished_reqs and out.transfer.status().terminal:
                     if out.staged is not None:
                         ended.append(out)
                     del self._outbound[req_id]
-                    self._finished_reqs.discard(req_id)
                     results.finished_sending.add(req_id)
                     self._record(out)
             for req_id in self._send_failed & self._finished_reqs:  # never opened a transfer
                 self._send_failed.discard(req_id)
-                self._finished_reqs.discard(req_id)
                 results.finished_sending.add(req_id)
+            self._finished_reqs -= results.finished_sending
+            self._ship_reqs -= results.finished_sending
             results.finished_recving, self._recv_done = self._recv_done, set()
         for out in ended:  # reused only after a completed transfer (a canceled one's sender may still read)
             out.staged.end(reuse=out.transfer.status() is TransferStatus.COMPLETED)
@@ -344,7 +348,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             str(error) if error else None,
             type(error).__name__ if error else None,
         )
-        self._link.record_shipped(out.job.params.job_id, outcome)
+        self._link.record_shipped(out.job.params.job_id, out.job.params.attempt, outcome)
 
     def _load(self, job: LoadJob) -> None:
         """Loader thread: copy each arriving layer into the request's blocks."""
@@ -375,7 +379,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             if inbound is not None:
                 inbound.cancel(f"decode gave up: {exc}")
             with self._lock:
-                self._error_blocks.update(job.block_ids)
+                self._error_blocks.update(load_blocks(job.block_ids, job.start_token, job.num_tokens, self._block_size))
         finally:
             if inbound is not None:
                 inbound.release()

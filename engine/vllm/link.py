@@ -52,7 +52,7 @@ class KVLink:
         self._lock = threading.Condition()
         self._expected: dict[tuple[str, int], Inbound] = {}
         self._channels: dict[tuple[tuple[str, int], str | None], TcpChannel] = {}
-        self._outcomes: dict[str, ShipOutcome] = {}
+        self._outcomes: dict[tuple[str, int], ShipOutcome] = {}  # (job id, attempt) -> how its shipment ended
         # Set when the connector's background work ends (a load, a shipment) and when a
         # request arrives: the host's loop waits on it instead of stepping an engine that has
         # nothing to run.
@@ -122,23 +122,25 @@ class KVLink:
                 )
             return channel
 
-    def record_shipped(self, job_id: str, outcome: ShipOutcome) -> None:
+    def record_shipped(self, job_id: str, attempt: int, outcome: ShipOutcome) -> None:
         with self._lock:
-            self._outcomes[job_id] = outcome
+            self._outcomes[(job_id, attempt)] = outcome
             while len(self._outcomes) > 4096:  # oldest first: hosts collect theirs promptly
                 del self._outcomes[next(iter(self._outcomes))]
             self._lock.notify_all()
 
-    def wait_shipped(self, job_id: str, timeout_s: float) -> ShipOutcome | None:
-        """The outcome of job `job_id`'s shipment, or None if it has not ended in `timeout_s`."""
+    def wait_shipped(self, job_id: str, attempt: int, timeout_s: float) -> ShipOutcome | None:
+        """The outcome of that attempt's shipment, or None if it has not ended in `timeout_s`. By attempt: an
+        earlier attempt's outcome, left unread when its prefill stopped waiting, is never a later one's."""
         deadline = time.monotonic() + timeout_s
+        key = (job_id, attempt)
         with self._lock:
-            while job_id not in self._outcomes:
+            while key not in self._outcomes:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 self._lock.wait(remaining)
-            return self._outcomes.pop(job_id)
+            return self._outcomes.pop(key)
 
     def close(self) -> None:
         with self._lock:

@@ -48,6 +48,9 @@ WireLogprobs = tuple[float, int, tuple[int, ...], tuple[float, ...]]
 Step = tuple[int, WireLogprobs | None, list[WireLogprobs] | None]
 
 
+MAX_TEMPERATURE = 2.0
+
+
 def check_supported(params: SamplingParams) -> None:
     """InvalidSamplingParams (INVALID_ARGUMENT) for what a vLLM region cannot serve as asked."""
     if params.n != 1:
@@ -55,6 +58,8 @@ def check_supported(params: SamplingParams) -> None:
             f"engine 'vllm' regions generate one choice per job (vLLM would prefill and ship the prompt once "
             f"per choice), got n={params.n}"
         )
+    if params.temperature > MAX_TEMPERATURE:  # vLLM's own bound (SamplingParams._verify_args)
+        raise InvalidSamplingParams(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {params.temperature}")
 
 
 def decode_seed(seed: int) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing
 import os
 import queue
@@ -34,13 +35,17 @@ from dataclasses import asdict
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 from threading import Event
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 from prfaas.engine.vllm.params import GenerateOptions
 from prfaas.transport.tls import NodeCert
 
+if TYPE_CHECKING:
+    from prfaas.engine.vllm.host import VLLMHost
+
 AUTHKEY_ENV = "PRFAAS_VLLM_AUTHKEY"
 TICKET_KEYS_ENV = "PRFAAS_VLLM_TICKET_KEYS"  # kid:hexkey[,kid:hexkey...]: keys off the command line
+log = logging.getLogger(__name__)
 
 
 class RemoteError(RuntimeError):
@@ -215,6 +220,7 @@ def serve(argv: list[str] | None = None) -> None:
         prefix_caching=not ns.no_prefix_caching,
         query_energy=(ns.query_energy, ns.fingerprint) if ns.query_energy else None,
     )
+    threading.Thread(target=_exit_when_dead, args=(host,), name="vllm-server-engine-watch", daemon=True).start()
     listener = Listener((ns.control_host, ns.control_port))  # authenticated per connection (_serve_one)
     ready = {"control": list(listener.address), "kv": list(host.kv_address or ())}
     tmp = f"{ns.ready_file}.tmp"
@@ -233,6 +239,18 @@ def serve(argv: list[str] | None = None) -> None:
     finally:
         listener.close()
         host.close()
+
+
+EXIT_ENGINE_DIED = 3
+
+
+def _exit_when_dead(host: VLLMHost) -> None:
+    """A server whose engine died answers every call with an error: exit instead, so the region sees the
+    server gone (remote.py `on_exit`) and leaves the fleet, rather than heartbeat on and fail each job."""
+    host.died.wait()
+    log.critical("the vLLM engine died (%r): exiting with %d", host.failure, EXIT_ENGINE_DIED)
+    logging.shutdown()
+    os._exit(EXIT_ENGINE_DIED)
 
 
 class VLLMClient:

@@ -4,6 +4,7 @@ within its deadline, and no process is left behind. (A real vLLM server: tests/v
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,3 +81,19 @@ def test_server_never_ready_fails_at_its_deadline_and_is_stopped(tmp_path: Path)
     assert time.monotonic() - started < 15
     pid = int(marker.read_text())
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_a_server_whose_engine_died_exits_so_its_region_sees_it_gone() -> None:
+    """The host's loop ends when engine.step() raises; every call would fail from then on. The server's
+    watch exits with EXIT_ENGINE_DIED instead (the region's `on_exit` then takes it out of the fleet)."""
+    code = (
+        "import threading, types\n"
+        "from prfaas.engine.vllm.server import _exit_when_dead\n"
+        "host = types.SimpleNamespace(died=threading.Event(), failure=RuntimeError('CUDA error'))\n"
+        "threading.Timer(0.1, host.died.set).start()\n"
+        "_exit_when_dead(host)\n"
+        "raise SystemExit(0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert "the vLLM engine died (RuntimeError('CUDA error'))" in done.stderr

@@ -55,6 +55,12 @@ def test_n_above_one_and_a_decode_without_its_first_token_are_refused() -> None:
         vllm_sampling(PARAMS, "decode")
 
 
+def test_a_temperature_past_vllms_bound_is_an_invalid_argument_not_an_engine_error() -> None:
+    assert vllm_sampling(SamplingParams(temperature=2.0, seed=1), "generate")["temperature"] == 2.0
+    with pytest.raises(InvalidSamplingParams, match=r"temperature must be in \[0, 2\], got 2.5"):
+        vllm_sampling(SamplingParams(temperature=2.5, seed=1), "generate")
+
+
 @dataclass
 class Logprob:  # the two fields of vllm.logprobs.Logprob that are read
     logprob: float

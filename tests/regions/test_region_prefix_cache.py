@@ -185,3 +185,26 @@ def test_heartbeats_publish_resident_blocks_when_they_change(
     assert short(block_hashes(ids, BLOCK, SALT)[0]) in set(load.prefix_blocks)
     again = decode.server.load()
     assert not again.prefix_included and not again.prefix_blocks  # unchanged: the registry keeps the last
+
+
+def test_a_vllm_request_that_produced_no_token_publishes_no_resident_block() -> None:
+    """The region mirrors vLLM's prefix cache from what it sent: a request the server refused, lost or timed
+    out before any token computed nothing, and publishing its prompt would draw jobs to a cache it lacks."""
+    from prfaas.decode_region.vllm_backend import _remembered  # the decode backend's wrapper of vLLM's tokens
+    from prfaas.engine.prefix_cache import ResidencyMirror
+    from prfaas.engine.sampling import Chosen
+
+    def refused() -> Iterator[Chosen]:
+        raise RuntimeError("ValueError: the server refused the request")
+        yield  # a generator
+
+    def one_token() -> Iterator[Chosen]:
+        yield Chosen(7)
+
+    mirror = ResidencyMirror(64, 10_000)
+    prompt = list(range(1000, 1300))  # 4 whole blocks of 64
+    with pytest.raises(RuntimeError):
+        list(_remembered(refused(), mirror, prompt, "salt"))
+    assert mirror.resident() == []
+    assert [c.token for c in _remembered(one_token(), mirror, prompt, "salt")] == [7]
+    assert len(mirror.resident()) == 4
