@@ -11,7 +11,11 @@ that a request owns in any order (its block table). Two paged layouts are unders
   the backend picked (the x86 "vec" kernel transposes them, so that one vector load
   covers one dimension of many tokens). `cpu_keys_transposed` finds out which by running
   the backend's own cache-write op once.
-- Flash-attention style (GPU backends): `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
+- GPU backends of vLLM 0.32 (FlashAttention, Triton, FlexAttention): the same 4-D shape, but each token's
+  slot holds its key then its value: K is `[..., :head_dim]`, V is `[..., head_dim:]` (`kv_cache.transpose(1,
+  2).split(head_dim, dim=-1)` in the backend), whatever strides the backend laid the cache out with.
+  Which of the two a 4-D cache is follows its device (`kind` None), or `kind` ("cpu", "split").
+- Older flash-attention style: `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
 
 Pure torch, no vLLM import at module level (only `cpu_keys_transposed` runs a vLLM op):
 unit-testable on synthetic caches.
@@ -40,7 +44,7 @@ def layer_index(layer_name: str) -> int:
 class PagedLayout:
     """The geometry of one layer's paged cache."""
 
-    kind: str  # "cpu" or "flash"
+    kind: str  # "cpu", "split" (4-D, K and V side by side in a slot: vLLM's GPU backends) or "flash" (5-D)
     num_blocks: int
     block_size: int
     num_kv_heads: int
@@ -48,12 +52,15 @@ class PagedLayout:
     k_transposed: bool = False  # CPU only: keys stored [head_dim, block_size] per block and head
 
     @staticmethod
-    def of(cache: torch.Tensor, k_transposed: bool = False) -> PagedLayout:
-        if cache.dim() == 4:  # CPU: [num_blocks, kv_heads, block_size, 2 * head_dim]
+    def of(cache: torch.Tensor, k_transposed: bool = False, kind: str | None = None) -> PagedLayout:
+        if cache.dim() == 4:  # [num_blocks, kv_heads, block_size, 2 * head_dim]
             num_blocks, heads, block_size, two_head_dim = cache.shape
             if two_head_dim % 2:
-                raise ValueError(f"CPU KV cache last dim {two_head_dim} is not 2 x head_dim")
-            return PagedLayout("cpu", num_blocks, block_size, heads, two_head_dim // 2, k_transposed)
+                raise ValueError(f"4-D KV cache last dim {two_head_dim} is not 2 x head_dim")
+            kind = kind or ("cpu" if cache.device.type == "cpu" else "split")
+            if kind not in ("cpu", "split"):
+                raise ValueError(f"a 4-D KV cache is laid out 'cpu' or 'split', not {kind!r}")
+            return PagedLayout(kind, num_blocks, block_size, heads, two_head_dim // 2, k_transposed and kind == "cpu")
         if cache.dim() == 5 and cache.shape[0] == 2:  # flash: [2, num_blocks, block_size, kv_heads, head_dim]
             _, num_blocks, block_size, heads, head_dim = cache.shape
             return PagedLayout("flash", num_blocks, block_size, heads, head_dim)
@@ -64,8 +71,10 @@ class PagedLayout:
 
 
 def _split(cache: torch.Tensor, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of K and V as [num_blocks, kv_heads, block_size, head_dim] (CPU) or
+    """Views of K and V as [num_blocks, kv_heads, block_size, head_dim] (cpu, split) or
     [num_blocks, block_size, kv_heads, head_dim] (flash), sharing the cache's memory."""
+    if layout.kind == "split":
+        return cache[..., : layout.head_dim], cache[..., layout.head_dim :]
     if layout.kind == "cpu":
         nb, heads, bs, dim = layout.num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim
         halves = cache.view(nb, heads, 2, bs * dim)
@@ -87,7 +96,12 @@ def _block_index(block_ids: Sequence[int], count: int, layout: PagedLayout) -> t
 
 
 def gather_layer(
-    cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int, *, k_transposed: bool = False
+    cache: torch.Tensor,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    *,
+    k_transposed: bool = False,
+    kind: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first `num_tokens` tokens held in `block_ids`, each a new contiguous
     `[num_kv_heads, num_tokens, head_dim]` tensor (a copy: the blocks may be reused later).
@@ -97,7 +111,7 @@ def gather_layer(
     last partial block after them. It runs on the prefill engine's core between layers, so
     every extra pass over the KV delays the forward (measured 2x faster than select, permute,
     trim)."""
-    layout = PagedLayout.of(cache, k_transposed)
+    layout = PagedLayout.of(cache, k_transposed, kind)
     count = layout.num_blocks_for(num_tokens)
     host_index = _block_index(block_ids, count, layout)
     # index_select takes the index on the cache's device; the copy does not wait for the forward's queue
@@ -108,7 +122,7 @@ def gather_layer(
     out = []
     for part in _split(cache, layout):
         # [heads, num_blocks, block_size, head_dim] views of the cache, whatever its layout
-        blocks = part.transpose(0, 1) if layout.kind == "cpu" else part.permute(2, 0, 1, 3)
+        blocks = part.permute(2, 0, 1, 3) if layout.kind == "flash" else part.transpose(0, 1)
         result = torch.empty(heads, num_tokens, dim, dtype=cache.dtype, device=cache.device)
         if full:
             whole = result[:, : full * size].view(heads, full, size, dim)
@@ -127,12 +141,13 @@ def scatter_layer(
     *,
     start_token: int = 0,
     k_transposed: bool = False,
+    kind: str | None = None,
 ) -> None:
     """Write tokens `start_token ..` of K and V (`[num_kv_heads, num_tokens, head_dim]`) into
     the blocks `block_ids` (the request's whole block table, from token 0). `start_token`
     must be block-aligned (tokens before it are already in the cache, e.g. a local prefix
     hit). Slots past `num_tokens` in the last block are left as they are."""
-    layout = PagedLayout.of(cache, k_transposed)
+    layout = PagedLayout.of(cache, k_transposed, kind)
     heads, num_tokens, head_dim = k.shape
     if (heads, head_dim) != (layout.num_kv_heads, layout.head_dim) or v.shape != k.shape:
         raise ValueError(
@@ -151,18 +166,18 @@ def scatter_layer(
         if full_end > first:
             body = src[:, first * layout.block_size : full_end * layout.block_size]
             blocks = body.reshape(heads, full_end - first, layout.block_size, head_dim)
-            if layout.kind == "cpu":
-                part[index[first:full_end]] = blocks.permute(1, 0, 2, 3)
-            else:
+            if layout.kind == "flash":
                 part[index[first:full_end]] = blocks.permute(1, 2, 0, 3)
+            else:
+                part[index[first:full_end]] = blocks.permute(1, 0, 2, 3)
         tail = num_tokens - max(full_end, first) * layout.block_size
         if tail > 0:
             block = int(host_index[full_end])
             rows = src[:, full_end * layout.block_size :]  # [heads, tail, dim]
-            if layout.kind == "cpu":
-                part[block, :, :tail] = rows
-            else:
+            if layout.kind == "flash":
                 part[block, :tail] = rows.permute(1, 0, 2)
+            else:
+                part[block, :, :tail] = rows
 
 
 def cpu_keys_transposed(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:

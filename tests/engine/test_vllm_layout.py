@@ -21,15 +21,23 @@ def flash_cache() -> torch.Tensor:  # GPU backends: [2, num_blocks, block_size, 
     return torch.full((2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM), -1.0)
 
 
-@pytest.mark.parametrize(("make_cache", "k_transposed"), [(cpu_cache, False), (cpu_cache, True), (flash_cache, False)])
+def split_cache() -> torch.Tensor:  # vLLM 0.32's GPU backends: [num_blocks, kv_heads, block_size, 2 * head_dim],
+    # K and V side by side in each slot, laid out token-major ("NHD": [num_blocks, block_size, kv_heads, ...])
+    return torch.full((NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD_DIM), -1.0).transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("make_cache", "k_transposed", "kind"),
+    [(cpu_cache, False, None), (cpu_cache, True, None), (flash_cache, False, None), (split_cache, False, "split")],
+)
 @pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 48, 50])
-def test_scatter_then_gather_round_trips(make_cache, k_transposed: bool, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
+def test_scatter_then_gather_round_trips(make_cache, k_transposed: bool, kind: str | None, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
     cache = make_cache()
     blocks = [7, 2, 9, 0]  # a block table in no particular order
     k = torch.randn(HEADS, num_tokens, HEAD_DIM)
     v = torch.randn(HEADS, num_tokens, HEAD_DIM)
-    scatter_layer(cache, blocks, k, v, k_transposed=k_transposed)
-    k2, v2 = gather_layer(cache, blocks, num_tokens, k_transposed=k_transposed)
+    scatter_layer(cache, blocks, k, v, k_transposed=k_transposed, kind=kind)
+    k2, v2 = gather_layer(cache, blocks, num_tokens, k_transposed=k_transposed, kind=kind)
     assert torch.equal(k2, k) and torch.equal(v2, v)
     assert k2.is_contiguous() and k2.shape == (HEADS, num_tokens, HEAD_DIM)
     untouched = [b for b in range(NUM_BLOCKS) if b not in blocks]
@@ -37,6 +45,30 @@ def test_scatter_then_gather_round_trips(make_cache, k_transposed: bool, num_tok
         assert bool((cache[untouched] == -1).all())
     else:
         assert bool((cache[:, untouched] == -1).all())
+
+
+def test_split_layout_reads_and_writes_slots_as_vllms_gpu_backends_do() -> None:
+    """vLLM 0.32's FlashAttention (also Triton, FlexAttention) sees the cache as
+    `kv_cache.transpose(1, 2).split(head_dim, dim=-1)`: key and value of token t of a block in slot t, side by
+    side. What the backend wrote is what gather_layer ships, and what scatter_layer loads the backend reads."""
+    cache = split_cache()
+    key_cache, value_cache = cache.transpose(1, 2).split(HEAD_DIM, dim=-1)  # [blocks, block_size, heads, dim]
+    blocks, num_tokens = [5, 1, 8], 40
+    k = torch.randn(HEADS, num_tokens, HEAD_DIM)
+    v = torch.randn(HEADS, num_tokens, HEAD_DIM)
+    for t in range(num_tokens):  # the backend's cache write: slot t % BLOCK of block blocks[t // BLOCK]
+        key_cache[blocks[t // BLOCK], t % BLOCK] = k[:, t]
+        value_cache[blocks[t // BLOCK], t % BLOCK] = v[:, t]
+    k2, v2 = gather_layer(cache, blocks, num_tokens, kind="split")
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    loaded = split_cache()
+    scatter_layer(loaded, blocks, k, v, kind="split")
+    key_read, value_read = loaded.transpose(1, 2).split(HEAD_DIM, dim=-1)
+    for t in range(num_tokens):
+        assert torch.equal(key_read[blocks[t // BLOCK], t % BLOCK], k[:, t])
+        assert torch.equal(value_read[blocks[t // BLOCK], t % BLOCK], v[:, t])
+    assert PagedLayout.of(cache.to("meta")).kind == "split"  # a 4-D cache off the CPU is the GPU backends'
+    assert PagedLayout.of(cache).kind == "cpu"
 
 
 def test_cpu_layout_puts_token_t_of_head_h_where_the_cpu_kernel_reads_it() -> None:
