@@ -174,8 +174,8 @@ def tally(deployment: Deployment, tenant: str, asked: list[steady.Asked], expect
     by_prompt = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
     done = [a for a in asked if a.finished and a.text == by_prompt[tuple(a.prompt)]]
     wrong = [a for a in asked if a.finished and a.text != by_prompt[tuple(a.prompt)]]
-    failed = [a for a in asked if not a.finished and a.error]
-    broken = [a for a in asked if not a.finished and not a.error]
+    failed = [a for a in asked if not a.finished and a.error and a.error != "deadline"]  # a reason the API gave
+    broken = [a for a in asked if not a.finished and a.error in ("", "deadline")]  # ran out of time unanswered
     return {
         "requests": len(asked), "done": len(done), "wrong_text": len(wrong), "failed_with_reason": len(failed),
         "lost": len(lost), "double_billed": sum(1 for n in done_count.values() if n > 1),

@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from prfaas.loadgen.workload import MAX_DURATION_S  # stdlib only: no bench extra needed
+
 console = Console(width=max(Console().width, 150))  # the tables are wide; pipes get 80 columns
 
 
@@ -57,6 +59,18 @@ def _table(summaries: dict[str, dict[str, Any]]) -> Table:
     return table
 
 
+def ratio_table(result: dict[str, Any]) -> Table:
+    """bench.json's `ratios` (each policy's figures over the baseline's), after each policy's completed/failed
+    requests: the percentiles are of the completed ones only, so a policy that fails more can look faster."""
+    ratios: dict[str, dict[str, float | None]] = result["ratios"]
+    table = Table("policy", "ok/fail", *next(iter(ratios.values())), title=f"ratio to {result['baseline']}")
+    for name, row in ratios.items():
+        s = result["policies"][name]
+        figures = ("-" if v is None else f"{v:.2f}x" for v in row.values())
+        table.add_row(name, f"{s['completed']}/{s['failed']}", *figures)
+    return table
+
+
 def shipped_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
     """Per policy: the KV it shipped (raw -> wire, the codec's ratio) and its cost against
     every request run colocated (the jobs' own counterfactual)."""
@@ -84,9 +98,14 @@ def bench(
     api_key: str = typer.Option(None, envvar="PRFAAS_API_KEY", help="tenant API key (default: up.json)"),
     model: str = typer.Option(None, help="model name (default: the one GET /v1/models serves)"),
     num_requests: int = typer.Option(40, "--num-requests", "-n", help="requests per policy"),
-    rate: float = typer.Option(None, help="open loop: requests/s (gamma arrivals, see --burstiness)"),
+    rate: float = typer.Option(
+        None, help="open loop: requests/s (gamma arrivals, see --burstiness; multiturn: R / --turns conversations/s)"
+    ),
     concurrency: int = typer.Option(None, help="closed loop: requests in flight (default 4 when no --rate)"),
     burstiness: float = typer.Option(1.0, help="CV of inter-arrival gaps: 1 Poisson, >1 bursty gamma"),
+    max_duration_s: float = typer.Option(
+        MAX_DURATION_S, help="open loop: refuse a plan whose last arrival (multiturn: conversation start) is later, s"
+    ),
     input_len: str = typer.Option("fixed:256", help="fixed:N | uniform:LO-HI | lognormal:MEDIAN,SIGMA"),
     output_len: str = typer.Option("fixed:16", help="same forms as --input-len"),
     mix: str = typer.Option(None, help="named mix instead of the lengths: chat-rag | chat-agent | multiturn"),
@@ -115,7 +134,6 @@ def bench(
     try:
         from prfaas.loadgen import bench as session
         from prfaas.loadgen import client as loadgen
-        from prfaas.loadgen import report
         from prfaas.loadgen.conversations import CONVERSATIONAL, plan_conversations
         from prfaas.loadgen.workload import WorkloadError, WorkloadSpec, plan
     except ImportError as exc:
@@ -132,7 +150,8 @@ def bench(
         raise _fail("--concurrency: at least 1")
     if rate is None and concurrency is None:
         concurrency = 4
-    spec = WorkloadSpec(num_requests, rate, burstiness, input_len, output_len, mix, shared_prefix, prefix_groups, seed)
+    spec = WorkloadSpec(num_requests, rate, burstiness, input_len, output_len, mix, shared_prefix, prefix_groups, seed,
+                        max_duration_s)  # fmt: skip
     try:
         spec.validate()
     except WorkloadError as exc:
@@ -168,17 +187,21 @@ def bench(
             task = bar.add_task(name, total=total)
             return lambda: bar.advance(task)
 
-        summaries, rows = session.run(base, key, served, send, num_requests, warm, policies, timeout_s,
-                                      (slo_ttft_ms / 1e3, slo_tpot_ms / 1e3), progress)  # fmt: skip
+        try:
+            summaries, rows = session.run(base, key, served, send, num_requests, warm, policies, timeout_s,
+                                          (slo_ttft_ms / 1e3, slo_tpot_ms / 1e3), progress)  # fmt: skip
+            interrupted = False
+        except session.Interrupted as stop:  # Ctrl-C: keep what the finished policies measured
+            summaries, rows, interrupted = stop.summaries, stop.rows, True
+    if not summaries:
+        console.print("[yellow]interrupted[/yellow] before any policy finished: nothing written")
+        raise typer.Exit(130)
     console.print(_table(summaries))
     for line in shipped_lines(summaries):
         console.print(line, highlight=False)
-    result = session.result(base, served, spec, concurrency, summaries)
+    result = session.result(base, served, spec, concurrency, summaries, interrupted)
     if "ratios" in result:
-        ratio_table = Table("policy", *(label for label, _, _ in report.RATIO_KEYS), title=f"ratio to {policies[0]}")
-        for name, row in result["ratios"].items():
-            ratio_table.add_row(name, *("-" if v is None else f"{v:.2f}x" for v in row.values()))
-        console.print(ratio_table)
+        console.print(ratio_table(result))
     folder = out or Path(_home()) / "bench" / time.strftime("%Y%m%d-%H%M%S")
     paths = session.write(folder, result, rows, f"{served}: {loop}")
     if json_path is not None:
@@ -189,6 +212,10 @@ def bench(
     failed = sum(s["failed"] for s in summaries.values())
     if failed:
         console.print(f"[yellow]{failed} requests failed[/yellow]: {escape('; '.join(_errors(summaries)))}")
+    if interrupted:
+        console.print(f"[yellow]interrupted[/yellow]: {len(summaries)} of {len(policies)} policies finished "
+                      f"({', '.join(summaries)}), their figures written")  # fmt: skip
+        raise typer.Exit(130)
     if any(s["completed"] == 0 for s in summaries.values()):
         raise typer.Exit(1)  # nothing to compare: make demo must fail
 

@@ -3,8 +3,9 @@
 `corpus(model)` gives real text as the model's tokens; `run(...)` warms both paths, sends the
 workload once per policy (`Send`: planned requests, or conversations) and returns each policy's
 figures (report.summarize, with how many replies equal the same request's under the other
-policy) and the per-request trace; `result(...)` is the JSON `bench.json` holds; `write(...)`
-writes it with the trace and the chart. Presentation (tables, progress) is the caller's (cli/bench.py).
+policy) and the per-request trace (Ctrl-C: `Interrupted`, holding those of the policies that
+finished); `result(...)` is the JSON `bench.json` holds; `write(...)` writes it with the trace and
+the chart. Presentation (tables, progress) is the caller's (cli/bench.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ from prfaas.loadgen.workload import Planned, WorkloadSpec
 
 # One policy's run: (API placement, its cache salt, called as each request ends) -> (outcomes, wall seconds)
 Send = Callable[[str, str, Callable[[client.Outcome], None]], tuple[list[client.Outcome], float]]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `run`: `summaries` and `rows` hold the policies that finished before it (none when it came
+    during the warm-up or the first policy); the one running is dropped. A KeyboardInterrupt, so a caller that
+    does not look for it stops as before."""
+
+    def __init__(self, summaries: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.summaries, self.rows = summaries, rows
 
 
 def tokenizer(model: str) -> Callable[[str], list[int]]:
@@ -70,42 +81,56 @@ def run(
     """Each policy's summary (`report.summarize`; `slo_s`: TTFT and TPOT targets, seconds; and
     `identical_outputs`: replies equal to the same request's under the first other policy) and the
     trace rows of every request. `warm` requests run first on both paths, uncounted; `progress(policy,
-    total)` returns what to call as each of that policy's `total` requests ends."""
-    for placement in ("local", "split") if warm else ():  # both paths warm before any policy runs
-        client.run(api_base, api_key, model, warm, placement, concurrency=1, timeout_s=timeout_s)
+    total)` returns what to call as each of that policy's `total` requests ends. Ctrl-C raises
+    `Interrupted` with the policies that finished."""
     summaries: dict[str, dict[str, Any]] = {}
     texts: dict[str, dict[int, str]] = {}
     rows: list[dict[str, Any]] = []
-    for name in policies:
-        advance = progress(name, total)
+    try:
+        for placement in ("local", "split") if warm else ():  # both paths warm before any policy runs
+            client.run(api_base, api_key, model, warm, placement, concurrency=1, timeout_s=timeout_s)
+        for name in policies:
+            advance = progress(name, total)
 
-        def on_done(_outcome: client.Outcome, advance: Callable[[], None] = advance) -> None:
-            advance()
+            def on_done(_outcome: client.Outcome, advance: Callable[[], None] = advance) -> None:
+                advance()
 
-        # a cache salt of the run's own: each policy starts with caches cold for this workload (the same
-        # requests run under every policy, so another's run would have left them warm)
-        outcomes, wall_s = send(client.PLACEMENTS[name], f"bench-{name}-{uuid.uuid4().hex[:8]}", on_done)
-        client.attach_jobs(api_base, api_key, outcomes)
-        summaries[name] = report.summarize(outcomes, wall_s, *slo_s)
-        texts[name] = {o.index: o.text for o in outcomes if o.ok}
-        rows += report.trace_rows(name, outcomes)
-    for name, summary in summaries.items():
-        other = next((p for p in policies if p != name), None)
-        summary["identical_outputs"] = None if other is None else report.identical(texts[name], texts[other])
+            # a cache salt of the run's own: each policy starts with caches cold for this workload (the same
+            # requests run under every policy, so another's run would have left them warm)
+            outcomes, wall_s = send(client.PLACEMENTS[name], f"bench-{name}-{uuid.uuid4().hex[:8]}", on_done)
+            client.attach_jobs(api_base, api_key, outcomes)
+            summary = report.summarize(outcomes, wall_s, *slo_s)
+            texts[name] = {o.index: o.text for o in outcomes if o.ok}
+            rows += report.trace_rows(name, outcomes)
+            summaries[name] = summary
+    except KeyboardInterrupt:
+        _compare_texts(summaries, texts)
+        raise Interrupted(summaries, rows) from None
+    _compare_texts(summaries, texts)
     return summaries, rows
 
 
+def _compare_texts(summaries: dict[str, dict[str, Any]], texts: dict[str, dict[int, str]]) -> None:
+    """Each finished policy's `identical_outputs`: replies equal to the same request's under the first other."""
+    for name, summary in summaries.items():
+        other = next((p for p in summaries if p != name), None)
+        summary["identical_outputs"] = None if other is None else report.identical(texts[name], texts[other])
+
+
 def result(
-    api_base: str, model: str, spec: WorkloadSpec, concurrency: int | None, summaries: dict[str, dict[str, Any]]
-) -> dict[str, Any]:
-    """What bench.json holds: the policies' figures, the workload, and ratios to the first policy."""
+    api_base: str, model: str, spec: WorkloadSpec, concurrency: int | None, summaries: dict[str, dict[str, Any]],
+    interrupted: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """What bench.json holds: the policies' figures, the workload, and ratios to the first policy;
+    `interrupted`: Ctrl-C stopped the run, and `policies` holds those that finished before it."""
     baseline = next(iter(summaries))
     out: dict[str, Any] = {
-        "api_base": api_base, "model": model, "policies": summaries, "baseline": baseline,
+        "api_base": api_base, "model": model, "policies": summaries, "baseline": baseline, "interrupted": interrupted,
         "workload": {"num_requests": spec.num_requests, "rate_rps": spec.rate_rps, "concurrency": concurrency,
                      "burstiness": spec.burstiness, "input_len": spec.input_len, "output_len": spec.output_len,
                      "mix": spec.mix, "shared_prefix_tokens": spec.shared_prefix_tokens,
-                     "prefix_groups": spec.prefix_groups, "seed": spec.seed},
+                     "prefix_groups": spec.prefix_groups, "seed": spec.seed,
+                     "max_duration_s": spec.max_duration_s},
     }  # fmt: skip
     if len(summaries) > 1:
         out["ratios"] = report.ratios(summaries, baseline)

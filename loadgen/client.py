@@ -4,7 +4,8 @@ tenant's program would call the API.
 Open loop (`rate_rps`: each request starts at its planned time whatever the others do) or
 closed loop (`concurrency` requests in flight). Per request: TTFT (send -> first streamed
 token), inter-token gaps, end-to-end latency; then each job's placement, regions, KV bytes
-and cost from `GET /v1/jobs/{id}`. Every call has a deadline (`timeout_s`).
+and cost from `GET /v1/jobs/{id}`. Every call has a deadline (`timeout_s`). A request completed when
+a token streamed and a chunk carried its `finish_reason` (a stream cut short fails).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ async def _send(
     out.sent_s = start - t0
     last = 0.0
     pieces = 0
+    finished = False  # a chunk carried a finish_reason: the reply is whole (not cut off by a stream's end)
     try:
         extra: dict[str, Any] = {"prfaas": {"placement": placement}}
         if out.cache_salt:
@@ -89,6 +91,7 @@ async def _send(
             async for chunk in stream:
                 now = time.perf_counter()
                 out.job_id = out.job_id or chunk.id
+                finished = finished or bool(chunk.choices and chunk.choices[0].finish_reason)
                 if chunk.choices and chunk.choices[0].text:
                     out.text += chunk.choices[0].text
                     pieces += 1
@@ -101,9 +104,11 @@ async def _send(
                     out.output_tokens = chunk.usage.completion_tokens
         out.latency_s = time.perf_counter() - start
         out.output_tokens = out.output_tokens or pieces
-        out.ok = out.ttft_s is not None
-        if not out.ok:
+        out.ok = out.ttft_s is not None and finished
+        if out.ttft_s is None:
             out.error = "no token streamed"
+        elif not finished:
+            out.error = "stream ended without finish_reason"
     except TimeoutError:
         out.error = f"timeout after {timeout_s} s"
     except Exception as exc:  # an API error is a result of the run, not a crash of it
@@ -196,17 +201,20 @@ async def _conversations(
                 prompt = history + list(user)
                 if len(prompt) + limit > max_prompt_tokens:
                     return  # the conversation outgrew the model: it ends here
-                out = Outcome(conv.index * turns + turn, f"turn{turn}", conv.start_s, len(prompt), len(conv.system),
+                # arrival: turn 0's is planned, a later turn's is when it was sent (after a reply and a pause)
+                at_s = conv.start_s if turn == 0 else time.perf_counter() - t0
+                out = Outcome(conv.index * turns + turn, f"turn{turn}", at_s, len(prompt), len(conv.system),
                               conv.index, limit, cache_salt=salt)  # fmt: skip
                 await _send(client, model, prompt, placement, t0, timeout_s, out)
                 outcomes.append(out)
                 on_done(out)
                 if not out.ok:  # a failed turn ends the conversation (its history is unknown): the turns it
                     planned = len(prompt)  # did not send count as failed, not as none (their prompts: at least
-                    for later in range(turn + 1, len(conv.users)):  # the history so far and the user messages)
+                    ended_s = time.perf_counter() - t0  # the history so far and the user messages; their
+                    for later in range(turn + 1, len(conv.users)):  # arrivals: a pause apart from the failure on)
                         planned += len(conv.users[later])
-                        lost = Outcome(conv.index * turns + later, f"turn{later}", conv.start_s, planned,
-                                       len(conv.system), conv.index, conv.max_tokens[later], cache_salt=salt,
+                        lost = Outcome(conv.index * turns + later, f"turn{later}", ended_s + think_s * (later - turn),
+                                       planned, len(conv.system), conv.index, conv.max_tokens[later], cache_salt=salt,
                                        error=f"not sent: turn {turn} of its conversation failed")  # fmt: skip
                         outcomes.append(lost)
                         on_done(lost)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from prfaas.loadgen.workload import MIXES, WorkloadError, WorkloadSpec, cut
+from prfaas.loadgen.workload import MIXES, WorkloadError, WorkloadSpec, check_arrival, cut
 
 CONVERSATIONAL = frozenset({"multiturn"})  # mixes planned as conversations
 TURNS = 4
@@ -34,7 +34,8 @@ class Conversation:
 def plan_conversations(
     spec: WorkloadSpec, corpus: list[int], max_prompt_tokens: int, turns: int = TURNS
 ) -> list[Conversation]:
-    """`spec.num_requests` turns in conversations of `turns` turns (the last may be shorter); the
+    """`spec.num_requests` turns in conversations of `turns` turns (the last may be shorter), in open
+    loop starting at `spec.rate_rps / turns` per second (about `rate_rps` requests/s offered); the
     system prompt is `spec.shared_prefix_tokens` long (SYSTEM_TOKENS when 0); a conversation whose
     history would pass `max_prompt_tokens` ends early (the client stops it)."""
     spec.validate()
@@ -47,11 +48,14 @@ def plan_conversations(
     system_len = min(spec.shared_prefix_tokens or SYSTEM_TOKENS, max_prompt_tokens // 2)
     system = cut(corpus, rng.randrange(len(corpus)), system_len)
     shape = 1.0 / spec.burstiness**2
+    # open loop: --rate counts requests, so conversations of `turns` turns start at rate / turns per second
+    conversations_per_s = spec.rate_rps / turns if spec.rate_rps is not None else None
     now, left = 0.0, spec.num_requests
     out: list[Conversation] = []
     while left > 0:
-        if spec.rate_rps is not None:
-            now += rng.gammavariate(shape, 1.0 / (spec.rate_rps * shape))
+        if conversations_per_s is not None:
+            now += rng.gammavariate(shape, 1.0 / (conversations_per_s * shape))
+            check_arrival(spec, now)
         count = min(turns, left)
         users = tuple(cut(corpus, rng.randrange(len(corpus)), klass.prompt.sample(rng, max_prompt_tokens // 8))
                       for _ in range(count))  # fmt: skip

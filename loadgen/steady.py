@@ -3,7 +3,8 @@ tenant's program would retry it (bench/chaos.py, bench/soak.py): streaming, with
 `Idempotency-Key`, so that a retry after a broken stream or a lost connection attaches to the
 same job instead of starting another (the API replays its tokens from the start). A request
 ends when its stream delivers its final chunk, when the API answers with an error that names a
-reason (a failed job, a refusal that is not worth retrying), or at its deadline.
+reason (a failed job, a refusal that is not worth retrying), or at its deadline (checked within
+an attempt too: a stream that keeps trickling tokens is closed there).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import openai
 
 RETRY_PAUSE_S = 0.5  # between a broken stream and its retry
 RETRIED_STATUSES = frozenset({429, 502, 503, 504})  # 503 without a job reason: the API restarting
+READ_TIMEOUT_S = 60.0  # an attempt's longest wait for a byte (less when its deadline is nearer)
+CONNECT_S = 5.0
 
 
 @dataclass
@@ -33,7 +36,7 @@ class Asked:
     job_id: str = ""
     text: str = ""
     finished: bool = False  # the final chunk (with its finish_reason) arrived
-    error: str = ""  # the reason the API gave for a job it could not finish
+    error: str = ""  # the reason the API gave for a job it could not finish, or "deadline"
     breaks: int = 0  # streams that ended without their final chunk (each retried)
     retries: int = 0
     started_s: float = 0.0
@@ -41,33 +44,43 @@ class Asked:
 
 
 def ask(client: openai.OpenAI, model: str, asked: Asked, deadline: float) -> None:
-    """Run `asked` to its end (see the module docstring); never raises."""
+    """Run `asked` to its end (see the module docstring); never raises. An attempt's reads time out
+    after the time left when it started (READ_TIMEOUT_S at most), and its stream is closed at the
+    first chunk past `deadline`, so `ask` returns by about twice the time left at the latest (a server
+    silent to the end: the deadline plus one read timeout); `error` is "deadline" when it ran out."""
     headers = {"Idempotency-Key": asked.key}
-    while time.monotonic() < deadline:
+    while (left := deadline - time.monotonic()) > 0:
         text, final = "", False
+        bounded = client.with_options(timeout=httpx.Timeout(min(READ_TIMEOUT_S, left), connect=min(CONNECT_S, left)))
         try:
-            stream = client.completions.create(model=model, prompt=asked.prompt, max_tokens=asked.max_tokens,
-                                               stream=True, extra_headers=headers)  # fmt: skip
-            for chunk in stream:
-                asked.job_id = chunk.id or asked.job_id
-                if chunk.choices:
-                    text += chunk.choices[0].text
-                    final = final or chunk.choices[0].finish_reason is not None
+            stream = bounded.completions.create(model=model, prompt=asked.prompt, max_tokens=asked.max_tokens,
+                                                stream=True, extra_headers=headers)  # fmt: skip
+            with stream:  # closes the connection when the deadline passes mid-stream
+                for chunk in stream:
+                    asked.job_id = chunk.id or asked.job_id
+                    if chunk.choices:
+                        text += chunk.choices[0].text
+                        final = final or chunk.choices[0].finish_reason is not None
+                    if time.monotonic() >= deadline:
+                        break
             if final:
                 asked.text, asked.finished = text, True
                 return
+            if time.monotonic() >= deadline:
+                break
             asked.breaks += 1
         except openai.APIStatusError as exc:
             if exc.status_code not in RETRIED_STATUSES or _job_reason(exc):
                 asked.error = f"HTTP {exc.status_code}: {exc.message}"
                 return
-        except (openai.APIConnectionError, httpx.HTTPError):  # the API went away mid-call
+        except (openai.APIConnectionError, httpx.HTTPError):  # the API went away mid-call (or a read timed out)
             asked.breaks += 1
         except openai.APIError as exc:  # an error event in the stream: the job ended without its tokens
             asked.error = exc.message or type(exc).__name__
             return
         asked.retries += 1
-        time.sleep(RETRY_PAUSE_S)
+        time.sleep(max(0.0, min(RETRY_PAUSE_S, deadline - time.monotonic())))
+    asked.error = "deadline"
 
 
 def _job_reason(exc: openai.APIStatusError) -> bool:
@@ -82,7 +95,7 @@ def run(
     """Start each request at its `at_s` on a thread of its own; return once all ended (each
     gives up `deadline_s` after its start). `on_tick(elapsed_s)` is called about every 0.1 s."""
     client = openai.OpenAI(base_url=api_base, api_key=api_key, max_retries=0,
-                           timeout=httpx.Timeout(60.0, connect=5.0))  # fmt: skip
+                           timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_S))  # fmt: skip
     t0 = time.monotonic()
     threads: list[threading.Thread] = []
 

@@ -94,6 +94,22 @@ class Planned:
     shared_prefix_tokens: int
 
 
+MAX_DURATION_S = 3600.0  # default cap on an open loop's last planned arrival, s
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0  # nan and inf are refused too
+
+
+def check_arrival(spec: WorkloadSpec, at_s: float) -> None:
+    """Refuse a plan with an arrival past `spec.max_duration_s` (a tiny --rate would plan it days away)."""
+    if at_s > spec.max_duration_s:
+        raise WorkloadError(
+            f"--max-duration-s: at --rate {spec.rate_rps} the plan's arrivals run past {spec.max_duration_s:g} s "
+            f"(one at {at_s:.0f} s); raise --rate, lower --num-requests or raise --max-duration-s"
+        )
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     num_requests: int
@@ -105,14 +121,17 @@ class WorkloadSpec:
     shared_prefix_tokens: int = 0
     prefix_groups: int = 1
     seed: int = 0
+    max_duration_s: float = MAX_DURATION_S  # open loop: the latest planned arrival allowed
 
     def validate(self) -> None:
         if self.num_requests < 1:
             raise WorkloadError("--num-requests: at least 1")
-        if self.rate_rps is not None and self.rate_rps <= 0:
-            raise WorkloadError("--rate: requests per second must be positive")
-        if self.burstiness <= 0:
-            raise WorkloadError("--burstiness: the CV of gaps must be positive")
+        if self.rate_rps is not None and not _positive(self.rate_rps):
+            raise WorkloadError(f"--rate: requests per second must be a positive number, not {self.rate_rps}")
+        if not _positive(self.burstiness):
+            raise WorkloadError(f"--burstiness: the CV of gaps must be a positive number, not {self.burstiness}")
+        if not _positive(self.max_duration_s):
+            raise WorkloadError(f"--max-duration-s: seconds must be a positive number, not {self.max_duration_s}")
         if self.mix is not None and self.mix not in MIXES:
             raise WorkloadError(f"--mix: unknown mix {self.mix!r}; known: {', '.join(MIXES)}")
         if self.shared_prefix_tokens < 0 or self.prefix_groups < 1:
@@ -140,6 +159,7 @@ def plan(spec: WorkloadSpec, corpus: list[int], max_prompt_tokens: int) -> list[
     for i in range(spec.num_requests):
         if spec.rate_rps is not None:
             now += rng.gammavariate(shape, 1.0 / (spec.rate_rps * shape))
+            check_arrival(spec, now)
         klass = rng.choices(classes, [c.weight for c in classes])[0]
         length = max(klass.prompt.sample(rng, max_prompt_tokens), shared + 1)
         group = rng.randrange(spec.prefix_groups) if shared else None

@@ -27,7 +27,11 @@ def _bench(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
         (["--rate", "2", "--concurrency", "3"], "--rate (open loop) and --concurrency (closed loop) exclude"),
         (["--mix", "nope"], "--mix: unknown mix 'nope'; known: chat-rag, chat-agent"),
         (["--timeout-s", "0"], "Invalid value for '--timeout-s': 0.0 is not in the range x>=1.0"),  # every request
-    ],  # failed before
+        # failed before
+        (["--rate", "nan"], "--rate: requests per second must be a positive number, not nan"),  # passed before
+        (["--burstiness", "nan"], "--burstiness: the CV of gaps must be a positive number"),  # a hang in plan()
+        (["--max-duration-s", "-1"], "--max-duration-s: seconds must be a positive number"),
+    ],
 )
 def test_bad_bench_options_exit_2_with_a_clear_message(args: list[str], expected: str, tmp_path: Path) -> None:
     out = _bench(args, tmp_path)

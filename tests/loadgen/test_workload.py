@@ -73,6 +73,38 @@ def test_bad_workload_options_are_refused() -> None:
         plan(WorkloadSpec(5, -1.0), CORPUS, 512)
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("options", "option"),
+    [
+        ({"rate_rps": NAN}, "--rate"),  # nan <= 0 is False: it passed, and planned every arrival at nan s
+        ({"rate_rps": INF}, "--rate"),  # every gap 0 s: the whole run at once
+        ({"burstiness": NAN}, "--burstiness"),  # plan() hung in random.gammavariate
+        ({"burstiness": INF}, "--burstiness"),
+        ({"max_duration_s": NAN}, "--max-duration-s"),
+        ({"max_duration_s": 0.0}, "--max-duration-s"),
+    ],
+)
+def test_rates_and_burstiness_that_are_not_finite_positive_numbers_are_refused(options: dict[str, float],
+                                                                                option: str) -> None:  # fmt: skip
+    spec = WorkloadSpec(**{"num_requests": 3, "rate_rps": 1.0, **options})  # type: ignore[arg-type]
+    with pytest.raises(WorkloadError, match=f"^{option}: .* must be a positive number"):
+        spec.validate()  # validate, not plan: plan() never returned for a nan burstiness
+
+
+def test_an_open_loop_whose_arrivals_run_past_the_cap_is_refused() -> None:
+    # 3 requests at 1e-6 req/s: the first arrival alone is ~1e6 s (11 days) away
+    with pytest.raises(WorkloadError, match=r"--max-duration-s: at --rate 1e-06 .* past 3600 s"):
+        plan(WorkloadSpec(3, 1e-6), CORPUS, 512)
+    # 50 requests at 1 req/s (~50 s) fit the default cap, not a 10 s one
+    assert plan(WorkloadSpec(50, 1.0), CORPUS, 512)[-1].at_s < 3600
+    with pytest.raises(WorkloadError, match="past 10 s"):
+        plan(WorkloadSpec(50, 1.0, max_duration_s=10.0), CORPUS, 512)
+    assert plan(WorkloadSpec(50, None, max_duration_s=1.0), CORPUS, 512)  # closed loop: no schedule to cap
+
+
 def test_percentile_interpolates_like_numpy() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5  # halfway between the 2nd and 3rd
     assert percentile([5.0], 99) == 5.0
