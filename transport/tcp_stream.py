@@ -14,6 +14,7 @@ no RST, no error, only unacknowledged bytes), so its chunks are resent once a pa
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import socket
 import ssl
@@ -43,6 +44,7 @@ from prfaas.transport.tls import TlsSocket
 if TYPE_CHECKING:
     from prfaas.transport.tcp_sender import TcpChannel
 
+log = logging.getLogger(__name__)
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.1, 2.0  # backoff between connection attempts, doubling, jittered
 PING_AFTER_S = 1.0  # a connection that owes replies and has been silent this long is pinged
 MAX_HELLO_OK_BYTES = 4 << 10  # a HELLO_OK is ~30 bytes; an ERROR answering HELLO a line of text
@@ -157,7 +159,10 @@ class TcpStream:
         while not ch.closed.is_set() and not self.retired:
             try:
                 self.sock = self._connect()
-            except (OSError, FrameError, ssl.SSLError) as exc:
+            except Exception as exc:
+                if not isinstance(exc, OSError | FrameError | ssl.SSLError):  # a dialer's bug: this stream goes on
+                    log.exception("stream %d to %s: connecting failed", self.index, ch.peer)
+                    exc = ConnectionError(f"connecting failed: {exc!r}")
                 ch.connect_failed(self, exc)
                 # jittered, so the pool's streams probe a path that came back at different moments
                 if ch.closed.wait(backoff_s * random.uniform(0.5, 1.0)):

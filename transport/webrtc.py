@@ -230,12 +230,19 @@ def dial(loop: EventLoopThread, signal: Signaller, ice_servers: tuple[IceServer,
             answer = signal(local, timeout_s)
         except (TransportError, ValueError, KeyError) as exc:
             raise ConnectionError(f"WebRTC signalling failed: {exc}") from exc
+        if not isinstance(answer, dict) or answer.get("type") != "answer" or not isinstance(answer.get("sdp"), str):
+            raise ConnectionError(f"WebRTC signalling gave no answer: {str(answer)[:200]}")
 
         async def finish() -> None:
-            await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=answer["sdp"], type=answer["type"]))
+            await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=answer["sdp"], type="answer"))
             await asyncio.wait_for(opened.wait(), timeout_s)
 
-        loop.run(finish(), timeout_s + 1)
+        try:
+            loop.run(finish(), timeout_s + 1)
+        except OSError:
+            raise
+        except Exception as exc:  # aiortc's SDP parser asserts, indexes, and raises its own errors on a bad answer
+            raise ConnectionError(f"bad SDP answer: {exc!r}") from None
     except BaseException:
         stream.close()
         raise

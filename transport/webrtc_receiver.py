@@ -7,6 +7,8 @@ TCP's.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 from prfaas.transport.admission import ReceiverLimits
@@ -22,6 +24,8 @@ from prfaas.transport.webrtc import (
     load_aiortc,
     rtc_configuration,
 )
+
+OPEN_WAIT_S = 30.0  # an answered offer's data channel must open within this, or its peer connection is closed
 
 
 class WebRtcReceiver(ReceiverBase[FrameConnection]):
@@ -40,6 +44,10 @@ class WebRtcReceiver(ReceiverBase[FrameConnection]):
     ) -> None:
         self._ice_servers = ice_servers
         self._rtc = EventLoopThread(f"prfaas-webrtc-rx-{node}")
+        # answered peer connections whose data channel has not opened (the loop's thread only): a sender that
+        # vanished after signalling, or one that only sends offers, must not keep their sockets and ICE tasks
+        self._waiting: dict[Any, None] = {}
+        self._closing: set[asyncio.Future[Any]] = set()
         super().__init__(ReceiverCore(verifier, node), name="webrtc", reap_interval_s=reap_interval_s, limits=limits)
 
     def answer(self, offer: Description, timeout_s: float = 10.0) -> Description:
@@ -51,6 +59,8 @@ class WebRtcReceiver(ReceiverBase[FrameConnection]):
         aiortc = load_aiortc()
 
         async def run() -> Description:
+            if len(self._waiting) >= self.limits.max_unverified:
+                raise TransportError(f"{len(self._waiting)} answered WebRTC offers wait for their data channel")
             pc = aiortc.RTCPeerConnection(configuration=rtc_configuration(self._ice_servers))
             pc.on("datachannel", lambda channel: self._accept(pc, channel))
             try:
@@ -59,6 +69,8 @@ class WebRtcReceiver(ReceiverBase[FrameConnection]):
             except BaseException:
                 await pc.close()  # the offer is refused: nothing of it is kept
                 raise
+            self._waiting[pc] = None
+            asyncio.get_running_loop().call_later(OPEN_WAIT_S, self._abandon, pc)
             return {"type": pc.localDescription.type, "sdp": pc.localDescription.sdp}
 
         try:
@@ -67,7 +79,27 @@ class WebRtcReceiver(ReceiverBase[FrameConnection]):
             raise ValueError(f"bad SDP offer: {exc!r}") from None  # aiortc's SDP parser asserts and indexes
 
     def _accept(self, pc: Any, channel: Any) -> None:
+        self._waiting.pop(pc, None)
         self.serve(FrameConnection(DataChannelStream(self._rtc, pc, channel), self.core, self.limits))
 
+    def _abandon(self, pc: Any) -> None:
+        """On the loop: close `pc` if its data channel never opened."""
+        if self._waiting.pop(pc, 0) is None:
+            task = asyncio.ensure_future(pc.close())
+            self._closing.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(self._closing.discard)
+
+    @property
+    def num_waiting(self) -> int:
+        """Answered offers whose data channel has not opened yet."""
+        return len(self._waiting)
+
     def _release(self, timeout_s: float) -> None:
+        async def close_waiting() -> None:
+            waiting, self._waiting = list(self._waiting), {}
+            await asyncio.gather(*(pc.close() for pc in waiting), return_exceptions=True)
+
+        if not self._rtc.loop.is_closed():
+            with contextlib.suppress(Exception):
+                self._rtc.run(close_waiting(), timeout_s)
         self._rtc.close(timeout_s)

@@ -72,3 +72,47 @@ def test_the_listener_answers_the_offer_after_one_it_cannot_parse(receiver: WebR
     finally:
         listener.stop()
         server.stop(0)
+
+
+def test_an_answered_offer_whose_data_channel_never_opens_is_closed(
+    receiver: WebRtcReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sender gone after signalling (or one that only sends offers) leaves a peer connection with its
+    sockets and ICE tasks: closed once OPEN_WAIT_S passes, and closed by the receiver's close."""
+    import asyncio
+
+    import aiortc
+
+    from prfaas.transport import webrtc_receiver
+    from prfaas.transport.webrtc import rtc_configuration
+
+    monkeypatch.setattr(webrtc_receiver, "OPEN_WAIT_S", 0.5)
+
+    async def offer() -> dict[str, str]:
+        pc = aiortc.RTCPeerConnection(configuration=rtc_configuration(()))
+        pc.createDataChannel("kv")
+        await pc.setLocalDescription(await pc.createOffer())
+        await pc.close()  # the sender goes away before connecting
+        return {"type": "offer", "sdp": pc.localDescription.sdp}
+
+    for _ in range(3):
+        receiver.answer(asyncio.run(offer()), 10.0)
+    assert receiver.num_waiting == 3
+    deadline = time.monotonic() + 5
+    while receiver.num_waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert receiver.num_waiting == 0
+
+
+def test_a_bad_sdp_answer_fails_the_dial_as_a_connection_error() -> None:
+    """What a TCP stream's thread expects of a failed connection attempt (it reconnects): a malformed
+    answer from signalling is a ConnectionError, not a KeyError or aiortc's own error that ends the thread."""
+    from prfaas.transport.webrtc import EventLoopThread, dial
+
+    loop = EventLoopThread("test-dial")
+    try:
+        for answer in ({"type": "answer"}, {"type": "answer", "sdp": BAD_SETUP}, "nonsense"):
+            with pytest.raises(ConnectionError):
+                dial(loop, lambda _offer, _timeout, a=answer: a, (), 5.0)  # type: ignore[misc]
+    finally:
+        loop.close()
