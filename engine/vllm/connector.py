@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +52,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from prfaas.engine.calibration import CalibrationFile
 from prfaas.engine.kv import tensor_view
 from prfaas.engine.staging import LayerCopier, StagedShipment, device_copier, feed_layer
+from prfaas.engine.vllm.jobs import LoadJob, Outbound, PrfaasMetadata, ShipJob
 from prfaas.engine.vllm.layout import cpu_keys_transposed, gather_layer, layer_index, load_blocks, scatter_layer
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
 from prfaas.engine.vllm.params import LoadParams, ShipParams, parse_kv_params
-from prfaas.transport.api import Shipment, ShipmentSpec, Transfer, TransferStatus
+from prfaas.transport.api import Shipment, ShipmentSpec, TransferStatus
+from prfaas.transport.inbound import Inbound
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,47 +74,12 @@ STAGING_BYTES = 2 << 30  # pinned host memory the KV of GPU blocks is staged in 
 TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-@dataclass(frozen=True)
-class ShipJob:
-    req_id: str
-    params: ShipParams
-    block_ids: tuple[int, ...]
-    num_tokens: int  # prompt tokens shipped
-
-
-@dataclass(frozen=True)
-class LoadJob:
-    req_id: str
-    params: LoadParams
-    block_ids: tuple[int, ...]
-    start_token: int  # tokens before it are already cached locally (block-aligned)
-    num_tokens: int  # prompt tokens the shipment must cover
-
-
-@dataclass
-class PrfaasMetadata(KVConnectorMetadata):
-    ships: list[ShipJob] = field(default_factory=list)
-    loads: list[LoadJob] = field(default_factory=list)
-
-
 def _request_params(request: Request) -> ShipParams | LoadParams | None:
     try:
         return parse_kv_params(request.kv_transfer_params)
     except ValueError as exc:  # the host validates first; never let one request stop the engine
         log.warning("request %s: ignoring malformed prfaas kv_transfer_params: %s", request.request_id, exc)
         return None
-
-
-@dataclass(eq=False)
-class _Outbound:
-    """One request's shipment while its layers are being computed and sent."""
-
-    job: ShipJob
-    spec: ShipmentSpec
-    transfer: Transfer
-    shipment: Shipment
-    layers_added: set[int] = field(default_factory=set)
-    staged: StagedShipment | None = None  # KV in GPU memory: each layer staged to host (engine/staging.py)
 
 
 class PrfaasConnector(KVConnectorBase_V1):
@@ -130,12 +96,14 @@ class PrfaasConnector(KVConnectorBase_V1):
         # worker side
         self._link: KVLink | None = None
         self._caches: dict[int, torch.Tensor] = {}
-        self._outbound: dict[str, _Outbound] = {}
+        self._outbound: dict[str, Outbound] = {}
         self._lock = threading.Lock()
         self._ship_reqs: set[str] = set()  # requests this worker ships: until their shipment is reported
         self._finished_reqs: set[str] = set()  # those of them vLLM says finished (their blocks wait for us)
         self._recv_done: set[str] = set()
         self._send_failed: set[str] = set()  # shipped after the forward, failed before a transfer existed
+        self._loading: dict[str, Inbound | None] = {}  # live loads: their shipment, once the loader took it
+        self._dropped_loads: set[str] = set()  # of those, requests vLLM finished (aborted) meanwhile
         self._error_blocks: set[int] = set()
         self._k_transposed = False  # CPU backend: how its kernel lays keys out (register_kv_caches)
         self._copier: LayerCopier | None = None  # GPU blocks: their layers staged to pinned host buffers
@@ -215,6 +183,8 @@ class PrfaasConnector(KVConnectorBase_V1):
             with self._lock:
                 self._ship_reqs.update(job.req_id for job in meta.ships)
         for job in meta.loads:
+            with self._lock:
+                self._loading[job.req_id] = None
             threading.Thread(target=self._load, args=(job,), name=f"prfaas-load-{job.req_id}", daemon=True).start()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -240,7 +210,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             feed_layer(out.shipment, out.staged, index, k, v)
             out.layers_added.add(index)
 
-    def _open_shipment(self, job: ShipJob, kv_layer: torch.Tensor) -> _Outbound | None:
+    def _open_shipment(self, job: ShipJob, kv_layer: torch.Tensor) -> Outbound | None:
         assert self._link is not None
         first = next(iter(self._caches.values()), kv_layer)
         shapes = []
@@ -267,7 +237,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             self._copier = device_copier(kv_layer.device, STAGING_BYTES)
         copier = self._copier
         staged = StagedShipment(copier, shipment, lambda _exc: transfer.cancel()) if copier is not None else None
-        out = _Outbound(job, spec, transfer, shipment, staged=staged)
+        out = Outbound(job, spec, transfer, shipment, staged=staged)
         with self._lock:
             self._outbound[job.req_id] = out
         return out
@@ -314,6 +284,11 @@ class PrfaasConnector(KVConnectorBase_V1):
         results = KVConnectorTransferResults()
         ended: list[Any] = []  # their staged buffers are let go after the lock (it may wait for a late copy)
         with self._lock:
+            for req_id in finished_req_ids & self._loading.keys():  # aborted while loading: stop waiting for it
+                self._dropped_loads.add(req_id)
+                inbound = self._loading[req_id]
+                if inbound is not None:
+                    inbound.cancel("the request was aborted")  # vLLM frees its blocks once the load reports
             self._finished_reqs |= finished_req_ids & self._ship_reqs  # vLLM names every finished request
             for req_id, out in list(self._outbound.items()):
                 if req_id in self._finished_reqs and out.transfer.status().terminal:
@@ -337,7 +312,7 @@ class PrfaasConnector(KVConnectorBase_V1):
             blocks, self._error_blocks = self._error_blocks, set()
         return blocks
 
-    def _record(self, out: _Outbound) -> None:
+    def _record(self, out: Outbound) -> None:
         assert self._link is not None
         stats, error = out.transfer.stats, out.transfer.error
         outcome = ShipOutcome(
@@ -358,6 +333,10 @@ class PrfaasConnector(KVConnectorBase_V1):
         inbound = None
         try:
             inbound = self._link.take(p.job_id, p.attempt, p.timeout_s)
+            with self._lock:
+                self._loading[job.req_id] = inbound
+                if job.req_id in self._dropped_loads:
+                    inbound.cancel("the request was aborted")
             for index in range(len(self._caches)):
                 k_buf, v_buf = inbound.layer(index, timeout_s=max(deadline - time.monotonic(), 0.001))
                 cache = self._caches[index]
@@ -375,15 +354,19 @@ class PrfaasConnector(KVConnectorBase_V1):
                 v = tensor_view(v_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
                 scatter_layer(cache, job.block_ids, k, v, start_token=job.start_token, k_transposed=self._k_transposed)
         except Exception as exc:  # any failure: report the blocks, vLLM recomputes the prompt
-            log.warning("request %s: KV load of job %s failed, recomputing: %s", job.req_id, p.job_id, exc)
             if inbound is not None:
                 inbound.cancel(f"decode gave up: {exc}")
             with self._lock:
-                self._error_blocks.update(load_blocks(job.block_ids, job.start_token, job.num_tokens, self._block_size))
+                if job.req_id not in self._dropped_loads:  # an aborted request's blocks are freed, not recomputed
+                    log.warning("request %s: KV load of job %s failed, recomputing: %s", job.req_id, p.job_id, exc)
+                    self._error_blocks.update(load_blocks(job.block_ids, job.start_token, job.num_tokens,
+                                                          self._block_size))  # fmt: skip
         finally:
             if inbound is not None:
                 inbound.release()
             with self._lock:
+                self._loading.pop(job.req_id, None)
+                self._dropped_loads.discard(job.req_id)
                 self._recv_done.add(job.req_id)
             self._link.activity.set()  # the host steps now: the request can be scheduled
 

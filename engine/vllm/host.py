@@ -59,7 +59,6 @@ class _Pending:
     started: float
     on_tokens: Callable[[list[Step]], None] | None = None  # called on the loop thread with each step's new tokens
     loading: bool = False  # a prfaas_load request that has produced no token yet (its KV load may be in flight)
-    abort_at_first_token: bool = False
     first_token_at: float | None = None
     steps: list[Step] = field(default_factory=list)  # what vLLM produced so far (outputs come as deltas)
     prompt_logprobs: list[WireLogprobs] | None = None
@@ -196,7 +195,7 @@ class VLLMHost:
             **{**kwargs, "max_tokens": max_tokens}, extra_args=extra or None, output_kind=self._delta
         )
         if isinstance(parsed, LoadParams):
-            self.link.expect(parsed.job_id, parsed.attempt, parsed.timeout_s)
+            self.link.attach(parsed.job_id, parsed.attempt, parsed.timeout_s)
         pending = _Pending(
             list(token_ids), params, Future(), time.monotonic(), on_tokens, isinstance(parsed, LoadParams),
             cache_salt=salt,
@@ -211,10 +210,11 @@ class VLLMHost:
         """Stop a request (queued or running); its future fails with `Aborted`. Unknown or
         finished requests are ignored. Returns once the loop thread has been asked.
 
-        A `prfaas_load` request is aborted at its first token, not before: until then the
-        connector's loader thread may still write into its blocks, and vLLM would hand
-        them to other requests at once (seen here: a Generate after such an abort crawled
-        at 6 tokens in 120 s)."""
+        A `prfaas_load` request is aborted at once too: vLLM keeps the blocks of a request waiting for remote
+        KV until the connector reports its load ended (`finished_recving`), and the connector cancels the load
+        when vLLM names the request finished, so no loader writes into blocks handed to another request. (It
+        used to wait for the first token: a load the shipment never came to held its blocks to its deadline,
+        then recomputed the whole prompt, then was aborted.)"""
 
         def run() -> None:
             pending = self._pending.get(request_id)
@@ -222,9 +222,6 @@ class VLLMHost:
                 if request_id in self._unstarted:  # still in the inbox: dropped when it is drained
                     self._aborted.add(request_id)
                 return  # finished, or never submitted
-            if pending.loading:
-                pending.abort_at_first_token = True
-                return
             self._abort_now(request_id)
 
         self._calls.put((run, Future()))
@@ -353,11 +350,7 @@ class VLLMHost:
         if pending.first_token_at is None:
             pending.first_token_at = time.monotonic()
         steps = self._collect(pending, out)
-        if pending.loading:
-            pending.loading = False  # a token: the load ended (loaded or recomputed)
-            if pending.abort_at_first_token:
-                self._abort_now(out.request_id)
-                return
+        pending.loading = False  # a token: the load ended (loaded or recomputed)
         if pending.on_tokens is not None and steps:
             try:
                 pending.on_tokens(steps)

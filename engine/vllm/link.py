@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tickets import TicketVerifier
 from prfaas.transport.tls import NodeCert, client_context, server_context
+
+ENDED_KEPT = 1024  # failed registrations remembered for a Decode that comes after (`KVLink.take`)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class KVLink:
         )
         self._lock = threading.Condition()
         self._expected: dict[tuple[str, int], Inbound] = {}
+        # registrations whose shipment failed before a request took it, the most recent ENDED_KEPT: a Decode
+        # that comes after (the control plane sends it at prefill_done) fails its load at once, instead of
+        # registering afresh and waiting its whole deadline for a shipment the receiver already refused
+        self._ended: OrderedDict[tuple[str, int], Inbound] = OrderedDict()
         self._channels: dict[tuple[tuple[str, int], str | None], TcpChannel] = {}
         self._outcomes: dict[tuple[str, int], ShipOutcome] = {}  # (job id, attempt) -> how its shipment ended
         # Set when the connector's background work ends (a load, a shipment) and when a
@@ -75,24 +82,37 @@ class KVLink:
             inbound = self._expected.get(key)
             if inbound is not None:
                 return inbound
+            self._ended.pop(key, None)  # a new reservation of the attempt: its shipment may come now
             inbound = self._expected[key] = self.receiver.expect(
                 job_id, attempt, timeout_s, tenant=tenant, max_bytes=max_bytes
             )
         inbound.cell.on_terminal(lambda status: self._forget_failed(key, status))
         return inbound
 
+    def attach(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
+        """The registration a request will load from (the host, as it submits it): its reservation's, live or
+        failed before the request came (its load then fails at once), else a new one (`expect`)."""
+        with self._lock:
+            inbound = self._expected.get((job_id, attempt)) or self._ended.get((job_id, attempt))
+        return inbound if inbound is not None else self.expect(job_id, attempt, timeout_s)
+
     def _forget_failed(self, key: tuple[str, int], status: TransferStatus) -> None:
         """A reservation whose shipment failed or expired before a request took it: drop it
         (the transport already dropped its KV). A completed one waits for its request."""
         if status is not TransferStatus.COMPLETED:
             with self._lock:
-                self._expected.pop(key, None)
+                inbound = self._expected.pop(key, None)
+                if inbound is not None:
+                    self._ended[key] = inbound
+                    while len(self._ended) > ENDED_KEPT:
+                        self._ended.popitem(last=False)
 
     def forget(self, job_id: str, attempt: int) -> bool:
         """Drop a registration no request took (the reservation ended): its shipment is
         refused or stopped and its KV freed. False if there was none (taken, or never made)."""
         with self._lock:
             inbound = self._expected.pop((job_id, attempt), None)
+            self._ended.pop((job_id, attempt), None)
         if inbound is None:
             return False
         inbound.cancel("reservation ended")
@@ -102,7 +122,7 @@ class KVLink:
     def take(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:
         """The shipment the host registered, or a new registration (the request came first)."""
         with self._lock:
-            inbound = self._expected.pop((job_id, attempt), None)
+            inbound = self._expected.pop((job_id, attempt), None) or self._ended.pop((job_id, attempt), None)
         return inbound if inbound is not None else self.expect_untracked(job_id, attempt, timeout_s)
 
     def expect_untracked(self, job_id: str, attempt: int, timeout_s: float) -> Inbound:

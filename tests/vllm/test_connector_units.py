@@ -5,6 +5,7 @@ attempt."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -13,11 +14,14 @@ import torch
 from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from prfaas.engine.vllm.connector import LoadJob, PrfaasConnector
+from prfaas.engine.vllm.connector import PrfaasConnector
+from prfaas.engine.vllm.jobs import LoadJob
 from prfaas.engine.vllm.layout import load_blocks
 from prfaas.engine.vllm.link import ShipOutcome
 from prfaas.engine.vllm.params import LoadParams
 from prfaas.transport.api import TransferStatus
+from prfaas.transport.tcp_receiver import TcpReceiver
+from prfaas.transport.tickets import TicketVerifier
 
 pytestmark = pytest.mark.vllm
 BLOCK = 16
@@ -66,3 +70,28 @@ def test_a_shipment_outcome_is_given_to_its_own_attempt_only(worker: PrfaasConne
     done = ShipOutcome(TransferStatus.COMPLETED, 10, 10, 0.1, None, None)
     threading.Timer(0.05, link.record_shipped, (job, 2, done)).start()
     assert link.wait_shipped(job, 2, 5) == done
+
+
+def test_a_load_whose_request_vllm_aborted_stops_waiting_and_asks_no_recompute(worker: PrfaasConnector) -> None:
+    """vLLM names an aborted request among the finished ones: its load (waiting up to 60 s for a shipment
+    that will not come) is canceled at once, reports its end (vLLM then frees the blocks) and names no
+    block to recompute."""
+    link = worker._link
+    assert link is not None
+    link.receiver = TcpReceiver(TicketVerifier({"k1": b"k" * 32}))  # the engine's KV port
+    try:
+        job = LoadJob("aborted", LoadParams(str(uuid.uuid4()), 1, 60.0, 32), (3, 4), 0, 32)
+        worker._caches = {0: torch.zeros(8, 2, BLOCK, 16)}
+        worker._loading[job.req_id] = None  # as start_load_kv registers it before the loader's thread starts
+        loader = threading.Thread(target=worker._load, args=(job,))
+        loader.start()
+        time.sleep(0.2)
+        started = time.monotonic()
+        worker.get_transfer_results({"aborted"})
+        loader.join(5)
+        assert not loader.is_alive() and time.monotonic() - started < 2
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert worker.get_transfer_results(set()).finished_recving == {"aborted"}
+        assert worker._loading == {} and worker._dropped_loads == set()
+    finally:
+        link.receiver.close()
