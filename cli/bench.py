@@ -5,6 +5,7 @@ several placement policies and prints ratios. Logic: the loadgen package (worklo
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -150,6 +151,8 @@ def bench(
         raise _fail("--concurrency: at least 1")
     if rate is None and concurrency is None:
         concurrency = 4
+    if not math.isfinite(timeout_s) or not math.isfinite(think_s):  # nan passes typer's min: it compares False
+        raise _fail("--timeout-s and --think-s: finite numbers of seconds")
     spec = WorkloadSpec(num_requests, rate, burstiness, input_len, output_len, mix, shared_prefix, prefix_groups, seed,
                         max_duration_s)  # fmt: skip
     try:

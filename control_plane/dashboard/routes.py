@@ -73,9 +73,10 @@ def _cookie(request: Request, response: Response, name: str, value: str, max_age
 
 
 @router.get("/login")
-def login_form(request: Request, error: str = "") -> HTMLResponse:
+def login_form(request: Request) -> HTMLResponse:
+    """The sign-in page. It takes no message from the URL: a link could make it say anything."""
     csrf = secrets.token_urlsafe(32)
-    response = _page(request, "login.html", {"csrf": csrf, "error": error[:100]})
+    response = _page(request, "login.html", {"csrf": csrf, "error": ""})
     _cookie(request, response, CSRF_COOKIE, csrf, 3600)
     return response
 

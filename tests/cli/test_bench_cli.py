@@ -31,6 +31,7 @@ def _bench(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
         (["--rate", "nan"], "--rate: requests per second must be a positive number, not nan"),  # passed before
         (["--burstiness", "nan"], "--burstiness: the CV of gaps must be a positive number"),  # a hang in plan()
         (["--max-duration-s", "-1"], "--max-duration-s: seconds must be a positive number"),
+        (["--timeout-s", "nan"], "--timeout-s and --think-s: finite numbers of seconds"),  # passed typer's min
     ],
 )
 def test_bad_bench_options_exit_2_with_a_clear_message(args: list[str], expected: str, tmp_path: Path) -> None:

@@ -130,7 +130,9 @@ def test_forms_without_csrf_token_and_bad_keys_are_refused(browser: Any, metered
     page.goto(url)
     assert page.url == url  # still signed in: the forged sign-out did nothing
     assert page.evaluate("() => Chart.getChart('chart-spend_phase') !== undefined")
-    headers = httpx.get(url + "/login", timeout=5).headers
+    login = httpx.get(url + "/login", params={"error": "Your account is locked: call +1 555 0100"}, timeout=5)
+    assert "call +1 555" not in login.text  # the sign-in page says nothing a link puts in its URL
+    headers = login.headers
     assert "script-src 'self'" in headers["content-security-policy"] and headers["x-frame-options"] == "DENY"
     context.close()
 
