@@ -37,6 +37,13 @@ class RemoteWriter(Protocol):
     def close(self) -> None: ...
 
 
+def check_range(buffer: Any, offset: int, nbytes: int) -> None:
+    """ValueError unless [offset, offset + nbytes) lies in `buffer`: a write must not send the process's
+    memory past its registered buffer."""
+    if not (offset >= 0 and nbytes >= 0 and offset + nbytes <= buffer.nbytes):
+        raise ValueError(f"{nbytes} bytes at offset {offset} do not lie in the {buffer.nbytes}-byte buffer")
+
+
 def _missing(kind: str, exc: ImportError) -> TransportError:
     return TransportError(f"the {kind} adapter needs {PACKAGES[kind]} installed: {exc}")
 
@@ -76,7 +83,9 @@ class MooncakeWriter:
         self.peer = peer  # the segment opens on the first write (P2P handshake)
 
     def write(self, local_offset: int, remote_offset: int, nbytes: int, timeout_s: float) -> None:
-        # transfer_sync_write has no deadline of its own: a caller bounds it from outside
+        # transfer_sync_write has no deadline of its own (a blocking C call: `timeout_s` cannot bound it); a
+        # dead peer fails it at Mooncake's own transport timeout
+        check_range(self.buf, local_offset, nbytes)
         src = self.buf.ctypes.data + local_offset
         ret = self.engine.transfer_sync_write(self.peer["session"], src, self.peer["base"] + remote_offset, nbytes)
         if ret != 0:
@@ -119,17 +128,21 @@ class NixlWriter:
         self.agent.make_connection(self.remote)
 
     def write(self, local_offset: int, remote_offset: int, nbytes: int, timeout_s: float) -> None:
+        check_range(self.buf, local_offset, nbytes)
         local = self.agent.get_xfer_descs([(self.buf.ctypes.data + local_offset, nbytes, 0)], "DRAM")
         remote = self.agent.get_xfer_descs([(self.peer["base"] + remote_offset, nbytes, 0)], "DRAM")
         handle = self.agent.initialize_xfer("WRITE", local, remote, self.remote, b"prfaas")
         deadline = time.monotonic() + timeout_s
-        state = self.agent.transfer(handle)
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise TransferTimeout(f"NIXL WRITE of {nbytes} bytes still in progress after {timeout_s} s")
-            time.sleep(0.0002)  # UCX's progress thread moves the data
-            state = self.agent.check_xfer_state(handle)
-        handle.release()
+        try:
+            state = self.agent.transfer(handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(f"NIXL WRITE of {nbytes} bytes still in progress after {timeout_s} s")
+                time.sleep(0.0002)  # UCX's progress thread moves the data
+                state = self.agent.check_xfer_state(handle)
+        finally:  # also on a timeout or an error: NIXL aborts a write still in progress as it releases it, so
+            with contextlib.suppress(Exception):  # it cannot land after the caller gave up on it
+                handle.release()
         if state != "DONE":
             raise TransportError(f"NIXL WRITE ended in state {state}")
 

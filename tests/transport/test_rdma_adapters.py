@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from prfaas.transport.errors import TransportError
-from prfaas.transport.rdma import engine_for
+from prfaas.transport.rdma import check_range, engine_for
 
 REPO = Path(__file__).resolve().parents[2]
 PEERS_PYTHON = Path(os.environ.get("PRFAAS_PEERS_PYTHON", REPO / ".venv-peers" / "bin" / "python"))
@@ -41,6 +41,15 @@ def test_a_missing_library_is_a_transport_error_naming_the_package(kind: str) ->
         pytest.skip(f"{MODULES[kind]} is installed here")
     with pytest.raises(TransportError, match=kind):
         engine_for(kind, np.zeros(4096, np.uint8))
+
+
+@pytest.mark.parametrize(("offset", "nbytes"), [(-1, 10), (0, 4097), (4000, 97), (10, -1)])
+def test_a_write_past_the_registered_buffer_is_refused(offset: int, nbytes: int) -> None:
+    """The adapters' writes read `nbytes` from the buffer's address plus `offset`: past its end is the
+    process's other memory, sent to the peer."""
+    check_range(np.zeros(4096, np.uint8), 4096 - 10, 10)
+    with pytest.raises(ValueError, match="do not lie in the 4096-byte buffer"):
+        check_range(np.zeros(4096, np.uint8), offset, nbytes)
 
 
 def test_an_unknown_engine_is_refused() -> None:
