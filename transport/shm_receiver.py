@@ -28,6 +28,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import tempfile
 import uuid
 
@@ -234,7 +235,11 @@ class ShmReceiver(ListeningReceiver[ShmConnection]):
 
     def connection(self, sock: socket.socket) -> ShmConnection:
         sockets.send_timeout(sock, self.send_timeout_s)  # a sender that stops reading is dropped
-        return ShmConnection(sock, self)
+        connection = ShmConnection(sock, self)
+        with contextlib.suppress(OSError):  # the sending process, as the kernel names it: what max_per_peer counts
+            pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            connection.session.peer = f"pid:{pid}"
+        return connection
 
     def _stop_accepting(self) -> None:
         super()._stop_accepting()

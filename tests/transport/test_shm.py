@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from transport_kit import KEY, Kit, layers_for, ship, wait_until_sent
 
+from prfaas.transport.admission import ReceiverLimits
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.arena import PAGE, Arena
 from prfaas.transport.endpoints import choose, host_id, parse_endpoint, parse_endpoints
@@ -212,3 +213,29 @@ def test_canceling_a_transfer_never_waits_on_a_receiver_that_stopped_reading(kit
     finally:
         peer.kill()
         peer.wait(10)
+
+
+def test_one_sending_process_holds_at_most_max_per_peer_verified_connections(kit: Kit) -> None:
+    """A shared-memory sender is named by its process (SO_PEERCRED): its verified connections past
+    `max_per_peer` are closed, as a TCP peer's are, so one process cannot take every slot."""
+    with ShmReceiver(kit.verifier, arena_bytes=1 << 20, limits=ReceiverLimits(max_per_peer=2)) as rx:
+        spec = kit.spec(num_layers=1, shape=(1, 16, 64), codec="lossless")
+        rx.expect(spec.job_id, spec.attempt, 60)
+        info = OpenInfo(spec.dtype, spec.layer_shapes, 1, spec.chunk_bytes)
+        body = json_payload(info.to_json(spec.ticket))
+        opening = encode(Frame(FrameType.OPEN, uuid.UUID(spec.job_id).bytes, 1, payload=body))
+        socks = []
+        try:
+            for _ in range(6):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(rx.path)
+                sock.sendall(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": "p"}))))
+                sock.sendall(opening)  # a ticket that verifies: the connection is verified
+                socks.append(sock)
+            deadline = time.monotonic() + 5
+            while rx.num_connections > 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert rx.num_connections == 2
+        finally:
+            for sock in socks:
+                sock.close()
