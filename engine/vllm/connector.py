@@ -233,8 +233,10 @@ class PrfaasConnector(KVConnectorBase_V1):
         transfer = self._link.channel(p.address, p.server_name).submit(shipment)
         link = self._link
         transfer.cell.on_terminal(lambda _status: link.activity.set())  # a step then reports it, frees the blocks
-        if self._copier is None and kv_layer.device.type == "cuda":  # one pool for every shipment of this worker
-            self._copier = device_copier(kv_layer.device, STAGING_BYTES)
+        if kv_layer.device.type == "cuda":  # one pool for every shipment of this worker (sender threads race here)
+            with self._lock:
+                if self._copier is None:
+                    self._copier = device_copier(kv_layer.device, STAGING_BYTES)
         copier = self._copier
         staged = StagedShipment(copier, shipment, lambda _exc: transfer.cancel()) if copier is not None else None
         out = Outbound(job, spec, transfer, shipment, staged=staged)

@@ -234,8 +234,14 @@ class VLLMHost:
 
     def generate(self, token_ids: Sequence[int], max_tokens: int, **options: Unpack[GenerateOptions]) -> Generation:
         """`submit`, then wait for the result (`timeout_s`: 600 s by default)."""
-        future = self.submit(token_ids, max_tokens, options.get("kv_params"), sampling=options.get("sampling"))
-        return future.result(options.get("timeout_s", 600.0))
+        request_id = f"g-{uuid.uuid4().hex}"
+        future = self.submit(token_ids, max_tokens, options.get("kv_params"), sampling=options.get("sampling"),
+                             request_id=request_id)  # fmt: skip
+        try:
+            return future.result(options.get("timeout_s", 600.0))
+        except TimeoutError:
+            self.abort(request_id)  # the engine must not generate on for no one
+            raise
 
     def wait_shipped(self, params: ShipParams, timeout_s: float) -> ShipOutcome | None:
         return self.link.wait_shipped(params.job_id, params.attempt, timeout_s)

@@ -132,15 +132,15 @@ def _stream(host: Any, conn: Connection, token_ids: list[int], max_tokens: int, 
     sent = 0
     try:
         while not future.done() or not updates.empty():
+            if time.monotonic() > deadline:  # also while tokens keep coming
+                host.abort(request_id)
+                raise TimeoutError(f"generation did not finish in {timeout_s} s")
             try:
                 steps = updates.get(timeout=0.05)
             except queue.Empty:
                 if conn.poll(0):  # EOF: the caller went away
                     host.abort(request_id)
                     return
-                if time.monotonic() > deadline:
-                    host.abort(request_id)
-                    raise TimeoutError(f"generation did not finish in {timeout_s} s") from None
                 continue
             conn.send(("steps", steps))
             sent += len(steps)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,3 +98,36 @@ def test_a_server_whose_engine_died_exits_so_its_region_sees_it_gone() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stderr
     assert "the vLLM engine died (RuntimeError('CUDA error'))" in done.stderr
+
+
+def test_a_stream_whose_tokens_keep_coming_still_ends_at_its_deadline() -> None:
+    """The server's stream loop checked its deadline only after 50 ms without a token: a request that
+    streams a token every 20 ms ran past it for as long as it generated."""
+    import multiprocessing
+    import threading
+    from concurrent.futures import Future
+
+    from prfaas.engine.vllm.server import _stream
+
+    class Host:  # a VLLMHost's surface as _stream uses it, generating a step every 20 ms until aborted
+        def __init__(self) -> None:
+            self.aborted = threading.Event()
+
+        def submit(self, *_args: object, on_tokens: Any, **_kw: object) -> Future[Any]:
+            def generate() -> None:
+                while not self.aborted.wait(0.02):
+                    on_tokens([(1, None, None)])
+
+            threading.Thread(target=generate, daemon=True).start()
+            return Future()
+
+        def abort(self, _request_id: str) -> None:
+            self.aborted.set()
+
+    host = Host()
+    ours, theirs = multiprocessing.Pipe()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not finish in 0\.5 s"):
+        _stream(host, ours, [1, 2, 3], 100, None, 0.5, None)
+    assert time.monotonic() - started < 1.5 and host.aborted.is_set()
+    theirs.close()
