@@ -70,6 +70,7 @@ class _Link:
             raise
         self.sock = sock
         self.alive = True
+        self.broken = False  # `ShmChannel._broken` has failed the transfers of this link
         self.writer = FrameWriter(partial(sockets.send_frame, sock), sock.fileno, lambda _exc: self.close())
 
     def send(self, header: bytes, payload: bytes | memoryview = b"") -> None:
@@ -139,7 +140,7 @@ class ShmChannel:
         try:
             link = self._connected()
             link.send(transfer.open_frame)
-        except (OSError, FrameError, ConnectionError) as exc:
+        except (OSError, FrameError, ConnectionError, ValueError) as exc:  # ValueError: mmap refused the arena
             transfer.cell.finish(
                 TransferStatus.FAILED, PeerUnavailable(f"no shared-memory receiver at {self.path}: {exc}")
             )
@@ -200,7 +201,12 @@ class ShmChannel:
 
     def _broken(self, link: _Link, reason: str) -> None:
         """The link is unusable: close it (the next submit reconnects) and fail what is live
-        on it; one socket carries every transfer, so there is nothing to resend on."""
+        on it; one socket carries every transfer, so there is nothing to resend on. Once per link: a late
+        second call (the copy thread's, after the reader's) must not fail transfers of a newer link."""
+        with self._lock:
+            if link.broken:
+                return
+            link.broken = True
         link.close()
         for transfer in self.table.live():
             transfer.cell.finish(TransferStatus.FAILED, PeerUnavailable(reason))

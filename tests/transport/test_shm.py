@@ -239,3 +239,25 @@ def test_one_sending_process_holds_at_most_max_per_peer_verified_connections(kit
         finally:
             for sock in socks:
                 sock.close()
+
+
+def test_a_late_second_break_of_an_old_link_fails_no_transfer_of_the_new_one(kit: Kit) -> None:
+    """The reader and a copy thread may both find a control socket broken: the first fails what was live on
+    it, the next submit connects anew. The other's later call must not fail the new link's transfers."""
+    with ShmReceiver(kit.verifier, arena_bytes=8 << 20) as rx, ShmChannel(rx.path) as channel:
+        first = kit.spec(num_layers=1, shape=(1, 16, 64), timeout_s=30)
+        rx.expect(first.job_id, 1, 30)
+        old = channel.submit(Shipment(first))
+        link = channel._link
+        assert link is not None
+        channel._broken(link, "control socket broken")
+        assert old.status() is TransferStatus.FAILED
+        second = kit.spec(num_layers=1, shape=(1, 16, 64), timeout_s=30)
+        rx.expect(second.job_id, 1, 30)
+        shipment = Shipment(second)
+        new = channel.submit(shipment)
+        channel._broken(link, "control socket broken")  # the copy thread's late call on the old link
+        assert new.status() is not TransferStatus.FAILED
+        for index, (k, v) in enumerate(layers_for(second)):
+            shipment.add_layer(index, k, v)
+        assert new.wait(10) is TransferStatus.COMPLETED
