@@ -219,22 +219,21 @@ def test_one_sending_process_holds_at_most_max_per_peer_verified_connections(kit
     """A shared-memory sender is named by its process (SO_PEERCRED): its verified connections past
     `max_per_peer` are closed, as a TCP peer's are, so one process cannot take every slot."""
     with ShmReceiver(kit.verifier, arena_bytes=1 << 20, limits=ReceiverLimits(max_per_peer=2)) as rx:
-        spec = kit.spec(num_layers=1, shape=(1, 16, 64), codec="lossless")
-        rx.expect(spec.job_id, spec.attempt, 60)
-        info = OpenInfo(spec.dtype, spec.layer_shapes, 1, spec.chunk_bytes)
-        body = json_payload(info.to_json(spec.ticket))
-        opening = encode(Frame(FrameType.OPEN, uuid.UUID(spec.job_id).bytes, 1, payload=body))
         socks = []
         try:
-            for _ in range(6):
+            for _ in range(6):  # each opens a shipment of its own, whose ticket verifies it
+                spec = kit.spec(num_layers=1, shape=(1, 16, 64), codec="lossless")
+                rx.expect(spec.job_id, spec.attempt, 60)
+                body = json_payload(OpenInfo(spec.dtype, spec.layer_shapes, 1, spec.chunk_bytes).to_json(spec.ticket))
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.connect(rx.path)
                 sock.sendall(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": "p"}))))
-                sock.sendall(opening)  # a ticket that verifies: the connection is verified
+                sock.sendall(encode(Frame(FrameType.OPEN, uuid.UUID(spec.job_id).bytes, 1, payload=body)))
                 socks.append(sock)
             deadline = time.monotonic() + 5
-            while rx.num_connections > 2 and time.monotonic() < deadline:
+            while rx.num_connections != 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
+            time.sleep(0.3)  # a few reap intervals more: two stay
             assert rx.num_connections == 2
         finally:
             for sock in socks:
