@@ -16,7 +16,8 @@ import enum
 import socket
 import threading
 import time
-from typing import Generic, Protocol, Self, TypeVar
+from collections.abc import Callable
+from typing import Generic, Protocol, Self, TypeVar, cast
 
 from prfaas.transport.admission import REFUSED, SCRATCH_BYTES, ReceiverLimits, Throttled, discard
 from prfaas.transport.errors import FrameError
@@ -36,7 +37,7 @@ from prfaas.transport.framing import (
 )
 from prfaas.transport.inbound import Inbound
 from prfaas.transport.receiver_core import Discard, ReceiverCore, Session
-from prfaas.transport.writer import FrameWriter
+from prfaas.transport.writer import FrameWriter, socket_room
 
 Payload = bytes | bytearray | memoryview
 
@@ -64,7 +65,7 @@ class FrameConnection:
         self.core = core
         self.limits = limits
         self.accepted_at = time.monotonic()
-        self.writer = FrameWriter(self._sendall, self._fileno, lambda _exc: self.close())
+        self.writer = FrameWriter(self._sendall, self._room(), lambda _exc: self.close())
         self._write_lock = self.writer.lock
         self._scratch: bytearray | None = None  # what unwanted payloads are read through
         self.session = Session(self.send, self.abort)
@@ -88,9 +89,12 @@ class FrameConnection:
     def _sendall(self, data: bytes, _payload: bytes | bytearray | memoryview) -> None:
         self.sock.sendall(data)  # a receiver's frames are whole in `data`
 
-    def _fileno(self) -> int:
-        fileno = getattr(self.raw, "fileno", None)
-        return fileno() if callable(fileno) else -1
+    def _room(self) -> Callable[[], bool]:
+        """Whether a write to this peer would go out now: the socket's POLLOUT, or the stream's own say."""
+        writable = getattr(self.raw, "writable", None)
+        if callable(writable):
+            return cast("Callable[[], bool]", writable)
+        return socket_room(getattr(self.raw, "fileno", lambda: -1))
 
     def _run(self) -> None:
         try:
@@ -214,6 +218,10 @@ class Connections(Generic[C]):
 
     def _reap(self) -> None:
         while not self.closed.wait(self._interval_s):
+            with self._lock:
+                items = list(self._items)
+            for connection in items:  # end frames posted while a peer did not read: out once it does
+                connection.writer.flush()
             self._core.expire_due()
             self._end_late_handshakes()
             self._cap_peers()

@@ -31,7 +31,7 @@ from prfaas.transport.errors import FrameError, PeerUnavailable, TransportError
 from prfaas.transport.framing import HEADER_SIZE, Frame, FrameType, encode, json_payload, read_frame
 from prfaas.transport.outbound import Chunk, OutboundTransfer, TransferTable, encoder_pool
 from prfaas.transport.shm_receiver import Placement, map_arena
-from prfaas.transport.writer import FrameWriter
+from prfaas.transport.writer import FrameWriter, socket_room
 
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]
@@ -71,7 +71,8 @@ class _Link:
         self.sock = sock
         self.alive = True
         self.broken = False  # `ShmChannel._broken` has failed the transfers of this link
-        self.writer = FrameWriter(partial(sockets.send_frame, sock), sock.fileno, lambda _exc: self.close())
+        send = partial(sockets.send_frame, sock)
+        self.writer = FrameWriter(send, socket_room(sock.fileno), lambda _exc: self.close())
 
     def send(self, header: bytes, payload: bytes | memoryview = b"") -> None:
         """Write a frame, after any posted one (raises OSError: the link cannot be used again)."""
@@ -332,5 +333,8 @@ class ShmChannel:
 
     def _reap_loop(self) -> None:
         while not self.closed.wait(0.05):
+            link = self._link
+            if link is not None and link.alive:
+                link.writer.flush()  # a CANCEL posted while the receiver did not read: out once it does
             for transfer in self.table.live():
                 transfer.cell.expire_if_due()

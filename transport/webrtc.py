@@ -165,6 +165,11 @@ class DataChannelStream:
         except RuntimeError as exc:  # the loop stopped (close)
             raise ConnectionResetError(str(exc)) from None
 
+    def writable(self) -> bool:
+        """Whether `sendall` would queue its bytes without waiting for the peer to drain the channel (a
+        closed one: yes, and the send fails at once)."""
+        return self._eof or self._channel.bufferedAmount <= BUFFER_HIGH_BYTES
+
     def recv_into(self, view: memoryview, nbytes: int = 0) -> int:
         want = nbytes or len(view)
         with self._cond:

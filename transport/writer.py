@@ -4,8 +4,10 @@ must not hold up the threads that only tell it something ended.
 `write` is for the thread that serves the connection: it waits its turn and sends (bounded by the socket's
 send timeout; raises OSError). `post` is for every other thread (a receiver's reaper ending a shipment at
 its deadline, the decode engine canceling one, `close`): it never waits. The frame goes out now when no
-write is in progress and the socket has room, else it stays queued and the write in progress (or the
-next one) sends it first. Frames keep the order they were handed in: queued ones go before a later write.
+write is in progress and the socket has room, else it stays queued: the write in progress (or the next one)
+sends it first, and so does `flush`, which the owner's reaper calls every tick (a peer that stopped reading
+for a while gets it once it reads again, even if nothing else is written). Frames keep the order they were
+handed in: queued ones go before a later write.
 """
 
 from __future__ import annotations
@@ -18,20 +20,40 @@ from collections.abc import Callable
 Buffer = bytes | bytearray | memoryview
 
 
+def socket_room(fileno: Callable[[], int]) -> Callable[[], bool]:
+    """Whether the socket `fileno()` names can take a write now without waiting (POLLOUT); a closed one
+    (-1, or an error) says yes, and its send then fails at once."""
+
+    def room() -> bool:
+        try:
+            fd = fileno()
+        except (OSError, AttributeError, ValueError):
+            return True
+        if fd < 0:
+            return True
+        poller = select.poll()  # (select.select cannot take a descriptor past 1023)
+        poller.register(fd, select.POLLOUT)
+        with contextlib.suppress(OSError, ValueError):
+            return bool(poller.poll(0))
+        return True
+
+    return room
+
+
 class FrameWriter:
     """`send(data, payload)` writes both whole, in order (raises OSError; sockets.py `send_frame`);
-    `fileno()` names the socket beneath, for the room check (-1 or an error: assume room); `on_error` ends
-    the connection when a posted frame's send failed (part of it may be out)."""
+    `room()` says whether a write would go out without waiting (`socket_room`); `on_error` ends the
+    connection when a posted frame's send failed (part of it may be out)."""
 
     def __init__(
         self,
         send: Callable[[bytes, Buffer], None],
-        fileno: Callable[[], int],
+        room: Callable[[], bool],
         on_error: Callable[[OSError], None],
     ) -> None:
         self.lock = threading.Lock()  # held by every send (a caller writing around `write` takes it too)
         self._send = send
-        self._fileno = fileno
+        self._room = room
         self._on_error = on_error
         self._queued: list[bytes] = []
         self._queued_lock = threading.Lock()
@@ -41,13 +63,14 @@ class FrameWriter:
         lock (raises OSError)."""
         with self.lock:
             self._send(self._take() + data, payload)
-        self._flush()
+        self.flush()
 
     def post(self, data: bytes) -> None:
-        """Send `data` now if that cannot wait on the peer, else leave it for the next write. Never raises."""
+        """Send `data` now if that cannot wait on the peer, else leave it for the next write or `flush`. Never
+        raises."""
         with self._queued_lock:
             self._queued.append(data)
-        self._flush()
+        self.flush()
 
     @property
     def queued(self) -> int:
@@ -59,9 +82,9 @@ class FrameWriter:
             data, self._queued = b"".join(self._queued), []
         return data
 
-    def _flush(self) -> None:
-        """Queued frames out, if the lock is free and the socket has room. Whoever releases the lock checks
-        again, so a frame queued while another thread held it is not left behind."""
+    def flush(self) -> None:
+        """Queued frames out, if the lock is free and the socket has room; never waits. Whoever releases the
+        lock checks again, so a frame queued while another thread held it is not left behind."""
         while self.queued and self.lock.acquire(blocking=False):
             try:
                 if not self._room():
@@ -74,16 +97,3 @@ class FrameWriter:
                 return
             finally:
                 self.lock.release()
-
-    def _room(self) -> bool:
-        try:
-            fd = self._fileno()
-        except (OSError, AttributeError, ValueError):
-            return True
-        if fd < 0:
-            return True
-        poller = select.poll()  # (select.select cannot take a descriptor past 1023)
-        poller.register(fd, select.POLLOUT)
-        with contextlib.suppress(OSError, ValueError):
-            return bool(poller.poll(0))
-        return True

@@ -260,3 +260,37 @@ def test_a_late_second_break_of_an_old_link_fails_no_transfer_of_the_new_one(kit
         for index, (k, v) in enumerate(layers_for(second)):
             shipment.add_layer(index, k, v)
         assert new.wait(10) is TransferStatus.COMPLETED
+
+
+def test_a_cancel_posted_while_the_receiver_did_not_read_goes_out_once_it_reads(kit: Kit) -> None:
+    """The receiver (SIGSTOP) left the control socket too full to take the CANCEL at once, and no copy thread
+    writes after it: the channel's reaper sends it once the receiver reads again (it stayed queued for good)."""
+    spec = kit.spec(num_layers=16, shape=(1, 256, 64), codec="lossless", timeout_s=60)  # 32 KiB parts, inline
+    layers = layers_for(spec)
+    command = [sys.executable, str(PEER), "shm", KEY.hex(), spec.job_id]
+    peer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        path = json.loads(peer.stdout.readline())["path"]
+        with ShmChannel(path) as channel:
+            shipment = Shipment(spec)
+            transfer = channel.submit(shipment)
+            shipment.add_layer(0, *layers[0])
+            wait_until_sent(transfer)
+            os.kill(peer.pid, signal.SIGSTOP)
+            for index in (1, 2):  # ~128 KiB unread: written whole, and the socket has no room left
+                shipment.add_layer(index, *layers[index])
+            time.sleep(0.5)
+            link = channel._link
+            assert link is not None
+            transfer.cancel()
+            assert link.writer.queued == 1  # posted, not sent
+            os.kill(peer.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 3
+            while link.writer.queued and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert link.writer.queued == 0
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait(10)
