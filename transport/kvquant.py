@@ -209,8 +209,11 @@ def _amax(x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
 
 
 def _scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
-    """amax / qmax rounded to bfloat16 (what the decoder reads), 1 where amax is 0."""
+    """amax / qmax rounded to bfloat16 (what the decoder reads), 1 where amax is 0. CodecError when a step
+    is past bfloat16's range (rotated values near float32's largest: no decoder would take the payload)."""
     scale = (amax / qmax).to(torch.bfloat16).float()
+    if not bool(torch.isfinite(scale).all()):
+        raise CodecError("a quantization step is past bfloat16's range; use a lossless codec")
     return torch.where(scale > 0, scale, 1.0)
 
 

@@ -307,3 +307,19 @@ def test_a_shipment_in_kvw6_carries_the_steps_its_key_weights_set(kit: Kit) -> N
         unweighted = TensorMeta("bfloat16", shape, 0)
         assert bytes(got_k) != codec.decode(codec.encode(k, unweighted), unweighted)
         assert bytes(got_v) == codec.decode(codec.encode(v, v_meta), v_meta)
+
+
+@pytest.mark.parametrize("name", KV_CODECS)
+@pytest.mark.parametrize(("dtype", "value"), [("bfloat16", 2.5e38), ("float32", 3.3e38)])
+def test_values_whose_step_is_past_bfloat16_are_refused_at_encode_not_at_decode(
+    name: str, dtype: str, value: float
+) -> None:
+    """Rotated values near float32's largest have a 4-bit step past bfloat16's range: the sender refuses them
+    (use a lossless codec) rather than ship a payload the receiver refuses after every byte crossed."""
+    codec = get_codec(name)
+    meta = TensorMeta(dtype, (1, 4, 128), 1)
+    try:
+        payload = codec.encode(tensor_bytes(torch.full((1, 4, 128), value, dtype=TORCH[dtype])), meta)
+    except CodecError:
+        return
+    assert bool(torch.isfinite(from_bytes(codec.decode(payload, meta), meta)).all())
