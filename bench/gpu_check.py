@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -55,6 +56,15 @@ from prfaas.transport.tickets import TicketSigner
 KEY = os.urandom(32).hex()
 CALL_S = 120.0
 NEW_TOKENS = 16
+DEADLINE = [time.monotonic() + 290.0]  # the whole check (`--budget-s`): every call's timeout is what is left
+
+
+def call_s() -> float:
+    """A call's timeout: CALL_S, or what is left of the check's budget (TimeoutError once it is spent)."""
+    left = DEADLINE[0] - time.monotonic()
+    if left <= 1:
+        raise TimeoutError("the check's time budget is spent (--budget-s)")
+    return min(CALL_S, left)
 
 
 def timing_event() -> Any:
@@ -62,16 +72,23 @@ def timing_event() -> Any:
 
 
 class TimedCudaOps(CudaOps):
-    """CudaOps that also times each copy (start and end events on the side stream)."""
+    """CudaOps that also times each copy (start and end events on the side stream) and each layer's end."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.spans: list[tuple[Any, Any]] = []
+        self.layer_ends: list[Any] = []
+
+    def layer_done(self) -> Any:
+        event = timing_event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.layer_ends.append(event)
+        return event
 
     def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         start, end = timing_event(), timing_event()
         with torch.cuda.stream(stream):
-            if event is not None:  # an upload waits for nothing
+            if event is not None:  # a layer's copy waits for its end; an upload's, for the compute before it
                 stream.wait_event(event)
             start.record(stream)
         done = super().copy_after(stream, event, pairs)
@@ -81,11 +98,13 @@ class TimedCudaOps(CudaOps):
         return done
 
 
-def copy_figures(engine: HFEngine, ids: list[int]) -> dict[str, Any]:
-    """One prefill with the layer copy on a side stream, timed; and the same bytes copied blocking."""
+def copy_figures(engine: HFEngine, ids: list[int], pools: tuple[HostPool, HostPool]) -> dict[str, Any]:
+    """One prefill with the layer copy on a side stream, timed; and the same bytes copied blocking. `pools`
+    (prefill side, decode side) are kept across calls: a warm-up call first allocates their pinned buffers,
+    whose allocation would otherwise run inside the timed forward (and stall the streams)."""
     device = engine.device
     ops = TimedCudaOps(device)
-    copier = LayerCopier(ops, HostPool(4 << 30, pinned=True))
+    copier = LayerCopier(ops, pools[0])
     staged: list[Any] = []
     begin, end = timing_event(), timing_event()
 
@@ -98,13 +117,14 @@ def copy_figures(engine: HFEngine, ids: list[int]) -> dict[str, Any]:
     result = engine.prefill(ids, SamplingParams(max_new_tokens=1), on_layer=on_layer)
     end.record()
     prefill_s = time.perf_counter() - t0
-    to_host, received = [], []
+    received = []
     for layer in staged:
         k_bytes, v_bytes = copier.host_bytes(layer, CALL_S)
-        to_host.append(layer.landed_at - layer.staged_at)
         received.append((bytes(k_bytes), bytes(v_bytes), result_shape(engine, layer.nbytes[0])))
     torch.cuda.synchronize(device)
     forward_ms = begin.elapsed_time(end)
+    # a layer's end (its event on the compute stream) to its bytes in host memory (its copy's end event)
+    to_host = [done.elapsed_time(stop) for done, (_, stop) in zip(ops.layer_ends, ops.spans, strict=False)]
     copied = sum(k + v for k, v in (layer.nbytes for layer in staged))
     overlapped = total = 0.0
     for start, stop in ops.spans:
@@ -120,10 +140,11 @@ def copy_figures(engine: HFEngine, ids: list[int]) -> dict[str, Any]:
     for tensor in tensors:
         tensor.cpu()
     sync_s = time.perf_counter() - t1
-    return upload_figures(engine, received) | {
+    return upload_figures(engine, received, pools[1]) | {
         "forward_ms": forward_ms, "prefill_s": prefill_s, "kv_bytes": copied,
         "overlap_pct": 100.0 * overlapped / total if total else 0.0,
-        "layer_to_host_ms": 1e3 * statistics.fmean(to_host), "d2h_gb_per_s": copied / (copy_ms / 1e3) / 1e9,
+        "layer_to_host_ms": statistics.fmean(to_host) if len(to_host) == len(staged) else None,
+        "d2h_gb_per_s": copied / (copy_ms / 1e3) / 1e9,
         "d2h_sync_gb_per_s": copied / sync_s / 1e9,
     }  # fmt: skip
 
@@ -135,14 +156,15 @@ def result_shape(engine: HFEngine, nbytes: int) -> tuple[int, int, int]:
     return facts.num_kv_heads, nbytes // per_token, facts.head_dim
 
 
-def upload_figures(engine: HFEngine, received: list[tuple[bytes, bytes, tuple[int, int, int]]]) -> dict[str, Any]:
+def upload_figures(engine: HFEngine, received: list[tuple[bytes, bytes, tuple[int, int, int]]],
+                   pool: HostPool) -> dict[str, Any]:  # fmt: skip
     """The decode side (engine/upload.py): the layers' bytes, in pageable host memory as a receiver holds
     them, uploaded through pinned buffers on a side stream: `h2d_gb_per_s` (the copies' own rate),
     `upload_wall_ms` (the first layer's put to the last copy landed; the puts return at once) beside
     `h2d_sync_gb_per_s` (a blocking `.to(device)` of the same bytes)."""
     device, dtype = engine.device, DTYPES[engine.facts.dtype]
     ops = TimedCudaOps(device)
-    upload = LayerUploader(ops, HostPool(4 << 30, pinned=True), device).begin(CALL_S)
+    upload = LayerUploader(ops, pool, device).begin(CALL_S)
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     uploaded = [upload.put(part, shape, dtype) for k, v, shape in received for part in (k, v)]
@@ -167,7 +189,7 @@ def start_region(folder: Path, model: str, name: str, role: str, device: str) ->
         "name": name, "role": role, "model": model, "ticket_key": KEY, "codec": "raw", "kv_buffer_bytes": "4GiB",
         "device": device, "dtype": "auto", "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0"},
     }  # fmt: skip
-    return spawn_region(write_region_config(folder / f"{name}.yaml", config), timeout_s=300)
+    return spawn_region(write_region_config(folder / f"{name}.yaml", config), timeout_s=call_s())
 
 
 class RegionPair:
@@ -183,29 +205,35 @@ class RegionPair:
     def colocated(self, ids: list[int]) -> tuple[float, list[int]]:
         start, ttft, tokens = time.perf_counter(), 0.0, []
         request = decode_pb2.GenerateRequest(job_id=str(uuid.uuid4()), token_ids=ids, sampling=self.params,
-                                             timeout_s=CALL_S)  # fmt: skip
-        for event in self.decode.Generate(request, timeout=CALL_S):
+                                             timeout_s=call_s())  # fmt: skip
+        for event in self.decode.Generate(request, timeout=call_s()):
             ttft = ttft or time.perf_counter() - start
             tokens.append(event.token)
         return ttft, tokens
 
     def split(self, ids: list[int]) -> tuple[float, list[int]]:
         job, kv_bytes = str(uuid.uuid4()), len(ids) * self.kv_bytes_per_token
-        reserve = decode_pb2.ReserveRequest(job_id=job, attempt=1, tenant="gpu-check", kv_bytes=kv_bytes, ttl_s=CALL_S)
+        reserve = decode_pb2.ReserveRequest(job_id=job, attempt=1, tenant="gpu-check", kv_bytes=kv_bytes,
+                                            ttl_s=call_s())  # fmt: skip
         start = time.perf_counter()
-        reply = self.decode.Reserve(reserve, timeout=10)
-        ticket = self.signer.issue(job, 1, "gpu-check", kv_bytes, ttl_s=CALL_S)
+        reply = self.decode.Reserve(reserve, timeout=min(10.0, call_s()))
+        ticket = self.signer.issue(job, 1, "gpu-check", kv_bytes, ttl_s=call_s())
         destination = prefill_pb2.Destination(kv_endpoint=reply.kv_endpoint, codec="raw", ticket=ticket)
         request = prefill_pb2.PrefillRequest(job_id=job, attempt=1, tenant="gpu-check", token_ids=ids,
-                                             sampling=self.params, timeout_s=CALL_S,
+                                             sampling=self.params, timeout_s=call_s(),
                                              destination=destination)  # fmt: skip
-        done = next(e.prefill_done for e in self.prefill.Prefill(request, timeout=CALL_S) if e.HasField("prefill_done"))
+        # The call stays referenced until the shipment ended: a dropped call is canceled, and the region then
+        # cancels the job and its transfer (prefill_done comes before the last layers are shipped)
+        prefill = self.prefill.Prefill(request, timeout=call_s())
+        done = next(e.prefill_done for e in prefill if e.HasField("prefill_done"))
         decode = decode_pb2.DecodeRequest(job_id=job, attempt=1, first_token=done.first_token, kv=done.kv,
-                                          sampling=self.params, timeout_s=CALL_S)  # fmt: skip
+                                          sampling=self.params, timeout_s=call_s())  # fmt: skip
         ttft, tokens = 0.0, []
-        for event in self.decode.Decode(decode, timeout=CALL_S):
+        for event in self.decode.Decode(decode, timeout=call_s()):
             ttft = ttft or time.perf_counter() - start
             tokens.append(event.token)
+        for _ in prefill:  # the shipment's end
+            pass
         return ttft, tokens
 
 
@@ -223,8 +251,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--topology", type=Path, default=Path(__file__).parents[1] / "examples" / "topology.yaml")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--budget-s", type=float, default=290.0, help="the whole check's time limit")
     args = parser.parse_args()
     began = time.monotonic()
+    DEADLINE[0] = began + args.budget_s
+    signal.signal(signal.SIGTERM, _terminated)  # `finally` stops the region processes
     prepare_model(args.model)
     choice = select_device(args.device)
     print(f"device {choice.device} ({choice.name}), {choice.dtype}; {choice.reason}", flush=True)
@@ -232,16 +263,21 @@ def main() -> None:
     vocab = engine.vocab_size
     links = link_rates(args.topology) if args.topology.exists() else {}
     rows: list[dict[str, Any]] = []
+    pools = (HostPool(4 << 30, pinned=choice.is_cuda), HostPool(4 << 30, pinned=choice.is_cuda))
+    failure = None
     with tempfile.TemporaryDirectory() as tmp:
-        regions = [start_region(Path(tmp), args.model, f"gpu-{role}", role, choice.device)
-                   for role in ("prefill", "decode")]  # fmt: skip
+        regions: list[RegionProcess] = []
         try:
+            for role in ("prefill", "decode"):
+                regions.append(start_region(Path(tmp), args.model, f"gpu-{role}", role, choice.device))
             pair = RegionPair(regions[0].grpc, regions[1].grpc, engine.kv_bytes_per_token)
             pair.colocated(list(range(100, 164)))  # warm both regions
             pair.split(list(range(100, 164)))
             for length in args.lengths:
                 ids = [(7 * i + 13) % (vocab - 100) + 100 for i in range(length)]
-                gpu = copy_figures(engine, ids) if choice.is_cuda else {}
+                if choice.is_cuda:
+                    copy_figures(engine, ids, pools)  # warm-up: the pools' pinned buffers of this length
+                gpu = copy_figures(engine, ids, pools) if choice.is_cuda else {}
                 runs = [(pair.colocated(ids), pair.split(ids)) for _ in range(args.repeats)]
                 kv_bytes = length * engine.kv_bytes_per_token
                 prefill_s = gpu.get("prefill_s") or min(c[0] for c, _ in runs)
@@ -259,13 +295,21 @@ def main() -> None:
                 }  # fmt: skip
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "links_pct_of_kv_rate"}), flush=True)
+        except Exception as exc:  # the rows measured so far are still written
+            failure = f"{type(exc).__name__}: {exc}"
+            print(f"failed: {failure}", flush=True)
         finally:
             for region in regions:
                 region.stop()
     print(f"done in {time.monotonic() - began:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    raise SystemExit(0 if rows and all(r["tokens_identical"] for r in rows) else 1)
+    ok = rows and len(rows) == len(args.lengths) and all(r["tokens_identical"] for r in rows) and failure is None
+    raise SystemExit(0 if ok else 1)
+
+
+def _terminated(_signum: int, _frame: Any) -> None:
+    raise SystemExit(143)  # unwinds through `finally`: the region processes are stopped
 
 
 if __name__ == "__main__":

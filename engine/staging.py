@@ -109,9 +109,10 @@ class HostPool:
             _empty_host_cache()
         if self.allocated_bytes + size > self.max_bytes:
             return None
+        buffer = self._allocate(size)  # may raise (pinned memory refused): then nothing is counted
         self.allocated_bytes += size
         self.allocations += 1
-        return self._allocate(size)
+        return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
         """Give `buffer` (as `acquire` returned it) back. Raises ValueError for a buffer not handed out."""
@@ -225,7 +226,7 @@ class LayerCopier:
         try:
             for size in sizes:
                 buffers.append(self.pool.acquire(size, 0.0))
-        except (PoolExhausted, ValueError):
+        except (PoolExhausted, ValueError, RuntimeError):  # RuntimeError: the driver refused pinned memory
             for buffer in buffers:
                 self.pool.release(buffer)
             return self._copied_now(index, k, v, sizes)

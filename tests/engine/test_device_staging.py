@@ -251,3 +251,28 @@ def test_an_upload_waits_for_the_compute_queued_before_it() -> None:
     assert device.copies == 0  # the compute queued before it has not finished
     upload.finish()
     assert time.monotonic() - began >= 0.2 and torch.equal(target, torch.ones(4, 64))
+
+
+def test_pinned_memory_the_driver_refuses_costs_no_room_and_the_layer_is_copied_synchronously() -> None:
+    """`cudaHostAlloc` may fail (the host's pinned memory is exhausted): the pool counts nothing for it, so a
+    later allocation still fits the bound, and the layer's copy falls back to a blocking one instead of
+    failing the forward."""
+    refusals = [True, True, True]
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        if refusals:
+            refusals.pop()
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    pool = HostPool(4 << 20, pinned=False, allocate=allocate)
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            pool.acquire(1 << 20, 0.0)
+    assert pool.allocated_bytes == 0
+    pool.release(pool.acquire(2 << 20, 0.0))  # fits: the refused allocations took no room
+    refusals.append(True)
+    copier = LayerCopier(FakeDevice(), HostPool(4 << 20, pinned=False, allocate=allocate))
+    k, v = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
+    layer = copier.stage(0, k, v)
+    assert bytes(copier.host_bytes(layer, 5)[0]) == k.numpy().tobytes() and copier.unpinned_layers == 1
