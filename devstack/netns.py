@@ -81,21 +81,30 @@ def start_linkemu(argv: list[str], log: Path | None = None) -> subprocess.Popen[
     if log is None:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)  # fmt: skip
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
-        line = proc.stdout.readline() if ready else ""
     else:
         with log.open("w") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not log.read_text().startswith("ready") and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        line = log.read_text()
-    if not line.startswith("ready"):
+    try:  # from here on the emulator is ours to stop: a Ctrl-C while it starts must not leave it running
+        if log is None:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+            text = proc.stdout.readline() if ready else ""
+        else:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not _ready(log.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            text = log.read_text()  # a warning (a nice level refused) may come before `ready` in the file
+        if not _ready(text):
+            detail = proc.stderr.read() if log is None and proc.stderr is not None and proc.poll() is not None else ""
+            raise OSError(f"linkemu did not start: {text!r} {detail!r}")
+    except BaseException:
         stop(proc)
-        detail = proc.stderr.read() if log is None and proc.stderr is not None else ""
-        raise OSError(f"linkemu did not start: {line!r} {detail!r}")
+        raise
     return proc
+
+
+def _ready(text: str) -> bool:
+    return any(line.startswith("ready") for line in text.splitlines())
 
 
 def attach_tun(tun: str, namespace: str, name: str, address: str, *, mtu: int = 1500, txqueuelen: int = 5000) -> None:

@@ -4,7 +4,8 @@ set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$here/build"
 if [ ! -x "$here/build/linkemu" ] || [ "$here/linkemu.c" -nt "$here/build/linkemu" ]; then
-    ${CC:-cc} -O2 -Wall -Wextra -o "$here/build/linkemu.tmp" "$here/linkemu.c" -lpthread
-    mv "$here/build/linkemu.tmp" "$here/build/linkemu"
+    # a temporary of this build's own: two first builds at once must not move each other's file
+    ${CC:-cc} -O2 -Wall -Wextra -o "$here/build/linkemu.tmp.$$" "$here/linkemu.c" -lpthread -lm
+    mv -f "$here/build/linkemu.tmp.$$" "$here/build/linkemu"
 fi
 echo "$here/build/linkemu"

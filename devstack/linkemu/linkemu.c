@@ -23,6 +23,7 @@
 #include <fcntl.h>
 #include <linux/if.h>
 #include <linux/if_tun.h>
+#include <math.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
@@ -143,6 +144,12 @@ static void *run_dir(void *arg) {
         struct timespec ts = { wait / 1000000000ull, wait % 1000000000ull };
         int r = ppoll(&pfd, 1, &ts, NULL);
         if (r <= 0) continue;
+        if (pfd.revents & (POLLERR | POLLHUP | POLLNVAL)) {  /* the TUN device is gone: ppoll would return at */
+            fprintf(stderr, "%s: TUN device gone, stopping\n", d->name);  /* once forever (a spinning core) */
+            stop = 1;
+            kill(getpid(), SIGTERM);               /* the main thread leaves sigwait, joins, reports */
+            break;
+        }
         for (int i = 0; i < BATCH; i++) {          /* drain a batch of incoming packets */
             ssize_t n = read(d->in_fd, buf, sizeof buf);
             if (n <= 0) break;
@@ -150,6 +157,18 @@ static void *run_dir(void *arg) {
         }
     }
     return NULL;
+}
+
+static void usage(void);
+
+static double num(const char *key, const char *v, double lo, double hi) {  /* a finite number in [lo, hi] */
+    char *end; errno = 0;
+    double x = strtod(v, &end);
+    if (errno || end == v || *end || !isfinite(x) || x < lo || x > hi) {
+        fprintf(stderr, "linkemu: %s %s: a number in [%g, %g]\n", key, v, lo, hi);
+        exit(2);
+    }
+    return x;
 }
 
 static void usage(void) {
@@ -188,23 +207,23 @@ int main(int argc, char **argv) {
         else if (kl > 3 && !strcmp(key + kl - 3, "-ba")) { mask = 2; key[kl - 3] = 0; }
         if (!strcmp(key, "--tun-a")) tun[0] = v;
         else if (!strcmp(key, "--tun-b")) tun[1] = v;
-        else if (!strcmp(key, "--seed")) seed = strtoull(v, NULL, 0);
-        else if (!strcmp(key, "--arena-mb")) arena_mb = strtoull(v, NULL, 0);
-        else if (!strcmp(key, "--ring-slots")) ring_slots = strtoull(v, NULL, 0);
+        else if (!strcmp(key, "--seed")) seed = (uint64_t)num(key, v, 0, 9007199254740992.0);
+        else if (!strcmp(key, "--arena-mb")) arena_mb = (uint64_t)num(key, v, 1, 1 << 20);
+        else if (!strcmp(key, "--ring-slots")) ring_slots = (uint64_t)num(key, v, 1, 1 << 26);
         else if (!strcmp(key, "--rt-prio")) {         /* SCHED_FIFO; threads inherit it */
-            struct sched_param sp = { .sched_priority = atoi(v) };
+            struct sched_param sp = { .sched_priority = (int)num(key, v, 1, 99) };
             if (sched_setscheduler(0, SCHED_FIFO, &sp) < 0) perror("sched_setscheduler");
         }
         else if (!strcmp(key, "--nice")) {            /* before the threads exist: they inherit it */
-            if (setpriority(PRIO_PROCESS, 0, atoi(v)) < 0) perror("setpriority");
+            if (setpriority(PRIO_PROCESS, 0, (int)num(key, v, -20, 19)) < 0) perror("setpriority");
         }
         else for (int k = 0; k < 2; k++) {
             if (!(mask & (1 << k))) continue;
-            if (!strcmp(key, "--delay-ms")) d[k].delay_ms = atof(v);
-            else if (!strcmp(key, "--rate-mbit")) d[k].rate_mbit = atof(v);
-            else if (!strcmp(key, "--loss-pct")) d[k].loss_pct = atof(v);
-            else if (!strcmp(key, "--queue-bytes")) d[k].queue_bytes = atoll(v);
-            else if (!strcmp(key, "--queue-pkts")) d[k].queue_pkts = atoll(v);
+            if (!strcmp(key, "--delay-ms")) d[k].delay_ms = num(key, v, 0, 60000);
+            else if (!strcmp(key, "--rate-mbit")) d[k].rate_mbit = num(key, v, 0, 1e7);
+            else if (!strcmp(key, "--loss-pct")) d[k].loss_pct = num(key, v, 0, 100);
+            else if (!strcmp(key, "--queue-bytes")) d[k].queue_bytes = (long long)num(key, v, 0, 1e15);
+            else if (!strcmp(key, "--queue-pkts")) d[k].queue_pkts = (long long)num(key, v, 0, 1e12);
             else usage();
         }
     }
