@@ -123,11 +123,13 @@ class Deployment:
         self._start_redis()
         try:
             self.network.setup()
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: a sysctl or the build failed
             raise UpError(f"cannot build the emulated WAN: {exc}") from None
         finally:  # what a failed setup created is removed by stop()
             self.state.namespaces, self.state.devices = self.network.namespaces, self.network.devices
             self.state.groups |= self.network.groups
+            for pid in self.network.groups.values():  # with their start times: `down` signals only these
+                self.state.record(pid)
             write_state(self.home, self.state)
         self._start_control_plane()
         instances = [(name, k) for name, count in self.instances.items() for k in range(count)]

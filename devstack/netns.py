@@ -42,10 +42,16 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def add_namespace(name: str, sysctls: Mapping[str, str] | None = None) -> None:
     """A new namespace `name` with its loopback up and `sysctls` set in it."""
     ip("netns", "add", name)
-    ip("-n", name, "link", "set", "lo", "up")
-    for key, value in (sysctls or {}).items():
-        subprocess.run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", f"{key}={value}"], check=True,
-                       capture_output=True, timeout=10)  # fmt: skip
+    try:  # a namespace half set up is removed here: the caller records only one that exists whole
+        ip("-n", name, "link", "set", "lo", "up")
+        for key, value in (sysctls or {}).items():
+            done = subprocess.run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", f"{key}={value}"],
+                                  capture_output=True, text=True, timeout=10, check=False)  # fmt: skip
+            if done.returncode != 0:
+                raise OSError(f"sysctl {key}={value} in {name}: {done.stderr.strip()}")
+    except BaseException:
+        ip("netns", "del", name, check=False)
+        raise
 
 
 def linkemu_argv(

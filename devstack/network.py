@@ -120,9 +120,14 @@ class WanMesh:
         pairs: set[frozenset[str]] = set()
         for j, link in enumerate(self.topology.links, start=1):
             if frozenset((link.src, link.dst)) in pairs:
-                continue  # the reverse direction already has an emulated path
+                continue  # the reverse direction: the same emulator carries it, with its own figures
             pairs.add(frozenset((link.src, link.dst)))
-            self._link(j, link.src, link.dst, link.rtt_ms, link.rate_mbit, link.loss_pct)
+            back = next((x for x in self.topology.links if (x.src, x.dst) == (link.dst, link.src)), None)
+            extra = () if back is None else (
+                "--delay-ms-ba", str(back.rtt_ms / 2), "--rate-mbit-ba", str(back.rate_mbit),
+                "--loss-pct-ba", str(back.loss_pct),
+            )  # fmt: skip
+            self._link(j, link.src, link.dst, link.rtt_ms, link.rate_mbit, link.loss_pct, extra)
 
     def _instance(self, region: str, k: int, bridge: str) -> None:
         ns, site, n = self._ns(region, k), self._site(region), self._host[(region, k)]
@@ -130,6 +135,7 @@ class WanMesh:
         self.namespaces.append(ns)
         host_end, ns_end = f"{self.tag}h{n}"[-15:], f"{self.tag}n{n}"[-15:]  # control: the root bridge
         ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+        self.devices.append(host_end)  # deleting it removes the pair, wherever its peer went
         ip("link", "set", host_end, "master", bridge, "up")
         ip("link", "set", ns_end, "netns", ns)
         ip("-n", ns, "link", "set", ns_end, "name", "cp0")
@@ -147,13 +153,16 @@ class WanMesh:
         """The pid of the emulator of link `src -> dst` (SIGRTMIN cuts it, SIGRTMIN + 1 restores
         it: devstack/linkemu); None if the topology has no such link."""
         for j, link in enumerate(self.topology.links, start=1):
-            if (link.src, link.dst) == (src, dst):
+            if {link.src, link.dst} == {src, dst}:  # the pair's first link: its emulator carries both directions
                 return self.groups.get(f"linkemu-{j}")
         return None
 
-    def _link(self, j: int, src: str, dst: str, rtt_ms: float, rate_mbit: float, loss: float) -> None:
+    def _link(self, j: int, src: str, dst: str, rtt_ms: float, rate_mbit: float, loss: float,
+              extra: tuple[str, ...] = ()) -> None:  # fmt: skip
+        """Emulator `j` between `src` (its a side) and `dst`; `extra`: the dst -> src direction's own figures."""
         tun_a, tun_b = f"{self.tag}t{j}a"[-15:], f"{self.tag}t{j}b"[-15:]
-        argv = linkemu_argv(tun_a, tun_b, rtt_ms=rtt_ms, rate_mbit=rate_mbit, loss_pct=loss, seed=j, nice=-10)
+        argv = linkemu_argv(tun_a, tun_b, rtt_ms=rtt_ms, rate_mbit=rate_mbit, loss_pct=loss, seed=j, nice=-10,
+                            extra=extra)  # fmt: skip
         try:
             proc = start_linkemu(argv, log=self.run_dir / f"linkemu-{j}.log")
         except OSError as exc:

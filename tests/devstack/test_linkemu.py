@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -80,3 +81,40 @@ def test_it_stops_when_a_tun_device_is_gone_instead_of_spinning() -> None:
         if proc is not None and proc.poll() is None:
             proc.kill()
         remove_namespaces([namespace], [f"{tag}a", f"{tag}b"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="TUN devices and namespaces need root")
+def test_a_link_and_its_reverse_are_one_emulator_with_each_directions_own_figures(tmp_path: Path) -> None:
+    """east -> west 100 Mbit/s and west -> east 10 Mbit/s, 1 % loss: one emulator carries both, the b -> a
+    direction with the reverse link's figures (they were the forward link's), and either link names it
+    (cutting west -> east found no emulator)."""
+    from prfaas.devstack.network import WanMesh
+    from prfaas.devstack.topology import topology_from_mapping
+
+    topology = topology_from_mapping({
+        "regions": [{"name": "east", "role": "both", "usd_per_gpu_hour": 1},
+                    {"name": "west", "role": "both", "usd_per_gpu_hour": 1}],
+        "links": [{"src": "east", "dst": "west", "rtt_ms": 40, "rate_mbit": 100},
+                  {"src": "west", "dst": "east", "rtt_ms": 40, "rate_mbit": 10, "loss_pct": 1}],
+    })  # fmt: skip
+    mesh = WanMesh(topology, tmp_path)
+    try:
+        mesh.setup()
+        pid = mesh.link_emulator("east", "west")
+        assert pid is not None and mesh.link_emulator("west", "east") == pid and len(mesh.groups) == 1
+        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        assert argv[argv.index("--rate-mbit") + 1] == "100.0"
+        assert argv[argv.index("--rate-mbit-ba") + 1] == "10.0" and argv[argv.index("--loss-pct-ba") + 1] == "1.0"
+    finally:
+        for group in mesh.groups.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(group, signal.SIGTERM)
+        remove_namespaces(mesh.namespaces, mesh.devices)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root")
+def test_a_namespace_whose_setup_fails_is_removed_and_the_error_is_an_oserror() -> None:
+    name = f"lkt{os.getpid() % 100000}-half"
+    with pytest.raises(OSError, match=r"sysctl net\.no\.such\.key=1"):
+        add_namespace(name, {"net.no.such.key": "1"})
+    assert name not in ip("netns", "list").stdout
