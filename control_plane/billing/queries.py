@@ -132,8 +132,9 @@ def _region_totals(session: Session, window: tuple[Any, ...]) -> list[GroupTotal
 
 def percentiles(session: Session, window: tuple[Any, ...], column: str, qs: tuple[float, ...]) -> dict[float, Any]:
     """Nearest-rank percentiles (q in [0, 100]) of `column` over the entries matching `window` that have a
-    value, each one indexed read (a count, then the value at its rank); None for each q when none has one.
-    Portable (SQLite has no percentile_disc) and bounded: no row leaves the database but the answers."""
+    value: a count, then per q the value at its rank (an ordered scan of the window's rows, by the tenant and
+    finished_at indexes; no index orders `column`); None for each q when none has one. Portable (SQLite has
+    no percentile_disc), and no row leaves the database but the answers."""
     value = getattr(UsageEntry, column)
     where = (*window, value.is_not(None))
     n = session.execute(select(func.count()).where(*where)).scalar_one()

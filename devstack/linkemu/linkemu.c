@@ -41,7 +41,7 @@
 #define MAXPKT 65536
 #define BATCH 64
 
-typedef struct { uint64_t off, len, due; } desc_t;
+typedef struct { uint64_t off, len, due, gen; } desc_t;  /* gen: the cut count when it arrived */
 
 typedef struct {
     const char *name;                /* "a->b" */
@@ -61,9 +61,11 @@ typedef struct {
 
 static volatile sig_atomic_t stop;
 static volatile int cut;  /* SIGRTMIN sets, SIGRTMIN+1 clears: every packet is dropped meanwhile */
+static volatile uint64_t cuts;  /* cuts so far: a packet in the delay line across a cut is dropped at release */
 static volatile int slow; /* SIGRTMIN+2 sets, SIGRTMIN+3 clears: the rate is divided by SLOW_FACTOR */
 #define SLOW_FACTOR 10.0
 static uint64_t arena_mb = 64, ring_slots = 1 << 18;
+static int arena_given;  /* --arena-mb given: else each direction's arena is sized to hold its delay line */
 
 static uint64_t now_ns(void) {
     struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -113,6 +115,7 @@ static void enqueue(dir_t *d, const uint8_t *buf, uint64_t len, uint64_t t) {
     memcpy(d->arena + pos, buf, len);
     desc_t *e = &d->ring[d->r_head % d->ring_sz];
     e->off = d->a_head; e->len = len; e->due = start + d->delay_ns;
+    e->gen = __atomic_load_n(&cuts, __ATOMIC_RELAXED);
     d->a_head += len; d->r_head++;
     d->link_free_ns = start;
 }
@@ -130,7 +133,8 @@ static void *run_dir(void *arg) {
             uint64_t late = t - e->due;
             d->late_sum_ns += late; d->late_1ms += late > 1000000;
             if (late > d->late_max_ns) d->late_max_ns = late;
-            if (__atomic_load_n(&cut, __ATOMIC_RELAXED)) d->drop_cut++;  /* on the wire when it was cut */
+            if (__atomic_load_n(&cut, __ATOMIC_RELAXED) || e->gen != __atomic_load_n(&cuts, __ATOMIC_RELAXED))
+                d->drop_cut++;  /* on the wire when it was cut (even if restored since) */
             else if (write(d->out_fd, d->arena + e->off % d->arena_sz, e->len) < 0) d->tx_err++;
             else { d->tx_pkts++; d->tx_bytes += e->len; }
             d->a_tail = e->off + e->len; d->r_tail++;
@@ -208,7 +212,7 @@ int main(int argc, char **argv) {
         if (!strcmp(key, "--tun-a")) tun[0] = v;
         else if (!strcmp(key, "--tun-b")) tun[1] = v;
         else if (!strcmp(key, "--seed")) seed = (uint64_t)num(key, v, 0, 9007199254740992.0);
-        else if (!strcmp(key, "--arena-mb")) arena_mb = (uint64_t)num(key, v, 1, 1 << 20);
+        else if (!strcmp(key, "--arena-mb")) { arena_mb = (uint64_t)num(key, v, 1, 1 << 20); arena_given = 1; }
         else if (!strcmp(key, "--ring-slots")) ring_slots = (uint64_t)num(key, v, 1, 1 << 26);
         else if (!strcmp(key, "--rt-prio")) {         /* SCHED_FIFO; threads inherit it */
             struct sched_param sp = { .sched_priority = (int)num(key, v, 1, 99) };
@@ -245,6 +249,16 @@ int main(int argc, char **argv) {
         }
         d[k].delay_ns = (uint64_t)(d[k].delay_ms * 1e6);
         d[k].arena_sz = arena_mb << 20; d[k].ring_sz = ring_slots;
+        if (!arena_given && d[k].rate_mbit > 0) {  /* room for a delay line full at the rate, and the queue */
+            double need = d[k].rate_mbit * 1e6 / 8 * d[k].delay_ms / 1000 + (d[k].queue_bytes > 0 ?
+                          (double)d[k].queue_bytes : 0) + 65536.0 + 2.0 * MAXPKT;
+            if (need > 4.0 * (1ull << 30)) {
+                fprintf(stderr, "linkemu: %s needs %.0f MiB of delay line (rate x delay + queue): at most 4096\n",
+                        d[k].name, need / (1 << 20));
+                return 2;
+            }
+            if (need > (double)d[k].arena_sz) d[k].arena_sz = (uint64_t)need;
+        }
         d[k].arena = malloc(d[k].arena_sz); d[k].ring = calloc(ring_slots, sizeof(desc_t));
         if (!d[k].arena || !d[k].ring) { perror("malloc"); return 1; }
     }
@@ -255,6 +269,7 @@ int main(int argc, char **argv) {
     for (;;) {                                 /* SIGUSR1: dump counters and keep running */
         sigwait(&ss, &sig);
         if (sig == SIGRTMIN || sig == SIGRTMIN + 1) {  /* cut / restore the link */
+            if (sig == SIGRTMIN) __atomic_add_fetch(&cuts, 1, __ATOMIC_RELAXED);
             __atomic_store_n(&cut, sig == SIGRTMIN, __ATOMIC_RELAXED);
             continue;
         }

@@ -118,3 +118,33 @@ def test_a_namespace_whose_setup_fails_is_removed_and_the_error_is_an_oserror() 
     with pytest.raises(OSError, match=r"sysctl net\.no\.such\.key=1"):
         add_namespace(name, {"net.no.such.key": "1"})
     assert name not in ip("netns", "list").stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="TUN devices and namespaces need root")
+def test_a_cut_shorter_than_the_delay_still_drops_what_was_on_the_wire() -> None:
+    """A packet in the 300 ms delay line when a 50 ms cut began is lost, as on a cut fibre, even though the
+    link is back when it falls due (it was delivered)."""
+    import sys
+
+    from prfaas.devstack.wanlink import wan_link
+
+    send = "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('10.77.0.2', 9))"
+    with wan_link(600.0, 0.0, 0.0, name_prefix="lkc") as link:
+        before = link.counters()["a->b"]
+        link.check_in("a", [sys.executable, "-c", send], timeout=10)
+        link.cut()
+        time.sleep(0.05)
+        link.restore()
+        time.sleep(0.6)
+        after = link.counters()["a->b"]
+    assert after["rx_pkts"] > before["rx_pkts"]
+    assert after["tx_pkts"] == before["tx_pkts"] and after["drop_cut"] > before["drop_cut"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="TUN devices need root")
+def test_a_delay_line_it_cannot_hold_is_refused_at_start() -> None:
+    """100 Gbit/s x 1 s one way is 12.5 GB in flight: refused, where a fixed 64 MiB arena dropped packets
+    below the configured rate (drop_buf) with an empty queue."""
+    done = subprocess.run([str(build_linkemu()), "--tun-a", "lkz0a", "--tun-b", "lkz0b", "--rate-mbit", "100000",
+                           "--delay-ms", "1000"], capture_output=True, text=True, timeout=10)  # fmt: skip
+    assert done.returncode == 2 and "MiB of delay line" in done.stderr
