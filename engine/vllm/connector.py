@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from prfaas.engine.calibration import CalibrationFile
 from prfaas.engine.kv import tensor_view
-from prfaas.engine.staging import LayerCopier, StagedShipment, device_copier, feed_layer
+from prfaas.engine.staging import LayerCopier, StagedShipment, compute_done, device_copier, feed_layer
 from prfaas.engine.vllm.jobs import LoadJob, Outbound, PrfaasMetadata, ShipJob
 from prfaas.engine.vllm.layout import cpu_keys_transposed, gather_layer, layer_index, load_blocks, scatter_layer
 from prfaas.engine.vllm.link import LINKS, KVLink, ShipOutcome
@@ -251,7 +251,11 @@ class PrfaasConnector(KVConnectorBase_V1):
             if not job.params.layerwise:
                 # The forward is done and the blocks stay held until the send ends: gather
                 # and send on a thread, so the step returns (and the first token goes out) now.
-                thread = threading.Thread(target=self._ship_whole, args=(job,), name=f"prfaas-ship-{job.req_id}")
+                # the sender's gathers wait for the forward's end, whatever stream vLLM runs it on
+                forward = compute_done(next(iter(self._caches.values()), None))
+                thread = threading.Thread(
+                    target=self._ship_whole, args=(job, forward), name=f"prfaas-ship-{job.req_id}"
+                )
                 thread.daemon = True
                 thread.start()
                 continue
@@ -260,10 +264,13 @@ class PrfaasConnector(KVConnectorBase_V1):
                 log.error("request %s: %d of %d layers saved", job.req_id, len(out.layers_added), out.spec.num_layers)
                 out.transfer.cancel()  # a shipment missing layers would never complete
 
-    def _ship_whole(self, job: ShipJob) -> None:
-        """Sender thread of a shipment sent after the forward: every layer out of the held blocks."""
+    def _ship_whole(self, job: ShipJob, forward: Any = None) -> None:
+        """Sender thread of a shipment sent after the forward (`forward`: its end, a CUDA event, or None on
+        the CPU): every layer out of the held blocks."""
         out = None
         try:
+            if forward is not None:
+                torch.cuda.current_stream(forward[1]).wait_event(forward[0])
             out = self._open_shipment(job, self._caches[min(self._caches)])
             assert out is not None
             for index, cache in sorted(self._caches.items()):
@@ -355,6 +362,10 @@ class PrfaasConnector(KVConnectorBase_V1):
                 k = tensor_view(k_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
                 v = tensor_view(v_buf, (heads, tokens, head_dim), cache.dtype)[:, : job.num_tokens]
                 scatter_layer(cache, job.block_ids, k, v, start_token=job.start_token, k_transposed=self._k_transposed)
+            for cache in self._caches.values():  # the writes are done before vLLM schedules the request
+                if cache.is_cuda:  # (they ran on this thread's stream, not necessarily the forward's)
+                    torch.cuda.current_stream(cache.device).synchronize()
+                    break
         except Exception as exc:  # any failure: report the blocks, vLLM recomputes the prompt
             if inbound is not None:
                 inbound.cancel(f"decode gave up: {exc}")
