@@ -8,14 +8,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from prfaas.engine.vllm.connector import PrfaasConnector
-from prfaas.engine.vllm.jobs import LoadJob
 from prfaas.engine.vllm.layout import load_blocks
 from prfaas.engine.vllm.link import ShipOutcome
 from prfaas.engine.vllm.params import LoadParams
@@ -23,12 +20,20 @@ from prfaas.transport.api import TransferStatus
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tickets import TicketVerifier
 
-pytestmark = pytest.mark.vllm
+if TYPE_CHECKING:
+    from prfaas.engine.vllm.connector import PrfaasConnector
+
+pytestmark = pytest.mark.vllm  # vLLM itself is imported in the tests: the main suite collects this module too
 BLOCK = 16
 
 
 @pytest.fixture
 def worker() -> Iterator[PrfaasConnector]:
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from prfaas.engine.vllm.connector import PrfaasConnector
+
     transfer = KVTransferConfig(
         kv_connector="PrfaasConnector", kv_connector_module_path="prfaas.engine.vllm.connector",
         kv_role="kv_both", engine_id=f"units-{uuid.uuid4().hex[:8]}", kv_connector_extra_config={},
@@ -42,6 +47,8 @@ def worker() -> Iterator[PrfaasConnector]:
 def test_a_failed_load_names_only_the_blocks_it_was_to_write(worker: PrfaasConnector) -> None:
     """60 prompt tokens, the first 32 (blocks 10, 11) a local prefix-cache hit shared with other requests:
     a load that fails names blocks 12 and 13 only, or vLLM recomputes every running request on 10 and 11."""
+    from prfaas.engine.vllm.jobs import LoadJob
+
     job = LoadJob("req", LoadParams(str(uuid.uuid4()), 1, 0.2, 60), (10, 11, 12, 13, 14), 32, 60)
     assert load_blocks(job.block_ids, job.start_token, job.num_tokens, BLOCK) == (12, 13)
     worker._caches = {0: torch.zeros(32, 2, BLOCK, 16)}
@@ -80,6 +87,8 @@ def test_a_load_whose_request_vllm_aborted_stops_waiting_and_asks_no_recompute(w
     assert link is not None
     link.receiver = TcpReceiver(TicketVerifier({"k1": b"k" * 32}))  # the engine's KV port
     try:
+        from prfaas.engine.vllm.jobs import LoadJob
+
         job = LoadJob("aborted", LoadParams(str(uuid.uuid4()), 1, 60.0, 32), (3, 4), 0, 32)
         worker._caches = {0: torch.zeros(8, 2, BLOCK, 16)}
         worker._loading[job.req_id] = None  # as start_load_kv registers it before the loader's thread starts
