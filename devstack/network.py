@@ -106,6 +106,7 @@ class WanMesh:
         bridge = f"{self.tag}br"[-15:]
         ip("link", "add", bridge, "type", "bridge")
         self.devices.append(bridge)
+        self._free_subnet()
         ip("addr", "add", f"{self.registry_host}/24", "dev", bridge)
         ip("link", "set", bridge, "up")
         for region in self.index:
@@ -128,6 +129,16 @@ class WanMesh:
                 "--loss-pct-ba", str(back.loss_pct),
             )  # fmt: skip
             self._link(j, link.src, link.dst, link.rtt_ms, link.rate_mbit, link.loss_pct, extra)
+
+    def _free_subnet(self) -> None:
+        """A control subnet 10.79.S.0/24 no other interface here holds (another mesh running, or one a crashed
+        run left): two bridges on one subnet route one mesh's control traffic to the other's instances."""
+        for step in range(250):
+            subnet = (self.subnet - 1 + step) % 250 + 1
+            if not ip("-4", "-o", "addr", "show", "to", f"10.79.{subnet}.0/24").stdout.strip():
+                self.subnet, self.registry_host = subnet, f"10.79.{subnet}.1"
+                return
+        raise OSError("every control subnet 10.79.1-250.0/24 is in use: remove stale meshes (prfaas down)")
 
     def _instance(self, region: str, k: int, bridge: str) -> None:
         ns, site, n = self._ns(region, k), self._site(region), self._host[(region, k)]

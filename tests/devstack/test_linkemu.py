@@ -148,3 +148,21 @@ def test_a_delay_line_it_cannot_hold_is_refused_at_start() -> None:
     done = subprocess.run([str(build_linkemu()), "--tun-a", "lkz0a", "--tun-b", "lkz0b", "--rate-mbit", "100000",
                            "--delay-ms", "1000"], capture_output=True, text=True, timeout=10)  # fmt: skip
     assert done.returncode == 2 and "MiB of delay line" in done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root")
+def test_a_mesh_takes_a_control_subnet_no_interface_holds(tmp_path: Path) -> None:
+    """The subnet came from the pid alone: a second mesh (or a stale bridge) on it took the same routes."""
+    from prfaas.devstack.network import WanMesh
+    from prfaas.devstack.topology import topology_from_mapping
+
+    topology = topology_from_mapping({"regions": [{"name": "east", "role": "both", "usd_per_gpu_hour": 1}]})
+    mesh = WanMesh(topology, tmp_path)
+    taken, squatter = mesh.subnet, f"lks{os.getpid() % 100000}"
+    ip("link", "add", squatter, "type", "bridge")
+    try:
+        ip("addr", "add", f"10.79.{taken}.200/24", "dev", squatter)
+        mesh.setup()
+        assert mesh.subnet != taken and mesh.registry_host == f"10.79.{mesh.subnet}.1"
+    finally:
+        remove_namespaces(mesh.namespaces, [*mesh.devices, squatter])
