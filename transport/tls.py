@@ -317,6 +317,8 @@ class TlsSocket:
         most 16 KiB: one lock and call per record cost the reader a third of its CPU)."""
         view = memoryview(buffer).cast("B")
         view = view[: nbytes or len(view)]
+        timeout = self._sock.gettimeout()  # for this whole call, not for each raw recv under it: a peer
+        deadline = None if timeout is None else time.monotonic() + timeout  # trickling a record cannot stretch it
         while True:
             try:
                 got = self._locked(lambda: self._decrypt_into(view))
@@ -324,7 +326,19 @@ class TlsSocket:
                 return 0
             if got:
                 return got
-            if not self._receive():
+            if deadline is None:
+                if not self._receive():
+                    return 0
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out waiting for a whole TLS record")
+            self._sock.settimeout(left)
+            try:
+                received = self._receive()
+            finally:
+                self._sock.settimeout(timeout)
+            if not received:
                 return 0
 
     def _decrypt_into(self, view: memoryview) -> int:

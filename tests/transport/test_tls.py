@@ -337,3 +337,50 @@ def _copy(source: socket.socket, sink: socket.socket) -> None:
     with contextlib.suppress(OSError):
         while data := source.recv(1 << 16):
             sink.sendall(data)
+
+
+def test_a_receiver_trickling_its_tls_hello_reply_cannot_stretch_the_handshake(certs: dict[str, NodeCert]) -> None:
+    """Over TLS one read of HELLO_OK waits for a whole record, and each raw recv under it took the full timeout
+    again: a receiver sending its record a byte every 0.3 s held the setup for the record's length x 0.3 s.
+    The setup's one deadline (connect_timeout_s) holds under TLS too."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ended: list[float] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        raw, _ = listener.accept()
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = server_context(certs["decode"]).wrap_bio(incoming, outgoing, server_side=True)
+        started = time.monotonic()
+        with contextlib.suppress(OSError), raw:
+            while True:  # the handshake, pumped by hand
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    raw.sendall(outgoing.read())
+                    incoming.write(raw.recv(65536))
+            raw.sendall(outgoing.read())
+            tls.write(encode(Frame(FrameType.HELLO_OK, payload=json_payload({"version": 1, "node": "slow"}))))
+            record = outgoing.read()
+            raw.settimeout(0.3)
+            for byte in record:  # the HELLO_OK record, one byte every 0.3 s, until the client gives up
+                if stop.is_set():
+                    return
+                raw.sendall(bytes([byte]))
+                with contextlib.suppress(TimeoutError):
+                    if raw.recv(65536) == b"":
+                        break  # the client closed the connection
+            ended.append(time.monotonic() - started)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    channel = TcpChannel(listener.getsockname()[:2], num_streams=1, ssl_context=client_context(certs["prefill"]),
+                         connect_timeout_s=1.5, unavailable_after_s=30)  # fmt: skip
+    try:
+        server.join(10)
+        assert ended and ended[0] < 3, ended
+    finally:
+        stop.set()
+        channel.close(timeout_s=1)
+        listener.close()
