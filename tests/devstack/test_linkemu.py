@@ -166,3 +166,38 @@ def test_a_mesh_takes_a_control_subnet_no_interface_holds(tmp_path: Path) -> Non
         assert mesh.subnet != taken and mesh.registry_host == f"10.79.{mesh.subnet}.1"
     finally:
         remove_namespaces(mesh.namespaces, [*mesh.devices, squatter])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="TUN devices and namespaces need root")
+def test_a_link_given_its_rate_back_drains_its_slow_queue_at_that_rate() -> None:
+    """10 Mbit/s of UDP into a 20 Mbit/s link slowed to 2 Mbit/s for a second: once its rate is back, the
+    queue built meanwhile drains in ~0.1 s and new packets pass. The queue kept its slow schedule and its
+    backlog, read at the new rate, looked 10x fuller: nearly every packet was dropped for a second."""
+    import sys
+
+    from prfaas.devstack.wanlink import wan_link
+
+    send = ("import socket, time\n"
+            "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "end = time.monotonic() + 3.2\n"
+            "while time.monotonic() < end:\n"
+            "    for _ in range(25):\n"
+            "        s.sendto(bytes(1000), ('10.77.0.2', 9))\n"
+            "    time.sleep(0.02)\n")  # fmt: skip
+    with wan_link(10.0, 20.0, 0.0, queue_bytes=250_000, name_prefix="lks") as link:
+        sender = link.run_in("a", [sys.executable, "-c", send])
+        try:
+            time.sleep(1.0)
+            link.slow()
+            time.sleep(1.0)
+            link.unslow()
+            time.sleep(0.4)  # the slow queue's 250 KB drain in 0.1 s at 20 Mbit/s
+            before = link.counters()["a->b"]
+            time.sleep(0.6)
+            after = link.counters()["a->b"]
+        finally:
+            sender.kill()
+            sender.wait()
+    arrived = after["rx_pkts"] - before["rx_pkts"]
+    dropped = after["drop_queue"] - before["drop_queue"]
+    assert arrived > 300 and dropped < arrived * 0.1, (arrived, dropped)
