@@ -189,7 +189,10 @@ def start_region(folder: Path, model: str, name: str, role: str, device: str) ->
         "name": name, "role": role, "model": model, "ticket_key": KEY, "codec": "raw", "kv_buffer_bytes": "4GiB",
         "device": device, "dtype": "auto", "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0"},
     }  # fmt: skip
-    return spawn_region(write_region_config(folder / f"{name}.yaml", config), timeout_s=call_s())
+    left = DEADLINE[0] - time.monotonic()  # a cold GPU host may take minutes to load the model: not CALL_S
+    if left <= 1:
+        raise TimeoutError("the check's time budget is spent (--budget-s)")
+    return spawn_region(write_region_config(folder / f"{name}.yaml", config), timeout_s=min(300.0, left))
 
 
 class RegionPair:
@@ -299,11 +302,12 @@ def main() -> None:
             failure = f"{type(exc).__name__}: {exc}"
             print(f"failed: {failure}", flush=True)
         finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the stop short
             for region in regions:
                 region.stop()
+            if args.json:  # also after a failure or a SIGTERM: the rows measured so far
+                args.json.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"done in {time.monotonic() - began:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
     ok = rows and len(rows) == len(args.lengths) and all(r["tokens_identical"] for r in rows) and failure is None
     raise SystemExit(0 if ok else 1)
 

@@ -238,7 +238,8 @@ class ShmReceiver(ListeningReceiver[ShmConnection]):
         connection = ShmConnection(sock, self)
         with contextlib.suppress(OSError):  # the sending process, as the kernel names it: what max_per_peer counts
             pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            connection.session.peer = f"pid:{pid}"
+            if pid > 0:  # 0: a process in a PID namespace this one cannot see (not one shared name for all)
+                connection.session.peer = f"pid:{pid}"
         return connection
 
     def _stop_accepting(self) -> None:

@@ -318,7 +318,7 @@ class TlsSocket:
         view = memoryview(buffer).cast("B")
         view = view[: nbytes or len(view)]
         timeout = self._sock.gettimeout()  # for this whole call, not for each raw recv under it: a peer
-        deadline = None if timeout is None else time.monotonic() + timeout  # trickling a record cannot stretch it
+        deadline = time.monotonic() + timeout if timeout else None  # trickling a record cannot stretch it
         while True:
             try:
                 got = self._locked(lambda: self._decrypt_into(view))

@@ -66,7 +66,7 @@ static volatile uint64_t cuts;  /* cuts so far: a packet in the delay line acros
 static volatile int slow; /* SIGRTMIN+2 sets, SIGRTMIN+3 clears: the rate is divided by SLOW_FACTOR */
 #define SLOW_FACTOR 10.0
 static uint64_t arena_mb = 64, ring_slots = 1 << 18;
-static int arena_given;  /* --arena-mb given: else each direction's arena is sized to hold its delay line */
+static int arena_given, ring_given;  /* --arena-mb given: else each direction's arena is sized to hold its delay line */
 
 static uint64_t now_ns(void) {
     struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -232,7 +232,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(key, "--tun-b")) tun[1] = v;
         else if (!strcmp(key, "--seed")) seed = (uint64_t)num(key, v, 0, 9007199254740992.0);
         else if (!strcmp(key, "--arena-mb")) { arena_mb = (uint64_t)num(key, v, 1, 1 << 20); arena_given = 1; }
-        else if (!strcmp(key, "--ring-slots")) ring_slots = (uint64_t)num(key, v, 1, 1 << 26);
+        else if (!strcmp(key, "--ring-slots")) { ring_slots = (uint64_t)num(key, v, 1, 1 << 26); ring_given = 1; }
         else if (!strcmp(key, "--rt-prio")) {         /* SCHED_FIFO; threads inherit it */
             struct sched_param sp = { .sched_priority = (int)num(key, v, 1, 99) };
             if (sched_setscheduler(0, SCHED_FIFO, &sp) < 0) perror("sched_setscheduler");
@@ -243,7 +243,13 @@ int main(int argc, char **argv) {
         else for (int k = 0; k < 2; k++) {
             if (!(mask & (1 << k))) continue;
             if (!strcmp(key, "--delay-ms")) d[k].delay_ms = num(key, v, 0, 60000);
-            else if (!strcmp(key, "--rate-mbit")) d[k].rate_mbit = num(key, v, 0, 1e7);
+            else if (!strcmp(key, "--rate-mbit")) {
+                d[k].rate_mbit = num(key, v, 0, 1e7);
+                if (d[k].rate_mbit > 0 && d[k].rate_mbit < 1e-3) {  /* a packet's time would overflow */
+                    fprintf(stderr, "linkemu: --rate-mbit %s: a number in [0.001, 1e+07], or 0 (unlimited)\n", v);
+                    exit(2);
+                }
+            }
             else if (!strcmp(key, "--loss-pct")) d[k].loss_pct = num(key, v, 0, 100);
             else if (!strcmp(key, "--queue-bytes")) d[k].queue_bytes = (long long)num(key, v, 0, 1e15);
             else if (!strcmp(key, "--queue-pkts")) d[k].queue_pkts = (long long)num(key, v, 0, 1e12);
@@ -277,8 +283,9 @@ int main(int argc, char **argv) {
                 return 2;
             }
             if (need > (double)d[k].arena_sz) d[k].arena_sz = (uint64_t)need;
+            if (!ring_given && need / 576 > (double)d[k].ring_sz) d[k].ring_sz = (uint64_t)(need / 576);
         }
-        d[k].arena = malloc(d[k].arena_sz); d[k].ring = calloc(ring_slots, sizeof(desc_t));
+        d[k].arena = malloc(d[k].arena_sz); d[k].ring = calloc(d[k].ring_sz, sizeof(desc_t));
         if (!d[k].arena || !d[k].ring) { perror("malloc"); return 1; }
     }
     printf("ready tun_a=%s tun_b=%s\n", tun[0], tun[1]); fflush(stdout);

@@ -132,7 +132,7 @@ def _stream(host: Any, conn: Connection, token_ids: list[int], max_tokens: int, 
     sent = 0
     try:
         while not future.done() or not updates.empty():
-            if time.monotonic() > deadline:  # also while tokens keep coming
+            if not future.done() and time.monotonic() > deadline:  # also while tokens keep coming
                 host.abort(request_id)
                 raise TimeoutError(f"generation did not finish in {timeout_s} s")
             try:

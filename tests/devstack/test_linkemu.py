@@ -18,7 +18,7 @@ from prfaas.devstack.netns import add_namespace, build_linkemu, ip, remove_names
 @pytest.mark.parametrize(
     "args",
     [["--rate-mbit", "inf"], ["--delay-ms", "nan"], ["--delay-ms", "-5"], ["--rate-mbit", "2x0"],
-     ["--arena-mb", "17592186044416"], ["--loss-pct", "101"]],
+     ["--arena-mb", "17592186044416"], ["--loss-pct", "101"], ["--rate-mbit", "1e-300"]],
 )  # fmt: skip
 def test_numbers_it_cannot_emulate_are_refused_at_start(args: list[str]) -> None:
     """Each of these started before: inf made a dead link, nan released nothing, -5 ms was 0 ms, "2x0" was
