@@ -46,9 +46,21 @@ def test_an_interrupt_while_it_starts_stops_it(tmp_path: Path) -> None:
     script = f"echo $$ > {pid_file}; exec sleep 30"
     main = threading.main_thread().ident
     assert main is not None
-    threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        start_linkemu(["sh", "-c", script])
+
+    def interrupt() -> None:  # once the emulator runs and we wait for its `ready` (not while it is forked)
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a run in the background ignores it
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            start_linkemu(["sh", "-c", script])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while _alive(pid) and time.monotonic() < deadline:

@@ -27,8 +27,10 @@ def _bench(url: str, out: Path, policies: str) -> subprocess.Popen[str]:
     args = ["bench", "--api-base", url, "--api-key", "k", "--model", "m", "-n", "2", "--concurrency", "1",
             "--warmup", "0", "--input-len", "fixed:8", "--output-len", "fixed:2", "--compare", policies,
             "--out", str(out)]  # fmt: skip
+    # as from a terminal: a test run started in the background (CI) ignores SIGINT, and its children with it
     return subprocess.Popen([sys.executable, "-c", STUBBED, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
 
 
 def test_the_ratio_table_shows_each_policys_completed_and_failed_requests(tmp_path: Path) -> None:
