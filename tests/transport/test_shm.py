@@ -4,6 +4,7 @@ when the arena is full, checksums on request, and a TCP receiver sharing the are
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,20 @@ def test_endpoints_parse_and_the_fastest_usable_one_is_chosen() -> None:
         choose(parse_endpoints("shm://other/x.sock"))
 
 
+@contextlib.contextmanager
+def receiver_process(job_id: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A shared-memory receiver in a process of its own expecting `job_id` (conformance_peer.py): the process
+    (to SIGSTOP) and its socket's path. Killed on exit, stopped or not."""
+    peer = subprocess.Popen([sys.executable, str(PEER), "shm", KEY.hex(), job_id], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        yield peer, json.loads(peer.stdout.readline())["path"]
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait(10)
+
+
 def test_a_receiver_that_stops_reading_fails_the_transfer_long_before_its_deadline(kit: Kit) -> None:
     """A receiver process that is alive but stuck (SIGSTOP) stops reading the control socket:
     the channel's sends are bounded (send_timeout_s), so the transfer fails with
@@ -134,26 +150,18 @@ def test_a_receiver_that_stops_reading_fails_the_transfer_long_before_its_deadli
     gets a fresh connection."""
     spec = kit.spec(num_layers=16, shape=(4, 1024, 64), codec="lossless", timeout_s=60)  # inline payloads
     layers = layers_for(spec)  # random bytes: the lossless stage keeps their 16 MB
-    command = [sys.executable, str(PEER), "shm", KEY.hex(), spec.job_id]
-    peer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert peer.stdout is not None
-        path = json.loads(peer.stdout.readline())["path"]
-        with ShmChannel(path, send_timeout_s=1.0) as channel:
-            shipment = Shipment(spec)
-            transfer = channel.submit(shipment)
-            shipment.add_layer(0, *layers[0])
-            wait_until_sent(transfer)
-            os.kill(peer.pid, signal.SIGSTOP)
-            start = time.monotonic()
-            for index in range(1, spec.num_layers):
-                shipment.add_layer(index, *layers[index])
-            assert transfer.wait(20) is TransferStatus.FAILED
-            assert isinstance(transfer.error, PeerUnavailable), transfer.error
-            assert time.monotonic() - start < 8.0
-    finally:
-        peer.kill()
-        peer.wait(10)
+    with receiver_process(spec.job_id) as (peer, path), ShmChannel(path, send_timeout_s=1.0) as channel:
+        shipment = Shipment(spec)
+        transfer = channel.submit(shipment)
+        shipment.add_layer(0, *layers[0])
+        wait_until_sent(transfer)
+        os.kill(peer.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        for index in range(1, spec.num_layers):
+            shipment.add_layer(index, *layers[index])
+        assert transfer.wait(20) is TransferStatus.FAILED
+        assert isinstance(transfer.error, PeerUnavailable), transfer.error
+        assert time.monotonic() - start < 8.0
 
 
 def test_a_placed_chunk_header_after_its_cancel_does_not_desync_the_control_socket(kit: Kit) -> None:
@@ -191,11 +199,7 @@ def test_canceling_a_transfer_never_waits_on_a_receiver_that_stopped_reading(kit
     that cancels a transfer (the prefill region's Cancel, a deadline, close) posts its CANCEL and goes on."""
     spec = kit.spec(num_layers=16, shape=(4, 1024, 64), codec="lossless", timeout_s=60)  # inline payloads
     layers = layers_for(spec)
-    command = [sys.executable, str(PEER), "shm", KEY.hex(), spec.job_id]
-    peer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert peer.stdout is not None
-        path = json.loads(peer.stdout.readline())["path"]
+    with receiver_process(spec.job_id) as (peer, path):
         with ShmChannel(path, send_timeout_s=5.0) as channel:
             shipment = Shipment(spec)
             transfer = channel.submit(shipment)
@@ -211,9 +215,6 @@ def test_canceling_a_transfer_never_waits_on_a_receiver_that_stopped_reading(kit
             assert transfer.status() is TransferStatus.CANCELED
             start = time.monotonic()
         assert time.monotonic() - start < 6.0  # close: the copy thread's send ends at its 5 s timeout
-    finally:
-        peer.kill()
-        peer.wait(10)
 
 
 def test_one_sending_process_holds_at_most_max_per_peer_verified_connections(kit: Kit) -> None:
@@ -268,34 +269,25 @@ def test_a_cancel_posted_while_the_receiver_did_not_read_goes_out_once_it_reads(
     writes after it: the channel's reaper sends it once the receiver reads again (it stayed queued for good)."""
     spec = kit.spec(num_layers=16, shape=(1, 256, 64), codec="lossless", timeout_s=60)  # 32 KiB parts, inline
     layers = layers_for(spec)
-    command = [sys.executable, str(PEER), "shm", KEY.hex(), spec.job_id]
-    peer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert peer.stdout is not None
-        path = json.loads(peer.stdout.readline())["path"]
-        with ShmChannel(path) as channel:
-            shipment = Shipment(spec)
-            transfer = channel.submit(shipment)
-            shipment.add_layer(0, *layers[0])
-            wait_until_sent(transfer)
-            os.kill(peer.pid, signal.SIGSTOP)
-            for index in (1, 2):  # ~128 KiB unread: written whole, and the socket has no room left
-                shipment.add_layer(index, *layers[index])
-            link = channel._link
-            assert link is not None
-            deadline = time.monotonic() + 10  # until those writes are done and left the socket full
-            while (socket_room(link.sock.fileno)() or link.writer.lock.locked()) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if socket_room(link.sock.fileno)():
-                pytest.skip("this host's socket buffers take 128 KiB with room to spare")
-            transfer.cancel()
-            assert link.writer.queued == 1  # posted, not sent
-            os.kill(peer.pid, signal.SIGCONT)
-            deadline = time.monotonic() + 3
-            while link.writer.queued and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert link.writer.queued == 0
-    finally:
+    with receiver_process(spec.job_id) as (peer, path), ShmChannel(path) as channel:
+        shipment = Shipment(spec)
+        transfer = channel.submit(shipment)
+        shipment.add_layer(0, *layers[0])
+        wait_until_sent(transfer)
+        os.kill(peer.pid, signal.SIGSTOP)
+        for index in (1, 2):  # ~128 KiB unread: written whole, and the socket has no room left
+            shipment.add_layer(index, *layers[index])
+        link = channel._link
+        assert link is not None
+        deadline = time.monotonic() + 10  # until those writes are done and left the socket full
+        while (socket_room(link.sock.fileno)() or link.writer.lock.locked()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if socket_room(link.sock.fileno)():
+            pytest.skip("this host's socket buffers take 128 KiB with room to spare")
+        transfer.cancel()
+        assert link.writer.queued == 1  # posted, not sent
         os.kill(peer.pid, signal.SIGCONT)
-        peer.kill()
-        peer.wait(10)
+        deadline = time.monotonic() + 3
+        while link.writer.queued and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.writer.queued == 0
