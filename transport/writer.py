@@ -88,7 +88,7 @@ class FrameWriter:
         while self.queued and self.lock.acquire(blocking=False):
             try:
                 if not self._room():
-                    return  # the peer does not read: its next write (if any) takes them
+                    return  # the peer does not read: the next write or flush (each reaper tick) takes them
                 data = self._take()
                 if data:
                     self._send(data, b"")

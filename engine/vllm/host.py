@@ -58,7 +58,6 @@ class _Pending:
     future: Future[Generation]
     started: float
     on_tokens: Callable[[list[Step]], None] | None = None  # called on the loop thread with each step's new tokens
-    loading: bool = False  # a prfaas_load request that has produced no token yet (its KV load may be in flight)
     first_token_at: float | None = None
     steps: list[Step] = field(default_factory=list)  # what vLLM produced so far (outputs come as deltas)
     prompt_logprobs: list[WireLogprobs] | None = None
@@ -197,8 +196,7 @@ class VLLMHost:
         if isinstance(parsed, LoadParams):
             self.link.attach(parsed.job_id, parsed.attempt, parsed.timeout_s)
         pending = _Pending(
-            list(token_ids), params, Future(), time.monotonic(), on_tokens, isinstance(parsed, LoadParams),
-            cache_salt=salt,
+            list(token_ids), params, Future(), time.monotonic(), on_tokens, cache_salt=salt,
         )  # fmt: skip
         request_id = request_id or f"r-{uuid.uuid4().hex}"
         self._unstarted.add(request_id)
@@ -356,7 +354,6 @@ class VLLMHost:
         if pending.first_token_at is None:
             pending.first_token_at = time.monotonic()
         steps = self._collect(pending, out)
-        pending.loading = False  # a token: the load ended (loaded or recomputed)
         if pending.on_tokens is not None and steps:
             try:
                 pending.on_tokens(steps)
