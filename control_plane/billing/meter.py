@@ -91,10 +91,10 @@ class Meter:
             ids = [job_id for job_id in batch if job_id is not None]
             try:
                 if ids:
-                    if self.metrics is not None:
-                        self.metrics.queue_depth.dec(len(ids))
                     self._bill_batch(ids)
             finally:
+                if ids and self.metrics is not None:
+                    self.metrics.queue_depth.dec(len(ids))  # billed (or left to the reconciliation sweep)
                 for _ in batch:
                     self._queue.task_done()
             if len(ids) < len(batch):

@@ -2,7 +2,8 @@
 SQLite file): the first attempt's KV bytes, recorded before it failed, are not the bill's, and the biller
 waits for the last attempt's, which its prefill region reports after DONE. Its stage metrics are the
 answering attempt's too: a local retry has no Reserve. And a bill whose spend settle fails after its ledger
-write still counts in the metering metrics (the retry finds the entry written and observes nothing)."""
+write still counts in the metering metrics (the retry finds the entry written and observes nothing). A job
+counts in the ledger queue until its bill is written."""
 
 from __future__ import annotations
 
@@ -135,3 +136,29 @@ def test_a_bill_whose_settle_fails_after_the_ledger_write_is_still_in_the_metric
     entry = meter.bill(job)  # the retry: written before, so not settled nor observed again
     assert entry is not None and ledger.entry(job) is not None
     assert registry.get_sample_value("prfaas_billed_jobs_total", {"placement": "local"}) == 1.0
+
+
+def test_a_job_counts_in_the_ledger_queue_until_its_bill_is_written(stores: tuple[Services, Ledger]) -> None:
+    """`prfaas_ledger_queue_depth` is the finished jobs not billed yet: one whose ledger write is under way
+    (a slow ledger) still counts; it leaves the gauge once written."""
+    services, ledger = stores
+    writing, release = threading.Event(), threading.Event()
+
+    class SlowLedger(Meter):
+        def bill_many(self, job_ids: list[str]) -> list:  # type: ignore[type-arg]
+            writing.set()
+            assert release.wait(10)
+            return super().bill_many(job_ids)
+
+    registry = CollectorRegistry()
+    meter = SlowLedger(services, ledger, registry, batch_window_s=0)
+    try:
+        meter.job_done(_new_job(services.jobs))  # not DONE: billed as nothing, but queued all the same
+        assert writing.wait(10)
+        assert registry.get_sample_value("prfaas_ledger_queue_depth") == 1.0
+        release.set()
+        assert meter.flush(10)
+        assert registry.get_sample_value("prfaas_ledger_queue_depth") == 0.0
+    finally:
+        release.set()
+        meter.close()
