@@ -7,9 +7,10 @@ the simulation's throughput at SLO.
     Θpd-d   = N_d * BS_max / (T_decode * L_out)                          (PD cluster decode)
     Λmax    = min(Θprfaas / p, Θpd-p / (1 - p), Θpd-d)
 
-with p = P(L > t), l_long = E[L | L > t], l_short = E[L | L <= t] over the workload's uncached
-lengths (sampled), and every pool serving its mean length at its steady rate: no queueing, no
-burst, no SLO on TTFT. Homogeneous PD is p = 0 on the folded fleet; naive heterogeneous p = 1.
+with p = P(L >= t), l_long = E[L | L >= t], l_short = E[L | L < t] over the workload's uncached
+lengths (sampled; the scheduler splits a prompt of exactly t uncached tokens), and every pool
+serving its mean length at its steady rate: no queueing, no burst, no SLO on TTFT. Homogeneous
+PD is p = 0 on the folded fleet; naive heterogeneous p = 1.
 One prefill-only region and one PD cluster (the case study's shape).
 """
 
@@ -53,9 +54,10 @@ class Lengths:
         self.sums = [0, *itertools.accumulate(self.sorted)]
 
     def split(self, threshold: int | None) -> tuple[float, float | None, float | None]:
-        """p, E[L | L > t] and E[L | L <= t] (None where no length falls)."""
+        """p, E[L | L >= t] and E[L | L < t] (None where no length falls): the scheduler splits at
+        uncached >= min_uncached_tokens, so a length at the threshold is long."""
         n = len(self.sorted)
-        k = n if threshold is None else bisect.bisect_right(self.sorted, threshold)
+        k = n if threshold is None else bisect.bisect_left(self.sorted, threshold)
         short = self.sums[k] / k if k else None
         long = (self.sums[n] - self.sums[k]) / (n - k) if k < n else None
         return (n - k) / n, long, short

@@ -46,6 +46,14 @@ class PrefillFit(_Strict):
     per_token_s: float = _Pos
     per_token_ctx_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
+    @model_validator(mode="after")
+    def _takes_time(self) -> PrefillFit:
+        # all zero: a prefill would take no time and its rate (tokens/s) divide by zero; a fit with the
+        # quadratic term alone is a time still (fit_prefill drops the terms that come out negative)
+        if self.base_s + self.per_token_s + self.per_token_ctx_s <= 0:
+            raise ValueError("a prefill takes time: base_s, per_token_s or per_token_ctx_s must be > 0")
+        return self
+
 
 class DecodeFit(_Strict):
     base_s: float = _Pos
@@ -72,7 +80,13 @@ class RegionTimings(_Strict):
         shared = self.role == "both" and self.engine_slots == "shared"
         if shared and self.num_prefill_workers != self.num_decode_workers:
             raise ValueError("shared engine slots: num_prefill_workers and num_decode_workers are the same slots")
+        if self.decodes and self.decode is None:  # no figure would do: any stands in for a measurement
+            raise ValueError("a region of role both with decode workers needs its decode fit")
         return self
+
+    @property
+    def decodes(self) -> bool:
+        return self.role == "both" and self.num_decode_workers > 0
 
 
 class LinkTimings(_Strict):
@@ -100,6 +114,12 @@ class Timings(_Strict):
     # prefill region is much cheaper does); "policy": let the default policy's cost model decide
     route: Literal["length", "policy"] = "length"
 
+    @model_validator(mode="after")
+    def _one_decodes(self) -> Timings:
+        if not any(region.decodes for region in self.regions):  # every request would be rejected
+            raise ValueError("no region decodes: one needs role both and num_decode_workers >= 1")
+        return self
+
 
 def load_timings(path: str | Path) -> Timings:
     try:
@@ -111,7 +131,7 @@ def load_timings(path: str | Path) -> Timings:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"timings {path}: {where}: {first['msg']}") from None
+        raise ValueError(f"timings {path}: {where + ': ' if where else ''}{first['msg']}") from None
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,10 @@ class DecodePool:
         if not self._heap:
             return
         generation = self._generation
-        timer = self.env.timeout(max(0.0, (self._heap[0][0] - self.steps) * self.step_s))
+        # at least one float step of the clock: at a large simulated time (a trace in epoch seconds) a shorter
+        # delay leaves env.now where it is, no step is counted, and the pool would wake at that instant forever
+        delay = max(math.ulp(float(self.env.now)), (self._heap[0][0] - self.steps) * self.step_s)
+        timer = self.env.timeout(delay)
         timer.callbacks.append(lambda _event: self._wake(generation))
 
     def _wake(self, generation: int) -> None:

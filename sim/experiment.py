@@ -39,7 +39,7 @@ class RunMetrics:
     tpot_p50_s: float
     tpot_p90_s: float
     tpot_p99_s: float
-    duration_s: float
+    duration_s: float  # first arrival to last finish
     link_gbps: dict[str, float]  # "src->dst" -> mean Gbit/s on the wire over the run
     link_raw_gbps: dict[str, float]  # the same in KV bytes before the codec
     link_util: float  # busiest link: mean wire Gbit/s / line rate
@@ -65,7 +65,11 @@ def summarize(sim: Simulation, records: list[RequestRecord], slo: Slo, rate_rps:
     # 25 ms at 40 tokens/s) must not miss it by float rounding
     ttft_ok, tpot_ok = slo.ttft_ms * (1 + 1e-9), slo.tpot_ms * (1 + 1e-9)
     met = sum(1 for r in done if r.ttft_s * 1000 <= ttft_ok and r.tpot_s * 1000 <= tpot_ok)
-    duration = max((r.finish_s for r in done), default=sim.now) or 1e-9
+    # from the first arrival, not from t = 0: a trace whose clock starts late (a window of a longer log) must
+    # not count the idle time before it as provisioned GPU-hours and dilute every rate
+    start = min((r.arrival_s for r in records), default=0.0)
+    duration = max((r.finish_s for r in done), default=sim.now) - start
+    duration = duration if duration > 0 else 1e-9
     ttft = [r.ttft_s for r in done]
     tpot = [r.tpot_s for r in done]
     link_gbps: dict[str, float] = {}

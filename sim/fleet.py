@@ -7,6 +7,7 @@ are directed prefill region -> decode region paths over the WAN.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -48,6 +49,13 @@ class RegionSpec:
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:
             raise ValueError(f"region {self.name}: unknown GPU {self.gpu!r}; known: {sorted(GPUS)}")
+        if self.num_prefill_workers < 0 or self.num_decode_workers < 0:
+            raise ValueError(
+                f"region {self.name}: worker counts must be >= 0, got {self.num_prefill_workers} prefill, "
+                f"{self.num_decode_workers} decode"
+            )
+        if self.gpus_per_worker < 1:
+            raise ValueError(f"region {self.name}: gpus_per_worker must be >= 1, got {self.gpus_per_worker}")
         if self.num_prefill_workers < 1 and self.num_decode_workers < 1:
             raise ValueError(f"region {self.name} has no workers")
         if self.shared_workers and (self.num_prefill_workers < 1 or self.num_decode_workers < 1):
@@ -79,6 +87,19 @@ class LinkSpec:
     rtt_ms: float
     egress_usd_per_gb: float = 0.0
     efficiency: float = WIRE_EFFICIENCY
+
+    def __post_init__(self) -> None:
+        name = f"link {self.src}->{self.dst}"
+        if self.src == self.dst:
+            raise ValueError(f"{name}: a link joins two regions (in-region KV moves over RDMA, modelled as free)")
+        if not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps >= 0):
+            raise ValueError(f"{name}: bandwidth_gbps must be >= 0 (0: a dead link), got {self.bandwidth_gbps}")
+        if not (math.isfinite(self.rtt_ms) and self.rtt_ms >= 0):
+            raise ValueError(f"{name}: rtt_ms must be >= 0, got {self.rtt_ms}")
+        if not 0 < self.efficiency <= 1:  # NaN fails too
+            raise ValueError(f"{name}: efficiency (goodput / line rate) must be in (0, 1], got {self.efficiency}")
+        if not (math.isfinite(self.egress_usd_per_gb) and self.egress_usd_per_gb >= 0):
+            raise ValueError(f"{name}: egress_usd_per_gb must be >= 0, got {self.egress_usd_per_gb}")
 
     @property
     def goodput_bytes_per_s(self) -> float:

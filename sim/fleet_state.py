@@ -30,6 +30,7 @@ class RegionState:
         self.kv_capacity = worker.kv_capacity_bytes * spec.num_decode_workers
         self.kv_free = self.kv_capacity
         self.mean_prefill_s = 0.0
+        self.mean_hold_s = 0.0  # shared slots: smoothed seconds a request holds one (as the decode region reports)
         self.queued_tokens = 0  # prompt tokens waiting for a prefill worker (what a heartbeat reports)
         self.running_tokens = 0  # prompt tokens being prefilled
         self.prefill_tps = worker.prefill_tokens_per_s()
@@ -53,6 +54,7 @@ class RegionState:
             self.queued_tokens,
             self.running_tokens,
             self.prefix.version,
+            self.mean_hold_s,
         )
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
@@ -62,6 +64,10 @@ class RegionState:
         batch = max(1, math.ceil((self.decode.num_sequences + 1) / self.decode.num_workers))
         if self.worker.max_batch is not None:
             batch = min(batch, self.worker.max_batch)
+        # Shared slots report what the live decode region does (control_plane/fleet/registry.py): its queue in
+        # jobs, not tokens (a slot is held from the prefill to the last token, so queued and running prompt
+        # tokens say nothing of the wait), and the mean time a job holds a slot as its mean prefill time.
+        shared = spec.shared_workers
         # Built without validation: every field comes from this model, not from input.
         region = Region.model_construct(
             name=spec.name,
@@ -74,8 +80,8 @@ class RegionState:
             queue_depth=key[0] if prefill else 1,  # no prefill worker: reported as a full queue
             queue_capacity=None if prefill else 1,
             num_busy_workers=prefill.count if prefill else num_workers,
-            mean_prefill_s=self.mean_prefill_s,
-            queued_prefill_tokens=self.queued_tokens,
+            mean_prefill_s=self.mean_hold_s if shared else self.mean_prefill_s,
+            queued_prefill_tokens=None if shared else self.queued_tokens,
             running_prefill_tokens=self.running_tokens,
             decode_running=self.decode.num_sequences,
             decode_slots=self.decode.num_workers * (self.worker.max_batch or NOMINAL_BATCH),
@@ -91,6 +97,11 @@ class RegionState:
         )
         self._cached = (key, region)
         return region
+
+    def slot_released(self, held_s: float) -> None:
+        """A shared slot was held `held_s` (from its job's prefill or hand-off to its last token): smoothed
+        as the decode region's workers smooth it (decode_region/workers.py, the first job's as is)."""
+        self.mean_hold_s = held_s if self.mean_hold_s == 0 else 0.8 * self.mean_hold_s + 0.2 * held_s
 
 
 def role(spec: RegionSpec) -> Role:

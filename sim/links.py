@@ -1,10 +1,14 @@
 """A WAN link as a shared fluid pipe: every shipment in flight gets a max-min fair share of
 the link's goodput (TCP flows sharing one bottleneck), capped by how fast its prefill produces
-KV (layer-wise streaming cannot send a layer before it exists).
+KV (layer-wise streaming cannot send a layer before it exists) and by its own ceiling (the
+codec's encode rate, the TCP windows of its streams per round trip: `ship(max_rate=...)`).
 
 Event-driven, not per byte: between two changes (a shipment joins, leaves, or its prefill
 ends) every rate is constant, so the link schedules one wake-up at the earliest of the next
-completion and the next prefill end; a later change supersedes it (`_generation`).
+completion and the next prefill end; a later change supersedes it (`_generation`). A wake-up
+is never sooner than one float step of the clock (`math.ulp(now)`): at a large simulated time
+(a trace in epoch seconds) a shorter delay would leave the clock where it is, and the link
+would wake at the same instant forever.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ _EPS_BYTES = 1e-3  # a shipment with less than this left is done (float residue)
 
 
 class _Flow:
-    __slots__ = ("cap", "cap_until", "done", "rate", "remaining", "wire_bytes")
+    __slots__ = ("cap", "cap_until", "done", "max_rate", "rate", "remaining", "wire_bytes")
 
-    def __init__(self, wire_bytes: int, cap: float, cap_until: float, done: simpy.Event) -> None:
+    def __init__(self, wire_bytes: int, cap: float, cap_until: float, max_rate: float, done: simpy.Event) -> None:
         self.wire_bytes = wire_bytes
         self.remaining = float(wire_bytes)  # bytes still to send
-        self.cap = cap  # bytes/s the prefill produces until `cap_until`; inf after
+        self.max_rate = max_rate  # bytes/s it never exceeds (encode rate, stream windows); inf: none
+        self.cap = min(cap, max_rate)  # bytes/s the prefill produces until `cap_until`; max_rate after
         self.cap_until = cap_until
         self.rate = 0.0  # bytes/s allocated now
         self.done = done
@@ -63,17 +68,20 @@ class FluidLink:
     def backlog_bytes(self) -> float:
         return sum(flow.remaining for flow in self.flows)
 
-    def ship(self, wire_bytes: int, prefill_s: float) -> simpy.Event:
+    def ship(self, wire_bytes: int, prefill_s: float, max_rate: float = math.inf) -> simpy.Event:
         """Start a shipment of `wire_bytes` whose prefill (starting now) takes `prefill_s`:
-        all layers but the last stream at the prefill's pace, the last one after it ends."""
+        all layers but the last stream at the prefill's pace, the last one after it ends; never
+        faster than `max_rate` wire bytes/s (inf: only the link and the prefill limit it)."""
         if self.capacity <= 0:
             raise AssertionError(f"split placed on zero-bandwidth link {self.spec.src}->{self.spec.dst}")
+        if not max_rate > 0:
+            raise AssertionError(f"a shipment's max_rate must be positive, got {max_rate}")
         self._advance()
         done = self.env.event()
         now = float(self.env.now)
         streamed = wire_bytes * (self.num_layers - 1) / self.num_layers
         cap = streamed / prefill_s if prefill_s > 0 else math.inf
-        self.flows.append(_Flow(wire_bytes, cap, now + prefill_s, done))
+        self.flows.append(_Flow(wire_bytes, cap, now + prefill_s, max_rate, done))
         self.peak_flows = max(self.peak_flows, len(self.flows))
         self._reallocate()
         return done
@@ -92,7 +100,7 @@ class FluidLink:
         now = float(self.env.now)
         lifted = now + 1e-12
         still: list[_Flow] = []
-        capped = 0.0  # sum of the finite caps
+        capped = 0.0  # sum of the caps (inf when a flow has none)
         for flow in self.flows:
             if flow.cap_until <= lifted:
                 if flow.remaining <= _EPS_BYTES + 1e-9 * flow.wire_bytes:
@@ -100,16 +108,15 @@ class FluidLink:
                     self.num_splits += 1
                     flow.done.succeed()
                     continue
-                flow.cap = math.inf
-            else:
-                capped += flow.cap
+                flow.cap = flow.max_rate
+            capped += flow.cap
             still.append(flow)
         self.flows = still
         self.version += 1
         if not still:
             return
-        if capped <= self.capacity and all(flow.cap < math.inf for flow in still):
-            for flow in still:  # every prefill-paced flow fits: each runs at its production rate
+        if capped <= self.capacity:
+            for flow in still:  # every capped flow fits: each runs at its cap
                 flow.rate = flow.cap
         else:  # max-min fair: flows capped below an equal share keep their cap, the rest split what is left
             left = self.capacity
@@ -127,7 +134,7 @@ class FluidLink:
                 wake = until
         self._generation += 1
         generation = self._generation
-        timer = self.env.timeout(max(wake, 0.0))
+        timer = self.env.timeout(max(wake, math.ulp(now)))  # at least one step of the clock (module docstring)
         timer.callbacks.append(lambda _event: self._wake(generation))
 
     def _wake(self, generation: int) -> None:

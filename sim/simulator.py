@@ -4,10 +4,12 @@ WAN links and decode pools.
 Per request: build a `ClusterSnapshot` of the modelled fleet as it is now, ask the scheduler,
 then run the decision. Prefill pools are FIFO `simpy.Resource`s of workers; a split's KV
 crosses its link as a fluid flow sharing the link fairly with the other shipments in flight,
-starting when its prefill starts (layer-wise streaming) and never ahead of the layers the
-prefill has produced (`sim.links`); decode is a continuous batch per region advanced per batch
-iteration analytically (`sim.decode`): the KV is reserved at placement and freed when the
-last token is out. Region and link snapshots are rebuilt only when their state changed.
+starting when its prefill starts (layer-wise streaming), never ahead of the layers the
+prefill has produced (`sim.links`) nor faster than its codec encodes or its streams' TCP
+windows carry per round trip (the scheduler's cost model's limits); decode is a continuous
+batch per region advanced per batch iteration analytically (`sim.decode`): the KV is
+reserved at placement and freed when the last token is out. Region and link snapshots are
+rebuilt only when their state changed.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import simpy
+from pydantic import ValidationError
 
 from prfaas.control_plane.scheduling import (
     ClusterSnapshot,
+    Decision,
     GlobalScheduler,
     Mode,
     ModelShape,
@@ -30,7 +34,7 @@ from prfaas.control_plane.scheduling import (
     Slo,
 )
 from prfaas.sim.decode import DecodeResult
-from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec
+from prfaas.sim.fleet import CODEC_RATIOS, FleetSpec, LinkSpec
 from prfaas.sim.fleet_state import LinkState, RegionState
 from prfaas.sim.hardware import WorkerTimings
 from prfaas.sim.workload import Arrival
@@ -96,7 +100,10 @@ class Simulation:
         model = fleet.model_profile
         self.model = model
         self.shape = ModelShape(
-            name=model.name, num_layers=model.num_layers, kv_bytes_per_token=model.kv_bytes_per_token
+            name=model.name,
+            num_layers=model.num_layers,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            kv_state_bytes=model.kv_state_bytes,
         )
         workers = workers or {}
         self.regions = {
@@ -167,6 +174,11 @@ class Simulation:
         start = time.perf_counter()
         try:
             decision = self.scheduler.decide(self._snapshot(), self._request(index, arrival))
+        except ValidationError as exc:
+            # an input no snapshot or request can hold (an arrival of 0 tokens, ...): simpy re-raises a process's
+            # exception as type(exc)(*exc.args), which a ValidationError cannot survive (a TypeError then)
+            errors = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"request {index} (arrival at {arrival.at_s} s): bad {exc.title}: {errors}") from None
         except PlacementRejected as exc:
             self.decisions_s += time.perf_counter() - start
             self._record(
@@ -185,6 +197,7 @@ class Simulation:
         slot = prefill.prefill.request()
         prefill.queued_tokens += decision.uncached_tokens
         yield slot
+        taken_s = self.now  # when this request's slot was taken (a shared one is held to the last token)
         prefill.queued_tokens -= decision.uncached_tokens
         prefill.running_tokens += decision.uncached_tokens
         cached = arrival.prompt_tokens - decision.uncached_tokens
@@ -193,12 +206,12 @@ class Simulation:
         wire_bytes = raw_bytes = 0
         if decision.mode is Mode.SPLIT:
             link = self.links[(decision.prefill_region, decision.decode_region)]
-            raw_bytes = decision.kv_bytes_raw + state  # the scheduler's shape counts per-token KV only
+            raw_bytes = decision.kv_bytes_raw  # the per-token KV and the recurrent state (the shape has both)
             ratio = CODEC_RATIOS.get(decision.codec or "raw")  # the transport's measured ratio, when we have it
             if ratio is None:
                 ratio = decision.kv_bytes_raw / decision.kv_bytes_wire if decision.kv_bytes_wire else 1.0
             wire_bytes = math.ceil(raw_bytes / ratio)
-            shipment = link.pipe.ship(wire_bytes, prefill_s)
+            shipment = link.pipe.ship(wire_bytes, prefill_s, self._max_wire_rate(decision, link.spec, ratio))
         yield self.env.timeout(prefill_s)
         prefill.running_tokens -= decision.uncached_tokens
         if self.prefix_aware:
@@ -216,6 +229,7 @@ class Simulation:
                 assert decode.prefill is not None
                 slot = decode.prefill.request()  # the hand-off waits for one of the decode region's slots
                 yield slot
+                taken_s = self.now
         result = yield decode.decode.decode(arrival.prompt_tokens, arrival.output_tokens)
         assert isinstance(result, DecodeResult)
         if self.prefix_aware:
@@ -223,6 +237,7 @@ class Simulation:
         if decode.spec.shared_workers:
             assert decode.prefill is not None
             decode.prefill.release(slot)
+            decode.slot_released(self.now - taken_s)
         decode.kv_free += kv_bytes
         egress = wire_bytes / 1e9 * self._egress(decision.prefill_region, decision.decode_region)
         self._record(
@@ -244,6 +259,20 @@ class Simulation:
                 computed_tokens=decision.uncached_tokens,
             )
         )
+
+    def _max_wire_rate(self, decision: Decision, link: LinkSpec, ratio: float) -> float:
+        """The fastest a shipment leaves, in wire bytes/s, whatever its share of the link: the codec's encode
+        rate (raw bytes/s, in wire bytes at the codec's ratio) and one TCP window per stream per round trip,
+        the limits the scheduler's cost model applies to the same transfer (inf: neither is known)."""
+        cost_model = self.scheduler.cost_model
+        limit = math.inf
+        for codec in cost_model.codecs:
+            if codec.name == decision.codec and codec.encode_bytes_per_s is not None:
+                limit = codec.encode_bytes_per_s / ratio
+        rtt_s = link.rtt_ms / 1000.0
+        if rtt_s > 0 and decision.num_streams > 0:
+            limit = min(limit, decision.num_streams * cost_model.stream_window_bytes / rtt_s)
+        return limit
 
     def _egress(self, src: str, dst: str) -> float:
         link = self.links.get((src, dst))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -141,8 +141,11 @@ def prfaas_paper_workload() -> Workload:
 
 def load_trace(path: str | Path) -> list[Arrival]:
     """JSONL, one request a line: `t_s` (arrival offset, s), `prompt_tokens`, `output_tokens`
-    (or `max_new_tokens`), optional `cached_tokens`. Lines are sorted by `t_s`. A file that cannot
-    be read, holds no request, or has a row no request could have is a ValueError naming it."""
+    (or `max_new_tokens`), optional `cached_tokens`. Lines are sorted by `t_s`, and the times shifted so
+    the first request arrives at 0 s: a window cut out of a longer log, or a trace in epoch seconds,
+    replays as the same run (the simulated clock then stays small, where a float still resolves a
+    microsecond). A file that cannot be read, holds no request, or has a row no request could have is a
+    ValueError naming it."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -166,7 +169,8 @@ def load_trace(path: str | Path) -> list[Arrival]:
         rows.append(row)
     if not rows:
         raise ValueError(f"{path}: the trace holds no request")
-    return sorted(rows, key=lambda a: a.at_s)
+    first = min(row.at_s for row in rows)
+    return sorted((replace(row, at_s=row.at_s - first) for row in rows), key=lambda a: a.at_s)
 
 
 def scale_rate(arrivals: list[Arrival], factor: float) -> list[Arrival]:

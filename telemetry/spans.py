@@ -81,15 +81,37 @@ class SpanLine:
             yield from child.walk(depth + 1)
 
 
+_FIELD_TYPES: dict[str, type] = {
+    "trace_id": str, "span_id": str, "parent_id": str, "name": str, "service": str,
+    "start_ns": int, "end_ns": int, "status": str, "attributes": dict,
+}  # fmt: skip
+
+
+def _span_line(text: str) -> SpanLine | None:
+    """The span of one line, or None when it is not one `JsonLinesExporter` could have written: not JSON
+    (cut short mid-write), other keys, or a value of another type (a bool is no count of nanoseconds)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.keys() != _FIELD_TYPES.keys():
+        return None
+    for key, kind in _FIELD_TYPES.items():
+        value = doc[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return None
+    return SpanLine(**doc)
+
+
 def read_spans(folder: Path) -> list[SpanLine]:
-    """Every span in `folder`'s files (a line cut short by a process that died mid-write is skipped)."""
+    """Every span in `folder`'s files; a line that is not a span (cut short by a process that died mid-write,
+    or a value of the wrong type) is skipped, so one bad line never hides the others."""
     spans: list[SpanLine] = []
     for path in sorted(folder.glob("*.jsonl")):
         for text in path.read_text(errors="replace").splitlines():
-            try:
-                spans.append(SpanLine(**json.loads(text)))
-            except (ValueError, TypeError):
-                continue
+            span = _span_line(text)
+            if span is not None:
+                spans.append(span)
     return spans
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 TENANT_LABELS = 50  # distinct tenant label values per process; later tenants are "other"
-# 5 ms .. 10 min: a placement takes microseconds to milliseconds, a 128K-token prefill minutes
+# 1 ms .. 10 min: a placement takes microseconds to milliseconds, a 128K-token prefill minutes
 BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TPOT_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 

@@ -157,7 +157,8 @@ class CostModel:
         wait_s = self.queue_wait_s(prefill, request.priority)
         prefill_s = uncached_prefill / prefill.prefill_tokens_per_s
         budget_s = request.slo.ttft_ms / 1000.0 - wait_s - prefill_s
-        kv_bytes = uncached_decode * model.kv_bytes_at(prefill.kv_dtype)  # shipped in the prefill's dtype
+        # shipped in the prefill's dtype, with the request's recurrent state (a hybrid model's; the prompt's whole)
+        kv_bytes = uncached_decode * model.kv_bytes_at(prefill.kv_dtype) + model.kv_state_bytes
         plan = self.plan_transfer(request, model, link, kv_bytes, prefill_s, budget_s, wait_s + prefill_s)
         price = prefill.usd_per_gpu_hour
         if self.prefill_on_spot and prefill.spot_usd_per_gpu_hour is not None:
@@ -184,12 +185,16 @@ class CostModel:
         left after queue wait and prefill), the one with the fewest wire bytes (egress is paid
         per byte); when none fits, the fastest. Ties: the other criterion, then the name.
 
+        Streams: enough TCP windows to cover the free bandwidth-delay product, at most
+        `max_streams`; a stream moves at most one window per round trip, so the shipment's wire
+        rate is at most min(free bandwidth, streams * window / RTT) (the window bound binds only
+        when the stream count is capped: on a long, fat path).
+
         Exposed time: layer i (of L) is ready at prefill_s * i / L; the link moves raw bytes at
-        r = min(free bandwidth * ratio, encode rate), first come first served. The last byte
+        r = min(that wire rate * ratio, encode rate), first come first served. The last byte
         lands at max over i of (ready_i + bytes of layers i..L / r); that is linear in i, so
         the maximum is at i = 1 or i = L:
             exposed = max(B / (L r), B / r - prefill_s (L - 1) / L) + RTT / 2
-        Streams: enough TCP windows to cover the free bandwidth-delay product.
 
         Lossy codecs (with consent) are candidates only where they pay: when the plan chosen among the
         lossless codecs alone fits no budget, or its exposed time is at least `lossy_min_exposed_share`
@@ -198,12 +203,18 @@ class CostModel:
         free = link.free_bytes_per_s
         one_way_s = link.rtt_ms / 2000.0
         layers = model.num_layers
+        wanted = free * link.rtt_ms / 1000.0 / self.stream_window_bytes  # the path's bandwidth-delay product
+        streams = self.max_streams if wanted >= self.max_streams else max(self.min_streams, math.ceil(wanted))
+        wire_rate = free  # wire bytes/s: the free bandwidth, or what the streams' windows carry per round trip
+        rtt_s = link.rtt_ms / 1000.0
+        if rtt_s > 0:
+            wire_rate = min(free, streams * self.stream_window_bytes / rtt_s)
 
         def choose(candidates: Sequence[CodecOption]) -> tuple[tuple[int, float, str] | None, tuple[float, int, str]]:
             fitting: tuple[int, float, str] | None = None
             fastest: tuple[float, int, str] | None = None
             for codec in candidates:
-                rate = free * codec.compression_ratio
+                rate = wire_rate * codec.compression_ratio
                 if codec.encode_bytes_per_s is not None:
                     rate = min(rate, codec.encode_bytes_per_s)
                 if raw_bytes == 0:
@@ -234,6 +245,4 @@ class CostModel:
             wire_bytes, exposed_s, codec_name = fitting
         else:
             exposed_s, wire_bytes, codec_name = fastest
-        wanted = free * link.rtt_ms / 1000.0 / self.stream_window_bytes  # the path's bandwidth-delay product
-        streams = self.max_streams if wanted >= self.max_streams else max(self.min_streams, math.ceil(wanted))
         return TransferPlan(codec_name, streams, raw_bytes, wire_bytes, exposed_s)

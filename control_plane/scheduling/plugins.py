@@ -61,9 +61,11 @@ class Context:
         return count
 
     def kv_bytes_needed(self, region: Region) -> int:
-        """KV buffer `region` reserves to decode the request: prompt plus generated tokens, in its dtype."""
+        """KV buffer `region` reserves to decode the request: prompt plus generated tokens, in its dtype, plus
+        the model's per-request recurrent state (a hybrid model's)."""
         tokens = self.request.prompt_tokens + self.request.max_new_tokens
-        return tokens * self.snapshot.model.kv_bytes_at(region.kv_dtype)
+        model = self.snapshot.model
+        return tokens * model.kv_bytes_at(region.kv_dtype) + model.kv_state_bytes
 
 
 class Candidate:

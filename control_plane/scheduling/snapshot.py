@@ -150,6 +150,12 @@ class ModelShape(BaseModel):
     kv_dtype: KVDtype | None = Field(
         default=None, description="the dtype kv_bytes_per_token is counted in; None: every region's alike"
     )
+    kv_state_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="per request, whatever its length: a hybrid model's recurrent (linear-attention) states, "
+        "bytes; reserved with the KV in the decode region and shipped with it on a split (0: a dense model)",
+    )
 
     def kv_bytes_at(self, dtype: str | None) -> int:
         """K and V of one token in `dtype` (a region's engine's; None or "": not reported, the model's figure)."""

@@ -108,6 +108,38 @@ def test_bad_timings_are_refused_naming_the_field(tmp_path: Path, patch: dict[st
         load_timings(_write(tmp_path, TIMINGS | patch))
 
 
+def _region_patch(index: int, **fields: Any) -> list[dict[str, Any]]:
+    regions = [dict(r) for r in TIMINGS["regions"]]
+    regions[index] |= fields
+    return regions
+
+
+_PD_NO_DECODE_FIT = {k: v for k, v in TIMINGS["regions"][1].items() if k != "decode"}
+
+
+@pytest.mark.parametrize(
+    ("regions", "message"),
+    [
+        # a decoding region without its decode fit ran every step at a made-up 1 s (TTFTs ~50x the measured)
+        ([TIMINGS["regions"][0], _PD_NO_DECODE_FIT], "regions.1: .*needs its decode fit"),
+        # a prefill of no time: its rate divided by zero (ZeroDivisionError deep in the simulation)
+        (_region_patch(0, prefill={"base_s": 0, "per_token_s": 0}), "regions.0.prefill: .*a prefill takes time"),
+        # nothing decodes: every request was rejected, a prediction of inf with no error
+        (_region_patch(1, num_decode_workers=0, engine_slots="separate"), "no region decodes"),
+    ],
+)
+def test_timings_no_deployment_could_have_are_refused(
+    tmp_path: Path, regions: list[dict[str, Any]], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_timings(_write(tmp_path, TIMINGS | {"regions": regions}))
+
+
+def test_a_prefill_fit_of_the_quadratic_term_alone_is_a_time() -> None:
+    # fit_prefill drops the terms that come out negative: n^2 alone is still a prefill that takes time
+    assert MeasuredWorker(PrefillFit(base_s=0, per_token_s=0, per_token_ctx_s=1e-9), None, 1).prefill_s(1000) > 0
+
+
 def test_fits_recover_known_lines() -> None:
     assert fit_line([0, 1, 2], [1.0, 3.0, 5.0]) == pytest.approx((1.0, 2.0))
     sizes = [4, 64, 256, 1024, 2048]

@@ -49,6 +49,15 @@ def test_trace_replay_reads_jsonl(tmp_path: Path) -> None:
     assert rows[0]["at_slo"]["num_requests"] == 40
 
 
+def test_a_trace_replays_from_its_first_arrival(tmp_path: Path) -> None:
+    # t_s in Unix seconds (or a window cut out of a longer log): replayed from 0 s with its gaps, so the simulated
+    # clock stays where a float resolves a microsecond, and a run never waits an hour (or 54 years) for its first
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"t_s": 1.7e9 + t, "prompt_tokens": 1000, "output_tokens": 50} for t in (2.5, 0.0, 1.25)]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [a.at_s for a in load_trace(trace)] == [0.0, 1.25, 2.5]
+
+
 def test_cli_writes_json_rows(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     result = CliRunner().invoke(app, ["sim", "run", "--scenario", "small", "--requests", "100", "--json", str(out)])

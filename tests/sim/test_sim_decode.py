@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
 import simpy
 
 from prfaas.sim.decode import DecodePool, DecodeResult
+from prfaas.sim.scenarios import small
 
 
 @dataclass(frozen=True)
@@ -82,3 +84,28 @@ def test_without_a_cap_nothing_waits() -> None:
 def test_a_one_token_answer_is_the_prefills_and_takes_no_step() -> None:
     [result], pool = _run([(0.5, 100, 1)])
     assert (result.first_token_s, result.finish_s, result.tpot_s) == (0.5, 0.5, 0.0) and pool.num_sequences == 0
+
+
+def test_a_pool_at_an_epoch_sized_clock_finishes() -> None:
+    # at t = 1.7e9 (a trace in Unix seconds) a float step of the clock is 2.4e-7 s; the timer to the next finish
+    # (5.8e-6 steps of 10.9 ms = 6.3e-8 s) fell under it, so env.now + delay == env.now, no step was counted, and
+    # the pool re-armed the same timer forever
+    scenario = small()
+    env = simpy.Environment(initial_time=1.7e9)
+    pool = DecodePool(env, scenario.fleet.worker(scenario.fleet.regions[1]), 2)
+    out: list[DecodeResult] = []
+
+    def one():  # type: ignore[no-untyped-def]
+        yield env.timeout(0.123)
+        out.append((yield pool.decode(2000, 300)))
+
+    env.process(one())
+    for _ in range(10_000):
+        if env.peek() == math.inf:
+            break
+        env.step()
+    else:
+        pytest.fail(f"the pool is still waking at t = {env.now!r}")
+    [result] = out
+    assert result.finish_s - 1.7e9 == pytest.approx(0.123 + 299 * result.tpot_s, abs=1e-6)
+    assert pool.num_sequences == 0

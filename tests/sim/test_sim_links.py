@@ -99,3 +99,50 @@ def test_every_shipment_arrives_no_sooner_than_physics_allows(shipments: list[tu
     # work conservation: the link is never idle while bytes wait, so the last one leaves by then at the latest
     last_ready = max(start + prefill_s for start, _, prefill_s in shipments)
     assert max(times) <= last_ready + total / 1e9 + 1e-6
+
+
+EPOCH_S = 1.7e9  # a trace in Unix seconds: a float step of the clock is 2.4e-7 s there
+
+
+def _run_bounded(env: simpy.Environment, max_events: int = 10_000) -> None:
+    """env.run(), failing (not hanging) when the events never run out: a timer that does not advance the clock."""
+    for _ in range(max_events):
+        if env.peek() == math.inf:
+            return
+        env.step()
+    pytest.fail(f"still running after {max_events} events, at t = {env.now!r}")
+
+
+def test_shipments_finish_at_an_epoch_sized_clock() -> None:
+    # the reviewer's case: at t = 1.7e9 a shipment's last 1,222 bytes at 10.9 GB/s take 1.1e-7 s, under one float
+    # step of the clock: env.now + delay == env.now, so the link used to wake at the same instant forever
+    env = simpy.Environment(initial_time=EPOCH_S)
+    link = FluidLink(env, LinkSpec("a", "b", 100.0, 10.0), 32)
+    done: list[float] = []
+
+    def go():  # type: ignore[no-untyped-def]
+        events = []
+        for i in range(3):
+            yield env.timeout(0.0137 * (i + 1))
+            events.append(link.ship(123_456_789 + i, 0.731))
+        for event in events:
+            yield event
+            done.append(float(env.now))
+
+    env.process(go())
+    _run_bounded(env)
+    assert len(done) == 3 and link.flows == [] and link.num_splits == 3
+    # 3 x 123 MB paced by 0.731 s prefills on an 11.25 GB/s link: each ends ~its last layer after its prefill
+    assert done[-1] - EPOCH_S == pytest.approx(0.0137 * 6 + 0.731 + 123_456_791 / 32 / 11.25e9, abs=1e-3)
+
+
+def test_a_shipment_never_leaves_faster_than_its_max_rate() -> None:
+    # the codec's encode rate or the streams' windows per round trip: 1e9 bytes capped at 0.25e9 B/s take 4 s on a
+    # 1e9 B/s link, and leave the other 0.75e9 B/s to a second shipment (1.5e9 bytes: 2 s at that share)
+    env = simpy.Environment()
+    link = FluidLink(env, GBPS_8, 10)
+    slow, fast = link.ship(1_000_000_000, 0.0, max_rate=0.25e9), link.ship(1_500_000_000, 0.0)
+    assert link.rate_in_use == pytest.approx(1e9)
+    env.run(slow)
+    assert float(env.now) == pytest.approx(4.0) and fast.processed
+    assert link.bytes_carried == 2_500_000_000

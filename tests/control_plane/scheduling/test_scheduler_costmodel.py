@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from sched_kit import MODEL, hashes, link, region, request
+from sched_kit import MODEL, fleet, hashes, link, region, request
 
-from prfaas.control_plane.scheduling import ModelShape, Priority, Role
+from prfaas.control_plane.scheduling import ModelShape, Priority, Role, build_scheduler
 from prfaas.control_plane.scheduling.costmodel import CodecOption, CostModel
 
 RAW = CodecOption("raw", 1.0, False)
@@ -182,3 +182,35 @@ def test_a_prompt_of_whole_blocks_all_cached_still_computes_its_last_block() -> 
 def test_cost_model_refuses_unusable_settings(codecs: list[CodecOption], kwargs: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CostModel(codecs, **kwargs)
+
+
+def test_a_long_fat_path_is_limited_by_the_stream_windows() -> None:
+    # 100 Gbit/s at 200 ms: the bandwidth-delay product is 2.5 GB, 596 windows of 4 MiB, capped at 64 streams;
+    # 64 x 4 MiB per 0.2 s = 1.34 GB/s on the wire, not the 12.5 GB/s free. 10 GB raw over 10 layers after a
+    # 1 s prefill: the last byte lands 10e9 / 1.34e9 - 1 x 9/10 = 6.55 s after the prefill, + 0.1 s one way
+    lnk = link("p", "d", bandwidth_gbps=100.0, utilization=0.0, rtt_ms=200.0)
+    shape = ModelShape(name="m", num_layers=10, kv_bytes_per_token=1)
+    plan = CostModel([RAW]).plan_transfer(request(), shape, lnk, 10**10, 1.0, 1e9)
+    window_rate = 64 * 4 * 2**20 / 0.2
+    assert plan.num_streams == 64
+    assert plan.exposed_s == pytest.approx(10**10 / window_rate - 0.9 + 0.1)
+
+
+def test_stream_windows_do_not_bind_when_the_streams_cover_the_path() -> None:
+    # 8 Gbit/s at 40 ms: 40 MB in flight, 10 windows of 4 MiB carry it; the link's 1 GB/s is the limit
+    assert _exposed(8.0, 10**9, 0.0, 1, rtt_ms=40.0) == pytest.approx(1.0 + 0.02)
+
+
+def test_a_hybrid_models_recurrent_state_is_reserved_and_shipped_with_its_kv() -> None:
+    # prfaas-1t's shape: 172 MiB of recurrent state per request, whatever its length. A decode region with
+    # room for the 40,200 tokens' KV (659 MB at 16 KiB) but not for the state too is no candidate.
+    state = 172 * 2**20
+    hybrid = MODEL.model_copy(update={"kv_state_bytes": state})
+    tokens_kv = (40_000 + 200) * MODEL.kv_bytes_per_token
+    tight = fleet(regions={"dec-east": {"kv_buffer_free_bytes": tokens_kv + state // 2},
+                           "dec-west": {"kv_buffer_free_bytes": tokens_kv + state}})  # fmt: skip
+    decision = build_scheduler().decide(tight.model_copy(update={"model": hybrid}), request())
+    assert decision.decode_region == "dec-west"  # dec-east is cheaper but cannot hold the state
+    # a split ships the state with the 40,000 tokens' KV
+    estimate = MODEL_3.split(request(), hybrid, region("p", Role.PREFILL), region("d"), link("p", "d"), 40_000, 40_000)
+    assert estimate.transfer is not None and estimate.transfer.raw_bytes == 40_000 * MODEL.kv_bytes_per_token + state
