@@ -167,6 +167,11 @@ def main() -> None:
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}")
+    for flag, value in (("--count", args.count), ("--rounds", args.rounds)):
+        if value < 1:
+            parser.error(f"{flag} {value}: at least 1")
+    if not args.rate > 0:
+        parser.error(f"--rate {args.rate}: requests/s above 0")
 
     prepare_model("tiny-llama")
     folder = Path(tempfile.mkdtemp(prefix="api-floor-"))

@@ -33,8 +33,6 @@ import numpy as np
 import torch
 import zstandard
 
-from prfaas.engine.hf import HFEngine
-from prfaas.engine.sampling import SamplingParams
 from prfaas.transport.codecs import CODEC_NAMES, TensorMeta, get_codec
 
 Encode = Callable[[bytes, TensorMeta], Any]
@@ -56,6 +54,9 @@ LOSSY_STAGES = tuple(f"codec {name}" for name in CODEC_NAMES if not get_codec(na
 
 
 def real_kv(dtype: str, num_tokens: int) -> list[tuple[bytes, TensorMeta]]:
+    from prfaas.engine.hf import HFEngine  # transformers: seconds to import, after the arguments are checked
+    from prfaas.engine.sampling import SamplingParams
+
     engine = HFEngine("smollm2-135m", dtype=dtype)
     ids = engine.encode(inspect.getsource(argparse))[:num_tokens]
     kv = engine.prefill(ids, SamplingParams(max_new_tokens=1)).kv
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated: candidates whose name contains one")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    for flag, value in (("--tokens", args.tokens), ("--repeat", args.repeat)):
+        if value < 1:
+            parser.error(f"{flag} {value}: at least 1")  # before the model loads
     only = [part for part in args.only.split(",") if part]
     torch.set_num_threads(1)
 

@@ -51,6 +51,7 @@ import openai
 
 from prfaas.devstack.stack import Stack, wait_until
 from prfaas.engine.models import prepare_model
+from prfaas.loadgen import report
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 PROMPT = [5, 6, 7, 8]  # short: the scheduler runs it locally in the decode region
@@ -58,8 +59,11 @@ CALL_TIMEOUT_S = 30.0
 
 
 def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+    """loadgen's percentile (linear interpolation between closest ranks, the one every bench reports), of a
+    path that has samples (--count >= 1). api_floor.py reports with it too."""
+    value = report.percentile(samples, q)
+    assert value is not None, "no samples"
+    return value
 
 
 def send_times(count: int, rate_rps: float, arrival: str, rng: random.Random) -> list[float]:
@@ -100,6 +104,17 @@ def summary(samples: list[float]) -> str:
     return "  ".join(f"p{q}={percentile(samples, q):7.2f}" for q in qs) + f"  mean={statistics.fmean(samples):7.2f}"
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Counts and rates that leave a run with something to measure (before any process starts)."""
+    for flag, value in (("--count", args.count), ("--block", args.block)):
+        if value < 1:
+            parser.error(f"{flag} {value}: at least 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: at least 0")
+    if bad := [r for r in args.rate if not r > 0]:
+        parser.error(f"--rate {' '.join(map(str, bad))}: requests/s above 0")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, nargs="+", default=[100.0], help="requests/s, one run each")
@@ -123,6 +138,7 @@ def main() -> None:
         "measured runs and write its collapsed stacks here",
     )  # fmt: skip
     args = parser.parse_args()
+    check_args(parser, args)
 
     prepare_model("tiny-llama")
     folder = Path(tempfile.mkdtemp(prefix="cp-bench-"))

@@ -9,7 +9,9 @@ a 2,048-token prompt spread over a ~7.3 s forward): one copy out of a source buf
 kernel's send and receive copies, and a `recv_into` a preallocated buffer. That is less than
 any real shipment does (no codec, no framing, no link emulator), so the slowdown it causes is a
 floor for what the split forward pays on this host. Both figures come from the same run;
-pairs alternate so that host drift lands on both.
+within a pair the order alternates (even pairs: alone first, odd pairs: with the pump first;
+each pair records its `order`), so that host drift and whatever the previous forward left in
+the caches land on both.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 FORWARD_CPU, PUMP_CPU = 0, 1
 
@@ -72,6 +75,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--json", help="write the pairs and medians here")
     args = parser.parse_args()
+    if args.pairs < 1:
+        parser.error(f"--pairs {args.pairs}: at least 1")
     if len(os.sched_getaffinity(0) | {FORWARD_CPU, PUMP_CPU}) > len(os.sched_getaffinity(0)):
         sys.exit(f"needs CPUs {FORWARD_CPU} and {PUMP_CPU}")
 
@@ -93,16 +98,27 @@ def main() -> None:
 
     forward()  # warm-up
     total, rate = int(args.mbytes * 1e6), args.rate_mb_s * 1e6
-    rows = []
-    for i in range(args.pairs):
-        alone = forward()
+
+    def with_pump() -> float:
         helper = subprocess.Popen([sys.executable, __file__, "--pump", str(total), str(rate)])
         time.sleep(0.2)  # connected and sending
-        loaded = forward()
+        seconds = forward()
         if helper.wait(timeout=120) != 0:
             sys.exit("the pump failed")
-        rows.append({"alone_s": alone, "with_pump_s": loaded})
-        print(f"pair {i}: alone {alone:.3f} s, with the pump {loaded:.3f} s ({1000 * (loaded - alone):+.0f} ms)")
+        return seconds
+
+    rows: list[dict[str, Any]] = []  # {alone_s, with_pump_s, order}
+    for i in range(args.pairs):
+        order = "alone-first" if i % 2 == 0 else "pump-first"
+        if order == "alone-first":
+            alone = forward()
+            loaded = with_pump()
+        else:
+            loaded = with_pump()
+            alone = forward()
+        rows.append({"alone_s": alone, "with_pump_s": loaded, "order": order})
+        print(f"pair {i} ({order}): alone {alone:.3f} s, with the pump {loaded:.3f} s "
+              f"({1000 * (loaded - alone):+.0f} ms)")  # fmt: skip
     alone_s = [r["alone_s"] for r in rows]
     loaded_s = [r["with_pump_s"] for r in rows]
     diffs = [1000 * (b - a) for a, b in zip(alone_s, loaded_s, strict=True)]

@@ -19,6 +19,12 @@ share of the splits started 10 s or more after the slowdown, measured run), `las
 per run), `ttft_p90_measured_s` and
 `ttft_p90_static_s` (client-side time to the first streamed token, over each run), and per
 run the requests with their start, TTFT and prefill region.
+
+The TTFT P90s (loadgen's percentile: linear interpolation) are over the requests that streamed
+a token; a request that did not (an error, a stream that ended without text: `no_text`, or one
+still open when the run stopped waiting) has no TTFT and is not counted at a deadline either:
+`ttft_failed` gives, per run, how many requests had no TTFT and their share of the run, to be
+read next to the P90 (a P90 over 90 % of the requests is not one over all of them).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -39,7 +44,7 @@ import openai
 
 from prfaas.bench.deployment_kit import fresh_deployment
 from prfaas.devstack.topology import split_topology
-from prfaas.engine.hf import HFEngine
+from prfaas.loadgen.report import percentile
 
 MODEL = "tiny-llama"
 PREFILL = ("pre-a", "pre-b")
@@ -70,6 +75,8 @@ def main() -> int:
     if os.geteuid() != 0:
         print("needs root: network namespaces and TUN devices (the emulated WAN)", file=sys.stderr)
         return 2
+    from prfaas.engine.hf import HFEngine  # torch: only for a run, not for the report's functions
+
     engine = HFEngine(MODEL)
     corpus = engine.encode(Path(json.__file__).read_text() * 8)
     n = int(args.rate * args.run_s)
@@ -176,19 +183,33 @@ def _wait_devices_gone(timeout_s: float = 30.0) -> None:
 
 
 def _one(client: openai.OpenAI, prompt: list[int], row: dict[str, Any]) -> None:
+    """Stream one completion; `ttft_s` only when a chunk carried text (no TTFT is made up), `no_text`
+    when the stream ended without any, `error` when it failed."""
     started = time.monotonic()
     try:
         for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True):
             row.setdefault("job_id", chunk.id)
             if "ttft_s" not in row and chunk.choices and chunk.choices[0].text:
                 row["ttft_s"] = time.monotonic() - started
-        row.setdefault("ttft_s", time.monotonic() - started)
+        if "ttft_s" not in row:
+            row["no_text"] = True
+        row["done_s"] = time.monotonic() - started
     except openai.OpenAIError as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"
 
 
-def _p90(values: list[float]) -> float | None:
-    return statistics.quantiles(values, n=10)[-1] if len(values) >= 2 else None
+def _p90(rows: list[dict[str, Any]]) -> float | None:
+    """P90 of the TTFTs the requests had (loadgen's percentile); those without one: `_failed`."""
+    return percentile([r["ttft_s"] for r in rows if "ttft_s" in r], 90)
+
+
+def _failed(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Requests without a TTFT (failed, no text, or unfinished when the run stopped waiting) and their share."""
+    count = sum("ttft_s" not in r for r in rows)
+    return {
+        "count": count, "share": count / len(rows) if rows else None, "requests": len(rows),
+        "no_text": sum(bool(r.get("no_text")) for r in rows), "errors": sum("error" in r for r in rows),
+    }  # fmt: skip
 
 
 def summarize(runs: dict[str, dict[str, Any]], slow_at_s: float) -> dict[str, Any]:
@@ -212,8 +233,9 @@ def summarize(runs: dict[str, dict[str, Any]], slow_at_s: float) -> dict[str, An
         "last_on_slowed_s": max(on_slowed) if on_slowed else None,  # the last split the slowed path took
         "share_after": sum(other(r) for r in after) / len(after) if after else None,
         "slowed": {mode: next((r["slowed"] for r in rows if r.get("slowed")), None) for mode, rows in requests.items()},
-        "ttft_p90_measured_s": _p90([r["ttft_s"] for r in requests.get("measured", []) if "ttft_s" in r]),
-        "ttft_p90_static_s": _p90([r["ttft_s"] for r in requests.get("static", []) if "ttft_s" in r]),
+        "ttft_p90_measured_s": _p90(requests.get("measured", [])),
+        "ttft_p90_static_s": _p90(requests.get("static", [])),
+        "ttft_failed": {mode: _failed(rows) for mode, rows in requests.items()},  # read next to the P90s
         "errors": {mode: sum("error" in r for r in rows) for mode, rows in requests.items()},
         "placements": {mode: _count(rows) for mode, rows in requests.items()},
         "slow_at_s": slow_at_s,

@@ -9,12 +9,15 @@ median of `--repeats`:
     ttft_colocated_s        Generate on the decode region: prefill and first token in one
                             process (time to its first token event)
     ttft_split_layerwise_s  Reserve, then Prefill with each layer shipped as soon as it is
-                            computed; TTFT = time until the decode region, holding the whole
-                            KV, streams token 0 (the decode request is sent at prefill done)
+                            computed; TTFT = from the Reserve call (the split path's first
+                            step, as in gpu_check.py) until the decode region, holding the
+                            whole KV, streams token 0 (the decode request is sent at prefill done)
     ttft_split_whole_s      the same, shipping the whole cache after the forward
 
-and prints the ratios to colocated. `--json PATH` writes prompt_tokens, the three TTFTs,
-the ratios, and every sample. Each call has a deadline; the regions are stopped on exit.
+Each mode is warmed once first; within a repeat the three run in an order rotated per repeat
+(`orders` records them), so that no mode always runs first or after the same one. It prints
+the ratios to colocated. `--json PATH` writes prompt_tokens, the three TTFTs, the ratios, the
+orders and every sample. Each call has a deadline; the regions are stopped on exit.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from prfaas.transport.tickets import TicketSigner
 
 KEY = os.urandom(32).hex()
 MODEL = "smollm2-135m"
+MODES = ("colocated", "layerwise", "whole")  # each repeat runs them all, in an order rotated per repeat
 
 
 def start_region(folder: Path, name: str, role: str, codec: str) -> RegionProcess:
@@ -80,10 +84,10 @@ def split(
     """(TTFT, prefill compute seconds, seconds from prefill done to token 0) of one split job."""
     job_id = str(uuid.uuid4())
     kv_bytes = len(ids) * 2 * 30 * 3 * 64 * 4
+    start = time.perf_counter()  # the reservation is part of the split path's TTFT
     reply = decode.Reserve(decode_pb2.ReserveRequest(job_id=job_id, attempt=1, tenant="bench", kv_bytes=kv_bytes,
                                                      ttl_s=300), timeout=10)  # fmt: skip
     ticket = signer.issue(job_id, 1, "bench", kv_bytes, ttl_s=300)
-    start = time.perf_counter()
     request = prefill_pb2.PrefillRequest(
         job_id=job_id, attempt=1, tenant="bench", token_ids=ids, sampling=sampling_to_proto(params), timeout_s=300,
         destination=prefill_pb2.Destination(kv_endpoint=reply.kv_endpoint, ticket=ticket, codec=codec),
@@ -118,19 +122,24 @@ def main() -> None:
     parser.add_argument("--codec", default="raw", choices=["raw", "lossless", "fp8", "int8"])
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
     prepare_model(MODEL)
     ids = prompt_ids(args.tokens)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     signer = TicketSigner({"k1": KEY.encode()}, "k1")
     with tempfile.TemporaryDirectory() as tmp:
         regions: list[RegionProcess] = []
+        orders: list[list[str]] = []  # each repeat's order of the modes
         try:
             regions.append(start_region(Path(tmp), "bench-prefill", "prefill", args.codec))
             regions.append(start_region(Path(tmp), "bench-decode", "decode", args.codec))
             prefill = prefill_pb2_grpc.PrefillRegionStub(grpc.insecure_channel(regions[0].grpc))
             decode = decode_pb2_grpc.DecodeRegionStub(grpc.insecure_channel(regions[1].grpc))
-            colocated(decode, ids[:64], params)  # warm both engines
-            split(prefill, decode, signer, ids[:64], params, False, args.codec)
+            # warm every mode once: both engines, the channel and the receiver's buffers of each shipping mode
+            colocated(decode, ids[:64], params)
+            for whole in (False, True):
+                split(prefill, decode, signer, ids[:64], params, whole, args.codec)
             samples: dict[str, list[float]] = {
                 key: []
                 for key in (
@@ -143,18 +152,19 @@ def main() -> None:
                     "tail_whole",
                 )
             }
-            for _ in range(args.repeats):
-                samples["colocated"].append(colocated(decode, ids, params))
-                ttft, prefill_s, tail = split(prefill, decode, signer, ids, params, False, args.codec)
-                samples["layerwise"].append(ttft)
-                samples["prefill_s"].append(prefill_s)
-                samples["tail_layerwise"].append(tail)
-                ttft, prefill_s, tail = split(prefill, decode, signer, ids, params, True, args.codec)
-                samples["whole"].append(ttft)
-                samples["whole_prefill_s"].append(prefill_s)
-                samples["tail_whole"].append(tail)
+            for i in range(args.repeats):
+                order = MODES[i % len(MODES) :] + MODES[: i % len(MODES)]
+                orders.append(list(order))
+                for mode in order:
+                    if mode == "colocated":
+                        samples["colocated"].append(colocated(decode, ids, params))
+                        continue
+                    ttft, prefill_s, tail = split(prefill, decode, signer, ids, params, mode == "whole", args.codec)
+                    samples[mode].append(ttft)
+                    samples["prefill_s" if mode == "layerwise" else "whole_prefill_s"].append(prefill_s)
+                    samples[f"tail_{mode}"].append(tail)
                 print(f"colocated {samples['colocated'][-1]:.3f} s  layerwise {samples['layerwise'][-1]:.3f} s  "
-                      f"whole {samples['whole'][-1]:.3f} s", flush=True)  # fmt: skip
+                      f"whole {samples['whole'][-1]:.3f} s  (order {', '.join(order)})", flush=True)  # fmt: skip
         finally:
             for region in regions:
                 region.stop()
@@ -166,7 +176,7 @@ def main() -> None:
         "prefill_compute_whole_s": med["whole_prefill_s"], "tail_after_prefill_layerwise_s": med["tail_layerwise"],
         "tail_after_prefill_whole_s": med["tail_whole"],
         "layerwise_over_colocated": med["layerwise"] / med["colocated"],
-        "whole_over_colocated": med["whole"] / med["colocated"], "samples": samples,
+        "whole_over_colocated": med["whole"] / med["colocated"], "samples": samples, "orders": orders,
         "kv_bytes": args.tokens * 2 * 30 * 3 * 64 * 4, "cpus": os.cpu_count(),
     }  # fmt: skip
     print(f"prompt {args.tokens} tokens, codec {args.codec}, median of {args.repeats}:")

@@ -27,12 +27,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from prfaas.bench.piped import Piped
 
 KEY = os.urandom(32)
 HERE = Path(__file__).resolve().parent
@@ -102,53 +103,6 @@ def role_sender(port: int, tls_port: int | None, kv: str) -> None:
         channel.close()
 
 
-class Proc:
-    """A bench process over pipes; every read has a deadline, past which the process is killed."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        import queue
-        import threading
-
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-
-        def pump() -> None:
-            assert self.p.stdout is not None
-            for line in self.p.stdout:
-                self.lines.put(line)
-            self.lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-
-    def read(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        import queue
-
-        try:
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            self.p.kill()
-            raise RuntimeError(f"bench process silent for {timeout_s} s; killed") from None
-        if line is None:
-            raise RuntimeError(f"bench process exited with {self.p.wait()}")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def ask(self, wait_s: float = 60.0, **cmd: Any) -> dict[str, Any]:
-        assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        return self.read(wait_s)
-
-    def close(self) -> None:
-        if self.p.stdin is not None:
-            self.p.stdin.close()
-        try:
-            self.p.wait(10)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-
-
 class Prfaas:
     """The prfaas sender and receiver processes; with `certs` (bench_certs) the receiver also
     listens with TLS, and channels opened with `tls` use it."""
@@ -160,10 +114,10 @@ class Prfaas:
         self.timeout_s = run_timeout_s
         env = {**os.environ, "PRFAAS_BENCH_KEY": KEY.hex(), "PRFAAS_BENCH_TLS": str(certs or "")}
         me = [sys.executable, str(Path(__file__).resolve())]
-        self.rx = Proc([*me, "--_role", "receiver"], env)
+        self.rx = Piped([*me, "--_role", "receiver"], env)
         ready = self.rx.read()
         ports = ["--_port", str(ready["port"]), "--_tls-port", str(ready["tls_port"] or 0)]
-        self.tx = Proc([*me, "--_role", "sender", *ports, "--_kv", str(kv_path or "")], env)
+        self.tx = Piped([*me, "--_role", "sender", *ports, "--_kv", str(kv_path or "")], env)
         self.layer_bytes: int = self.tx.read()["layer_bytes"]
         self.setup: dict[str, float] = {}
         self.tls: dict[str, bool] = {}

@@ -41,9 +41,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from prfaas.bench.piped import Piped as Peer  # a role process: JSON lines over its pipes, bounded reads
+
 HERE = Path(__file__).resolve().parent
 NUM_LAYERS, SHAPE = 30, (3, 2048, 64)  # SmolLM2-135M, 2,048 tokens, bf16
 KEY_ENV = "PRFAAS_BENCH_KEY"
+ONE_HOST = ("inproc", "shm")  # never on the WAN: sender and receiver share a process / the host's memory
+REPLY_WAIT_S = 600.0  # the longest a role may take to answer (a shipment's own deadline is 600 s)
 
 
 def _layers(seed: int = 1) -> list[tuple[bytes, bytes]]:
@@ -210,29 +214,6 @@ def role_sender(system: str, target: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- driver
 
 
-class Peer:
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-
-    def send(self, msg: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-
-    def read(self, timeout_s: float = 600) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"peer {self.proc.args!r} exited ({self.proc.poll()})")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.proc.kill()
-        self.proc.wait(10)
-
-
 class Pair:
     """A receiver and a sender process for one system, started in the given namespaces."""
 
@@ -251,7 +232,7 @@ class Pair:
 
     def _relay(self) -> dict[str, Any]:
         """The sender's next reply, relaying WebRTC offers to the receiver meanwhile."""
-        while "offer" in (msg := self.tx.read()):
+        while "offer" in (msg := self.tx.read(REPLY_WAIT_S)):
             assert self.rx is not None
             self.rx.send({"cmd": "offer", "offer": msg["offer"]})
             self.tx.send({"answer": self.rx.read(60)["answer"]})
@@ -262,14 +243,14 @@ class Pair:
         rx_cpu = 0.0
         if self.rx is not None:
             self.rx.send({"cmd": "cpu"})
-            rx_cpu = self.rx.read()["cpu_s"]
+            rx_cpu = self.rx.read(REPLY_WAIT_S)["cpu_s"]
             self.rx.send({"cmd": "expect", "jobs": jobs})
-            self.rx.read()
+            self.rx.read(REPLY_WAIT_S)
         self.tx.send({"jobs": jobs, "interval_s": interval_s})
         reply = self._relay()
         if self.rx is not None:
             self.rx.send({"cmd": "verify"})
-            stats = self.rx.read()
+            stats = self.rx.read(REPLY_WAIT_S)
             if stats["failed"] or stats["verified"] != self.total:
                 raise SystemExit(f"{self.system}: {stats} after {self.total} shipments")
             reply["rx_cpu_s"] = stats["cpu_s"] - rx_cpu
@@ -294,9 +275,9 @@ class Pair:
         }  # fmt: skip
 
     def close(self) -> None:
-        self.tx.close()
+        self.tx.kill()
         if self.rx is not None:
-            self.rx.close()
+            self.rx.kill()
 
 
 @contextlib.contextmanager
@@ -327,6 +308,13 @@ def main() -> None:
         return role_receiver(args.system)
     if args.role == "sender":
         return role_sender(args.system, json.loads(args.target))
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
+    if args.shipments < 1:
+        ap.error(f"--shipments {args.shipments}: at least 1")
+    if args.wan and not [s for s in args.systems if s not in ONE_HOST]:
+        ap.error(f"--wan: {', '.join(ONE_HOST)} run on one host only; name a system that crosses the link "
+                 "(tcp, tcp-N, webrtc-N)")  # fmt: skip
     os.environ[KEY_ENV] = os.urandom(32).hex()
     rows: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
     with contextlib.ExitStack() as stack:
@@ -335,7 +323,7 @@ def main() -> None:
 
             link = stack.enter_context(wan_link(*PROFILES[args.wan]))
             ns_rx, ns_tx, host = link.ns_b, link.ns_a, link.addr_b
-            systems = [s for s in args.systems if s not in ("shm", "inproc")]  # one host only
+            systems = [s for s in args.systems if s not in ONE_HOST]
         else:
             ns_rx = ns_tx = stack.enter_context(loopback_ns())
             host, systems = "127.0.0.1", list(args.systems)
@@ -358,9 +346,10 @@ def main() -> None:
         med = {
             k: statistics.median(r[k] for r in rows[system]) for k in ("mb_s", "cpu_s_per_gb", "whole_ms", "tail_ms")
         }
-        ratio = med["mb_s"] / tcp if tcp else float("nan")
+        ratio = med["mb_s"] / tcp if tcp else None  # None (JSON null): no tcp run to compare with
         summary.append({"system": system, **med, "x_tcp": ratio, "rounds": rows[system]})
-        print(f"{system:10s} {med['mb_s']:9.1f} {ratio:6.2f} {med['cpu_s_per_gb']:9.2f} {med['whole_ms']:9.1f}"
+        x_tcp = f"{ratio:6.2f}" if ratio is not None else f"{'-':>6s}"
+        print(f"{system:10s} {med['mb_s']:9.1f} {x_tcp} {med['cpu_s_per_gb']:9.2f} {med['whole_ms']:9.1f}"
               f" {med['tail_ms']:8.1f}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"wan": args.wan, "args": vars(args) | {"json": str(args.json)},

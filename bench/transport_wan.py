@@ -12,6 +12,8 @@ the adaptive default, and each codec, it prints and records:
     wire_ratio       wire bytes/s / link rate  (how full the link is)
     effective_ratio  raw KV bytes/s / link rate (what compression adds)
     cpu_s_per_gb     sender + receiver CPU seconds per GB of raw KV
+    raw_mb           raw KV of the shipment, MiB (2**20 bytes, as --size-mb; the result files
+                     in docs/results/ from before this unit was fixed hold 10**6-byte MB)
 
 `--tls both` runs every configuration over plaintext and over mutual TLS 1.3 side by side
 (both channels warmed, the measured shipments interleaved, the order alternating per round);
@@ -22,14 +24,16 @@ bounded by --run-timeout-s.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from prfaas.bench.piped import Piped
 
 KEY = os.urandom(32)
 PROFILES = {"continental": (40.0, 300.0, 0.01), "intercontinental": (80.0, 300.0, 0.1)}
@@ -129,24 +133,6 @@ def role_sender(host: str, kv_path: str) -> None:
 # ------------------------------------------------------------------ orchestration
 
 
-class Proc:
-    def __init__(self, popen: subprocess.Popen[str]) -> None:
-        self.p = popen
-
-    def ask(self, **cmd: Any) -> dict[str, Any]:
-        assert self.p.stdin is not None and self.p.stdout is not None
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        return self.read()
-
-    def read(self) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"bench process exited with {self.p.wait()}")
-        return json.loads(line)
-
-
 def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[dict[str, Any]]) -> None:
     import tempfile
 
@@ -171,21 +157,23 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
         if any(modes):
             certs = bench_certs(Path(tempfile.mkdtemp(prefix="prfaas-bench-certs-")), [link.addr_b])
             env["PRFAAS_BENCH_TLS"] = str(certs)
-        pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
-        rx = Proc(link.run_in("b", [*me, "--_role", "receiver", "--_host", link.addr_b, "--_buf", str(buf)], **pipes))
+        rx = Piped([*me, "--_role", "receiver", "--_host", link.addr_b, "--_buf", str(buf)], env,
+                   functools.partial(link.run_in, "b"))  # fmt: skip
         rx.read()
-        tx = Proc(link.run_in("a", [*me, "--_role", "sender", "--_host", link.addr_b, "--_kv", str(kv_path)], **pipes))
+        tx = Piped([*me, "--_role", "sender", "--_host", link.addr_b, "--_kv", str(kv_path)], env,
+                   functools.partial(link.run_in, "a"))  # fmt: skip
         layer_bytes = tx.read()["layer_bytes"]
         layers = max(1, int(args.size_mb * 2**20 / layer_bytes))
         link_bps = rate_mbit * 1e6 / 8
+        wait_s = args.run_timeout_s + 30  # a shipment's own deadline, then the reply's way back
 
         def ship(codec: str, layers: int, tls: bool) -> dict[str, Any]:
             job = str(uuid.uuid4())
             rx.ask(op="expect", job=job, timeout_s=args.run_timeout_s + 5, tls=tls)
             ticket = signer.issue(job, 1, "bench", 1 << 40, ttl_s=600)
-            result = tx.ask(op="ship", job=job, ticket=ticket, codec=codec, layers=layers, timeout_s=args.run_timeout_s,
-                            tls=tls)  # fmt: skip
-            result["rx_cpu_s"] = rx.ask(op="collect", job=job, timeout_s=5)["cpu_s"]
+            result = tx.ask(wait_s, op="ship", job=job, ticket=ticket, codec=codec, layers=layers,
+                            timeout_s=args.run_timeout_s, tls=tls)  # fmt: skip
+            result["rx_cpu_s"] = rx.ask(wait_s, op="collect", job=job, timeout_s=5)["cpu_s"]
             return result
 
         for cc in args.cc:
@@ -196,7 +184,7 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
                     warm_until = time.monotonic() + (args.adaptive_warmup_s if streams is None else args.fixed_warmup_s)
                     ship("raw", max(1, layers // 8), tls)
                     while time.monotonic() < warm_until:
-                        ship("raw", layers // 2, tls)
+                        ship("raw", max(1, layers // 2), tls)  # --size-mb under two layers: one
                 runs = [(codec, rnd, tls) for codec in args.codec for rnd in range(args.rounds)
                         for tls in (modes if rnd % 2 == 0 else modes[::-1])]  # fmt: skip
                 for codec, rnd, tls in runs:
@@ -206,7 +194,8 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
                     row = {
                         "profile": name, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "loss_pct": loss_pct, "cc": cc,
                         "streams": r["streams"] if streams is None else streams, "adaptive": streams is None,
-                        "codec": codec, "tls": tls, "round": rnd, "status": r["status"], "raw_mb": r["raw_bytes"] / 1e6,
+                        "codec": codec, "tls": tls, "round": rnd, "status": r["status"],
+                        "raw_mb": r["raw_bytes"] / 2**20,  # MiB, the unit of --size-mb
                         "wire_ratio": r["wire_bytes"] / seconds / link_bps,
                         "effective_ratio": r["raw_bytes"] / seconds / link_bps,
                         "cpu_s_per_gb": (r["cpu_s"] + r["rx_cpu_s"] - rx_cpu0) / max(r["raw_bytes"] / 1e9, 1e-9),
@@ -243,22 +232,32 @@ def run_profile(name: str, args: argparse.Namespace, kv_path: Path, rows: list[d
             )
 
 
-def tls_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each configuration's TLS goodput over its plaintext twin's (medians of the rounds)."""
+def config_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a row measured, but for TLS and the round: its TLS twin has the same key. The adaptive
+    channel is its own configuration whatever stream count it settled on ("adaptive", never its count)."""
+    streams = "adaptive" if row["adaptive"] else row["streams"]
+    return row.get("system", "prfaas"), row["profile"], row["cc"], streams, row["codec"]
+
+
+def tls_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each configuration's TLS goodput over its plaintext twin's (medians of the completed rounds),
+    printed and returned: {config: [system, profile, cc, streams or "adaptive", codec], goodput_ratio,
+    cpu_s_per_gb_tls, cpu_s_per_gb_plain, runs_tls, runs_plain}."""
     import statistics
 
-    def key(row: dict[str, Any]) -> tuple[Any, ...]:
-        return row["profile"], row["cc"], row["adaptive"] or row["streams"], row["codec"]
-
-    for config in dict.fromkeys(key(r) for r in rows if r.get("tls")):
-        by_tls = {tls: [r for r in rows if key(r) == config and r.get("tls") is tls and r["status"] == "completed"]
-                  for tls in (False, True)}  # fmt: skip
+    out = []
+    for config in dict.fromkeys(config_key(r) for r in rows if r.get("tls")):
+        by_tls = {tls: [r for r in rows if config_key(r) == config and bool(r.get("tls")) is tls
+                        and r["status"] == "completed"] for tls in (False, True)}  # fmt: skip
         if by_tls[False] and by_tls[True]:
             plain, tls = (statistics.median(r["effective_ratio"] for r in by_tls[t]) for t in (False, True))
             cpu = [statistics.median(r["cpu_s_per_gb"] for r in by_tls[t]) for t in (False, True)]
-            runs = f"{len(by_tls[True])}/{len(by_tls[False])}"
-            print(f"{' '.join(map(str, config))}: TLS/plaintext goodput {tls / plain:.2f}x (medians of {runs}); "
-                  f"CPU s/GB {cpu[1]:.2f} vs {cpu[0]:.2f}")  # fmt: skip
+            out.append({"config": list(config), "goodput_ratio": tls / plain, "cpu_s_per_gb_tls": cpu[1],
+                        "cpu_s_per_gb_plain": cpu[0], "runs_tls": len(by_tls[True]),
+                        "runs_plain": len(by_tls[False])})  # fmt: skip
+            print(f"{' '.join(map(str, config))}: TLS/plaintext goodput {tls / plain:.2f}x (medians of "
+                  f"{len(by_tls[True])}/{len(by_tls[False])}); CPU s/GB {cpu[1]:.2f} vs {cpu[0]:.2f}")  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -275,7 +274,8 @@ def main() -> None:
                         help="over mutual TLS: on, or both (plaintext and TLS interleaved)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="measured shipments per configuration and codec")
     parser.add_argument("--cc", nargs="+", default=["cubic", "bbr"], choices=["cubic", "bbr", "reno"])
-    parser.add_argument("--size-mb", type=float, default=96.0, help="raw KV per measured shipment")
+    parser.add_argument("--size-mb", type=float, default=96.0,
+                        help="raw KV per measured shipment, MiB (2**20 bytes; rows' raw_mb is in MiB too)")  # fmt: skip
     parser.add_argument("--run-timeout-s", type=float, default=20.0)
     parser.add_argument("--adaptive-warmup-s", type=float, default=8.0)
     parser.add_argument("--fixed-warmup-s", type=float, default=0.0, help="the same warm-up for fixed counts")

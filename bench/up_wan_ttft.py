@@ -8,6 +8,10 @@ Reads the deployment from $PRFAAS_HOME/up.json and the link from its topology. F
 repeat, the same real prompt (a different slice of text each repeat) is sent twice with the
 official openai client, streaming: placement `local` (the decode region does it all) and
 `split` (prefill region -> KV over the emulated link -> decode region), in alternating order.
+Every request carries a cache salt of its own, so neither finds the prompt in a prefix cache
+(the first of a pair would otherwise leave it warm for the second: a local hit, or a split
+that ships only the tail the decode region lacks); a pair in which a job still reports
+`cached_tokens` > 0 is not comparable and is dropped as a failed one (listed in `skipped`).
 The bar (issue 7): median split TTFT - median local TTFT <= 0.5 * RTT + last-layer bytes /
 link rate + 20 ms, where last-layer bytes = the job's KV wire bytes / layers (layer-wise
 streaming hides the rest of the shipment behind the forward). On a shared host the forward's
@@ -27,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +48,11 @@ class _Failed(Exception):
 
 
 def _one(base: str, key: str, model: str, prompt: list[int], placement: str) -> loadgen.Outcome:
+    """One streamed request under a cache salt of its own (as loadgen/bench.py gives each policy's run
+    one): its prompt is in no prefix cache, whatever ran before it."""
     request = Planned(0, 0.0, "wan", tuple(prompt), 2, None, 0)
-    outcomes, _ = loadgen.run(base, key, model, [request], placement, concurrency=1, timeout_s=600)
+    salt = f"up-wan-ttft-{placement}-{uuid.uuid4().hex[:12]}"
+    outcomes, _ = loadgen.run(base, key, model, [request], placement, concurrency=1, timeout_s=600, cache_salt=salt)
     loadgen.attach_jobs(base, key, outcomes)
     out = outcomes[0]
     if not out.ok or out.ttft_s is None:
@@ -52,6 +60,9 @@ def _one(base: str, key: str, model: str, prompt: list[int], placement: str) -> 
     chosen = out.job.get("placement_chosen")
     if chosen != placement:
         raise _Failed(f"asked for {placement}, the job ran {chosen}")
+    if cached := int(out.job.get("cached_tokens") or 0):
+        raise _Failed(f"the {placement} job reused {cached} cached prompt tokens despite its own cache salt: "
+                      "its TTFT is not a cold one")  # fmt: skip
     return out
 
 
@@ -62,14 +73,16 @@ def _span(job: dict[str, Any], first: str, last: str) -> float:
 
 
 def _forward_trace(num_tokens: int) -> dict[str, dict[str, float]]:
-    """Medians of the regions' forward trace (bench/forward_trace), if this run has one."""
+    """Medians of the regions' forward trace (bench/forward_trace), if this run has one; split and
+    local by the trace's `path` (which role's backend ran the forward). Rows of an older trace,
+    without `path`, are left out: their `tapped` is true for local forwards too."""
     path = os.environ.get("PRFAAS_FORWARD_TRACE")
     if not path or not Path(path).exists():
         return {}
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     out = {}
-    for tapped, name in ((True, "split"), (False, "local")):
-        mine = [r for r in rows if r["tapped"] is tapped and r["tokens"] == num_tokens]
+    for name in ("split", "local"):
+        mine = [r for r in rows if r.get("path") == name and r["tokens"] == num_tokens]
         if mine:
             keys = ("wall_s", "cpu_s", "runq_s", "blocked_s")
             out[name] = {"count": len(mine), **{k: statistics.median(r[k] for r in mine) for k in keys}}
@@ -164,9 +177,9 @@ def main() -> None:
           f"{1e3 * figures['split_tail_s']:.0f} ms; "
           f"split adds {1e3 * figures['non_compute_excess_s']:.0f} ms: "
           f"{'met' if figures['non_compute_met'] else 'NOT met'}")  # fmt: skip
-    for tapped, row in figures["forwards"].items():
+    for name, row in figures["forwards"].items():
         print(
-            f"  in-region forwards ({tapped}, {row['count']}, medians): wall {row['wall_s']:.3f} s = CPU "
+            f"  in-region forwards ({name}, {row['count']}, medians): wall {row['wall_s']:.3f} s = CPU "
             f"{row['cpu_s']:.3f} + waiting for a core {row['runq_s']:.3f} + blocked {row['blocked_s']:.3f} s"
         )
     if args.json:

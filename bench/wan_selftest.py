@@ -24,6 +24,7 @@ from typing import Any
 
 from prfaas.bench.wan_roles import ROLES
 from prfaas.devstack.wanlink import PROFILES, WanLink, wan_link
+from prfaas.loadgen.report import percentile
 
 # ---------------------------------------------------------------- selftest driver
 
@@ -130,6 +131,10 @@ def bulk_tcp(
     return res
 
 
+def _num(value: float | None, width: int, digits: int) -> str:
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
 def bbr_available() -> bool:
     avail = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
     if "bbr" in avail.read_text().split():
@@ -160,7 +165,7 @@ def selftest(args: argparse.Namespace) -> list[dict[str, Any]]:
         emulator_rt_prio=args.rt_prio,
     ) as link:
         rtts = ping(link, 5)
-        ping_med = sorted(rtts)[len(rtts) // 2] if rtts else float("nan")
+        ping_med = percentile(rtts, 50)  # None (JSON null) when no ping came back
         print("# host loadavg at start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
         print(
             f"# link rtt={args.rtt_ms} ms rate={args.rate_mbit or 'unlimited'} Mbit/s "
@@ -183,7 +188,7 @@ def selftest(args: argparse.Namespace) -> list[dict[str, Any]]:
             for cc in ccs:
                 for n in [int(x) for x in args.streams.split(",")]:
                     r = bulk_tcp(link, n, cc, force, args.duration, args.bytes)
-                    ratio = r["mbit"] / args.rate_mbit if args.rate_mbit else float("nan")
+                    ratio = r["mbit"] / args.rate_mbit if args.rate_mbit else None  # unlimited link: no ratio
                     row = {
                         "profile": args.profile,
                         "rtt_ms": args.rtt_ms,
@@ -199,8 +204,8 @@ def selftest(args: argparse.Namespace) -> list[dict[str, Any]]:
                     }
                     rows.append(row)
                     print(
-                        f"{mode:<10} {cc:<5} {n:>3} {row['ping_ms']:>7.2f} {r.get('srtt_ms', 0):>7.1f} "
-                        f"{r['mbit']:>8.1f} {ratio:>6.3f} {r['link_mbit_2nd_half']:>7.1f} "
+                        f"{mode:<10} {cc:<5} {n:>3} {_num(row['ping_ms'], 7, 2)} {r.get('srtt_ms', 0):>7.1f} "
+                        f"{r['mbit']:>8.1f} {_num(ratio, 6, 3)} {r['link_mbit_2nd_half']:>7.1f} "
                         f"{r['link_mbit_max_1s']:>7.1f} {r.get('retrans', 0):>7} {r['emu_drop_queue']:>6} "
                         f"{r['emu_drop_loss']:>6} {r['late_avg_us']:>7.0f} {r['late_max_ms']:>7.2f} "
                         f"{r['seconds']:>5.1f}",

@@ -117,7 +117,7 @@ def run_peers(
                     status = "completed" if ok else r.get("status", "failed")
                     row = {
                         **base, "system": system, "cc": cc, "streams": r["tcp_conns"], "status": status,
-                        "raw_mb": moved / 1e6, "wire_ratio": moved / seconds / link_bps,
+                        "raw_mb": moved / 2**20, "wire_ratio": moved / seconds / link_bps,  # MiB, as transport_wan
                         "effective_ratio": moved / seconds / link_bps,
                         "cpu_s_per_gb": cpu / (moved / 1e9) if moved else None,
                         "seconds": r["seconds"], "setup_s": setup_s, "round": r["round"],
