@@ -67,7 +67,7 @@ class ModelFacts:
 
     @staticmethod
     def read(model: str | Path, dtype: str) -> ModelFacts:
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         path = resolve_model(model)
         config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -75,8 +75,8 @@ class ModelFacts:
             generation: Any = GenerationConfig.from_pretrained(path, local_files_only=True)
         except OSError:  # no generation_config.json: transformers derives it from the config
             generation = GenerationConfig.from_model_config(config)
-        eos = generation.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        # the tokenizer alone (no weights): its end-of-sequence token is the one vLLM stops on first
+        tokenizer: Any = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return ModelFacts(
             fingerprint=model_fingerprint(path),
             dtype=dtype,
@@ -85,7 +85,7 @@ class ModelFacts:
             num_kv_heads=int(config.num_key_value_heads),
             head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
             max_context=int(config.max_position_embeddings),
-            eos_token_ids=frozenset(int(t) for t in eos_ids),
+            eos_token_ids=end_of_sequence_ids(generation.eos_token_id, tokenizer.eos_token_id),
         )
 
     @property
@@ -93,6 +93,13 @@ class ModelFacts:
         """K and V of every layer for one token, in the engine's dtype."""
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def end_of_sequence_ids(generation_eos: int | list[int] | None, tokenizer_eos: int | None) -> frozenset[int]:
+    """The tokens that end a generation, as vLLM reads them: the tokenizer's `eos_token_id` (its
+    primary end of sequence) and the generation config's `eos_token_id` (one id or a list)."""
+    ids = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return frozenset(int(t) for t in [*ids, tokenizer_eos] if t is not None)
 
 
 def check_prompt(facts: ModelFacts, token_ids: Sequence[int], params: SamplingParams) -> None:

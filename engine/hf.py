@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from prfaas.engine.base import DecodeStep, ModelFacts, PrefillResult, check_prompt
+from prfaas.engine.base import DecodeStep, ModelFacts, PrefillResult, check_prompt, end_of_sequence_ids
 from prfaas.engine.blocks import block_hashes
 from prfaas.engine.calibration import load_query_energy
 from prfaas.engine.device import DeviceChoice
@@ -80,9 +80,7 @@ class HFEngine:
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self._max_context = int(config.max_position_embeddings)
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        self.eos_token_ids = frozenset(int(t) for t in eos_ids)
+        self.eos_token_ids = end_of_sequence_ids(self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id)
         self.cpus = frozenset(cpus) if cpus else None  # each forward runs pinned to these
         self.prefix_cache = prefix_cache
         self.facts = ModelFacts(

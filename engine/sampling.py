@@ -6,11 +6,11 @@ identically. `choose` is that rule, in vLLM's order:
 
 1. logprobs, when asked, of the raw logits (vLLM's default `logprobs_mode="raw_logprobs"`):
    before any processing below;
-2. min_tokens: while fewer than `min_tokens` tokens were generated, the stop token ids (and
-   the end-of-sequence ids unless `ignore_eos`) cannot be chosen; logit_bias is added;
+2. min_tokens: while fewer than `min_tokens` tokens were generated, the stop token ids and the
+   end-of-sequence ids cannot be chosen (even with `ignore_eos`, as in vLLM); logit_bias is added;
 3. penalties: repetition (over prompt and output: positive logits divided by it, negative ones
    multiplied), then frequency (x count in the output) and presence (x 1 if in the output);
-4. greedy (temperature 0, or below SAMPLING_EPS as in vLLM) takes the argmax here, ties to the lowest id;
+4. greedy (temperature 0; vLLM raises 0 < T < 0.01 to 0.01) takes the argmax here, ties to the lowest id;
 5. else temperature, min_p, top_k, top_p, then a draw.
 
 The random stream is not carried over from step to step: the generator for step `i` is seeded
@@ -37,7 +37,7 @@ MAX_STOP = 16  # stop strings and stop token ids, each
 MAX_STOP_CHARS = 256
 
 
-SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: a temperature in (0, 0.01) is raised to it (only 0 is greedy)
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ class SamplingParams:
     """How to pick tokens (units: tokens; probabilities in [0, 1]).
 
     max_new_tokens: tokens to generate, counting the first one chosen at prefill (>= 1).
-    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature); one in
+        (0, MIN_TEMPERATURE) is raised to MIN_TEMPERATURE, as vLLM's SamplingParams does.
     top_p: nucleus mass in (0, 1]; top_k: keep the k most likely (0 = all); min_p: keep tokens
         at least min_p x the most likely one's probability (0 = all). Sampling only.
     seed: required when temperature > 0; the control plane assigns one when a client does
@@ -53,7 +54,7 @@ class SamplingParams:
     ignore_eos: keep generating past end-of-sequence tokens.
     repetition_penalty (> 0, 1 = off), presence_penalty and frequency_penalty ([-2, 2], 0 =
         off): applied to greedy and sampled choices alike, as vLLM does.
-    min_tokens: no stop token, end of sequence or stop string before this many tokens.
+    min_tokens: no stop token, end of sequence (ignore_eos or not) or stop string before this many tokens.
     stop: strings that end generation when the output text contains one (the text is cut
         before it); matched by the region that decodes (engine/stops.py).
     stop_token_ids: tokens that end generation (the token is kept, its text is not shown).
@@ -90,6 +91,8 @@ class SamplingParams:
             raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0.0 <= self.temperature < math.inf:  # also rejects NaN
             raise bad(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM's __post_init__, before its greedy check
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -133,8 +136,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Argmax: temperature 0, or below SAMPLING_EPS, as vLLM reads it (logits / 1e-310 overflow to inf)."""
-        return self.temperature < SAMPLING_EPS
+        """Argmax: temperature 0 (any other is at least MIN_TEMPERATURE), as vLLM reads it."""
+        return self.temperature == 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: what a job record stores (`from_dict` reads it back)."""
@@ -196,10 +199,11 @@ def _step_generator(seed: int, step: int) -> torch.Generator:
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """Logprobs of raw `logits` [vocab]: `token`'s, its rank, and the top `k`."""
+    """Logprobs of raw `logits` [vocab]: `token`'s, its rank, and the top `k`. The rank counts the
+    tokens at least as likely as `token`, itself included, as vLLM does: a tie ranks last among equals."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = float(logprobs[token])
-    rank = int((logprobs > chosen).sum().item()) + 1
+    rank = int((logprobs >= chosen).sum().item())
     if k == 0:
         return TokenLogprobs(chosen, rank)
     values, ids = torch.topk(logprobs, k)
@@ -210,7 +214,7 @@ def process(logits: torch.Tensor, params: SamplingParams, history: History, eos_
     """Steps 2-3 of the rule (min_tokens, logit_bias, penalties): a new float32 tensor."""
     out = logits.float().clone()
     if len(history.output) < params.min_tokens:
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        stops = set(params.stop_token_ids) | set(eos_ids)  # vLLM's _all_stop_token_ids: EOS even under ignore_eos
         if stops:
             out[list(stops)] = float("-inf")
     if params.logit_bias:

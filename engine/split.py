@@ -40,9 +40,10 @@ def _engine(model: str, dtype: str) -> HFEngine:
 @dataclass(frozen=True)
 class PrefillOutput:
     kv_bytes: bytes
-    first_token: int
+    first_token: int  # choice 0's
     prefill_s: float  # model forward over the prompt, excluding model load and serialization
     pid: int
+    first_tokens: tuple[int, ...] = ()  # every choice's (params.n of them; choice 0's first)
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,14 @@ class DecodeOutput:
 
 @dataclass(frozen=True)
 class SplitResult:
-    tokens: list[int]  # all generated tokens, first one included
-    last_logits: np.ndarray
+    tokens: list[int]  # all generated tokens of choice 0, first one included
+    last_logits: np.ndarray  # choice 0's
     prefill_s: float
-    decode_ms_per_token: float
+    decode_ms_per_token: float  # over every choice's decoded tokens
     kv_bytes: int
     prefill_pid: int
     decode_pid: int
+    choices: tuple[list[int], ...] = ()  # every choice's tokens (params.n of them; choice 0's is `tokens`)
 
 
 def _prefill_job(model: str, dtype: str, token_ids: list[int], params: SamplingParams) -> PrefillOutput:
@@ -69,15 +71,17 @@ def _prefill_job(model: str, dtype: str, token_ids: list[int], params: SamplingP
     start = time.perf_counter()
     result = engine.prefill(token_ids, params)
     elapsed = time.perf_counter() - start
-    return PrefillOutput(kv_to_bytes(result.kv), result.first_token, elapsed, os.getpid())
+    firsts = tuple(first.token for first in result.choices)
+    return PrefillOutput(kv_to_bytes(result.kv), result.first_token, elapsed, os.getpid(), firsts)
 
 
-def _decode_job(model: str, dtype: str, kv_bytes: bytes, first_token: int, params: SamplingParams) -> DecodeOutput:
+def _decode_job(model: str, dtype: str, kv_bytes: bytes, first_token: int, params: SamplingParams,
+                prompt_ids: list[int]) -> DecodeOutput:  # fmt: skip
     engine = _engine(model, dtype)
     kv = kv_from_bytes(kv_bytes)
     start = time.perf_counter()
     tokens, logits = [], np.zeros(0, dtype=np.float32)
-    for step in engine.decode_steps(kv, first_token, params):
+    for step in engine.decode_steps(kv, first_token, params, prompt_ids):
         tokens.append(step.token)
         logits = step.logits.numpy()
     return DecodeOutput(tokens, logits, time.perf_counter() - start, os.getpid())
@@ -121,22 +125,30 @@ class SplitRunner:
         future = self._prefill.submit(_prefill_job, self.model, self.dtype, list(token_ids), params)
         return self._wait(future, "prefill")
 
-    def decode(self, kv_bytes: bytes, first_token: int, params: SamplingParams) -> DecodeOutput:
-        future = self._decode.submit(_decode_job, self.model, self.dtype, kv_bytes, first_token, params)
+    def decode(self, kv_bytes: bytes, first_token: int, params: SamplingParams,
+               prompt_ids: Sequence[int] = ()) -> DecodeOutput:  # fmt: skip
+        """One choice's steps 1..; `params` is that choice's (`SamplingParams.for_choice`). `prompt_ids` (the
+        prompt the KV covers) are needed only for `repetition_penalty`, as for `Engine.decode`."""
+        future = self._decode.submit(_decode_job, self.model, self.dtype, kv_bytes, first_token, params,
+                                     list(prompt_ids))  # fmt: skip
         return self._wait(future, "decode")
 
     def run(self, token_ids: Sequence[int], params: SamplingParams) -> SplitResult:
+        """Prefill once, then decode each of the `params.n` choices from that one KV, as the regions do."""
         pre = self.prefill(token_ids, params)
-        dec = self.decode(pre.kv_bytes, pre.first_token, params)
-        steps = max(len(dec.tokens), 1)
+        firsts = pre.first_tokens or (pre.first_token,)
+        decs = [self.decode(pre.kv_bytes, first, params.for_choice(c), token_ids) for c, first in enumerate(firsts)]
+        steps = max(sum(len(dec.tokens) for dec in decs), 1)
+        choices = tuple([first, *dec.tokens] for first, dec in zip(firsts, decs, strict=True))
         return SplitResult(
-            tokens=[pre.first_token, *dec.tokens],
-            last_logits=dec.last_logits,
+            tokens=choices[0],
+            last_logits=decs[0].last_logits,
             prefill_s=pre.prefill_s,
-            decode_ms_per_token=1000.0 * dec.decode_s / steps,
+            decode_ms_per_token=1000.0 * sum(dec.decode_s for dec in decs) / steps,
             kv_bytes=len(pre.kv_bytes),
             prefill_pid=pre.pid,
-            decode_pid=dec.pid,
+            decode_pid=decs[0].pid,
+            choices=choices,
         )
 
     def close(self, grace_s: float = 5.0) -> None:

@@ -77,7 +77,7 @@ def vllm_sampling(params: SamplingParams, role: Role, first_token: int | None = 
         "top_p": params.top_p,
         "top_k": params.top_k,
         "min_p": params.min_p,
-        "seed": None if params.greedy else params.seed,
+        "seed": None if params.greedy else params.seed,  # greedy: temperature 0 only (SamplingParams)
         "repetition_penalty": params.repetition_penalty,
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,

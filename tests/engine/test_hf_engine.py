@@ -1,5 +1,6 @@
 """The HF backend on tiny-llama: exact split/colocated equality and typed bad-input errors."""
 
+import json
 import os
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from prfaas.engine.base import ModelFacts
 from prfaas.engine.errors import (
     InvalidPrompt,
     KVDtypeMismatch,
@@ -71,6 +73,24 @@ def test_decode_stops_at_eos_unless_told_not_to(tiny_engine: HFEngine, long_text
     pre = tiny_engine.prefill(ids, GREEDY)
     assert list(tiny_engine.decode(pre.kv, eos, SamplingParams(max_new_tokens=8))) == []
     assert len(list(tiny_engine.decode(pre.kv, eos, SamplingParams(max_new_tokens=8, ignore_eos=True)))) == 7
+
+
+def test_the_tokenizers_eos_ends_generation_as_in_vllm(tiny_engine: HFEngine, tmp_path: Path) -> None:
+    """vLLM stops on the tokenizer's eos_token_id (here <|im_end|>, 2) besides the generation config's
+    (here changed to 0); both engines' facts name both, and the decode region reads them there."""
+    variant = tmp_path / "tiny-eos"
+    variant.mkdir()
+    for f in tiny_engine.path.iterdir():
+        if f.is_file():
+            (variant / f.name).write_bytes(f.read_bytes())
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((variant / name).read_text())
+        (variant / name).write_text(json.dumps(config | {"eos_token_id": 0}))
+    engine = HFEngine(variant)
+    assert engine.tokenizer.eos_token_id == 2
+    assert engine.eos_token_ids == ModelFacts.read(variant, "float32").eos_token_ids == {0, 2}
+    ids = engine.encode("prefill decode", chat=True)
+    assert engine.generate(ids, SamplingParams(max_new_tokens=5, logit_bias=((2, 100.0),))) == [2]
 
 
 def test_kv_from_another_model_is_refused(tiny_engine: HFEngine, long_text: str, tmp_path: Path) -> None:

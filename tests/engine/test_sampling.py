@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from prfaas.engine.errors import InvalidSamplingParams
-from prfaas.engine.sampling import History, SamplingParams, choose, process, sample_next
+from prfaas.engine.sampling import History, SamplingParams, choose, process, sample_next, token_logprobs
 
 
 @pytest.mark.parametrize(
@@ -62,16 +62,16 @@ def test_tiny_top_p_is_greedy() -> None:
     assert {sample_next(logits, params, s) for s in range(20)} == {1}
 
 
-@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 9e-6])
-def test_a_temperature_below_vllms_epsilon_is_greedy(temperature: float) -> None:
-    """vLLM samples greedily below 1e-5; dividing logits by 1e-310 would overflow to inf and NaN
-    probabilities (torch.multinomial raised, and the region's decode failed)."""
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 9e-6, 5e-3])
+def test_a_temperature_below_0_01_is_raised_to_it_and_samples(temperature: float) -> None:
+    """vLLM's SamplingParams raises 0 < T < 0.01 to 0.01 before its greedy check, so only 0 is greedy:
+    two tied logits both come up, and n > 1 is accepted. (Dividing by 1e-310 would overflow to NaN.)"""
     logits = torch.tensor([1.0, 5.0, 5.0, 2.0])
-    params = SamplingParams(temperature=temperature, seed=3)
-    assert params.greedy and {sample_next(logits, params, s) for s in range(5)} == {1}
-    assert not SamplingParams(temperature=1e-5, seed=3).greedy
-    with pytest.raises(InvalidSamplingParams, match="n must be 1 when using greedy sampling"):
-        SamplingParams(temperature=temperature, seed=3, n=2)  # as vLLM refuses it
+    params = SamplingParams(temperature=temperature, seed=3, n=2)
+    assert params.temperature == 0.01 and not params.greedy
+    assert {sample_next(logits, params.for_choice(0), s) for s in range(20)} == {1, 2}
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.01, seed=3).temperature == 0.01
 
 
 # -- the rest of the specification, in vLLM's order ---------------------------------------------
@@ -110,8 +110,15 @@ def test_min_tokens_bans_eos_and_stop_token_ids_until_reached() -> None:
     assert choose(logits, params, 0, History(output=[]), EOS).token == 2
     assert choose(logits, params, 1, History(output=[2]), EOS).token == 2
     assert choose(logits, params, 2, History(output=[2, 2]), EOS).token == 0  # reached: EOS may come
+
+
+def test_min_tokens_bans_eos_even_when_eos_is_ignored() -> None:
+    """vLLM bans every stop id, EOS included, until min_tokens, whatever ignore_eos says; ignore_eos only
+    keeps an EOS chosen later from ending the generation (hf.ends)."""
+    logits = torch.tensor([9.0, 8.0, 1.0, 0.0])
     ignoring = SamplingParams(max_new_tokens=8, min_tokens=2, ignore_eos=True)
-    assert choose(logits, ignoring, 0, History(), EOS).token == 0  # EOS is no stop then, so not banned
+    assert choose(logits, ignoring, 0, History(), EOS).token == 1
+    assert choose(logits, ignoring, 2, History(output=[1, 1]), EOS).token == 0  # reached: EOS may come
 
 
 def test_logit_bias_is_added_before_the_choice() -> None:
@@ -139,6 +146,15 @@ def test_logprobs_are_of_the_raw_logits_with_rank_and_top_k() -> None:
     assert chosen.logprobs.top_ids == (1, 2)
     assert chosen.logprobs.top_logprobs == pytest.approx([float(raw[1]), float(raw[2])])
     assert choose(logits, SamplingParams(), 0).logprobs is None
+
+
+def test_a_tied_token_ranks_after_its_equals_as_vllm_counts() -> None:
+    """vLLM's rank is the number of tokens at least as likely, itself included: of two tied most likely
+    tokens, the one chosen (the lower id, under greedy) ranks 2, not 1."""
+    logits = torch.tensor([0.0, 3.0, 3.0, 1.0])
+    chosen = choose(logits, SamplingParams(logprobs=0), 0)
+    assert chosen.token == 1 and chosen.logprobs is not None and chosen.logprobs.rank == 2
+    assert token_logprobs(logits, 3, 0).rank == 3 and token_logprobs(logits, 0, 0).rank == 4  # no tie: as before
 
 
 def test_vocab_checks_name_the_field() -> None:

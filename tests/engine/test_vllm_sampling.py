@@ -48,6 +48,15 @@ def test_greedy_has_no_seed_and_no_penalty_needs_no_correction() -> None:
     assert vllm_sampling(SamplingParams(max_new_tokens=4, min_tokens=0), "prefill")["min_tokens"] == 0
 
 
+def test_a_temperature_below_0_01_is_sent_raised_and_seeded() -> None:
+    """vLLM would raise 1e-6 to 0.01 itself and sample; without the job's seed it would draw unseeded."""
+    params = SamplingParams(temperature=1e-6, seed=5)
+    prefill, whole = vllm_sampling(params, "prefill"), vllm_sampling(params, "generate")
+    decode = vllm_sampling(params, "decode", first_token=1)
+    assert (prefill["temperature"], prefill["seed"]) == (whole["temperature"], whole["seed"]) == (0.01, 5)
+    assert (decode["temperature"], decode["seed"]) == (0.01, decode_seed(5))
+
+
 def test_n_above_one_and_a_decode_without_its_first_token_are_refused() -> None:
     with pytest.raises(InvalidSamplingParams, match="n=2"):
         vllm_sampling(SamplingParams(temperature=1.0, seed=1, n=2), "generate")
