@@ -79,6 +79,7 @@ def create_app(settings: Settings) -> FastAPI:
     # per-operation spans (each SDK span costs the API ~0.1 ms of CPU); off, its instrumentation is skipped
     telemetry = TelemetryConfig(tracing=traced, operation_spans=False, metrics=False, logs=False)
     app = FastAPI(title="prfaas control plane", version="1", lifespan=lifespan, telemetry=telemetry)
+    app.state.settings = settings
     for router in (completions.router, extras.router, jobs.router, tenants.router, regions.router, usage.router):
         app.include_router(router)
     app.include_router(usage.admin_router)
@@ -93,7 +94,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.build_middleware_stack = lambda: CountResponses(stack(), counter=api_metrics.responses)  # type: ignore[method-assign]
 
     @app.get("/healthz", tags=["ops"])
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:  # on the event loop: no thread to wait for
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["ops"])

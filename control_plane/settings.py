@@ -177,6 +177,12 @@ class Settings(BaseSettings):
         default=60.0, gt=0, description="tenants and keys cached in Redis are read from the database again after this"
     )
     max_new_tokens_limit: int = Field(default=4096, ge=1)
+    max_waiting_requests: int = Field(
+        default=512,
+        ge=1,
+        description="requests of one API process that wait on their jobs' tokens at once, a thread each (more "
+        "queue for a thread); the routes and health probes have threads of their own (api/threads.py)",
+    )
     max_body_bytes: int = Field(
         default=8 * 2**20,
         ge=1024,

@@ -7,7 +7,9 @@ tenants.py      /admin/tenants: tenants and their API keys
 regions.py      /admin/regions, /admin/links: the fleet, drains, links
 prices.py       /admin/prices: every price with its source and age, refresh
 deps.py         the named dependencies (ServicesDep, TenantDep, AdminDep, MeterDep, GenerationDep)
-schemas.py      the request and response models, a family per resource
+openai_schemas.py  the generation requests: OpenAI's fields, vLLM's extras, `prfaas`
+schemas.py      the other request and response models, a family per resource
+threads.py      the threads of the waits on jobs' tokens and of the cancels of clients gone
 errors.py       OpenAI's error object on every /v1 4xx/5xx: the catalogue and the handlers
 body_limit.py   BodyLimit: 413 past Settings.max_body_bytes, before the body is read or parsed
 metrics.py      ApiMetrics: responses, tokenizer time, admission refusals

@@ -42,8 +42,8 @@ from prfaas.control_plane.api.errors import (
     UNKNOWN_KV_CODEC,
     ApiError,
 )
+from prfaas.control_plane.api.openai_schemas import ChatCompletionCreate, CompletionCreate
 from prfaas.control_plane.api.sampling import sampling_spec
-from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
 from prfaas.control_plane.api.sse import (
     ClosingStreamingResponse,
     PromptJob,
@@ -310,10 +310,12 @@ def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> Ans
     s = g.services
     headers = {"X-Prfaas-Job-Id": ",".join(job.job_id for job in jobs)}
     if body.stream:
-        options = body.stream_options
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
         return ClosingStreamingResponse(
-            sse(s, g.follower, jobs, kind, bool(options and options.include_usage)),
-            unstarted=lambda: client_gone(g.follower, jobs),  # gone before its first chunk
+            sse(s, g.follower, jobs, kind, include_usage, continuous),
+            gone=lambda: client_gone(g.follower, jobs, reading=True),  # its stream is read meanwhile
+            unstarted=lambda: client_gone(g.follower, jobs),  # gone before its first chunk was asked for
             media_type="text/event-stream",
             headers=headers | {"Cache-Control": "no-cache"},
         )
@@ -328,9 +330,11 @@ def _answer(g: Generation, jobs: list[PromptJob], kind: str) -> dict[str, Any]:
         else:  # the prompts' jobs run side by side; the first to fail cancels the others (they then end soon)
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="prfaas-batch") as pool:
                 futures = [pool.submit(_fill, job) for job in jobs]
-                wait(futures, return_when=FIRST_EXCEPTION)
-                if any(f.done() and f.exception() is not None for f in futures):
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                failed = [f for f in futures if f in done and f.exception() is not None]
+                if failed:  # its error is the answer's, not the cancel it causes in the other prompts
                     cancel_batch(g.follower, jobs, "another prompt of the request failed")
+                    failed[0].result()
                 for future in futures:
                     future.result()
     except JobEnded as exc:

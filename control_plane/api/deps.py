@@ -15,7 +15,7 @@ from fastapi import Depends, Header, Request
 
 from prfaas.control_plane.api.errors import ADMIN_REQUIRED, INVALID_API_KEY, MISSING_API_KEY, TENANT_SUSPENDED
 from prfaas.control_plane.api.metrics import ApiMetrics
-from prfaas.control_plane.api.schemas import Placement
+from prfaas.control_plane.api.openai_schemas import Placement
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.jobs.generation import Follower
 from prfaas.control_plane.services import Services

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prfaas.control_plane.api.deps import ServicesDep, TenantDep
 from prfaas.control_plane.api.errors import MODEL_NOT_FOUND, TOKEN_OUT_OF_VOCAB
-from prfaas.control_plane.api.schemas import ChatMessage, TokenId
+from prfaas.control_plane.api.openai_schemas import ChatMessage, TokenId
 from prfaas.control_plane.services import Services
 
 router = APIRouter(tags=["vllm-compatible"])

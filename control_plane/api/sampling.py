@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 
 from prfaas.control_plane.api.errors import INVALID_REQUEST
-from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
+from prfaas.control_plane.api.openai_schemas import ChatCompletionCreate, CompletionCreate
 from prfaas.engine.errors import InvalidSamplingParams
 from prfaas.engine.sampling import SamplingParams
 
@@ -29,13 +29,13 @@ def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int, default_temp
     """The job's `SamplingParams`; 400 naming the parameter when one is out of range."""
     logprobs = num_logprobs(body)
     echo = isinstance(body, CompletionCreate) and bool(body.echo)  # with logprobs: the prompt's too
-    bias: list[tuple[int, float]] = []
+    bias: dict[int, float] = {}  # keys naming one token ("300", "0300"): the last one wins, as vLLM's int(key)
     for key, value in (body.logit_bias or {}).items():
         try:
             token = int(key)
         except ValueError:
             raise INVALID_REQUEST.error(f"logit_bias: key {key[:32]!r} is not a token id", param="logit_bias") from None
-        bias.append((token, float(value)))
+        bias[token] = float(value)
     temperature = body.temperature if body.temperature is not None else default_temperature
     seed = body.seed if body.seed is not None or temperature == 0.0 else secrets.randbits(62)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
@@ -45,7 +45,7 @@ def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int, default_temp
             top_k=max(0, body.top_k or 0), min_p=body.min_p or 0.0, seed=seed, ignore_eos=bool(body.ignore_eos),
             repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0, min_tokens=body.min_tokens or 0,
-            stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), logit_bias=tuple(sorted(bias)),
+            stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), logit_bias=tuple(sorted(bias.items())),
             logprobs=logprobs, n=body.n or 1, prompt_logprobs=logprobs if echo else None,
         )  # fmt: skip
         params.check_vocab(vocab_size)

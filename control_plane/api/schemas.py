@@ -1,155 +1,15 @@
-"""Request and response schemas of the HTTP API, a family per resource: generation (OpenAI-compatible),
-jobs, tenants and keys, regions and links, usage. Internal records (the Redis job hash, a region record, a
+"""Request and response schemas of the HTTP API, a family per resource: jobs, tenants and keys, regions and
+links, usage (generation: api/openai_schemas.py). Internal records (the Redis job hash, a region record, a
 ledger row) never leave as they are: routes map them onto these."""
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from prfaas.control_plane.billing.queries import GroupTotal
-
-# auto: the scheduler decides; local / split: forced (tenants allowed to); auto-prefix-blind and
-# auto-residency-blind: the scheduler decides without prefix caches, or without knowing where they hold what
-# (benchmark baselines: control_plane/jobs/prefix.py)
-Placement = Literal["auto", "local", "split", "auto-prefix-blind", "auto-residency-blind"]
-
-
-class PrfaasOptions(BaseModel):
-    """The request's `prfaas` extension: where it may run and what it asks of the placement (each left
-    unset takes the tenant's default, then the control plane's; control_plane/jobs/objectives.py)."""
-
-    model_config = ConfigDict(extra="forbid")
-    placement: Placement = "auto"
-    ttft_slo_ms: float | None = Field(default=None, gt=0, le=3_600_000, allow_inf_nan=False,
-                                      description="time to first token objective, ms")  # fmt: skip
-    tpot_slo_ms: float | None = Field(default=None, gt=0, le=600_000, allow_inf_nan=False,
-                                      description="time per output token objective, ms")  # fmt: skip
-    kv_codec: str | None = Field(
-        default=None, min_length=1, max_length=32,
-        description="lossless (the KV crosses the WAN bit for bit), or a lossy codec of the policy it may use",
-    )  # fmt: skip
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
-
-
-TokenId = Annotated[int, Field(ge=0, lt=2**32)]
-Stop = Annotated[str, Field(min_length=1, max_length=256)]
-MetadataKey = Annotated[str, Field(max_length=64)]  # OpenAI's limits: 16 pairs, keys of 64, values of 512 characters
-MetadataValue = Annotated[str, Field(max_length=512)]
-# Parameters of OpenAI's schemas that prfaas does not implement: refused with 400 `unsupported_parameter`
-# (api/errors.py) unless null. The lists are walked by tests/control_plane/api/test_openai_params.py.
-REFUSED_COMPLETION = ("best_of", "suffix")
-REFUSED_CHAT = (
-    "audio", "function_call", "functions", "modalities", "moderation", "prediction", "prompt_cache_options",
-    "prompt_cache_retention", "reasoning_effort", "response_format", "tool_choice", "tools", "verbosity",
-    "web_search_options",
-)  # fmt: skip
-
-
-class _Generation(BaseModel):
-    """The sampling fields both endpoints share: OpenAI's, and vLLM's extras (`top_k`, `min_p`,
-    `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`). Unknown fields are refused
-    (400 naming them), never ignored; docs/control-plane.md has the table."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(min_length=1, max_length=256)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0, allow_inf_nan=False)
-    min_tokens: int | None = Field(default=None, ge=0)
-    stop: Stop | Annotated[list[Stop], Field(max_length=16)] | None = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
-    ignore_eos: bool | None = None
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None = None
-    n: int | None = Field(default=None, ge=1, le=16, description="choices per prompt: one prefill, n decodes")
-    user: str | None = Field(default=None, max_length=256)
-    cache_salt: str | None = Field(
-        default=None, min_length=1, max_length=256,
-        description="vLLM's: prefix cache blocks are shared only among requests with the same salt (within the "
-        "tenant's scope, PRFAAS_PREFIX_SCOPE)",
-    )  # fmt: skip
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    prfaas: PrfaasOptions | None = None
-
-
-class CompletionCreate(_Generation):
-    prompt: (
-        Annotated[str, Field(min_length=1, max_length=4_000_000)]
-        | Annotated[list[Annotated[str, Field(min_length=1, max_length=4_000_000)]], Field(min_length=1, max_length=64)]
-        | Annotated[list[TokenId], Field(min_length=1, max_length=1_000_000)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
-    )
-    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: with `echo` only (the prompt scored, vLLM's)
-    echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    best_of: None = None
-    suffix: None = None
-
-    @property
-    def echo_only(self) -> bool:
-        """`echo` with `max_tokens` 0: the prompt alone comes back (with its logprobs when asked), as vLLM
-        answers it: one token is generated (in `usage` and `finish_reason`), not shown."""
-        return bool(self.echo) and self.max_tokens == 0
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str = Field(max_length=4_000_000)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, Field(max_length=4_000_000)] | Annotated[list[ContentPart], Field(max_length=100)]
-    name: str | None = Field(default=None, max_length=256)
-
-    def text(self) -> str:
-        """The content as the chat template reads it (text parts joined by newlines, as vLLM does)."""
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-
-
-class ChatCompletionCreate(_Generation):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=1000)
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # accepted with no effect, as OpenAI documents them: identifiers and hints for OpenAI's own services
-    safety_identifier: str | None = Field(default=None, max_length=256)
-    prompt_cache_key: str | None = Field(default=None, max_length=1024)
-    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
-    store: Literal[False] | None = None
-    service_tier: Literal["auto", "default"] | None = None
-    parallel_tool_calls: bool | None = None
-    audio: None = None
-    function_call: None = None
-    functions: None = None
-    modalities: None = None
-    moderation: None = None
-    prediction: None = None
-    prompt_cache_options: None = None
-    prompt_cache_retention: None = None
-    reasoning_effort: None = None
-    response_format: None = None
-    tool_choice: None = None
-    tools: None = None
-    verbosity: None = None
-    web_search_options: None = None
 
 
 class Usage(BaseModel):

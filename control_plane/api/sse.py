@@ -9,15 +9,17 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import redis
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from prfaas.control_plane.api import threads
 from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.errors import JOB_ENDED, STORE_UNAVAILABLE, ApiError, sse_error
 from prfaas.control_plane.api.streams import merged
@@ -54,38 +56,61 @@ def completion_tokens(jobs: list[PromptJob]) -> int:
 
 
 def ended_error(exc: JobEnded) -> ApiError:
-    return JOB_ENDED[exc.state].error(f"job {exc.state.lower()}: {exc}")
+    """`job canceled: <reason>` (a canceled job's error reads `canceled: <reason>`: said once)."""
+    state = exc.state.lower()
+    return JOB_ENDED[exc.state].error(f"job {state}: {str(exc).removeprefix(state + ': ')}")
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """Closes its generator as soon as the response ends, however it ends. On a client
-    disconnect Starlette just stops iterating; the generator's `finally` (which cancels the job
-    in both regions) would otherwise run only when the garbage collector reaches it, seconds
-    later, while the decode region keeps generating. A client gone before the first chunk was
-    asked for leaves a generator that never started, whose `finally` never runs: `unstarted`
-    is called then instead (it ends the request's jobs)."""
+    """Streams `content`'s chunks, each `next()` on a waiting thread (api/threads.py), while the client is
+    listened to. A client that goes away calls `gone` at once (on a thread of its own): the request's jobs end,
+    and a `next()` waiting for their next token returns soon, as vLLM aborts a request whose client left.
+    (Starlette's own listener cannot stop a `next()` in flight: a client gone before the first token left the
+    prefill, the KV shipment and the decode running for no one until that token came.) The generator is closed
+    as soon as the response ends, however it ends, so its `finally` runs then, not when the garbage collector
+    reaches it; one that never started has no `finally` to run: `unstarted` is called instead."""
 
-    def __init__(self, content: Generator[str, None, None], *, unstarted: Callable[[], None] | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(self, content: Generator[str, None, None], *, gone: Callable[[], None],
+                 unstarted: Callable[[], None], **kwargs: Any) -> None:  # fmt: skip
         super().__init__(content, **kwargs)
         self.source = content
+        self.gone = gone
         self.unstarted = unstarted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        waiting = threads.waiting(scope)
+
+        async def chunks() -> AsyncIterator[str]:
+            while (chunk := await anyio.to_thread.run_sync(next, self.source, None, limiter=waiting)) is not None:
+                yield chunk
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":  # the body was read: only its end can come
+                pass
+            await anyio.to_thread.run_sync(self.gone, limiter=threads.gone())
+            group.cancel_scope.cancel()  # a `next()` in flight returns first (a thread is not cancelled)
+
+        self.body_iterator = chunks()
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as group:
+                group.start_soon(listen)
+                with contextlib.suppress(OSError):  # the client is gone (ASGI 2.4 servers raise it from `send`)
+                    await self.stream_response(send)
+                group.cancel_scope.cancel()
         finally:
-            if self.unstarted is not None and inspect.getgeneratorstate(self.source) == inspect.GEN_CREATED:
-                await run_in_threadpool(self.unstarted)
+            if inspect.getgeneratorstate(self.source) == inspect.GEN_CREATED:
+                await anyio.to_thread.run_sync(self.unstarted, limiter=threads.gone())
             try:
-                await run_in_threadpool(self.source.close)  # no-op when it ran to its end
-            except ValueError:  # a next() still in flight (Starlette waits for it; defensive): GC closes it
+                await anyio.to_thread.run_sync(self.source.close, limiter=threads.gone())  # no-op once it ended
+            except ValueError:  # a next() still in flight (defensive: the group waited for it): GC closes it
                 log.warning("stream generator still running at disconnect; its job is canceled later")
 
 
 def sse(
-    s: Services, follower: Follower, jobs: list[PromptJob], kind: str, include_usage: bool
+    s: Services, follower: Follower, jobs: list[PromptJob], kind: str, include_usage: bool, continuous: bool = False
 ) -> Generator[str, None, None]:
+    """`continuous`: vLLM's `continuous_usage_stats`, usage on every chunk too (its prompt's tokens and its
+    choice's so far, as vLLM counts them)."""
     chat = kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
@@ -105,12 +130,15 @@ def sse(
     try:
         if chat:  # each choice's role first, as vLLM sends it
             roles = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield chunk([{"index": c.index} | roles for job in jobs for c in job.choices])
+            yield chunk(
+                [{"index": c.index} | roles for job in jobs for c in job.choices],
+                usage(jobs[0].prompt_tokens, 0) if continuous else None,
+            )  # fmt: skip
         for index, token in stream:
             choice = jobs[index].add(token)
             piece = choice.chunk()
             if piece is not None:
-                yield chunk([piece])
+                yield chunk([piece], usage(jobs[index].prompt_tokens, len(choice.tokens)) if continuous else None)
         finished = True
         if include_usage:
             yield chunk([], usage(sum(j.prompt_tokens for j in jobs), completion_tokens(jobs)))
@@ -119,10 +147,12 @@ def sse(
         finished = True
         cancel_batch(follower, jobs, "another prompt of the request failed")  # the stream ends here for all
         yield sse_error(ended_error(exc))
+        yield "data: [DONE]\n\n"  # after the error too, as vLLM ends every stream
     except redis.RedisError:  # a read outside the follower (it turns its own into JobEnded)
         finished = True
         cancel_batch(follower, jobs, "another prompt of the request failed")
         yield sse_error(STORE_UNAVAILABLE.error())
+        yield "data: [DONE]\n\n"
     finally:
         close = getattr(stream, "close", None)
         if not finished:  # the client went away mid-stream

@@ -10,24 +10,12 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from anyio.lowlevel import RunVar
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from prfaas.control_plane.api import threads
+
 log = logging.getLogger(__name__)
-
-
-_GONE: RunVar[anyio.CapacityLimiter] = RunVar("prfaas_gone_limiter")
-
-
-def _gone_limiter() -> anyio.CapacityLimiter:
-    """The threads that cancel the jobs of clients gone (one limiter per event loop, made on it)."""
-    try:
-        return _GONE.get()
-    except LookupError:
-        limiter = anyio.CapacityLimiter(16)
-        _GONE.set(limiter)
-        return limiter
 
 
 class AnswerResponse(Response):
@@ -49,16 +37,15 @@ class AnswerResponse(Response):
             while (await receive())["type"] != "http.disconnect":  # the body was read: only its end can come
                 pass
             left = True
-            # the build's jobs end, and with them `build` (soon); on threads of its own: under load every default
-            # worker thread may be building an answer, and the cancel must not wait for one of them to end
-            await anyio.to_thread.run_sync(self.gone, limiter=_gone_limiter())
+            # the build's jobs end, and with them `build` (soon); on threads of its own (api/threads.py)
+            await anyio.to_thread.run_sync(self.gone, limiter=threads.gone())
 
         content: dict[str, Any] | None = None
         error: BaseException | None = None
         async with anyio.create_task_group() as group:
             group.start_soon(listen)
             try:
-                content = await anyio.to_thread.run_sync(self.build)
+                content = await anyio.to_thread.run_sync(self.build, limiter=threads.waiting(scope))
             except Exception as exc:  # raised after the group, not as an ExceptionGroup from it
                 error = exc
             group.cancel_scope.cancel()  # `gone`, when running, ends first (a thread is not cancelled)

@@ -88,8 +88,13 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 STREAMED = ("stop_string", "stop_mid_token", "min_tokens", "echo", "echo_only", "chat_system", "chat_stop")
+CONTINUOUS = ("stop_string", "chat_system")  # streamed with vLLM's continuous_usage_stats: usage on every chunk
 # requests vLLM refuses (400): prfaas must refuse them too
 REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
+    "stream_options_unstreamed": (
+        "completions",
+        {"prompt": FRANCE, "max_tokens": 2, "stream_options": {"include_usage": True}},
+    ),
     "n_greedy": ("completions", {"prompt": FRANCE, "max_tokens": 8, "n": 3}),
     "min_tokens_over_max": ("completions", {"prompt": FRANCE, "max_tokens": 2, "extra_body": {"min_tokens": 3}}),
     "top_logprobs_alone": (
@@ -125,6 +130,19 @@ def _ask(client: openai.OpenAI, endpoint: str, fields: dict[str, Any], *, stream
                 finish[c["index"]] = c["finish_reason"]
     choices = [{"text": texts[i], "finish_reason": finish.get(i), "logprobs": None} for i in sorted(texts)]
     return {"choices": choices, "usage": usage}
+
+
+Chunks = list[tuple[list[int], dict[str, int] | None]]
+
+
+def _usage_per_chunk(client: openai.OpenAI, endpoint: str, fields: dict[str, Any],
+                     headers: dict[str, str] | None = None) -> Chunks:  # fmt: skip
+    """Each chunk of a stream with `continuous_usage_stats`: its choices' indexes and its usage."""
+    kwargs = {"temperature": 0.0} | fields | {"model": MODEL, "extra_headers": headers or {}}
+    create = client.chat.completions.create if endpoint == "chat" else client.completions.create
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = [c.model_dump() for c in create(**kwargs, stream=True, stream_options=options)]  # type: ignore[call-overload]
+    return [([c["index"] for c in d["choices"]], d["usage"] and _usage(d["usage"])) for d in chunks]
 
 
 def _choice(c: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +206,9 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
         for name in STREAMED:
             endpoint, fields = MATRIX[name]
             answers[name + "/stream"] = _ask(client, endpoint, fields, stream=True)
+        for name in CONTINUOUS:
+            endpoint, fields = MATRIX[name]
+            answers[name + "/continuous"] = _usage_per_chunk(client, endpoint, fields)  # type: ignore[assignment]
         for name, (endpoint, fields) in REFUSED.items():
             answers[name + "/refused"] = {"status": _status(client, endpoint, fields)}
         return answers
@@ -256,6 +277,16 @@ def test_streamed_matches_vllm(prfaas: openai.OpenAI, oracle: dict[str, Any], na
     ours = _ask(prfaas, endpoint, fields, stream=True, headers={"X-Prfaas-Placement": placement})
     assert ours == oracle[name + "/stream"]
     assert [c["text"] for c in ours["choices"]] == [c["text"] for c in oracle[name]["choices"]]
+
+
+@pytest.mark.parametrize("placement", ["local", "split"])
+@pytest.mark.parametrize("name", CONTINUOUS)
+def test_continuous_usage_matches_vllm(
+    prfaas: openai.OpenAI, oracle: dict[str, Any], name: str, placement: str
+) -> None:
+    endpoint, fields = MATRIX[name]
+    ours = _usage_per_chunk(prfaas, endpoint, fields, headers={"X-Prfaas-Placement": placement})
+    assert ours == oracle[name + "/continuous"]
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -7,6 +7,7 @@ a stream that fails after it started (the same object as an SSE line)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,6 +73,10 @@ def test_client_errors_have_openai_shape(stack: Stack) -> None:
          (404, "not_found_error", "job_not_found", None, "job not found")),
         (lambda: c.get("/nowhere", cast_to=object), openai.NotFoundError,
          (404, "invalid_request_error", "unknown_url", None, "unknown URL: GET /v1/nowhere")),
+        (lambda: c.completions.create(model=m, prompt="hi", stream_options={"include_usage": True}),
+         openai.BadRequestError, (400, "invalid_request_error", "invalid_request", "stream_options",
+                                  "invalid request: stream_options: Stream options can only be defined when "
+                                  "`stream=True`.")),
     ]  # fmt: skip
     for call, kind, expected in cases:
         got = fields(refused(call, kind))
@@ -218,7 +223,7 @@ def test_job_endings_have_openai_shape(stack: Stack, services: Services) -> None
     thread.join(10)
     e = outcome[0]
     assert isinstance(e, openai.ConflictError)
-    assert fields(e) == (409, "conflict_error", "job_canceled", None, "job canceled: canceled: canceled by the tenant")
+    assert fields(e) == (409, "conflict_error", "job_canceled", None, "job canceled: canceled by the tenant")
 
     thread, outcome, job_id = _waiting(stack, key)
     services.jobs.transition(job_id, JobState.FAILED, 1, note="no region", error="no placement: no region")
@@ -239,3 +244,61 @@ def test_job_endings_have_openai_shape(stack: Stack, services: Services) -> None
     assert type(e) is openai.APIError, e
     assert e.body == {"message": "job failed: no placement: no region", "type": "server_error", "param": None,
                       "code": "job_failed"}  # fmt: skip
+
+
+def _listed(stack: Stack, key: str) -> list[dict[str, Any]]:
+    """The tenant's jobs, oldest first."""
+    reply = httpx.get(f"{stack.url}/v1/jobs", headers={"Authorization": f"Bearer {key}"}, timeout=5)
+    return sorted(reply.json()["data"], key=lambda job: job["created_at"])
+
+
+def test_a_stream_whose_client_leaves_before_its_first_token_cancels_its_job(stack: Stack) -> None:
+    """The client gives up while its job still waits for a prefill (QUEUED here): the job is canceled then,
+    not when its first token comes (before, the prefill, the KV shipment and the decode ran for no one)."""
+    _, key = stack.tenant("leaves-early")
+    body = {"model": "tiny-llama", "prompt": "wait", "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=10) as response:  # fmt: skip
+        assert response.status_code == 200
+        job_id = response.headers["x-prfaas-job-id"]
+        wait_until(lambda: [j["state"] for j in _listed(stack, key)] == ["QUEUED"], 5, 0.02)
+    left = time.monotonic()
+    wait_until(lambda: _listed(stack, key)[0]["state"] != "QUEUED", 5, 0.02)
+    assert _listed(stack, key)[0]["state"] == "CANCELED" and time.monotonic() - left < 2.0  # the deadline: 3 s
+    assert _listed(stack, key)[0]["id"] == job_id
+
+
+def test_a_batch_answers_the_error_of_its_prompt_that_failed(stack: Stack, services: Services) -> None:
+    """Prompt 1's job fails: the answer is its 503, not the 409 of prompt 0's job, which the failure canceled."""
+    _, key = stack.tenant("batch-fails", concurrency=2)
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(client(stack, key).completions.create(model="tiny-llama", prompt=["one", "two"]))
+        except openai.APIError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    wait_until(lambda: [j["state"] for j in _listed(stack, key)] == ["QUEUED", "QUEUED"], 5, 0.02)
+    second = str(_listed(stack, key)[1]["id"])
+    services.jobs.transition(second, JobState.FAILED, 1, note="no region", error="no placement: no region")
+    thread.join(10)
+    e = outcome[0]
+    assert isinstance(e, openai.InternalServerError), e
+    assert fields(e) == (503, "server_error", "job_failed", None, "job failed: no placement: no region")
+
+
+def test_a_stream_that_fails_ends_with_its_error_then_done(stack: Stack, services: Services) -> None:
+    """As vLLM ends every stream: the error event, then `data: [DONE]`."""
+    _, key = stack.tenant("fails-streamed")
+    body = {"model": "tiny-llama", "prompt": "wait", "stream": True}
+    lines: list[str] = []
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=10) as response:  # fmt: skip
+        wait_until(lambda: [j["state"] for j in _listed(stack, key)] == ["QUEUED"], 5, 0.02)
+        job_id = response.headers["x-prfaas-job-id"]
+        services.jobs.transition(job_id, JobState.FAILED, 1, note="no region", error="no placement: no region")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and '"code": "job_failed"' in lines[-2], lines

@@ -258,13 +258,13 @@ def test_a_streamed_batch_whose_one_job_ends_cancels_the_others(stack: Stack) ->
     with httpx.stream("POST", stack.url + "/v1/completions", json=BATCH | {"stream": True}, headers=headers,
                       timeout=60) as response:  # fmt: skip
         job_ids = response.headers["x-prfaas-job-id"].split(",")
-        events = 0
+        events: list[str] = []
         for line in response.iter_lines():
             if line.startswith("data: "):
-                last, events = line, events + 1
-                if events == 3:
+                events.append(line)
+                if len(events) == 3:
                     httpx.delete(f"{stack.url}/v1/jobs/{job_ids[0]}", headers=headers, timeout=5)
-    assert "job_canceled" in last
+    assert "job_canceled" in events[-2] and events[-1] == "data: [DONE]"
     assert _wait_states(stack, key, job_ids, 3.0) == ["CANCELED", "CANCELED"]
 
 

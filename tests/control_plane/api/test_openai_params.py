@@ -16,7 +16,12 @@ from cp_kit import api_stack, openai_client
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from prfaas.control_plane.api.schemas import REFUSED_CHAT, REFUSED_COMPLETION, ChatCompletionCreate, CompletionCreate
+from prfaas.control_plane.api.openai_schemas import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    ChatCompletionCreate,
+    CompletionCreate,
+)
 from prfaas.devstack.stack import Stack
 
 pytestmark = pytest.mark.e2e

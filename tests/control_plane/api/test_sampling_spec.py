@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from prfaas.control_plane.api.errors import ApiError
+from prfaas.control_plane.api.openai_schemas import ChatCompletionCreate, CompletionCreate
 from prfaas.control_plane.api.sampling import sampling_spec
-from prfaas.control_plane.api.schemas import ChatCompletionCreate, CompletionCreate
 
 VOCAB = 1000
 
@@ -26,6 +26,22 @@ def test_defaults_greedy_or_the_operators_temperature_with_a_seed() -> None:
     assert sampling_spec(body, 4, VOCAB).greedy and sampling_spec(body, 4, VOCAB).seed is None
     hot = sampling_spec(body, 4, VOCAB, default_temperature=1.0)
     assert hot.temperature == 1.0 and hot.seed is not None  # assigned, so a retry or split draws the same
+
+
+def test_a_temperature_below_0_01_samples_and_takes_n_choices_as_vllm() -> None:
+    """vLLM raises 0 < T < 0.01 to 0.01 and samples, so n > 1 is no greedy mistake there."""
+    body = CompletionCreate(model="m", prompt="x", temperature=1e-9, seed=0, n=2)
+    params = sampling_spec(body, 3, VOCAB)
+    assert (params.temperature, params.greedy, params.n, params.seed) == (0.01, False, 2, 0)
+
+
+def test_logit_bias_keys_naming_one_token_keep_the_last_as_vllm() -> None:
+    """vLLM reads {int(key): bias}: of "300" and "0300", the later key in the request wins."""
+    for bias, expected in (({"300": -100, "0300": 100}, 100.0), ({"0300": 100, "300": -100}, -100.0)):
+        params = sampling_spec(CompletionCreate(model="m", prompt="x", logit_bias=bias), 3, VOCAB)
+        assert params.logit_bias == ((300, expected),)
+    spread = sampling_spec(CompletionCreate(model="m", prompt="x", logit_bias={"9": 1, "2": -1}), 3, VOCAB)
+    assert spread.logit_bias == ((2, -1.0), (9, 1.0))  # one order, whatever the request's
 
 
 def test_chat_logprobs_are_a_flag_and_a_count() -> None:

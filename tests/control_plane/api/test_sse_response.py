@@ -1,7 +1,9 @@
 """The streamed response's end, on Starlette itself (no server): a client gone before the first chunk was
 asked for leaves a generator that never started, and the response says so (`unstarted`), so that the
 request's jobs are ended rather than left followed and never read; a stream read to its end does not. A
-`stream=false` answer's client gone is told at once, however busy the worker threads."""
+client gone while its stream waits for a token is told at once (`gone`), not at the token. A `stream=false`
+answer's client gone is told at once, however busy the worker threads, and answers and streams waiting on
+their jobs take no thread of the default pool, which the sync routes and health probes run on."""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ def _body(started: list[bool]) -> Generator[str, None, None]:
 def test_a_client_gone_before_the_first_chunk_is_told_to_unstarted() -> None:
     started: list[bool] = []
     gone: list[bool] = []
-    response = ClosingStreamingResponse(_body(started), unstarted=lambda: gone.append(True))
+    told: list[bool] = []
+    response = ClosingStreamingResponse(_body(started), gone=lambda: told.append(True),
+                                        unstarted=lambda: gone.append(True))  # fmt: skip
 
     async def receive() -> dict[str, Any]:
         return {"type": "http.disconnect"}  # gone at once
@@ -37,14 +41,15 @@ def test_a_client_gone_before_the_first_chunk_is_told_to_unstarted() -> None:
             await anyio.sleep(0.2)  # the disconnect is seen before the first chunk is asked for
 
     anyio.run(response, SCOPE, receive, send)
-    assert (started, gone) == ([], [True])
+    assert (started, gone, told) == ([], [True], [True])
 
 
 def test_a_stream_read_to_its_end_is_not_unstarted() -> None:
     started: list[bool] = []
     gone: list[bool] = []
     sent: list[bytes] = []
-    response = ClosingStreamingResponse(_body(started), unstarted=lambda: gone.append(True))
+    response = ClosingStreamingResponse(_body(started), gone=lambda: gone.append(True),
+                                        unstarted=lambda: gone.append(True))  # fmt: skip
 
     async def receive() -> dict[str, Any]:
         await anyio.sleep_forever()
@@ -55,6 +60,70 @@ def test_a_stream_read_to_its_end_is_not_unstarted() -> None:
 
     anyio.run(response, SCOPE, receive, send)
     assert started == [True] and gone == [] and b"".join(sent) == b"data: one\n\ndata: [DONE]\n\n"
+
+
+def test_a_client_gone_while_its_stream_waits_for_a_token_is_told_at_once() -> None:
+    """The job's first token would come at 3 s (a long prefill); the client leaves at 0.2 s: `gone` (which ends
+    the job, and with it the wait) is called then, and the response ends with it."""
+    canceled = threading.Event()
+    told: list[float] = []
+    started = time.monotonic()
+
+    def body() -> Generator[str, None, None]:
+        canceled.wait(3.0)  # the wait for the first token, until the job ends
+        yield "data: one\n\n"
+
+    def gone() -> None:
+        told.append(time.monotonic() - started)
+        canceled.set()
+
+    response = ClosingStreamingResponse(body(), gone=gone, unstarted=lambda: None)
+
+    async def receive() -> dict[str, Any]:
+        await anyio.sleep(0.2)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    anyio.run(response, SCOPE, receive, send)
+    assert len(told) == 1 and told[0] < 1.0 and time.monotonic() - started < 2.0, told
+
+
+def test_waits_on_jobs_take_no_thread_of_the_default_pool() -> None:
+    """Three answers and three streams wait on their jobs while the default pool has 2 threads (40 in a real
+    process): a sync route (a thread of the default pool) still runs at once."""
+    release = threading.Event()
+    route_s: list[float] = []
+
+    def waiting_body() -> Generator[str, None, None]:
+        release.wait(5.0)
+        yield "data: [DONE]\n\n"
+
+    async def receive() -> dict[str, Any]:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def main() -> None:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 2
+        async with anyio.create_task_group() as group:
+            for _ in range(3):
+                answer = AnswerResponse(lambda: (release.wait(5.0), {})[1], lambda: None, {})
+                group.start_soon(answer, SCOPE, receive, send)
+                stream = ClosingStreamingResponse(waiting_body(), gone=lambda: None, unstarted=lambda: None)
+                group.start_soon(stream, SCOPE, receive, send)
+            await anyio.sleep(0.3)  # all six wait
+            started = time.monotonic()
+            await anyio.to_thread.run_sync(lambda: None)  # a sync route, say /readyz
+            route_s.append(time.monotonic() - started)
+            release.set()
+            group.cancel_scope.deadline = anyio.current_time() + 5.0
+
+    anyio.run(main)
+    assert route_s and route_s[0] < 1.0, route_s
 
 
 def test_a_stream_false_client_gone_under_load_is_told_at_once() -> None:
