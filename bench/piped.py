@@ -4,7 +4,7 @@ per line on its stdout (bench/transport_loopback.py, transport_wan.py, transport
 A pipe's `readline()` has no timeout, so a thread reads the replies into a queue and every
 `read` waits on that queue with a deadline; past it the process is killed and `read` raises
 RuntimeError (a hung role fails the run instead of blocking it forever). Lines that are not
-JSON (a library's chatter on stdout) are skipped.
+JSON objects (a library's chatter on stdout) are skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Piped:
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, start: Start = subprocess.Popen) -> None:
         self.p = start(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.exited = False  # its stdout ended: every later read raises at once
         threading.Thread(target=self._pump, name=f"piped-{self.p.pid}", daemon=True).start()
 
     def _pump(self) -> None:
@@ -38,25 +39,33 @@ class Piped:
         self.lines.put(None)
 
     def send(self, msg: dict[str, Any]) -> None:
+        """RuntimeError when the process is gone (its stdin closed)."""
         assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps(msg) + "\n")
-        self.p.stdin.flush()
+        try:
+            self.p.stdin.write(json.dumps(msg) + "\n")
+            self.p.stdin.flush()
+        except (BrokenPipeError, ValueError) as exc:  # ValueError: our side of the pipe closed
+            raise RuntimeError(f"bench process {self.p.args!r} is gone ({exc}); exit {self.p.poll()}") from None
 
     def read(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """The next JSON reply; RuntimeError when the process exits first, or stays silent for
         `timeout_s` (it is killed then)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if self.exited:
+                raise RuntimeError(f"bench process {self.p.args!r} exited with {self.p.wait()}")
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self.kill()
                 raise RuntimeError(f"bench process {self.p.args!r} silent for {timeout_s:g} s; killed") from None
             if line is None:
-                raise RuntimeError(f"bench process {self.p.args!r} exited with {self.p.wait()}")
+                self.exited = True
+                continue
             with contextlib.suppress(json.JSONDecodeError):
-                reply: dict[str, Any] = json.loads(line)
-                return reply
+                reply = json.loads(line)
+                if isinstance(reply, dict):
+                    return reply
 
     def ask(self, wait_s: float = 60.0, **cmd: Any) -> dict[str, Any]:
         """Send `cmd`, return the reply (`read(wait_s)`)."""

@@ -87,7 +87,7 @@ class _Generation(BaseModel):
     @field_validator("stream_options")
     @classmethod
     def _with_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if options is not None and not info.data.get("stream"):  # vLLM's check, and message
+        if options is not None and options.model_fields_set and not info.data.get("stream"):  # vLLM's (`{}`: none)
             raise PydanticCustomError("stream_options", "Stream options can only be defined when `stream=True`.")
         return options
 

@@ -17,7 +17,7 @@ import anyio
 import anyio.to_thread
 import redis
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from prfaas.control_plane.api import threads
 from prfaas.control_plane.api.choices import Choice, usage
@@ -61,6 +61,10 @@ def ended_error(exc: JobEnded) -> ApiError:
     return JOB_ENDED[exc.state].error(f"job {state}: {str(exc).removeprefix(state + ': ')}")
 
 
+class _ClientGone(Exception):
+    """`send` failed: the client is gone."""
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """Streams `content`'s chunks, each `next()` on a waiting thread (api/threads.py), while the client is
     listened to. A client that goes away calls `gone` at once (on a thread of its own): the request's jobs end,
@@ -79,24 +83,44 @@ class ClosingStreamingResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         waiting = threads.waiting(scope)
+        ended = False  # the generator's last chunk was read: a client that leaves now left nothing running
 
         async def chunks() -> AsyncIterator[str]:
+            nonlocal ended
             while (chunk := await anyio.to_thread.run_sync(next, self.source, None, limiter=waiting)) is not None:
                 yield chunk
+            ended = True
 
         async def listen() -> None:
             while (await receive())["type"] != "http.disconnect":  # the body was read: only its end can come
                 pass
-            await anyio.to_thread.run_sync(self.gone, limiter=threads.gone())
+            if not ended:
+                try:
+                    await anyio.to_thread.run_sync(self.gone, limiter=threads.gone())
+                except Exception:  # the generator's `finally` ends the jobs all the same
+                    log.exception("ending the jobs of a client gone")
             group.cancel_scope.cancel()  # a `next()` in flight returns first (a thread is not cancelled)
 
+        async def sending(message: Message) -> None:
+            try:
+                await send(message)
+            except OSError:  # the client is gone (ASGI 2.4 servers raise it from `send`)
+                raise _ClientGone from None
+
+        error: Exception | None = None
         self.body_iterator = chunks()
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(listen)
-                with contextlib.suppress(OSError):  # the client is gone (ASGI 2.4 servers raise it from `send`)
-                    await self.stream_response(send)
+                try:
+                    await self.stream_response(sending)
+                except _ClientGone:
+                    pass
+                except Exception as exc:  # the generator's own: raised after the group, not in an ExceptionGroup
+                    error = exc
                 group.cancel_scope.cancel()
+            if error is not None:
+                raise error
         finally:
             if inspect.getgeneratorstate(self.source) == inspect.GEN_CREATED:
                 await anyio.to_thread.run_sync(self.unstarted, limiter=threads.gone())

@@ -13,9 +13,10 @@ import anyio
 from anyio.lowlevel import RunVar
 from starlette.types import Scope
 
+from prfaas.control_plane.settings import Settings
+
 _WAITING: RunVar[anyio.CapacityLimiter] = RunVar("prfaas_waiting_limiter")
 _GONE: RunVar[anyio.CapacityLimiter] = RunVar("prfaas_gone_limiter")
-DEFAULT_WAITING = 512
 
 
 def waiting(scope: Scope) -> anyio.CapacityLimiter:
@@ -26,7 +27,8 @@ def waiting(scope: Scope) -> anyio.CapacityLimiter:
     except LookupError:
         app: Any = scope.get("app")
         settings = getattr(getattr(app, "state", None), "settings", None)
-        limiter = anyio.CapacityLimiter(getattr(settings, "max_waiting_requests", DEFAULT_WAITING))
+        size = getattr(settings, "max_waiting_requests", None) or Settings.model_fields["max_waiting_requests"].default
+        limiter = anyio.CapacityLimiter(size)
         _WAITING.set(limiter)
         return limiter
 

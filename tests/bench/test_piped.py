@@ -45,3 +45,37 @@ def test_a_process_that_exits_without_replying_is_an_error_at_once() -> None:
     got = python(READ, [["python3", "-c", "raise SystemExit(3)"], 30], timeout_s=30)
     assert "exited with 3" in got["error"]
     assert got["waited_s"] < 10
+
+
+def test_a_reply_that_is_not_an_object_is_skipped() -> None:
+    code = "print(42); print('[1, 2]'); print('{\"ready\": true}')"
+    got = python(READ, [["python3", "-c", code], 10], timeout_s=30)
+    assert got["reply"] == {"ready": True}
+
+
+AGAIN = (
+    "import json, subprocess, sys, time\n"
+    "from prfaas.bench.piped import Piped\n"
+    "proc = Piped(['python3', '-c', 'pass'])\n"
+    "errors = []\n"
+    "for _ in range(2):\n"
+    "    t = time.monotonic()\n"
+    "    try:\n"
+    "        proc.read(3)\n"
+    "    except RuntimeError as exc:\n"
+    "        errors.append([str(exc), time.monotonic() - t])\n"
+    "try:\n"
+    "    proc.send({'cmd': 'go'})\n"
+    "    sent = 'sent'\n"
+    "except RuntimeError as exc:\n"
+    "    sent = str(exc)\n"
+    "print(json.dumps({'errors': errors, 'sent': sent}))\n"
+)
+
+
+def test_a_process_that_exited_says_so_at_every_read_and_send() -> None:
+    """The second read of an exited process raises at once too (it waited its whole timeout, then said
+    "silent ... killed"); a send to it is a RuntimeError, as documented, not a BrokenPipeError."""
+    got = python(AGAIN, timeout_s=30)
+    assert [("exited with 0" in e, s < 2) for e, s in got["errors"]] == [(True, True), (True, True)], got
+    assert "is gone" in got["sent"], got

@@ -15,6 +15,7 @@ import pytest
 from cp_kit import api_stack, openai_client
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
+from pydantic import ValidationError
 
 from prfaas.control_plane.api.openai_schemas import (
     REFUSED_CHAT,
@@ -132,3 +133,11 @@ def test_vllm_server_extras(stack: Stack, key: str) -> None:
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "missing_api_key"
     bad = httpx.post(stack.url + "/detokenize", json={"tokens": [10**9]}, headers=auth, timeout=5)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_stream_options_need_a_stream_unless_empty_as_vllm() -> None:
+    """vLLM refuses `stream_options` without `stream=true` when it sets anything (`{}` passes its check)."""
+    CompletionCreate(model="m", prompt="x", stream_options={})  # type: ignore[arg-type]
+    CompletionCreate(model="m", prompt="x", stream=True, stream_options={"include_usage": True})  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="Stream options can only be defined when `stream=True`"):
+        CompletionCreate(model="m", prompt="x", stream_options={"include_usage": False})  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from collections.abc import Generator
 from typing import Any
 
 import anyio
+import pytest
 
 from prfaas.control_plane.api.sse import ClosingStreamingResponse
 from prfaas.control_plane.api.unary import AnswerResponse
@@ -162,3 +163,44 @@ def test_a_stream_false_client_gone_under_load_is_told_at_once() -> None:
 
     anyio.run(main)
     assert len(told) == 2 and max(told) < 1.0, told
+
+
+def test_an_error_of_the_stream_itself_is_raised_as_it_is() -> None:
+    """An OSError from the generator (a TLS file unreadable, a socket timeout) is the server's error, raised as
+    it is (not swallowed as if the client had gone, nor wrapped in an ExceptionGroup)."""
+
+    def body() -> Generator[str, None, None]:
+        yield "data: one\n\n"
+        raise TimeoutError("region did not answer")
+
+    response = ClosingStreamingResponse(body(), gone=lambda: None, unstarted=lambda: None)
+
+    async def receive() -> dict[str, Any]:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    with pytest.raises(TimeoutError, match="region did not answer"):
+        anyio.run(response, SCOPE, receive, send)
+
+
+def test_a_client_that_leaves_after_the_last_chunk_ended_nothing() -> None:
+    """The client closes once it read `[DONE]`, before the response's last (empty) message went out: its jobs
+    have ended, `gone` is not called (it cost Redis round trips and a thread for nothing)."""
+    told: list[bool] = []
+    last_sent = anyio.Event()
+    response = ClosingStreamingResponse(_body([]), gone=lambda: told.append(True), unstarted=lambda: None)
+
+    async def receive() -> dict[str, Any]:
+        await last_sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            last_sent.set()
+            await anyio.sleep(0.3)  # the disconnect is seen while the last message goes out
+
+    anyio.run(response, SCOPE, receive, send)
+    assert told == []
