@@ -111,11 +111,13 @@ class HFDecode:
     """`receiver` takes the KV (TCP + shared memory, or WebRTC); `kv_endpoint` is where
     senders reach it. `test_token_delay_s` (TEST ONLY, RegionConfig.test_token_delay_s) paces
     the tokens so fault tests can act mid-stream. `staging_bytes`: the pinned host memory a GPU
-    engine's shipments pass through into device memory (engine/upload.py)."""
+    engine's shipments pass through into device memory (engine/upload.py). `on_close`: what
+    `close` runs (the WebRTC receiver's offer listener's stop)."""
 
     def __init__(self, engine: HFEngine, receiver: Receiver, kv_endpoint: str, test_token_delay_s: float = 0.0,
-                 staging_bytes: int = 2 << 30) -> None:  # fmt: skip
+                 staging_bytes: int = 2 << 30, on_close: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.test_token_delay_s = test_token_delay_s
+        self._on_close = on_close
         self.engine = engine
         self.uploader = device_uploader(engine.device, staging_bytes)  # None on the CPU
         self.facts: ModelFacts = engine.facts
@@ -197,4 +199,5 @@ class HFDecode:
         return paced()
 
     def close(self) -> None:
-        pass  # the receiver is its creator's to close (a region process ends with it)
+        if self._on_close is not None:
+            self._on_close()  # the receiver itself is its creator's to close (a region process ends with it)

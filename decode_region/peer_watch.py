@@ -5,11 +5,13 @@ One health `Watch` stream per prefill region, shared by every reservation that w
 (not one per reservation): opening and cancelling a stream per job made the prefill region's
 health servicer churn, and is where grpcio-health-checking's non-blocking servicer can
 deadlock the whole gRPC server (see region/server.py). A stream lives `STREAM_S` at
-most and is reopened while reservations still wait on it, so no wait is unbounded.
+most and is reopened while reservations still wait on it, so no wait is unbounded. A region
+whose Watch streams are all taken (RESOURCE_EXHAUSTED, region/health.py) answered: it is alive,
+and is watched again a second later.
 
 A killed process closes its sockets, so the health stream breaks at once; a vanished host
-(partition, power loss) is caught by the channel's keepalive within about two heartbeat
-intervals (`keepalive_options`).
+(partition, power loss) is caught by the channel's keepalive within a heartbeat interval
+and max(2 s, an interval) (`keepalive_options`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ PREFILL_SERVICE = "prfaas.v1.PrefillRegion"
 STREAM_S = 60.0  # one Watch call's deadline; reopened if reservations still wait on the region
 # (it also bounds a stream whose connection gRPC never notices closing: seen about once in 500
 # stops of a region while the call connects, the client's socket left in CLOSE-WAIT)
+BUSY_RETRY_S = 1.0  # after a region refused the Watch (RESOURCE_EXHAUSTED: its streams are all taken)
 
 
 class Watch:
@@ -58,6 +61,7 @@ class _Stream:
         self.ended = False  # broken or closed: a new watch opens a new stream
         self.closed = False
         self.answered = threading.Event()  # the region has sent its status on this stream
+        self.wake = threading.Event()  # set by close: a wait before the next call ends
 
     def leave(self, watch: Watch) -> None:
         with self.lock:
@@ -77,7 +81,12 @@ class _Stream:
                     self.answered.set()  # NOT_SERVING (draining) still finishes its jobs: only a broken stream counts
                 reason = "health stream ended"
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # RESOURCE_EXHAUSTED: the region answered (alive), its Watch streams are all taken
+                # (region/health.py): watch again shortly, the reservations' own deadlines bound the wait
+                busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or busy:
+                    if busy:
+                        self.wake.wait(BUSY_RETRY_S)
                     with self.lock:
                         if self.watches and not self.closed:
                             continue  # still owed KV: keep watching on a fresh call
@@ -99,6 +108,7 @@ class _Stream:
                 watch.on_lost(f"prefill region {self.target} is unavailable ({reason})")
 
     def close(self) -> None:
+        self.wake.set()
         with self.lock:
             self.closed = True
             call = self.call

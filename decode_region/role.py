@@ -5,6 +5,7 @@ receives the KV on the region's KV port."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prfaas.decode_region.agent import DecodeAgent
@@ -27,9 +28,9 @@ def build_decode(config: RegionConfig, engine: Any) -> BuiltRole:
     else:
         from prfaas.decode_region.hf_backend import HFDecode
 
-        receiver, kv_endpoint = kv_receiver(config)
+        receiver, kv_endpoint, stop_signalling = kv_receiver(config)
         backend = HFDecode(engine, receiver, kv_endpoint, test_token_delay_s=config.test_token_delay_s,
-                           staging_bytes=config.staging_bytes)  # fmt: skip
+                           staging_bytes=config.staging_bytes, on_close=stop_signalling)  # fmt: skip
     agent = DecodeAgent(
         backend, kv_buffer_bytes=config.kv_buffer_bytes, num_workers=config.workers,
         heartbeat_interval_s=config.heartbeat_interval_s, max_reservation_s=config.max_reservation_s,
@@ -39,9 +40,13 @@ def build_decode(config: RegionConfig, engine: Any) -> BuiltRole:
     return BuiltRole("prfaas.v1.DecodeRegion", agent, add, backend.kv_endpoint)
 
 
-def kv_receiver(config: RegionConfig) -> tuple[Receiver, str]:
-    """The decode role's KV receiver and the endpoint(s) it registers (transport/endpoints.py):
-    TCP plus same-host shared memory sharing one set of expected shipments, or WebRTC."""
+def kv_receiver(config: RegionConfig) -> tuple[Receiver, str, Callable[[], None] | None]:
+    """The decode role's KV receiver, the endpoint(s) it registers (transport/endpoints.py), and what
+    stops its signalling when the role closes (None: none): TCP plus same-host shared memory sharing
+    one set of expected shipments, or WebRTC, whose offers come through the control plane.
+
+    A WebRTC region's offers are addressed to the region, not to one of its instances: the registry
+    lets one instance of it be alive at a time (control_plane/fleet/registry.py)."""
     verifier = TicketVerifier(config.ticket_keys)
     if config.transport == "webrtc":
         from prfaas.region.signal_client import OfferListener
@@ -49,8 +54,10 @@ def kv_receiver(config: RegionConfig) -> tuple[Receiver, str]:
 
         assert config.control_plane_url is not None  # the config validates it
         rtc = WebRtcReceiver(verifier, node=config.name, ice_servers=ice_servers(config))
-        OfferListener(config.control_plane_url, config.name, rtc.answer, config.tls).start()
-        return rtc, f"webrtc://{config.name}"
+        listener = OfferListener(config.control_plane_url, config.name, rtc.answer, config.tls,
+                                 interval_s=config.heartbeat_interval_s)  # fmt: skip
+        listener.start()
+        return rtc, f"webrtc://{config.name}", listener.stop
     from prfaas.transport.arena import Arena
     from prfaas.transport.shm_receiver import ShmReceiver
     from prfaas.transport.tcp_receiver import TcpReceiver
@@ -64,4 +71,4 @@ def kv_receiver(config: RegionConfig) -> tuple[Receiver, str]:
     if arena is not None:
         shm = ShmReceiver(verifier, node=config.name, arena=arena, core=tcp.core)
         endpoint += f",{shm.endpoint}"
-    return tcp, endpoint
+    return tcp, endpoint, None

@@ -20,6 +20,7 @@ from prometheus_client import Gauge
 
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.addresses import advertised_host, hostport
+from prfaas.region.channels import MAX_PREFIX_BLOCKS
 from prfaas.region.config import RegionConfig
 from prfaas.region.requests import MAX_RESHIPS
 from prfaas.region.server import Agent, RegionServer
@@ -100,7 +101,9 @@ def load_engine(config: RegionConfig) -> Any:
         from prfaas.engine.prefix_cache import PrefixCache
 
         cache = (
-            PrefixCache(config.prefix_block_tokens, config.prefix_cache_bytes) if config.prefix_cache_bytes else None
+            PrefixCache(config.prefix_block_tokens, config.prefix_cache_bytes, publish_limit=MAX_PREFIX_BLOCKS)
+            if config.prefix_cache_bytes
+            else None
         )
         choice = select_device(config.device, config.dtype)
         hf = HFEngine(
@@ -142,5 +145,6 @@ def load_engine(config: RegionConfig) -> Any:
         from prfaas.engine.prefix_cache import ResidencyMirror
 
         block_bytes = config.prefix_block_tokens * engine.facts.kv_bytes_per_token
-        engine.prefix_cache = ResidencyMirror(config.prefix_block_tokens, int(opts.kv_cache_gib * 2**30) // block_bytes)
+        capacity_blocks = int(opts.kv_cache_gib * 2**30) // block_bytes
+        engine.prefix_cache = ResidencyMirror(config.prefix_block_tokens, capacity_blocks, MAX_PREFIX_BLOCKS)
     return engine

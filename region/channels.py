@@ -1,6 +1,6 @@
 """gRPC plumbing both ends of a region's calls use (the regions, and the control plane that
 calls them and serves their registry): mutual TLS material and credentials, channel and
-server options, and reading a stream with a bounded wait."""
+server options, what a heartbeat carries at most, and reading a stream with a bounded wait."""
 
 from __future__ import annotations
 
@@ -176,18 +176,28 @@ def replies(call: Any, grace_s: float = 5.0) -> Iterator[Any]:
 
 def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
     """Client channel options: a peer that vanishes without closing its connection (power
-    loss, partition) is noticed within about two intervals; one that takes the TCP connection
-    but never answers the HTTP/2 handshake (hung, or stopping) fails a call's connect in
-    max(2 s, two intervals) instead of gRPC's default 20 s."""
+    loss, partition) is noticed within an interval plus max(2 s, an interval) (a ping each
+    interval, its ack awaited that long); one that takes the TCP connection but never answers
+    the HTTP/2 handshake (hung, or stopping) fails a call's connect in max(2 s, two intervals)
+    instead of gRPC's default 20 s. Pass `grpc.min_reconnect_backoff_ms` no second time: the
+    first of a repeated option wins."""
     interval_ms = max(100, int(interval_s * 1000))
+    ack_ms = max(CONNECT_TIMEOUT_FLOOR_MS, interval_ms)  # a loaded host's late ack is no dead peer either
     return [
         ("grpc.min_reconnect_backoff_ms", max(CONNECT_TIMEOUT_FLOOR_MS, 2 * interval_ms)),  # the connect timeout
         ("grpc.keepalive_time_ms", interval_ms),
-        ("grpc.keepalive_timeout_ms", interval_ms),
+        ("grpc.keepalive_timeout_ms", ack_ms),
+        # what grpcio (1.85) waits for any ping's ack before it closes the connection: without it an
+        # unanswered keepalive ping waits its default 60 s, whatever keepalive_timeout_ms says
+        ("grpc.http2.ping_timeout_ms", ack_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
+
+# Prefix blocks one heartbeat carries at most (registry.proto Load.prefix_blocks): a region publishes no more
+# (region/build.py gives its prefix cache this publish limit), the registry keeps no more (every snapshot reads them).
+MAX_PREFIX_BLOCKS = 4096
 
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),

@@ -36,20 +36,12 @@ class Heartbeater:
         # a loaded host); the registry forgets an instance only after several silent intervals
         self.call_timeout_s = max(interval_s, MIN_CALL_TIMEOUT_S)
         self._load = load
-        # gRPC's reconnect backoff grows to 120 s: a restarted control plane would wait that long
-        # for its regions. Keep retrying every few beats instead.
-        backoff_ms = max(1000, int(interval_s * 3000))
-        options = [
-            *keepalive_options(interval_s),
-            ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 500)),
-            ("grpc.max_reconnect_backoff_ms", backoff_ms),
-            ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 500)),
-        ]
-        self._channel = channel(target, tls, server_name(None), options)
+        self._channel = channel(target, tls, server_name(None), control_plane_options(interval_s))
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self.region_id = ""
         self.seq = 0
         self.registrations = 0  # Register calls answered: the registry may know nothing the beats before said
+        self._beating = threading.Lock()  # one beat at a time: the loop's, or stop's last one
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="prfaas-heartbeat", daemon=True)
 
@@ -58,6 +50,10 @@ class Heartbeater:
 
     def beat(self) -> None:
         """One round: register if needed, then heartbeat. Raises grpc.RpcError."""
+        with self._beating:
+            self._beat()
+
+    def _beat(self) -> None:
         if not self.region_id:
             reply = self._stub.Register(self.registration, timeout=self.call_timeout_s)
             self.region_id = reply.region_id or self.registration.name
@@ -89,10 +85,28 @@ class Heartbeater:
                 return
 
     def stop(self) -> None:
-        """Stop after one last heartbeat (it carries `draining` if the region drains)."""
+        """Stop after one last heartbeat, if registered (a stopping region says `draining` in it:
+        region/server.py), sent after any beat still in flight."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(2 * self.interval_s)
-        with contextlib.suppress(grpc.RpcError):
-            self.beat()
+        if self._beating.acquire(timeout=self.call_timeout_s):
+            try:
+                if self.region_id:  # a region that never registered does not register as it stops
+                    with contextlib.suppress(grpc.RpcError):
+                        self._beat()
+            finally:
+                self._beating.release()
         self._channel.close()
+
+
+def control_plane_options(interval_s: float) -> list[tuple[str, int]]:
+    """A region's channel to the control plane (heartbeats, WebRTC offers): `keepalive_options`, and
+    a reconnect backoff of a few intervals at most: gRPC's grows to 120 s, so a restarted control
+    plane would wait that long for its regions."""
+    backoff_ms = max(1000, int(interval_s * 3000))
+    return [
+        *keepalive_options(interval_s),  # sets min_reconnect_backoff_ms (the connect timeout): not again here
+        ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 500)),
+        ("grpc.max_reconnect_backoff_ms", backoff_ms),
+    ]

@@ -23,7 +23,8 @@ from prometheus_client import start_http_server
 from prfaas.engine.device import DeviceChoice
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.authz import Authorizer, region_policy
-from prfaas.region.channels import SERVER_OPTIONS, TlsFiles, listen
+from prfaas.region.channels import MAX_PREFIX_BLOCKS, SERVER_OPTIONS, TlsFiles, listen
+from prfaas.region.health import MAX_WATCHES, MAX_WATCHES_PER_CALLER, BoundedHealth
 from prfaas.region.registry_client import Heartbeater
 from prfaas.transport.endpoints import parse_hostport
 
@@ -72,8 +73,9 @@ class RegionServer:
         self.tls = tls
         self.prefix_cache = prefix_cache
         self._published: tuple[int, int, float] = (-1, -1, 0.0)  # (version, registration, time.monotonic())
+        # health Watch streams get threads of their own beyond `max_rpc_threads` (region/health.py bounds them)
         self.server = grpc.server(
-            ThreadPoolExecutor(max_rpc_threads, thread_name_prefix="prfaas-rpc"), options=SERVER_OPTIONS,
+            ThreadPoolExecutor(max_rpc_threads + MAX_WATCHES, thread_name_prefix="prfaas-rpc"), options=SERVER_OPTIONS,
             interceptors=[Authorizer(region_policy)] if tls is not None else None,
         )  # fmt: skip
         # Blocking health Watch streams (a thread of the RPC pool each; decode regions hold one
@@ -82,7 +84,8 @@ class RegionServer:
         # for that lock to run another Watch's close callback; that stalled every stream of
         # the server (the up/down wedge; test_region_ops.py::test_health_watch_churn_...).
         self.health = health.HealthServicer(experimental_non_blocking=False)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.watches = BoundedHealth(self.health, MAX_WATCHES, MAX_WATCHES_PER_CALLER if tls is not None else None)
+        health_pb2_grpc.add_HealthServicer_to_server(self.watches, self.server)
         for agent, add in agents.values():
             add(agent, self.server)
         host, port = parse_hostport(grpc_address)
@@ -128,7 +131,7 @@ class RegionServer:
         now = time.monotonic()
         load.prefix_version = version
         if (version, registrations) != self._published[:2] or now - self._published[2] >= PREFIX_REFRESH_S:
-            load.prefix_blocks.extend(cache.resident())
+            load.prefix_blocks.extend(cache.resident()[:MAX_PREFIX_BLOCKS])  # the registry keeps no more
             load.prefix_included = True
             self._published = (version, registrations, now)
 
@@ -148,19 +151,26 @@ class RegionServer:
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new work, let running work finish within `timeout_s`, then stop."""
-        for agent, _add in self.agents.values():
-            agent.draining = True
-        for name in ("", *self.agents):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._refuse_new_work()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not all(agent.idle() for agent, _add in self.agents.values()):
             time.sleep(0.1)
         self.stop()
 
+    def _refuse_new_work(self) -> None:
+        for agent, _add in self.agents.values():
+            agent.draining = True
+        for name in ("", *self.agents):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     def stop(self, grace_s: float = 1.0) -> None:
+        """Stop now: new work refused, health NOT_SERVING, then a last heartbeat that says draining
+        (the registry must not count a stopping region healthy for its next few intervals), then
+        the agents close and the server stops."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self._refuse_new_work()
         if self.heartbeater is not None:
             self.heartbeater.stop()
         for agent, _add in self.agents.values():

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
-from prfaas.region.channels import TlsFiles, channel
+from prfaas.region.channels import TlsFiles, channel, replies
+from prfaas.region.registry_client import control_plane_options
 from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
 Description = dict[str, str]
+STREAM_S = 60.0  # one Offers call's deadline
+RETRY_S = 1.0  # Offers calls at most one per this
 
 
 def signaller(target: str, region: str, tls: TlsFiles | None = None) -> Callable[[Description, float], Description]:
@@ -39,7 +43,14 @@ def signaller(target: str, region: str, tls: TlsFiles | None = None) -> Callable
 
 
 class OfferListener:
-    """Answers offers for `region` with `answer(offer, timeout_s) -> answer` until `stop`."""
+    """Answers offers for `region` with `answer(offer, timeout_s) -> answer` until `stop`.
+
+    The Offers stream is what a silent loss of the control plane (host gone, a partition, a NAT
+    dropping the flow: no FIN, no RST) would leave waiting forever, so its channel has keepalive
+    (`interval_s`, the region's heartbeat interval: such a loss is noticed within an interval and
+    max(2 s, an interval), region/channels.py `keepalive_options`), and
+    each call a deadline of `stream_s`, after which the next call opens (the registry ends a call
+    before its deadline, keeping the offers it has not sent). At most one call per RETRY_S."""
 
     def __init__(
         self,
@@ -47,11 +58,17 @@ class OfferListener:
         region: str,
         answer: Callable[[Description, float], Description],
         tls: TlsFiles | None = None,
+        *,
+        interval_s: float = 1.0,
+        stream_s: float = STREAM_S,
     ) -> None:
         self.region = region
+        self.stream_s = stream_s
         self._answer = answer
-        self._stub = registry_pb2_grpc.RegistryStub(channel(target, tls, server_name(None)))
+        self._channel = channel(target, tls, server_name(None), control_plane_options(interval_s))
+        self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._call: Any = None  # the Offers stream while open (cancel() ends it)
         self._thread = threading.Thread(target=self._loop, name="prfaas-webrtc-offers", daemon=True)
 
@@ -60,14 +77,21 @@ class OfferListener:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
-                self._call = call = self._stub.Offers(registry_pb2.OffersRequest(region=self.region))
-                for offer in call:
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    self._call = call = self._stub.Offers(
+                        registry_pb2.OffersRequest(region=self.region), timeout=self.stream_s
+                    )
+                for offer in replies(call):  # not `for offer in call`: that can hang on an ended call
                     self._reply(offer)
             except grpc.RpcError as exc:
-                if not self._stop.is_set():
-                    log.warning("offers stream for %s broke (%s); again in 1 s", self.region, exc.code().name)
-            self._stop.wait(1.0)
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED and not self._stop.is_set():
+                    log.warning("offers stream for %s broke (%s); again in %g s", self.region, exc.code().name,
+                                RETRY_S)  # fmt: skip
+            self._stop.wait(RETRY_S - (time.monotonic() - started))  # a call that lasted RETRY_S: the next at once
 
     def _reply(self, offer: registry_pb2.SignalOffer) -> None:
         try:
@@ -84,7 +108,9 @@ class OfferListener:
 
     def stop(self) -> None:
         self._stop.set()
-        call = self._call
+        with self._lock:
+            call = self._call
         if call is not None:
             call.cancel()
         self._thread.join(5)
+        self._channel.close()

@@ -23,15 +23,17 @@ series: senders that share a bottleneck each measure their share of it.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from prfaas.control_plane.scheduling.snapshot import MAX_BANDWIDTH_GBPS, MAX_RTT_MS, Link
 from prfaas.protos.prfaas.v1 import registry_pb2
 
+log = logging.getLogger(__name__)
 PRIOR_S = 2.0  # backlogged seconds before the measured goodput fully replaces the configured bandwidth
 TAU_S = 5.0  # smoothing time constant, s of measurement
 STALE_S = 120.0  # an estimate older than this is ignored
@@ -110,6 +112,16 @@ class LinkEstimate(BaseModel):
     def weight(self) -> float:
         """How far the measured goodput replaces the configured bandwidth (0..1)."""
         return 0.0 if self.goodput_bytes_per_s is None else min(1.0, self.backlogged_s / PRIOR_S)
+
+
+def stored_estimate(raw: bytes | None, src: str, dst: str) -> LinkEstimate:
+    """The stored estimate of src>dst, or a new one (none stored, or unreadable)."""
+    if raw:
+        try:
+            return LinkEstimate.model_validate_json(raw)
+        except ValidationError:
+            log.warning("link %s>%s: unreadable estimate replaced", src, dst)
+    return LinkEstimate(src=src, dst=dst)
 
 
 def merged(reports: Sequence[registry_pb2.LinkReport]) -> registry_pb2.LinkReport:

@@ -25,6 +25,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ import redis
 from pydantic import ValidationError
 
 from prfaas.control_plane.billing.prices import PriceBook, price_book
-from prfaas.control_plane.fleet.links import LinkEstimate, effective, merged
+from prfaas.control_plane.fleet.links import LinkEstimate, effective, merged, stored_estimate
 from prfaas.control_plane.fleet.records import DEFAULT_INSTANCE, InstanceRecord, RegionNotFound, RegionRecord
 from prfaas.control_plane.scheduling.snapshot import (
     KV_DTYPE_BYTES,
@@ -48,6 +49,7 @@ from prfaas.control_plane.scheduling.snapshot import (
 )
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import registry_pb2
+from prfaas.region.channels import MAX_PREFIX_BLOCKS
 from prfaas.transport.identity import INSTANCE_ID, REGION_NAME
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ MIN_RATE, MAX_RATE = 1e-3, 1e9  # tokens/s a region may report; outside: a broke
 MAX_LINKS_PER_BEAT = 256  # peer regions one beat may report on
 MAX_JOB_S = 86400.0  # a worker's time per job a region may report; above (or not finite): unmeasured
 ESTIMATE_KEPT_S = 3600.0  # a link estimate not refreshed for this long is deleted (ignored after STALE_S)
+SHORT_DIGEST = re.compile(r"[0-9a-f]{16}")  # a published prefix block (engine/blocks.py `short`), fullmatch
 
 
 class RegionRegistry:
@@ -106,16 +109,21 @@ class RegionRegistry:
                 f"this control plane serves {self.settings.model} ({served[:16]}...)"
             )
         for other in self.region_instances(request.name):
+            if other.instance == instance or not other.alive:
+                continue
             unlike = not kv_dtypes_alike(other.kv_dtype, request.kv_dtype)  # one that says none (older) is alike
-            if (
-                other.instance != instance
-                and other.alive
-                and ((other.role, other.model_fingerprint) != (request.role, request.model_fingerprint) or unlike)
-            ):
+            if (other.role, other.model_fingerprint) != (request.role, request.model_fingerprint) or unlike:
                 raise ValueError(
                     f"instance {instance} of region {request.name} registers role {request.role}, model "
                     f"{request.model_fingerprint[:16]} and KV dtype {request.kv_dtype or '-'}; its instance "
                     f"{other.instance} serves {other.role}, {other.model_fingerprint[:16]}, {other.kv_dtype or '-'}"
+                )
+            if _webrtc(request.kv_endpoint) or _webrtc(other.kv_endpoint):
+                # offers name the region (webrtc://<region>): whichever instance takes one gets the KV, reserved or not
+                raise ValueError(
+                    f"region {request.name} receives KV over WebRTC, whose offers name the region, not an instance: "
+                    f"it may have one live instance, and {other.instance} is alive (instance {instance} may "
+                    f"register once {other.instance} has missed {self.settings.heartbeat_misses} heartbeats)"
                 )
         if request.kv_dtype and request.kv_dtype not in KV_DTYPE_BYTES:
             raise ValueError(f"kv_dtype {request.kv_dtype!r} is none of {', '.join(KV_DTYPE_BYTES)}")
@@ -162,7 +170,9 @@ class RegionRegistry:
             "mean_job_s": load.mean_job_s if 0 <= load.mean_job_s <= MAX_JOB_S else 0.0,  # NaN fails
         }  # fmt: skip
         if load.prefix_included:  # a beat without them keeps the last ones sent
-            fields |= {"prefix_version": load.prefix_version, "prefix": ",".join(load.prefix_blocks)}
+            # as many as a region publishes, each a short digest (a ',' in one would split it in two)
+            blocks = [b for b in load.prefix_blocks[:MAX_PREFIX_BLOCKS] if SHORT_DIGEST.fullmatch(b)]
+            fields |= {"prefix_version": load.prefix_version, "prefix": ",".join(blocks)}
         self.redis.hset(key, mapping=fields)
         if load.links:
             self._measured(request.name, load.links, request.instance or DEFAULT_INSTANCE)
@@ -178,7 +188,7 @@ class RegionRegistry:
         if not fields:
             return
         stored = dict(zip(fields, self.redis.hmget(key, fields), strict=True))
-        estimates = {field: _estimate(raw, src, field.split(">", 1)[1]) for field, raw in stored.items()}
+        estimates = {field: stored_estimate(raw, src, field.split(">", 1)[1]) for field, raw in stored.items()}
         by_peer: dict[str, list[registry_pb2.LinkReport]] = {}
         for report in reports:
             by_peer.setdefault(f"{src}>{report.peer_region}", []).append(report)
@@ -369,19 +379,13 @@ class RegionRegistry:
         )  # fmt: skip
 
 
+def _webrtc(kv_endpoint: str) -> bool:
+    return any(part.strip().startswith("webrtc://") for part in kv_endpoint.split(","))
+
+
 def _rate(value: float) -> float:
     """A reported rate, or 0 (unmeasured) when it is not one a region can reach."""
     return value if MIN_RATE <= value <= MAX_RATE else 0.0  # NaN fails both
-
-
-def _estimate(raw: bytes | None, src: str, dst: str) -> LinkEstimate:
-    """The stored estimate of src>dst, or a new one (none stored, or unreadable)."""
-    if raw:
-        try:
-            return LinkEstimate.model_validate_json(raw)
-        except ValidationError:
-            log.warning("link %s>%s: unreadable estimate replaced", src, dst)
-    return LinkEstimate(src=src, dst=dst)
 
 
 def _rate_priors(records: list[RegionRecord]) -> dict[str, dict[str, float]]:

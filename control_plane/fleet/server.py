@@ -4,8 +4,8 @@ Served by the API process when `registry_listen` is set (control_plane/app.py).
 
 With mutual TLS (`Settings.tls`) only regions may call (region/authz.py), and each only about itself: an
 instance registers and beats only as the region, role and instance its certificate names (a certificate for
-`*` may speak for any instance of its region), and reads only the WebRTC offers addressed to its region. Anyone
-else gets PERMISSION_DENIED before the registry is touched, so the real instance's record stands."""
+`*` may speak for any instance of its region), and reads and answers only the WebRTC offers addressed to its region.
+Anyone else gets PERMISSION_DENIED before the registry is touched, so the real instance's record stands."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ THREADS = 16 + MAX_SIGNAL_CALLS
 # One caller's Signal calls waiting at once (with TLS, a region's; else a host's): no region can take every slot.
 # A quarter of the slots are the Offers streams' alone, so senders never keep a region from its offers.
 MAX_SIGNALS_PER_CALLER = 8
+OFFER_MARGIN_S = 1.0  # an Offers call takes no offer this close to its deadline (a one-way trip must fit in it)
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
@@ -130,18 +131,38 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "region is required")
         self._speaks_for(context, request.region)
         with self._signal_slot(context):
-            while context.is_active():
-                offer = self.relay.next_offer(request.region)
-                if offer is not None:
-                    yield registry_pb2.SignalOffer(id=offer[0], offer_sdp=offer[1])
+            # No offer is taken in the call's last OFFER_MARGIN_S (a quarter of a short call): one sent then would
+            # reach the region after its deadline and be lost; the call ends OK and the region opens the next.
+            margin_s = min(OFFER_MARGIN_S, context.time_remaining() / 4)
+            while context.is_active() and (wait_s := context.time_remaining() - margin_s) > 0:
+                offer = self.relay.next_offer(request.region, wait_s)
+                if offer is None:
+                    continue
+                if not context.is_active():  # the stream ended while we waited: its region never saw the offer
+                    self.relay.put_back(request.region, offer)
+                    return
+                sent = False
+                try:
+                    yield registry_pb2.SignalOffer(id=offer.id, offer_sdp=offer.sdp)
+                    sent = True  # gRPC asks for the next reply only once this one went out on a live stream
+                finally:
+                    if not sent:
+                        self.relay.put_back(request.region, offer)
 
     def Answer(  # noqa: N802
         self, request: registry_pb2.SignalAnswer, context: grpc.ServicerContext
     ) -> registry_pb2.AnswerReply:
+        """Only the region an offer is addressed to may answer it; an answer to an offer no one waits for any
+        more (answered, or its sender gave up) is dropped."""
         try:
-            self.relay.answer(request.id, request.answer_sdp, request.error)
+            self.relay.check_answer(request.id, request.answer_sdp, request.error)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable") from exc
+        region = self.relay.addressee(request.id)
+        if region is not None:
+            self._speaks_for(context, region)
+            self.relay.answer(request.id, request.answer_sdp, request.error)
         return registry_pb2.AnswerReply()
 
 

@@ -89,6 +89,24 @@ class Region:
             self.decode.backend.receiver.close()
 
 
+class IdleAgent:
+    """An agent with no work, for a region server alone (region/server.py `Agent`)."""
+
+    draining = False
+
+    def load(self) -> dict[str, float]:
+        return {"kv_free_bytes": 1000}
+
+    def link_reports(self) -> list[registry_pb2.LinkReport]:
+        return []
+
+    def idle(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
 def local_region(
     engine: HFEngine,
     *,

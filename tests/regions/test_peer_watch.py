@@ -87,6 +87,42 @@ def test_a_region_that_takes_the_connection_but_never_answers_is_noticed() -> No
         listener.close()
 
 
+def test_a_region_whose_watch_streams_are_all_taken_is_watched_again_not_lost() -> None:
+    """A prefill region refuses a Watch with RESOURCE_EXHAUSTED when its Watch streams are all taken
+    (region/health.py): it answered, so it is alive. Its reservations keep waiting and the watcher tries
+    again a second later; before, they failed at once as if the region had died."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    busy = threading.Event()
+    refused: list[int] = []
+
+    class Health(health.HealthServicer):
+        def Watch(self, request, context, send_response_callback=None):  # type: ignore[no-untyped-def]
+            if busy.is_set():
+                refused.append(1)
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "health Watch streams: 64 are open already")
+            return super().Watch(request, context, send_response_callback)
+
+    server = grpc.server(ThreadPoolExecutor(4))
+    health_pb2_grpc.add_HealthServicer_to_server(Health(experimental_non_blocking=False), server)
+    target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    watcher = PeerWatcher(0.2)
+    lost: list[str] = []
+    try:
+        busy.set()
+        watcher.watch(target, lost.append)
+        wait_until(lambda: refused or lost, 5.0)
+        busy.clear()
+        wait_until(lambda: watcher.answered(target) or lost, 5.0)
+        assert lost == [] and watcher.answered(target)
+    finally:
+        watcher.close()
+        server.stop(0)
+
+
 def test_replies_of_a_stream_end_with_its_status() -> None:
     """`rpc.replies`: every reply of a healthy stream, the call's status as an RpcError when
     it breaks, and a cancelled call when the caller stops reading early."""
@@ -111,7 +147,7 @@ def test_replies_of_a_stream_end_with_its_status() -> None:
         assert next(broken).status == health_pb2.HealthCheckResponse.NOT_SERVING
         server.stop(0)
         with pytest.raises(grpc.RpcError) as info:
-            next(broken)
+            list(broken)  # a NOT_SERVING as the region stops, then the break
         assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     finally:
         channel.close()

@@ -15,12 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from region_kit import KEY, generate_tokens, local_region, new_job, reserve, split_generate, wait_until
+from region_kit import KEY, IdleAgent, generate_tokens, local_region, new_job, reserve, split_generate, wait_until
 
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import decode_pb2, registry_pb2, registry_pb2_grpc
 from prfaas.region.config import ConfigError, config_from_mapping, load_config
+from prfaas.region.registry_client import Heartbeater
 from prfaas.region.server import RegionServer
 from prfaas.transport.identity import Identity
 from prfaas.transport.tls import init_certs
@@ -117,6 +118,70 @@ def test_heartbeats_survive_a_registry_that_is_down(tiny_engine: HFEngine) -> No
         assert time.monotonic() - start < 5
     finally:
         region.close()
+
+
+def test_a_stopping_regions_last_heartbeat_says_draining_after_its_health_does() -> None:
+    """`stop()` (SIGINT, or the end of a drain) sends one last beat: it must say draining, and the region's
+    health must say NOT_SERVING by then. Before, a region stopped without a drain sent `draining: false` in it
+    and the registry counted it healthy for its next heartbeat_misses intervals."""
+    seen: list[tuple[bool, int]] = []  # each beat: (load.draining, the region's health as the beat arrives)
+
+    class Registry(FakeRegistry):
+        def Heartbeat(self, request: registry_pb2.HeartbeatRequest, context: object) -> registry_pb2.HeartbeatReply:
+            health = health_pb2_grpc.HealthStub(grpc.insecure_channel(region.grpc_address))
+            seen.append((request.load.draining, health.Check(health_pb2.HealthCheckRequest(), timeout=5).status))
+            return super().Heartbeat(request, context)
+
+    registry = grpc.server(ThreadPoolExecutor(4))
+    registry_pb2_grpc.add_RegistryServicer_to_server(Registry(), registry)
+    port = registry.add_insecure_port("127.0.0.1:0")
+    registry.start()
+    region = RegionServer("127.0.0.1:0", {"prfaas.v1.DecodeRegion": (IdleAgent(), lambda agent, server: None)})
+    try:
+        region.start((f"127.0.0.1:{port}", registry_pb2.RegisterRequest(name="dec-a", role="decode"), 0.2))
+        wait_until(lambda: len(seen) >= 2, 5)
+        region.stop()
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        assert seen[0] == (False, serving) and seen[-1] == (True, not_serving), seen
+        assert (True, serving) not in seen, seen  # never draining while the region's health says SERVING
+    finally:
+        region.stop(0)
+        registry.stop(0)
+
+
+def test_the_last_heartbeat_waits_for_the_one_in_flight() -> None:
+    """A beat may take longer than stop() waits for the heartbeat thread (a slow registry): the last beat must
+    not run beside it (before, the two shared `seq` and the registration token unguarded)."""
+    in_flight = [0, 0]  # beats in the registry now, at most
+    seqs: list[int] = []
+    slow = threading.Event()
+    lock = threading.Lock()
+
+    class Registry(FakeRegistry):
+        def Heartbeat(self, request: registry_pb2.HeartbeatRequest, context: object) -> registry_pb2.HeartbeatReply:
+            with lock:
+                in_flight[0] += 1
+                in_flight[1] = max(in_flight)
+                seqs.append(request.seq)
+            if request.seq == 2:
+                slow.set()
+                threading.Event().wait(1.0)  # longer than stop() waits for the thread (two intervals)
+            with lock:
+                in_flight[0] -= 1
+            return super().Heartbeat(request, context)
+
+    registry = grpc.server(ThreadPoolExecutor(4))
+    registry_pb2_grpc.add_RegistryServicer_to_server(Registry(), registry)
+    port = registry.add_insecure_port("127.0.0.1:0")
+    registry.start()
+    beater = Heartbeater(f"127.0.0.1:{port}", registry_pb2.RegisterRequest(name="dec-a"), registry_pb2.Load, 0.2)
+    try:
+        beater.start()
+        assert slow.wait(5)
+        beater.stop()
+        assert seqs == [1, 2, 3] and in_flight[1] == 1
+    finally:
+        registry.stop(0)
 
 
 VALID = {"name": "dec-a", "role": "decode", "ticket_key": KEY.decode()}

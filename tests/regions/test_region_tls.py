@@ -6,16 +6,20 @@ by a refused call. Real gRPC servers and certificates from `init_certs`."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from region_kit import Region, local_region, new_job
+from region_kit import IdleAgent, Region, local_region, new_job
 
 from prfaas.engine.hf import HFEngine
 from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc
 from prfaas.region.channels import TlsFiles, channel
+from prfaas.region.health import MAX_WATCHES_PER_CALLER
+from prfaas.region.server import RegionServer
 from prfaas.transport.identity import Identity, server_name
 from prfaas.transport.tls import init_certs
 
@@ -23,6 +27,7 @@ IDENTITIES = {
     "cp": "prfaas://control-plane/prod",
     "tls-a": "prfaas://both/tls-a/1",
     "pre-b": "prfaas://prefill/pre-b/1",
+    "dec-c": "prfaas://decode/dec-c/*",
 }
 
 
@@ -97,3 +102,43 @@ def test_peer_regions_may_watch_its_health(region: Region, pki: dict[str, TlsFil
     stub = health_pb2_grpc.HealthStub(channel(region.server.grpc_address, pki["pre-b"], server_name("tls-a")))
     reply = stub.Check(health_pb2.HealthCheckRequest(service="prfaas.v1.DecodeRegion"), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_peer_region_cannot_take_the_threads_the_control_plane_needs(pki: dict[str, TlsFiles]) -> None:
+    """Each health Watch holds a thread while open; a peer region may hold MAX_WATCHES_PER_CALLER at once, and
+    watches have threads of their own. Before, one region's certificate could open a Watch per thread of the
+    region's pool, and the control plane's calls (Cancel, Prefill, Reserve) waited until their deadline."""
+    region = RegionServer("127.0.0.1:0", {"prfaas.v1.PrefillRegion": (IdleAgent(), lambda agent, server: None)},
+                          max_rpc_threads=4, tls=pki["tls-a"])  # fmt: skip
+    region.start()
+
+    def health(who: str) -> health_pb2_grpc.HealthStub:
+        return health_pb2_grpc.HealthStub(channel(region.grpc_address, pki[who], server_name("tls-a")))
+
+    everything = health_pb2.HealthCheckRequest()
+    streams = [health("pre-b").Watch(everything) for _ in range(4 + MAX_WATCHES_PER_CALLER)]
+    readers = ThreadPoolExecutor(len(streams))
+    firsts = [readers.submit(_first_reply, stream) for stream in streams]
+    try:
+        done, _ = futures.wait(firsts, timeout=5)  # before, those past the pool's threads waited for one
+        assert health("cp").Check(everything, timeout=3).status == health_pb2.HealthCheckResponse.SERVING
+        outcomes = [first.result() for first in done]
+        assert len(outcomes) == len(streams) and outcomes.count("watching") == MAX_WATCHES_PER_CALLER, outcomes
+        assert set(outcomes) == {"watching", grpc.StatusCode.RESOURCE_EXHAUSTED}, outcomes
+        other = health("dec-c").Watch(everything, timeout=5)  # another region still watches
+        assert _first_reply(other) == "watching"
+        other.cancel()
+    finally:
+        for stream in streams:
+            stream.cancel()
+        readers.shutdown()
+        region.stop(0)
+
+
+def _first_reply(stream: grpc.Call) -> str | grpc.StatusCode:
+    try:
+        reply = next(stream)  # type: ignore[call-overload]
+    except grpc.RpcError as exc:
+        return exc.code()
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    return "watching"

@@ -182,6 +182,32 @@ def test_an_instance_cannot_join_a_region_as_another_role(registry: tuple[Region
     assert "its instance i-1 serves decode" in (info.value.details() or "")
 
 
+def test_a_webrtc_region_has_one_live_instance(registry: tuple[RegionRegistry, str]) -> None:
+    """WebRTC offers are addressed to a region (webrtc://<region>): with two live instances, the KV of a job went
+    to whichever instance took the offer, not to the one the control plane had reserved on. A second live
+    instance is refused with a clear error; the same instance registering again, or another one once the first
+    is dead, is let in."""
+    reg, address = registry
+
+    def rtc(instance: str) -> registry_pb2.RegisterRequest:
+        request = _registration("d-rtc", "decode", 4.0, instance)
+        request.kv_endpoint = "webrtc://d-rtc"
+        return request
+
+    Heartbeater(address, rtc("i-1"), lambda: _load(0), INTERVAL_S).beat()
+    with grpc.insecure_channel(address) as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Register(rtc("i-2"), timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "receives KV over WebRTC" in (info.value.details() or "") and "i-1 is alive" in info.value.details()
+        assert [i.instance for i in reg.get("d-rtc").instances] == ["i-1"]
+        assert stub.Register(rtc("i-1"), timeout=5).region_id  # i-1 restarted
+        reg.redis.hset(reg.settings.key("instance", "d-rtc/i-1"), "last_beat_at", time.time() - 10)  # i-1 died
+        assert stub.Register(rtc("i-2"), timeout=5).region_id
+    assert [(i.instance, i.alive) for i in reg.get("d-rtc").instances] == [("i-1", False), ("i-2", True)]
+
+
 def test_a_regions_kv_dtype_reaches_the_snapshot_and_its_instances_agree_on_it(
     registry: tuple[RegionRegistry, str],
 ) -> None:
@@ -273,6 +299,24 @@ def test_only_a_region_that_sends_kv_may_offer_a_connection(
         assert info.value.code() == code, (name, info.value.details())  # p-a's: no one answered in 0.5 s
 
 
+def test_only_the_region_an_offer_is_addressed_to_may_answer_it(
+    tls_registry: tuple[RegionRegistry, str, dict[str, TlsFiles]],
+) -> None:
+    """Before, any region's certificate could answer any offer (its id read off the wire, or guessed) and point
+    another region's sender at a peer of its own choosing."""
+    _reg, address, files = tls_registry
+    stubs = {name: registry_pb2_grpc.RegistryStub(channel(address, files[name], server_name(None))) for name in files}
+    sent = stubs["p-a"].Signal.future(registry_pb2.SignalRequest(region="d-b", offer_sdp="v=0", timeout_s=5), timeout=8)
+    offers = stubs["d-b"].Offers(registry_pb2.OffersRequest(region="d-b"), timeout=5)
+    offer = next(offers)
+    with pytest.raises(grpc.RpcError) as info:
+        stubs["p-a"].Answer(registry_pb2.SignalAnswer(id=offer.id, answer_sdp="forged"), timeout=5)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    stubs["d-b"].Answer(registry_pb2.SignalAnswer(id=offer.id, answer_sdp="real"), timeout=5)
+    assert sent.result().answer_sdp == "real"
+    offers.cancel()
+
+
 def test_an_instance_that_refused_a_call_gets_no_new_work_until_its_mark_expires(
     registry: tuple[RegionRegistry, str],
 ) -> None:
@@ -344,7 +388,8 @@ def test_published_prefix_blocks_reach_the_snapshot_and_the_instance_pick(
     registry: tuple[RegionRegistry, str],
 ) -> None:
     reg, address = registry
-    held = {"1": ["aa", "bb", "cc"], "2": ["aa"]}  # instance 2 holds only the first block of the prompt
+    aa, bb, cc, dd, zz = (c * 16 for c in "abcdf")  # short digests (engine/blocks.py `short`: 16 hex digits)
+    held = {"1": [aa, bb, cc], "2": [aa]}  # instance 2 holds only the first block of the prompt
 
     def published(instance: str) -> Callable[[], registry_pb2.Load]:
         return lambda: registry_pb2.Load(
@@ -356,17 +401,17 @@ def test_published_prefix_blocks_reach_the_snapshot_and_the_instance_pick(
     for beater in beaters.values():
         beater.beat()
     region = reg.get("d-b")
-    assert region.prefix_blocks == {"aa", "bb", "cc"}
-    assert reg.snapshot(MODEL).region("d-b").cached_prefix_hashes == {"aa", "bb", "cc"}
-    assert region.pick(prefix=("aa", "bb", "cc", "dd")).instance == "1"  # the longest run of the prompt's blocks
-    assert region.pick(prefix=("zz",)).instance in {"1", "2"}
+    assert region.prefix_blocks == {aa, bb, cc}
+    assert reg.snapshot(MODEL).region("d-b").cached_prefix_hashes == {aa, bb, cc}
+    assert region.pick(prefix=(aa, bb, cc, dd)).instance == "1"  # the longest run of the prompt's blocks
+    assert region.pick(prefix=(zz,)).instance in {"1", "2"}
 
     beaters["1"]._load = lambda: registry_pb2.Load(kv_free_bytes=1000, prefix_version=1)  # not included: kept
     beaters["1"].beat()
-    assert reg.get("d-b").prefix_blocks == {"aa", "bb", "cc"}
+    assert reg.get("d-b").prefix_blocks == {aa, bb, cc}
     beaters["1"]._load = lambda: registry_pb2.Load(kv_free_bytes=1000, prefix_version=2, prefix_included=True)
     beaters["1"].beat()  # emptied: included with no blocks
-    assert reg.get("d-b").prefix_blocks == {"aa"}
+    assert reg.get("d-b").prefix_blocks == {aa}
     for beater in beaters.values():
         beater._channel.close()
 

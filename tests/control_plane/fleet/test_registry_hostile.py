@@ -26,6 +26,7 @@ from prfaas.control_plane.scheduling.request import Priority
 from prfaas.control_plane.scheduling.scorers import relative_to_best
 from prfaas.control_plane.scheduling.snapshot import Link, ModelShape
 from prfaas.protos.prfaas.v1 import registry_pb2
+from prfaas.region.channels import MAX_PREFIX_BLOCKS
 
 MODEL = ModelShape(name="tiny-llama", num_layers=4, kv_bytes_per_token=1024)
 INF, NAN = float("inf"), float("nan")
@@ -130,6 +131,17 @@ def test_records_nobody_can_read_are_dropped_not_fatal(reg: RegionRegistry) -> N
     assert reg.link_estimates() == {} and not reg.redis.exists(s.key("link_estimates"))
     assert _beat(reg, "broken", "any")  # forgotten: it registers again
     assert not _beat(reg, "dec", token)
+
+
+def test_a_beat_keeps_as_many_prefix_blocks_as_a_region_publishes_and_only_digests(reg: RegionRegistry) -> None:
+    """Every snapshot (every placement, fleet-wide) reads and parses each instance's blocks: before, a beat of a
+    million blocks was kept whole and made each snapshot hundreds of times slower."""
+    token = _register(reg, "dec")
+    flood = [f"{i:016x}" for i in range(3 * MAX_PREFIX_BLOCKS)]  # short digests (engine/blocks.py `short`)
+    odd = ["a,b", "not-a-digest", "", "0" * 17]  # none is one: ',' would even split into two
+    assert not _beat(reg, "dec", token, prefix_version=1, prefix_blocks=odd + flood, prefix_included=True)
+    # the first MAX_PREFIX_BLOCKS (a region sends its most recently used first), less the 4 that are no digest
+    assert reg.get("dec").prefix_blocks == set(flood[: MAX_PREFIX_BLOCKS - len(odd)])
 
 
 def test_a_beat_reports_on_region_names_only(reg: RegionRegistry) -> None:
