@@ -7,7 +7,8 @@ Lifetimes: a reservation ends exactly once (`_end`), whatever ends it (Decode fi
 Release, Cancel, client disconnect, deadline, the prefill region lost, a bad shipment); its
 bytes are freed right then and the backend's hold on its shipment ended. Its outcome stays
 readable for a while (`Tombstone`), so a caller arriving after a failure gets the failure's
-status, not NOT_FOUND.
+status, not NOT_FOUND: the status alone, not the error, whose traceback would keep the KV
+its frames held alive as long.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 from prfaas.decode_region import metrics
 from prfaas.decode_region.backend import DecodeBackend, DecodeCall, close_tokens
 from prfaas.decode_region.book import KVBook
+from prfaas.decode_region.local_jobs import LocalJob
 from prfaas.decode_region.peer_watch import PeerWatcher
 from prfaas.decode_region.reservations import Reservation, ReservationEvents, Tombstone, raise_as_region_error
 from prfaas.decode_region.tokens import TokenStream
@@ -39,9 +41,7 @@ from prfaas.region.errors import (
     InvalidRequest,
     NotFound,
     PreconditionFailed,
-    RegionError,
     Unavailable,
-    status_of,
     streaming,
     unary,
 )
@@ -91,9 +91,9 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         self._lock = threading.Lock()
         self._reservations: dict[str, Reservation] = {}
         self._tombstones: dict[str, Tombstone] = {}
-        self._local: dict[str, tuple[int, threading.Event]] = {}  # Generate jobs: job id -> (attempt, cancel)
-        self._rate = 0.0  # tokens/s, smoothed
-        self._prefill_rate = 0.0  # prompt tokens/s of local prefills (Generate), smoothed: what local costs
+        self._local: dict[str, LocalJob] = {}  # Generate jobs, by job id
+        self._rate = metrics.Smoothed(metrics.TOKENS_PER_S)  # tokens/s
+        self._prefill_rate = metrics.Smoothed(metrics.PREFILL_TOKENS_PER_S)  # of local prefills: what local costs
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="prfaas-decode-reaper", daemon=True)
         self._reaper.start()
@@ -108,7 +108,8 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
             raise Unavailable("decode region is draining; reserve elsewhere")
         if request.kv_bytes <= 0:
             raise InvalidRequest("kv_bytes must be > 0")
-        ttl_s = timeout_from(request.ttl_s, default_s=DEFAULT_TTL_S, max_s=self.max_reservation_s, field="ttl_s")
+        default_s = min(DEFAULT_TTL_S, self.max_reservation_s)  # for an unset ttl_s: within what this region allows
+        ttl_s = timeout_from(request.ttl_s, default_s=default_s, max_s=self.max_reservation_s, field="ttl_s")
         with self._lock:
             existing = self._reservations.get(job_id)
         if existing is not None:
@@ -118,41 +119,36 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         res = Reservation(job_id, request.attempt, request.tenant, request.kv_bytes, time.monotonic() + ttl_s,
                           trace=tracing.traceparent_in(context.invocation_metadata()))  # fmt: skip
         with self._lock:
+            if self._closed.is_set():  # close() took its list of reservations already: this one would stay
+                raise Unavailable("decode region shutting down")
             if job_id in self._reservations:
                 raise Conflict(f"job {job_id} already holds a reservation")
             self._admit()
             free = self.book.reserve(job_id, request.kv_bytes)  # BufferFull -> RESOURCE_EXHAUSTED
             self._reservations[job_id] = res
             self._tombstones.pop(job_id, None)
-        try:
+        try:  # whatever fails from here on (the engine's server gone, a watch that cannot open) undoes it all
             salt = request.cache_salt if request.HasField("cache_salt") else None
-            hold = self.backend.expect(
-                res.expected(salt, tuple(request.token_ids)), ttl_s, ReservationEvents(res, self._end)
-            )
-        except ValueError as exc:
-            self._end(res, Conflict(str(exc)))
-            raise Conflict(str(exc)) from None
-        except Exception as exc:  # e.g. the engine's server is gone: the bytes go back at once
-            self._end(res, exc)
+            try:
+                hold = self.backend.expect(
+                    res.expected(salt, tuple(request.token_ids)), ttl_s, ReservationEvents(res, self._end)
+                )
+            except ValueError as exc:
+                raise Conflict(str(exc)) from None
+            if not res.attach(hold=hold):  # canceled, superseded or released while it was being set up
+                res.raise_ended()
+            if request.prefill_grpc:
+                watch = self.watcher.watch(
+                    request.prefill_grpc, lambda why: self._end(res, Unavailable(why)), request.prefill_region
+                )
+                if not res.attach(watch=watch):
+                    res.raise_ended()
+            if not context.is_active():  # the caller gave up (its deadline passed): it will never use or release it
+                raise Canceled("the caller left before its reservation was made")
+            hold.start()  # after the watch: the shipment's arrival stops it
+        except Exception as exc:
+            self._end(res, exc)  # the bytes go back at once, what was attached is stopped (a no-op if it had ended)
             raise
-        watch = None
-        if request.prefill_grpc:
-            watch = self.watcher.watch(
-                request.prefill_grpc, lambda why: self._end(res, Unavailable(why)), request.prefill_region
-            )
-        with res.cond:  # `_end` stops what it finds attached; one that ran already found nothing
-            attached = not res.ended
-            if attached:
-                res.hold, res.watch = hold, watch
-        if not attached:  # canceled, superseded or released while it was being set up
-            if watch is not None:
-                watch.stop()
-            hold.end(f"reservation ended: {res.error}")
-            raise_as_region_error(res.error or Canceled("reservation ended while it was being made"))
-        if not context.is_active():  # the caller gave up (its deadline passed): it will never use or release it
-            self._end(res, Canceled("the caller left before its reservation was made"))
-            raise_as_region_error(res.error or Canceled("reservation ended while it was being made"))
-        hold.start()  # after the watch: the shipment's arrival stops it
         self._gauges()
         return decode_pb2.ReserveReply(
             kv_endpoint=self.backend.kv_endpoint, free_bytes=free, expires_in_s=ttl_s,
@@ -180,38 +176,36 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
             local = self._local.get(job_id)
         if res is not None and not stops(attempt, res.attempt):
             res = None  # a newer attempt's reservation: this Cancel is stale
-        if local is not None and not stops(attempt, local[0]):
+        if local is not None and not stops(attempt, local.attempt):
             local = None
         if res is not None:
             self._end(res, canceled)
         if local is not None:
-            local[1].set()
+            local.stop(canceled)
         return res is not None or local is not None
 
-    def _end(self, res: Reservation, error: BaseException | None) -> None:
-        """End `res` once: free its bytes, stop its shipment, its watch and its decode."""
-        with res.cond:
-            if res.ended:
-                return
-            res.ended, res.error = True, error
-            res.canceled.set()
-            res.cond.notify_all()
+    def _end(self, res: Reservation, error: BaseException | None) -> bool:
+        """End `res` once: free its bytes, stop its shipment, its watch and its decode; False if it had
+        ended. Of `error` only its status is kept (`CarriedStatus`), not the frames its traceback holds."""
+        if not res.mark_ended(error):
+            return False
+        status = res.error
         with self._lock:
             if self._reservations.get(res.job_id) is res:
                 del self._reservations[res.job_id]
                 self.book.release(res.job_id)
-            self._tombstones[res.job_id] = Tombstone(res.attempt, error, time.monotonic())
+            self._tombstones[res.job_id] = Tombstone(res.attempt, status, time.monotonic())
         if res.watch is not None:
             res.watch.stop()
         if res.hold is not None:
-            res.hold.end(f"reservation ended: {error}" if error is not None else "reservation ended")
+            res.hold.end(f"reservation ended: {status}" if status is not None else "reservation ended")
         outcome = "done"
-        if error is not None:
-            code, message = status_of(error)
-            log.info("reservation %s attempt %d ended: %s %s", res.job_id, res.attempt, code.name, message)
-            outcome = code.name.lower()
+        if status is not None:
+            log.info("reservation %s attempt %d ended: %s %s", res.job_id, res.attempt, status.code.name, status)
+            outcome = status.code.name.lower()
         metrics.RESERVATIONS_ENDED.labels(outcome).inc()
         self._gauges()
+        return True
 
     def _reap_loop(self) -> None:
         while not self._closed.wait(0.1):
@@ -256,7 +250,13 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
             if res.decoding:
                 raise Conflict(f"job {call.job_id} is already decoding")
             res.decoding = True
-        context.add_callback(lambda: self._end(res, Canceled("the caller disconnected")))
+
+        def left() -> None:
+            self._end(res, Canceled("the caller disconnected"))
+
+        if not context.add_callback(left):
+            left()  # the call is over already: no callback will come
+            res.raise_ended()
         return res
 
     @streaming
@@ -291,9 +291,8 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
                 rests = self.backend.decode(res.hold, call, params, deadline, res.canceled)
                 yield from self._tokens(firsts, rests, params, res.canceled, deadline, started, "split")
         except Exception as exc:
-            self._end(res, exc)
-            if res.error is not exc and isinstance(res.error, RegionError):
-                raise res.error from None  # e.g. Cancel won the race: CANCELLED, not a side effect
+            if not self._end(res, exc) and res.error is not None:
+                raise_as_region_error(res.error)  # e.g. Cancel won the race: CANCELLED, not a side effect
             raise
         except BaseException:  # GeneratorExit: the caller went away
             self._end(res, Canceled("the caller disconnected"))
@@ -310,8 +309,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         stream = TokenStream(self.backend.facts.eos_token_ids, self.backend.decode_text, path)
         yield from stream.events(firsts, rests, params, canceled, deadline, started, cached_tokens)
         if stream.rate is not None:
-            self._rate = stream.rate if self._rate == 0 else 0.8 * self._rate + 0.2 * stream.rate
-            metrics.TOKENS_PER_S.set(self._rate)
+            self._rate.add(stream.rate)
 
     @streaming
     @tracing.server_stream("decode.generate")
@@ -324,13 +322,17 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         params, started, deadline = self._start(request)
         token_ids = list(request.token_ids)
         self.backend.check_prompt(token_ids, params)
-        canceled = threading.Event()
+        job = LocalJob(request.attempt)
+        canceled = job.canceled
         with self._lock:
+            if self._closed.is_set():  # close() took its list of jobs already: this one would run on
+                raise Unavailable("decode region shutting down")
             if job_id in self._local or job_id in self._reservations:
                 raise Conflict(f"job {job_id} is already running here")
             self._admit()
-            self._local[job_id] = (request.attempt, canceled)
-        context.add_callback(canceled.set)
+            self._local[job_id] = job
+        if not context.add_callback(job.stop):
+            job.stop()  # the call is over already: no callback will come
         rests: list[Iterator[Chosen]] = []
         try:
             with self.workers.slot(deadline, canceled):
@@ -347,6 +349,10 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
                         yield event
                 finally:
                     events.close()  # as `yield from` would: the caller's cancel reaches the stream now
+        except Exception:
+            if job.reason is not None:  # a Cancel or the region shutting down: its status, not the stop's side effect
+                raise_as_region_error(job.reason)
+            raise
         finally:
             for rest in rests:
                 close_tokens(rest)
@@ -354,11 +360,8 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
                 self._local.pop(job_id, None)
 
     def _count_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0:
-            return  # all of it cached: nothing measured
-        rate = num_tokens / max(seconds, 1e-6)
-        self._prefill_rate = rate if self._prefill_rate == 0 else 0.8 * self._prefill_rate + 0.2 * rate
-        metrics.PREFILL_TOKENS_PER_S.set(self._prefill_rate)
+        if num_tokens > 0:  # else all of it was cached: nothing measured
+            self._prefill_rate.add(num_tokens / max(seconds, 1e-6))
 
     # -- region ----------------------------------------------------------------------------
 
@@ -369,8 +372,8 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         used = self.book.used_bytes
         return {
             "queue_depth": self.workers.waiting, "busy_workers": self.workers.busy, "kv_used_bytes": used,
-            "kv_free_bytes": self.book.capacity_bytes - used, "decode_tokens_per_s": self._rate,
-            "prefill_tokens_per_s": self._prefill_rate,
+            "kv_free_bytes": self.book.capacity_bytes - used, "decode_tokens_per_s": self._rate.value,
+            "prefill_tokens_per_s": self._prefill_rate.value,
             "decode_running": self.workers.busy, "decode_slots": self.workers.num_workers,
             "mean_job_s": self.workers.mean_hold_s,
         }  # fmt: skip
@@ -386,7 +389,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
             local = list(self._local.values())
         for res in reservations:
             self._end(res, Unavailable("decode region shutting down"))
-        for _attempt, event in local:
-            event.set()
+        for job in local:
+            job.stop(Unavailable("decode region shutting down"))
         self.watcher.close()
         self.backend.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 from prfaas.decode_region import metrics
@@ -63,6 +64,7 @@ class Assembly:
             layers = assemble(self.inbound, self.layout, exp.kv_bytes, exp.tenant, exp.deadline, held,
                               len(exp.token_ids), upload)  # fmt: skip
         except BaseException as exc:
+            _drop_locals(exc)  # the layers assembled so far (device memory on a GPU) go now, not when `exc` does
             self.events.failed(exc)
             return
         self.events.arrived(self.inbound.info.traceparent if self.inbound.info is not None else "")
@@ -105,6 +107,17 @@ class Assembly:
             self.prefix = None
             self._cond.notify_all()
         self.inbound.cancel(reason)  # no-op once the shipment completed; else it stops and frees it
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the locals of the frames `error` (and each error it chains to) passed through, keeping
+    what a log of it prints: code and line numbers."""
+    seen: set[int] = set()
+    chained: BaseException | None = error
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
 
 
 class HFDecode:

@@ -16,3 +16,15 @@ TOKENS_PER_S = Gauge("prfaas_decode_tokens_per_second", "recent decode throughpu
 PREFILL_TOKENS_PER_S = Gauge(
     "prfaas_decode_local_prefill_tokens_per_second", "recent prefill throughput of local (Generate) requests (tokens/s)"
 )
+
+
+class Smoothed:
+    """A recent rate, mirrored to `gauge`: the first sample, then 0.8 of the value and 0.2 of each new sample."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self.gauge = gauge
+        self.value = 0.0
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value == 0 else 0.8 * self.value + 0.2 * sample
+        self.gauge.set(self.value)

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prfaas.region.channels import TlsFiles, keepalive_options, replies
 from prfaas.region.channels import channel as open_channel
+from prfaas.region.errors import Unavailable
 from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ BUSY_RETRY_S = 1.0  # after a region refused the Watch (RESOURCE_EXHAUSTED: its 
 class Watch:
     """One reservation's interest in a region; `stop()` ends it without calling `on_lost`."""
 
-    def __init__(self, stream: _Stream, on_lost: Callable[[str], None]) -> None:
+    def __init__(self, stream: _Stream, on_lost: Callable[[str], object]) -> None:
         self._stream = stream
         self.on_lost = on_lost
         self.stopped = threading.Event()
@@ -123,14 +124,17 @@ class PeerWatcher:
         self._options = keepalive_options(heartbeat_interval_s)
         self._tls = tls
         self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, grpc.Channel] = {}  # the open streams' (one per watched region)
         self._streams: dict[str, _Stream] = {}
+        self._closed = False
 
-    def watch(self, target: str, on_lost: Callable[[str], None], region: str = "") -> Watch:
+    def watch(self, target: str, on_lost: Callable[[str], object], region: str = "") -> Watch:
         """Call `on_lost(reason)` once if `target` (an instance of prefill region `region`)
         stops answering, unless the watch was stopped first. The caller's own deadline bounds
         how long it waits for the KV."""
         with self._lock:
+            if self._closed:  # else its stream and channel would outlive the watcher
+                raise Unavailable("decode region shutting down")
             stream = self._streams.get(target)
             start = stream is None or stream.ended
             if start:
@@ -147,9 +151,15 @@ class PeerWatcher:
         return watch
 
     def _forget(self, stream: _Stream) -> None:
+        """`stream` ended: its channel is closed with it (nothing else uses it; a later watch opens
+        another), unless a newer stream to the region has taken the channel over."""
         with self._lock:
-            if self._streams.get(stream.target) is stream:
-                del self._streams[stream.target]
+            if self._streams.get(stream.target) is not stream:
+                return
+            del self._streams[stream.target]
+            channel = self._channels.pop(stream.target, None)
+        if channel is not None:
+            channel.close()
 
     def answered(self, target: str) -> bool:
         """Whether the open stream to `target` has had the region's status."""
@@ -165,6 +175,7 @@ class PeerWatcher:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             streams, self._streams = list(self._streams.values()), {}
             channels, self._channels = list(self._channels.values()), {}
         for stream in streams:

@@ -152,3 +152,59 @@ def test_replies_of_a_stream_end_with_its_status() -> None:
     finally:
         channel.close()
         server.stop(0)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (a dial is refused at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_region_no_longer_watched_leaves_no_channel_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill instances come and go: each one's channel (keepalive pings every heartbeat) is closed
+    when its stream ends. Before, every channel ever opened was kept until the watcher closed."""
+    from prfaas.decode_region import peer_watch
+
+    opened: list[Recorded] = []
+
+    class Recorded:
+        def __init__(self, channel: grpc.Channel) -> None:
+            self.channel = channel
+            self.closed = False
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.channel, name)
+
+        def close(self) -> None:
+            self.closed = True
+            self.channel.close()
+
+    real = peer_watch.open_channel
+
+    def recorded(*args: object) -> Recorded:
+        opened.append(Recorded(real(*args)))  # type: ignore[arg-type]
+        return opened[-1]
+
+    monkeypatch.setattr(peer_watch, "open_channel", recorded)
+    watcher = PeerWatcher(0.2)
+    lost: list[str] = []
+    try:
+        for _ in range(3):
+            watcher.watch(f"127.0.0.1:{free_port()}", lost.append)
+        wait_until(lambda: len(lost) == 3, 10.0)
+        wait_until(lambda: all(channel.closed for channel in opened), 5.0)
+        assert len(opened) == 3 and watcher.streams == 0
+    finally:
+        watcher.close()
+
+
+def test_a_watch_after_close_is_refused() -> None:
+    """A Reserve racing the region's stop must not open a stream (and its channel) no one will close."""
+    from prfaas.region.errors import Unavailable
+
+    watcher = PeerWatcher(0.2)
+    watcher.close()
+    with pytest.raises(Unavailable):
+        watcher.watch(f"127.0.0.1:{free_port()}", lambda _why: None)
+    assert watcher.streams == 0

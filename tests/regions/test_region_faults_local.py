@@ -105,23 +105,27 @@ def test_a_stale_attempts_cancel_keeps_the_newer_attempts_work(region: Region, t
     assert region.decode.book.used_bytes == 0 and job_id not in region.leases.job_ids()
 
 
+@pytest.mark.parametrize("lands_in", ["expect", "watch"])
 def test_a_cancel_while_reserve_sets_up_leaves_no_hold_or_watch(
-    region: Region, monkeypatch: pytest.MonkeyPatch
+    region: Region, monkeypatch: pytest.MonkeyPatch, lands_in: str
 ) -> None:
     """A tenant's Cancel that lands while Reserve is between booking the bytes and attaching the hold and the
     prefill region's watch: Reserve answers CANCELLED, and the hold and the watch it made are ended, not
-    left running for a reservation that is gone."""
+    left running for a reservation that is gone (landing as the hold is made, no watch is opened at all)."""
     decode = region.decode
     assert decode is not None
     made: dict[str, Any] = {}
     expect, watch = decode.backend.expect, decode.watcher.watch
 
     def expect_as_the_cancel_lands(expected: Any, ttl_s: float, events: Any) -> Any:
-        decode.cancel(expected.job_id, Canceled("canceled by the tenant"))
+        if lands_in == "expect":
+            decode.cancel(expected.job_id, Canceled("canceled by the tenant"))
         made["hold"] = expect(expected, ttl_s, events)
         return made["hold"]
 
     def recorded_watch(*args: Any, **kwargs: Any) -> Any:
+        if lands_in == "watch":
+            decode.cancel(job_id, Canceled("canceled by the tenant"))
         made["watch"] = watch(*args, **kwargs)
         return made["watch"]
 
@@ -130,7 +134,10 @@ def test_a_cancel_while_reserve_sets_up_leaves_no_hold_or_watch(
     job_id = new_job()
     target = region.server.grpc_address
     assert _code(lambda: reserve(region.decode_stub, job_id, 1000, prefill_grpc=target)) == grpc.StatusCode.CANCELLED
-    assert made["watch"].stopped.is_set()
+    if lands_in == "watch":
+        assert made["watch"].stopped.is_set()
+    else:
+        assert "watch" not in made
     assert made["hold"].wait(time.monotonic() + 1, lambda: True) is False  # ended: nothing to wait for
     assert decode.book.used_bytes == 0
     assert not region.decode_stub.Release(decode_pb2.ReleaseRequest(job_id=job_id, attempt=1), timeout=5).found
