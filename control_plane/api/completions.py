@@ -221,20 +221,25 @@ def _admitted(
         raise
     if record is None:  # a concurrent request with the same Idempotency-Key and body created the job
         return _attach(g, job_id, choices)
-    g.metrics.admission_s.labels(kind).observe(time.perf_counter() - received)
-    for choice in choices:
-        choice.prompt_ids = ids
-    ready: dict[str, Any] | None = None
-    if handed_off is not None:
-        ready = {"attempt": 1} | handed_off.ready
-    else:
-        try:
-            enqueue(g.follower.celery, job_id)
-        except kombu.exceptions.OperationalError:  # the broker (Redis) is away: the job never runs
-            g.follower.abandon(job_id, "broker unreachable at dispatch")
-            raise STORE_UNAVAILABLE.error() from None
-        record = None
-    tokens = g.follower.tokens(job_id, record, ready, parent=span, followed=True)  # followed from its creation
+    failed = ""
+    try:  # from here on, a request that fails ends its job: nothing else would (this process follows it)
+        g.metrics.admission_s.labels(kind).observe(time.perf_counter() - received)
+        for choice in choices:
+            choice.prompt_ids = ids
+        ready: dict[str, Any] | None = None
+        if handed_off is not None:
+            ready = {"attempt": 1} | handed_off.ready
+        else:
+            try:
+                enqueue(g.follower.celery, job_id)
+            except kombu.exceptions.OperationalError:  # the broker (Redis) is away: the job never runs
+                failed = "broker unreachable at dispatch"
+                raise STORE_UNAVAILABLE.error() from None
+            record = None
+        tokens = g.follower.tokens(job_id, record, ready, parent=span, followed=True)  # followed from its creation
+    except BaseException as exc:  # FAILED on a thread, once Redis answers
+        g.follower.abandon(job_id, failed or f"its request failed before its tokens were read ({type(exc).__name__})")
+        raise
     return PromptJob(job_id, tokens, len(ids), choices, leader=True)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Lease, Leases
-from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
@@ -45,26 +45,32 @@ class Attempts:
     def fail(self, job_id: str, attempt: int, where: str, reason: str, **fields: Any) -> str:
         """Attempt `attempt` of `job_id` ended without finishing, on `where` ("" when no
         instance is to blame). Returns "retrying", "failed", or "superseded" when the job had
-        already moved on (a newer attempt, a cancel, DONE). `fields` go with the move to QUEUED."""
-        log.warning("job %s attempt %d failed on %s: %s", job_id, attempt, where or "-", reason)
+        already moved on (a newer attempt, a cancel, DONE): then nothing is changed, the newer
+        attempt's lease least of all. `fields` go with the move to QUEUED."""
         try:
             job = self.jobs.get(job_id)
-            excluded = set(json.loads(job.get("excluded") or "[]"))
-            if where:
-                excluded.add(where)
+        except JobNotFound:
+            return "superseded"
+        if job["state"] in TERMINAL or int(job["attempt"]) != attempt:  # a late caller: checked again in the move
+            log.info("job %s attempt %d failed (%s), but the job moved on: %s %s", job_id, attempt, reason,
+                     job["state"], job["attempt"])  # fmt: skip
+            return "superseded"
+        log.warning("job %s attempt %d failed on %s: %s", job_id, attempt, where or "-", reason)
+        excluded = set(json.loads(job.get("excluded") or "[]"))
+        if where:
+            excluded.add(where)
+        backoff = self.backoff_s(attempt)
+        try:
             if attempt >= self.settings.max_attempts:
                 self.jobs.transition(job_id, JobState.FAILED, attempt, note=reason, error=reason, tenant=job["tenant"])
                 return "failed"
-        except (StaleAttempt, IllegalTransition, JobNotFound):
-            return "superseded"
-        backoff = self.backoff_s(attempt)
-        queued = self._queued_lease(job_id, attempt + 1, backoff)  # before the move: never a QUEUED job unwatched
-        try:
-            # the KV bytes are the attempt's own: the next one records what it ships, and the bill waits for it
+            # the KV bytes are the attempt's own: the next one records what it ships, and the bill waits for it;
+            # the next attempt's `queued` lease comes with the move: never a QUEUED job unwatched, and a refused
+            # (stale) move grants nothing
             self.jobs.transition(job_id, JobState.QUEUED, attempt + 1, note=reason, tenant=job["tenant"],
-                                 excluded=sorted(excluded), **(_ATTEMPT_FRESH | fields))  # fmt: skip
+                                 grant=self._queued(job_id, attempt + 1, backoff), excluded=sorted(excluded),
+                                 **(_ATTEMPT_FRESH | fields))  # fmt: skip
         except (StaleAttempt, IllegalTransition, JobNotFound):
-            self.leases.drop_granted(queued)  # kept if another caller's move queued that attempt: it guards it
             return "superseded"
         self.enqueue(job_id, backoff)
         return "retrying"
@@ -72,20 +78,20 @@ class Attempts:
     def unclaim(self, job_id: str, attempt: int, countdown_s: float) -> bool:
         """Give back the claim on `attempt` (still QUEUED: it was not placed) and queue its
         dispatch again after `countdown_s`; False if the job moved on meanwhile."""
-        queued = self._queued_lease(job_id, attempt, countdown_s)
-        if not self.leases.unclaim(job_id, attempt):
-            self.leases.drop_granted(queued)
+        if not self.leases.unclaim(self._queued(job_id, attempt, countdown_s)):
             return False
         self.enqueue(job_id, countdown_s)
         return True
 
-    def requeue(self, job_id: str, attempt: int) -> None:
-        """Queue the dispatch of `attempt` (QUEUED, not yet claimed) again."""
-        self._queued_lease(job_id, attempt, 0.0)
+    def requeue(self, job_id: str, attempt: int) -> bool:
+        """Queue the dispatch of `attempt` again, if the job is still QUEUED at it and unclaimed (a
+        dispatch that claimed it since runs it); False when not."""
+        if not self.leases.requeue(self._queued(job_id, attempt, 0.0)):
+            return False
         self.enqueue(job_id, 0.0)
+        return True
 
-    def _queued_lease(self, job_id: str, attempt: int, countdown_s: float) -> Lease:
+    def _queued(self, job_id: str, attempt: int, countdown_s: float) -> Lease:
+        """The `queued` lease of `attempt`'s dispatch, queued with `countdown_s`."""
         deadline = time.time() + countdown_s + self.settings.dispatch.visibility_s
-        lease = Lease(job_id, attempt, "queued", self.owner, "", deadline)
-        self.leases.grant(lease)
-        return lease
+        return Lease(job_id, attempt, "queued", self.owner, "", deadline)

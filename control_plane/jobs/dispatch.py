@@ -128,8 +128,9 @@ class Dispatcher:
             return "started"
         except AttemptFailed as exc:
             tracing.failed(span, exc)
-            self.leases.take(job_id, attempt)
-            return self.attempts.fail(job_id, attempt, exc.where, str(exc))
+            outcome = self.attempts.fail(job_id, attempt, exc.where, str(exc))  # its lease replaces ours, then
+            self.leases.take(job_id, attempt)  # ours is left only if the move was refused
+            return outcome
         except PlacementRejected as exc:
             tracing.failed(span, exc)
             return self._unplaced(job_id, job, attempt, f"no placement: {exc}", exc.reason == RejectReason.SLO)
@@ -155,11 +156,12 @@ class Dispatcher:
         if time.time() + UNPLACED_RETRY_S < deadline and self.attempts.unclaim(job_id, attempt, UNPLACED_RETRY_S):
             log.info("job %s attempt %d: %s; again in %.0f s", job_id, attempt, reason, UNPLACED_RETRY_S)
             return "unplaced"
-        self.leases.take(job_id, attempt)
-        try:
+        try:  # its lease kept until the job has ended
             self.s.jobs.transition(job_id, JobState.FAILED, attempt, note=reason, error=reason)
         except (StaleAttempt, IllegalTransition, JobNotFound):
             return "superseded"
+        finally:
+            self.leases.take(job_id, attempt)
         return "rejected"
 
     def decide(self, job: dict[str, str], excluded: frozenset[str]) -> Decision:
@@ -353,14 +355,14 @@ class Dispatcher:
         tracing.failed(span, exc)
 
     async def _stage_failed(self, run: Started, step: str, exc: grpc.aio.AioRpcError, **fields: Any) -> None:
-        if self.leases.take(run.job_id, run.attempt) is None:
-            return  # the sweeper took the lease back (overrun): it decided the attempt's fate
-        channel = self.watcher.channel(run.decode.grpc_endpoint, server_name(run.decode.name))
-        with contextlib.suppress(grpc.aio.AioRpcError):  # else the reservation expires on its own (ttl_s)
-            release = decode_pb2.ReleaseRequest(job_id=run.job_id, attempt=run.attempt)
-            await decode_pb2_grpc.DecodeRegionStub(channel).Release(release, timeout=5)
+        """The next attempt first (moved under its own lease, in place of this one's, before this process may die),
+        then the reservation released. A sweeper that took the lease back may fail it too: one of the two moves it."""
         failed = self._failed(run.prefill.key, step, exc)
         self.attempts.fail(run.job_id, run.attempt, failed.where, str(failed), **fields)
+        channel = self.watcher.channel(run.decode.grpc_endpoint, server_name(run.decode.name))
+        with contextlib.suppress(grpc.aio.AioRpcError):  # else the reservation expires on its own (ttl_s)
+            release = decode_pb2.ReleaseRequest(job_id=run.job_id, attempt=run.attempt)  # that attempt's only
+            await decode_pb2_grpc.DecodeRegionStub(channel).Release(release, timeout=5)
 
     @staticmethod
     def _release(stub: decode_pb2_grpc.DecodeRegionStub, job_id: str, attempt: int) -> None:

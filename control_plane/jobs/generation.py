@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -207,12 +208,12 @@ class Follower:
                         done = output.done(n)
                         if not done:
                             self.log.log_token(job_id, token)
-                        else:  # the last token logged before DONE, in the same step; billed from the ledger
+                        else:  # the last token logged with DONE, in the same step; billed from the ledger
                             try:
                                 jobs.transition(
                                     job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
                                     log_token=token.entry(), unfollow=self.owner,
-                                    **output.record(), **served_timing(first, event.elapsed_s), **served,
+                                    **(output.record() | served_timing(first, event.elapsed_s) | served),
                                 )  # fmt: skip
                             except (StaleAttempt, IllegalTransition):
                                 output.undo(token)  # not sent: the newer attempt's stream brings it, and ends the job
@@ -249,17 +250,22 @@ class Follower:
 
     def _attached(self, job_id: str) -> Iterator[Token]:
         deadline = time.monotonic() + self.s.settings.job.timeout_s
-        self.log.attach(job_id, 1)
+        renew_s = self.s.settings.beat_s
+        reader, renewed = f"{self.owner or 'reader'}:{uuid.uuid4().hex[:12]}", float("-inf")
         try:
             seen = 0
             n = job_sampling(self.s.jobs.get(job_id)).n
             output = Outputs(())
             while True:
-                found = self.log.wait_tokens(job_id, seen, max(0.0, deadline - time.monotonic()))
+                if time.monotonic() - renewed >= renew_s:  # attached, and counted while it reads (jobs/tokenlog.py)
+                    self.log.attach(job_id, reader)
+                    renewed = time.monotonic()
+                found = self.log.wait_tokens(job_id, seen, max(0.0, min(renew_s, deadline - time.monotonic())))
                 for token in found:
-                    output.add(token)
-                    yield token
                     seen += 1
+                    if not output.add(token):
+                        continue  # logged twice (an adopting follower and the one it replaced): sent once
+                    yield token
                     if output.done(n):
                         return
                 if found:
@@ -275,24 +281,33 @@ class Follower:
                 if time.monotonic() >= deadline:
                     raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job.timeout_s:g} s")
         finally:
-            self.log.attach(job_id, -1)
+            self.log.detach(job_id, reader)
 
     def disconnected(self, job_id: str, stream: Iterator[Token]) -> None:
         """The client of the job's own stream (`tokens`) went away mid-stream: the job is
         canceled in both regions, unless requests are attached to it, for which `stream` is
-        read to its end on a thread of its own."""
+        read on a thread of its own, to its end or until none of them counts any more (their
+        process died: jobs/tokenlog.py), when the job is canceled after all."""
+        close = getattr(stream, "close", None)
         if self.left(job_id):
-            close = getattr(stream, "close", None)
             if close is not None:
                 close()  # its end: no longer this process's to follow
             return
 
         def drain() -> None:
+            checked = time.monotonic()
             try:
                 for _ in stream:
-                    pass
+                    if time.monotonic() - checked >= self.s.settings.beat_s:
+                        checked = time.monotonic()
+                        with contextlib.suppress(redis.RedisError):  # the stream itself says when Redis is away
+                            if self.left(job_id):  # no attached reader counts now (their process died): canceled
+                                break
             except JobEnded as exc:
                 log.info("job %s, followed for attached requests only, ended: %s", job_id, exc)
+            finally:
+                if close is not None:
+                    close()
 
         threading.Thread(target=drain, name=f"drain-{job_id[:8]}", daemon=True).start()
 

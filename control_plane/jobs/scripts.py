@@ -44,23 +44,30 @@ local function release_reservation(reserved, total, id)
 end
 """
 
+# Lua function: how many of a job's attached readers (jobs/tokenlog.py) still count: their entry's time, on
+# Redis's clock, not passed.
+LIVE_READERS_FN = """
+local function live_readers(attached)
+  local t = redis.call('TIME')
+  return redis.call('ZCOUNT', attached, tonumber(t[1]) + tonumber(t[2]) / 1000000, '+inf')
+end
+"""
+
 # KEYS: job, timeline, tenant's active set, tenant's spend, tenant's reservations hash, their sum, tenant's index,
-#       the job's token log ('' = none) and its readers counter, the followed-jobs hash ('' = none).
+#       the job's token log ('' = none) and its attached readers (jobs/tokenlog.py), the followed-jobs hash
+#       ('' = none), the leases' zset and info hash ('' = none).
 # ARGV: target state, attempt, now, TTL of a finished job, timeline note, $ to bill at DONE, n, then n
-# field/value pairs to set with the move, then the token to log first (with KEYS[8]: jobs/tokenlog.py's
-# entry, appended whatever the move's outcome, as a separate log call would) and the follower to drop when
-# the move ends the job (with KEYS[10]: only if it is the one following). So the last token, DONE and the end
-# of the follow are one round trip.
+# field/value pairs to set with the move, then the token to log (with KEYS[8]: jobs/tokenlog.py's entry), the
+# follower to drop when the move ends the job (with KEYS[10]: only if it is the one following), and the lease to
+# grant (with KEYS[11]: job id, deadline, info JSON; jobs/leases.py). Each only if the move is made: a refused
+# DONE logs no token (a reader of the log would take the output for complete), a refused retry grants no lease
+# (it would replace the newer attempt's). So the last token, DONE and the end of the follow are one round trip,
+# and a move to QUEUED and the `queued` lease that guards its dispatch are one step.
 # Returns {'ok', state, attempt} or {'not_found' | 'illegal' | 'stale', current state, current attempt}.
 # A FAILED / CANCELED move releases the job's budget reservation; DONE keeps it until the job is billed
 # (or settles it here when the move itself bills a $).
 _TRANSITION_TEMPLATE = """
 @LEGAL@@RELEASE@local extra = 8 + 2 * tonumber(ARGV[7])
-if KEYS[8] ~= '' then
-  redis.call('RPUSH', KEYS[8], ARGV[extra])
-  redis.call('EXPIRE', KEYS[8], ARGV[4])
-  if tonumber(redis.call('GET', KEYS[9]) or '0') > 0 then redis.call('PUBLISH', KEYS[1] .. ':notify', 'token') end
-end
 local cur = redis.call('HMGET', KEYS[1], 'state', 'attempt')
 if not cur[1] then return {'not_found', '', 0} end
 local state, attempt = cur[1], tonumber(cur[2])
@@ -79,6 +86,15 @@ redis.call('HSET', KEYS[1], 'state', target, 'attempt', new_attempt, 'updated_at
 local n = tonumber(ARGV[7])
 for i = 1, n do redis.call('HSET', KEYS[1], ARGV[7 + 2 * i - 1], ARGV[7 + 2 * i]) end
 redis.call('RPUSH', KEYS[2], cjson.encode({state=target, attempt=new_attempt, at=tonumber(now), note=ARGV[5]}))
+if KEYS[8] ~= '' then
+  redis.call('RPUSH', KEYS[8], ARGV[extra])
+  redis.call('EXPIRE', KEYS[8], ARGV[4])
+  if live_readers(KEYS[9]) > 0 then redis.call('PUBLISH', KEYS[1] .. ':notify', 'token') end
+end
+if KEYS[11] ~= '' then
+  redis.call('ZADD', KEYS[11], ARGV[extra + 3], ARGV[extra + 2])
+  redis.call('HSET', KEYS[12], ARGV[extra + 2], ARGV[extra + 4])
+end
 if terminal[target] then
   local id = redis.call('HGET', KEYS[1], 'id')
   redis.call('SREM', KEYS[3], id)
@@ -97,8 +113,15 @@ end
 return {'ok', target, new_attempt}
 """
 TRANSITION = _TRANSITION_TEMPLATE.replace("@LEGAL@", lua_legal_table(LEGAL_MOVES)).replace(
-    "@RELEASE@", RELEASE_RESERVATION_FN
+    "@RELEASE@", RELEASE_RESERVATION_FN + LIVE_READERS_FN
 )
+
+# KEYS: job. ARGV: attempt, then field/value pairs set while that attempt is the job's. Returns 1 when set.
+UPDATE = """
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
+if #ARGV > 1 then redis.call('HSET', KEYS[1], unpack(ARGV, 2)) end
+return 1
+"""
 
 # Lua function: the job an Idempotency-Key names, and whether the request's body hash matches the one
 # stored with it ('id hash'; a value written before hashes were stored matches any body).
@@ -150,11 +173,14 @@ RELEASE = _GIVE_BACK_FN + "give_back(KEYS[1], KEYS[2], ARGV[1])\nreturn 1\n"
 
 # After tokenizing. KEYS: job, timeline, tenant index, active set, admitting zset, rate window, spend,
 #       reservations hash, their sum, idempotency key ('' = none), ready list ('' = none), the followed-jobs
-#       hash ('' = none: the job is followed by the process whose id is the last ARGV)
+#       hash ('' = none: the job is followed by the process whose id is ARGV[start + 3]), the leases' zset and
+#       info hash ('' = none)
 # ARGV: id, now, budget, $ to reserve, TTL of the job's keys, index entries scored below this are trimmed,
 #       TTL of the idempotency key and of the hand-off list, body hash, n, field/value pairs, then the state
 #       the job starts in past QUEUED ('' = none), its timeline note, and the hand-off to post (a placement
-#       decided at admission: the job is written already handed off)
+#       decided at admission: the job is written already handed off), the follower, and the `queued` lease that
+#       guards the job's first dispatch (with KEYS[13]: deadline, info JSON; jobs/leases.py): its creator may die
+#       before it queues the dispatch, and the sweeper then queues it
 # Refusals ('existing' / 'idempotency': a concurrent request with the same key won; 'budget': the
 # reservation does not fit) give the admission back. Returns {'created', id} or {refusal, id or ''}.
 CREATE = (
@@ -198,6 +224,10 @@ if reserve > 0 then
 end
 if KEYS[10] ~= '' then redis.call('SET', KEYS[10], ARGV[1] .. ' ' .. ARGV[8], 'EX', ARGV[7]) end
 if KEYS[12] ~= '' then redis.call('HSET', KEYS[12], ARGV[1], ARGV[start + 3]) end
+if KEYS[13] ~= '' then
+  redis.call('ZADD', KEYS[13], ARGV[start + 4], ARGV[1])
+  redis.call('HSET', KEYS[14], ARGV[1], ARGV[start + 5])
+end
 return {'created', ARGV[1]}
 """
 )

@@ -32,8 +32,9 @@ from typing import Any
 import redis
 
 from prfaas.control_plane.jobs.errors import AdmissionRefused, IllegalTransition, JobNotFound, StaleAttempt
+from prfaas.control_plane.jobs.leases import Lease, lease_keys
 from prfaas.control_plane.jobs.notifier import Notifier
-from prfaas.control_plane.jobs.scripts import ADMIT, CREATE, RELEASE, TRANSITION
+from prfaas.control_plane.jobs.scripts import ADMIT, CREATE, RELEASE, TRANSITION, UPDATE
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.settings import Settings
 from prfaas.control_plane.tenants import Quota
@@ -86,6 +87,7 @@ class JobStore:
         self._admit = client.register_script(ADMIT)
         self._release = client.register_script(RELEASE)
         self._create = client.register_script(CREATE)
+        self._update = client.register_script(UPDATE)
 
     def _job(self, job_id: str) -> str:
         return self.settings.key("job", job_id)
@@ -156,7 +158,9 @@ class JobStore:
         `admit` with `idempotency_key` and `job_id`). Refused (AdmissionRefused, the admission given back):
         `budget` when spend + reserved + `reserve_usd` would pass the budget; `idempotency` when a concurrent
         request with the same key and another body won; a concurrent one with the same body is `existing`.
-        `follow_as`: the API process that streams the job follows it from its creation (jobs/leases.py)."""
+        `follow_as`: the API process that streams the job follows it from its creation (jobs/leases.py); a job
+        not handed off is written with the `queued` lease, owned by it, that guards its first dispatch: should it
+        die before it queues the dispatch, the sweeper queues it (at once, or `dispatch.visibility_s` on)."""
         if admission is None:
             admission = self.admit(tenant, quota, job_id, idempotency_key)
         if admission.existing:
@@ -177,13 +181,20 @@ class JobStore:
             self.spend_key(tenant, now), *self.reservation_keys(tenant), self._idem(tenant, admission.idempotency_key),
             self._job(job_id) + ":ready" if handed_off else "", s.key("following") if follow_as else "",
         ]  # fmt: skip
+        queued = ["", ""]  # the `queued` lease, with the job, or none
+        if follow_as and not handed_off:
+            lease = Lease(job_id, 1, "queued", follow_as, "", now + s.dispatch.visibility_s)
+            keys.extend(lease_keys(s))
+            queued = [repr(lease.deadline), lease.info()]
+        else:
+            keys.extend(["", ""])
         keep_s = int(s.job.timeout_s) + s.job.ttl_s  # a live job's keys: its deadline, then as long as a finished one
         args: list[Any] = [job_id, now, quota.budget_usd, repr(float(reserve_usd)), keep_s, now - keep_s, s.job.ttl_s]
         args.append(admission.body_hash)
         start: list[Any] = ["", "", ""]
         if handed_off:
             start = [state.value, handed_off.note, json.dumps({"attempt": 1} | handed_off.ready)]
-        code, value = self._create(keys=keys, args=[*args, len(record), *flat, *start, follow_as])
+        code, value = self._create(keys=keys, args=[*args, len(record), *flat, *start, follow_as, *queued])
         code, value = _text(code), _text(value)
         if code == "existing":
             return Created(value, existing=True, record={})
@@ -201,12 +212,14 @@ class JobStore:
         tenant: str | None = None,
         log_token: str | None = None,
         unfollow: str = "",
+        grant: Lease | None = None,
         **fields: Any,
     ) -> int:
         """Move the job to `target` for `attempt` (0 with CANCELED: any attempt; attempt + 1 with
-        QUEUED: a new attempt). `tenant`, when the caller knows the job's, saves a read. In the same step:
-        `log_token`, a token log entry appended first (jobs/tokenlog.py); `unfollow`, the follower that stops
-        following the job if the move ends it (jobs/leases.py).
+        QUEUED: a new attempt). `tenant`, when the caller knows the job's, saves a read. In the same step, and
+        only if the move is made: `log_token`, a token log entry appended (jobs/tokenlog.py); `unfollow`, the
+        follower that stops following the job if the move ends it; `grant`, a lease granted in place of whatever
+        lease the job holds (a move to QUEUED: the `queued` lease that guards the new attempt; jobs/leases.py).
         Returns the job's attempt after the move. Raises JobNotFound, IllegalTransition, StaleAttempt."""
         if tenant is None:
             tenant = self.redis.hget(self._job(job_id), "tenant")
@@ -221,11 +234,15 @@ class JobStore:
             *self.reservation_keys(_text(tenant)),
             self.settings.key("tenant", _text(tenant), "jobs"),
             self._job(job_id) + ":tokens" if log_token is not None else "",
-            self._job(job_id) + ":readers",
+            self._job(job_id) + ":attached",
             self.settings.key("following") if unfollow else "",
+            *(lease_keys(self.settings) if grant else ("", "")),
         ]
         args: list[Any] = [target.value, attempt, time.time(), self.settings.job.ttl_s, note, cost_usd, len(fields),
                            *flat, log_token or "", unfollow]  # fmt: skip
+        if grant is not None:
+            assert grant.job_id == job_id
+            args += [job_id, repr(grant.deadline), grant.info()]
         code, state, current = self._transition(keys=keys, args=args)
         code = _text(code)
         if code == "not_found":
@@ -237,23 +254,10 @@ class JobStore:
         return int(current)
 
     def update(self, job_id: str, attempt: int, **fields: Any) -> bool:
-        """Set fields while `attempt` is current (WATCH/MULTI, retried when a concurrent write to the job
-        interferes); False when it is stale or the job is gone."""
-        key = self._job(job_id)
-        for _ in range(10):  # another write to the job (a transition) between WATCH and EXEC: read again
-            with self.redis.pipeline() as pipe:
-                try:
-                    pipe.watch(key)
-                    current = pipe.hget(key, "attempt")
-                    if current is None or int(current) != attempt:
-                        return False
-                    pipe.multi()
-                    pipe.hset(key, mapping={name: _encode(value) for name, value in fields.items()})
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
-        return False
+        """Set fields while `attempt` is current, in one script (checked and written in one step, however
+        busy the job); False when it is stale or the job is gone."""
+        flat = [x for name, value in fields.items() for x in (name, _encode(value))]
+        return bool(self._update(keys=[self._job(job_id)], args=[attempt, *flat]))
 
     def get(self, job_id: str) -> dict[str, str]:
         raw = self.redis.hgetall(self._job(job_id))

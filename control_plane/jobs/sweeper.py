@@ -5,16 +5,20 @@
   stopped in its regions (prefill canceled, decode reservation released, both best effort) and
   handed to jobs/attempts.py: the next attempt (an overrun leaves its instance out), or FAILED.
 - A `queued` lease past its deadline or whose owner died: the job's dispatch was never started
-  (the task was lost between the move to QUEUED and the enqueue): it is queued again.
+  (the task was lost between the move to QUEUED, or the job's creation, and the enqueue): it is
+  queued again, if the job is still QUEUED at that attempt and no dispatch claimed it.
 - A job followed by an API process that stopped beating: nobody streams its tokens any more.
   One asked with an Idempotency-Key is adopted: a follower in this worker streams it to its
   end into its token log (a decode the dead process held is run again: the next attempt,
   reshipping the KV from the prefill region that leases it), and the client's retry with the
-  same key attaches to it (jobs/tokenlog.py). Any other job is stopped in its regions and ends
-  FAILED with the reason (no client could ever read its answer); its concurrency slot returns
-  with the move (jobs/store.py).
+  same key attaches to it (jobs/tokenlog.py). Any other job ends FAILED with the reason (no
+  client could ever read its answer), then is stopped in its regions; its concurrency slot
+  returns with the move (jobs/store.py).
 
-Every take-back is a claim in Redis (jobs/leases.py), so two sweepers never act on one lease.
+Every take-back is a claim in Redis (jobs/leases.py), so two sweepers never act on one lease. A
+claim the sweeper could not act on (Redis away a moment, an adoption that failed) is given back
+(the lease put back, the follow restored) at the start of its next pass, which takes it again:
+taken for good, nothing would ever move the job on.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 
@@ -62,6 +67,7 @@ class Sweeper:
         self._missing: dict[str, float] = {}  # owners with no beat at all -> when this sweeper first saw that
         self._last_pass: float | None = None  # when the last pass read the beats (None: none yet)
         self._back_since = float("-inf")  # when this sweeper came back from a gap (Redis away, a stall)
+        self._give_back: list[Callable[[], object]] = []  # claims a pass took and could not act on
 
     def start(self) -> Sweeper:
         self._ticker.start()
@@ -82,18 +88,33 @@ class Sweeper:
         known = set().union(*(b.known() for b in self.beats.values()))
         self._last_pass = now  # Redis answered (a pass that fails later on a job is no gap)
         missing, self._missing = self._missing, {}  # kept for the owners this pass still finds without a beat
+        while self._give_back:  # before the reads: what is given back is taken again below
+            self._give_back[0]()  # Redis still away: the pass fails here, and the next one gives it back
+            self._give_back.pop(0)
         done = []
         for lease in self.leases.all():
             overran, orphaned = lease.deadline < now, self._dead(lease.owner, alive, known, missing, now)
             if not (overran or orphaned) or not self.leases.take_exact(lease):  # not one granted since it was read
                 continue
-            done.append(self._recover(lease, overran))
+            recover, give_back = partial(self._recover, lease, overran), partial(self.leases.restore, lease)
+            done.append(self._act(lease.job_id, recover, give_back))
         api = self.beats.get("api")
         if api is not None:
             for job_id, owner in self.leases.following().items():
                 if self._dead(owner, alive, known, missing, now) and self.leases.unfollow(job_id, owner):
-                    done.append(self._orphaned(job_id, owner))
+                    done.append(self._act(job_id, partial(self._orphaned, job_id, owner),
+                                          partial(self.leases.refollow, job_id, owner)))  # fmt: skip
         return done
+
+    def _act(self, job_id: str, act: Callable[[], str], give_back: Callable[[], object]) -> str:
+        """`act` on what this pass took of the job (its lease, its follow); if it fails, the claim is given
+        back at the next pass's start (`give_back`), and that pass takes it again."""
+        try:
+            return act()
+        except Exception:  # one job's failure holds no other's recovery up
+            log.exception("job %s: sweeping it failed; the next pass takes it again", job_id)
+            self._give_back.append(give_back)
+            return f"{job_id}: failed, given back"
 
     def _dead(self, owner: str, alive: set[str], known: set[str], missing: dict[str, float], now: float) -> bool:
         """Its beats aged past `dead_after_s` (or it said it stopped); or it has none at all, for as long: a
@@ -114,8 +135,9 @@ class Sweeper:
         if job["state"] in TERMINAL or int(job["attempt"]) != lease.attempt:
             return f"{lease.job_id}: moved on"
         late = f"overran its lease by {time.time() - lease.deadline:.1f} s" if overran else f"lost {lease.owner}"
-        if lease.stage == "queued":  # its dispatch never started: queue it again
-            self.attempts.requeue(lease.job_id, lease.attempt)
+        if lease.stage == "queued":  # its dispatch never started: queue it again, unless a dispatch claimed it since
+            if not self.attempts.requeue(lease.job_id, lease.attempt):
+                return f"{lease.job_id}: moved on"
             return f"{lease.job_id}: dispatch {late}, queued again"
         where = lease.where if overran else ""  # a dead worker is no fault of the instance
         reason = f"{lease.stage} of attempt {lease.attempt} on {lease.where or 'a worker'} {late}"
@@ -134,9 +156,10 @@ class Sweeper:
                     return f"{job_id}: already {job['state']}"
                 if self.adopt is not None and job.get("idempotent"):
                     return self._adopted(job, reason)
-                self._stop_in_regions(job, reason, int(job["attempt"]))
                 self.jobs.transition(job_id, JobState.FAILED, int(job["attempt"]), note=reason, error=reason,
                                      tenant=job["tenant"])  # fmt: skip
+                # then its regions are told, beside the pass (a region that does not answer holds no other job up)
+                self._cancels.submit(self._stop_quietly, job, reason, int(job["attempt"]))
                 return f"{job_id}: FAILED ({reason})"
             except (StaleAttempt, IllegalTransition):
                 continue

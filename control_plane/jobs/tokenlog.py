@@ -1,8 +1,11 @@
 """The token log of a job: what its follower streamed, a Redis list of [token, last, finish
 reason, stop reason, logprobs] whose index is the token's (`p:job:{id}:tokens`). A request that attaches to a running
 job (an Idempotency-Key retry) reads its tokens from here instead of decoding again; attached
-readers are counted (`p:job:{id}:readers`) and woken through the job's notify channel, which
-the log publishes to only while someone is attached. Both keys live `job.ttl_s`."""
+readers are woken through the job's notify channel, which the log publishes to only while someone
+is attached. Each attached reader is an entry of `p:job:{id}:attached` (a sorted set: reader id ->
+until when it counts, Redis time), renewed while it reads and removed when it ends: a reader whose
+process died stops counting `reader_s` after its last renewal (a counter it would never have
+decremented kept the job running for nobody, its own client gone). Both keys live `job.ttl_s`."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from prfaas.control_plane.jobs.scripts import LIVE_READERS_FN
 from prfaas.control_plane.jobs.states import TERMINAL
 from prfaas.control_plane.jobs.store import JobStore
 from prfaas.engine.sampling import TokenLogprobs
@@ -54,13 +58,35 @@ def _lp_of(entry: list[Any] | None) -> TokenLogprobs | None:
     return None if entry is None else TokenLogprobs(entry[0], entry[1], tuple(entry[2]), tuple(entry[3]))
 
 
-# KEYS: token log, readers count, notify channel. ARGV: entry, TTL.
-_LOG_TOKEN = """
+# KEYS: token log, attached readers, notify channel. ARGV: entry, TTL.
+_LOG_TOKEN = (
+    LIVE_READERS_FN
+    + """
 redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('PUBLISH', KEYS[3], 'token') end
+if live_readers(KEYS[2]) > 0 then redis.call('PUBLISH', KEYS[3], 'token') end
 return 1
 """
+)
+
+# KEYS: attached readers. ARGV: reader id, seconds it counts from now (0: it leaves), TTL of the key. Drops the
+# entries of readers that stopped counting. Returns how many count now.
+_READER = (
+    LIVE_READERS_FN
+    + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if tonumber(ARGV[2]) > 0 then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+else
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return live_readers(KEYS[1])
+"""
+)
+_READERS = LIVE_READERS_FN + "return live_readers(KEYS[1])\n"
 
 
 class TokenLog:
@@ -69,30 +95,40 @@ class TokenLog:
         self.settings = jobs.settings
         self.notifier = jobs.notifier
         self._log = jobs.redis.register_script(_LOG_TOKEN)
+        self._reader = jobs.redis.register_script(_READER)
+        self._readers = jobs.redis.register_script(_READERS)
+        # an attached reader counts this long after its last renewal, and renews every `beat_s` while it reads: a
+        # reader held up longer (its client reads slowly) may find the job canceled if the job's own client left
+        self.reader_s = 10 * self.settings.dead_after_s
 
     def log_token(self, job_id: str, token: Token) -> None:
         """Append the job's next token (its index is its place in the log); wakes attached
         readers, if any (a job nobody attached to publishes nothing)."""
         key = self.settings.key("job", job_id)
         args = [token.entry(), self.settings.job.ttl_s]
-        self._log(keys=[key + ":tokens", key + ":readers", key + ":notify"], args=args)
+        self._log(keys=[key + ":tokens", key + ":attached", key + ":notify"], args=args)
 
     def logged_tokens(self, job_id: str, start: int) -> list[Token]:
         """The logged tokens from index `start` on."""
         items = self.redis.lrange(self.settings.key("job", job_id) + ":tokens", start, -1)
         return [Token.of_entry(start + i, item) for i, item in enumerate(items)]
 
-    def attach(self, job_id: str, readers: int) -> int:
-        """Add `readers` (1: one more, -1: one fewer) to the job's attached readers; -> how many now."""
-        key = self.settings.key("job", job_id) + ":readers"
-        with self.redis.pipeline() as pipe:
-            pipe.incrby(key, readers)
-            pipe.expire(key, self.settings.job.ttl_s)
-            count, _ = pipe.execute()
-        return int(count)
+    def attach(self, job_id: str, reader: str) -> int:
+        """Count `reader` (a name no other reader has) among the job's attached readers for `reader_s` from now:
+        called again to renew it. -> how many count now."""
+        return self._attach(job_id, reader, self.reader_s)
+
+    def detach(self, job_id: str, reader: str) -> int:
+        """`reader` no longer reads the job; -> how many still count."""
+        return self._attach(job_id, reader, 0.0)
+
+    def _attach(self, job_id: str, reader: str, count_s: float) -> int:
+        key = self.settings.key("job", job_id) + ":attached"
+        return int(self._reader(keys=[key], args=[reader, count_s, self.settings.job.ttl_s]))
 
     def readers(self, job_id: str) -> int:
-        return int(self.redis.get(self.settings.key("job", job_id) + ":readers") or 0)
+        """How many attached readers count now."""
+        return int(self._readers(keys=[self.settings.key("job", job_id) + ":attached"]))
 
     def wait_tokens(self, job_id: str, start: int, timeout_s: float) -> list[Token]:
         """Tokens from index `start` on, waiting up to `timeout_s` for some; [] at the deadline

@@ -257,3 +257,43 @@ def test_the_sweeper_takes_only_the_lease_it_read(services: Services, regions: F
     assert held is not None and held.owner == "worker:live"
     assert services.jobs.get(job_id)["attempt"] == "1"
     sweeper.stop()
+
+
+class Breaking(Prefill):
+    """The prefill's worker is lost once it started: the stream breaks (UNAVAILABLE)."""
+
+    async def Prefill(self, request: Any, context: Any) -> Any:  # noqa: N802
+        yield prefill_pb2.PrefillEvent(started=prefill_pb2.Started())
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker lost")
+
+
+class Releasing(Decode):
+    """Notes, when a Release comes, what the job and its lease were then: what a worker that died during the
+    Release would have left."""
+
+    def __init__(self, services: Services) -> None:
+        super().__init__()
+        self.services = services
+        self.seen: list[tuple[str, str, Lease | None]] = []
+
+    async def Release(self, request: Any, context: Any) -> Any:  # noqa: N802
+        job = self.services.jobs.get(request.job_id)
+        lease = Leases(self.services.redis, self.services.settings).get(request.job_id)
+        self.seen.append((job["state"], job["attempt"], lease))
+        return decode_pb2.ReleaseReply(found=True)
+
+
+def test_a_broken_prefill_queues_the_next_attempt_before_releasing_its_reservation(services: Services) -> None:
+    """Before, the watcher took the prefill lease, awaited the Release (up to 5 s), then failed the attempt: a
+    worker that died during the Release left the job PREFILLING with no lease, which nothing ever took back."""
+    decode = Releasing(services)
+    regions = FakeRegions(services.regions, Breaking(), decode)
+    try:
+        dispatcher = Dispatcher(services, lambda *_: None, owner="worker:t")
+        job_id = _followed(dispatcher, services)
+    finally:
+        regions.close()
+    [(state, attempt, lease)] = decode.seen
+    assert (state, attempt) == (JobState.QUEUED, "2"), decode.seen
+    assert lease is not None and (lease.attempt, lease.stage, lease.owner) == (2, "queued", "worker:t")
+    assert services.jobs.get(job_id)["attempt"] == "2"

@@ -282,7 +282,7 @@ def test_job_keys_expire_from_creation_and_the_index_is_trimmed(store: JobStore)
 
 
 def test_the_follow_is_written_with_the_job_and_ended_by_the_move_that_ends_it(store: JobStore) -> None:
-    """CREATE writes the follower; DONE (with the last token logged first, in the same script) or CANCELED
+    """CREATE writes the follower; DONE (with the last token logged, in the same script) or CANCELED
     drops it, but only for the process that follows the job; a move that does not end the job keeps it."""
     following = store.settings.key("following")
     done = store.create("acme", {}, ROOMY, follow_as="api:one").job_id
@@ -294,9 +294,10 @@ def test_the_follow_is_written_with_the_job_and_ended_by_the_move_that_ends_it(s
     assert store.redis.lrange(store.settings.key("job", done) + ":tokens", 0, -1) == [b'[7, 1, "length"]']
 
     canceled = store.create("acme", {}, ROOMY, follow_as="api:one").job_id
-    with pytest.raises(IllegalTransition):  # refused: the token is logged all the same, the follow kept
+    with pytest.raises(IllegalTransition):  # refused: the token is not logged, the follow kept
         store.transition(canceled, JobState.DONE, 1, log_token="[1]", unfollow="api:one")
     assert store.redis.hget(following, canceled) == b"api:one"
+    assert store.redis.llen(store.settings.key("job", canceled) + ":tokens") == 0
     store.transition(canceled, JobState.CANCELED, 0, unfollow="api:one")
     assert store.redis.hget(following, canceled) is None
     assert store.create("acme", {}, ROOMY).job_id.encode() not in store.redis.hkeys(following)  # no follower: none

@@ -68,3 +68,25 @@ def test_after_an_outage_no_one_is_dead_until_they_could_beat_again(services: Se
     done = sweeper.sweep()
     assert len(done) == 1 and done[0].startswith(f"{dead}: retrying"), done
     assert leases.get(live) is not None and services.jobs.get(live)["state"] == JobState.PREFILLING
+
+
+def test_a_process_whose_host_clock_lags_is_alive_while_it_beats(
+    services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An API host whose clock is 2 x `dead_after_s` behind the sweeper's: its beats are stamped on Redis's clock,
+    so it is alive and the job it follows is left alone (before, its beats were stamped with its own clock, and
+    the sweeper failed every job it followed while it beat)."""
+    api = Heartbeats(services.redis, services.settings, "api")
+    leases = Leases(services.redis, services.settings)
+    beats = {"api": api, "worker": Heartbeats(services.redis, services.settings, "worker")}
+    sweeper = Sweeper(services.jobs, leases, Attempts(services.jobs, leases, lambda *_: None, "worker:sweeper"),
+                      beats, ChannelCache(None))  # fmt: skip
+    quota = Quota(rps=100, concurrency=100, budget_usd=100)
+    job_id = services.jobs.create("t-" + uuid.uuid4().hex[:8], {"token_ids": [1]}, quota, follow_as=api.me).job_id
+    with monkeypatch.context() as lagging:
+        now = time.time
+        lagging.setattr(time, "time", lambda: now() - 2 * DEAD_AFTER_S)  # the API host's clock
+        api.beat()
+    assert api.me in api.alive()
+    assert sweeper.sweep() == [] and services.jobs.get(job_id)["state"] == JobState.QUEUED
+    sweeper.stop()
