@@ -70,10 +70,8 @@ return 1
 )
 
 # KEYS: attached readers. ARGV: reader id, seconds it counts from now (0: it leaves), TTL of the key. Drops the
-# entries of readers that stopped counting. Returns how many count now.
-_READER = (
-    LIVE_READERS_FN
-    + """
+# entries of readers that stopped counting, so those left are the ones that count. Returns how many.
+_READER = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -83,9 +81,8 @@ if tonumber(ARGV[2]) > 0 then
 else
   redis.call('ZREM', KEYS[1], ARGV[1])
 end
-return live_readers(KEYS[1])
+return redis.call('ZCARD', KEYS[1])
 """
-)
 _READERS = LIVE_READERS_FN + "return live_readers(KEYS[1])\n"
 
 
