@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from prfaas.control_plane.billing.queries import GroupTotal
+from prfaas.control_plane.scheduling.snapshot import MAX_BANDWIDTH_GBPS, MAX_RTT_MS
 
 
 class Usage(BaseModel):
@@ -156,8 +157,9 @@ class LinkPublic(BaseModel):
     model_config = ConfigDict(extra="forbid")
     src: str = Field(min_length=1, max_length=63)
     dst: str = Field(min_length=1, max_length=63)
-    rtt_ms: float = Field(ge=0, le=1e6, allow_inf_nan=False)
-    bandwidth_gbps: float = Field(ge=0, le=1e6, allow_inf_nan=False)
+    # the scheduler's own limits (snapshot.Link), so a figure over them is refused naming its field
+    rtt_ms: float = Field(ge=0, le=MAX_RTT_MS, allow_inf_nan=False)
+    bandwidth_gbps: float = Field(ge=0, le=MAX_BANDWIDTH_GBPS, allow_inf_nan=False)
     egress_usd_per_gb: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
 
 

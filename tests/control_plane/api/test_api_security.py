@@ -209,3 +209,18 @@ def test_a_nul_byte_the_database_cannot_hold_is_a_4xx_not_a_500() -> None:
                     "invalid request: a value the database cannot hold"
                 )
                 assert c.get("/v1/models", headers=headers).status_code == 200  # and the app still serves
+
+
+def test_a_link_over_the_schedulers_limits_is_refused_naming_its_field(client: TestClient) -> None:
+    """PUT /admin/links checks the scheduler's own limits (60,000 ms, 100,000 Gbit/s): a mistyped RTT was
+    answered "a link needs two different regions"."""
+    link = {"src": "cheap", "dst": "scarce", "rtt_ms": 70_000, "bandwidth_gbps": 1.0}
+    reply = client.put("/admin/links", json=link, headers=ADMIN)
+    assert (reply.status_code, reply.json()) == (
+        422, {"detail": "invalid request: rtt_ms: Input should be less than or equal to 60000"}
+    )  # fmt: skip
+    reply = client.put("/admin/links", json=link | {"rtt_ms": 5, "bandwidth_gbps": 200_000}, headers=ADMIN)
+    assert reply.json() == {"detail": "invalid request: bandwidth_gbps: Input should be less than or equal to 100000"}
+    reply = client.put("/admin/links", json=link | {"rtt_ms": 5, "dst": "cheap"}, headers=ADMIN)
+    assert (reply.status_code, reply.json()) == (422, {"detail": "a link needs two different regions"})
+    assert client.put("/admin/links", json=link | {"rtt_ms": 60_000}, headers=ADMIN).status_code == 200
