@@ -77,8 +77,39 @@ def test_short_keys_are_refused_at_start() -> None:
 
 def test_replay_guard_refuses_a_retired_nonce_until_expiry() -> None:
     guard = ReplayGuard()
-    ticket = TicketVerifier({"k1": KEY}).verify(issue(), job=JOB, attempt=1, now=NOW)
-    guard.check(ticket)
-    guard.retire(ticket, now=NOW)
+    verifier = TicketVerifier({"k1": KEY})
+    first = verifier.verify(issue(), job=JOB, attempt=1, now=NOW)  # exp = NOW + 60
+    guard.check(first)
+    guard.retire(first, now=NOW)
     with pytest.raises(TicketRejected, match="replayed"):
-        guard.check(ticket)
+        guard.check(first)
+    # A retirement 1 s before `first` expires forgets nothing: `first` is still refused.
+    early = verifier.verify(issue(now=NOW + 59), job=JOB, attempt=1, now=NOW + 59)  # exp = NOW + 119
+    guard.retire(early, now=NOW + 59)
+    with pytest.raises(TicketRejected, match="replayed"):
+        guard.check(first)
+    # A retirement at `first`'s expiry forgets it (the verifier refuses it as expired from then on, so the
+    # guard need not remember it); the younger `early` is still remembered.
+    second = verifier.verify(issue(now=NOW + 60), job=JOB, attempt=1, now=NOW + 60)  # exp = NOW + 120
+    guard.retire(second, now=NOW + 60)
+    guard.check(first)
+    for live in (early, second):
+        with pytest.raises(TicketRejected, match="replayed"):
+            guard.check(live)
+
+
+def test_replay_guard_remembers_only_unexpired_nonces() -> None:
+    # 200 shipments back to back, each ticket living 60 s and each retired when the one before it expires:
+    # at the end only the last is remembered, so the guard's memory stays bounded by the live tickets.
+    guard = ReplayGuard()
+    verifier = TicketVerifier({"k1": KEY})
+    tickets = []
+    for i in range(200):
+        at = NOW + 60 * i
+        ticket = verifier.verify(issue(now=at), job=JOB, attempt=1, now=at)
+        guard.retire(ticket, now=at)
+        tickets.append(ticket)
+    for old in tickets[:-1]:
+        guard.check(old)
+    with pytest.raises(TicketRejected, match="replayed"):
+        guard.check(tickets[-1])
