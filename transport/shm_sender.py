@@ -7,11 +7,11 @@ the GIL), and only their 64-byte DATA headers go on the socket. Before OPEN_OK s
 a shipment goes, its chunks wait here. Everything else (OPEN, ACK, DONE, CANCEL, ERROR,
 tickets, deadlines) is the TCP protocol unchanged.
 
-A broken control socket (the receiver died) fails every live transfer at once with
-`PeerUnavailable`: there is no other stream to resend on. The next `submit` reconnects.
-So does a send that makes no progress for `send_timeout_s` (a receiver that stopped
-reading), and an unexpected error in the channel's own threads: a channel never leaves its
-transfers waiting for their deadline on a link nobody serves.
+A broken control socket (the receiver died, or a reply failed its checksum) fails every live
+transfer opened on it at once with `PeerUnavailable`: there is no other stream to resend on. The
+next `submit` reconnects. So does a send that makes no progress for `send_timeout_s` (a receiver
+that stopped reading), and an unexpected error in the channel's own threads: a channel never
+leaves its transfers waiting for their deadline on a link nobody serves.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from functools import partial
 
 import numpy as np
@@ -28,7 +29,17 @@ import numpy as np
 from prfaas.transport import metrics, sockets
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import FrameError, PeerUnavailable, TransportError
-from prfaas.transport.framing import HEADER_SIZE, Frame, FrameType, encode, json_payload, read_frame
+from prfaas.transport.framing import (
+    HEADER_SIZE,
+    Frame,
+    FrameType,
+    encode,
+    json_payload,
+    parse_header,
+    payload_ok,
+    read_exact,
+    to_frame,
+)
 from prfaas.transport.outbound import Chunk, OutboundTransfer, TransferTable, encoder_pool
 from prfaas.transport.shm_receiver import Placement, map_arena
 from prfaas.transport.writer import FrameWriter, socket_room
@@ -51,7 +62,7 @@ class _Link:
             data, fds, _flags, _addr = socket.recv_fds(sock, HEADER_SIZE, 1)
             if not data:
                 raise ConnectionError("receiver closed the connection during HELLO")
-            hello, _ok = read_frame(sock, bytes(data))  # the rest of the frame whose start came with the fd
+            hello = read_reply(sock, bytes(data))  # the rest of the frame whose start came with the fd
             if hello.type is not FrameType.HELLO_OK:
                 raise FrameError(f"receiver answered HELLO with {hello.type.name}: {bytes(hello.payload)[:200]!r}")
             body = hello.json()
@@ -83,11 +94,31 @@ class _Link:
         (transport/writer.py); a failed send closes the link."""
         self.writer.post(frame)
 
+    def drain(self, budget_s: float) -> None:
+        """Posted frames (the CANCELs `ShmChannel.close` just caused) out while the receiver reads, for at
+        most `budget_s`: closing the socket at once would drop them, and the receiver would keep the
+        shipments (and their arena room) until their deadline."""
+        end = time.monotonic() + budget_s
+        while self.alive and self.writer.queued and time.monotonic() < end:
+            self.writer.flush()  # a copy thread's write in progress takes them first
+            time.sleep(0.005)
+
     def close(self) -> None:
         self.alive = False
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def read_reply(sock: socket.socket, head: bytes = b"") -> Frame:
+    """One frame from the receiver (`head`: its first bytes, if read already). A payload that fails the
+    checksum it carries raises FrameError, which breaks the link: a corrupt ACK would acknowledge a chunk
+    the receiver never stored."""
+    header = parse_header(head + read_exact(sock, HEADER_SIZE - len(head)))
+    payload = read_exact(sock, header.payload_len) if header.payload_len else bytearray()
+    if header.payload_xxh3 and not payload_ok(header, payload):
+        raise FrameError(f"receiver's {header.type.name} frame fails its payload checksum")
+    return to_frame(header, payload)
 
 
 class ShmChannel:
@@ -117,7 +148,9 @@ class ShmChannel:
         self.table = TransferTable()
         self.closed = threading.Event()
         self._lock = threading.Lock()
+        self._closing = False  # `close` began (under `_lock`): `submit` refuses, no link is dialled
         self._link: _Link | None = None
+        self._opened_on: dict[OutboundTransfer, _Link] = {}  # the link each live transfer's OPEN went on
         self._placements: dict[Key, Placement | None] = {}  # None: inline payloads
         self._waiting: dict[Key, list[Chunk]] = {}  # chunks produced before OPEN_OK
         self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
@@ -133,14 +166,22 @@ class ShmChannel:
     # -- Channel ---------------------------------------------------------------------------
 
     def submit(self, shipment: Shipment) -> OutboundTransfer:
-        if self.closed.is_set():
-            raise PeerUnavailable("channel is closed")
         transfer = OutboundTransfer(shipment, self._enqueue, self._encoder, checksum_payload=self.checksums)
-        self.table.add(transfer)
         transfer.cell.on_terminal(lambda status: self._ended(transfer, status))
+        with self._lock:  # `close` marks the channel closing under it, then cancels what the table holds
+            if self._closing:
+                raise PeerUnavailable("channel is closed")
+            self.table.add(transfer)
         try:
             link = self._connected()
+            with self._lock:  # before its OPEN goes: from now on a break of this link fails it (`_broken`)
+                if transfer.cell.status().terminal:
+                    return transfer  # canceled meanwhile (`close`): no OPEN of a shipment nobody would cancel
+                self._opened_on[transfer] = link
             link.send(transfer.open_frame)
+        except PeerUnavailable as exc:  # closing
+            transfer.cell.finish(TransferStatus.FAILED, exc)
+            return transfer
         except (OSError, FrameError, ConnectionError, ValueError) as exc:  # ValueError: mmap refused the arena
             transfer.cell.finish(
                 TransferStatus.FAILED, PeerUnavailable(f"no shared-memory receiver at {self.path}: {exc}")
@@ -150,14 +191,19 @@ class ShmChannel:
         return transfer
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Cancel live transfers, close the socket, join every thread, unmap the arena."""
+        """Cancel live transfers (their CANCELs out first, within 1 s, where the receiver reads), close the
+        socket, join every thread, unmap the arena."""
+        with self._lock:
+            self._closing = True  # no submit gets into the table, nor dials a link, from now on
         for transfer in self.table.live():
             transfer.cancel()
+        with self._lock:
+            link, self._link = self._link, None  # copy threads send nothing more
+        if link is not None:
+            link.drain(min(1.0, timeout_s))
         self.closed.set()
         for _ in self._threads:
             self._queue.put(None)
-        with self._lock:
-            link, self._link = self._link, None
         if link is not None:
             link.close()
         for thread in self._threads:
@@ -177,6 +223,8 @@ class ShmChannel:
 
     def _connected(self) -> _Link:
         with self._lock:
+            if self._closing:
+                raise PeerUnavailable("channel is closed")  # a link dialled now would outlive `close`
             if self._link is not None and self._link.alive:
                 return self._link
             link = self._link = _Link(self.path, self.connect_timeout_s, self.node, self.send_timeout_s)
@@ -187,14 +235,16 @@ class ShmChannel:
         reason = "shared-memory receiver went away"
         try:
             while True:
-                frame, _ok = read_frame(link.sock)
+                frame = read_reply(link.sock)
                 if frame.type is FrameType.OPEN_OK:
                     self._placed((frame.job_id, frame.attempt), frame)
                 _acked, resend = self.table.on_reply(frame)
                 for chunk in resend:
                     self._queue.put(chunk)
-        except (OSError, ConnectionError, FrameError):
+        except (OSError, ConnectionError):
             pass
+        except FrameError as exc:  # junk, or a reply that fails its checksum: nothing after it can be trusted
+            reason = f"shared-memory control socket: {exc}"
         except Exception as exc:  # a bug here must not leave transfers waiting on a dead reader
             log.exception("shared-memory channel to %s: reply reader failed", self.path)
             reason = f"shared-memory channel reader failed: {exc!r}"
@@ -202,14 +252,16 @@ class ShmChannel:
 
     def _broken(self, link: _Link, reason: str) -> None:
         """The link is unusable: close it (the next submit reconnects) and fail what is live
-        on it; one socket carries every transfer, so there is nothing to resend on. Once per link: a late
-        second call (the copy thread's, after the reader's) must not fail transfers of a newer link."""
+        on it; one socket carries every transfer, so there is nothing to resend on. Only transfers opened on
+        this link: a submit since the close may have opened its own on a new one. Once per link."""
         with self._lock:
             if link.broken:
                 return
             link.broken = True
         link.close()
-        for transfer in self.table.live():
+        with self._lock:
+            on_link = [transfer for transfer, opened_on in self._opened_on.items() if opened_on is link]
+        for transfer in on_link:
             transfer.cell.finish(TransferStatus.FAILED, PeerUnavailable(reason))
 
     def _placed(self, key: Key, frame: Frame) -> None:
@@ -278,6 +330,9 @@ class ShmChannel:
                     continue
                 with self._lock:
                     placement = self._placements.get(transfer.key)
+                    opened_on = self._opened_on.get(transfer)
+                if opened_on is not link:
+                    continue  # opened on a link that broke (`_broken` fails it): its DATA means nothing on this one
                 chunk.stream = 0
                 transfer.sent(chunk)
                 if placement is None:
@@ -317,7 +372,7 @@ class ShmChannel:
             placed = key in self._placements
             self._placements.pop(key, None)
             waiting = len(self._waiting.pop(key, []))
-            link = self._link
+            link = self._opened_on.pop(transfer, None)  # only the connection that opened it may cancel it
         if status is TransferStatus.TIMEOUT:  # should not happen on one host: say what was stuck
             log.warning(
                 "shared-memory shipment %s attempt %d timed out: accepted=%s placed=%s waiting_for_open_ok=%d "
