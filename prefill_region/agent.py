@@ -145,11 +145,16 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
                     f"{self._busy} of {self.num_workers} workers busy"
                 )
             self._jobs[job_id] = job
-        self._gauges()
-        context.add_callback(lambda: job.cancel(Canceled("the caller disconnected")))
-        self._pool.submit(self._run, job)
         ended = False
         try:
+            self._gauges()
+            if not context.add_callback(lambda: job.cancel(Canceled("the caller disconnected"))):
+                job.cancel(Canceled("the caller disconnected"))  # the call is over already: no callback will come
+            try:
+                self._pool.submit(self._run, job)
+            except RuntimeError:  # close() shut the pool after this job was admitted
+                job.cancel(Unavailable("prefill region is stopping"))
+                raise Unavailable("prefill region is stopping; send the job elsewhere") from None
             while True:
                 try:
                     item = job.events.get(timeout=0.25)
@@ -333,7 +338,8 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
             return not self._jobs and not self._reships
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock:  # a Prefill or Reship admitted after this is refused; one admitted before is listed here
+            self.draining = True
             jobs = list(self._jobs.values())
             reships = [r for calls in self._reships.values() for r in calls]
         for job in jobs:

@@ -136,16 +136,16 @@ class HFPrefill:
         spec = ship_spec(work.job_id, work.attempt, work.destination, facts.dtype, (shape,) * facts.num_layers,
                          work.deadline - time.monotonic(), work.trace, self.engine.query_energy)  # fmt: skip
         shipment = Shipment(spec)
-        transfer = self.channels.get(work.destination).submit(shipment)
-        job.attach(transfer.cancel)
-        feed = self._feed(shipment, transfer, job.cancel)
-        try:
-            return self._run(work, job, start, transfer, feed)
-        except BaseException:
-            transfer.cancel()  # stopped before its staged buffers are let go
-            raise
-        finally:
-            feed.end()
+        with self.channels.ship(work.destination, shipment, kind="prefill") as transfer:
+            job.attach(transfer.cancel)
+            feed = self._feed(shipment, transfer, job.cancel)
+            try:
+                return self._run(work, job, start, transfer, feed)
+            except BaseException:
+                transfer.cancel()  # stopped before its staged buffers are let go
+                raise
+            finally:
+                feed.end()
 
     def _run(self, work: PrefillWork, job: JobProgress, start: int, transfer: Transfer, feed: _Feed) -> Shipped:
         def on_layer(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -174,7 +174,7 @@ class HFPrefill:
                 feed.add(index, layer.k, layer.v, start)
                 job.layer_shipped(index)
         job.prefill_done(result.choices, _descriptor(self.facts, result), prefill_s, result.cached_tokens)
-        status = wait_transfer(transfer, work.deadline, job.stop, kind="prefill")
+        status = wait_transfer(transfer, work.deadline, job.stop)
         if status is not TransferStatus.COMPLETED:
             if time.monotonic() >= work.deadline:  # wait_transfer canceled it there: the job's deadline, not a cancel
                 job.cancel(DeadlineExceeded("the KV transfer did not finish by the job's deadline"))
@@ -191,18 +191,18 @@ class HFPrefill:
             spec = ship_spec(job_id, attempt, destination, kv.dtype, shapes, deadline - time.monotonic(),
                              key_weights=self.engine.query_energy)  # fmt: skip
             shipment = Shipment(spec)
-            transfer = self.channels.get(destination).submit(shipment)
-            on_cancel(transfer.cancel)
-            feed = self._feed(shipment, transfer)
-            try:
-                for index, layer in enumerate(kv.layers):
-                    feed.add(index, layer.k, layer.v, 0)
-                status = wait_transfer(transfer, deadline, threading.Event(), kind="reship")
-            except BaseException:
-                transfer.cancel()
-                raise
-            finally:
-                feed.end()
+            with self.channels.ship(destination, shipment, kind="reship") as transfer:
+                on_cancel(transfer.cancel)
+                feed = self._feed(shipment, transfer)
+                try:
+                    for index, layer in enumerate(kv.layers):
+                        feed.add(index, layer.k, layer.v, 0)
+                    status = wait_transfer(transfer, deadline, threading.Event())
+                except BaseException:
+                    transfer.cancel()
+                    raise
+                finally:
+                    feed.end()
             if status is not TransferStatus.COMPLETED:
                 if time.monotonic() >= deadline:
                     raise DeadlineExceeded("the re-shipment did not finish by its deadline")

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from prfaas.prefill_region import metrics
 from prfaas.prefill_region.destination import Destination
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.channels import TlsFiles
-from prfaas.region.errors import DeadlineExceeded, Exhausted, InvalidRequest
-from prfaas.transport.api import Shape, ShipmentSpec, Transfer, TransferStatus
+from prfaas.region.errors import DeadlineExceeded, Exhausted, InvalidRequest, Unavailable
+from prfaas.transport.api import Shape, Shipment, ShipmentSpec, Transfer, TransferStatus
 from prfaas.transport.endpoints import Endpoint
 from prfaas.transport.identity import server_name
 from prfaas.transport.pathmeter import PathReport
@@ -38,9 +40,8 @@ def ship_spec(
                         traceparent=trace, key_weights=key_weights)  # fmt: skip
 
 
-def wait_transfer(transfer: Transfer, deadline: float, stop: threading.Event, *, kind: str) -> TransferStatus:
-    """Wait for `transfer` until it ends, `deadline` passes (TIMEOUT) or `stop` is set
-    (canceled); record the outcome in the region's metrics."""
+def wait_transfer(transfer: Transfer, deadline: float, stop: threading.Event) -> TransferStatus:
+    """Wait for `transfer` until it ends, `deadline` passes (TIMEOUT) or `stop` is set (canceled)."""
     while not stop.is_set():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -51,13 +52,21 @@ def wait_transfer(transfer: Transfer, deadline: float, stop: threading.Event, *,
     if not status.terminal:
         transfer.cancel()
         status = transfer.status()
-    stats = transfer.stats
+    return status
+
+
+def shipment_ended(transfer: Transfer, *, kind: str) -> None:
+    """Record `transfer`'s outcome in the region's metrics, once, where its shipment ends (however it ends:
+    completed, canceled mid-forward, refused, an error): it is canceled first if still live. Bytes went on the
+    wire either way."""
+    if not transfer.status().terminal:
+        transfer.cancel()
+    status, stats = transfer.status(), transfer.stats
     metrics.SHIPMENTS.labels(kind, status.value).inc()
     metrics.SHIPPED_WIRE.inc(stats.wire_bytes)
     metrics.TRANSFER_SECONDS.observe(stats.seconds)
     if status is TransferStatus.COMPLETED:
         metrics.SHIPPED_RAW.inc(stats.raw_bytes)
-    return status
 
 
 def link_report(region: str, report: PathReport) -> registry_pb2.LinkReport:
@@ -75,7 +84,9 @@ class ChannelPool:
     receiver must present its region's server name), same-host shared memory, or WebRTC (signalled through
     `control_plane`). A channel with no transfer in flight that no shipment used for IDLE_CLOSE_S is closed
     (each holds a reaper, an encoder pool and a thread per stream that redials for good), and at most
-    MAX_CHANNELS are open: a destination past them is RESOURCE_EXHAUSTED while every one is busy."""
+    MAX_CHANNELS are open: a destination past them is RESOURCE_EXHAUSTED while every one is busy. A channel
+    is busy while a transfer is in flight on it, or while it is checked out (`checkout`: handed to a job that
+    has not submitted to it yet)."""
 
     def __init__(
         self,
@@ -92,16 +103,22 @@ class ChannelPool:
         self._ssl = client_context(tls.node_cert()) if tls is not None else None
         self._lock = threading.Lock()
         self._channels: dict[tuple[Endpoint, str], Channel] = {}
-        self._used: dict[tuple[Endpoint, str], float] = {}  # time.monotonic() of each channel's last get
+        self._used: dict[tuple[Endpoint, str], float] = {}  # time.monotonic() of each channel's last check-out
+        self._out: dict[tuple[Endpoint, str], int] = {}  # check-outs not yet returned, by channel
+        self._closed = False  # `close` ran: a channel opened after it would never be closed
 
-    def get(self, destination: Destination) -> Channel:
-        """The channel to the destination's endpoint; a TCP one opened here starts at the destination's
-        stream count (the scheduler's plan), and its controller moves from there as it measures."""
+    @contextmanager
+    def checkout(self, destination: Destination) -> Iterator[Channel]:
+        """The channel to the destination's endpoint, kept open until the block ends: submit to it inside (the
+        transfer keeps it open from then on). A TCP one opened here starts at the destination's stream count
+        (the scheduler's plan), and its controller moves from there as it measures."""
         key = (destination.address, destination.decode_region)
         now = time.monotonic()
         doomed: list[Channel] = []
         try:
             with self._lock:
+                if self._closed:
+                    raise Unavailable("prefill region shutting down: its KV channels are closed")
                 doomed += self._idle(now)
                 channel = self._channels.get(key)
                 if channel is None or channel.closed.is_set():
@@ -111,20 +128,41 @@ class ChannelPool:
                         destination.address, destination.decode_region, destination.num_streams or None
                     )
                 self._used[key] = now
-            return channel
+                self._out[key] = self._out.get(key, 0) + 1
         finally:
             _close_later(doomed)
+        try:
+            yield channel
+        finally:
+            with self._lock:
+                self._out[key] -= 1
+                if not self._out[key]:
+                    del self._out[key]
+
+    @contextmanager
+    def ship(self, destination: Destination, shipment: Shipment, *, kind: str) -> Iterator[Transfer]:
+        """`shipment` submitted to the destination's channel; when the block ends its transfer is canceled if
+        still live, and its outcome recorded (`shipment_ended`: once, however the job ended)."""
+        with self.checkout(destination) as channel:
+            transfer = channel.submit(shipment)
+        try:
+            yield transfer
+        finally:
+            shipment_ended(transfer, kind=kind)
+
+    def _busy(self, key: tuple[Endpoint, str], channel: Channel) -> bool:
+        return key in self._out or bool(channel.table.live())
 
     def _idle(self, now: float) -> list[Channel]:
-        """Take out (under the lock) the channels closed, or idle for IDLE_CLOSE_S with nothing in flight."""
+        """Take out (under the lock) the channels closed, or idle for IDLE_CLOSE_S and not busy."""
         gone = [k for k, ch in self._channels.items()
-                if ch.closed.is_set() or (now - self._used[k] > IDLE_CLOSE_S and not ch.table.live())]  # fmt: skip
+                if ch.closed.is_set() or (now - self._used[k] > IDLE_CLOSE_S and not self._busy(k, ch))]  # fmt: skip
         for key in gone:
             self._used.pop(key)
         return [self._channels.pop(key) for key in gone]
 
     def _make_room(self) -> Channel:
-        idle = [k for k, ch in self._channels.items() if not ch.table.live()]
+        idle = [k for k, ch in self._channels.items() if not self._busy(k, ch)]
         if not idle:
             raise Exhausted(f"{len(self._channels)} KV channels are open and busy; the destination must wait")
         oldest = min(idle, key=self._used.__getitem__)
@@ -164,6 +202,7 @@ class ChannelPool:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             channels, self._channels, self._used = list(self._channels.values()), {}, {}
         for channel in channels:
             channel.close()
