@@ -59,7 +59,7 @@ class Chunk:
     payload: bytes | memoryview  # its payload: a view into the encoded part (raw: the producer's buffer)
     raw_share: int  # raw KV bytes this chunk stands for (stats)
     seq: int = field(default_factory=lambda: next(_seq))
-    stream: int | None = None  # stream it was last sent on (-1: its stream broke)
+    stream: int | None = None  # stream that last took it from the queue (-1: that stream broke)
     sends: int = 0  # sends that completed (the socket took every byte)
     queued: bool = False  # waiting in a channel's send queue (never twice)
     inflight: bool = False  # counted against the channel's in-flight byte budget

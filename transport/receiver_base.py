@@ -40,6 +40,7 @@ from prfaas.transport.receiver_core import Discard, ReceiverCore, Session
 from prfaas.transport.writer import FrameWriter, socket_room
 
 Payload = bytes | bytearray | memoryview
+DRAIN_S = 1.0  # what `close` waits, at most, for frames still queued to its peers
 
 
 class ByteStream(Protocol):
@@ -104,6 +105,7 @@ class FrameConnection:
         except (OSError, ConnectionError):
             pass
         finally:
+            self.writer.flush()  # frames other threads posted meanwhile (never waits)
             self.close()
 
     def serve(self) -> None:
@@ -291,7 +293,11 @@ class ReceiverBase(Generic[C]):
             self.core.cancel_all("receiver shutting down")
         connections = self._connections.closing()
         self._stop_accepting()
+        # The CANCELs cancel_all posted, out first: one left queued behind a write in progress (an ACK) would
+        # go down with the socket, and its sender learn only from the lost connection, seconds later.
+        drained_by = time.monotonic() + min(DRAIN_S, timeout_s)  # for all connections together
         for connection in connections:
+            connection.writer.drain(drained_by)
             connection.close()
         threads = [*self._threads(), self._connections.reaper, *(c.thread for c in connections)]
         for thread in threads:

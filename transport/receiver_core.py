@@ -139,7 +139,13 @@ class ReceiverCore:
 
     def handle(self, frame: Frame, payload_ok: bool, session: Session) -> list[Frame]:
         """Apply one frame from `session`; return the replies. Raises FrameError when the
-        connection must be closed (it has lost framing or broken the handshake)."""
+        connection must be closed (it has lost framing, broken the handshake, or sent a frame
+        other than DATA whose payload fails its checksum)."""
+        if frame.type is not FrameType.DATA and not payload_ok:
+            # a corrupted OPEN or CANCEL would be acted on (a flipped digit in a shape refuses the shipment for
+            # good): close the connection instead, its sender reconnects and sends the frame again. (A DATA
+            # frame's bad payload is NACKed, that chunk alone sent again.)
+            raise FrameError("payload checksum mismatch")
         if not session.hello:
             return self._hello(frame, session)
         key = (frame.job_id, frame.attempt)

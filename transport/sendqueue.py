@@ -41,9 +41,10 @@ class SendQueue:
                 heapq.heapify(kept)
                 self._heap = kept
 
-    def get(self, timeout_s: float, interrupt: Callable[[], bool] | None = None) -> Chunk | None:
-        """The next chunk of a live transfer, once the in-flight budget allows; None on timeout,
-        or as soon as `interrupt()` is true after a `wake`."""
+    def get(self, timeout_s: float, interrupt: Callable[[], bool] | None = None, *, stream: int) -> Chunk | None:
+        """The next chunk of a live transfer, once the in-flight budget allows, now `stream`'s (`chunk.stream`,
+        set here: a broken stream takes back only what no other stream took since, `requeue_lost`); None on
+        timeout, or as soon as `interrupt()` is true after a `wake`."""
         end = time.monotonic() + timeout_s
         with self._cond:
             while not self.closed and not (interrupt is not None and interrupt()):
@@ -54,6 +55,7 @@ class SendQueue:
                 if self._heap and (self._inflight + self._heap[0][1].size <= self._max_inflight or self._inflight == 0):
                     chunk = heapq.heappop(self._heap)[1]
                     chunk.queued = False
+                    chunk.stream = stream
                     if not chunk.inflight:
                         chunk.inflight = True
                         self._inflight += chunk.size
@@ -81,6 +83,23 @@ class SendQueue:
                 if chunk.inflight:
                     chunk.inflight = False
                     self._inflight -= chunk.size
+            self._cond.notify_all()
+
+    def requeue_lost(self, chunks: list[Chunk], stream: int) -> None:
+        """Chunks `stream` took, lost with its connection: no longer in flight, and queued again for any stream.
+        One that another stream took since (a NACKed copy, put back meanwhile) is that stream's now and left
+        alone: queued again too, it would go out twice, and its bytes in flight count for neither copy."""
+        with self._cond:
+            for chunk in chunks:
+                if chunk.stream != stream:
+                    continue
+                chunk.stream = -1  # on no stream (its next send is a resend: `chunk.sends` counts it)
+                if chunk.inflight:
+                    chunk.inflight = False
+                    self._inflight -= chunk.size
+                if not chunk.queued and not chunk.acked and not chunk.transfer.cell.status().terminal:
+                    chunk.queued = True
+                    heapq.heappush(self._heap, (chunk.order, chunk))
             self._cond.notify_all()
 
     def backlogged(self) -> bool:

@@ -194,7 +194,7 @@ class TcpStream:
                 # the receiver: send it nothing until its PING is answered, or it stalls too.
                 ch.queue.wait(0.05, self.has_control)
                 continue
-            chunk = ch.queue.get(timeout_s=0.1, interrupt=self.has_control)
+            chunk = ch.queue.get(timeout_s=0.1, interrupt=self.has_control, stream=self.index)  # `_drop` finds it
             if chunk is None:
                 continue
             transfer = chunk.transfer
@@ -203,15 +203,15 @@ class TcpStream:
                     assert self.sock is not None
                     if transfer.key not in self.opened:
                         self.opened.add(transfer.key)
-                        self.sock.sendall(transfer.open_frame)
-                    chunk.stream = self.index  # before any byte leaves: `_drop` finds it here
+                        self.sock.sendall(transfer.open_frame)  # (may wait on a full socket)
+                    if chunk.acked or transfer.cell.status().terminal:  # meanwhile: no copy after the end
+                        ch.queue.release([chunk])
+                        continue
                     sockets.send_frame(self.sock, chunk.header, chunk.payload)
                 self.sent_at = time.monotonic()
                 transfer.sent(chunk)
             except OSError:
-                ch.queue.release([chunk])
-                ch.queue.put([chunk])
-                return
+                return  # `_drop` puts the chunk back, with what else this connection had
 
     def has_control(self) -> bool:
         """Control frames wait for this stream's thread."""
@@ -309,7 +309,9 @@ class TcpStream:
         assert sock is not None
         try:
             while True:
-                frame, _ok = read_frame(sock)
+                frame, ok = read_frame(sock)
+                if not ok:  # a flipped bit in an ACK would acknowledge a chunk never stored: end the connection
+                    raise FrameError("reply payload checksum mismatch")  # (`_drop` resends what it had unacked)
                 self.heard_at = time.monotonic()
                 if frame.type is FrameType.PONG:
                     continue
@@ -338,10 +340,7 @@ class TcpStream:
             self.reader.join(5.0)
         self.opened.clear()
         lost = [c for t in self.channel.table.live() for c in t.unacked_on(self.index)]
-        for chunk in lost:
-            chunk.stream = -1  # its next send counts as a resend
-        self.channel.queue.release(lost)
-        self.channel.queue.put(lost)
+        self.channel.queue.requeue_lost(lost, self.index)  # those no other stream took since
 
     def tcp_info(self) -> sockets.TcpInfo | None:
         """The kernel's view of this connection, if connected and measured."""

@@ -6,8 +6,8 @@ send timeout; raises OSError). `post` is for every other thread (a receiver's re
 its deadline, the decode engine canceling one, `close`): it never waits. The frame goes out now when no
 write is in progress and the socket has room, else it stays queued: the write in progress (or the next one)
 sends it first, and so does `flush`, which the owner's reaper calls every tick (a peer that stopped reading
-for a while gets it once it reads again, even if nothing else is written). Frames keep the order they were
-handed in: queued ones go before a later write.
+for a while gets it once it reads again, even if nothing else is written), and `drain`, bounded, before the
+connection is closed. Frames keep the order they were handed in: queued ones go before a later write.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import select
 import threading
+import time
 from collections.abc import Callable
 
 Buffer = bytes | bytearray | memoryview
+DRAIN_POLL_S = 0.005  # how often `drain` looks for room in a full socket
 
 
 def socket_room(fileno: Callable[[], int]) -> Callable[[], bool]:
@@ -81,6 +83,27 @@ class FrameWriter:
         with self._queued_lock:
             data, self._queued = b"".join(self._queued), []
         return data
+
+    def drain(self, deadline: float) -> None:
+        """Queued frames out before the connection is closed (the CANCELs of shipments a closing receiver
+        ended): waits for a write in progress and for the socket's room, but never past `deadline`
+        (time.monotonic()); a peer that does not read by then does not get them."""
+        while self.queued:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.lock.acquire(timeout=left):
+                return
+            try:
+                if self._room():
+                    data = self._take()
+                    if data:
+                        self._send(data, b"")
+                    continue
+            except OSError as exc:
+                self._on_error(exc)
+                return
+            finally:
+                self.lock.release()
+            time.sleep(min(DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
 
     def flush(self) -> None:
         """Queued frames out, if the lock is free and the socket has room; never waits. Whoever releases the

@@ -228,3 +228,38 @@ def test_a_sender_that_stops_reading_never_blocks_the_thread_that_ends_its_shipm
         receiver.close()
         assert time.monotonic() - start < 3
         sock.close()
+
+
+def test_an_open_or_cancel_whose_payload_fails_its_checksum_is_refused_not_acted_on() -> None:
+    """An OPEN corrupted on the way (one digit of a shape: "64" read as "94") would be over its ticket's
+    budget and end the shipment for good; a corrupted CANCEL would still cancel. Either closes its
+    connection with BAD_FRAME instead, and the shipment waits for the frame sent again on a new one."""
+    receiver = TcpReceiver(VERIFIER)
+    job = str(uuid.uuid4())
+    shape = (1, 64, 64)
+    body = {"ticket": SIGNER.issue(job, 1, "acme", 2 * 64 * 64 * 2, ttl_s=60), "num_layers": 1, "dtype": "bfloat16",
+            "layer_shapes": [list(shape)], "codec": 0, "chunk_bytes": 4096}  # fmt: skip
+    whole = encode(Frame(FrameType.OPEN, job_bytes(job), 1, payload=json_payload(body)))
+    opening = bytearray(whole)
+    cancel = bytearray(encode(Frame(FrameType.CANCEL, job_bytes(job), 1, payload=b"canceled by the sender")))
+    try:
+        inbound = receiver.expect(job, 1, 30)
+        for wire, corrupt_at in ((opening, opening.index(b"[[1,64,64]]") + 4), (cancel, len(cancel) - 1)):
+            wire[corrupt_at] = ord("9")  # the shape's "64" reads "94"; the reason's last letter
+            sock = _connect(receiver)
+            if wire is cancel:
+                sock.sendall(whole)
+                assert read_frame(sock)[0].type is FrameType.OPEN_OK
+            sock.sendall(bytes(wire))
+            reply = read_frame(sock)[0]
+            assert reply.type is FrameType.ERROR and reply.json()["code"] == "BAD_FRAME", bytes(reply.payload)
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""  # closed
+            sock.close()
+            assert not inbound.status().terminal
+        sock = _connect(receiver)  # the OPEN sent again, whole
+        sock.sendall(whole)
+        assert read_frame(sock)[0].type is FrameType.OPEN_OK
+        sock.close()
+    finally:
+        receiver.close()

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from prfaas.transport.framing import (
     HEADER_SIZE,
     Frame,
     FrameType,
+    ack_payload,
     encode,
     json_payload,
     parse_header,
@@ -35,6 +36,7 @@ from prfaas.transport.open_info import OpenInfo
 from prfaas.transport.outbound import encoder_pool
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
+from prfaas.transport.tcp_stream import TcpStream
 from prfaas.transport.tickets import TicketSigner
 
 PEER = Path(__file__).with_name("conformance_peer.py")
@@ -462,3 +464,141 @@ def test_encode_threads_run_where_the_channel_was_made_not_where_a_layer_came_fr
     finally:
         pool.shutdown()
     assert all(cpus == home for cpus in seen)
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return condition()
+
+
+def test_a_chunk_another_stream_took_is_not_put_back_by_the_stream_that_broke(
+    kit: Kit, receiver: TcpReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stream A's send of chunk V fails; the other stream, B, takes V from the queue and is slow to write
+    it (here: the test holds B's write lock). A's connection is then dropped: V is B's now, neither queued
+    again nor released from the in-flight budget. Before, A's drop still counted V as its own: V went out
+    twice, and while B's copy was on the wire its bytes counted for nothing against max_inflight_bytes."""
+    dropped, resume = threading.Event(), threading.Event()
+    sends: list[tuple[int, int, int]] = []
+    streams: dict[str, TcpStream] = {}  # "broken": A, "slow": B
+    real_send, real_drop = sockets.send_frame, TcpStream._drop
+
+    def send_frame(sock: socket.socket, header: bytes, payload: bytes | memoryview) -> None:
+        parsed = parse_header(header)
+        key = (parsed.layer, parsed.part, parsed.chunk)
+        if key == (0, 1, 0) and not streams:
+            assert _until(lambda: transfer.unacked == 1)  # K arrived: the other stream waits for a chunk
+            streams["broken"] = next(s for s in channel.streams if s.sock is sock)
+            streams["slow"] = next(s for s in channel.streams if s is not streams["broken"])
+            streams["slow"]._write_lock.acquire()
+            raise BrokenPipeError("the connection broke")
+        real_send(sock, header, payload)
+        sends.append(key)
+
+    def drop(stream: TcpStream) -> None:
+        if stream is not streams.get("broken") or dropped.is_set():
+            real_drop(stream)
+            return
+        chunk = transfer._unacked[(0, 1, 0)]
+        _until(lambda: not chunk.queued)  # B took V (before: it was back in the queue as A's send failed)
+        real_drop(stream)
+        dropped.set()
+        resume.wait(5)  # A reconnects (and takes chunks) only once the test has looked
+
+    monkeypatch.setattr(sockets, "send_frame", send_frame)
+    monkeypatch.setattr(TcpStream, "_drop", drop)
+    with TcpChannel(receiver.address, num_streams=2) as channel:
+        assert _until(lambda: channel.num_connected == 2)
+        spec = kit.spec(num_layers=1, shape=(1, 64, 64))  # 8 KiB a part: one chunk each
+        transfer, inbound, layers, shipment = ship(channel, receiver, spec, num_filled=0)
+        assert _until(lambda: transfer.accepted)  # its OPEN is out: no control frame waits for B's lock
+        fill(shipment, layers)
+        try:
+            assert dropped.wait(5)
+            chunk = transfer._unacked[(0, 1, 0)]
+            _until(lambda: not chunk.queued, timeout_s=2)
+            assert not chunk.queued  # no second copy waits to be sent
+            assert channel.queue.inflight_bytes == chunk.size  # B's copy counts
+        finally:
+            resume.set()
+            if "slow" in streams:
+                streams["slow"]._write_lock.release()
+        assert transfer.wait(10) is TransferStatus.COMPLETED, transfer.error
+        assert inbound.layer(0, 1) == layers[0]
+        assert sends.count((0, 1, 0)) == 1 and transfer.stats.resent_chunks == 0
+        assert _until(lambda: channel.queue.inflight_bytes == 0)
+
+
+def test_a_reply_whose_payload_fails_its_checksum_is_not_acted_on(kit: Kit) -> None:
+    """A bit flipped on the way turns the receiver's ACK of chunk (0, 0, 1) into one of (0, 0, 0), which it
+    never stored. The sender refuses the reply (its payload fails payload_xxh3), drops the connection and
+    resends what it had unacknowledged on a new one; before, it took (0, 0, 0) as delivered and the
+    shipment could only time out."""
+    server = socket.create_server(("127.0.0.1", 0))
+    received: list[list[tuple[int, int, int]]] = []  # DATA chunks, per connection
+
+    def serve(conn: socket.socket, keys: list[tuple[int, int, int]], first: bool) -> None:
+        while True:
+            frame, _ok = read_frame(conn)
+            if frame.type is FrameType.HELLO:
+                conn.sendall(encode(Frame(FrameType.HELLO_OK, payload=json_payload({"version": 1, "node": "rx"}))))
+            elif frame.type is FrameType.OPEN:
+                conn.sendall(encode(Frame(FrameType.OPEN_OK, frame.job_id, frame.attempt)))
+            elif frame.type is FrameType.PING:
+                conn.sendall(encode(Frame(FrameType.PONG, payload=frame.payload)))
+            elif frame.type is FrameType.DATA:
+                keys.append(frame.key)
+                ack = bytearray(encode(Frame(FrameType.ACK, frame.job_id, frame.attempt,
+                                             payload=ack_payload([frame.key]))))  # fmt: skip
+                if first and frame.key == (0, 0, 1):
+                    ack[HEADER_SIZE + 8] ^= 0x01  # the chunk index's low bit: the ACK reads (0, 0, 0)
+                    conn.sendall(ack)
+                elif not first:
+                    conn.sendall(ack)
+                    if len(set(keys)) == 4:
+                        conn.sendall(encode(Frame(FrameType.DONE, frame.job_id, frame.attempt)))
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                received.append([])
+                with conn, contextlib.suppress(OSError, ConnectionError):
+                    serve(conn, received[-1], len(received) == 1)
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        with TcpChannel(server.getsockname()[:2], num_streams=1) as channel:
+            spec = kit.spec(num_layers=1, shape=(1, 64, 64), chunk_bytes=4096, timeout_s=3)  # 2 chunks a part
+            shipment = Shipment(spec)
+            transfer = channel.submit(shipment)
+            fill(shipment, layers_for(spec))
+            assert transfer.wait(6) is TransferStatus.COMPLETED, transfer.error
+            assert (0, 0, 0) in received[1]  # sent again: no ACK the receiver really sent named it
+    finally:
+        server.close()
+
+
+def test_a_receiver_closing_while_a_reply_is_being_written_still_tells_its_senders(kit: Kit) -> None:
+    """`close` cancels the shipments it expects; the CANCEL to a connection whose thread is writing a reply
+    (an ACK; here the test holds the connection's writer) waits in its writer for that write to end. Before,
+    the socket was closed at once with the CANCEL still queued, and the sender learned of the end only from
+    its refused reconnects, `unavailable_after_s` later (FAILED with PeerUnavailable, not CANCELED)."""
+    receiver = TcpReceiver(kit.verifier)
+    with TcpChannel(receiver.address, num_streams=1, unavailable_after_s=3.0) as channel:
+        transfer, inbound, _, _ = ship(channel, receiver, kit.spec(num_layers=1), num_filled=0)
+        assert _until(lambda: transfer.accepted)
+        (connection,) = receiver._connections._items
+        closing = threading.Thread(target=receiver.close)
+        connection.writer.lock.acquire()  # the connection's own thread is writing
+        try:
+            closing.start()
+            assert _until(lambda: connection.writer.queued > 0)  # the CANCEL, queued behind that write
+        finally:
+            connection.writer.lock.release()
+        closing.join(5)
+        assert inbound.status() is TransferStatus.CANCELED
+        assert transfer.wait(1) is TransferStatus.CANCELED, transfer.error
+        assert "shutting down" in str(transfer.error)
