@@ -52,7 +52,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.api_metrics = api_metrics
         app.state.meter = meter = open_meter(services, metrics)
         # A tenant cached anew (Redis restarted empty, or its entry aged out): its month's spend in Redis rises
-        # to the ledger's sum before its request is admitted, so an emptied Redis never resets a budget.
+        # to the ledger's sum before its request is admitted, so an emptied Redis never resets a budget. Installed
+        # before `warm`, which runs it for every tenant it caches.
         services.tenants.on_fill = lambda t: meter.spend.sync(t.id, meter.ledger)
         try:
             log.info("tenant cache warmed: %d keys", services.tenants.warm())

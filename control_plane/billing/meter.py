@@ -163,13 +163,15 @@ class Meter:
             if regions not in tables:
                 tables[regions] = self.price_table(*regions)
             jobs.append((usage, tables[regions]))
-        with self.spend.settling({usage.tenant for usage, _ in jobs}):  # no sync counts an entry in between
+        with self.spend.settling({usage.tenant for usage, _ in jobs}) as lease:  # no sync counts an entry in between
             results = self.ledger.record_many(jobs)
             written = [entry for entry, inserted in results if inserted]
             try:  # only the writer of an entry settles it: the spend rises once per job (a crash in between: reconcile)
-                self.spend.settle((e.tenant, e.job_id, e.total_usd, e.finished_at) for e in written)
+                late = self.spend.settle(((e.tenant, e.job_id, e.total_usd, e.finished_at) for e in written), lease)
             finally:  # the entries are written: their metrics too (a retry finds them written, and observes nothing)
                 self._observe(written, stages, started)
+        for tenant, ids in late.items():  # the lease ran out before the settle (a stall): a sync counts them instead
+            self.spend.catch_up(tenant, self.ledger, ids)
         return [entry for entry, _ in results]
 
     def _observe(

@@ -2,7 +2,8 @@
 no ledger entry (their API process died between DONE and the write), records the wasted attempts of FAILED /
 CANCELED jobs, raises every tenant's monthly spend in Redis to the ledger's sum, and ends budget reservations
 left behind (a job gone from Redis, a FAILED / CANCELED one, a DONE one billed over `SETTLE_GRACE_S` ago whose
-writer died before settling it). Idempotent: the ledger writes once per job and once per (job, attempt, phase).
+writer died before settling it, once the sync has counted it). Idempotent: the ledger writes once per job and
+once per (job, attempt, phase).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
             except Exception:  # one job that cannot be billed (no price for a region gone) stops no other
                 log.exception("reconcile: job %s of tenant %s; the next sweep tries again", job_id, tenant.id)
         try:
-            meter.spend.sync(tenant.id, meter.ledger)
-            meter.spend.release(tenant.id, left_behind(meter, tenant.id, now))
+            synced = meter.spend.sync(tenant.id, meter.ledger)
+            meter.spend.release(tenant.id, left_behind(meter, tenant.id, now, synced))
         except Exception:
             log.exception("reconcile: the spend of tenant %s; the next sweep tries again", tenant.id)
     return written
@@ -53,8 +54,10 @@ def _reconcile_job(meter: Meter, job_id: str) -> int:
     return 0
 
 
-def left_behind(meter: Meter, tenant: str, now: float) -> list[str]:
-    """The tenant's jobs holding a budget reservation that nothing will end any more."""
+def left_behind(meter: Meter, tenant: str, now: float, synced: bool) -> list[str]:
+    """The tenant's jobs holding a budget reservation that nothing will end any more. `synced`: whether this
+    sweep's sync raised the spend to the ledger's sum; while a settle lease held it off, a billed job's $ may be
+    in neither the spend nor (if its reservation ended here) the reserved sum, so those reservations stay."""
     stale = []
     for job_id in meter.spend.reservations(tenant):
         try:
@@ -64,7 +67,7 @@ def left_behind(meter: Meter, tenant: str, now: float) -> list[str]:
             continue
         ended_unbilled = job["state"] in (JobState.FAILED, JobState.CANCELED)
         billed_long_ago = job["state"] == JobState.DONE and now - float(job["updated_at"]) > SETTLE_GRACE_S
-        # billed_long_ago and in the ledger: the spend sync above counted it
-        if ended_unbilled or (billed_long_ago and meter.ledger.entry(job_id) is not None):
+        # synced, billed long ago and in the ledger: the spend sync above counted it
+        if ended_unbilled or (synced and billed_long_ago and meter.ledger.entry(job_id) is not None):
             stale.append(job_id)
     return stale

@@ -4,14 +4,21 @@ its job (`settle`: one script per tenant adds the entries' $ to the spend and en
 reservations, so the budget never sees a job both reserved and spent, nor neither; one round trip for a
 batch; into the month the job finished in, as the ledger counts it); the reconciliation sweep raises the
 key to the ledger's sum for the month (`sync`: a set-if-greater script, so racing writers never lower it, and
-a bill whose increment was lost in a crash is caught up; skipped while a biller is between its ledger write
-and its settle, `settling`, so no entry is counted twice) and ends reservations left behind (`release`)."""
+a bill whose increment was lost in a crash is caught up) and ends reservations left behind (`release`).
+
+A biller holds a lease on each of its tenants from before its ledger write until after its settle
+(`settling`, `SETTLING_TTL_S` long, in `p:tenant:{t}:settle_leases`: lease id -> deadline on Redis's clock).
+While a live lease is held the sync leaves the spend as it is (its sum may hold an entry whose settle is still
+to come); a settle whose own lease has run out adds nothing (a sync may have counted its entries already:
+the biller counts them with a sync of its own instead). So every entry is counted once, and a biller lost
+between its write and its settle holds the sync off for one lease, however often the tenant is billed."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,25 +30,51 @@ if TYPE_CHECKING:
 
 SPEND_TTL_S = 40 * 86400  # a month's key outlives its month
 
-# KEYS: spend, the tenant's settles under way. Set the spend key to ARGV[1] unless it already holds more (spend
-# only rises within a month), or a biller is between its ledger write and its settle (KEYS[2] > 0): the sum
-# read may hold an entry whose increment is still to come, and counting it here too would count it twice.
-_RAISE_SPEND = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then return tostring(cur) end
-if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
-return tostring(math.max(cur, tonumber(ARGV[1])))
-"""
-SETTLING_TTL_S = 120  # a biller that died between its ledger write and its settle holds no sync off for longer
+SETTLING_TTL_S = 120  # a settle lease's life (s): the longest a biller may take from its ledger write to its settle
 
-# KEYS: spend, reservations hash, their sum. ARGV: $ billed, TTL of the spend key, then the billed jobs' ids:
-# the $ joins the spend and each job's reservation ends, in one step.
+# Lua function: drop the settle leases whose deadline (epoch s) has passed, on Redis's clock.
+_DROP_EXPIRED_FN = """
+local function drop_expired(leases)
+  local t = redis.call('TIME')
+  redis.call('ZREMRANGEBYSCORE', leases, '-inf', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+end
+"""
+
+# KEYS: the tenant's settle leases. ARGV: lease id, its life (s). The key outlives the newest lease by a second.
+_ENTER = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2]), ARGV[1])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]) + 1)
+return 1
+"""
+
+# KEYS: spend, the tenant's settle leases. Set the spend key to ARGV[1] unless it already holds more (spend only
+# rises within a month), or a live lease is held (the sum read may hold an entry whose increment is still to come,
+# and counting it here too would count it twice). Returns 1 when it ran, 0 when held off.
+_RAISE_SPEND = (
+    _DROP_EXPIRED_FN
+    + """
+drop_expired(KEYS[2])
+if redis.call('ZCARD', KEYS[2]) > 0 then return 0 end
+if tonumber(ARGV[1]) > tonumber(redis.call('GET', KEYS[1]) or '0') then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+end
+return 1
+"""
+)
+
+# KEYS: spend, reservations hash, their sum, the tenant's settle leases. ARGV: $ billed, TTL of the spend key, the
+# biller's lease, then the billed jobs' ids: the $ joins the spend and each job's reservation ends, in one step;
+# only while the lease is live (0 when it ran out: nothing done, as a sync may have counted the $ since).
 _SETTLE = (
     RELEASE_RESERVATION_FN
+    + _DROP_EXPIRED_FN
     + """
+drop_expired(KEYS[4])
+if not redis.call('ZSCORE', KEYS[4], ARGV[3]) then return 0 end
 redis.call('INCRBYFLOAT', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-for i = 3, #ARGV do release_reservation(KEYS[2], KEYS[3], ARGV[i]) end
+for i = 4, #ARGV do release_reservation(KEYS[2], KEYS[3], ARGV[i]) end
 return 1
 """
 )
@@ -69,49 +102,69 @@ class TenantSpend:
     def __init__(self, client: Any, jobs: JobStore) -> None:
         self.redis: Any = client
         self.jobs = jobs
+        self._enter = client.register_script(_ENTER)
         self._raise_spend = client.register_script(_RAISE_SPEND)
         self._settle = client.register_script(_SETTLE)
         self._release = client.register_script(_RELEASE)
 
     @contextlib.contextmanager
-    def settling(self, tenants: Iterable[str]) -> Iterator[None]:
-        """Around a biller's ledger write and its `settle`: while any is under way, `sync` leaves the tenant's
-        spend as it is (its sum could count an entry the settle is about to add)."""
-        keys = [self._settling_key(t) for t in sorted(set(tenants))]
+    def settling(self, tenants: Iterable[str]) -> Iterator[str]:
+        """Around a biller's ledger write and its `settle`: a lease on each tenant's spend, `SETTLING_TTL_S` long;
+        yields its id, for `settle`. While it is live, `sync` leaves those tenants' spend as it is (its sum could
+        count an entry the settle is about to add); once it has run out (the biller lost or stalled), it holds no
+        sync off, and the settle adds nothing."""
+        lease = uuid.uuid4().hex
+        keys = [self._leases_key(t) for t in sorted(set(tenants))]
         if keys:
             with self.redis.pipeline(transaction=False) as pipe:
                 for key in keys:
-                    pipe.incr(key)
-                    pipe.expire(key, SETTLING_TTL_S)
+                    self._enter(keys=[key], args=[lease, SETTLING_TTL_S], client=pipe)
                 pipe.execute()
         try:
-            yield
+            yield lease
         finally:
-            if keys:
+            if keys:  # lost (a crash, Redis away): the lease runs out at its deadline all the same
                 with self.redis.pipeline(transaction=False) as pipe:
                     for key in keys:
-                        pipe.decr(key)
+                        pipe.zrem(key, lease)
                     pipe.execute()
 
-    def settle(self, billed: Iterable[tuple[str, str, float, dt.datetime]]) -> None:
-        """Newly written entries, (tenant, job id, $, finished at (UTC)) each: add their $ to each tenant's spend of
-        the month the job finished in (the month the ledger counts it in) and end their jobs' reservations
-        (actual replaces reserved), atomically per tenant and month, in one round trip."""
+    def settle(self, billed: Iterable[tuple[str, str, float, dt.datetime]], lease: str) -> dict[str, list[str]]:
+        """Newly written entries, (tenant, job id, $, finished at (UTC)) each, under `lease` (from `settling`): add
+        their $ to each tenant's spend of the month the job finished in (the month the ledger counts it in) and end
+        their jobs' reservations (actual replaces reserved), atomically per tenant and month, in one round trip.
+        Returns tenant -> job ids of the entries left alone because the lease had run out by then (a stall): the
+        caller counts them with `catch_up`."""
         by_key: dict[tuple[str, str], tuple[float, list[str]]] = {}
         for tenant, job_id, usd, finished_at in billed:
             key = (tenant, self.jobs.spend_key(tenant, _epoch(finished_at)))
             total, ids = by_key.get(key, (0.0, []))
             by_key[key] = (total + usd, [*ids, job_id])
         if not by_key:
-            return
+            return {}
         with self.redis.pipeline(transaction=False) as pipe:
             for (tenant, spend_key), (usd, ids) in by_key.items():
-                keys = [spend_key, *self.jobs.reservation_keys(tenant)]
-                self._settle(keys=keys, args=[repr(usd), SPEND_TTL_S, *ids], client=pipe)
-            pipe.execute()
+                keys = [spend_key, *self.jobs.reservation_keys(tenant), self._leases_key(tenant)]
+                self._settle(keys=keys, args=[repr(usd), SPEND_TTL_S, lease, *ids], client=pipe)
+            done = pipe.execute()
+        late: dict[str, list[str]] = {}
+        for ((tenant, _), (_, ids)), settled in zip(by_key.items(), done, strict=True):
+            if not int(settled):
+                late.setdefault(tenant, []).extend(ids)
+        return late
 
-    def _settling_key(self, tenant: str) -> str:
-        return str(self.jobs.settings.key("tenant", tenant, "settling"))
+    def catch_up(self, tenant: str, ledger: Ledger, job_ids: list[str]) -> bool:
+        """Count entries whose settle came too late (`settle`'s answer): sync the tenant's spend, and then end their
+        jobs' reservations. False (nothing done) while another biller's lease holds the sync off: the
+        reconciliation sweep does both later."""
+        if not self.sync(tenant, ledger):
+            return False
+        self.release(tenant, job_ids)
+        return True
+
+    def _leases_key(self, tenant: str) -> str:
+        # a zset; the name is new (older versions kept a string counter at `settling`, left to expire)
+        return str(self.jobs.settings.key("tenant", tenant, "settle_leases"))
 
     def reservations(self, tenant: str) -> dict[str, float]:
         """Job id -> $ reserved, for the tenant's jobs admitted and not yet billed or ended."""
@@ -124,14 +177,14 @@ class TenantSpend:
             return 0
         return int(self._release(keys=list(self.jobs.reservation_keys(tenant)), args=job_ids))
 
-    def sync(self, tenant: str, ledger: Ledger) -> float:
-        """Raise the tenant's monthly spend to the ledger's sum for the month (unless a biller is between its write
-        and its settle: the next sweep does it); returns the spend now."""
+    def sync(self, tenant: str, ledger: Ledger) -> bool:
+        """Raise the tenant's monthly spend to the ledger's sum for the month; returns whether it did so, False
+        while a live settle lease holds it off (the next sweep does it)."""
         now = time.time()  # one clock read: the month summed is the month whose key is raised
         start, end = month_window(now)
         total = ledger.spend(tenant, start, end)
-        keys = [self.jobs.spend_key(tenant, now), self._settling_key(tenant)]
-        return float(self._raise_spend(keys=keys, args=[repr(total), SPEND_TTL_S]))
+        keys = [self.jobs.spend_key(tenant, now), self._leases_key(tenant)]
+        return bool(int(self._raise_spend(keys=keys, args=[repr(total), SPEND_TTL_S])))
 
 
 def _epoch(t: dt.datetime) -> float:

@@ -6,7 +6,8 @@ logged and the entry ages out within `tenant_cache_ttl_s`. Reads by operators (`
 go to the database; `authenticate` (every request) asks the cache, and on a miss the database, whose answer
 it caches where the cache still holds nothing (a revoke or update written through since that read stays;
 `on_fill` runs for a tenant cached anew: the API raises its monthly spend in Redis to the
-ledger's sum there, so a Redis restarted empty does not reset budgets). `warm` fills the cache at start.
+ledger's sum there, so a Redis restarted empty does not reset budgets). `warm` fills the cache at start,
+running `on_fill` for each tenant too.
 """
 
 from __future__ import annotations
@@ -177,13 +178,18 @@ class TenantStore:
         return tenant
 
     def warm(self) -> int:
-        """Cache every tenant and unrevoked key not cached already (at start); returns the keys read."""
+        """Cache every tenant and unrevoked key not cached already (at start), each tenant after its `on_fill`
+        (install it first); returns the keys read."""
         with self._session() as session:
             tenants = {row.id: _tenant(row) for row in session.scalars(select(TenantRow))}
             keys: dict[str, list[str]] = {}
             for row in session.scalars(select(ApiKeyRow).where(ApiKeyRow.revoked.is_(False))):
                 keys.setdefault(row.tenant_id, []).append(row.digest)
         for tenant in tenants.values():
+            # on_fill first: a tenant cached here is never `_fill`ed, so its budget would read as reset. If it raises,
+            # warm stops with this tenant and the rest uncached: their first requests' fills run it again
+            if self.on_fill is not None:
+                self.on_fill(tenant)
             self.cache.fill(tenant, keys.get(tenant.id, []))
         return sum(len(k) for k in keys.values())
 

@@ -147,6 +147,29 @@ def test_the_admin_view_names_every_tenant_the_ledger_bills_after_redis_is_empti
     assert [(t["id"], t["name"]) for t in admin_view(meter)["tenants"]] == [(acme.id, "acme")]
 
 
+def test_warm_raises_each_tenants_spend_before_caching_it(services: Services) -> None:
+    """Redis restarted empty, then an API starts: `warm` caches every tenant, so no request's fill syncs its
+    spend; warm runs `on_fill` (app.py's spend sync) itself, and the month's spend billed already still counts."""
+    from prfaas.control_plane.billing.costs import JobUsage, PriceTable
+    from prfaas.control_plane.billing.meter import open_meter
+    from prfaas.control_plane.jobs.errors import AdmissionRefused
+
+    store = services.tenants
+    meter = open_meter(services)
+    store.on_fill = lambda t: meter.spend.sync(t.id, meter.ledger)  # what app.py installs before warm
+    acme = store.create("acme", TenantChanges(budget_usd=2.0))
+    _, full = store.issue_key(acme.id)
+    usage = JobUsage(job_id="j1", tenant=acme.id, model="tiny-llama", prefill_region="r", decode_region="r",
+                     prefill_gpu_s=3600.0, decode_gpu_s=3600.0, tokens_in=10, tokens_out=2)  # fmt: skip
+    assert meter.ledger.record(usage, PriceTable({"r": 1.0}, {})).total_usd == 2.0  # the month's budget, spent
+    _empty_redis(services)
+    assert store.warm() == 1
+    tenant = store.authenticate(full)  # a cache hit: no fill
+    assert tenant == acme and services.jobs.spend(acme.id) == 2.0
+    with pytest.raises(AdmissionRefused, match="budget"):
+        services.jobs.admit(acme.id, tenant.quota)
+
+
 def test_request_objective_defaults_round_trip_through_database_and_cache(services: Services) -> None:
     store = services.tenants
     tenant = store.create("slo", TenantChanges(ttft_slo_ms=1500.0, kv_codec="int8"))

@@ -112,11 +112,11 @@ class SettleFailsOnce(TenantSpend):
 
     failed = False
 
-    def settle(self, billed: object) -> None:
+    def settle(self, billed: object, lease: str) -> dict[str, list[str]]:
         if not self.failed:
             self.failed = True
             raise redis.ConnectionError("Redis away")
-        super().settle(billed)  # type: ignore[arg-type]
+        return super().settle(billed, lease)  # type: ignore[arg-type]
 
 
 def test_a_bill_whose_settle_fails_after_the_ledger_write_is_still_in_the_metrics(

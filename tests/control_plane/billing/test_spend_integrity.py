@@ -52,13 +52,14 @@ def test_a_sync_between_a_write_and_its_settle_counts_the_entry_once(settings: S
     jobs = JobStore(client, settings)
     spend = TenantSpend(client, jobs)
     tenant = "t-" + uuid.uuid4().hex[:8]
-    with spend.settling([tenant]):
+    with spend.settling([tenant]) as lease:
         [(entry, inserted)] = ledger.record_many([(_usage(tenant, dt.datetime.now(dt.UTC)), PRICES)])
         assert inserted and entry.total_usd == pytest.approx(0.001)
-        assert spend.sync(tenant, ledger) == 0.0  # the sweep lands here: it leaves the spend to the settle
-        spend.settle([(tenant, entry.job_id, entry.total_usd, entry.finished_at)])
+        assert not spend.sync(tenant, ledger)  # the sweep lands here: it leaves the spend to the settle
+        assert jobs.spend(tenant) == 0.0
+        assert spend.settle([(tenant, entry.job_id, entry.total_usd, entry.finished_at)], lease) == {}
     assert jobs.spend(tenant) == pytest.approx(0.001)
-    assert spend.sync(tenant, ledger) == pytest.approx(0.001)  # and later sweeps agree with the ledger
+    assert spend.sync(tenant, ledger)  # and later sweeps agree with the ledger
     assert jobs.spend(tenant) == pytest.approx(0.001)
 
 
@@ -71,8 +72,9 @@ def test_a_bill_lands_in_the_month_its_job_finished(settings: Settings, ledger: 
     tenant = "t-" + uuid.uuid4().hex[:8]
     this_month = dt.datetime.now(dt.UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     last_second = this_month - dt.timedelta(seconds=2)
-    [(entry, _)] = ledger.record_many([(_usage(tenant, last_second), PRICES)])
-    spend.settle([(tenant, entry.job_id, entry.total_usd, entry.finished_at)])
+    with spend.settling([tenant]) as lease:
+        [(entry, _)] = ledger.record_many([(_usage(tenant, last_second), PRICES)])
+        spend.settle([(tenant, entry.job_id, entry.total_usd, entry.finished_at)], lease)
     assert jobs.spend(tenant) == 0.0  # this month's key
     previous = client.get(jobs.spend_key(tenant, last_second.timestamp()))
     assert previous is not None and float(previous) == pytest.approx(0.001)

@@ -240,7 +240,8 @@ def test_billing_settles_the_reservation_once(store: JobStore) -> None:
     job = store.create("acme", {}, quota, reserve_usd=0.4).job_id
     store.transition(job, JobState.LOCAL, 1)
     store.transition(job, JobState.DONE, 1)
-    spend.settle([("acme", job, 0.25, dt.datetime.now(dt.UTC))])  # the ledger entry's $ replaces the prediction
+    with spend.settling(["acme"]) as lease:  # the ledger entry's $ replaces the prediction
+        spend.settle([("acme", job, 0.25, dt.datetime.now(dt.UTC))], lease)
     assert (store.spend("acme"), store.reserved("acme")) == (pytest.approx(0.25), 0.0)
     assert spend.release("acme", [job]) == 0 and spend.reservations("acme") == {}
     later = store.create("acme", {}, quota, reserve_usd=0.75).job_id  # 0.25 spent + 0.75 fits
