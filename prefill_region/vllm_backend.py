@@ -4,7 +4,9 @@ A job is one vLLM request for one token carrying `prfaas_ship` params: the prfaa
 ships each layer's KV to the decode region as vLLM computes it, or, to a decode region on
 the same machine, all of it right after the forward (`vllm.ship`; the wire format of the HF
 backend's shipments, so either engine decodes it); the backend then waits for the
-shipment's outcome. vLLM frees the KV once it is shipped, so there is nothing to reship.
+shipment's outcome. The shipment outlives vLLM's request (it is still on the wire after the first
+token), so a job that ends first cancels it in the server (`_Shipment`: no shipment outlives its job).
+vLLM frees the KV once it is shipped, so there is nothing to reship.
 The job's sampling is vLLM's for step 0 (engine/vllm/sampling.py: one choice per job), with
 the first token's logprobs and the prompt's when asked.
 
@@ -18,10 +20,14 @@ as it is).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prfaas.engine.base import ModelFacts
+from prfaas.engine.errors import EngineError
 from prfaas.engine.kv import hash_token_ids
 from prfaas.engine.sampling import SamplingParams
 from prfaas.engine.vllm.params import ShipParams, layerwise_for
@@ -33,6 +39,46 @@ from prfaas.prefill_region.destination import Destination
 from prfaas.region.errors import InvalidRequest, NotFound
 from prfaas.transport.identity import server_name
 from prfaas.transport.pathmeter import PathReport
+
+log = logging.getLogger(__name__)
+CANCEL_TIMEOUT_S = 5.0  # a cancel_shipment call on the server (loopback, no compute)
+
+
+class _Shipment:
+    """One job's shipment from the vLLM server, canceled there once if the job ends before it does."""
+
+    def __init__(self, vllm: VLLMEngine, kv_params: dict[str, Any]) -> None:
+        self.vllm, self.kv_params = vllm, kv_params
+        self._lock = threading.Lock()
+        self._ended = False  # its outcome came: nothing to cancel
+        self._canceling: threading.Thread | None = None
+
+    def ended(self) -> None:
+        with self._lock:
+            self._ended = True
+
+    def cancel_soon(self) -> None:
+        """The job's cancel (`job.attach`): on a thread of its own, as whatever stopped the job (a Cancel, the
+        caller leaving, the deadline) must not wait on the server."""
+        with self._lock:
+            if self._ended or self._canceling is not None:
+                return
+            self._canceling = threading.Thread(target=self._cancel, name="vllm-cancel-shipment", daemon=True)
+            self._canceling.start()  # under the lock: `cancel` never joins a thread not started
+
+    def cancel(self) -> None:
+        """`run` leaving by an exception: canceled before it returns (bounded by CANCEL_TIMEOUT_S)."""
+        self.cancel_soon()
+        with self._lock:
+            thread = self._canceling
+        if thread is not None:
+            thread.join(CANCEL_TIMEOUT_S + 1.0)
+
+    def _cancel(self) -> None:
+        try:
+            self.vllm.cancel_shipment(self.kv_params, CANCEL_TIMEOUT_S)
+        except EngineError as exc:  # a server gone took its transfers with it; a hung one's time out at the deadline
+            log.warning("canceling the KV shipment of job %s failed: %s", self.kv_params["prfaas_ship"]["job_id"], exc)
 
 
 class VLLMPrefill:
@@ -62,6 +108,16 @@ class VLLMPrefill:
                           layerwise_for(address.host, self.ship),
                           server_name=server_name(region) if region else None)  # fmt: skip
         kv_params = ship.to_kv_params()
+        shipment = _Shipment(self.vllm, kv_params)
+        # before the request: a Cancel during the forward also stops a shipment the forward's last step opened
+        job.attach(shipment.cancel_soon)
+        try:
+            return self._run(work, job, kv_params, shipment)
+        except BaseException:
+            shipment.cancel()  # however run ends early (a stop, an error of the server's): the shipment with it
+            raise
+
+    def _run(self, work: PrefillWork, job: JobProgress, kv_params: dict[str, Any], shipment: _Shipment) -> Shipped:
         t0 = time.monotonic()
         sampling = salted(vllm_sampling(work.params, "prefill"), work.cache_salt)
         try:  # a Cancel (or the region stopping) aborts the request in vLLM, not at the job's deadline
@@ -80,6 +136,7 @@ class VLLMPrefill:
         while outcome is None:  # in short slices: a Cancel or the deadline ends the wait
             job.check()
             outcome = self.vllm.wait_shipped(kv_params, min(1.0, max(0.01, work.deadline - time.monotonic())))
+        shipment.ended()
         if outcome["status"] != "completed":
             job.cancel(shipment_error(outcome))
             raise JobStopped

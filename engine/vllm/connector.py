@@ -19,7 +19,8 @@ One engine can do both roles; each request says which in its `kv_transfer_params
   sender thread that gathers and sends every layer after the forward, so the step, and
   the first token, do not wait for it.
   `request_finished` keeps the blocks until the transfer has ended (`get_finished`
-  reports it), then vLLM frees them: no block is freed under the sender, none stranded.
+  reports it), then vLLM frees them: no block is freed under the sender, none stranded. A
+  shipment whose job ends first is canceled through the link (`KVLink.cancel_shipment`).
 - `prfaas_load` (decode region). `get_num_new_matched_tokens` claims the whole prompt,
   loaded asynchronously; `start_load_kv` starts a loader thread that copies each layer
   into the request's paged blocks as it arrives. A shipment that fails, is refused or
@@ -233,6 +234,7 @@ class PrfaasConnector(KVConnectorBase_V1):
         transfer = self._link.channel(p.address, p.server_name).submit(shipment)
         link = self._link
         transfer.cell.on_terminal(lambda _status: link.activity.set())  # a step then reports it, frees the blocks
+        link.sending(p.job_id, p.attempt, transfer)  # its job's end cancels it (`KVLink.cancel_shipment`)
         if kv_layer.device.type == "cuda":  # one pool for every shipment of this worker (sender threads race here)
             with self._lock:
                 if self._copier is None:
@@ -274,6 +276,8 @@ class PrfaasConnector(KVConnectorBase_V1):
             out = self._open_shipment(job, self._caches[min(self._caches)])
             assert out is not None
             for index, cache in sorted(self._caches.items()):
+                if out.transfer.status().terminal:  # canceled (its job ended): gather no more
+                    break
                 k, v = gather_layer(cache, job.block_ids, job.num_tokens, k_transposed=self._k_transposed)
                 feed_layer(out.shipment, out.staged, index, k, v)
                 out.layers_added.add(index)

@@ -244,6 +244,11 @@ class VLLMHost:
     def wait_shipped(self, params: ShipParams, timeout_s: float) -> ShipOutcome | None:
         return self.link.wait_shipped(params.job_id, params.attempt, timeout_s)
 
+    def cancel_shipment(self, params: ShipParams) -> bool:
+        """Cancel the shipment of that job's attempt (`KVLink.cancel_shipment`: idempotent; True if one was in
+        flight). vLLM's request is not touched: abort it (`abort`) if it still runs."""
+        return self.link.cancel_shipment(params.job_id, params.attempt)
+
     def num_free_blocks(self, timeout_s: float = 30.0) -> int:
         """Free blocks in vLLM's KV block pool (read on the loop thread, between steps)."""
 

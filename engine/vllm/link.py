@@ -4,9 +4,10 @@ vLLM builds the connector itself from `kv_transfer_config`, so the process that 
 the engine cannot hand it objects. Both meet here instead, by the engine's `engine_id`:
 the worker-side connector creates the `KVLink` (KV receiver port, outbound channels);
 the host registers the shipments a decode will wait for (`expect`) *before* it hands the
-request to vLLM, so a shipment that arrives first is never refused, and waits for a
-prefill's shipment outcome (`wait_shipped`). Only meaningful when the engine core runs
-in the host's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, which `VLLMHost` sets).
+request to vLLM, so a shipment that arrives first is never refused, waits for a
+prefill's shipment outcome (`wait_shipped`), and cancels a prefill's shipment when its job
+ends (`cancel_shipment`). Only meaningful when the engine core runs in the host's process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, which `VLLMHost` sets).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from typing import Any
 
 from prfaas.transport.api import TransferStatus
 from prfaas.transport.inbound import Inbound
+from prfaas.transport.outbound import OutboundTransfer
 from prfaas.transport.tcp_receiver import TcpReceiver
 from prfaas.transport.tcp_sender import TcpChannel
 from prfaas.transport.tickets import TicketVerifier
 from prfaas.transport.tls import NodeCert, client_context, server_context
 
 ENDED_KEPT = 1024  # failed registrations remembered for a Decode that comes after (`KVLink.take`)
+SHIP_CANCELS_KEPT = 4096  # canceled shipments remembered, so one whose transfer opens after is canceled as it opens
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class KVLink:
         self._ended: OrderedDict[tuple[str, int], Inbound] = OrderedDict()
         self._channels: dict[tuple[tuple[str, int], str | None], TcpChannel] = {}
         self._outcomes: dict[tuple[str, int], ShipOutcome] = {}  # (job id, attempt) -> how its shipment ended
+        self._sending: dict[tuple[str, int], list[OutboundTransfer]] = {}  # (job id, attempt) -> live transfers
+        self._ship_canceled: OrderedDict[tuple[str, int], None] = OrderedDict()  # the most recent SHIP_CANCELS_KEPT
         # Set when the connector's background work ends (a load, a shipment) and when a
         # request arrives: the host's loop waits on it instead of stepping an engine that has
         # nothing to run.
@@ -141,6 +146,46 @@ class KVLink:
                     address, node=self.node, ssl_context=self._client_tls, server_hostname=server_name
                 )
             return channel
+
+    def sending(self, job_id: str, attempt: int, transfer: OutboundTransfer) -> None:
+        """The connector opened `transfer` for that attempt's shipment: `cancel_shipment` reaches it until it
+        ends. Canceled at once if the shipment was canceled before (its job ended while vLLM computed it)."""
+        key = (job_id, attempt)
+        with self._lock:
+            canceled = key in self._ship_canceled
+            if not canceled:
+                self._sending.setdefault(key, []).append(transfer)
+        if canceled:
+            transfer.cancel()
+            return
+        transfer.cell.on_terminal(lambda _status: self._sent(key, transfer))
+        if transfer.status().terminal:  # ended before the callback was in place: it will not come
+            self._sent(key, transfer)
+
+    def _sent(self, key: tuple[str, int], transfer: OutboundTransfer) -> None:
+        with self._lock:
+            live = [t for t in self._sending.get(key, ()) if t is not transfer]
+            if live:
+                self._sending[key] = live
+            else:
+                self._sending.pop(key, None)
+
+    def cancel_shipment(self, job_id: str, attempt: int) -> bool:
+        """Cancel that attempt's outbound shipment (its prefill job ended: canceled, past its deadline, its
+        caller gone): a transfer in flight ends CANCELED and its receiver is sent CANCEL; the connector then
+        frees the blocks and records the outcome (`wait_shipped`) as for any other end. One that opens later
+        is canceled as it opens. Idempotent, and harmless when the shipment already ended or never started.
+        True if a live transfer was canceled."""
+        key = (job_id, attempt)
+        with self._lock:
+            self._ship_canceled[key] = None
+            self._ship_canceled.move_to_end(key)
+            while len(self._ship_canceled) > SHIP_CANCELS_KEPT:
+                self._ship_canceled.popitem(last=False)
+            live = [t for t in self._sending.pop(key, ()) if not t.status().terminal]
+        for transfer in live:
+            transfer.cancel()
+        return bool(live)
 
     def record_shipped(self, job_id: str, attempt: int, outcome: ShipOutcome) -> None:
         with self._lock:

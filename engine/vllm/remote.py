@@ -43,7 +43,7 @@ from prfaas.transport.tls import NodeCert
 log = logging.getLogger(__name__)
 # Where `make vllm-install` puts the vLLM environment: the repository root (editable install).
 DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # engine/vllm/ -> root
-CONTROL_TIMEOUT_S = 30.0  # expect, wait_shipped polling: calls that do no compute
+CONTROL_TIMEOUT_S = 30.0  # expect, wait_shipped polling, cancel_shipment: calls that do no compute
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,13 @@ class VLLMEngine:
         """The shipment's outcome ({"status", "raw_bytes", "wire_bytes", "seconds", "error"}),
         or None if it has not ended within `timeout_s`."""
         result: dict[str, Any] | None = self._call(lambda: self.client.wait_shipped(kv_params, timeout_s))
+        return result
+
+    def cancel_shipment(self, kv_params: dict[str, Any], timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
+        """Cancel the shipment these `prfaas_ship` params started (its job ended), within `timeout_s`: its
+        receiver is sent CANCEL and vLLM frees its blocks. Idempotent; harmless once it ended or if it never
+        started (one that opens after is canceled as it opens). True if one was in flight."""
+        result: bool = self._call(lambda: self.client.cancel_shipment(kv_params, timeout_s))
         return result
 
     def close(self) -> None:

@@ -108,6 +108,9 @@ def _serve_one(host: Any, conn: Connection, authkey: bytes) -> None:
                 kv_params, timeout_s = args
                 outcome = host.wait_shipped(ShipParams.parse(kv_params["prfaas_ship"]), timeout_s)
                 result = None if outcome is None else {**asdict(outcome), "status": outcome.status.value}
+            elif op == "cancel_shipment":
+                (kv_params,) = args
+                result = host.cancel_shipment(ShipParams.parse(kv_params["prfaas_ship"]))
             else:
                 raise ValueError(f"unknown operation {op!r}")
             conn.send(("ok", result))
@@ -331,6 +334,11 @@ class VLLMClient:
     def wait_shipped(self, kv_params: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
         result: dict[str, Any] | None = self._call("wait_shipped", (kv_params, timeout_s), timeout_s + 5)
         return result
+
+    def cancel_shipment(self, kv_params: dict[str, Any], timeout_s: float = 30.0) -> bool:
+        """Cancel the outbound shipment of the request these `prfaas_ship` params named (its job ended):
+        idempotent, harmless once it ended or if it never started; True if one was in flight."""
+        return bool(self._call("cancel_shipment", (kv_params,), timeout_s))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The KV connector's bookkeeping, on a real `PrfaasConnector` made from a real `VllmConfig` (no engine
 started): what a failed load reports, what the worker keeps of finished requests, shipment outcomes by
-attempt."""
+attempt, a shipment canceled when its job ends."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 
 from prfaas.engine.vllm.layout import load_blocks
 from prfaas.engine.vllm.link import ShipOutcome
-from prfaas.engine.vllm.params import LoadParams
+from prfaas.engine.vllm.params import LoadParams, ShipParams
 from prfaas.transport.api import TransferStatus
 from prfaas.transport.tcp_receiver import TcpReceiver
-from prfaas.transport.tickets import TicketVerifier
+from prfaas.transport.tickets import TicketSigner, TicketVerifier
 
 if TYPE_CHECKING:
     from prfaas.engine.vllm.connector import PrfaasConnector
@@ -102,5 +102,54 @@ def test_a_load_whose_request_vllm_aborted_stops_waiting_and_asks_no_recompute(w
         assert worker.get_block_ids_with_load_errors() == set()
         assert worker.get_transfer_results(set()).finished_recving == {"aborted"}
         assert worker._loading == {} and worker._dropped_loads == set()
+    finally:
+        link.receiver.close()
+
+
+def test_a_shipment_canceled_on_the_wire_ends_canceled_and_the_receiver_sees_it(worker: PrfaasConnector) -> None:
+    """A prefill job that ends while its shipment is still going (vLLM's request finished, the receiver slow)
+    cancels it through the link (`cancel_shipment`, what the server's call reaches): the transfer ends CANCELED
+    at once instead of at its 60 s deadline, the receiver gets the CANCEL, the connector frees the blocks and
+    records the outcome. Again: harmless. A shipment canceled before its transfer opens is canceled as it opens."""
+    from prfaas.engine.staging import feed_layer
+    from prfaas.engine.vllm.jobs import ShipJob
+    from prfaas.engine.vllm.layout import gather_layer
+
+    link = worker._link
+    assert link is not None
+    key = b"k" * 32
+    link.receiver = TcpReceiver(TicketVerifier({"k1": key}))  # the decode region's KV port
+    try:
+        host, port = link.receiver.address
+        worker._caches = {0: torch.zeros(8, 2, BLOCK, 16), 1: torch.zeros(8, 2, BLOCK, 16)}  # 2 layers
+
+        def ship_job(job_id: str, req_id: str) -> ShipJob:
+            ticket = TicketSigner({"k1": key}, "k1").issue(job_id, 1, "tenant-a", 1 << 30, ttl_s=60)
+            return ShipJob(req_id, ShipParams(job_id, 1, ticket, f"{host}:{port}", "lossless", 60.0), (3, 4), 32)
+
+        job = ship_job(str(uuid.uuid4()), "req")
+        inbound = link.expect(job.params.job_id, 1, 60.0)
+        worker._ship_reqs.add("req")  # as start_load_kv records it
+        out = worker._open_shipment(job, worker._caches[0])
+        assert out is not None
+        k, v = gather_layer(worker._caches[0], job.block_ids, job.num_tokens)
+        feed_layer(out.shipment, None, 0, k, v)  # layer 1 is still to come: the transfer stays in flight
+        inbound.layer(0, timeout_s=10)  # on the wire: the receiver has layer 0
+        assert out.transfer.status() is TransferStatus.IN_FLIGHT
+
+        started = time.monotonic()
+        assert link.cancel_shipment(job.params.job_id, 1) is True
+        assert out.transfer.wait(2) is TransferStatus.CANCELED
+        assert inbound.wait(5) is TransferStatus.CANCELED  # the CANCEL reached the receiver
+        assert time.monotonic() - started < 5
+        assert link.cancel_shipment(job.params.job_id, 1) is False  # it ended: nothing left to cancel
+        assert worker.get_transfer_results({"req"}).finished_sending == {"req"}  # vLLM frees the blocks
+        outcome = link.wait_shipped(job.params.job_id, 1, 1)
+        assert outcome is not None and outcome.status is TransferStatus.CANCELED
+
+        early = ship_job(str(uuid.uuid4()), "early")  # its job ended while vLLM still computed it
+        assert link.cancel_shipment(early.params.job_id, 1) is False
+        opened = worker._open_shipment(early, worker._caches[0])
+        assert opened is not None and opened.transfer.status() is TransferStatus.CANCELED
     finally:
         link.receiver.close()
