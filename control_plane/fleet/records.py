@@ -52,8 +52,9 @@ class InstanceRecord(Load):
     model_fingerprint: str
     kv_buffer_bytes: int
     heartbeat_interval_s: float
-    last_beat_at: float
+    last_beat_at: float  # s since the epoch, on Redis's clock (TIME): every reader ages it on the same clock
     drained: bool  # an operator drained its region
+    registered_at: float = 0.0  # when it last registered, Redis's clock (0: a record written before the field)
     suspect: bool = False  # a call to it just failed UNAVAILABLE: no new work until that mark expires
     prefix_block_tokens: int = 0  # its prefix cache's block size; 0: none
     prefix_blocks: frozenset[str] = frozenset()  # short digests of the prompt blocks its prefix cache holds
@@ -93,12 +94,16 @@ class RegionRecord(Load):
     drained: bool
     prefix_blocks: frozenset[str] = frozenset()  # held by any healthy instance
     kv_dtype: str = ""  # as its latest registration says (its instances agree: fleet/registry.py)
+    kv_largest_free_bytes: int = 0  # the most free in one healthy instance: the largest reservation it takes
+    heartbeat_interval_s: float = 0.0  # the longest its live instances beat at (all of them when none is live)
 
     @staticmethod
     def of(instances: list[InstanceRecord]) -> RegionRecord:
-        newest = max(instances, key=lambda i: i.last_beat_at)  # a region's facts as its latest registration says
         healthy = [i for i in instances if i.healthy]
         live = [i for i in instances if i.alive]
+        # a region's facts (price, GPU type, role) as its latest registration says, a live one's if any: by
+        # last beat, they flipped with every beat between instances registered with different prices
+        newest = max(live or instances, key=lambda i: (i.registered_at, i.instance))
         totals: dict[str, Any] = {field: sum(getattr(i, field) for i in healthy) for field in SUMMED}
         for field in RATES:
             rates = [getattr(i, field) for i in healthy if getattr(i, field) > 0]
@@ -109,6 +114,8 @@ class RegionRecord(Load):
             alive=bool(live), draining=bool(live) and all(i.draining for i in live),
             heartbeat_age_s=min(i.heartbeat_age_s for i in instances),
             prefix_blocks=frozenset().union(*(i.prefix_blocks for i in healthy)), kv_dtype=newest.kv_dtype,
+            kv_largest_free_bytes=max((i.kv_free_bytes for i in healthy), default=0),
+            heartbeat_interval_s=max(i.heartbeat_interval_s for i in live or instances),
             **totals,
         )  # fmt: skip
 
@@ -127,15 +134,19 @@ class RegionRecord(Load):
                 return i
         raise RegionNotFound(f"instance {self.name}/{name} is not alive")
 
-    def pick(self, exclude: frozenset[str] = frozenset(), prefix: tuple[str, ...] = ()) -> InstanceRecord:
-        """The healthy instance new work goes to: the one holding the longest run of the prompt's
-        leading blocks (`prefix`, short digests), then the least loaded, then the most KV room;
-        RegionNotFound when none is left (all dead, draining or in `exclude`, by key)."""
+    def pick(
+        self, exclude: frozenset[str] = frozenset(), prefix: tuple[str, ...] = (), kv_bytes: int = 0
+    ) -> InstanceRecord:
+        """The healthy instance new work goes to: of those whose free KV buffer holds `kv_bytes` (the
+        reservation a decode instance takes; all of them when none does), the one holding the longest
+        run of the prompt's leading blocks (`prefix`, short digests), then the least loaded, then the
+        most KV room; RegionNotFound when none is left (all dead, draining or in `exclude`, by key)."""
         candidates = [i for i in self.healthy_instances if i.key not in exclude]
         if not candidates:
             raise RegionNotFound(f"region {self.name} has no healthy instance left")
-        return min(candidates, key=lambda i: (-cached_run(prefix, i.prefix_blocks), i.load, -i.kv_free_bytes,
-                                              i.instance))  # fmt: skip
+        fit = [i for i in candidates if i.kv_free_bytes >= kv_bytes]  # a prefix hit is no use where it is refused
+        return min(fit or candidates, key=lambda i: (-cached_run(prefix, i.prefix_blocks), i.load, -i.kv_free_bytes,
+                                                     i.instance))  # fmt: skip
 
 
 def cached_run(prefix: tuple[str, ...], held: frozenset[str]) -> int:

@@ -4,16 +4,17 @@ machines, or one process on a laptop); each instance `Register`s and `Heartbeat`
 Redis so every API process and Celery worker sees the same fleet. An instance that misses
 `heartbeat_misses` beats in a row is dead; one silent for `forget_after_s` is forgotten.
 
-The scheduler sees regions (`snapshot()`: each region's capacity and load summed over its
-healthy instances); a placement then runs on one instance of each chosen region (`pick`:
-the least loaded healthy one), so an instance that joins or dies changes where new work
-goes and nothing else. Links (RTT, bandwidth, egress price) between regions are configured
-by operators through the admin API; the prefill regions' heartbeats report what their KV
-senders measure on each path, and `links()` gives the configured links moved by those
-measurements (fleet/links.py).
+The scheduler sees regions (`snapshot()`, built by fleet/snapshots.py: each region's capacity
+and load summed over its healthy instances); a placement then runs on one instance of each
+chosen region (`pick`: one with room for the KV, holding most of the prompt, the least loaded),
+so an instance that joins or dies changes where new work goes and nothing else. Links (RTT,
+bandwidth, egress price) between regions are configured by operators through the admin API;
+the prefill regions' heartbeats report what their KV senders measure on each path, and
+`links()` gives the configured links moved by those measurements (fleet/links.py).
 
 Keys (prefix `p`): `p:instances` set of `region/instance`, `p:instance:{region}/{instance}`
-hash (registration, last load, `last_beat_at`), `p:suspect:{region}/{instance}` (a call to it
+hash (registration with `registered_at`, last load, `last_beat_at`: both on Redis's clock,
+TIME, as every reader ages them), `p:suspect:{region}/{instance}` (a call to it
 failed UNAVAILABLE; expires after `heartbeat_misses` intervals), `p:region:{name}:drained`
 flag (an operator drained the region), `p:links` hash `src>dst` -> JSON (configured),
 `p:link_estimates` hash `src>dst` -> JSON (measured, `LinkEstimate`).
@@ -22,31 +23,22 @@ flag (an operator drained the region), `p:links` hash `src>dst` -> JSON (configu
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import math
 import re
-import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import redis
 from pydantic import ValidationError
 
-from prfaas.control_plane.billing.prices import PriceBook, price_book
+from prfaas.control_plane.billing.prices import price_book
 from prfaas.control_plane.fleet.links import LinkEstimate, effective, merged, stored_estimate
 from prfaas.control_plane.fleet.records import DEFAULT_INSTANCE, InstanceRecord, RegionNotFound, RegionRecord
-from prfaas.control_plane.scheduling.snapshot import (
-    KV_DTYPE_BYTES,
-    ClusterSnapshot,
-    KVDtype,
-    Link,
-    ModelShape,
-    Region,
-    Role,
-    kv_dtypes_alike,
-)
+from prfaas.control_plane.fleet.snapshots import snapshot_of
+from prfaas.control_plane.scheduling.plugin_registry import validation_message
+from prfaas.control_plane.scheduling.snapshot import KV_DTYPE_BYTES, ClusterSnapshot, Link, ModelShape, kv_dtypes_alike
 from prfaas.control_plane.settings import Settings
 from prfaas.protos.prfaas.v1 import registry_pb2
 from prfaas.region.channels import MAX_PREFIX_BLOCKS
@@ -54,8 +46,6 @@ from prfaas.transport.identity import INSTANCE_ID, REGION_NAME
 
 log = logging.getLogger(__name__)
 
-FALLBACK_PREFILL_TPS = 2000.0  # tokens/s assumed until a region measures its own
-FALLBACK_DECODE_TPS = 50.0
 PARSED_BLOCKS_KEPT = 256  # instances' parsed prefix block sets kept (about 4 per instance)
 FORGET_AFTER_BEATS = 60  # an instance silent this many intervals (at least 5 minutes) is forgotten
 MAX_HEARTBEAT_INTERVAL_S = 60.0  # as a region's config allows: a longer one would keep a dead instance alive
@@ -127,14 +117,14 @@ class RegionRegistry:
                 )
         if request.kv_dtype and request.kv_dtype not in KV_DTYPE_BYTES:
             raise ValueError(f"kv_dtype {request.kv_dtype!r} is none of {', '.join(KV_DTYPE_BYTES)}")
-        token = uuid.uuid4().hex[:16]
+        token, now = uuid.uuid4().hex[:16], self.clock()
         fields: dict[str, Any] = {
             "name": request.name, "instance": instance, "token": token, "role": request.role,
             "gpu_type": request.gpu_type or "cpu", "num_workers": max(1, request.num_workers),
             "usd_per_gpu_hour": request.usd_per_gpu_hour, "grpc_endpoint": request.grpc_endpoint,
             "kv_endpoint": request.kv_endpoint, "model": request.model, "model_fingerprint": request.model_fingerprint,
             "kv_buffer_bytes": request.kv_buffer_bytes, "heartbeat_interval_s": interval,
-            "last_beat_at": time.time(), "queue_depth": 0, "busy_workers": 0, "kv_used_bytes": 0,
+            "last_beat_at": now, "registered_at": now, "queue_depth": 0, "busy_workers": 0, "kv_used_bytes": 0,
             "kv_free_bytes": request.kv_buffer_bytes, "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0,
             "draining": 0, "prefix_block_tokens": request.prefix_block_tokens, "prefix_version": -1, "prefix": "",
             "kv_dtype": request.kv_dtype, "queue_limit": request.queue_limit,
@@ -156,12 +146,16 @@ class RegionRegistry:
     def heartbeat(self, request: registry_pb2.HeartbeatRequest) -> bool:
         """Record a beat; True when the instance must register again (unknown or stale token)."""
         key = self._key(request.name, request.instance or DEFAULT_INSTANCE)
-        known = self.redis.hget(key, "token")
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(key, "token")
+            pipe.time()
+            known, clock = pipe.execute()
+        now = _seconds(clock)
         if known is None or not hmac.compare_digest(known, request.region_id.encode()):
             return True
         load = request.load
         fields: dict[str, Any] = {
-            "last_beat_at": time.time(), "queue_depth": load.queue_depth, "busy_workers": load.busy_workers,
+            "last_beat_at": now, "queue_depth": load.queue_depth, "busy_workers": load.busy_workers,
             "kv_used_bytes": load.kv_used_bytes, "kv_free_bytes": load.kv_free_bytes,
             "prefill_tokens_per_s": _rate(load.prefill_tokens_per_s),
             "decode_tokens_per_s": _rate(load.decode_tokens_per_s), "draining": int(load.draining),
@@ -175,10 +169,16 @@ class RegionRegistry:
             fields |= {"prefix_version": load.prefix_version, "prefix": ",".join(blocks)}
         self.redis.hset(key, mapping=fields)
         if load.links:
-            self._measured(request.name, load.links, request.instance or DEFAULT_INSTANCE)
+            self._measured(request.name, load.links, request.instance or DEFAULT_INSTANCE, now)
         return False
 
-    def _measured(self, src: str, reports: Sequence[registry_pb2.LinkReport], sender: str) -> None:
+    def clock(self) -> float:
+        """Now, s since the epoch, on Redis's clock (TIME). Beats are stamped and aged on it, not on the hosts':
+        an API process whose clock ran 4 s ahead of the one that took a 1 s-interval region's beat found it
+        dead (and one behind kept a dead region alive)."""
+        return _seconds(self.redis.time())
+
+    def _measured(self, src: str, reports: Sequence[registry_pb2.LinkReport], sender: str, now: float) -> None:
         """Fold a heartbeat's link reports into the estimates (read, update, write: two
         instances of one region beating at the same instant may lose one report, which the
         smoothing absorbs)."""
@@ -193,19 +193,21 @@ class RegionRegistry:
         for report in reports:
             by_peer.setdefault(f"{src}>{report.peer_region}", []).append(report)
         for field in estimates:
-            estimates[field] = estimates[field].updated(merged(by_peer[field]), sender=sender)
+            estimates[field] = estimates[field].updated(merged(by_peer[field]), now, sender)
         self.redis.hset(key, mapping={field: e.model_dump_json() for field, e in estimates.items()})
 
-    def link_estimates(self) -> dict[tuple[str, str], LinkEstimate]:
-        """The measured links; one unreadable or not refreshed for ESTIMATE_KEPT_S is deleted here."""
+    def link_estimates(self, now: float | None = None) -> dict[tuple[str, str], LinkEstimate]:
+        """The measured links; one unreadable or not refreshed for ESTIMATE_KEPT_S is deleted here. `now`:
+        Redis's clock (read here when not given), which the estimates are stamped on."""
         key = self.settings.key("link_estimates")
+        now = self.clock() if now is None else now
         estimates, dropped = {}, []
         for field, raw in self.redis.hgetall(key).items():
             try:
                 e = LinkEstimate.model_validate_json(raw)
             except ValidationError:  # written by an older version, or by hand
                 e = None
-            if e is None or e.age_s() > ESTIMATE_KEPT_S:
+            if e is None or e.age_s(now) > ESTIMATE_KEPT_S:
                 dropped.append(field)
             else:
                 estimates[(e.src, e.dst)] = e
@@ -224,9 +226,10 @@ class RegionRegistry:
                 pipe.exists(self.settings.key("suspect", key))
             for name in regions:
                 pipe.exists(self._drained_key(name))
-            replies = pipe.execute()
+            pipe.time()  # beats are aged on the clock they were stamped on (`clock`)
+            *replies, clock = pipe.execute()
         drained = {name: bool(flag) for name, flag in zip(regions, replies[2 * len(keys) :], strict=True)}
-        now = time.time()
+        now = _seconds(clock)
         records, gone = [], []
         for key, raw, suspect in zip(keys, replies[: 2 * len(keys) : 2], replies[1 : 2 * len(keys) : 2], strict=True):
             try:
@@ -280,6 +283,7 @@ class RegionRegistry:
             grpc_endpoint=f["grpc_endpoint"], kv_endpoint=f["kv_endpoint"], model=f["model"],
             model_fingerprint=f["model_fingerprint"], kv_buffer_bytes=int(f["kv_buffer_bytes"]),
             heartbeat_interval_s=interval, last_beat_at=float(f["last_beat_at"]),
+            registered_at=float(f.get("registered_at", 0.0)),
             queue_depth=int(f["queue_depth"]), busy_workers=int(f["busy_workers"]),
             kv_used_bytes=int(f["kv_used_bytes"]), kv_free_bytes=int(f["kv_free_bytes"]),
             prefill_tokens_per_s=float(f["prefill_tokens_per_s"]), decode_tokens_per_s=float(f["decode_tokens_per_s"]),
@@ -321,15 +325,24 @@ class RegionRegistry:
         return bool(self.redis.hdel(self.settings.key("links"), f"{src}>{dst}"))
 
     def configured_links(self) -> list[Link]:
-        raw = self.redis.hgetall(self.settings.key("links"))
-        return sorted((Link.model_validate(json.loads(v)) for v in raw.values()), key=lambda x: (x.src, x.dst))
+        """The links operators configured; one stored that does not validate (written before a bound was added,
+        by a newer version or by hand) is logged and left out: it would fail every snapshot, every placement."""
+        links = []
+        for field, raw in self.redis.hgetall(self.settings.key("links")).items():
+            try:
+                links.append(Link.model_validate_json(raw))
+            except ValidationError as exc:  # not JSON, too
+                log.warning("configured link %s left out: %s: %s", field.decode(errors="replace"),
+                            *validation_message(exc))  # fmt: skip
+        return sorted(links, key=lambda x: (x.src, x.dst))
 
     def links(self) -> list[Link]:
         """The configured links, moved by fresh measurements (fleet/links.py `effective`)."""
         if not self.settings.measure_links:
             return self.configured_links()
-        estimates = self.link_estimates()
-        return [effective(link, estimates.get((link.src, link.dst))) for link in self.configured_links()]
+        now = self.clock()
+        estimates = self.link_estimates(now)
+        return [effective(link, estimates.get((link.src, link.dst)), now) for link in self.configured_links()]
 
     def snapshot(self, model: ModelShape, exclude: frozenset[str] = frozenset()) -> ClusterSnapshot:
         """The fleet as the scheduler sees it: regions (dead, drained or excluded ones marked
@@ -340,61 +353,18 @@ class RegionRegistry:
     def snapshot_of(
         self, records: list[RegionRecord], links: list[Link], model: ModelShape, exclude: frozenset[str] = frozenset()
     ) -> ClusterSnapshot:
-        priors = _rate_priors(records)
-        regions = []
-        for r in records:
-            try:
-                regions.append(self._region(r, exclude, self.prices, priors.get(r.gpu_type, {})))
-            except ValidationError as exc:  # one region's odd figures never stop placement in the others
-                log.warning("region %s left out of the snapshot: %s", r.name, exc)
-        names = {r.name for r in regions}
-        kept = tuple(link for link in links if link.src in names and link.dst in names)
-        return ClusterSnapshot(taken_at_s=time.time(), model=model, regions=tuple(regions), links=kept)
-
-    @staticmethod
-    def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook, prior: dict[str, float]) -> Region:
-        left = [i for i in r.healthy_instances if i.key not in exclude]
-        if left and len(left) < len(r.healthy_instances):  # capacity, load and cache of what a retry may use
-            r = RegionRecord.of([i for i in r.instances if i.key not in exclude])
-        decode_tps = r.decode_tokens_per_s or prior.get("decode_tokens_per_s") or FALLBACK_DECODE_TPS
-        prefill_tps = r.prefill_tokens_per_s or prior.get("prefill_tokens_per_s") or FALLBACK_PREFILL_TPS
-        on_demand = prices.on_demand(r.name)
-        workers = max(1, r.num_workers)
-        return Region(
-            name=r.name, role=Role(r.role), gpu_type=r.gpu_type, num_gpus=workers, num_workers=workers,
-            usd_per_gpu_hour=r.usd_per_gpu_hour if on_demand is None else on_demand,
-            spot_usd_per_gpu_hour=prices.spot(r.name), queue_depth=r.queue_depth,
-            num_busy_workers=min(r.busy_workers, workers),
-            kv_buffer_free_bytes=r.kv_free_bytes if r.role != "prefill" else 0,
-            kv_buffer_bytes=r.kv_used_bytes + r.kv_free_bytes if r.role != "prefill" else 0,
-            prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
-            tpot_ms=1000.0 / decode_tps, healthy=bool(left) and r.name not in exclude,
-            heartbeat_age_s=r.heartbeat_age_s, cached_prefix_hashes=r.prefix_blocks,
-            # a decode region reports its queue in jobs (each holds a worker for its whole generation), not tokens
-            queued_prefill_tokens=None if r.role == "decode" else r.queued_prefill_tokens,
-            running_prefill_tokens=r.running_prefill_tokens, mean_prefill_s=r.mean_job_s,
-            queue_capacity=r.queue_limit or None,  # its instances' together
-            decode_running=r.decode_running, decode_slots=r.decode_slots,
-            kv_dtype=cast(KVDtype | None, r.kv_dtype or None),  # checked at registration
-        )  # fmt: skip
+        return snapshot_of(records, links, model, self.prices, exclude)
 
 
 def _webrtc(kv_endpoint: str) -> bool:
     return any(part.strip().startswith("webrtc://") for part in kv_endpoint.split(","))
 
 
+def _seconds(clock: tuple[int, int]) -> float:
+    """Redis's TIME reply (seconds, microseconds) in seconds."""
+    return clock[0] + clock[1] / 1e6
+
+
 def _rate(value: float) -> float:
     """A reported rate, or 0 (unmeasured) when it is not one a region can reach."""
     return value if MIN_RATE <= value <= MAX_RATE else 0.0  # NaN fails both
-
-
-def _rate_priors(records: list[RegionRecord]) -> dict[str, dict[str, float]]:
-    """Per GPU type, the mean rates the regions that measured them report: what a region that
-    has run no job yet is assumed to reach. A fixed low fallback would make it look slower and
-    dearer than every measured region, so it would never get the job that measures it."""
-    sums: dict[str, dict[str, list[float]]] = {}
-    for r in records:
-        for field in ("prefill_tokens_per_s", "decode_tokens_per_s"):
-            if getattr(r, field):
-                sums.setdefault(r.gpu_type, {}).setdefault(field, []).append(getattr(r, field))
-    return {gpu: {field: sum(v) / len(v) for field, v in fields.items()} for gpu, fields in sums.items()}

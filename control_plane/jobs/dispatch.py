@@ -35,6 +35,7 @@ from prfaas.control_plane.jobs.attempts import Attempts, Enqueue
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Lease, Leases, process_id
 from prfaas.control_plane.jobs.objectives import slo_ms
+from prfaas.control_plane.jobs.placement import decode_instance
 from prfaas.control_plane.jobs.prefix import cache_salt, pins, prefix_hashes
 from prfaas.control_plane.jobs.records import first_fields, job_request, placed_fields, ready_info, sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
@@ -181,8 +182,9 @@ class Dispatcher:
                              "prfaas.codec": decision.codec or ""})  # fmt: skip
         tracing.span_at("worker.placement", span, deciding_ns, time.time_ns())
         prefix = prefix_hashes(job)
-        try:  # one instance of each region: the one holding most of the prompt, else the least loaded
-            decode = self.s.regions.get(decision.decode_region).pick(excluded, prefix)
+        try:  # of each region the instance holding most of the prompt, else the least loaded; decode: one with room
+            decode = decode_instance(self.s.regions.get(decision.decode_region), self.s.model.shape,
+                                     int(job["prompt_tokens"]), excluded, prefix)  # fmt: skip
             prefill = self.s.regions.get(decision.prefill_region).pick(excluded, prefix)
         except RegionNotFound as exc:  # it left since the snapshot (drained, aged out): the next snapshot has it not
             raise PlaceAgain(f"placement: {exc}") from exc

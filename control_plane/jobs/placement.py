@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from prfaas.control_plane.fleet.records import RegionNotFound, RegionRecord
+from prfaas.control_plane.fleet.records import InstanceRecord, RegionNotFound, RegionRecord
 from prfaas.control_plane.jobs.records import job_request, placed_fields, ready_info
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.jobs.store import HandedOff
@@ -29,7 +29,7 @@ from prfaas.control_plane.scheduling.costmodel import CostModel
 from prfaas.control_plane.scheduling.decision import Decision, Mode
 from prfaas.control_plane.scheduling.errors import PlacementRejected
 from prfaas.control_plane.scheduling.request import Request
-from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot
+from prfaas.control_plane.scheduling.snapshot import ClusterSnapshot, ModelShape
 from prfaas.control_plane.services import Services
 
 
@@ -41,6 +41,18 @@ class Placed:
     predicted_usd: float
     handed_off: HandedOff | None = None
     fields: dict[str, object] = field(default_factory=dict)
+
+
+def decode_instance(
+    region: RegionRecord,
+    shape: ModelShape,
+    prompt_tokens: int,
+    exclude: frozenset[str] = frozenset(),
+    prefix: tuple[str, ...] = (),
+) -> InstanceRecord:
+    """The decode region's instance a job's reservation goes to: one whose free KV buffer holds it (the prompt's
+    KV in the region's dtype, what Reserve asks for), then as `RegionRecord.pick` ranks them."""
+    return region.pick(exclude, prefix, prompt_tokens * shape.kv_bytes_at(region.kv_dtype))
 
 
 def predicted_usd(decision: Decision | None, snapshot: ClusterSnapshot, request: Request, costs: CostModel) -> float:
@@ -88,7 +100,8 @@ class AdmissionPlacer:
         if decision is None or decision.mode is not Mode.LOCAL or not hand_off:
             return Placed(usd)
         try:
-            decode = records[decision.decode_region].pick(prefix=request.prefix_block_hashes)
+            decode = decode_instance(records[decision.decode_region], self.s.model.shape, request.prompt_tokens,
+                                     prefix=request.prefix_block_hashes)  # fmt: skip
             prefill = records[decision.prefill_region].pick(prefix=request.prefix_block_hashes)
         except RegionNotFound:
             return Placed(usd)  # gone since the view was read: Celery decides on a fresh one

@@ -18,14 +18,21 @@ class _Plugin(BaseModel):
 
 class HealthFilter(_Plugin):
     """`health`: cut regions that report unhealthy or whose last heartbeat is older than
-    `max_heartbeat_age_s` (default 15 s: three missed 5 s heartbeats)."""
+    `max_heartbeat_age_s` (default 15 s: three missed 5 s heartbeats) or, for a region that says
+    how often it beats, `max_missed_heartbeats` of its intervals when that is longer: a region may
+    beat every 60 s, and the registry counts it alive for its missed beats, not a fixed age (a
+    fixed 15 s cut it between beats)."""
 
     reason: ClassVar[RejectReason] = RejectReason.UNHEALTHY
     max_heartbeat_age_s: float = Field(default=15.0, gt=0, allow_inf_nan=False)
+    max_missed_heartbeats: float = Field(default=3.0, gt=0, allow_inf_nan=False)  # the registry's default
 
     def keep(self, ctx: Context, candidate: Candidate) -> bool:
         region = candidate.region
-        return region.healthy and region.heartbeat_age_s <= self.max_heartbeat_age_s
+        limit_s = self.max_heartbeat_age_s
+        if region.heartbeat_interval_s is not None:
+            limit_s = max(limit_s, self.max_missed_heartbeats * region.heartbeat_interval_s)
+        return region.healthy and region.heartbeat_age_s <= limit_s
 
 
 class ResidencyFilter(_Plugin):
@@ -38,14 +45,15 @@ class ResidencyFilter(_Plugin):
 
 
 class CapacityFilter(_Plugin):
-    """`capacity`: decode stage, cut regions whose free KV buffer cannot hold the request's KV
-    (prompt plus new tokens); prefill stage, cut regions whose prefill queue is full."""
+    """`capacity`: decode stage, cut regions where no instance's free KV buffer can hold the
+    request's KV (prompt plus new tokens: one reservation lands on one instance, so the free
+    bytes summed over them overstate it); prefill stage, cut regions whose prefill queue is full."""
 
     reason: ClassVar[RejectReason] = RejectReason.CAPACITY
 
     def keep(self, ctx: Context, candidate: Candidate) -> bool:
         if ctx.stage is Stage.DECODE:
-            return candidate.region.kv_buffer_free_bytes >= ctx.kv_bytes_needed(candidate.region)
+            return candidate.region.kv_reservable_bytes >= ctx.kv_bytes_needed(candidate.region)
         return not candidate.region.queue_full
 
 

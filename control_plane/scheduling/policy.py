@@ -134,14 +134,42 @@ def policy_from_mapping(document: Mapping[str, Any]) -> PolicyConfig:
 
 
 def parse_policy(text: str) -> PolicyConfig:
-    """Validate a YAML policy document."""
+    """Validate a YAML policy document. A key repeated in one mapping is an error naming it (YAML
+    loaders keep the last silently: a section tuned at the top and left below was lost)."""
     try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        _refuse_repeated_keys(node, "", set())
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PolicyConfigError("", f"policy is not valid YAML: {exc}") from None
     if not isinstance(document, dict):
         raise PolicyConfigError("", f"policy must be a YAML mapping, got {type(document).__name__}")
     return policy_from_mapping(document)
+
+
+def _refuse_repeated_keys(node: yaml.Node | None, path: str, seen: set[int]) -> None:
+    """PolicyConfigError naming the dotted path of a key a mapping under `node` repeats, and its lines.
+    `seen`: nodes walked already (an alias names its anchor's node again; it may even hold itself)."""
+    if node is None or id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_repeated_keys(item, f"{path}[{i}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        first_line: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                _refuse_repeated_keys(value, path, seen)  # a complex key is refused by the schema; `<<` merges
+                continue
+            where = f"{path}.{key.value}" if path else str(key.value)
+            line = key.start_mark.line + 1
+            if (key.tag, key.value) in first_line:
+                raise PolicyConfigError(
+                    where, f"key repeated (lines {first_line[key.tag, key.value]} and {line}): keep one"
+                )
+            first_line[key.tag, key.value] = line
+            _refuse_repeated_keys(value, where, seen)
 
 
 def load_policy(path: str | Path) -> PolicyConfig:

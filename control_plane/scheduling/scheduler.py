@@ -13,6 +13,7 @@ Pure: no I/O, no clock except `perf_counter` for the per-plugin timings in the t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -251,16 +252,29 @@ class GlobalScheduler:
             cutter = next(name for name, labels in filtered.cut.items() if local.label in labels)
             return best_split, f"split via {best_split.label}: local was cut by filter {cutter!r}"
         here = local.estimate
-        cost_gain = 1.0 - split.total_usd / here.total_usd if here.total_usd > 0 else 0.0
-        ttft_gain = 1.0 - split.ttft_s / here.ttft_s if here.ttft_s > 0 else 0.0
+        cost_gain = gain(split.total_usd, here.total_usd)
+        ttft_gain = gain(split.ttft_s, here.ttft_s)
         figures = (
-            f"${split.total_usd:.6f} vs ${here.total_usd:.6f} local ({cost_gain:+.1%} cheaper), "
-            f"TTFT {split.ttft_s * 1000:.0f} ms vs {here.ttft_s * 1000:.0f} ms local ({ttft_gain:+.1%} faster)"
+            f"${split.total_usd:.6f} vs ${here.total_usd:.6f} local ({_percent(cost_gain, 'cheaper')}), "
+            f"TTFT {split.ttft_s * 1000:.0f} ms vs {here.ttft_s * 1000:.0f} ms local ({_percent(ttft_gain, 'faster')})"
         )
         if cost_gain >= self.rule.min_cost_gain or ttft_gain >= self.rule.min_ttft_gain:
             return best_split, f"split via {best_split.label}: {figures}"
         margins = f"split needs {self.rule.min_cost_gain:.0%} cheaper or {self.rule.min_ttft_gain:.0%} faster"
         return local, f"local: split via {best_split.label} would be {figures}; {margins}"
+
+
+def gain(split: float, local: float) -> float:
+    """How much less the split's figure (dollars, TTFT) is than local's, as a fraction of local's. Local at 0
+    (a region priced $0): 0 when the split is 0 too, else -inf, worse than any margin (a 0 here let a dearer,
+    slower split pass `min_cost_gain: 0`)."""
+    if local > 0:
+        return 1.0 - split / local
+    return 0.0 if split <= 0 else -math.inf
+
+
+def _percent(fraction: float, better: str) -> str:
+    return f"{fraction:+.1%} {better}" if math.isfinite(fraction) else f"not {better}: local's is 0"
 
 
 def _decision(chosen: Candidate, local: Candidate, explanation: Explanation) -> Decision:

@@ -68,6 +68,12 @@ class Region(BaseModel):
     kv_buffer_bytes: int | None = Field(
         default=None, ge=0, description="the whole KV buffer (free + reserved), bytes; None: not reported"
     )
+    kv_buffer_largest_free_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="the most KV one reservation can take, bytes: the largest free buffer of one of its instances "
+        "(a reservation lands on one, however much the others have free); None: kv_buffer_free_bytes",
+    )
     prefill_tokens_per_s: PosFloat = Field(description="measured prefill throughput of one worker, tokens/s")
     decode_tokens_per_s: PosFloat = Field(description="measured decode throughput of one worker, all sequences, tok/s")
     tpot_ms: PosFloat = Field(description="measured time per output token of one sequence at current load, ms")
@@ -78,6 +84,9 @@ class Region(BaseModel):
     )
     healthy: bool = True
     heartbeat_age_s: NonNegFloat = Field(default=0.0, description="seconds since the last heartbeat")
+    heartbeat_interval_s: PosFloat | None = Field(
+        default=None, description="seconds between its heartbeats (its instances' longest); None: not reported"
+    )
     cached_prefix_hashes: frozenset[str] = Field(
         default=frozenset(), description="chained hashes of the prompt blocks in this region's prefix cache"
     )
@@ -107,6 +116,12 @@ class Region(BaseModel):
     @property
     def gpus_per_worker(self) -> float:
         return self.num_gpus / self.num_workers
+
+    @property
+    def kv_reservable_bytes(self) -> int:
+        """The most KV buffer one decode reservation can take here, bytes."""
+        largest = self.kv_buffer_largest_free_bytes
+        return self.kv_buffer_free_bytes if largest is None else min(largest, self.kv_buffer_free_bytes)
 
     @property
     def queue_full(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -18,6 +19,9 @@ from test_link_estimates import LINK, link_report
 
 from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.fleet.server import serve_registry
+from prfaas.control_plane.jobs.placement import decode_instance
+from prfaas.control_plane.scheduling import Request, Slo, build_scheduler
+from prfaas.control_plane.scheduling.errors import InsufficientCapacity, NoHealthyRegion
 from prfaas.control_plane.scheduling.snapshot import Link, ModelShape
 from prfaas.protos.prfaas.v1 import registry_pb2, registry_pb2_grpc
 from prfaas.region.channels import TlsFiles, channel
@@ -27,6 +31,7 @@ from prfaas.transport.tls import init_certs
 
 INTERVAL_S = 0.2
 MODEL = ModelShape(name="tiny-llama", num_layers=4, kv_bytes_per_token=1024)
+MiB = 2**20
 
 
 @pytest.fixture
@@ -448,3 +453,98 @@ def test_a_load_that_cannot_be_read_once_does_not_end_the_heartbeats(registry: t
         time.sleep(INTERVAL_S / 4)
     assert failed and beater.seq >= 2 and reg.get("d-b").alive
     beater.stop()
+
+
+ROOMY = registry_pb2.Load(kv_free_bytes=1 << 30, decode_tokens_per_s=40.0)
+SHORT = Request(request_id="r", tenant="t", prompt_tokens=100, max_new_tokens=10, slo=Slo(ttft_ms=60_000, tpot_ms=1000))
+
+
+def _join(reg: RegionRegistry, name: str, instance: str = "", load: registry_pb2.Load = ROOMY, **fields: Any) -> str:
+    """Register an instance (fields override the registration) and beat once with `load`; -> its token."""
+    registration = _registration(name, "decode", 4.0, instance)
+    for field, value in fields.items():
+        setattr(registration, field, value)
+    token = reg.register(registration)
+    assert not reg.heartbeat(registry_pb2.HeartbeatRequest(name=name, region_id=token, instance=instance, load=load))
+    return token
+
+
+def test_a_region_beating_every_30_s_is_placed_between_its_beats(registry: tuple[RegionRegistry, str]) -> None:
+    """A region may beat every 60 s; the registry counts it alive for 3 missed intervals, and the snapshot
+    carries its interval so the default policy's `health` filter ages it alike. (Before, the filter's fixed
+    15 s cut a live region from 15 s after each beat to the next.)"""
+    reg, _address = registry
+    _join(reg, "d-b", heartbeat_interval_s=30.0)
+    beat_key = reg.settings.key("instance", "d-b/0")
+    reg.redis.hset(beat_key, "last_beat_at", time.time() - 29)  # its next beat is due in 1 s
+    snapshot = reg.snapshot(MODEL)
+    assert build_scheduler().decide(snapshot, SHORT).decode_region == "d-b"
+    assert snapshot.region("d-b").heartbeat_interval_s == 30.0 and snapshot.region("d-b").heartbeat_age_s >= 29
+    reg.redis.hset(beat_key, "last_beat_at", time.time() - 91)  # 3 beats missed: dead for both
+    with pytest.raises(NoHealthyRegion):
+        build_scheduler().decide(reg.snapshot(MODEL), SHORT)
+
+
+def test_a_reservation_goes_to_an_instance_whose_kv_buffer_holds_it(registry: tuple[RegionRegistry, str]) -> None:
+    """A decode reservation lands on one instance: the snapshot carries the largest free buffer of one (what
+    the `capacity` filter checks) and `pick` takes an instance that holds the KV before a prefix hit. (Before,
+    the sum over instances passed and `pick` chose by prefix, then load: a 600 MiB reservation went to the
+    instance with 100 MiB free, which refused it.)"""
+    reg, _address = registry
+    blocks = [f"{i:016x}" for i in range(1, 9)]
+    with_prefix = registry_pb2.Load(kv_free_bytes=100 * MiB, prefix_included=True, prefix_version=1,
+                                    prefix_blocks=blocks)  # fmt: skip
+    _join(reg, "d-b", "a", with_prefix)
+    _join(reg, "d-b", "b", registry_pb2.Load(kv_free_bytes=2048 * MiB))
+    snap = reg.snapshot(MODEL).region("d-b")
+    assert (snap.kv_buffer_free_bytes, snap.kv_buffer_largest_free_bytes) == (2148 * MiB, 2048 * MiB)
+    region, prefix = reg.get("d-b"), tuple(blocks)
+    assert region.pick(prefix=prefix).instance == "a"  # no size asked: the prefix first, as ever
+    assert region.pick(prefix=prefix, kv_bytes=600 * MiB).instance == "b"
+    assert region.pick(prefix=prefix, kv_bytes=4096 * MiB).instance == "a"  # none holds it: as if unsized
+    # what dispatch and admission ask for: the prompt's KV in the region's dtype (1 KiB a token here)
+    assert decode_instance(region, MODEL, 600 * 1024, prefix=prefix).instance == "b"
+    assert decode_instance(region, MODEL, 50 * 1024, prefix=prefix).instance == "a"
+
+    for instance in ("a", "b"):  # d-c: 3000 MiB free in all, 1500 MiB in each
+        _join(reg, "d-c", instance, registry_pb2.Load(kv_free_bytes=1500 * MiB, decode_tokens_per_s=40.0))
+    big = SHORT.model_copy(update={"prompt_tokens": 2000 * 1024 - 10, "allowed_regions": frozenset({"d-c"})})
+    with pytest.raises(InsufficientCapacity):  # 2,000 MiB of KV (1 KiB a token): no instance holds it
+        build_scheduler().decide(reg.snapshot(MODEL), big)
+
+
+def test_a_regions_price_and_gpu_are_its_latest_registrations(registry: tuple[RegionRegistry, str]) -> None:
+    """Two live instances registered with different prices and GPU types: the region's are those of the
+    latest registration, whichever beats (before: the last to beat; the price flipped with every beat), of
+    the latest live one once it dies."""
+    reg, _address = registry
+    tokens = {"a": _join(reg, "d-b", "a", usd_per_gpu_hour=2.0, gpu_type="H100")}
+    tokens["b"] = _join(reg, "d-b", "b", usd_per_gpu_hour=9.0, gpu_type="H200")
+    for instance in ("a", "b", "a"):
+        request = registry_pb2.HeartbeatRequest(name="d-b", region_id=tokens[instance], instance=instance, load=ROOMY)
+        assert not reg.heartbeat(request)
+        region = reg.snapshot(MODEL).region("d-b")
+        assert (region.usd_per_gpu_hour, region.gpu_type) == (9.0, "H200"), f"after {instance} beat"
+    reg.redis.hset(reg.settings.key("instance", "d-b/b"), "last_beat_at", time.time() - 10)  # b died
+    region = reg.snapshot(MODEL).region("d-b")
+    assert (region.usd_per_gpu_hour, region.gpu_type) == (2.0, "H100")
+
+
+def test_beats_are_stamped_and_aged_on_redis_clock(
+    registry: tuple[RegionRegistry, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every API process and Celery worker stamps and ages beats on Redis's clock (TIME), not its own. (Before,
+    a reader whose clock ran 4 s ahead of the process that took a 1 s-interval region's beat found it dead, and
+    one 10 s behind stamped its beats and link estimates 10 s in the past.)"""
+    reg, _address = registry
+    reg.set_link(LINK)
+    _join(reg, "pre", heartbeat_interval_s=1.0)
+    _join(reg, "dec", heartbeat_interval_s=1.0)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 4.0)  # this host's clock, 4 s ahead
+    assert reg.get("pre").alive and reg.snapshot(MODEL).region("dec").healthy
+    monkeypatch.setattr(time, "time", lambda: real() - 10.0)  # 10 s behind: its beats are stamped as now
+    _join(reg, "pre", heartbeat_interval_s=1.0, load=registry_pb2.Load(links=[link_report(2.0)]))
+    monkeypatch.setattr(time, "time", real)
+    assert reg.get("pre").instances[0].last_beat_at == pytest.approx(reg.clock(), abs=1.0)
+    assert reg.link_estimates()[("pre", "dec")].updated_at == pytest.approx(reg.clock(), abs=1.0)

@@ -20,7 +20,8 @@ from pydantic import ValidationError
 from test_link_estimates import link_report
 
 from prfaas.control_plane.fleet.links import LinkEstimate
-from prfaas.control_plane.fleet.registry import ESTIMATE_KEPT_S, FALLBACK_DECODE_TPS, RegionRegistry
+from prfaas.control_plane.fleet.registry import ESTIMATE_KEPT_S, RegionRegistry
+from prfaas.control_plane.fleet.snapshots import FALLBACK_DECODE_TPS
 from prfaas.control_plane.scheduling.costmodel import CostModel
 from prfaas.control_plane.scheduling.request import Priority
 from prfaas.control_plane.scheduling.scorers import relative_to_best
@@ -223,3 +224,17 @@ def test_the_served_models_fingerprint_is_the_regions_engines() -> None:
 
     assert ServedModel("tiny-llama").fingerprint == ModelFacts.read("tiny-llama", "float32").fingerprint
     assert ServedModel("tiny-llama", "pinned").fingerprint == "pinned"
+
+
+def test_a_stored_link_that_no_longer_validates_is_left_out_not_fatal(reg: RegionRegistry) -> None:
+    """A configured link stored before a bound was added (an RTT over 60 s), by hand or not JSON is logged and
+    left out; the others and every region stay. (Before, it made every snapshot raise: no placement at all.)"""
+    for name, role in (("dec", "decode"), ("pre", "prefill")):
+        assert not _beat(reg, name, _register(reg, name, role))
+    reg.set_link(Link(src="pre", dst="dec", rtt_ms=40.0, bandwidth_gbps=10.0))
+    key = reg.settings.key("links")
+    reg.redis.hset(key, "old>dec", '{"src": "old", "dst": "dec", "rtt_ms": 70000, "bandwidth_gbps": 10}')
+    reg.redis.hset(key, "hand>dec", "{not json")
+    assert [(link.src, link.dst) for link in reg.configured_links()] == [("pre", "dec")]
+    snapshot = reg.snapshot(MODEL)
+    assert [r.name for r in snapshot.regions] == ["dec", "pre"] and len(snapshot.links) == 1

@@ -3,6 +3,7 @@ Each row says what the scheduler must choose and why."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from prfaas.control_plane.scheduling import (
     default_policy,
     policy_from_mapping,
 )
+from prfaas.control_plane.scheduling.decision import decision_json
 from prfaas.control_plane.scheduling.errors import (
     InsufficientCapacity,
     LinksSaturated,
@@ -272,3 +274,48 @@ def test_kv_is_counted_in_each_regions_dtype_and_splits_only_between_alike_regio
     decision = SCHEDULER.decide(unlike.model_copy(update={"model": model}), request())
     assert decision.mode is Mode.LOCAL  # a decode region refuses KV of another dtype: no split candidate
     assert "0 split candidates" in str(decision.explanation)
+
+
+def test_a_region_is_aged_by_its_own_heartbeat_interval() -> None:
+    """The `health` filter allows a region `max_missed_heartbeats` (3) of its own intervals when that is
+    longer than `max_heartbeat_age_s` (15 s): the registry counts a region beating every 30 s (regions may
+    beat every 60 s) alive for 90 s. (Before, it was cut 15 s after each beat though alive.)"""
+    every_30_s = {"heartbeat_interval_s": 30.0}
+    between_beats = fleet(regions={"pre-cheap": every_30_s | {"heartbeat_age_s": 29.0}})
+    decision = SCHEDULER.decide(between_beats, request())
+    assert decision.prefill_region == "pre-cheap" and "health" not in decision.explanation.stages[1].cut
+    three_missed = fleet(regions={"pre-cheap": every_30_s | {"heartbeat_age_s": 91.0}})  # 91 s > 3 x 30 s
+    decision = SCHEDULER.decide(three_missed, request())
+    assert decision.prefill_region == "pre-mid" and decision.explanation.stages[1].cut["health"] == ["pre-cheap"]
+    beating_fast = fleet(regions={"pre-cheap": {"heartbeat_interval_s": 1.0, "heartbeat_age_s": 16.0}})
+    assert SCHEDULER.decide(beating_fast, request()).prefill_region == "pre-mid"  # 15 s, the policy's floor
+
+
+def test_a_region_whose_kv_room_is_split_over_instances_cannot_take_a_reservation_none_holds() -> None:
+    """A reservation lands on one instance: the `capacity` filter checks the largest free buffer of one, not
+    the sum. 40,200 tokens x 16 KiB = 659 MB; dec-east has 1 GB free over two instances of 500 MB each.
+    (Before, the sum passed and the reservation was refused by the instance it landed on.)"""
+    split_room = {"kv_buffer_free_bytes": 1_000_000_000, "kv_buffer_largest_free_bytes": 500_000_000}
+    decision = SCHEDULER.decide(fleet(regions={"dec-east": split_room}), request())
+    assert decision.decode_region == "dec-west" and decision.explanation.stages[0].cut == {"capacity": ["dec-east"]}
+    one_holds = split_room | {"kv_buffer_largest_free_bytes": 700_000_000}
+    assert SCHEDULER.decide(fleet(regions={"dec-east": one_holds}), request()).decode_region == "dec-east"
+
+
+def test_a_free_local_region_is_not_beaten_by_a_dearer_slower_split() -> None:
+    """min_cost_gain 0 ('split when at least as cheap'), dec-east priced $0: any split costs more (prefill GPUs,
+    egress), so it gains -inf, not 0 %, and local stays. (Before, a $0 local counted as a 0 % gain and the
+    dearer, slower split won.)"""
+    document = default_policy().model_dump()
+    document["disaggregation"]["min_cost_gain"] = 0.0
+    at_par = build_scheduler(policy_from_mapping(document))
+    free = fleet(regions={"dec-east": {"usd_per_gpu_hour": 0.0}})  # local TTFT 2.0 s, split 2.69 s
+    decision = at_par.decide(free, request())
+    assert decision.mode is Mode.LOCAL and decision.decode_region == "dec-east"
+    assert "not cheaper: local's is 0" in decision.explanation.verdict
+    assert json.loads(decision_json(decision))["explanation"]["verdict"] == decision.explanation.verdict
+    from prfaas.control_plane.scheduling.scheduler import gain  # here: the figures above are the spec
+
+    assert gain(0.0, 0.0) == 0.0 and gain(0.01, 0.0) == -math.inf and gain(1.0, 4.0) == 0.75
+    decision = at_par.decide(fleet(regions={"dec-east": {"usd_per_gpu_hour": 8.0}}), request())
+    assert decision.mode is Mode.SPLIT  # a priced local still loses to the cheaper split

@@ -139,6 +139,38 @@ def test_bad_policy_is_a_typed_error_naming_the_field(text: str, field: str, mes
     assert message in str(info.value)
 
 
+DECODE_FILTERS = "profiles:\n  decode:\n    filters:\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "lines"),
+    [
+        # a tuned section added at the top, the old one left below: the later silently won
+        ("disaggregation: {min_uncached_tokens: 4000}\n" + DEFAULT_POLICY_YAML, "disaggregation", "lines 1 and "),
+        # a second `filters:` in one profile dropped the first list (health and residency with it)
+        (
+            DEFAULT_POLICY_YAML.replace(DECODE_FILTERS, DECODE_FILTERS + "      - {type: capacity}\n    filters:\n"),
+            "profiles.decode.filters",
+            "lines ",
+        ),
+        # within one flow mapping of a list entry
+        (
+            DEFAULT_POLICY_YAML.replace("{type: residency}", "{type: residency, type: slo}", 1),
+            "profiles.decode.filters[1].type",
+            "lines ",
+        ),
+    ],
+    ids=["top-level section", "profile list", "flow mapping"],
+)
+def test_a_key_repeated_in_the_policy_is_an_error_naming_it(text: str, field: str, lines: str) -> None:
+    """YAML loaders keep a repeated key's last value and say nothing; a policy refuses it, naming the key's
+    path and both lines. (Before, these loaded, the operator's first value lost.)"""
+    with pytest.raises(PolicyConfigError) as info:
+        parse_policy(text)
+    assert info.value.field == field
+    assert "key repeated" in info.value.message and lines in info.value.message
+
+
 def test_unknown_plugin_type_error_lists_known_types() -> None:
     with pytest.raises(UnknownPluginType) as info:
         build_scheduler(parse_policy(_with_prefill(filters=[{"type": "moon-phase"}])))
