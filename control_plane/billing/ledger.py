@@ -22,6 +22,8 @@ from prfaas.control_plane.billing.models import UsageEntry, WastedAttempt
 from prfaas.control_plane.billing.queries import GroupBy, GroupTotal
 from prfaas.control_plane.db.engine import make_engine
 
+IN_CHUNK = 500  # ids per `IN (...)`: well under SQLite's 999 bound parameters of older builds
+
 
 class Ledger:
     """The ledger at `url` (`Settings.ledger.url`); `schema`: PostgreSQL schema of its tables; `migrate`: bring
@@ -129,6 +131,26 @@ class Ledger:
     def entry(self, job_id: str) -> UsageEntry | None:
         with self.session() as s:
             return s.scalars(select(UsageEntry).where(UsageEntry.job_id == job_id)).one_or_none()
+
+    def billed(self, job_ids: Sequence[str]) -> set[str]:
+        """Which of `job_ids` have an entry: one query per `IN_CHUNK` ids."""
+        return {row[0] for row in self._rows_of(select(UsageEntry.job_id), UsageEntry.job_id, job_ids)}
+
+    def wasted_recorded(self, job_ids: Sequence[str]) -> set[tuple[str, int, str]]:
+        """The (job id, attempt, phase) of the wasted attempts recorded for `job_ids`: one query per `IN_CHUNK`."""
+        w = WastedAttempt
+        rows = self._rows_of(select(w.job_id, w.attempt, w.phase), w.job_id, job_ids)
+        return {(job_id, attempt, phase) for job_id, attempt, phase in rows}
+
+    def _rows_of(self, query: Any, column: Any, job_ids: Sequence[str]) -> list[Any]:
+        if not job_ids:
+            return []
+        with self.session() as s:
+            return [
+                row
+                for i in range(0, len(job_ids), IN_CHUNK)
+                for row in s.execute(query.where(column.in_(list(job_ids[i : i + IN_CHUNK]))))
+            ]
 
     def wasted(self, job_id: str) -> list[WastedAttempt]:
         with self.session() as s:

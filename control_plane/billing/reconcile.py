@@ -4,6 +4,11 @@ CANCELED jobs, raises every tenant's monthly spend in Redis to the ledger's sum,
 left behind (a job gone from Redis, a FAILED / CANCELED one, a DONE one billed over `SETTLE_GRACE_S` ago whose
 writer died before settling it, once the sync has counted it). Idempotent: the ledger writes once per job and
 once per (job, attempt, phase).
+
+Its cost grows with the jobs that need work: the window's jobs are read `BATCH` at a time (their states in one
+Redis round trip, which of the DONE ones are billed and which wasted attempts of the ended ones are recorded in
+one SQL query each), and only a job with something missing is billed or recorded, one by one where a batch
+fails (one job that cannot be billed stops no other).
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import logging
 import time
 
 from prfaas.control_plane.billing.meter import Meter
-from prfaas.control_plane.jobs.errors import JobNotFound
+from prfaas.control_plane.billing.usage import wasted_work
 from prfaas.control_plane.jobs.states import JobState
 
 SETTLE_GRACE_S = 60.0  # a DONE job's biller settles it within this long of billing it, or not at all
+BATCH = 500  # jobs per Redis round trip and per SQL query
+ENDED_UNBILLED = (JobState.FAILED, JobState.CANCELED)
 log = logging.getLogger(__name__)
 
 
@@ -26,12 +33,14 @@ def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
     now = time.time()
     for tenant in s.tenants.all():
         index = s.settings.key("tenant", tenant.id, "jobs")
-        for raw in s.redis.zrangebyscore(index, now - window_s - s.settings.job.timeout_s, now):  # type: ignore[union-attr]
-            job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+        raws = s.redis.zrangebyscore(index, now - window_s - s.settings.job.timeout_s, now)
+        job_ids = [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in raws]  # type: ignore[union-attr]
+        for start in range(0, len(job_ids), BATCH):
+            batch = job_ids[start : start + BATCH]
             try:
-                written += _reconcile_job(meter, job_id)
-            except Exception:  # one job that cannot be billed (no price for a region gone) stops no other
-                log.exception("reconcile: job %s of tenant %s; the next sweep tries again", job_id, tenant.id)
+                written += _reconcile_batch(meter, batch)
+            except Exception:  # a read failed (Redis, the ledger away): the rest of the tenant's jobs still go
+                log.exception("reconcile: %d jobs of tenant %s; the next sweep tries again", len(batch), tenant.id)
         try:
             synced = meter.spend.sync(tenant.id, meter.ledger)
             meter.spend.release(tenant.id, left_behind(meter, tenant.id, now, synced))
@@ -40,34 +49,67 @@ def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
     return written
 
 
-def _reconcile_job(meter: Meter, job_id: str) -> int:
-    """Bill a DONE job the meter missed (1 when written), or record a FAILED / CANCELED job's wasted attempts."""
-    s = meter.s
-    try:
-        job = s.jobs.get(job_id)
-    except JobNotFound:
+def _reconcile_batch(meter: Meter, job_ids: list[str]) -> int:
+    """Bill the DONE jobs of `job_ids` the meter missed and record the wasted attempts of the FAILED / CANCELED
+    ones not recorded yet; returns the entries written. Jobs gone from Redis are skipped."""
+    states = meter.s.jobs.fields_of(job_ids, ["state"])
+    done = [j for j, job in zip(job_ids, states, strict=True) if job is not None and job["state"] == JobState.DONE]
+    ended = [j for j, job in zip(job_ids, states, strict=True) if job is not None and job["state"] in ENDED_UNBILLED]
+    billed = meter.ledger.billed(done)
+    written = _bill(meter, [j for j in done if j not in billed])
+    if ended:
+        _record_wasted(meter, ended)
+    return written
+
+
+def _bill(meter: Meter, job_ids: list[str]) -> int:
+    """Bill these DONE jobs together, or one by one when that fails (an unpriced one stops no other)."""
+    if not job_ids:
         return 0
-    if job["state"] == JobState.DONE and meter.ledger.entry(job_id) is None:
-        return int(meter.bill(job_id) is not None)
-    if job["state"] in (JobState.FAILED, JobState.CANCELED):
-        meter.record_wasted(job, s.jobs.timeline(job_id), range(1, int(job["attempt"]) + 1))
-    return 0
+    try:
+        return len(meter.bill_many(job_ids))
+    except Exception:
+        log.warning("reconcile: billing %d jobs together failed; billing them one by one", len(job_ids), exc_info=True)
+    written = 0
+    for job_id in job_ids:
+        try:
+            written += int(meter.bill(job_id) is not None)
+        except Exception:
+            log.exception("reconcile: job %s; the next sweep tries again", job_id)
+    return written
+
+
+def _record_wasted(meter: Meter, job_ids: list[str]) -> None:
+    """`Meter.record_wasted` for each FAILED / CANCELED job one of whose rows is missing: never recorded, or a
+    writer (or sweep) died part way. An unpriced attempt stays missing, so its job is tried every sweep."""
+    recorded = meter.ledger.wasted_recorded(job_ids)
+    for job_id, found in zip(job_ids, meter.s.jobs.with_timelines(job_ids), strict=True):
+        if found is None:
+            continue
+        job, timeline = found
+        try:
+            attempts = range(1, int(job["attempt"]) + 1)
+            # the rows record_wasted writes: one per (attempt, phase) that held a GPU
+            due = {(job_id, w.attempt, w.phase) for w in wasted_work(job, timeline, attempts) if w.gpu_s > 0}
+            if due - recorded:
+                meter.record_wasted(job, timeline, attempts)
+        except Exception:
+            log.exception("reconcile: the wasted attempts of job %s; the next sweep tries again", job_id)
 
 
 def left_behind(meter: Meter, tenant: str, now: float, synced: bool) -> list[str]:
     """The tenant's jobs holding a budget reservation that nothing will end any more. `synced`: whether this
     sweep's sync raised the spend to the ledger's sum; while a settle lease held it off, a billed job's $ may be
     in neither the spend nor (if its reservation ended here) the reserved sum, so those reservations stay."""
-    stale = []
-    for job_id in meter.spend.reservations(tenant):
-        try:
-            job = meter.s.jobs.get(job_id)
-        except JobNotFound:
-            stale.append(job_id)
-            continue
-        ended_unbilled = job["state"] in (JobState.FAILED, JobState.CANCELED)
-        billed_long_ago = job["state"] == JobState.DONE and now - float(job["updated_at"]) > SETTLE_GRACE_S
-        # synced, billed long ago and in the ledger: the spend sync above counted it
-        if ended_unbilled or (synced and billed_long_ago and meter.ledger.entry(job_id) is not None):
-            stale.append(job_id)
-    return stale
+    held = list(meter.spend.reservations(tenant))
+    stale, billed_long_ago = [], []
+    for start in range(0, len(held), BATCH):
+        batch = held[start : start + BATCH]
+        for job_id, job in zip(batch, meter.s.jobs.fields_of(batch, ["state", "updated_at"]), strict=True):
+            if job is None or job["state"] in ENDED_UNBILLED:  # gone from Redis, or ended unbilled
+                stale.append(job_id)
+            elif synced and job["state"] == JobState.DONE and now - float(job["updated_at"]) > SETTLE_GRACE_S:
+                billed_long_ago.append(job_id)
+    # synced, billed long ago and in the ledger: the spend sync above counted it
+    billed = meter.ledger.billed(billed_long_ago)
+    return stale + [job_id for job_id in billed_long_ago if job_id in billed]

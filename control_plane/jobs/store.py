@@ -288,6 +288,16 @@ class JobStore:
             out.append((job, [json.loads(item) for item in timeline]) if job else None)
         return out
 
+    def fields_of(self, job_ids: list[str], names: list[str]) -> list[dict[str, str] | None]:
+        """The fields `names` of each job (those it has), all in one round trip; None for a job that is gone
+        (ask for `state`: every job has one)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(self._job(job_id), names)
+            replies = pipe.execute()
+        found = [{n: _text(v) for n, v in zip(names, values, strict=True) if v is not None} for values in replies]
+        return [job or None for job in found]
+
     def list_for(self, tenant: str, limit: int = 100) -> list[dict[str, str]]:
         ids = self.redis.zrevrange(self.settings.key("tenant", tenant, "jobs"), 0, max(0, limit - 1))
         jobs = []
