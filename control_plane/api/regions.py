@@ -44,17 +44,18 @@ def undrain_region(name: str, s: ServicesDep) -> RegionPublic:
 
 @router.get("/links")
 def list_links(s: ServicesDep) -> list[LinkView]:
-    estimates = s.regions.link_estimates()
+    now = s.regions.clock()  # the estimates' clock (Redis's), as the scheduler ages them
+    estimates = s.regions.link_estimates(now)
     views = []
     for link in s.regions.configured_links():
         estimate = estimates.get((link.src, link.dst))
-        scheduled = effective(link, estimate) if s.settings.measure_links else link  # what snapshots get
+        scheduled = effective(link, estimate, now) if s.settings.measure_links else link  # what snapshots get
         measured = None
         if estimate is not None:
             measured = LinkMeasured(
                 bandwidth_gbps=estimate.measured_gbps, min_rtt_ms=estimate.min_rtt_ms, srtt_ms=estimate.srtt_ms,
                 sending_gbps=estimate.sending_bytes_per_s * 8 / 1e9, backlogged_bytes=estimate.backlogged_bytes,
-                weight=estimate.weight, retransmits=estimate.retransmits, age_s=estimate.age_s(),
+                weight=estimate.weight, retransmits=estimate.retransmits, age_s=estimate.age_s(now),
             )  # fmt: skip
         views.append(LinkView(
             **link.model_dump(include={"src", "dst", "rtt_ms", "bandwidth_gbps", "egress_usd_per_gb"}),

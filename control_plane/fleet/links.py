@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -62,13 +61,12 @@ class LinkEstimate(BaseModel):
     updated_at: float = 0.0
     senders: dict[str, tuple[float, float]] = {}  # sender (instance) -> (its smoothed sending rate, updated_at)
 
-    def updated(self, report: registry_pb2.LinkReport, now: float | None = None, sender: str = "") -> LinkEstimate:
+    def updated(self, report: registry_pb2.LinkReport, now: float, sender: str = "") -> LinkEstimate:
         """This estimate with one report of `sender` (an instance of the source region) folded in; a report
         with a figure no path gives (not finite, negative, an RTT over MAX_RTT_MS, a rate over MAX_BYTES_PER_S)
-        is dropped whole."""
+        is dropped whole. `now`: Redis's clock (fleet/registry.py `clock`), as every reader of the estimate."""
         if not _plausible(report):
             return self
-        now = time.time() if now is None else now
         seconds = report.seconds
         goodput = self.goodput_bytes_per_s
         if report.backlogged_s >= MIN_RATE_S and report.backlogged_bytes > 0:
@@ -94,15 +92,17 @@ class LinkEstimate(BaseModel):
             }
         )
 
-    def sending_at(self, now: float | None = None) -> float:
-        """Bytes/s the path carries now: the sum of the senders heard from within SENDER_QUIET_S."""
+    def sending_at(self, now: float) -> float:
+        """Bytes/s the path carries at `now` (Redis's clock): the sum of the senders heard from within
+        SENDER_QUIET_S."""
         if not self.senders:  # stored before senders were kept apart
             return self.sending_bytes_per_s
-        now = time.time() if now is None else now
         return sum(rate for rate, at in self.senders.values() if now - at <= SENDER_QUIET_S)
 
-    def age_s(self, now: float | None = None) -> float:
-        return max(0.0, (time.time() if now is None else now) - self.updated_at)
+    def age_s(self, now: float) -> float:
+        """Seconds since its last report, at `now` on Redis's clock (the estimates are stamped on it: a host's own
+        clock would age them by its skew)."""
+        return max(0.0, now - self.updated_at)
 
     @property
     def measured_gbps(self) -> float | None:
@@ -160,8 +160,8 @@ def _smooth(previous: float | None, sample: float, seconds: float) -> float | No
     return previous + alpha * (sample - previous)
 
 
-def effective(link: Link, estimate: LinkEstimate | None, now: float | None = None) -> Link:
-    """The link as the scheduler sees it: the configured one, moved by a fresh estimate."""
+def effective(link: Link, estimate: LinkEstimate | None, now: float) -> Link:
+    """The link as the scheduler sees it at `now` (Redis's clock): the configured one, moved by a fresh estimate."""
     if estimate is None or estimate.age_s(now) > STALE_S:
         return link
     bandwidth = link.bandwidth_gbps

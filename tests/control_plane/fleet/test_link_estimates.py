@@ -25,7 +25,7 @@ def link_report(
 
 def test_the_configured_link_holds_until_the_path_was_measured_then_the_measurement_takes_over() -> None:
     empty = LinkEstimate(src="pre", dst="dec")
-    assert effective(LINK, None) == LINK
+    assert effective(LINK, None, NOW) == LINK
 
     small = empty.updated(link_report(2.0, seconds=0.1), now=NOW)  # 0.1 s of PRIOR_S: mostly the prior
     blended = effective(LINK, small, now=NOW)

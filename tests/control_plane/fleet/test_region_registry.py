@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -17,6 +18,7 @@ import redis
 from cp_kit import settings_fixture
 from test_link_estimates import LINK, link_report
 
+from prfaas.control_plane.api.regions import list_links
 from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.fleet.server import serve_registry
 from prfaas.control_plane.jobs.placement import decode_instance
@@ -364,7 +366,7 @@ def test_heartbeats_carry_link_reports_into_the_snapshot(registry: tuple[RegionR
     static = RegionRegistry(reg.redis, reg.settings.model_copy(update={"measure_links": False}))
     assert static.links() == [LINK]  # PRFAAS_MEASURE_LINKS=false: the configured links only
     estimate = reg.link_estimates()[("pre", "dec")]
-    assert estimate.retransmits == 3 and estimate.age_s() < 5
+    assert estimate.retransmits == 3 and estimate.age_s(reg.clock()) < 5
 
 
 def test_a_region_that_ran_nothing_yet_is_assumed_as_fast_as_its_measured_peers(
@@ -548,3 +550,21 @@ def test_beats_are_stamped_and_aged_on_redis_clock(
     monkeypatch.setattr(time, "time", real)
     assert reg.get("pre").instances[0].last_beat_at == pytest.approx(reg.clock(), abs=1.0)
     assert reg.link_estimates()[("pre", "dec")].updated_at == pytest.approx(reg.clock(), abs=1.0)
+
+
+def test_admin_links_ages_the_estimates_on_redis_clock(
+    registry: tuple[RegionRegistry, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /admin/links (and the dashboard) show the link the scheduler sees, aged on the clock the estimates are
+    stamped on. (Before, an API host 20 s ahead of Redis showed the estimate 20 s old and the link's senders
+    quiet: 0 utilization where the scheduler used 0.2.)"""
+    reg, _address = registry
+    reg.set_link(LINK)
+    _join(reg, "pre", heartbeat_interval_s=1.0, load=registry_pb2.Load(links=[link_report(2.0, backlogged=False)]))
+    _join(reg, "dec", heartbeat_interval_s=1.0)
+    (scheduled,) = [link for link in reg.links() if (link.src, link.dst) == ("pre", "dec")]
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 20.0)  # this API host's clock, 20 s ahead of Redis's
+    (view,) = list_links(SimpleNamespace(regions=reg, settings=reg.settings))  # type: ignore[arg-type]
+    assert view.measured is not None and view.measured.age_s < 5
+    assert view.scheduled.utilization == pytest.approx(scheduled.utilization) and scheduled.utilization > 0
