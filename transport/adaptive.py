@@ -193,7 +193,14 @@ class StreamController:
         return count
 
     def _top(self) -> int:
-        return max(self._rates, key=self._rates.__getitem__)
+        """The count this probe measured best, a larger one only where it beat the smaller by `gain`: a
+        step within the noise is undone, not kept (kept, +2 % per doubling ratchets up to `max_streams`)."""
+        counts = sorted(self._rates)
+        best = counts[0]
+        for count in counts[1:]:
+            if self._rates[count] >= self._rates[best] * (1 + self.gain):
+                best = count
+        return best
 
     def _step_up(self, by_delay: bool = False) -> int:
         if self.current >= self.max_streams:  # no queue even at the top: stay there

@@ -2,6 +2,7 @@
 uses. A region's `kv_endpoint` lists alternatives separated by commas:
 
     10.0.0.5:7400                          TCP (the default; any host)
+    [2001:db8::5]:7400                     TCP to an IPv6 address: brackets required
     shm://<host id>/tmp/prfaas-kv-d.sock   shared memory (transport/shm_receiver.py): same host only
     webrtc://<region name>                 WebRTC data channels, signalled through the control plane
 
@@ -39,12 +40,32 @@ class Endpoint:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
+def _split_hostport(text: str, min_port: int, expected: str) -> tuple[str, int]:
+    """(host, port) of `host:port` or `[v6 address]:port`, port in min_port..65535; ValueError saying
+    `text` is not `expected`. An address with colons must be bracketed: `2001:db8::5:7400` could mean
+    port 7400 or no port at all, so it is refused rather than guessed at."""
+    if text.startswith("["):
+        host, closed, port = text[1:].partition("]")
+        if not closed or not port.startswith(":"):  # "[::1", "[host:7400", "[::1]7400"
+            raise ValueError(f"{text!r} is not {expected}: a bracketed address is [addr]:port")
+        port = port[1:]
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"{text!r} is not {expected}")
+        if ":" in host:
+            raise ValueError(f"{text!r} is not {expected}: an IPv6 address needs [addr]:port")
+    if not host or "[" in host or "]" in host:
+        raise ValueError(f"{text!r} is not {expected}: no host, or a stray bracket")
+    # ASCII only: str.isdigit() takes other scripts' digits, which int() then reads
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and min_port <= int(port) <= 65535):
+        raise ValueError(f"{text!r} is not {expected}: the port is not a number in {min_port}-65535")
+    return host, int(port)
+
+
 def parse_hostport(value: str) -> tuple[str, int]:
     """A listen or dial address `host:port` (`[v6]:port`); port 0 picks a free one. ValueError otherwise."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{value!r} is not host:port (port 0-65535; 0 picks a free one)")
-    return host.strip("[]"), int(port)
+    return _split_hostport(value, 0, "host:port or [v6 addr]:port (port 0-65535; 0 picks a free one)")
 
 
 def is_loopback(hostport: str) -> bool:
@@ -71,10 +92,8 @@ def parse_endpoint(text: str) -> Endpoint:
         if not region or "/" in region:
             raise ValueError(f"{text!r} is not webrtc://<region name>")
         return Endpoint("webrtc", region=region)
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{text!r} is not host:port, shm://<host id>/<path> or webrtc://<region>")
-    return Endpoint("tcp", host=host.strip("[]"), port=int(port))
+    host, port = _split_hostport(text, 1, "host:port, [v6 addr]:port, shm://<host id>/<path> or webrtc://<region>")
+    return Endpoint("tcp", host=host, port=port)
 
 
 def parse_endpoints(text: str) -> tuple[Endpoint, ...]:

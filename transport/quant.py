@@ -10,7 +10,9 @@ little-endian bytes. Quantizing gives one 8-bit code per element and float32 sca
   over tokens / 127), so every element is within scale / 2. Per channel because keys have
   outlier channels that a per-head scale would spread over all the others.
 
-Dequantizing computes code * scale in float32, then rounds to the tensor's dtype. Torch
+Dequantizing computes code * scale in float32, clamps it to the dtype's finite range (a peer's
+scale may be finite yet large) and rounds to the dtype; an fp8 payload holding e4m3fn's NaN
+code bytes (0x7F, 0xFF: quantize never makes them) is refused. Torch
 does the float8 cast; this module is imported only when a lossy codec is first used.
 Quantizers are stateless, so safe to share between threads.
 """
@@ -85,10 +87,16 @@ class Fp8Quantizer:
             return b""
         num_heads = shape[0]
         scale = _checked_scales(scales, (num_heads, 1), self.name)
+        code_array = np.frombuffer(codes, dtype=np.uint8).reshape(num_heads, -1)
+        # 0x7F and 0xFF are e4m3fn's NaN: quantize never makes them, so a payload holding one was forged.
+        if bool(np.any((code_array & 0x7F) == 0x7F)):
+            raise CodecError(f"{self.name} payload holds a NaN code byte (0x7F or 0xFF)")
         # Per head, the 256 possible outputs already scaled and rounded to dtype, as bit
         # patterns; decoding is then one gather (torch's float8 -> float32 cast is ~10x slower).
-        table = (_FP8_VALUES.view(1, 256) * scale).to(TORCH_DTYPES[dtype]).view(_BITS_DTYPES[dtype]).numpy()
-        code_array = np.frombuffer(codes, dtype=np.uint8).reshape(num_heads, -1)
+        # Clamped first: a payload's scale may carry 448 * scale past the dtype's largest finite value.
+        limit = torch.finfo(TORCH_DTYPES[dtype]).max
+        values = (_FP8_VALUES.view(1, 256) * scale).clamp_(-limit, limit)
+        table = values.to(TORCH_DTYPES[dtype]).view(_BITS_DTYPES[dtype]).numpy()
         out = np.empty(code_array.shape, dtype=table.dtype)
         for head in range(num_heads):
             np.take(table[head], code_array[head], out=out[head])

@@ -34,6 +34,10 @@ BUFFER_HIGH_BYTES = 4 << 20  # a sender waits while this much is queued in the d
 # A data channel has no RST: a peer that died unnoticed is found when nothing of a full send
 # buffer drains for this long (ICE consent freshness would take ~30 s).
 STALL_S = 2.0
+# aiortc hands every message to the app as it arrives (SCTP's window never waits on the reader), so
+# received bytes the reader has not taken are capped: past this the reader is stalled and the stream
+# is broken (closed, as a dead peer's), its unacknowledged chunks resent on another.
+RECV_QUEUE_BYTES = 16 << 20
 Description = dict[str, str]  # {"type": "offer" | "answer", "sdp": "..."}
 Signaller = Callable[[Description, float], Description]  # (offer, timeout_s) -> answer
 
@@ -104,7 +108,8 @@ class EventLoopThread:
 class DataChannelStream:
     """One data channel as a blocking byte stream with the socket methods the TCP code uses
     (`sendall`, `recv_into`, `settimeout`, `shutdown`, `close`). Thread-safe like a socket:
-    one reader, writers serialized by the caller."""
+    one reader, writers serialized by the caller. A reader more than RECV_QUEUE_BYTES behind
+    breaks the stream: its reads raise ConnectionResetError and the peer connection closes."""
 
     def __init__(self, loop: EventLoopThread, pc: Any, channel: Any) -> None:
         self._loop = loop
@@ -112,6 +117,8 @@ class DataChannelStream:
         self._channel = channel
         self._cond = threading.Condition()
         self._messages: collections.deque[memoryview] = collections.deque()
+        self._queued = 0  # bytes in `_messages`
+        self._overflowed = False  # broken by a reader past RECV_QUEUE_BYTES behind: its reads fail
         self._eof = False
         self._timeout_s: float | None = None
         self._drained = asyncio.Event()  # only touched in the loop thread
@@ -126,8 +133,16 @@ class DataChannelStream:
     def _on_message(self, message: bytes | str) -> None:
         data = message.encode() if isinstance(message, str) else message
         with self._cond:
-            self._messages.append(memoryview(data))
+            if self._eof:
+                return
+            self._queued += len(data)
             self._cond.notify_all()
+            if self._queued <= RECV_QUEUE_BYTES:
+                self._messages.append(memoryview(data))
+                return
+            # Dropped, not delivered short: the reader gets an error, never a stream with a hole in it
+            self._overflowed, self._messages, self._queued = True, collections.deque(), 0
+        self.close()  # the sender sees the channel close and resends on another stream
 
     def _on_close(self) -> None:
         with self._cond:
@@ -175,12 +190,17 @@ class DataChannelStream:
         with self._cond:
             if not self._cond.wait_for(lambda: self._messages or self._eof, self._timeout_s):
                 raise TimeoutError("timed out waiting for the data channel")
+            if self._overflowed:
+                raise ConnectionResetError(
+                    f"data channel broken: its reader fell over {RECV_QUEUE_BYTES >> 20} MiB behind"
+                )
             got = 0
             while self._messages and got < want:
                 head = self._messages[0]
                 take = min(len(head), want - got)
                 view[got : got + take] = head[:take]
                 got += take
+                self._queued -= take
                 if take == len(head):
                     self._messages.popleft()
                 else:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from prfaas.transport.admission import ReceiverLimits
+from prfaas.transport.admission import REFUSED, ReceiverLimits
 from prfaas.transport.errors import TransportError
 from prfaas.transport.receiver_base import FrameConnection, ReceiverBase
 from prfaas.transport.receiver_core import ReceiverCore
@@ -59,8 +59,6 @@ class WebRtcReceiver(ReceiverBase[FrameConnection]):
         aiortc = load_aiortc()
 
         async def run() -> Description:
-            if len(self._waiting) >= self.limits.max_unverified:
-                raise TransportError(f"{len(self._waiting)} answered WebRTC offers wait for their data channel")
             pc = aiortc.RTCPeerConnection(configuration=rtc_configuration(self._ice_servers))
             pc.on("datachannel", lambda channel: self._accept(pc, channel))
             try:
@@ -69,6 +67,11 @@ class WebRtcReceiver(ReceiverBase[FrameConnection]):
             except BaseException:
                 await pc.close()  # the offer is refused: nothing of it is kept
                 raise
+            if len(self._waiting) >= self.limits.max_unverified:
+                # the oldest answered offer goes, as TCP evicts its oldest unverified connection: refusing the
+                # new one would let a flood of offers lock out a real sender for OPEN_WAIT_S
+                REFUSED.labels("evicted").inc()
+                self._abandon(next(iter(self._waiting)))
             self._waiting[pc] = None
             asyncio.get_running_loop().call_later(OPEN_WAIT_S, self._abandon, pc)
             return {"type": pc.localDescription.type, "sdp": pc.localDescription.sdp}

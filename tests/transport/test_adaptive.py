@@ -151,6 +151,24 @@ def test_a_lan_path_starts_from_one_stream_and_climbs_only_on_goodput() -> None:
     assert max(n for _t, n, _rate, _delay, _backlogged in list(controller.history)[1:]) == 2  # one probe of 2, undone
 
 
+def test_a_lan_step_within_the_gain_is_undone_not_kept_on_every_reprobe() -> None:
+    """Each doubling gains +2 %, under the 5 % bar: every probe of 2 must be undone. Kept (the best
+    rate wins, however small the gain), the count ratcheted one doubling per reprobe up to 64."""
+    controller = StreamController(hold_intervals=3)
+    lan = PathSample(srtt_s=0.0002, min_rtt_s=0.00005)
+    for t in range(200):  # ~40 reprobes
+        controller.update(float(t), 1e9 * 1.02 ** math.log2(controller.current), backlogged=True, path=lan)
+    assert controller.current == 1
+    assert max(n for _t, n, _rate, _delay, _backlogged in list(controller.history)[1:]) == 2  # the first: 4
+
+
+def test_without_delay_a_step_under_the_gain_goes_back_to_the_last_count_that_paid() -> None:
+    """Where delay cannot tell: 8 streams deliver 44 MB/s, +10 % over 4's 40, kept; 16 deliver 45.3, +3 %
+    over 8, the best rate but under the 5 % bar: back to 8."""
+    counts = drive(StreamController(hold_intervals=1000), lambda n: {4: 10e6, 8: 5.5e6, 16: 2.83e6}.get(n, 1.0))
+    assert counts[-1] == 8
+
+
 def test_a_transient_queue_does_not_hold_the_count_down() -> None:
     """Slow start overshoots the link and queues at first; once the streams settle and the path
     shows no queue for a few windows, the climb resumes without waiting out the hold."""

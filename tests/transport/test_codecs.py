@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prfaas.transport.codecs import CODEC_NAMES, Codec, CodecId, TensorMeta, get_codec
+from prfaas.transport.codecs import CODEC_NAMES, Codec, CodecId, TensorMeta, _compress, _pack, get_codec
 from prfaas.transport.errors import CodecError
 
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -160,6 +160,31 @@ def test_lossy_codecs_keep_values_near_the_dtypes_largest_finite_and_close(name:
         assert bool(torch.isfinite(y).all()), (what, y)
         # kv4's half step of a spread of 1.5 x max, rotated: within 0.2 x max
         assert bool(((y - x.double()).abs() <= 0.2 * torch.finfo(TORCH[dtype]).max).all()), (what, y)
+
+
+def forged_fp8(meta: TensorMeta, scales: list[float], codes: bytes) -> bytes:
+    """A well-formed fp8 payload (header, checksum) of any scales and code bytes: what a peer can send."""
+    return _pack(CodecId.FP8, meta, np.array(scales, dtype="<f4").tobytes(), _compress(codes, 1))
+
+
+@pytest.mark.parametrize("nan_code", [0x7F, 0xFF])  # e4m3fn's NaNs: +NaN and -NaN
+def test_fp8_payload_with_a_nan_code_byte_is_refused(nan_code: int) -> None:
+    meta = TensorMeta("float16", (2, 4, 8))
+    codes = bytearray([0x10] * 64)  # 0x10 = 2**-5, finite
+    codes[37] = nan_code
+    with pytest.raises(CodecError, match="NaN code"):
+        get_codec("fp8").decode(forged_fp8(meta, [1.0, 1.0], bytes(codes)), meta)
+
+
+@pytest.mark.parametrize("dtype", sorted(TORCH))
+def test_fp8_forged_scale_decodes_within_the_dtypes_finite_range(dtype: str) -> None:
+    # A finite scale whose 448 x scale is past the dtype's largest (float32: past float32's own range, so the
+    # product is inf before any cast): clamped, as int8 and the kv codecs clamp.
+    big = torch.finfo(TORCH[dtype]).max
+    meta = TensorMeta(dtype, (2, 4, 8))
+    codes = bytes([0x7E] * 32 + [0xFE] * 32)  # +448 in head 0, -448 in head 1
+    y = from_bytes(get_codec("fp8").decode(forged_fp8(meta, [big, big], codes), meta), meta).double()
+    assert y[0].eq(big).all() and y[1].eq(-big).all(), y
 
 
 @pytest.mark.parametrize("name", LOSSY)

@@ -22,7 +22,7 @@ from transport_kit import KEY, Kit, layers_for, ship, wait_until_sent
 from prfaas.transport.admission import ReceiverLimits
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.arena import PAGE, Arena
-from prfaas.transport.endpoints import choose, host_id, parse_endpoint, parse_endpoints
+from prfaas.transport.endpoints import choose, host_id, is_loopback, parse_endpoint, parse_endpoints, parse_hostport
 from prfaas.transport.errors import PeerUnavailable
 from prfaas.transport.framing import HEADER_SIZE, Frame, FrameType, encode, encode_header, json_payload, read_frame
 from prfaas.transport.open_info import OpenInfo
@@ -127,6 +127,35 @@ def test_endpoints_parse_and_the_fastest_usable_one_is_chosen() -> None:
     assert choose(parse_endpoints(f"shm://{here}/gone.sock,webrtc://d")).kind == "webrtc"  # no socket
     with pytest.raises(ValueError, match="can be reached"):
         choose(parse_endpoints("shm://other/x.sock"))
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("2001:db8::5", "IPv6 address needs"),  # was host '2001:db8:' port 5
+        ("::1", "IPv6 address needs"),  # was host ':' port 1
+        ("fd00::5:7400", "IPv6 address needs"),  # port 7400, or fd00::5:7400 with none: not guessed
+        ("[::1", "bracketed"),
+        ("[host:7400", "bracketed"),
+        ("[::1]7400", "bracketed"),
+        ("[]:7400", "no host"),
+        ("host]:7400", "stray bracket"),
+        ("h:\u0667\u0664\u0660\u0660", "port"),  # Arabic-Indic 7400: str.isdigit() takes it, int() reads it
+        ("h:+7400", "port"),
+    ],
+)
+def test_an_ipv6_address_needs_brackets_and_malformed_ones_are_refused(text: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        parse_endpoint(text)
+    with pytest.raises(ValueError, match=reason):
+        parse_hostport(text)
+
+
+def test_bracketed_ipv6_endpoints_parse_and_print_back() -> None:
+    endpoint = parse_endpoint("[2001:db8::5]:7400")
+    assert (endpoint.host, endpoint.port, str(endpoint)) == ("2001:db8::5", 7400, "[2001:db8::5]:7400")
+    assert parse_hostport("[::]:0") == ("::", 0) and parse_hostport("decode.example:7400") == ("decode.example", 7400)
+    assert is_loopback("[::1]:7000") and not is_loopback("[2001:db8::5]:7000")
 
 
 @contextlib.contextmanager
