@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 
 from prfaas.engine.device import DeviceChoice
 from prfaas.protos.prfaas.v1 import registry_pb2
+from prfaas.region.addresses import hostport
 from prfaas.region.authz import Authorizer, region_policy
 from prfaas.region.channels import MAX_PREFIX_BLOCKS, SERVER_OPTIONS, TlsFiles, listen
 from prfaas.region.health import MAX_WATCHES, MAX_WATCHES_PER_CALLER, BoundedHealth
@@ -89,15 +90,15 @@ class RegionServer:
         for agent, add in agents.values():
             add(agent, self.server)
         host, port = parse_hostport(grpc_address)
-        address = f"{host}:{port}"
+        address = hostport(host, port)  # [v6]:port: grpc binds no bare v6 address
         bound = listen(self.server, address, tls)
-        self.grpc_address = f"{host}:{bound}"
+        self.grpc_address = hostport(host, bound)
         self.metrics_address: str | None = None
         self._metrics: Any = None
         if metrics_address is not None:
             mhost, mport = parse_hostport(metrics_address)
             self._metrics, _thread = start_http_server(mport, addr=mhost)
-            self.metrics_address = f"{mhost}:{self._metrics.server_port}"
+            self.metrics_address = hostport(mhost, self._metrics.server_port)
         self.heartbeater: Heartbeater | None = None
         self._stopped = threading.Event()
 

@@ -361,3 +361,20 @@ def test_a_region_accepts_tickets_signed_with_the_keys_it_is_told_to_accept(monk
     assert config.ticket_keys == {"k1": KEY, "k2": new_key.encode()}
     with pytest.raises(ConfigError, match=r"ticket_keys_accepted.k3 is shorter than 32 characters"):
         config_from_mapping(VALID | {"ticket_keys_accepted": {"k3": "short"}})
+
+
+def test_a_region_serves_on_an_ipv6_address() -> None:
+    """`[::1]:0` binds (grpc binds no bare v6 address: the brackets were dropped) and the addresses recorded
+    are `[v6]:port`, which the region's own parsers read back."""
+    server = RegionServer("[::1]:0", {}, metrics_address="[::1]:0")
+    try:
+        assert server.grpc_address.startswith("[::1]:") and server.metrics_address is not None
+        assert server.metrics_address.startswith("[::1]:")
+        server.start()
+        with grpc.insecure_channel(server.grpc_address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=10) as page:
+            assert page.status == 200
+    finally:
+        server.stop()
