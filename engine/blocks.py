@@ -26,8 +26,22 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from prfaas.engine.errors import InvalidPrompt
+
 DEFAULT_BLOCK_TOKENS = 64
 DIGEST_BYTES = 16
+INT32_RANGE = range(-(1 << 31), 1 << 31)
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """`token_ids` as little-endian int32, what every hash of a prompt reads. InvalidPrompt names an id
+    outside int32 (the wire's uint32 reaches 2^32 - 1; no vocabulary does): rather than widen the ids,
+    which would change every hash regions and the API already share."""
+    try:
+        return np.asarray(token_ids, dtype="<i4").tobytes()
+    except OverflowError:
+        bad = next((t for t in token_ids if t not in INT32_RANGE), None)
+        raise InvalidPrompt(f"token id {bad} is outside every vocabulary (int32)") from None
 
 
 def salt_digest(salt: str) -> bytes:
@@ -42,7 +56,7 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "", li
     count = len(token_ids) // block_tokens if limit is None else min(limit, len(token_ids) // block_tokens)
     if count <= 0:
         return []
-    data = np.asarray(token_ids[: count * block_tokens], dtype="<i4").tobytes()
+    data = token_bytes(token_ids[: count * block_tokens])
     step = 4 * block_tokens
     parent = salt_digest(salt)
     out = []

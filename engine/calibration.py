@@ -120,7 +120,13 @@ def read_query_energy(path: Path, fingerprint: str, shape: tuple[int, int, int])
         with np.load(path) as stored:
             energy = np.asarray(stored["query_energy"], dtype=np.float32)
             owner = str(stored["fingerprint"])
-    except (OSError, KeyError, ValueError):
+    except FileNotFoundError:
+        return None  # not calibrated: the usual case, nothing to say
+    # Any failure: a damaged file raises what its first bad byte triggers (BadZipFile for a cut copy, EOFError
+    # for an empty one, zlib.error, ValueError from a bad .npy header ...) and the file is only an optimization,
+    # so no error of it may stop an engine from starting; `calibrate` measures it again.
+    except Exception as e:
+        log.warning("calibration %s is unreadable (%s: %s): ignored", path, type(e).__name__, e)
         return None
     if owner != fingerprint or energy.shape != shape:
         return None
@@ -144,22 +150,29 @@ class CalibrationFile:
         """`shapes`: each layer's [num_kv_heads, num_tokens, head_dim]."""
         if not self._read:
             heads, head_dim = shapes[0][0], shapes[0][2]
-            self._energy = read_query_energy(self.path, self.fingerprint, (len(shapes), heads, head_dim))
-            self._read = True
+            try:
+                self._energy = read_query_energy(self.path, self.fingerprint, (len(shapes), heads, head_dim))
+            finally:  # whatever the file holds, it costs one warning, never an error per shipment
+                self._read = True
             if self._energy is None:
                 log.warning("calibration %s does not fit this model: kvw6 and kvw4 quantize keys by range", self.path)
         return self._energy
 
 
 def calibrate(folder: Path, *, force: bool = False) -> tuple[Path, bool]:
-    """Measure and store the query energy of the model in `folder` unless stored already;
-    (path, measured now)."""
+    """Measure and store the query energy of the model in `folder` unless stored already (and reading back
+    as that model's: a damaged or foreign file is measured again and replaced); (path, measured now)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     fingerprint = model_fingerprint(folder)
     path = calibration_path(fingerprint)
     if path.exists() and not force:
-        return path, False
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+        config: Any = AutoConfig.from_pretrained(folder, local_files_only=True)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        shape = (int(config.num_hidden_layers), int(config.num_key_value_heads), head_dim)
+        if read_query_energy(path, fingerprint, shape) is not None:
+            return path, False
+        log.warning("calibration %s does not read back as %s's: measuring it again", path, folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     energy = measure_query_energy(model, calibration_windows(tokenizer))

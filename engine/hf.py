@@ -217,12 +217,17 @@ class HFEngine:
         self, kv: KVCache, first_token: int, params: SamplingParams, prompt_ids: Sequence[int] = (),
         cache_salt: str | None = None,
     ) -> Iterator[DecodeStep]:  # fmt: skip
-        """Like `decode`, with the logits each token was chosen from (for quality checks)."""
+        """Like `decode`, with the logits each token was chosen from (for quality checks). `cache_salt`: the
+        KV goes to the prefix cache under `prompt_ids`' blocks only when they hash to `kv.token_ids_hash`."""
         self._check_kv(kv, params)
         if not 0 <= first_token < self.vocab_size:
             raise InvalidPrompt(f"first token {first_token} is outside the vocabulary [0, {self.vocab_size})")
         if params.repetition_penalty != 1.0 and len(prompt_ids) != kv.num_tokens:
             raise InvalidPrompt("repetition_penalty needs the prompt's token ids beside its KV")
+        if cache_salt is not None and (
+            len(prompt_ids) != kv.num_tokens or hash_token_ids(prompt_ids) != kv.token_ids_hash
+        ):  # another prompt's ids would file this KV under them, for later prefills of that prompt to reuse
+            cache_salt = None  # decoding from the KV alone is still fine: it is just not kept
         return self._decode_steps(kv, first_token, params, prompt_ids, cache_salt)
 
     @torch.inference_mode()
@@ -235,6 +240,7 @@ class HFEngine:
             cache.update(layer.k.unsqueeze(0).to(self.device), layer.v.unsqueeze(0).to(self.device), index)
         output = [first_token]
         history = History(prompt=prompt_ids, output=output)  # `output` grows in place
+        failed = False
         try:
             for step in range(1, params.max_new_tokens):
                 if ends(output[-1], params, self.eos_token_ids):
@@ -243,8 +249,11 @@ class HFEngine:
                 chosen = choose(logits, params, step, history, self.eos_token_ids)
                 output.append(chosen.token)
                 yield DecodeStep(token=chosen.token, logits=logits, chosen=chosen)
+        except BaseException as exc:
+            failed = not isinstance(exc, GeneratorExit)  # a forward that raised may have left layers uneven
+            raise
         finally:  # ended, or closed early: what the cache holds is the prompt and the tokens fed so far
-            if cache_salt is not None and len(prompt_ids) == kv.num_tokens:
+            if cache_salt is not None and not failed:
                 self._remember([*prompt_ids, *output], cache, cache_salt)
 
     def _remember(self, token_ids: Sequence[int], cache: DynamicCache, cache_salt: str) -> None:
@@ -253,7 +262,7 @@ class HFEngine:
         if store is None:
             return
         layers: list[Any] = list(cache.layers)
-        covered = int(layers[0].keys.shape[2]) if layers and layers[0].keys is not None else 0
+        covered = min((0 if layer.keys is None else int(layer.keys.shape[2]) for layer in layers), default=0)
         digests = block_hashes(token_ids[:covered], store.block_tokens, cache_salt)
         store.insert(digests, [(layer.keys[0], layer.values[0]) for layer in layers])
 

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
+
+from prfaas.engine.blocks import token_bytes
 
 # Names on the wire and in fingerprints; torch dtypes stay inside the process.
 DTYPES: dict[str, torch.dtype] = {
@@ -44,8 +45,9 @@ def tensor_view(buf: bytes | bytearray | memoryview, shape: tuple[int, int, int]
 
 
 def hash_token_ids(token_ids: Sequence[int]) -> str:
-    """xxh3-64 of the token ids as little-endian int32, in hex: ties a cache to its prompt."""
-    return xxhash.xxh3_64_hexdigest(np.asarray(token_ids, dtype="<i4").tobytes())
+    """xxh3-64 of the token ids as little-endian int32, in hex: ties a cache to its prompt. InvalidPrompt
+    for an id outside int32."""
+    return xxhash.xxh3_64_hexdigest(token_bytes(token_ids))
 
 
 @dataclass(frozen=True)

@@ -244,7 +244,13 @@ class LayerCopier:
             return self._copied_now(index, k, v, sizes)
         kb, vb = buffers
         pairs = [(kb[: sizes[0]], k), (vb[: sizes[1]], v)]
-        return StagedLayer(index, sizes, (kb, vb), self.ops.copy_after(self.stream, event, pairs))
+        try:
+            copied = self.ops.copy_after(self.stream, event, pairs)
+        except BaseException:  # the K copy may be enqueued already and write its buffer later: never reuse them
+            for buffer in buffers:
+                self.pool.discard(buffer)
+            raise
+        return StagedLayer(index, sizes, (kb, vb), copied)
 
     def _copied_now(self, index: int, k: torch.Tensor, v: torch.Tensor, sizes: tuple[int, int]) -> StagedLayer:
         self.unpinned_layers += 1

@@ -103,3 +103,42 @@ def test_calibrate_measures_once_and_an_engine_loads_it(
     assert engine.query_energy is not None and engine.query_energy.shape == (
         engine.num_layers, engine.num_kv_heads, engine.head_dim,
     )  # fmt: skip
+
+
+def damaged_copies(good: bytes) -> dict[str, bytes]:
+    """What a cache can hold after a full disk or an interrupted copy."""
+    return {
+        "cut short": good[: len(good) // 2],  # zipfile.BadZipFile
+        "empty": b"",  # EOFError
+        "one payload byte flipped": good[:200] + bytes([good[200] ^ 0xFF]) + good[201:],  # bad CRC-32
+    }
+
+
+def test_a_damaged_calibration_is_ignored_with_a_warning_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PRFAAS_HOME", str(tmp_path))
+    path = save_query_energy("abc", np.ones((2, 3, 4), dtype=np.float32))
+    good = path.read_bytes()
+    for label, data in damaged_copies(good).items():
+        path.write_bytes(data)
+        caplog.clear()
+        assert load_query_energy("abc", 2, 3, 4) is None, label
+        assert str(path) in caplog.text, label
+        handed = CalibrationFile(path, "abc")
+        assert handed.for_layers([(3, 100, 4)] * 2) is None, label
+        path.write_bytes(good)
+        assert handed.for_layers([(3, 100, 4)] * 2) is None, label  # read once: one warning, not one per shipment
+
+
+def test_an_engine_starts_over_a_damaged_calibration_and_calibrate_replaces_it(
+    tiny_engine: HFEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRFAAS_HOME", str(tmp_path))
+    path = save_query_energy(tiny_engine.fingerprint, np.ones((2, 3, 4), dtype=np.float32))  # another shape
+    assert calibrate(tiny_engine.path) == (path, True)  # a file that does not fit the model is measured again
+    path.write_bytes(path.read_bytes()[:100])  # cut short
+    assert HFEngine(tiny_engine.path).query_energy is None  # uncalibrated, not failing to start
+    assert calibrate(tiny_engine.path) == (path, True)
+    assert HFEngine(tiny_engine.path).query_energy is not None
+    assert not list(tmp_path.glob("calibration/.calibration-*"))  # written through a scratch file

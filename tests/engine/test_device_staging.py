@@ -155,6 +155,21 @@ def test_a_copy_that_never_lands_fails_the_shipment_and_its_buffers_are_not_reus
     assert pool.in_use_bytes > 0  # held back: a late copy could still write into it
 
 
+def test_a_copy_that_fails_to_enqueue_raises_and_its_buffers_leave_the_pool_unreused() -> None:
+    class Broken(FakeDevice):
+        def copy_after(self, stream: Any, event: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    pool = HostPool(1 << 20, pinned=False)
+    copier = LayerCopier(Broken(), pool)
+    for _ in range(3):  # each try would otherwise hold 2 x 256 KiB of the 1 MiB pool for good
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            copier.stage(0, torch.zeros(2, 512, 64), torch.zeros(2, 512, 64))
+    # dropped, not released: a copy enqueued before the error may still write them
+    assert pool.in_use_bytes == 0 and pool.allocated_bytes == 0
+    assert pool.acquire(256 << 10, 0.1) is not None
+
+
 def test_an_upload_enqueues_each_layer_and_its_tensors_hold_the_bytes_once_finished() -> None:
     device = FakeDevice(delay_s=0.05)
     pool = HostPool(64 << 20, pinned=False)

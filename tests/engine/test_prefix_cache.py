@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from prfaas.engine.blocks import block_hashes, short
+from prfaas.engine.errors import InvalidPrompt
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.models import prepare_model
 from prfaas.engine.prefix_cache import PrefixCache, ResidencyMirror
@@ -42,6 +43,15 @@ def test_salt_scopes_the_hashes() -> None:
     ids = list(range(32))
     assert block_hashes(ids, BLOCK, "t-1")[0] != block_hashes(ids, BLOCK, "t-2")[0]
     assert len(short(block_hashes(ids, BLOCK)[0])) == 16
+
+
+def test_a_token_id_past_int32_is_an_invalid_prompt_and_valid_ids_keep_their_hashes() -> None:
+    # decode.proto carries token ids as uint32: 2^31 .. 2^32 - 1 reach the hash, which reads int32
+    for bad in (1 << 31, (1 << 32) - 1):
+        with pytest.raises(InvalidPrompt, match=str(bad)):
+            block_hashes([*range(15), bad], BLOCK, "t")
+    # pinned: regions and the API compare these digests across processes and releases
+    assert block_hashes([*range(15), (1 << 31) - 1], BLOCK, "t")[0].hex() == "27af92546b730bd487633750169077aa"
 
 
 # -- the cache --------------------------------------------------------------------------------
@@ -194,3 +204,40 @@ def test_a_residency_mirror_publishes_chains_heads_first_within_its_capacity() -
     mirror.keep(second)
     assert mirror.version > before
     assert mirror.resident() == [short(second[0]), short(second[1]), short(first[0])]
+
+
+@pytest.fixture
+def cached_tiny(tiny_engine: HFEngine) -> Iterator[HFEngine]:
+    tiny_engine.prefix_cache = PrefixCache(BLOCK, max_bytes=256 << 20)
+    yield tiny_engine
+    tiny_engine.prefix_cache = None
+
+
+def test_decode_keeps_no_kv_under_a_prompt_it_was_not_computed_from(cached_tiny: HFEngine, long_text: str) -> None:
+    ids = cached_tiny.encode(long_text)
+    a, b = ids[16000:16040], ids[17000:17040]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    kv_a = cached_tiny.prefill(a, params).kv  # unsalted: nothing cached yet
+    list(cached_tiny.decode(kv_a, 7, params, b, "t"))  # b's ids beside a's KV (its hash says a)
+    assert cached_tiny.prefill(b, params, cache_salt="t").cached_tokens == 0
+    assert len(cached_tiny.prefix_cache or ()) == 2  # b's own prefill, 2 full blocks: nothing of a's under b
+
+
+def test_a_decode_forward_that_fails_raises_its_own_error_and_keeps_nothing(
+    cached_tiny: HFEngine, long_text: str
+) -> None:
+    prompt = cached_tiny.encode(long_text)[18000 : 18000 + 2 * BLOCK - 1]  # the first fed token ends block 1
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    kv = cached_tiny.prefill(prompt, params).kv
+
+    def device_lost(*_: object) -> None:
+        raise RuntimeError("device lost")
+
+    # the last layer fails: every other layer's cache holds one token more than it
+    hook = cached_tiny.model.model.layers[-1].register_forward_pre_hook(device_lost)
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            list(cached_tiny.decode(kv, 7, params, prompt, "t"))
+    finally:
+        hook.remove()
+    assert len(cached_tiny.prefix_cache or ()) == 0
