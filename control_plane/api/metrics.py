@@ -1,14 +1,16 @@
 """`ApiMetrics`: the API process's own Prometheus metrics (`GET /metrics`, with the metering metrics):
 responses by route and status, admission time (request received -> job written), the time spent
 tokenizing prompts (its `_count` is how many prompts were tokenized: a request refused at admission
-adds none), and admission refusals by reason."""
+adds none), admission refusals by reason, and the requests waiting on their jobs' tokens (api/threads.py:
+those holding a waiting thread, and those queued for one once all `max_waiting_requests` are taken)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TOKENIZE_BUCKETS_S = (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0)
 
@@ -28,6 +30,20 @@ class ApiMetrics:
         self.refused = Counter(
             "prfaas_api_admission_refused", "requests refused at admission, by reason", ["reason"], registry=registry
         )
+        self.waiting = Gauge(
+            "prfaas_api_waiting_requests", "requests holding a thread while they wait on their jobs' tokens",
+            registry=registry,
+        )  # fmt: skip
+        self.waiting_queued = Gauge(
+            "prfaas_api_waiting_queued", "requests queued for a waiting thread (all max_waiting_requests taken)",
+            registry=registry,
+        )  # fmt: skip
+
+    def watch_waiting(self, limiter: Any) -> None:
+        """Read the waiting threads' limiter (an anyio CapacityLimiter) at each scrape: reading its counts from the
+        scrape's thread takes no lock of the event loop's, and a stale count is harmless."""
+        self.waiting.set_function(lambda: float(limiter.borrowed_tokens))
+        self.waiting_queued.set_function(lambda: float(limiter.statistics().tasks_waiting))
 
     def tokenize(self, encode: Callable[[], list[int]]) -> list[int]:
         """`encode()`, timed."""

@@ -30,6 +30,9 @@ def waiting(scope: Scope) -> anyio.CapacityLimiter:
         size = getattr(settings, "max_waiting_requests", None) or Settings.model_fields["max_waiting_requests"].default
         limiter = anyio.CapacityLimiter(size)
         _WAITING.set(limiter)
+        metrics = getattr(getattr(app, "state", None), "api_metrics", None)
+        if metrics is not None:  # prfaas_api_waiting_requests / _queued
+            metrics.watch_waiting(limiter)
         return limiter
 
 

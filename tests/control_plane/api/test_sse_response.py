@@ -10,11 +10,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Generator
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
 import pytest
+from prometheus_client import CollectorRegistry
 
+from prfaas.control_plane.api.metrics import ApiMetrics
 from prfaas.control_plane.api.sse import ClosingStreamingResponse
 from prfaas.control_plane.api.unary import AnswerResponse
 
@@ -204,3 +207,38 @@ def test_a_client_that_leaves_after_the_last_chunk_ended_nothing() -> None:
 
     anyio.run(response, SCOPE, receive, send)
     assert told == []
+
+
+def test_the_requests_waiting_and_queued_for_a_waiting_thread_are_gauged() -> None:
+    """`prfaas_api_waiting_requests` / `prfaas_api_waiting_queued`: with `max_waiting_requests` 1, of three answers
+    waiting on their jobs one holds the waiting thread and two queue for it; none once they ended."""
+    registry = CollectorRegistry()
+    metrics = ApiMetrics(registry)
+    app = SimpleNamespace(state=SimpleNamespace(settings=SimpleNamespace(max_waiting_requests=1), api_metrics=metrics))
+    release = threading.Event()
+    seen: list[tuple[float | None, float | None]] = []
+
+    def gauges() -> tuple[float | None, float | None]:
+        return registry.get_sample_value("prfaas_api_waiting_requests"), registry.get_sample_value(
+            "prfaas_api_waiting_queued"
+        )
+
+    async def receive() -> dict[str, Any]:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def main() -> None:
+        async with anyio.create_task_group() as group:
+            for _ in range(3):
+                answer = AnswerResponse(lambda: (release.wait(5.0), {})[1], lambda: None, {})
+                group.start_soon(answer, SCOPE | {"app": app}, receive, send)
+            await anyio.sleep(0.3)
+            seen.append(await anyio.to_thread.run_sync(gauges))  # read from another thread, as a scrape does
+            release.set()
+        seen.append(gauges())
+
+    anyio.run(main)
+    assert seen == [(1.0, 2.0), (0.0, 0.0)]
