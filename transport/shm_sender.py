@@ -90,8 +90,7 @@ class _Link:
         self.writer.write(header, payload)
 
     def post(self, frame: bytes) -> None:
-        """A CANCEL from whatever thread ended a transfer: never waits on a receiver that stopped reading
-        (transport/writer.py); a failed send closes the link."""
+        """A CANCEL from any thread: never waits on a receiver that stopped reading; a failed send closes the link."""
         self.writer.post(frame)
 
     def drain(self, budget_s: float) -> None:
@@ -151,6 +150,7 @@ class ShmChannel:
         self._closing = False  # `close` began (under `_lock`): `submit` refuses, no link is dialled
         self._link: _Link | None = None
         self._opened_on: dict[OutboundTransfer, _Link] = {}  # the link each live transfer's OPEN went on
+        self._opening: dict[OutboundTransfer, bytes] = {}  # OPEN not out yet -> the CANCEL to post after it (or b"")
         self._placements: dict[Key, Placement | None] = {}  # None: inline payloads
         self._waiting: dict[Key, list[Chunk]] = {}  # chunks produced before OPEN_OK
         self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
@@ -178,15 +178,18 @@ class ShmChannel:
                 if transfer.cell.status().terminal:
                     return transfer  # canceled meanwhile (`close`): no OPEN of a shipment nobody would cancel
                 self._opened_on[transfer] = link
-            link.send(transfer.open_frame)
-        except PeerUnavailable as exc:  # closing
-            transfer.cell.finish(TransferStatus.FAILED, exc)
-            return transfer
-        except (OSError, FrameError, ConnectionError, ValueError) as exc:  # ValueError: mmap refused the arena
-            transfer.cell.finish(
-                TransferStatus.FAILED, PeerUnavailable(f"no shared-memory receiver at {self.path}: {exc}")
-            )
-            return transfer
+                self._opening[transfer] = b""
+            try:
+                link.send(transfer.open_frame)
+            finally:
+                with self._lock:  # ended while its OPEN went out: `_ended` left its CANCEL for after the OPEN
+                    cancel = self._opening.pop(transfer)
+            if cancel:
+                link.post(cancel)
+        except (PeerUnavailable, OSError, FrameError, ConnectionError, ValueError) as exc:  # ValueError: mmap refused
+            no_receiver = PeerUnavailable(f"no shared-memory receiver at {self.path}: {exc}")
+            transfer.cell.finish(TransferStatus.FAILED, exc if isinstance(exc, PeerUnavailable) else no_receiver)
+            return transfer  # (PeerUnavailable: closing)
         transfer.start()
         return transfer
 
@@ -265,11 +268,10 @@ class ShmChannel:
             transfer.cell.finish(TransferStatus.FAILED, PeerUnavailable(reason))
 
     def _placed(self, key: Key, frame: Frame) -> None:
-        body = frame.json() if frame.payload else None
-        placement: Placement | None = None
-        transfer = self.table.get(key)
+        body, transfer = frame.json() if frame.payload else None, self.table.get(key)
         if transfer is None:
             return  # ended meanwhile
+        placement: Placement | None = None
         if isinstance(body, dict) and isinstance(body.get("parts"), list):
             placement = (transfer.spec.chunk_bytes, [(int(k), int(v)) for k, v in body["parts"]])
         with self._lock:
@@ -312,9 +314,7 @@ class ShmChannel:
                 self._send_batch(batch)
             except Exception as exc:  # a bug here must not strand the queued chunks silently
                 log.exception("shared-memory channel to %s: copy thread failed", self.path)
-                with self._lock:
-                    link = self._link
-                if link is not None:
+                if (link := self._link) is not None:  # (one read of a reference: no lock needed)
                     self._broken(link, f"shared-memory channel copy failed: {exc!r}")
 
     def _send_batch(self, batch: list[Chunk]) -> None:
@@ -382,8 +382,12 @@ class ShmChannel:
                 sum(t.is_alive() for t in self._threads), len(self._threads),
             )  # fmt: skip
         if status is not TransferStatus.COMPLETED and not transfer.remote_ended and link is not None and link.alive:
-            cancel = Frame(FrameType.CANCEL, key[0], key[1], payload=str(transfer.error).encode()[:1000])
-            link.post(encode(cancel))
+            cancel = encode(Frame(FrameType.CANCEL, key[0], key[1], payload=str(transfer.error).encode()[:1000]))
+            with self._lock:  # before its OPEN, it would cancel nothing: `submit` posts it once the OPEN is out
+                if transfer in self._opening:
+                    self._opening[transfer], cancel = cancel, b""
+            if cancel:
+                link.post(cancel)
         transfer.drop_unacked()
 
     def _reap_loop(self) -> None:

@@ -45,16 +45,21 @@ def socket_room(fileno: Callable[[], int]) -> Callable[[], bool]:
 class FrameWriter:
     """`send(data, payload)` writes both whole, in order (raises OSError; sockets.py `send_frame`);
     `room()` says whether a write would go out without waiting (`socket_room`); `on_error` ends the
-    connection when a posted frame's send failed (part of it may be out)."""
+    connection when a posted frame's send failed (part of it may be out). `send_by(data, deadline)`, for
+    `drain`: a send that gives up at `deadline` (time.monotonic(); raises OSError), part of `data` out or
+    not (room for a few bytes says nothing of room for all); None: `send`, bounded by the socket's send
+    timeout only."""
 
     def __init__(
         self,
         send: Callable[[bytes, Buffer], None],
         room: Callable[[], bool],
         on_error: Callable[[OSError], None],
+        send_by: Callable[[bytes, float], None] | None = None,
     ) -> None:
         self.lock = threading.Lock()  # held by every send (a caller writing around `write` takes it too)
         self._send = send
+        self._send_by = send_by
         self._room = room
         self._on_error = on_error
         self._queued: list[bytes] = []
@@ -87,7 +92,7 @@ class FrameWriter:
     def drain(self, deadline: float) -> None:
         """Queued frames out before the connection is closed (the CANCELs of shipments a closing receiver
         ended): waits for a write in progress and for the socket's room, but never past `deadline`
-        (time.monotonic()); a peer that does not read by then does not get them."""
+        (time.monotonic()) where the owner gave `send_by`; a peer that does not read by then does not get them."""
         while self.queued:
             left = deadline - time.monotonic()
             if left <= 0 or not self.lock.acquire(timeout=left):
@@ -95,7 +100,9 @@ class FrameWriter:
             try:
                 if self._room():
                     data = self._take()
-                    if data:
+                    if data and self._send_by is not None:
+                        self._send_by(data, deadline)  # a failure ends the connection, which closes next anyway
+                    elif data:
                         self._send(data, b"")
                     continue
             except OSError as exc:

@@ -170,8 +170,9 @@ class Meter:
                 late = self.spend.settle(((e.tenant, e.job_id, e.total_usd, e.finished_at) for e in written), lease)
             finally:  # the entries are written: their metrics too (a retry finds them written, and observes nothing)
                 self._observe(written, stages, started)
-        for tenant, ids in late.items():  # the lease ran out before the settle (a stall): a sync counts them instead
-            self.spend.catch_up(tenant, self.ledger, ids)
+        finished = {e.job_id: e.finished_at for e in written}
+        for tenant, ids in late.items():  # the lease ran out before the settle (a stall): syncs count them instead
+            self.spend.catch_up(tenant, self.ledger, {job_id: finished[job_id] for job_id in ids})
         return [entry for entry, _ in results]
 
     def _observe(

@@ -1,9 +1,9 @@
 """The reconciliation sweep (the beat task `prfaas.reconcile_ledger`, every minute): bills DONE jobs that have
 no ledger entry (their API process died between DONE and the write), records the wasted attempts of FAILED /
-CANCELED jobs, raises every tenant's monthly spend in Redis to the ledger's sum, and ends budget reservations
-left behind (a job gone from Redis, a FAILED / CANCELED one, a DONE one billed over `SETTLE_GRACE_S` ago whose
-writer died before settling it, once the sync has counted it). Idempotent: the ledger writes once per job and
-once per (job, attempt, phase).
+CANCELED jobs, raises every tenant's monthly spend in Redis to the ledger's sum (of each month its window reaches
+into: a job counts in the month it finished in), and ends budget reservations left behind (a job gone from Redis,
+a FAILED / CANCELED one, a DONE one billed over `SETTLE_GRACE_S` ago whose writer died before settling it, once
+the sync has counted it). Idempotent: the ledger writes once per job and once per (job, attempt, phase).
 
 Its cost grows with the jobs that need work: the window's jobs are read `BATCH` at a time (their states in one
 Redis round trip, which of the DONE ones are billed and which wasted attempts of the ended ones are recorded in
@@ -17,6 +17,7 @@ import logging
 import time
 
 from prfaas.control_plane.billing.meter import Meter
+from prfaas.control_plane.billing.spend import months
 from prfaas.control_plane.billing.usage import wasted_work
 from prfaas.control_plane.jobs.states import JobState
 
@@ -31,9 +32,10 @@ def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
     s = meter.s
     written = 0
     now = time.time()
+    since = now - window_s - s.settings.job.timeout_s
     for tenant in s.tenants.all():
         index = s.settings.key("tenant", tenant.id, "jobs")
-        raws = s.redis.zrangebyscore(index, now - window_s - s.settings.job.timeout_s, now)
+        raws = s.redis.zrangebyscore(index, since, now)
         job_ids = [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in raws]  # type: ignore[union-attr]
         for start in range(0, len(job_ids), BATCH):
             batch = job_ids[start : start + BATCH]
@@ -42,8 +44,10 @@ def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
             except Exception:  # a read failed (Redis, the ledger away): the rest of the tenant's jobs still go
                 log.exception("reconcile: %d jobs of tenant %s; the next sweep tries again", len(batch), tenant.id)
         try:
-            synced = meter.spend.sync(tenant.id, meter.ledger)
-            meter.spend.release(tenant.id, left_behind(meter, tenant.id, now, synced))
+            # each month a job of the window may have finished in (the last one's too, early in a month): a
+            # settle lost for a job that finished before midnight is counted in the month the ledger counts it in
+            ran = [meter.spend.sync(tenant.id, meter.ledger, month) for month in months(since, now)]
+            meter.spend.release(tenant.id, left_behind(meter, tenant.id, now, all(ran)))
         except Exception:
             log.exception("reconcile: the spend of tenant %s; the next sweep tries again", tenant.id)
     return written

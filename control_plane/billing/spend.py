@@ -153,14 +153,21 @@ class TenantSpend:
                 late.setdefault(tenant, []).extend(ids)
         return late
 
-    def catch_up(self, tenant: str, ledger: Ledger, job_ids: list[str]) -> bool:
-        """Count entries whose settle came too late (`settle`'s answer): sync the tenant's spend, and then end their
-        jobs' reservations. False (nothing done) while another biller's lease holds the sync off: the
-        reconciliation sweep does both later."""
-        if not self.sync(tenant, ledger):
-            return False
-        self.release(tenant, job_ids)
-        return True
+    def catch_up(self, tenant: str, ledger: Ledger, late: dict[str, dt.datetime]) -> bool:
+        """Count entries whose settle came too late (`settle`'s answer for the tenant; job id -> finished at (UTC)):
+        sync the tenant's spend of each month they finished in (the month the ledger counts them in, not always
+        this one), and then end their jobs' reservations. False (a month's left alone) while another biller's
+        lease holds the sync off: the reconciliation sweep does both later."""
+        by_month: dict[float, list[str]] = {}
+        for job_id, finished_at in late.items():
+            by_month.setdefault(month_window(_epoch(finished_at))[0].timestamp(), []).append(job_id)
+        synced = True
+        for month, job_ids in by_month.items():
+            if self.sync(tenant, ledger, month):
+                self.release(tenant, job_ids)
+            else:
+                synced = False
+        return synced
 
     def _leases_key(self, tenant: str) -> str:
         # a zset; the name is new (older versions kept a string counter at `settling`, left to expire)
@@ -177,14 +184,24 @@ class TenantSpend:
             return 0
         return int(self._release(keys=list(self.jobs.reservation_keys(tenant)), args=job_ids))
 
-    def sync(self, tenant: str, ledger: Ledger) -> bool:
-        """Raise the tenant's monthly spend to the ledger's sum for the month; returns whether it did so, False
-        while a live settle lease holds it off (the next sweep does it)."""
-        now = time.time()  # one clock read: the month summed is the month whose key is raised
-        start, end = month_window(now)
+    def sync(self, tenant: str, ledger: Ledger, month: float | None = None) -> bool:
+        """Raise the tenant's spend of the month holding `month` (epoch s; None: now) to the ledger's sum for that
+        month; returns whether it did so, False while a live settle lease holds it off (the next sweep does it)."""
+        at = time.time() if month is None else month  # one time: the month summed is the month whose key is raised
+        start, end = month_window(at)
         total = ledger.spend(tenant, start, end)
-        keys = [self.jobs.spend_key(tenant, now), self._leases_key(tenant)]
+        keys = [self.jobs.spend_key(tenant, at), self._leases_key(tenant)]
         return bool(int(self._raise_spend(keys=keys, args=[repr(total), SPEND_TTL_S])))
+
+
+def months(start: float, end: float) -> list[float]:
+    """The start (epoch s) of each UTC calendar month that [start, end] (epoch s) reaches into, in order."""
+    found: list[float] = []
+    while start <= end:
+        first, after = month_window(start)
+        found.append(first.timestamp())
+        start = after.timestamp()
+    return found
 
 
 def _epoch(t: dt.datetime) -> float:

@@ -145,3 +145,36 @@ def test_the_cancels_close_causes_reach_the_receiver_while_a_write_is_in_progres
         closer.join(5)
         assert transfer.status() is TransferStatus.CANCELED
         assert inbound.wait(2) is TransferStatus.CANCELED, inbound.error
+
+
+def test_a_cancel_while_the_open_is_going_out_reaches_the_receiver_after_the_open(kit: Kit) -> None:
+    """The transfer is canceled after `submit` marked it opened on the link and before its OPEN went out (the
+    test holds that window): its CANCEL must follow the OPEN, or the receiver opens a shipment nobody cancels
+    and keeps it (and its arena room) until its deadline."""
+    with ShmReceiver(kit.verifier, arena_bytes=8 << 20) as rx, ShmChannel(rx.path) as channel:
+        warm = kit.spec(num_layers=1, shape=(1, 16, 64), timeout_s=30)  # the link is up: the next OPEN is all
+        assert ship(channel, rx, warm, expect_timeout_s=30)[0].wait(10) is TransferStatus.COMPLETED
+        link = channel._link
+        assert link is not None
+        opening, resume = threading.Event(), threading.Event()
+        send = link.send
+
+        def hold_the_open(header: bytes, payload: bytes | memoryview = b"") -> None:
+            if parse_header(header[:HEADER_SIZE]).type is FrameType.OPEN:
+                opening.set()
+                resume.wait(5)
+            send(header, payload)
+
+        link.send = hold_the_open  # type: ignore[method-assign]
+        spec = kit.spec(num_layers=2, shape=(1, 16, 64), timeout_s=30)
+        inbound = rx.expect(spec.job_id, 1, 30)
+        submitted: list[OutboundTransfer] = []
+        submitter = threading.Thread(target=lambda: submitted.append(channel.submit(Shipment(spec))))
+        submitter.start()
+        assert opening.wait(5)
+        (transfer,) = channel.table.live()
+        transfer.cancel()  # the decode engine gives up on it, its OPEN not out yet
+        resume.set()
+        submitter.join(5)
+        assert submitted == [transfer] and transfer.status() is TransferStatus.CANCELED
+        assert inbound.wait(2) is TransferStatus.CANCELED, inbound.status()

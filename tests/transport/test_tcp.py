@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from transport_kit import KEY, Kit, fill, layers_for, ship, wait_until_sent
 
-from prfaas.transport import sockets
+from prfaas.transport import receiver_base, sockets
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferTimeout
 from prfaas.transport.framing import (
@@ -602,3 +602,27 @@ def test_a_receiver_closing_while_a_reply_is_being_written_still_tells_its_sende
         assert inbound.status() is TransferStatus.CANCELED
         assert transfer.wait(1) is TransferStatus.CANCELED, transfer.error
         assert "shutting down" in str(transfer.error)
+
+
+def test_a_receiver_closing_waits_no_longer_than_its_drain_budget_on_a_peer_that_does_not_read(
+    kit: Kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`close` lets queued frames out for DRAIN_S at most, however many connections it drains: one whose peer
+    stopped reading gets what fits in the socket by then, and no more. Before, `drain` saw room and sent the
+    whole queue with one blocking send, which waited the socket's send timeout (10 s) on that peer."""
+    monkeypatch.setattr(sockets, "SEND_TIMEOUT_S", 4.0)  # (shortened: what a blocked send waited before)
+    receiver = TcpReceiver(kit.verifier, sock_buf_bytes=64 << 10)
+    peer = socket.create_connection(receiver.address)
+    try:
+        peer.sendall(encode(Frame(FrameType.HELLO, payload=json_payload({"versions": [1], "node": "peer"}))))
+        assert _until(lambda: len(receiver._connections._items) == 1)
+        (connection,) = receiver._connections._items
+        cancels = [encode(Frame(FrameType.CANCEL, uuid.uuid4().bytes, 1, payload=b"x" * 1000)) for _ in range(4096)]
+        with connection.writer.lock:  # a write in progress: ~4 MB of CANCELs queue behind it, which the peer,
+            for cancel in cancels:  # reading nothing, never takes
+                connection.writer.post(cancel)
+        start = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - start < receiver_base.DRAIN_S + 0.5
+    finally:
+        peer.close()

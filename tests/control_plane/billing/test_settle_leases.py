@@ -10,12 +10,14 @@ import datetime as dt
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 from cp_kit import settings_fixture
 
+import prfaas.control_plane.billing.meter as meter_mod
 import prfaas.control_plane.billing.reconcile as reconcile_mod
 import prfaas.control_plane.billing.spend as spend_mod
 from prfaas.control_plane.billing.costs import JobUsage, PriceTable
@@ -123,3 +125,57 @@ def test_a_biller_stalled_past_its_lease_counts_its_entry_once(
     # counted once (by the sweep's sync, or by the biller's own when its settle found the lease run out) and
     # no longer reserved
     assert (jobs.spend(tenant), jobs.reserved(tenant)) == (pytest.approx(entry.total_usd), 0.0)
+
+
+def _finished_last_month(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Bill every job as finished a second before this month began (just before midnight on the last day of
+    the previous month); returns that time (epoch s)."""
+    finished = spend_mod.month_window()[0] - dt.timedelta(seconds=1)
+    job_usage = meter_mod.job_usage
+    monkeypatch.setattr(meter_mod, "job_usage", lambda *a: replace(job_usage(*a), finished_at=finished))
+    return finished.timestamp()
+
+
+def test_a_late_settle_counts_its_entry_in_the_month_its_job_finished_in(
+    monkeypatch: pytest.MonkeyPatch, services: Services, ledger: Ledger
+) -> None:
+    monkeypatch.setattr(spend_mod, "SETTLING_TTL_S", 1)  # stands for 120 s
+    tenant = "t-" + uuid.uuid4().hex[:8]
+    jobs = services.jobs
+    meter = Meter(services, ledger)
+    job = _done_job(services, tenant, reserve_usd=0.5)
+    last_month = _finished_last_month(monkeypatch)
+    record_many = ledger.record_many
+
+    def stalled(batch: list[tuple[JobUsage, PriceTable]]) -> list[tuple[UsageEntry, bool]]:
+        results = record_many(batch)
+        time.sleep(1.5)  # past the lease: the settle adds nothing, the biller's own sync counts the entry
+        return results
+
+    monkeypatch.setattr(ledger, "record_many", stalled)
+    entry = meter.bill(job)
+    assert entry is not None and entry.total_usd > 0
+    # counted in last month's spend (as the ledger counts it; the current month's sync found nothing to add),
+    # and no longer reserved
+    spent = float(services.redis.get(jobs.spend_key(tenant, last_month)) or 0.0)
+    assert (spent, jobs.reserved(tenant)) == (pytest.approx(entry.total_usd), 0.0)
+
+
+def test_the_sweep_counts_a_lost_settle_in_the_month_its_job_finished_in(
+    monkeypatch: pytest.MonkeyPatch, services: Services, ledger: Ledger
+) -> None:
+    monkeypatch.setattr(reconcile_mod, "SETTLE_GRACE_S", -1.0)  # every DONE job was billed long ago
+    tenant = services.tenants.create("acme").id
+    jobs = services.jobs
+    meter = Meter(services, ledger)
+    job = _done_job(services, tenant, reserve_usd=0.5)
+    last_month = _finished_last_month(monkeypatch)
+    with monkeypatch.context() as m:  # the biller dies between its ledger write and its settle
+        m.setattr(meter.spend, "settle", lambda billed, *lease: {})
+        entry = meter.bill(job)
+    assert entry is not None and entry.total_usd > 0
+    # a sweep whose window reaches back into last month (as each one does early in a month): it syncs that month's
+    # spend too, which counts the entry, and only then ends the job's reservation
+    reconcile(meter, window_s=time.time() - last_month)
+    spent = float(services.redis.get(jobs.spend_key(tenant, last_month)) or 0.0)
+    assert (spent, jobs.reserved(tenant)) == (pytest.approx(entry.total_usd), 0.0)
