@@ -4,6 +4,7 @@ server options, what a heartbeat carries at most, and reading a stream with a bo
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import queue
@@ -14,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from prfaas.transport.identity import Identity, identity_of
 from prfaas.transport.tls import NodeCert
@@ -26,8 +30,10 @@ PEM_PREFIX = "-----BEGIN"
 class TlsFiles(BaseModel):
     """A node's mutual-TLS material from `prfaas certs init`: the deployment's CA, the node's
     certificate (naming its identity, transport/identity.py) and its key. Each is a file path,
-    or the PEM text itself (from a secret store). Checked when loaded: readable, a
-    certificate with exactly one prfaas identity."""
+    or the PEM text itself (from a secret store). Checked when loaded, so that a process exits at
+    start rather than failing every handshake later: the CA bundle holds certificates, the
+    certificate names exactly one prfaas identity, is valid now and was issued by one of them
+    (directly, or through intermediates that follow it in its file), and the key is its key."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -36,21 +42,42 @@ class TlsFiles(BaseModel):
     key: str = Field(repr=False)
 
     def pem(self, which: str) -> bytes:
-        value: str = getattr(self, which)
-        if value.lstrip().startswith(PEM_PREFIX):
-            return value.encode()
         try:
-            return Path(value).expanduser().read_bytes()
-        except OSError as exc:
-            raise ValueError(f"{which}: cannot read {value}: {exc.strerror}") from None
+            return _read_pem(getattr(self, which))
+        except ValueError as exc:
+            raise ValueError(f"{which}: {exc}") from None
 
-    @model_validator(mode="after")
-    def _readable(self) -> TlsFiles:
-        for which in ("ca", "key"):
-            self.pem(which)
-        if identity_of_pem(self.pem("cert")) is None:
-            raise ValueError("cert names no prfaas identity (issue it with `prfaas certs init --identity ...`)")
-        return self
+    @field_validator("ca")
+    @classmethod
+    def _ca(cls, value: str) -> str:
+        _certificates(value)
+        return value
+
+    @field_validator("cert")
+    @classmethod
+    def _cert(cls, value: str, info: ValidationInfo) -> str:
+        leaf, *chain = _certificates(value)
+        if identity_of(leaf) is None:
+            raise ValueError("names no prfaas identity (issue it with `prfaas certs init --identity ...`)")
+        now = datetime.datetime.now(datetime.UTC)
+        if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
+            raise ValueError(f"valid from {leaf.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+                             f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now")  # fmt: skip
+        if "ca" in info.data and not _issued_by(leaf, chain, _certificates(info.data["ca"])):
+            raise ValueError("not issued by a CA in tls.ca (a certificate from another deployment's CA?)")
+        return value
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, value: str, info: ValidationInfo) -> str:
+        pem = _read_pem(value)
+        try:
+            key = serialization.load_pem_private_key(pem, password=None)
+        except (TypeError, ValueError, UnsupportedAlgorithm):  # TypeError: a key that needs a password
+            raise ValueError("not an unencrypted PEM private key") from None
+        if "cert" in info.data and _spki(key.public_key()) != _spki(_certificates(info.data["cert"])[0].public_key()):
+            raise ValueError("not the key of tls.cert (its public key differs: another certificate's key?)")
+        return value
 
     @property
     def identity(self) -> Identity:
@@ -122,6 +149,48 @@ class ChannelCache:
             if found is None:
                 found = self._channels[(target, server_name)] = channel(target, self.tls, server_name, self.options)
             return found
+
+
+def _read_pem(value: str) -> bytes:
+    """A `TlsFiles` field's PEM: the text itself, or the file it names."""
+    if value.lstrip().startswith(PEM_PREFIX):
+        return value.encode()
+    try:
+        return Path(value).expanduser().read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {value}: {exc.strerror}") from None
+
+
+def _certificates(value: str) -> list[x509.Certificate]:
+    pem = _read_pem(value)
+    try:
+        return x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        raise ValueError("holds no PEM certificate") from None
+
+
+def _spki(key: Any) -> bytes:
+    return bytes(key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
+
+
+def _signed_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(issuer)
+    except (ValueError, TypeError, InvalidSignature):  # another issuer's name, key type, or signature
+        return False
+    return True
+
+
+def _issued_by(leaf: x509.Certificate, chain: list[x509.Certificate], cas: list[x509.Certificate]) -> bool:
+    """`leaf` was signed by one of `cas`, directly or through the intermediates of `chain`."""
+    cert: x509.Certificate | None = leaf
+    for _ in range(len(chain) + 1):
+        if cert is None:
+            return False
+        if any(_signed_by(cert, ca) for ca in cas):
+            return True
+        cert = next((c for c in chain if _signed_by(cert, c)), None)
+    return False
 
 
 def identity_of_pem(pem: bytes) -> Identity | None:
@@ -204,6 +273,9 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_receive_message_length", 64 << 20),  # a 1M-token prompt is 5 MB of token ids
+    # grpcio sets SO_REUSEPORT by default: a second process on the same port would bind without an error and
+    # the kernel would split connections between the two; off, `listen` reports the address in use
+    ("grpc.so_reuseport", 0),
 ]
 
 

@@ -8,6 +8,8 @@ set from the environment, `PRFAAS_` + the field path joined by `__` (e.g.
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 import re
 import socket
@@ -27,6 +29,7 @@ PLACEHOLDER_KEYS = {"changeme", "change-me", "secret", "dev", "placeholder"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
 
 class ConfigError(ValueError):
@@ -40,9 +43,28 @@ def parse_bytes(value: object) -> int:
     if isinstance(value, int):
         return value
     match = _SIZE.match(str(value))
-    if match is None:
+    size = float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()] if match else math.nan
+    if not math.isfinite(size):  # 400 digits read as inf
         raise ValueError(f"{value!r} is not a byte count like 1073741824 or '1GiB'")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+    return int(size)
+
+
+def dialable_host(value: str) -> str:
+    """`advertise`: an IP address (IPv6 bare or in brackets; returned bare, `hostport` adds them) or a DNS name,
+    not a wildcard. ValueError otherwise: a port, a scheme or a space here made an endpoint nobody can dial."""
+    bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:
+        labels = value.removesuffix(".").split(".")
+        if len(value) > 253 or not all(_DNS_LABEL.match(label) for label in labels) or labels[-1].isdigit():
+            raise ValueError(
+                f"{value!r} is not an IP address or a DNS name (a host only: no scheme, no port, no spaces)"
+            ) from None
+        return value
+    if address.is_unspecified:
+        raise ValueError(f"{value!r} is a wildcard address, not one others can dial")
+    return bare
 
 
 def _host_instance() -> str:
@@ -80,7 +102,7 @@ class VLLMOptions(BaseModel):
     """`engine: vllm`: the region starts a vLLM server (engine/vllm/server.py) with the vLLM
     environment's python and drives it over a loopback control socket (docs/vllm.md)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     python: str | None = None  # the vLLM environment's interpreter; None: <repo>/.venv-vllm/bin/python
     start_timeout_s: float = Field(default=600.0, gt=0, le=3600)  # vLLM start-up: 45-160 s on 2 CPU cores
@@ -100,7 +122,10 @@ class VLLMOptions(BaseModel):
 class RegionConfig(BaseSettings):
     """Everything one region process needs. Units: bytes, seconds, USD."""
 
-    model_config = SettingsConfigDict(env_prefix="PRFAAS_", env_nested_delimiter="__", extra="forbid")
+    # allow_inf_nan: `inf` reads as a number in YAML; an infinite price, drain or lease is never meant
+    model_config = SettingsConfigDict(
+        env_prefix="PRFAAS_", env_nested_delimiter="__", extra="forbid", allow_inf_nan=False
+    )
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     role: Literal["prefill", "decode", "both"]
@@ -133,20 +158,23 @@ class RegionConfig(BaseSettings):
     queue_depth: int = Field(default=8, ge=0, le=10_000)  # prefill jobs waiting beyond `workers`
     # the codec when a request names none (docs/wire-format.md, "Codec ids")
     codec: Literal["raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4", "kvw6", "kvw4"] = "lossless"
-    kv_lease_s: float = Field(default=30.0, gt=0)  # finished KV kept for Reship
+    kv_lease_s: float = Field(default=30.0, gt=0, le=3600)  # finished KV kept for Reship
     kv_lease_bytes: int = Field(default=2 << 30, ge=0)  # most leased KV bytes; oldest leases go first
     # The HF engine's prefix cache (engine/prefix_cache.py), both roles: prompt blocks kept for
     # reuse, least recently used out past `prefix_cache_bytes` (0: no cache). The block size must
     # be the control plane's `prefix_block_tokens`, or the region's blocks never match a prompt's.
     prefix_cache_bytes: int = Field(default=512 << 20, ge=0)
     prefix_block_tokens: int = Field(default=64, ge=1, le=4096)
-    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
-    max_reservation_s: float = Field(default=600.0, gt=0)
+    # at least 50 ms: shorter spins the heartbeat thread; at most the registry's MAX_HEARTBEAT_INTERVAL_S
+    heartbeat_interval_s: float = Field(default=1.0, ge=0.05, le=60)
+    # at most the longest deadline a region call may have (region/requests.py MAX_TIMEOUT_S): a prefill
+    # that fills the reservation never runs longer
+    max_reservation_s: float = Field(default=600.0, gt=0, le=3600)
     # Decode role: split reservations plus local Generate jobs held at once; past it Reserve and Generate are
     # RESOURCE_EXHAUSTED. Each holds a gRPC thread while it waits (the server's pool counts them in), so
     # health checks, Reserve and Cancel always find a thread.
     max_jobs: int = Field(default=64, ge=1, le=4096)
-    drain_timeout_s: float = Field(default=30.0, ge=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0, le=3600)
     # How senders reach this decode region's KV: `tcp` (listen.kv), or `webrtc` for a region
     # that accepts no inbound TCP (data channels, signalled through control_plane_url).
     transport: Literal["tcp", "webrtc"] = "tcp"
@@ -194,8 +222,14 @@ class RegionConfig(BaseSettings):
         if value is None:
             return None
         target = value.removeprefix("grpc://")
-        parse_hostport(target)
+        if parse_hostport(target)[1] == 0:  # port 0 picks a free port to listen on; there is none to dial
+            raise ValueError(f"{value!r} has port 0: the registry's port is 1-65535")
         return target
+
+    @field_validator("advertise")
+    @classmethod
+    def _advertise(cls, value: str | None) -> str | None:
+        return None if value is None else dialable_host(value)
 
     @model_validator(mode="after")
     def _webrtc_needs_signalling(self) -> RegionConfig:

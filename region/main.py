@@ -5,6 +5,7 @@ within `drain_timeout_s`) or SIGINT (stop at once)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -16,6 +17,22 @@ from prfaas.region.config import RegionConfig
 from prfaas.telemetry import tracing
 
 GIL_SWITCH_S = 0.0005  # default of PRFAAS_GIL_SWITCH_S
+MAX_GIL_SWITCH_S = 0.1  # past it a thread may hold the GIL long enough to stall heartbeats and health checks
+
+
+def gil_switch_s(environ: Mapping[str, str] = os.environ) -> float:
+    """The GIL switch interval (seconds) PRFAAS_GIL_SWITCH_S asks for, else GIL_SWITCH_S; ValueError naming
+    the variable when it is not a number in (0, MAX_GIL_SWITCH_S]."""
+    text = environ.get("PRFAAS_GIL_SWITCH_S")
+    if text is None:
+        return GIL_SWITCH_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_GIL_SWITCH_S:  # NaN fails too
+        raise ValueError(f"PRFAAS_GIL_SWITCH_S must be a number in (0, {MAX_GIL_SWITCH_S:g}]: {text!r}")
+    return value
 
 
 def serve(config: RegionConfig, roles: Mapping[str, RoleBuilder]) -> None:
@@ -23,7 +40,7 @@ def serve(config: RegionConfig, roles: Mapping[str, RoleBuilder]) -> None:
     or ValueError when the region cannot start."""
     # KV transport threads share the GIL with the forward: a short switch interval keeps the
     # layer-wise shipment from stalling the prefill (measured in bench/split_ttft.py).
-    sys.setswitchinterval(float(os.environ.get("PRFAAS_GIL_SWITCH_S", str(GIL_SWITCH_S))))
+    sys.setswitchinterval(gil_switch_s())  # before the engine loads: a bad value exits at once
     tracing.configure(
         f"prfaas-region-{config.name}",
         {"prfaas.region": config.name, "prfaas.instance": config.instance, "prfaas.role": config.role},

@@ -17,6 +17,9 @@ from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
 MIN_CALL_TIMEOUT_S = 2.0
+# a Register refused for what it says (a price, an interval) or who says it (a certificate): the region's
+# configuration, not an outage, so every refusal is an error in the log, not one in a minute
+REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED})
 
 
 class Heartbeater:
@@ -75,7 +78,10 @@ class Heartbeater:
                 failures = 0
             except grpc.RpcError as exc:
                 failures += 1
-                if failures in (1, 10) or failures % 60 == 0:
+                if not self.region_id and exc.code() in REFUSED:
+                    log.error("the registry at %s refuses to register this instance (%d in a row): %s: %s",
+                              self.target, failures, exc.code().name, exc.details())  # fmt: skip
+                elif failures in (1, 10) or failures % 60 == 0:
                     log.warning("heartbeat to %s failed (%d in a row): %s", self.target, failures, exc.code().name)
             except Exception:  # a figure the message cannot carry, say: the next beat tries again, the thread lives
                 failures += 1

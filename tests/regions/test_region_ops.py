@@ -4,6 +4,8 @@ server), /metrics, health and drain, config validation, generated stubs up to da
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
 import threading
@@ -20,7 +22,9 @@ from region_kit import KEY, IdleAgent, generate_tokens, local_region, new_job, r
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import decode_pb2, registry_pb2, registry_pb2_grpc
+from prfaas.region.addresses import advertised_host, hostport
 from prfaas.region.config import ConfigError, config_from_mapping, load_config
+from prfaas.region.main import GIL_SWITCH_S, gil_switch_s
 from prfaas.region.registry_client import Heartbeater
 from prfaas.region.server import RegionServer
 from prfaas.transport.identity import Identity
@@ -184,6 +188,34 @@ def test_the_last_heartbeat_waits_for_the_one_in_flight() -> None:
         registry.stop(0)
 
 
+def test_a_register_the_registry_refuses_is_an_error_every_time(caplog: pytest.LogCaptureFixture) -> None:
+    """INVALID_ARGUMENT or PERMISSION_DENIED to Register is the region's configuration (a price, a certificate),
+    not an outage: each refusal is logged at error level with the registry's reason. Before, a warning at the
+    1st, 10th and every 60th failure said only the code."""
+
+    class Refusing(FakeRegistry):
+        def Register(self, request: registry_pb2.RegisterRequest, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "usd_per_gpu_hour must be a finite number >= 0")
+
+    registry = grpc.server(ThreadPoolExecutor(2))
+    registry_pb2_grpc.add_RegistryServicer_to_server(Refusing(), registry)
+    port = registry.add_insecure_port("127.0.0.1:0")
+    registry.start()
+    beater = Heartbeater(f"127.0.0.1:{port}", registry_pb2.RegisterRequest(name="dec-a"), registry_pb2.Load, 0.05)
+
+    def refusals() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.levelname == "ERROR" and "finite number" in r.getMessage()]
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="prfaas.region.registry_client"):
+            beater.start()
+            wait_until(lambda: len(refusals()) >= 3, 10)
+    finally:
+        beater.stop()
+        registry.stop(0)
+    assert "refuses to register this instance" in refusals()[0].getMessage()
+
+
 VALID = {"name": "dec-a", "role": "decode", "ticket_key": KEY.decode()}
 
 
@@ -208,6 +240,24 @@ VALID = {"name": "dec-a", "role": "decode", "ticket_key": KEY.decode()}
         ({"name": "Bad Name"}, "name"),
         ({"colour": "blue"}, "colour"),
         ({"control_plane_url": "grpc://nowhere"}, "control_plane_url"),
+        ({"control_plane_url": "cp.example:0"}, "control_plane_url"),  # port 0 listens anywhere, dials nowhere
+        ({"advertise": "10.0.0.5:50051"}, "advertise"),  # registered as [10.0.0.5:50051]:50051 before
+        ({"advertise": "http://10.0.0.5"}, "advertise"),
+        ({"advertise": "bad host name"}, "advertise"),
+        ({"advertise": "0.0.0.0"}, "advertise"),  # a wildcard: what advertise is there to replace
+        ({"advertise": "[::]"}, "advertise"),
+        # `inf` is a number in YAML: the registry refused every Register of an infinite price, quietly
+        ({"usd_per_gpu_hour": float("inf")}, "usd_per_gpu_hour"),
+        ({"drain_timeout_s": float("inf")}, "drain_timeout_s"),  # a drain that never ends
+        ({"drain_timeout_s": 7200}, "drain_timeout_s"),
+        ({"max_reservation_s": float("inf")}, "max_reservation_s"),
+        ({"max_reservation_s": 7200}, "max_reservation_s"),
+        ({"kv_lease_s": float("inf")}, "kv_lease_s"),
+        ({"kv_lease_s": float("nan")}, "kv_lease_s"),
+        ({"heartbeat_interval_s": 1e-9}, "heartbeat_interval_s"),  # the heartbeat thread spun
+        ({"heartbeat_interval_s": 61}, "heartbeat_interval_s"),  # more than the registry accepts
+        ({"vllm": {"kv_cache_gib": float("inf")}}, "vllm.kv_cache_gib"),
+        ({"kv_buffer_bytes": "9" * 400 + " GiB"}, "kv_buffer_bytes"),  # read as inf: OverflowError, no field
         ({"ticket_key": "x" * 40}, "(top level)"),  # a placeholder secret outside dev
     ],
 )
@@ -215,6 +265,16 @@ def test_malformed_config_error_names_the_field(change: dict[str, object], field
     with pytest.raises(ConfigError) as info:
         config_from_mapping(VALID | change, "region.yaml")
     assert f"\n  {field}: " in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("advertise", "endpoint"),
+    [("10.0.0.5", "10.0.0.5:50051"), ("dec-a.internal", "dec-a.internal:50051"),
+     ("2001:db8::5", "[2001:db8::5]:50051"), ("[2001:db8::5]", "[2001:db8::5]:50051")],
+)  # fmt: skip
+def test_advertise_is_a_host_that_becomes_a_dialable_endpoint(advertise: str, endpoint: str) -> None:
+    config = config_from_mapping(VALID | {"advertise": advertise})
+    assert hostport(advertised_host(config), 50051) == endpoint
 
 
 def test_config_sizes_env_and_roles(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -265,7 +325,7 @@ def test_a_certificate_for_another_region_or_instance_is_refused(
 
 
 def test_unreadable_or_identityless_tls_material_is_refused(tls_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"tls: .*key: cannot read"):
+    with pytest.raises(ConfigError, match=r"tls\.key: cannot read"):
         config_from_mapping(VALID | {"tls": _tls(tls_dir, "dec-a-1") | {"key": str(tmp_path / "absent.pem")}})
     init_certs(tmp_path, ["plain"], ["127.0.0.1"])
     with pytest.raises(ConfigError, match="names no prfaas identity"):
@@ -378,3 +438,41 @@ def test_a_region_serves_on_an_ipv6_address() -> None:
             assert page.status == 200
     finally:
         server.stop()
+
+
+def test_a_second_server_on_a_port_in_use_is_refused_naming_the_address() -> None:
+    """Two region processes given the same listen.grpc: grpcio's default SO_REUSEPORT let the second bind too,
+    and the kernel split connections between them. With it off, the second is OSError naming the address."""
+    first = RegionServer("127.0.0.1:0", {})
+    try:
+        with pytest.raises(OSError, match=rf"cannot listen for gRPC on {first.grpc_address}"):
+            RegionServer(first.grpc_address, {}).stop(0)
+    finally:
+        first.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, GIL_SWITCH_S), ("0.001", 0.001), ("0.1", 0.1),
+     ("abc", None), ("0", None), ("-0.001", None), ("nan", None), ("1e10", None), ("", None)],
+)  # fmt: skip
+def test_the_gil_switch_interval_is_a_small_positive_number(value: str | None, expected: float | None) -> None:
+    environ = {} if value is None else {"PRFAAS_GIL_SWITCH_S": value}
+    if expected is not None:
+        assert gil_switch_s(environ) == expected
+        return
+    with pytest.raises(ValueError, match=r"PRFAAS_GIL_SWITCH_S must be a number in \(0, 0.1\]"):
+        gil_switch_s(environ)
+
+
+def test_prfaas_region_with_a_bad_gil_switch_interval_exits_naming_it(tmp_path: Path) -> None:
+    """Before, `abc` failed with float()'s message and `0` with setswitchinterval's, neither naming the variable."""
+    path = tmp_path / "region.yaml"
+    path.write_text(f"name: dec-a\nrole: decode\nticket_key: {KEY.decode()}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "prfaas.cli.main", "region", "--config", str(path)],
+        capture_output=True, text=True, timeout=60, env=os.environ | {"PRFAAS_GIL_SWITCH_S": "abc"},
+    )  # fmt: skip
+    message = " ".join(result.stdout.split())  # the console wraps long lines
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "PRFAAS_GIL_SWITCH_S must be a number in (0, 0.1]: 'abc'" in message

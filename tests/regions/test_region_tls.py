@@ -5,6 +5,8 @@ by a refused call. Real gRPC servers and certificates from `init_certs`."""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 from collections.abc import Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -12,12 +14,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from region_kit import IdleAgent, Region, local_region, new_job
+from region_kit import KEY, IdleAgent, Region, local_region, new_job
 
 from prfaas.engine.hf import HFEngine
 from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc
 from prfaas.region.channels import TlsFiles, channel
+from prfaas.region.config import ConfigError, RegionConfig, config_from_mapping
 from prfaas.region.health import MAX_WATCHES_PER_CALLER
 from prfaas.region.server import RegionServer
 from prfaas.transport.identity import Identity, server_name
@@ -142,3 +149,78 @@ def _first_reply(stream: grpc.Call) -> str | grpc.StatusCode:
         return exc.code()
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     return "watching"
+
+
+def _issue(
+    folder: Path, name: str, uri: str | None, issuer: str = "ca", *, days: tuple[int, int] = (-1, 30), ca: bool = False
+) -> None:
+    """`name`.pem and `name`-key.pem, signed by `issuer`.pem's key: what `init_certs` cannot make (an expired
+    certificate, an intermediate CA)."""
+    issuer_cert = x509.load_pem_x509_certificate((folder / f"{issuer}.pem").read_bytes())
+    issuer_key = serialization.load_pem_private_key((folder / f"{issuer}-key.pem").read_bytes(), password=None)
+    assert isinstance(issuer_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(issuer_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now + datetime.timedelta(days=days[0]))
+        .not_valid_after(now + datetime.timedelta(days=days[1]))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if uri is not None:
+        san = [x509.UniformResourceIdentifier(uri), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+    cert = builder.sign(issuer_key, hashes.SHA256())
+    (folder / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    (folder / f"{name}-key.pem").write_bytes(key_pem)
+
+
+def _config(tls: dict[str, str]) -> RegionConfig:
+    return config_from_mapping({"name": "tls-a", "role": "both", "instance": "1", "ticket_key": KEY.decode(),
+                                "tls": tls})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"key": "garbage.pem"}, "tls.key: not an unencrypted PEM private key"),
+        ({"key": "cp-key.pem"}, "tls.key: not the key of tls.cert"),  # another certificate's key
+        ({"ca": "garbage.pem"}, "tls.ca: holds no PEM certificate"),
+        ({"key": "absent.pem"}, "tls.key: cannot read .*absent.pem: No such file"),
+        ({"ca": "other/ca.pem"}, "tls.cert: not issued by a CA in tls.ca"),  # a bundle of another deployment's CA
+        ({"cert": "expired.pem", "key": "expired-key.pem"}, r"tls.cert: valid from .* to .* UTC, not now"),
+    ],
+)
+def test_tls_material_that_cannot_work_is_refused_when_the_config_loads(
+    pki: dict[str, TlsFiles], change: dict[str, str], error: str
+) -> None:
+    """Before, only readability was checked: the region loaded its engine, then failed to bind (a bad key, the
+    message blaming the address) or started and failed every handshake (another CA's certificate)."""
+    folder = Path(pki["cp"].ca).parent
+    (folder / "garbage.pem").write_text("this is not a PEM key\n")
+    _issue(folder, "expired", "prfaas://both/tls-a/1", days=(-30, -1))
+    with pytest.raises(ConfigError, match=error):
+        _config(pki["tls-a"].model_dump() | {k: str(folder / v) for k, v in change.items()})
+
+
+def test_a_ca_bundle_and_an_intermediate_chain_are_accepted(pki: dict[str, TlsFiles], tmp_path: Path) -> None:
+    """A rotation's bundle (another CA beside this certificate's) and a certificate file that carries its
+    intermediate CA after it both verify, as they do in the TLS handshake."""
+    folder = Path(pki["cp"].ca).parent
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes((folder / "other" / "ca.pem").read_bytes() + (folder / "ca.pem").read_bytes())
+    assert _config(pki["tls-a"].model_dump() | {"ca": str(bundle)}) is not None
+    _issue(folder, "intermediate", None, ca=True)
+    _issue(folder, "leaf", "prfaas://both/tls-a/1", issuer="intermediate")
+    chain = tmp_path / "chain.pem"
+    chain.write_bytes((folder / "leaf.pem").read_bytes() + (folder / "intermediate.pem").read_bytes())
+    assert _config({"ca": str(folder / "ca.pem"), "cert": str(chain), "key": str(folder / "leaf-key.pem")}) is not None
+    with pytest.raises(ConfigError, match=r"tls\.cert: not issued by a CA in tls\.ca"):  # the chain is what links it
+        _config({"ca": str(folder / "ca.pem"), "cert": str(folder / "leaf.pem"), "key": str(folder / "leaf-key.pem")})
