@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from prfaas.cli.outputs import OutputError, output_file, output_folder, write_failed
 from prfaas.loadgen.workload import MAX_DURATION_S  # stdlib only: no bench extra needed
 
 console = Console(width=max(Console().width, 150))  # the tables are wide; pipes get 80 columns
@@ -27,12 +28,15 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _connection(api_base: str | None, api_key: str | None) -> tuple[str, str]:
-    from prfaas.devstack.state import read_state
+    from prfaas.devstack.state import UpError, read_state
     from prfaas.engine.models import prfaas_home
 
     if api_base and api_key:
         return api_base.rstrip("/"), api_key
-    state = read_state(prfaas_home())
+    try:
+        state = read_state(prfaas_home())
+    except UpError as exc:  # a corrupt up.json
+        raise _fail(str(exc)) from None
     if state is None or not state.api_key:
         raise _fail("no deployment to bench: run `prfaas up` first, or pass --api-base and --api-key")
     return (api_base or state.api_base).rstrip("/"), api_key or state.api_key
@@ -123,7 +127,7 @@ def bench(
     ),
     slo_ttft_ms: float = typer.Option(2000.0, help="goodput: TTFT target"),
     slo_tpot_ms: float = typer.Option(200.0, help="goodput: TPOT target"),
-    warmup: int = typer.Option(2, help="short local and split requests each, sent first (not counted)"),
+    warmup: int = typer.Option(2, min=0, help="short local and split requests each, sent first (not counted)"),
     timeout_s: float = typer.Option(300.0, min=1.0, help="deadline of each request, seconds"),
     out: Path = typer.Option(None, help="folder for bench.json, bench.png, trace.jsonl (default $PRFAAS_HOME/bench/)"),
     json_path: Path = typer.Option(None, "--json", help="also write bench.json's content to this file"),
@@ -153,6 +157,16 @@ def bench(
         concurrency = 4
     if not math.isfinite(timeout_s) or not math.isfinite(think_s):  # nan passes typer's min: it compares False
         raise _fail("--timeout-s and --think-s: finite numbers of seconds")
+    for option, target in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
+        if not (math.isfinite(target) and target > 0):  # nan made bench.json invalid JSON; <= 0 no request is good
+            raise _fail(f"{option}: a target must be a positive number of milliseconds, not {target}")
+    try:  # before the run: a path that cannot be written would lose it
+        if out is not None:
+            output_folder(out, "--out")
+        if json_path is not None:
+            output_file(json_path, "--json")
+    except OutputError as exc:
+        raise _fail(str(exc)) from None
     spec = WorkloadSpec(num_requests, rate, burstiness, input_len, output_len, mix, shared_prefix, prefix_groups, seed,
                         max_duration_s)  # fmt: skip
     try:
@@ -206,11 +220,14 @@ def bench(
     if "ratios" in result:
         console.print(ratio_table(result))
     folder = out or Path(_home()) / "bench" / time.strftime("%Y%m%d-%H%M%S")
-    paths = session.write(folder, result, rows, f"{served}: {loop}")
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(paths[0].read_text())
-        paths.append(json_path)
+    try:
+        paths = session.write(folder, result, rows, f"{served}: {loop}")
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(paths[0].read_text())
+            paths.append(json_path)
+    except OSError as exc:  # gone or full since the check
+        raise _fail(write_failed(folder, exc)) from None
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
     failed = sum(s["failed"] for s in summaries.values())
     if failed:

@@ -52,7 +52,7 @@ def certs_init(
         help="the node's identity, e.g. prfaas://prefill/REGION/INSTANCE or prfaas://control-plane/NAME "
         "(one --name with it)",
     ),
-    days: int = typer.Option(825, help="validity of node certificates"),
+    days: int = typer.Option(825, min=1, help="validity of node certificates"),
     force: bool = typer.Option(False, help="replace the CA too (every node needs new certificates then)"),
 ) -> None:
     """Create the deployment's CA (kept if present) and a certificate + key per node name.
@@ -285,7 +285,10 @@ def regions_import(
     try:
         deployment = parse_outputs(file.read_text())
     except OSError as exc:
-        console.print(f"[red]error:[/red] {file}: {exc.strerror}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(f'{file}: {exc.strerror}')}", highlight=False)
+        raise typer.Exit(2) from None
+    except UnicodeDecodeError as exc:
+        console.print(f"[red]error:[/red] {escape(f'{file}: not UTF-8 text (byte {exc.start})')}", highlight=False)
         raise typer.Exit(2) from None
     except OutputsError as exc:
         console.print(f"[red]error:[/red] {escape(f'{file}: {exc}')}", highlight=False)

@@ -13,11 +13,29 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from prfaas.cli.outputs import OutputError, chart_file, output_file, write_failed
+
 console = Console()
 
 sim_app = typer.Typer(
     help="The fleet simulator: the live scheduler policies on a modelled fleet.", no_args_is_help=True
 )
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+    return typer.Exit(2)
+
+
+def _outputs(json_path: Path | None, png: Path | None) -> Path | None:
+    """Check --json and --png before the work (exit 2 naming the option); -> the chart file matplotlib will
+    write (`--png NAME` without a suffix: NAME.png)."""
+    try:
+        if json_path is not None:
+            output_file(json_path, "--json")
+        return None if png is None else chart_file(png, "--png")
+    except OutputError as exc:
+        raise _fail(str(exc)) from None
 
 
 @sim_app.command("scenarios")
@@ -48,6 +66,7 @@ def sim_run(
     """Throughput at SLO, TTFT, link use and $/1M tokens of each policy, side by side."""
     from prfaas.sim.compare import compare, paper_lines, write_json
 
+    chart = _outputs(json_path, png)
     try:
         with sim_progress() as (progress, task):
             rows = compare(
@@ -67,13 +86,16 @@ def sim_run(
     _print_rows({"": rows})
     for line in paper_lines(scenario, rows):
         console.print(line)
-    if json_path is not None:
-        write_json(json_path, rows)
-        console.print(f"wrote {json_path}")
-    if png is not None:
-        from prfaas.sim.charts import policy_chart
+    try:
+        if json_path is not None:
+            write_json(json_path, rows)
+            console.print(f"wrote {json_path}")
+        if chart is not None:
+            from prfaas.sim.charts import policy_chart
 
-        console.print(f"wrote {policy_chart({scenario: rows}, png, title=scenario)}")
+            console.print(f"wrote {policy_chart({scenario: rows}, chart, title=scenario)}")
+    except OSError as exc:  # gone or full since the check
+        raise _fail(write_failed(chart or json_path, exc)) from None
 
 
 @sim_app.command("compare")
@@ -84,6 +106,7 @@ def sim_compare(
     """Saved runs side by side, one column group per file."""
     from prfaas.sim.compare import load_rows
 
+    chart = _outputs(None, png)
     try:
         labels = [path.stem for path in files]
         if len(set(labels)) < len(labels):  # same names in different folders: the full paths
@@ -93,10 +116,13 @@ def sim_compare(
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
     _print_rows(runs)
-    if png is not None:
+    if chart is not None:
         from prfaas.sim.charts import policy_chart
 
-        console.print(f"wrote {policy_chart(runs, png)}")
+        try:
+            console.print(f"wrote {policy_chart(runs, chart)}")
+        except OSError as exc:
+            raise _fail(write_failed(chart, exc)) from None
 
 
 @sim_app.command("plan")
@@ -119,6 +145,7 @@ def sim_plan(
     from prfaas.sim.planner import plan, recommend, recommended_yaml
     from prfaas.sim.workload import load_trace
 
+    chart = _outputs(json_path, png)
     try:
         chosen = load_scenario(scenario, requests)
         draw = arrivals_for(chosen, load_trace(trace) if trace else None, seed)
@@ -147,13 +174,16 @@ def sim_plan(
     best = recommend(points)
     console.print(f"recommended ({policy}, {best.throughput_at_slo_rps:.3g} req/s at SLO):")
     console.print(recommended_yaml(best), highlight=False, markup=False)
-    if json_path is not None:
-        json_path.write_text(json.dumps([p.as_row() for p in points], indent=2) + "\n", encoding="utf-8")
-        console.print(f"wrote {json_path}")
-    if png is not None:
-        from prfaas.sim.charts import plan_chart
+    try:
+        if json_path is not None:
+            json_path.write_text(json.dumps([p.as_row() for p in points], indent=2) + "\n", encoding="utf-8")
+            console.print(f"wrote {json_path}")
+        if chart is not None:
+            from prfaas.sim.charts import plan_chart
 
-        console.print(f"wrote {plan_chart([p.as_row() for p in points], png, title=f'{scenario}: {policy}')}")
+            console.print(f"wrote {plan_chart([p.as_row() for p in points], chart, title=f'{scenario}: {policy}')}")
+    except OSError as exc:  # gone or full since the check
+        raise _fail(write_failed(chart or json_path, exc)) from None
 
 
 @sim_app.command("calibrate")
@@ -167,6 +197,7 @@ def sim_calibrate(
 
     from prfaas.sim.calibration import predict_trace
 
+    _outputs(json_path, None)
     try:
         prediction = predict_trace(timings, trace)
     except (ValueError, OSError) as exc:
@@ -185,7 +216,10 @@ def sim_calibrate(
         + ("-" if p90 is None else f"{p90 * 1000:.1f} ms")
     )
     if json_path is not None:
-        json_path.write_text(json.dumps(prediction.as_row(), indent=2) + "\n", encoding="utf-8")
+        try:
+            json_path.write_text(json.dumps(prediction.as_row(), indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise _fail(write_failed(json_path, exc)) from None
 
 
 def _fmt(value: float | None, spec: str) -> str:

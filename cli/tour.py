@@ -40,12 +40,23 @@ def tour(
 ) -> None:
     """The first run's story on a running `prfaas up`: one real completion split and local
     (identical), three placement policies on one workload, then the fleet the simulator models."""
-    from prfaas.devstack.state import read_state
+    from prfaas.cli.outputs import OutputError, output_file, output_folder, write_failed
+    from prfaas.devstack.state import UpError, read_state
     from prfaas.devstack.tour import SCENARIO, WHY_THEY_DIFFER, TourError, completion_pair, fleet_command
     from prfaas.engine.models import prfaas_home
     from prfaas.loadgen.client import fetch_models
 
-    state = read_state(prfaas_home())
+    try:  # before part 1: a path that cannot be written would lose the tour's figures
+        if out is not None:
+            output_folder(out, "--out")
+        if json_path is not None:
+            output_file(json_path, "--json")
+    except OutputError as exc:
+        raise _fail(str(exc)) from None
+    try:
+        state = read_state(prfaas_home())
+    except UpError as exc:  # a corrupt up.json
+        raise _fail(str(exc)) from None
     if state is None or not state.api_key:
         raise _fail("nothing is up: run `prfaas up --model smollm2-135m --detach` first (make demo does)")
     try:
@@ -91,8 +102,11 @@ def tour(
     console.print("`make demo` stops the deployment now; `prfaas up --model smollm2-135m` brings it back with the "
                   "same tenant, key and usage.", highlight=False)  # fmt: skip
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        try:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as exc:  # gone or full since the check
+            raise _fail(write_failed(json_path, exc)) from None
         console.print(f"wrote {json_path}")
     if not identical:
         raise typer.Exit(1)

@@ -114,6 +114,7 @@ class Deployment:
     def start(self) -> UpState:
         if self.run_dir.exists():
             shutil.rmtree(self.run_dir)
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)  # up.json in it holds the admin key
         self.run_dir.mkdir(parents=True)
         write_state(self.home, self.state)  # from here on `prfaas down` can clean up a half-started deployment
         if not self.insecure:
@@ -122,15 +123,11 @@ class Deployment:
             self.say(f"mutual TLS between components: certificates in {self.pki.folder}")
         self._start_redis()
         try:
-            self.network.setup()
+            self.network.setup(self._network_grew)
         except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: a sysctl or the build failed
             raise UpError(f"cannot build the emulated WAN: {exc}") from None
         finally:  # what a failed setup created is removed by stop()
-            self.state.namespaces, self.state.devices = self.network.namespaces, self.network.devices
-            self.state.groups |= self.network.groups
-            for pid in self.network.groups.values():  # with their start times: `down` signals only these
-                self.state.record(pid)
-            write_state(self.home, self.state)
+            self._network_grew()
         self._start_control_plane()
         instances = [(name, k) for name, count in self.instances.items() for k in range(count)]
         pool = ThreadPoolExecutor(len(instances))  # model loads overlap
@@ -149,6 +146,16 @@ class Deployment:
         self._fail_if_dead()  # "up" only with every process running
         write_state(self.home, self.state)
         return self.state
+
+    def _network_grew(self) -> None:
+        """Write each namespace, device and emulator the network names to up.json as it comes: a SIGKILL
+        mid-setup (no `finally` runs) leaves `prfaas down` all of them to remove."""
+        self.state.namespaces, self.state.devices = list(self.network.namespaces), list(self.network.devices)
+        for name, pid in self.network.groups.items():  # with their start times: `down` signals only these
+            if self.state.groups.get(name) != pid:
+                self.state.groups[name] = pid
+                self.state.record(pid)
+        write_state(self.home, self.state)
 
     def _fail_if_dead(self) -> bool:
         """Raises UpError naming each process that exited while the deployment started, and why (its log)."""

@@ -16,7 +16,7 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +80,13 @@ def linkemu_argv(
     return argv + list(extra)
 
 
-def start_linkemu(argv: list[str], log: Path | None = None) -> subprocess.Popen[str]:
+def start_linkemu(
+    argv: list[str], log: Path | None = None, on_spawn: Callable[[int], None] | None = None
+) -> subprocess.Popen[str]:
     """Start the emulator in a session of its own (a terminal's Ctrl-C reaches only us, and
     we stop it in order) and wait for its `ready` line: on a pipe (its counters can then be
-    read, `wanlink.WanLink.counters`), or in the file `log` for one that outlives us."""
+    read, `wanlink.WanLink.counters`), or in the file `log` for one that outlives us.
+    `on_spawn(pid)` runs as soon as it exists, before the wait (a caller records its group)."""
     if log is None:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)  # fmt: skip
@@ -91,6 +94,8 @@ def start_linkemu(argv: list[str], log: Path | None = None) -> subprocess.Popen[
         with log.open("w") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:  # from here on the emulator is ours to stop: a Ctrl-C while it starts must not leave it running
+        if on_spawn is not None:
+            on_spawn(proc.pid)
         if log is None:
             assert proc.stdout is not None
             ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)

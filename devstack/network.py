@@ -23,6 +23,7 @@ S is a third octet picked from the process id, so two meshes on one host rarely 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -39,7 +40,10 @@ class Network(Protocol):
     groups: dict[str, int]  # helper processes (link emulators): name -> process group
     registry_host: str
 
-    def setup(self) -> None: ...
+    def setup(self, changed: Callable[[], None] | None = None) -> None:
+        """Build it; `changed()` runs each time `namespaces`, `devices` or `groups` grows, before setup goes on
+        (the caller writes them down: a process killed mid-setup leaves them to `prfaas down`)."""
+        ...
 
     def instance_listen(self, region: str, k: int) -> tuple[str, str]:
         """(gRPC listen, KV listen) host:port of instance `k` (0-based) of `region`; port 0
@@ -58,7 +62,7 @@ class LoopbackNetwork:
         self.groups: dict[str, int] = {}
         self.registry_host = "127.0.0.1"
 
-    def setup(self) -> None:
+    def setup(self, changed: Callable[[], None] | None = None) -> None:
         pass
 
     def instance_listen(self, region: str, k: int) -> tuple[str, str]:
@@ -90,6 +94,7 @@ class WanMesh:
         self.devices: list[str] = []
         self.groups: dict[str, int] = {}
         self.registry_host = f"10.79.{self.subnet}.1"
+        self._changed: Callable[[], None] = lambda: None
 
     def _ns(self, region: str, k: int) -> str:
         return f"{self.tag}-{self.index[region]}-{k}"
@@ -100,19 +105,20 @@ class WanMesh:
     def _lan(self, region: str) -> str:
         return f"10.{100 + self.index[region]}.{self.subnet}"
 
-    def setup(self) -> None:
+    def setup(self, changed: Callable[[], None] | None = None) -> None:
         if os.geteuid() != 0:
             raise PermissionError("--emulate-wan needs root (network namespaces, TUN devices)")
+        self._changed = changed or (lambda: None)
         bridge = f"{self.tag}br"[-15:]
+        self._name(self.devices, bridge)
         ip("link", "add", bridge, "type", "bridge")
-        self.devices.append(bridge)
         self._free_subnet()
         ip("addr", "add", f"{self.registry_host}/24", "dev", bridge)
         ip("link", "set", bridge, "up")
         for region in self.index:
             site = self._site(region)
+            self._name(self.namespaces, site)
             add_namespace(site, ROUTER_SYSCTLS)
-            self.namespaces.append(site)
             ip("-n", site, "link", "add", "br0", "type", "bridge")
             ip("-n", site, "addr", "add", f"{self._lan(region)}.1/24", "dev", "br0")
             ip("-n", site, "link", "set", "br0", "up")
@@ -130,6 +136,13 @@ class WanMesh:
             )  # fmt: skip
             self._link(j, link.src, link.dst, link.rtt_ms, link.rate_mbit, link.loss_pct, extra)
 
+    def _name(self, names: list[str], name: str) -> None:
+        """Add `name` to `names` (and tell the caller) before creating it: a kill while `ip` creates it still
+        leaves its name to `prfaas down` (which deletes a name never created without complaint). The names carry
+        our pid, so one that exists already is a dead run's leftover."""
+        names.append(name)
+        self._changed()
+
     def _free_subnet(self) -> None:
         """A control subnet 10.79.S.0/24 no other interface here holds (another mesh running, or one a crashed
         run left): two bridges on one subnet route one mesh's control traffic to the other's instances."""
@@ -142,11 +155,11 @@ class WanMesh:
 
     def _instance(self, region: str, k: int, bridge: str) -> None:
         ns, site, n = self._ns(region, k), self._site(region), self._host[(region, k)]
+        self._name(self.namespaces, ns)
         add_namespace(ns, WAN_SYSCTLS)
-        self.namespaces.append(ns)
         host_end, ns_end = f"{self.tag}h{n}"[-15:], f"{self.tag}n{n}"[-15:]  # control: the root bridge
+        self._name(self.devices, host_end)  # deleting it removes the pair, wherever its peer went
         ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
-        self.devices.append(host_end)  # deleting it removes the pair, wherever its peer went
         ip("link", "set", host_end, "master", bridge, "up")
         ip("link", "set", ns_end, "netns", ns)
         ip("-n", ns, "link", "set", ns_end, "name", "cp0")
@@ -174,11 +187,15 @@ class WanMesh:
         tun_a, tun_b = f"{self.tag}t{j}a"[-15:], f"{self.tag}t{j}b"[-15:]
         argv = linkemu_argv(tun_a, tun_b, rtt_ms=rtt_ms, rate_mbit=rate_mbit, loss_pct=loss, seed=j, nice=-10,
                             extra=extra)  # fmt: skip
+
+        def spawned(pid: int) -> None:  # named before it is ready: a kill while it starts leaves it to `down`
+            self.groups[f"linkemu-{j}"] = pid
+            self._changed()
+
         try:
-            proc = start_linkemu(argv, log=self.run_dir / f"linkemu-{j}.log")
+            start_linkemu(argv, log=self.run_dir / f"linkemu-{j}.log", on_spawn=spawned)
         except OSError as exc:
             raise OSError(f"link {src} -> {dst}: {exc}") from None
-        self.groups[f"linkemu-{j}"] = proc.pid
         ends = ((src, tun_a, f"10.77.{j}.1", dst, f"10.77.{j}.2"), (dst, tun_b, f"10.77.{j}.2", src, f"10.77.{j}.1"))
         for region, tun, addr, peer, peer_addr in ends:
             site = self._site(region)

@@ -6,18 +6,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import redis
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from prfaas.devstack.netns import remove_namespaces
 from prfaas.devstack.processes import group_alive, pid_alive, start_ticks, stop_group
 
 STATE_FILE = "up.json"
+Pid = Annotated[int, Field(gt=1)]  # 0, -1 and 1 would signal our own group, every process, init
 
 
 class UpError(RuntimeError):
@@ -27,6 +31,9 @@ class UpError(RuntimeError):
 @dataclass
 class UpState:
     """Contents of $PRFAAS_HOME/up.json."""
+
+    # read_state: every field of its type (a string where a list belongs was taken letter by letter)
+    __pydantic_config__ = ConfigDict(strict=True, extra="forbid")
 
     api_base: str
     api_key: str
@@ -40,8 +47,8 @@ class UpState:
     registry: str
     log_dir: str
     emulate_wan: bool
-    supervisor_pid: int | None = None
-    groups: dict[str, int] = field(default_factory=dict)  # process name -> process group id
+    supervisor_pid: Pid | None = None
+    groups: dict[str, Pid] = field(default_factory=dict)  # process name -> process group id
     namespaces: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)  # root-namespace interfaces (the WAN mesh's bridge)
     private_redis: bool = False
@@ -56,30 +63,49 @@ class UpState:
     def ours(self, pid: int) -> bool:
         """Whether `pid` (a process, or a group's leader) is still the one this state recorded: a crashed run's
         file may name a pid the system has since given to another process, which `down` must not signal (a
-        group's id is never reused while any of its processes lives, so a leader gone leaves its group ours)."""
-        recorded, now = self.started.get(str(pid)), start_ticks(pid)
-        return recorded is None or now is None or now == recorded
+        group's id is never reused while any of its processes lives, so a leader gone leaves its group ours).
+        Without a recorded start time it is not: `up` records one for every process it starts."""
+        recorded = self.started.get(str(pid))
+        if recorded is None:
+            return False
+        now = start_ticks(pid)
+        return now is None or now == recorded
 
 
 def state_path(home: Path) -> Path:
     return home / STATE_FILE
 
 
+_SHAPE = TypeAdapter(UpState)
+
+
 def read_state(home: Path) -> UpState | None:
+    """The state in `home`; None when there is none. UpError names each malformed field: nothing in a file
+    that is not whole is acted on."""
     try:
-        return UpState(**json.loads(state_path(home).read_text()))
+        return _SHAPE.validate_json(state_path(home).read_bytes())
     except FileNotFoundError:
         return None
-    except (ValueError, TypeError) as exc:
-        raise UpError(f"{state_path(home)} is not a prfaas up state file ({exc}); remove it by hand") from None
+    except OSError as exc:
+        raise UpError(f"{state_path(home)}: {exc.strerror}") from None
+    except ValidationError as exc:
+        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'the file'}: {e['msg']}" for e in exc.errors()[:3])
+        raise UpError(f"{state_path(home)} is not a prfaas up state file ({fields}); remove it by hand") from None
 
 
 def write_state(home: Path, state: UpState) -> None:
-    path = state_path(home)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(state), indent=2) + "\n")
-    tmp.chmod(0o600)
-    tmp.replace(path)
+    """Replace up.json with a file created 0600 (it holds the admin key: never readable by others, not even
+    until a chmod); `home`, made here when missing, is 0700."""
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = home / f".{STATE_FILE}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(asdict(state), indent=2) + "\n")
+        os.replace(tmp, state_path(home))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def stop_state(state: UpState, say: Callable[[str], None]) -> None:
@@ -89,6 +115,8 @@ def stop_state(state: UpState, say: Callable[[str], None]) -> None:
     for name in state.groups:
         phases.setdefault(0 if name.startswith("region-") else rank.get(name, 1), []).append(name)
     for _, names in sorted(phases.items()):  # one phase's groups stop side by side
+        for name in (n for n in names if str(state.groups[n]) not in state.started and group_alive(state.groups[n])):
+            say(f"skipped {name} (process group {state.groups[name]}): no start time recorded, it may not be ours")
         live = [n for n in names if state.ours(state.groups[n]) and group_alive(state.groups[n])]
         with ThreadPoolExecutor(max(1, len(live))) as pool:
             timeouts = [15.0 if n.startswith("worker") else 8.0 for n in live]
@@ -113,6 +141,8 @@ def down(home: Path, say: Callable[[str], None], timeout_s: float = 60.0) -> boo
     if state is None:
         return False
     pid = state.supervisor_pid
+    if pid and pid != os.getpid() and str(pid) not in state.started and pid_alive(pid):
+        say(f"skipped prfaas up (pid {pid}): no start time recorded, it may not be ours")
     if pid and pid != os.getpid() and pid_alive(pid) and state.ours(pid):
         say(f"asking prfaas up (pid {pid}) to stop")
         with contextlib.suppress(ProcessLookupError):

@@ -13,7 +13,7 @@ from typing import Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from prfaas.region.config import field_errors, parse_bytes, read_yaml_mapping, yaml_mapping
+from prfaas.region.config import field_errors, parse_bytes
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[1] / "examples" / "topology.yaml"
 _NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -126,13 +126,33 @@ def topology_from_mapping(data: dict[str, Any], source: str = "topology") -> Top
 
 
 def parse_topology(text: str, source: str = "topology") -> Topology:
-    return topology_from_mapping(yaml_mapping(text, source, "topology", TopologyError), source)
+    return topology_from_mapping(_yaml_mapping(text, source), source)
+
+
+def _yaml_mapping(text: str, source: str) -> dict[str, Any]:
+    """The file's top-level mapping; a YAML error is one line: what is wrong and where."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise TopologyError(f"{source}: not valid YAML: {what}{where}") from None
+    if not isinstance(data, dict):
+        raise TopologyError(f"{source}: a topology is a YAML mapping of fields")
+    return data
 
 
 def load_topology(path: str | Path) -> Topology:
     """Read and validate a topology file; `TopologyError` names the file and each bad field."""
     path = Path(path)
-    topology = topology_from_mapping(read_yaml_mapping(path, "topology", TopologyError), str(path))
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TopologyError(f"{path}: cannot read the topology: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # a binary file: one line, not a traceback
+        raise TopologyError(f"{path}: not UTF-8 text (byte {exc.start}); a topology is a YAML file") from None
+    topology = parse_topology(text, str(path))
     if topology.policy.path is not None and not topology.policy.path.is_absolute():
         policy = topology.policy.model_copy(update={"path": (path.parent / topology.policy.path).resolve()})
         topology = topology.model_copy(update={"policy": policy})

@@ -47,7 +47,7 @@ def run_up(
             raise UpError(f"a deployment is already up ({old.url or 'starting'}); run `prfaas down` first")
         stop_state(old, lambda _: None)  # a crashed run's leftovers (namespaces, keys)
         state_path(home).unlink()
-    home.mkdir(parents=True, exist_ok=True)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)  # up.json in it holds the admin key
 
     def tell(message: str) -> None:  # a closed terminal (SIGHUP) makes every print fail: the stop goes on
         with contextlib.suppress(OSError):

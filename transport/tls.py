@@ -62,9 +62,17 @@ class NodeCert:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    """`data` into `path`, mode 0600 even where `path` exists with a wider mode (O_CREAT's mode applies only to
+    a new file): a file of our own, created 0600, replaces it."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -108,9 +116,15 @@ def init_certs(
     for name in names:  # all checked before anything is written
         if not NODE_NAME.fullmatch(name) or name in ("ca", "ca-key"):  # "ca": the CA's own files
             raise ValueError(f"bad node name {name!r}: letters, digits, '.', '_', '-', not leading '.'; not ca")
+    now = datetime.datetime.now(datetime.UTC)
+    try:
+        not_after: datetime.datetime | None = now + datetime.timedelta(days=days)
+    except OverflowError:  # past year 9999
+        not_after = None
+    if days < 1 or not_after is None:  # before the CA is written: a bad value must not cost a --force run its CA
+        raise ValueError(f"--days {days}: node certificates are valid from 1 day to year 9999")
     directory.mkdir(parents=True, exist_ok=True)
     ca_path, ca_key_path = directory / "ca.pem", directory / "ca-key.pem"
-    now = datetime.datetime.now(datetime.UTC)
     if force or not ca_path.exists() or not ca_key_path.exists():
         ca_key = ec.generate_private_key(ec.SECP256R1())
         # A name of its own per CA (and key identifiers below): during a rotation peers trust a
@@ -149,7 +163,7 @@ def init_certs(
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
+            .not_valid_after(not_after)
             .add_extension(_san(sans, identities.get(name)), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)

@@ -32,6 +32,11 @@ def _bench(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
         (["--burstiness", "nan"], "--burstiness: the CV of gaps must be a positive number"),  # a hang in plan()
         (["--max-duration-s", "-1"], "--max-duration-s: seconds must be a positive number"),
         (["--timeout-s", "nan"], "--timeout-s and --think-s: finite numbers of seconds"),  # passed typer's min
+        # NaN made bench.json invalid JSON; a target <= 0 counts no request as good
+        (["--slo-ttft-ms", "nan"], "--slo-ttft-ms: a target must be a positive number of milliseconds, not nan"),
+        (["--slo-tpot-ms", "-5"], "--slo-tpot-ms: a target must be a positive number of milliseconds, not -5.0"),
+        (["--slo-ttft-ms", "0"], "--slo-ttft-ms: a target must be a positive number of milliseconds, not 0.0"),
+        (["--warmup", "-1"], "Invalid value for '--warmup': -1 is not in the range x>=0"),
     ],
 )
 def test_bad_bench_options_exit_2_with_a_clear_message(args: list[str], expected: str, tmp_path: Path) -> None:
@@ -56,3 +61,15 @@ def test_other_bad_options_exit_2_before_anything_runs(args: list[str], expected
                          timeout=60, check=False)  # fmt: skip
     assert out.returncode == 2 and expected in out.stdout + out.stderr, out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("command", [["bench"], ["tour"]])
+def test_a_corrupt_state_file_is_one_line_not_a_traceback(command: list[str], tmp_path: Path) -> None:
+    (tmp_path / "up.json").write_text("{not json")
+    env = {**os.environ, "PRFAAS_HOME": str(tmp_path), "COLUMNS": "300"}
+    env.pop("PRFAAS_API_KEY", None)
+    out = subprocess.run([sys.executable, "-m", "prfaas.cli.main", *command], env=env, capture_output=True, text=True,
+                         timeout=60, check=False)  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout.startswith(f"error: {tmp_path / 'up.json'} is not a prfaas up state file (")
+    assert out.stdout.count("\n") == 1 and "Traceback" not in out.stdout + out.stderr

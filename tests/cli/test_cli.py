@@ -49,3 +49,14 @@ def test_demo_prints_identical_split_and_colocated_outputs(tmp_path: Path) -> No
     assert out.returncode == 0, out.stdout + out.stderr
     for expected in ["colocated", "split", "prefill s", "decode ms/token", "KV bytes/token: 1,024", "identical"]:
         assert expected in out.stdout
+
+
+@pytest.mark.parametrize("command", [["regions", "import"], ["up", "--topology"]])
+def test_a_file_that_is_not_utf8_text_is_one_line_and_exit_2(command: list[str], tmp_path: Path) -> None:
+    """A binary file was a UnicodeDecodeError traceback (only OSError was caught)."""
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    out = run([*command, str(binary)], tmp_path, timeout_s=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout.startswith(f"error: {binary}: not UTF-8 text (byte 0)") and out.stdout.count("\n") == 1
+    assert "Traceback" not in out.stdout + out.stderr

@@ -180,6 +180,74 @@ def test_a_mesh_takes_a_control_subnet_no_interface_holds(tmp_path: Path) -> Non
         remove_namespaces(mesh.namespaces, [*mesh.devices, squatter])
 
 
+KILLED_MID_SETUP = """
+import os, signal, sys
+from pathlib import Path
+import prfaas.devstack.network as network
+network.attach_tun = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # namespaces, bridge, an emulator made
+from prfaas.devstack.deployment import Deployment
+from prfaas.devstack.topology import topology_from_mapping
+topology = topology_from_mapping({
+    "regions": [{"name": "east", "role": "both", "usd_per_gpu_hour": 1},
+                {"name": "west", "role": "both", "usd_per_gpu_hour": 1}],
+    "links": [{"src": "east", "dst": "west", "rtt_ms": 40, "rate_mbit": 100}],
+})
+Deployment(topology, "t.yaml", Path(sys.argv[1]), True, print, insecure=True).start()
+"""
+
+
+def _made_by(tag: str) -> tuple[list[str], list[str], list[int]]:
+    """The namespaces, root-namespace devices and processes (by their argv) whose names carry `tag`."""
+    namespaces = [line.split()[0] for line in ip("netns", "list").stdout.splitlines() if line.startswith(f"{tag}-")]
+    devices = [line.split(": ")[1].split("@")[0] for line in ip("-o", "link", "show").stdout.splitlines()]
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _argv_has(p, tag)]
+    return namespaces, [d for d in devices if d.startswith(tag)], pids
+
+
+def _argv_has(proc: Path, tag: str) -> bool:
+    try:
+        return tag in (proc / "cmdline").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="TUN devices and namespaces need root")
+def test_a_run_killed_while_it_builds_the_wan_leaves_down_all_it_made(tmp_path: Path) -> None:
+    """SIGKILLed mid-setup (no `finally` runs), `prfaas up` left namespaces, the bridge, veths and a running
+    emulator that up.json did not name: they were written only once setup returned. Each is named as it is
+    made, so `down` removes all of it."""
+    import sys
+
+    from prfaas.devstack.state import down, read_state, stop_state
+
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_SETUP, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    tag = f"pu{proc.pid}"
+    try:
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, output
+        namespaces, devices, emulators = _made_by(tag)
+        state = read_state(tmp_path)
+        assert state is not None and namespaces and emulators
+        assert set(namespaces) <= set(state.namespaces)
+        assert {d for d in devices if f"{tag}t" not in d} <= set(state.devices)  # the TUNs go with the emulator
+        assert emulators == [state.groups["linkemu-1"]]
+        assert down(tmp_path, lambda _: None, timeout_s=5)
+        deadline = time.monotonic() + 5
+        while _made_by(tag) != ([], [], []) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _made_by(tag) == ([], [], [])
+    finally:
+        leftover = read_state(tmp_path)
+        if leftover is not None:
+            stop_state(leftover, lambda _: None)  # the private Redis
+        namespaces, devices, emulators = _made_by(tag)
+        for pid in emulators:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        remove_namespaces(namespaces, devices)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="TUN devices and namespaces need root")
 def test_a_link_given_its_rate_back_drains_its_slow_queue_at_that_rate() -> None:
     """10 Mbit/s of UDP into a 20 Mbit/s link slowed to 2 Mbit/s for a second: once its rate is back, the

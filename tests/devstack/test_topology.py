@@ -92,6 +92,14 @@ def test_a_file_that_is_not_a_topology_says_so(text: str, expected: str) -> None
         parse_topology(text, "t.yaml")
 
 
+def test_a_yaml_syntax_error_is_one_line_saying_what_and_where() -> None:
+    """It was PyYAML's four-line report, its caret pointing into "<unicode string>"."""
+    with pytest.raises(TopologyError) as raised:
+        parse_topology("name: demo\nregions: [\n", "t.yaml")
+    expected = "expected the node content, but found '<stream end>' (line 3, column 1)"
+    assert str(raised.value) == f"t.yaml: not valid YAML: {expected}"
+
+
 def test_a_split_topology_splits_short_prompts_and_is_written_as_it_reads_back(tmp_path: Path) -> None:
     topology = split_topology("bench", "tiny-llama", GOOD["regions"], GOOD["links"], workers=2, budget_usd=5.0)
     assert topology.policy.min_uncached_tokens == 128  # the benchmarks' prompts are a few hundred tokens

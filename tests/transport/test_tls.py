@@ -65,6 +65,33 @@ def test_certs_init_cli_keeps_the_ca_and_writes_private_keys_0600(tmp_path: Path
     assert (tmp_path / "ca.pem").read_bytes() == ca
 
 
+def test_certs_init_tightens_key_files_that_exist_with_a_wider_mode_to_0600(tmp_path: Path) -> None:
+    """O_CREAT's 0600 applies only to a new file: a key written into an existing 0644 file stayed readable
+    by all, while the command printed 0600."""
+    for key in ("ca-key.pem", "node-key.pem"):
+        (tmp_path / key).write_text("old")
+        (tmp_path / key).chmod(0o644)
+    _ca, (node,) = init_certs(tmp_path, ["node"], ["127.0.0.1"], force=True)
+    for key in (tmp_path / "ca-key.pem", node.key):
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600 and b"PRIVATE KEY" in key.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca-key.pem", "ca.pem", "node-key.pem", "node.pem"]
+
+
+@pytest.mark.parametrize("days", [0, -1, 10**9])
+def test_certs_init_refuses_days_that_are_no_validity_before_writing_anything(tmp_path: Path, days: int) -> None:
+    """--days 0 issued a certificate already expired (exit 0); -1 with --force replaced the CA, then failed."""
+    _ca, _nodes = init_certs(tmp_path, ["node"], ["127.0.0.1"])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    cmd = [sys.executable, "-m", "prfaas.cli.main", "certs", "init", "--dir", str(tmp_path), "--name", "other",
+           "--force", "--days", str(days)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "--days" in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    with pytest.raises(ValueError, match=f"--days {days}: node certificates are valid from 1 day"):
+        init_certs(tmp_path, ["other"], ["127.0.0.1"], days=days, force=True)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # the CA kept, nothing issued
+
+
 @pytest.mark.parametrize("codec", ["raw", "lossless"])
 def test_shipment_over_mutual_tls_reassembles_bit_exactly(kit: Kit, certs: dict[str, NodeCert], codec: str) -> None:
     with (
