@@ -11,10 +11,10 @@ from typing import Any
 from prfaas.decode_region.agent import DecodeAgent
 from prfaas.decode_region.backend import DecodeBackend
 from prfaas.protos.prfaas.v1 import decode_pb2_grpc
-from prfaas.region.addresses import advertised_host, hostport
+from prfaas.region.addresses import advertised_host
 from prfaas.region.build import BuiltRole
 from prfaas.region.config import RegionConfig, ice_servers
-from prfaas.transport.endpoints import parse_hostport
+from prfaas.transport.endpoints import hostport, parse_hostport
 from prfaas.transport.inbound import Receiver
 from prfaas.transport.tickets import TicketVerifier
 

@@ -32,6 +32,7 @@ from prfaas.engine.vllm.sampling import check_supported, remember, salted, vllm_
 from prfaas.engine.vllm.server import StreamStopped
 from prfaas.region.errors import Canceled, InvalidRequest
 from prfaas.region.requests import MAX_TIMEOUT_S
+from prfaas.transport.endpoints import hostport, parse_hostport
 
 
 class ServerHold:
@@ -69,8 +70,8 @@ class VLLMDecode:
             raise ValueError("a vLLM decode region's server needs ticket keys (it receives the KV)")
         self.vllm = engine
         self.facts: ModelFacts = engine.facts
-        port = engine.kv_endpoint.rsplit(":", 1)[1]
-        self.kv_endpoint: str = f"{kv_host}:{port}" if kv_host else engine.kv_endpoint
+        _host, port = parse_hostport(engine.kv_endpoint)
+        self.kv_endpoint: str = hostport(kv_host, port) if kv_host else engine.kv_endpoint  # [v6]:port
 
     def expect(self, expected: Expected, ttl_s: float, events: ShipmentEvents) -> KVHold:
         self.vllm.expect(expected.job_id, expected.attempt, ttl_s, tenant=expected.tenant, max_bytes=expected.kv_bytes)

@@ -22,6 +22,7 @@ from prfaas.devstack.processes import group_alive, pid_alive, start_ticks, stop_
 
 STATE_FILE = "up.json"
 Pid = Annotated[int, Field(gt=1)]  # 0, -1 and 1 would signal our own group, every process, init
+SupervisorPid = Annotated[int, Field(ge=1)]  # `prfaas up` may be a container's init (pid 1): signalled alone, no group
 
 
 class UpError(RuntimeError):
@@ -47,7 +48,7 @@ class UpState:
     registry: str
     log_dir: str
     emulate_wan: bool
-    supervisor_pid: Pid | None = None
+    supervisor_pid: SupervisorPid | None = None
     groups: dict[str, Pid] = field(default_factory=dict)  # process name -> process group id
     namespaces: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)  # root-namespace interfaces (the WAN mesh's bridge)

@@ -103,7 +103,7 @@ class VLLMPrefill:
     def run(self, work: PrefillWork, job: JobProgress) -> Shipped:
         address = work.destination.address
         region = work.destination.decode_region
-        ship = ShipParams(work.job_id, work.attempt, work.destination.ticket, f"{address.host}:{address.port}",
+        ship = ShipParams(work.job_id, work.attempt, work.destination.ticket, str(address),
                           work.destination.codec, min(3600.0, work.deadline - time.monotonic()),
                           layerwise_for(address.host, self.ship),
                           server_name=server_name(region) if region else None)  # fmt: skip

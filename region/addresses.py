@@ -45,8 +45,3 @@ def route_source(host: str, port: int) -> str | None:
             return str(probe.getsockname()[0])
     except OSError:
         return None
-
-
-def hostport(host: str, port: int) -> str:
-    """`host:port`, brackets around an IPv6 address."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

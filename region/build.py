@@ -19,12 +19,12 @@ import grpc
 from prometheus_client import Gauge
 
 from prfaas.protos.prfaas.v1 import registry_pb2
-from prfaas.region.addresses import advertised_host, hostport
+from prfaas.region.addresses import advertised_host
 from prfaas.region.channels import MAX_PREFIX_BLOCKS
 from prfaas.region.config import RegionConfig
 from prfaas.region.requests import MAX_RESHIPS
 from prfaas.region.server import Agent, RegionServer
-from prfaas.transport.endpoints import parse_hostport
+from prfaas.transport.endpoints import hostport, parse_hostport
 
 log = logging.getLogger(__name__)
 DEVICE_INFO = Gauge("prfaas_region_device_info", "1 for the device and dtype the region's engine runs on",

@@ -22,12 +22,11 @@ from prometheus_client import start_http_server
 
 from prfaas.engine.device import DeviceChoice
 from prfaas.protos.prfaas.v1 import registry_pb2
-from prfaas.region.addresses import hostport
 from prfaas.region.authz import Authorizer, region_policy
 from prfaas.region.channels import MAX_PREFIX_BLOCKS, SERVER_OPTIONS, TlsFiles, listen
 from prfaas.region.health import MAX_WATCHES, MAX_WATCHES_PER_CALLER, BoundedHealth
 from prfaas.region.registry_client import Heartbeater
-from prfaas.transport.endpoints import parse_hostport
+from prfaas.transport.endpoints import hostport, parse_hostport
 
 if TYPE_CHECKING:
     from prfaas.engine.prefix_cache import Residency

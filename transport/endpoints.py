@@ -37,7 +37,12 @@ class Endpoint:
             return f"shm://{self.host_id}{self.path}"
         if self.kind == "webrtc":
             return f"webrtc://{self.region}"
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return hostport(self.host, self.port)
+
+
+def hostport(host: str, port: int) -> str:
+    """`host:port`, brackets around an IPv6 address: what `parse_hostport` and `parse_endpoint` read back."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _split_hostport(text: str, min_port: int, expected: str) -> tuple[str, int]:

@@ -106,8 +106,8 @@ def admin_view(meter: Meter, now: float | None = None) -> dict[str, Any]:
         })  # fmt: skip
     shipped = meter.ledger.link_bytes(hour_ago, end)
     links = []
-    now = s.regions.clock()  # the estimates' clock (Redis's)
-    estimates = s.regions.link_estimates(now)
+    redis_now = s.regions.clock()  # the estimates' clock (Redis's), whatever `now` the view is of
+    estimates = s.regions.link_estimates(redis_now)
     for link in s.regions.configured_links():
         wire = shipped.get((link.src, link.dst), 0)
         gbps = wire * 8 / 3600 / 1e9  # mean over the last hour
@@ -118,7 +118,7 @@ def admin_view(meter: Meter, now: float | None = None) -> dict[str, Any]:
             "utilization_pct": gbps / link.bandwidth_gbps * 100 if link.bandwidth_gbps else 0.0,
             "measured_gbps": measured.measured_gbps if measured else None,
             "measured_rtt_ms": measured.min_rtt_ms if measured else None,
-            "measured_age_s": measured.age_s(now) if measured else None,
+            "measured_age_s": measured.age_s(redis_now) if measured else None,
         })  # fmt: skip
     month = month_window(t)
     names = {x.id: x.name for x in s.tenants.all()}  # every tenant ever (the database never deletes one)

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypedDict
 
 from prfaas.transport.codecs import get_codec
+from prfaas.transport.endpoints import parse_hostport
 from prfaas.transport.errors import CodecError
 
 SHIP_KEY = "prfaas_ship"
@@ -81,8 +82,7 @@ class ShipParams:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, _, port = self.kv_endpoint.rpartition(":")
-        return host.strip("[]"), int(port)
+        return parse_hostport(self.kv_endpoint)
 
     @staticmethod
     def parse(value: Any) -> ShipParams:
@@ -91,8 +91,11 @@ class ShipParams:
         ticket, endpoint = value.get("ticket"), value.get("kv_endpoint")
         if not isinstance(ticket, str) or not ticket:
             raise ValueError(f"{SHIP_KEY}.ticket is required")
-        host, _, port = str(endpoint or "").rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        try:  # the one host:port parser ([v6]:port)
+            _host, port = parse_hostport(str(endpoint or ""))
+        except ValueError:
+            port = 0
+        if not port:
             raise ValueError(f"{SHIP_KEY}.kv_endpoint must be host:port, got {endpoint!r}")
         codec = value.get("codec", "lossless")
         try:

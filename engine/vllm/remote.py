@@ -37,6 +37,7 @@ from prfaas.engine.sampling import Chosen
 from prfaas.engine.vllm.params import GenerateOptions
 from prfaas.engine.vllm.sampling import chosen
 from prfaas.engine.vllm.server import AUTHKEY_ENV, TICKET_KEYS_ENV, RemoteError, VLLMClient
+from prfaas.transport.endpoints import hostport
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferCanceled, TransferTimeout, TransportError
 from prfaas.transport.tls import NodeCert
 
@@ -332,7 +333,7 @@ def start_vllm_engine(
         raise
     host, port = info["control"]
     kv = info.get("kv") or []
-    kv_endpoint = f"{kv_host}:{kv[1]}" if kv else None
+    kv_endpoint = hostport(kv_host, kv[1]) if kv else None  # [v6]:port
     log.info("vLLM server ready (pid %d, control %s:%d, kv %s)", proc.pid, host, port, kv_endpoint or "-")
     return VLLMEngine(facts, proc, VLLMClient((host, port), authkey), kv_endpoint, log_path, resolve_model(model))
 

@@ -84,11 +84,22 @@ def test_down_refuses_a_state_of_the_wrong_shape_in_one_line_and_acts_on_none_of
 
 @pytest.mark.parametrize("pid", [-1, 0, 1])
 def test_a_state_naming_a_pid_that_would_signal_everything_is_refused(tmp_path: Path, pid: int) -> None:
-    """kill(-1) reaches every process, killpg(0) our own group, 1 is init: never a group `up` started."""
-    for fields in ({"supervisor_pid": pid}, {"groups": {"api": pid}}):
+    """kill(-1) reaches every process, killpg(0) our own group, 1 is init: never a group `up` started. The
+    supervisor is signalled alone (kill, not killpg) and may itself be a container's pid 1."""
+    cases = [({"groups": {"api": pid}}, "greater than 1")]
+    if pid < 1:
+        cases.append(({"supervisor_pid": pid}, "greater than or equal to 1"))
+    for fields, message in cases:
         (tmp_path / "up.json").write_text(json.dumps(json.loads(json.dumps(_state().__dict__)) | fields))
-        with pytest.raises(UpError, match="greater than 1"):
+        with pytest.raises(UpError, match=message):
             read_state(tmp_path)
+
+
+def test_the_state_of_an_up_running_as_a_containers_init_is_read_back(tmp_path: Path) -> None:
+    """`prfaas up` as pid 1 (a container's init) writes `supervisor_pid: 1`: `down`, `bench` and `tour` read it."""
+    write_state(tmp_path, _state(supervisor_pid=1))
+    state = read_state(tmp_path)
+    assert state is not None and state.supervisor_pid == 1
 
 
 def test_up_json_is_created_0600_in_a_0700_home_without_a_chmod(

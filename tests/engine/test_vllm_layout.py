@@ -138,6 +138,9 @@ def test_kv_transfer_params_round_trip_and_refuse_bad_input() -> None:
     bad = [
         ({SHIP_KEY: {**ship_fields, "job_id": "nope"}}, "not a UUID"),
         ({SHIP_KEY: {**ship_fields, "kv_endpoint": "no-port"}}, "host:port"),
+        ({SHIP_KEY: {**ship_fields, "kv_endpoint": "2001:db8::5"}}, "host:port"),  # was host '2001:db8:', port 5
+        ({SHIP_KEY: {**ship_fields, "kv_endpoint": "[::1"}}, "host:port"),
+        ({SHIP_KEY: {**ship_fields, "kv_endpoint": "h:0"}}, "host:port"),
         ({SHIP_KEY: {**ship_fields, "codec": "gzip"}}, "codec"),
         ({SHIP_KEY: {**ship_fields, "ticket": ""}}, "ticket is required"),
         ({LOAD_KEY: {"job_id": job, "attempt": -1}}, "attempt"),
@@ -156,6 +159,8 @@ def test_kv_transfer_params_round_trip_and_refuse_bad_input() -> None:
         with pytest.raises(ValueError, match="server_name must be a DNS name"):
             parse_kv_params({SHIP_KEY: {**ship_fields, "server_name": bad_name}})
     assert ShipParams.parse({k: v for k, v in ship_fields.items() if k != "layerwise"}).layerwise  # default
+    v6 = ShipParams(job, 1, "tkt", "[2001:db8::5]:7400", "raw", 12.5)
+    assert parse_kv_params(v6.to_kv_params()) == v6 and v6.address == ("2001:db8::5", 7400)
 
 
 def test_auto_ships_after_the_forward_only_to_the_same_machine() -> None:

@@ -22,11 +22,12 @@ from region_kit import KEY, IdleAgent, generate_tokens, local_region, new_job, r
 from prfaas.engine.hf import HFEngine
 from prfaas.engine.sampling import SamplingParams
 from prfaas.protos.prfaas.v1 import decode_pb2, registry_pb2, registry_pb2_grpc
-from prfaas.region.addresses import advertised_host, hostport
+from prfaas.region.addresses import advertised_host
 from prfaas.region.config import ConfigError, config_from_mapping, load_config
 from prfaas.region.main import GIL_SWITCH_S, gil_switch_s
 from prfaas.region.registry_client import Heartbeater
 from prfaas.region.server import RegionServer
+from prfaas.transport.endpoints import hostport
 from prfaas.transport.identity import Identity
 from prfaas.transport.tls import init_certs
 

@@ -22,6 +22,7 @@ from prfaas.engine.models import prepare_model, resolve_model
 from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.vllm.params import LOAD_KEY
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2_grpc
+from prfaas.transport.endpoints import parse_endpoints
 
 
 class RecordingServer:
@@ -100,3 +101,26 @@ def test_a_vllm_reservation_leaves_no_registration_in_the_server(
     assert tokens[0] == first and len(tokens) == (1 if requests == 0 else max_new_tokens)
     assert server.requests - before == requests
     assert (job_id, 1) not in server.registered
+
+
+@pytest.mark.parametrize(
+    ("listen", "advertised", "expected"),
+    [
+        ("0.0.0.0:7400", "2001:db8::5", "[2001:db8::5]:7400"),
+        ("[::]:7400", "::1", "[::1]:7400"),
+        ("[::1]:7400", None, "[::1]:7400"),
+        ("0.0.0.0:7400", "10.0.0.5", "10.0.0.5:7400"),
+    ],
+)
+def test_a_vllm_decode_regions_kv_endpoint_is_one_prefill_regions_can_dial(
+    listen: str, advertised: str | None, expected: str
+) -> None:
+    """The endpoint a vLLM decode region hands out in its Reserve replies, with an IPv6 host advertised: `[v6]:port`,
+    which every prefill region parses (`2001:db8::5:7400` was refused, and every split job to the region failed)."""
+    server = RecordingServer.__new__(RecordingServer)  # the engine's endpoint only: no model needed
+    server.kv_endpoint = listen
+    server.facts = None  # type: ignore[assignment]
+    decode = VLLMDecode(server, advertised)  # type: ignore[arg-type]
+    assert decode.kv_endpoint == expected
+    (endpoint,) = parse_endpoints(decode.kv_endpoint)
+    assert str(endpoint) == expected
