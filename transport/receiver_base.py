@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, Protocol, Self, TypeVar, cast
 
+from prfaas.transport import sockets
 from prfaas.transport.admission import REFUSED, SCRATCH_BYTES, ReceiverLimits, Throttled, discard
 from prfaas.transport.errors import FrameError
 from prfaas.transport.framing import (
@@ -41,7 +42,6 @@ from prfaas.transport.writer import FrameWriter, socket_room
 
 Payload = bytes | bytearray | memoryview
 DRAIN_S = 1.0  # what `close` waits, at most, for frames still queued to its peers
-DRAIN_PIECE_BYTES = 64 << 10  # what one send of a drain takes (under TLS: one record write), bounded by the time left
 
 
 class ByteStream(Protocol):
@@ -92,26 +92,12 @@ class FrameConnection:
         self.sock.sendall(data)  # a receiver's frames are whole in `data`
 
     def _sendall_by(self, data: bytes, deadline: float) -> None:
-        """`_sendall` for a drain before `close`, never past `deadline` (time.monotonic(); else TimeoutError): the
-        raw socket's timeout, capped at the time left, bounds each piece's send (under TLS, the send of its
-        records), and is put back after. The socket's send timeout alone would let one send wait on a peer that
-        stopped reading for seconds. The connection closes next, so a frame cut short here, or a reader woken by
-        the timeout meanwhile, ends nothing that was not ending."""
+        """`_sendall` for a drain before `close`, never past `deadline` (sockets.py `sendall_by`)."""
         raw = self.raw
         if not isinstance(raw, socket.socket):  # a stream of its own (WebRTC), waiting on its own terms
             self._sendall(data, b"")
             return
-        before = raw.gettimeout()
-        try:
-            for start in range(0, len(data), DRAIN_PIECE_BYTES):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("the peer took too little of what was queued before close")
-                raw.settimeout(left)
-                self.sock.sendall(data[start : start + DRAIN_PIECE_BYTES])
-        finally:
-            with contextlib.suppress(OSError):
-                raw.settimeout(before)
+        sockets.sendall_by(raw, self.sock.sendall, data, deadline)
 
     def _room(self) -> Callable[[], bool]:
         """Whether a write to this peer would go out now: the socket's POLLOUT, or the stream's own say."""

@@ -82,8 +82,8 @@ class _Link:
         self.sock = sock
         self.alive = True
         self.broken = False  # `ShmChannel._broken` has failed the transfers of this link
-        send = partial(sockets.send_frame, sock)
-        self.writer = FrameWriter(send, socket_room(sock.fileno), lambda _exc: self.close())
+        send, send_by = partial(sockets.send_frame, sock), partial(sockets.sendall_by, sock, sock.sendall)
+        self.writer = FrameWriter(send, socket_room(sock.fileno), lambda _exc: self.close(), send_by=send_by)
 
     def send(self, header: bytes, payload: bytes | memoryview = b"") -> None:
         """Write a frame, after any posted one (raises OSError: the link cannot be used again)."""
@@ -96,11 +96,9 @@ class _Link:
     def drain(self, budget_s: float) -> None:
         """Posted frames (the CANCELs `ShmChannel.close` just caused) out while the receiver reads, for at
         most `budget_s`: closing the socket at once would drop them, and the receiver would keep the
-        shipments (and their arena room) until their deadline."""
-        end = time.monotonic() + budget_s
-        while self.alive and self.writer.queued and time.monotonic() < end:
-            self.writer.flush()  # a copy thread's write in progress takes them first
-            time.sleep(0.005)
+        shipments (and their arena room) until their deadline. Never past `budget_s`: a send that waits for room
+        gives up then, however much is queued."""
+        self.writer.drain(time.monotonic() + budget_s)  # after a copy thread's write in progress
 
     def close(self) -> None:
         self.alive = False

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,6 +89,28 @@ def send_timeout(sock: socket.socket | TlsSocket, timeout_s: float) -> None:
     waiting forever on a peer that stopped reading."""
     seconds = int(timeout_s)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6)))
+
+
+DRAIN_PIECE_BYTES = 64 << 10  # what one send of a drain takes (under TLS: one record write), bounded by the time left
+
+
+def sendall_by(raw: socket.socket, sendall: Callable[[bytes], object], data: bytes, deadline: float) -> None:
+    """`sendall(data)` for a drain before a close, never past `deadline` (time.monotonic(); else TimeoutError):
+    `raw`'s timeout, capped at the time left, bounds each piece's send (`sendall` may be a TLS socket's over
+    `raw`: the send of its records), and is put back after. The send timeout alone (SO_SNDTIMEO) would let
+    one send wait on a peer that stopped reading for seconds. The connection closes next, so a frame cut short
+    here, or a reader of `raw` woken by the timeout meanwhile, ends nothing that was not ending."""
+    before = raw.gettimeout()
+    try:
+        for start in range(0, len(data), DRAIN_PIECE_BYTES):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the peer took too little of what was queued before close")
+            raw.settimeout(left)
+            sendall(data[start : start + DRAIN_PIECE_BYTES])
+    finally:
+        with contextlib.suppress(OSError):
+            raw.settimeout(before)
 
 
 def send_frame(sock: socket.socket | TlsSocket, header: bytes, payload: bytes | memoryview) -> None:

@@ -201,9 +201,7 @@ class TcpStream:
             try:
                 with self._write_lock:
                     assert self.sock is not None
-                    if transfer.key not in self.opened:
-                        self.opened.add(transfer.key)
-                        self.sock.sendall(transfer.open_frame)  # (may wait on a full socket)
+                    self._open(self.sock, transfer)  # (may wait on a full socket)
                     if chunk.acked or transfer.cell.status().terminal:  # meanwhile: no copy after the end
                         ch.queue.release([chunk])
                         continue
@@ -224,12 +222,10 @@ class TcpStream:
             with self._write_lock:
                 if self.sock is None:
                     return
-                if key is not None:  # an OPEN: once per connection, and only for a live transfer
-                    transfer = self.channel.table.get(key)
-                    if transfer is None or key in self.opened:
-                        continue
-                    self.opened.add(key)
-                self.sock.sendall(data)
+                if key is None:
+                    self.sock.sendall(data)
+                elif (transfer := self.channel.table.get(key)) is None or not self._open(self.sock, transfer):
+                    continue  # an OPEN: once per connection, and only for a live transfer
             self.sent_at = time.monotonic()
 
     def _drain(self, timeout_s: float = 2.0) -> None:
@@ -250,13 +246,26 @@ class TcpStream:
             with self._write_lock:
                 if self.sock is None or not self.connected.is_set():
                     return False
-                if transfer.key not in self.opened:
-                    self.opened.add(transfer.key)
-                    self.sock.sendall(transfer.open_frame)
+                self._open(self.sock, transfer)
             return True
         except OSError:
             self._break()
             return False
+
+    def _open(self, sock: socket.socket | TlsSocket, transfer: OutboundTransfer) -> bool:
+        """The transfer's OPEN, once per connection, under the write lock (raises OSError). Marked opened
+        first, sent only if still live after: the channel's `_ended` CANCELs it on the connections it finds
+        it opened on (after the end), so an OPEN that goes out is always followed by its CANCEL, and one of a
+        transfer that ended unseen never goes out (the receiver would keep it, and its reservation, until its
+        deadline; a CANCEL for a shipment it has not seen is ignored). True: it went out now."""
+        if transfer.key in self.opened:
+            return False
+        self.opened.add(transfer.key)
+        if transfer.cell.status().terminal:
+            self.opened.discard(transfer.key)
+            return False
+        sock.sendall(transfer.open_frame)
+        return True
 
     def send_control(self, frame: Frame) -> bool:
         """Hand a control frame to this stream's thread, if connected: the caller never waits

@@ -5,6 +5,7 @@ writer's lock), so each outcome is deterministic."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from transport_kit import Kit, fill, layers_for, ship
 
 from prfaas.transport.api import Shipment, TransferStatus
 from prfaas.transport.errors import PeerUnavailable
-from prfaas.transport.framing import HEADER_SIZE, FrameType, parse_header
+from prfaas.transport.framing import HEADER_SIZE, Frame, FrameType, Header, parse_header
 from prfaas.transport.outbound import OutboundTransfer
 from prfaas.transport.shm_receiver import ShmConnection, ShmReceiver
 from prfaas.transport.shm_sender import ShmChannel, _Link
@@ -178,3 +179,45 @@ def test_a_cancel_while_the_open_is_going_out_reaches_the_receiver_after_the_ope
         submitter.join(5)
         assert submitted == [transfer] and transfer.status() is TransferStatus.CANCELED
         assert inbound.wait(2) is TransferStatus.CANCELED, inbound.status()
+
+
+def test_close_gives_up_on_a_receiver_that_stopped_reading_within_its_drain_budget(
+    kit: Kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver that stops reading its control socket while `close` cancels 100 shipments whose CANCELs
+    queued behind a write in progress (the test holds the writer's lock): the socket has room for a few, not
+    all. The drain must give up at its 1 s budget, not wait the send timeout out on a receiver nobody serves."""
+    stuck, release = threading.Event(), threading.Event()
+    frame = ShmConnection._frame
+
+    def stalling(self: ShmConnection, header: Header) -> list[Frame]:
+        if stuck.is_set():
+            release.wait(30)  # the receiver takes no more control bytes
+        return frame(self, header)
+
+    monkeypatch.setattr(ShmConnection, "_frame", stalling)
+    with ShmReceiver(kit.verifier, arena_bytes=32 << 20) as rx:
+        channel = ShmChannel(rx.path, send_timeout_s=5.0)
+        transfers = []
+        for _ in range(100):
+            spec = kit.spec(num_layers=1, shape=(1, 16, 64), timeout_s=30)
+            rx.expect(spec.job_id, 1, 30)
+            transfers.append(channel.submit(Shipment(spec)))
+        assert until(lambda: all(t.accepted for t in transfers)), [t.error for t in transfers if t.error]
+        link = channel._link
+        assert link is not None
+        link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # room for a few CANCELs, not 100
+        stuck.set()
+        link.writer.lock.acquire()  # a copy thread's write in progress
+        try:
+            began = time.monotonic()
+            closer = threading.Thread(target=channel.close)
+            closer.start()
+            assert until(lambda: link.writer.queued == len(transfers))
+        finally:
+            link.writer.lock.release()
+        closer.join(15)
+        took_s = time.monotonic() - began
+        release.set()
+        assert took_s < 1.0 + 0.5, f"close took {took_s:.1f} s"  # (before the fix: the send timeout, 5 s, and more)
+        assert all(t.status() is TransferStatus.CANCELED for t in transfers)

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transport_kit import KEY, Kit, fill, layers_for, ship, wait_until_sent
@@ -626,3 +627,42 @@ def test_a_receiver_closing_waits_no_longer_than_its_drain_budget_on_a_peer_that
         assert time.monotonic() - start < receiver_base.DRAIN_S + 0.5
     finally:
         peer.close()
+
+
+def test_a_transfer_canceled_before_its_open_goes_out_leaves_no_shipment_open_on_the_receiver(
+    kit: Kit, receiver: TcpReceiver
+) -> None:
+    """Stream 1 took a chunk of a shipment it has not opened yet (stream 0, holding its OPEN, is busy: the test
+    holds both streams' write locks), and the transfer is canceled before that OPEN goes out: no stream had
+    opened it, so no CANCEL goes anywhere. The late OPEN would open a shipment nobody cancels, kept (and its
+    reservation) until its deadline: it must not go out."""
+    with TcpChannel(receiver.address, num_streams=2) as channel:
+        warm = kit.spec(num_layers=1, shape=(1, 16, 64), timeout_s=30)  # both streams connected
+        assert ship(channel, receiver, warm)[0].wait(10) is TransferStatus.COMPLETED
+        assert _until(lambda: channel.num_connected == 2)
+        first, second = channel.streams
+        entered, taken = threading.Event(), threading.Event()
+        get = channel.queue.get
+
+        def get_and_tell(*args: Any, **kwargs: Any) -> Any:
+            mine = threading.current_thread() is second.thread
+            if mine:
+                entered.set()
+            chunk = get(*args, **kwargs)
+            if chunk is not None and mine:
+                taken.set()
+            return chunk
+
+        channel.queue.get = get_and_tell  # type: ignore[method-assign]
+        assert entered.wait(5)  # stream 1 takes every chunk from now on through `get_and_tell`
+        spec = kit.spec(num_layers=1, shape=(1, 16, 64), timeout_s=30)
+        inbound = receiver.expect(spec.job_id, 1, 30)
+        shipment = Shipment(spec)
+        with first._write_lock, second._write_lock:
+            transfer = channel.submit(shipment)  # its OPEN waits for stream 0's thread
+            assert _until(lambda: not first.has_control())  # taken, the thread waits for its write lock
+            shipment.add_layer(0, *layers_for(spec)[0])
+            assert taken.wait(5)  # stream 1 took a chunk, and waits for its write lock to open the shipment
+            transfer.cancel()
+        assert not _until(lambda: inbound.info is not None, 1.0), "the receiver opened a canceled shipment"
+        assert transfer.status() is TransferStatus.CANCELED
