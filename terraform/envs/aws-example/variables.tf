@@ -10,6 +10,12 @@ variable "model" {
   default     = "smollm2-135m"
 }
 
+variable "ticket_key_id" {
+  description = "id of the ticket key, on the control plane and every region: a new one with each new key (docs/deploy.md, \"Rotating the ticket key\")"
+  type        = string
+  default     = "k1"
+}
+
 variable "prfaas_package" {
   description = "pip requirement the region instances install"
   type        = string
@@ -39,7 +45,9 @@ variable "regions" {
     min_size           = number
     max_size           = number
     kv_buffer_bytes    = optional(number) # null: region_aws's default
-    enable_efa         = optional(bool, false)
+    # EFA's cluster placement group lies in one AZ: only with one availability zone, so never
+    # in the decode slot, whose VPC also holds the control plane (its ALB and RDS need two)
+    enable_efa = optional(bool, false)
   }))
   default = {
     prefill_a = {
@@ -53,7 +61,7 @@ variable "regions" {
     decode = {
       name            = "decode-use1", aws_region = "us-east-1", availability_zones = ["us-east-1a", "us-east-1b"], vpc_cidr = "10.20.0.0/16",
       gpu_type        = "h100", instance_types = ["p5.48xlarge"], usd_per_gpu_hour = 12.29, min_size = 1, max_size = 2,
-      kv_buffer_bytes = 68719476736, enable_efa = true
+      kv_buffer_bytes = 68719476736
     }
   }
   validation {

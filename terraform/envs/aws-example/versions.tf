@@ -1,7 +1,7 @@
 # The root pins Terraform and the providers' upper bounds; the modules state only the lowest
 # provider versions they need.
 terraform {
-  required_version = ">= 1.4"
+  required_version = ">= 1.9" # modules/region_aws's validations
   required_providers {
     aws = {
       source  = "hashicorp/aws"

@@ -20,11 +20,20 @@ locals {
     { name = "PRFAAS_KEY_PREFIX", value = "prfaas" },
   ]
   # this module's secrets, then the control plane's certificate, key and CA: the JSON keys of
-  # the operator's TLS secret (PEM text in PRFAAS_TLS_*, which the settings accept)
-  secrets = concat(
-    [for name in local.secret_names : { name = "PRFAAS_${upper(name)}", valueFrom = aws_secretsmanager_secret.this[name].arn }],
-    [for key in ["ca", "cert", "key"] : { name = "PRFAAS_TLS_${upper(key)}", valueFrom = "${local.tls_secret.arn}:${key}::" }],
+  # the operator's TLS secret (PEM text in PRFAAS_TLS_*, which the settings accept); each
+  # service gets those it names (`secrets` below)
+  secret_env = merge(
+    { for name in local.secret_names : name => { name = "PRFAAS_${upper(name)}", valueFrom = aws_secretsmanager_secret.this[name].arn } },
+    { for key in ["ca", "cert", "key"] : "tls_${key}" => { name = "PRFAAS_TLS_${upper(key)}", valueFrom = "${local.tls_secret.arn}:${key}::" } },
   )
+  # What every process needs: Settings requires admin_key and ticket_key in each (a worker and
+  # the beat use no admin key, but refuse to start without one: control_plane/settings.py),
+  # the broker and job store (redis_url), and the database (ledger_url: each process opens it
+  # and migrates it at start, control_plane/services.py, the beat included, as it imports the
+  # worker's app): all four. The certificate only where regions are dialled or the registry is
+  # served. In the order of before, so the API's and the workers' task definitions stay as they were.
+  secrets_every_process = local.secret_names
+  secrets_tls           = ["tls_ca", "tls_cert", "tls_key"]
   log_options = {
     awslogs-group         = module.kms.log_groups["control-plane"].name
     awslogs-region        = data.aws_region.current.name
@@ -41,6 +50,7 @@ locals {
       command = ["uvicorn", "--factory", "prfaas.control_plane.app:app_from_env", "--host", "0.0.0.0",
       "--port", "8000", "--proxy-headers", "--forwarded-allow-ips", "*"]
       environment = concat(local.env, [{ name = "PRFAAS_REGISTRY_LISTEN", value = "0.0.0.0:${var.registry_port}" }])
+      secrets     = concat(local.secrets_every_process, local.secrets_tls) # the registry's mutual TLS; it dials regions
       container = {
         portMappings = [{ containerPort = 8000, protocol = "tcp" }, { containerPort = var.registry_port, protocol = "tcp" }]
       }
@@ -56,6 +66,7 @@ locals {
       command = ["celery", "-A", "prfaas.control_plane.worker", "worker", "--pool", "threads", "-c",
       tostring(var.worker_concurrency), "--without-gossip", "--without-mingle", "--loglevel", "INFO"]
       environment    = local.env
+      secrets        = concat(local.secrets_every_process, local.secrets_tls) # it dials regions (Reserve, Prefill, Decode)
       container      = {}
       load_balancers = []
     }
@@ -67,6 +78,7 @@ locals {
       count          = 1
       command        = ["celery", "-A", "prfaas.control_plane.worker", "beat", "--schedule", "/tmp/celerybeat-schedule", "--loglevel", "INFO"]
       environment    = local.env
+      secrets        = local.secrets_every_process # it only sends scheduled tasks: it dials no region
       container      = {}
       load_balancers = []
     }
@@ -137,7 +149,7 @@ resource "aws_ecs_task_definition" "this" {
     readonlyRootFilesystem = true
     command                = each.value.command
     environment            = each.value.environment
-    secrets                = local.secrets
+    secrets                = [for name in each.value.secrets : local.secret_env[name]]
     mountPoints            = [{ sourceVolume = "tmp", containerPath = "/tmp" }]
     logConfiguration       = { logDriver = "awslogs", options = merge(local.log_options, { awslogs-stream-prefix = each.key }) }
   })])

@@ -8,6 +8,7 @@
 # and never lands on disk.
 
 data "aws_region" "current" {}
+data "aws_partition" "current" {}
 
 data "aws_ssm_parameter" "gpu_ami" {
   count = var.ami_id == "" ? 1 : 0
@@ -51,7 +52,13 @@ locals {
     aws_region        = data.aws_region.current.name
     log_group         = module.kms.log_groups["region"].name
     drain_timeout     = local.region.drain_timeout_s
+    model             = local.region.model
+    prfaas_home       = local.prfaas_home
+    lifecycle_hook    = local.lifecycle_hook
+    ready_timeout_s   = var.ready_timeout_s
   })
+  prfaas_home    = "/var/lib/prfaas" # the prepared model's home, the same for runcmd and the unit
+  lifecycle_hook = "prfaas-region-ready"
   # the two secrets an instance reads, and the keys they are encrypted with (empty: the
   # AWS-managed aws/secretsmanager key, which needs no grant here)
   secret_arns = [var.ticket_key_secret.arn, local.tls_secret.arn]
@@ -138,6 +145,24 @@ data "aws_iam_policy_document" "region" {
         variable = "kms:ViaService"
         values   = distinct([for r in [data.aws_region.current.name, local.tls_secret.region] : "secretsmanager.${r}.amazonaws.com"])
       }
+    }
+  }
+  # the start script completes its instance's launch lifecycle action once the region is ready:
+  # it finds its group (a Describe action, which IAM cannot narrow to a resource), and may
+  # complete actions only in this region's groups (by name and by the group's prfaas:region tag)
+  statement {
+    sid       = "FindItsGroup"
+    actions   = ["autoscaling:DescribeAutoScalingInstances"]
+    resources = ["*"]
+  }
+  statement {
+    sid       = "CompleteItsLaunch"
+    actions   = ["autoscaling:CompleteLifecycleAction"]
+    resources = ["arn:${data.aws_partition.current.partition}:autoscaling:${data.aws_region.current.name}:*:autoScalingGroup:*:autoScalingGroupName/prfaas-${local.region.name}-*"]
+    condition {
+      test     = "StringEquals"
+      variable = "autoscaling:ResourceTag/prfaas:region"
+      values   = [local.region.name]
     }
   }
   statement {
@@ -244,11 +269,24 @@ resource "aws_autoscaling_group" "region" {
   max_size                  = var.capacity.max_size
   desired_capacity          = var.capacity.desired_capacity
   vpc_zone_identifier       = local.private_subnet_ids
-  health_check_type         = "EC2"
+  health_check_type         = "EC2" # EC2 status checks; the region's own readiness is the launch hook below
   health_check_grace_period = 600
   capacity_rebalance        = true
-  # SIGTERM drains a region; give the lifecycle the same time
-  default_instance_warmup = 300
+  # in service only once its region is ready (the hook); a minute more for its first heartbeats
+  # before an instance refresh or a scaling metric counts it
+  default_instance_warmup = 60
+
+  # a new instance waits (Pending:Wait) until its start script reports the region's `ready`
+  # line (cloud-init.yaml.tftpl); not ready in ready_timeout_s (installs, model prepare and
+  # load included): ABANDON, the group terminates it and launches another. AWS reads this
+  # block only when it creates the group: an existing one gets the hook by the CLI
+  # (docs/deploy.md, "Upgrading").
+  initial_lifecycle_hook {
+    name                 = local.lifecycle_hook
+    lifecycle_transition = "autoscaling:EC2_INSTANCE_LAUNCHING"
+    default_result       = "ABANDON"
+    heartbeat_timeout    = var.ready_timeout_s
+  }
 
   mixed_instances_policy {
     instances_distribution {

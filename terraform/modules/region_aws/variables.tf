@@ -77,9 +77,25 @@ variable "capacity" {
 }
 
 variable "enable_efa" {
-  description = "EFA network interface and a cluster placement group (in-region RDMA)"
+  description = "EFA network interface and a cluster placement group (in-region RDMA); the group lies in one availability zone, so the region's instances must too"
   type        = bool
   default     = false
+  # a cluster placement group cannot span availability zones: an auto-scaling group over
+  # subnets of two would fail its launches in the other
+  validation {
+    condition     = !var.enable_efa || length(var.vpc.id == "" ? var.vpc.availability_zones : var.vpc.private_subnet_ids) == 1
+    error_message = "enable_efa: a cluster placement group is in one availability zone; give the region exactly one (vpc.availability_zones, or one subnet in vpc.private_subnet_ids)."
+  }
+}
+
+variable "ready_timeout_s" {
+  description = "seconds a new instance has, from its launch, to serve (cloud-init's installs, the model's preparation and load); past it the auto-scaling group abandons it (terminates it and launches another). The launch lifecycle hook's heartbeat timeout"
+  type        = number
+  default     = 1800
+  validation {
+    condition     = var.ready_timeout_s >= 30 && var.ready_timeout_s <= 7200 && floor(var.ready_timeout_s) == var.ready_timeout_s
+    error_message = "ready_timeout_s: whole seconds from 30 to 7200 (AWS's range of a lifecycle hook's timeout)."
+  }
 }
 
 variable "vpc" {

@@ -32,6 +32,48 @@ variable "region" {
     condition     = contains(["prefill", "decode", "both"], var.region.role)
     error_message = "region.role must be prefill, decode or both."
   }
+  # the limits of prfaas region's own config (region/config.py RegionConfig), so that a plan
+  # refuses what every instance would refuse at start
+  validation {
+    condition     = var.region.usd_per_gpu_hour >= 0 && var.region.usd_per_gpu_hour < pow(10, 308) # finite: a region reads 1e400 as inf
+    error_message = "region.usd_per_gpu_hour: a finite number >= 0 (USD per GPU-hour)."
+  }
+  validation {
+    condition     = floor(var.region.workers) == var.region.workers && var.region.workers >= 1 && var.region.workers <= 256
+    error_message = "region.workers: a whole number from 1 to 256."
+  }
+  validation {
+    condition     = floor(var.region.kv_buffer_bytes) == var.region.kv_buffer_bytes && var.region.kv_buffer_bytes > 0
+    error_message = "region.kv_buffer_bytes: a whole number of bytes > 0."
+  }
+  validation {
+    condition     = contains(["raw", "lossless", "fp8", "int8", "kv8", "kv6", "kv4", "kvw6", "kvw4"], var.region.codec)
+    error_message = "region.codec: one of raw, lossless, fp8, int8, kv8, kv6, kv4, kvw6, kvw4 (docs/wire-format.md, \"Codec ids\")."
+  }
+  validation {
+    condition     = contains(["auto", "float32", "bfloat16", "float16"], var.region.dtype)
+    error_message = "region.dtype: auto, float32, bfloat16 or float16."
+  }
+  validation {
+    condition = alltrue([
+      for port in [var.region.grpc_port, var.region.kv_port, var.region.metrics_port] : floor(port) == port && port >= 0 && port <= 65535
+    ]) && var.region.grpc_port >= 1 && var.region.kv_port >= 1
+    error_message = "region.grpc_port, region.kv_port: a port from 1 to 65535; region.metrics_port: one too, or 0 (off)."
+  }
+  validation {
+    condition = length(distinct([for port in [var.region.grpc_port, var.region.kv_port, var.region.metrics_port] : port if port != 0])) == length(
+      [for port in [var.region.grpc_port, var.region.kv_port, var.region.metrics_port] : port if port != 0]
+    )
+    error_message = "region.grpc_port, region.kv_port and region.metrics_port (unless 0): each a different port."
+  }
+  validation {
+    condition     = var.region.heartbeat_interval_s >= 0.05 && var.region.heartbeat_interval_s <= 60
+    error_message = "region.heartbeat_interval_s: from 0.05 to 60 seconds."
+  }
+  validation {
+    condition     = var.region.drain_timeout_s >= 0 && var.region.drain_timeout_s <= 3600
+    error_message = "region.drain_timeout_s: from 0 to 3600 seconds."
+  }
 }
 
 # --- wiring, and what the module that runs the region decides --------------------------
@@ -39,6 +81,13 @@ variable "region" {
 variable "control_plane_url" {
   description = "gRPC target of the control plane's registry (host:port)"
   type        = string
+  # as the region's parser reads it: host:port or [v6 address]:port, grpc:// allowed, port 1-65535
+  validation {
+    condition = can(regex("^(grpc://)?(\\[[0-9A-Fa-f:.]+\\]|[^\\[\\]:/\\s]+):[0-9]{1,5}$", var.control_plane_url)) && try(
+      tonumber(regex(":([0-9]+)$", var.control_plane_url)[0]) >= 1 && tonumber(regex(":([0-9]+)$", var.control_plane_url)[0]) <= 65535, false
+    )
+    error_message = "control_plane_url: the registry's host:port (or [v6 address]:port), port 1-65535."
+  }
 }
 
 variable "registry" {
