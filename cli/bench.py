@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from prfaas.cli.outputs import OutputError, output_file, output_folder, write_failed
+from prfaas.cli.outputs import OutputError, out_and_json, write_failed
 from prfaas.loadgen.workload import MAX_DURATION_S  # stdlib only: no bench extra needed
 
 console = Console(width=max(Console().width, 150))  # the tables are wide; pipes get 80 columns
@@ -161,10 +161,7 @@ def bench(
         if not (math.isfinite(target) and target > 0):  # nan made bench.json invalid JSON; <= 0 no request is good
             raise _fail(f"{option}: a target must be a positive number of milliseconds, not {target}")
     try:  # before the run: a path that cannot be written would lose it
-        if out is not None:
-            output_folder(out, "--out")
-        if json_path is not None:
-            output_file(json_path, "--json")
+        out_and_json(out, json_path)
     except OutputError as exc:
         raise _fail(str(exc)) from None
     spec = WorkloadSpec(num_requests, rate, burstiness, input_len, output_len, mix, shared_prefix, prefix_groups, seed,

@@ -44,6 +44,14 @@ def output_folder(path: Path, option: str) -> Path:
     return path
 
 
+def out_and_json(out: Path | None, json_path: Path | None) -> None:
+    """A run's `--out` folder and `--json` file (either may be None), checked before the run (OutputError)."""
+    if out is not None:
+        output_folder(out, "--out")
+    if json_path is not None:
+        output_file(json_path, "--json")
+
+
 def chart_file(path: Path, option: str) -> Path:
     """The file matplotlib writes for `path` (no suffix: it appends `.png`), checked as `output_file`; a suffix
     it has no format for is refused here rather than after the work."""

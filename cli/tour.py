@@ -40,17 +40,14 @@ def tour(
 ) -> None:
     """The first run's story on a running `prfaas up`: one real completion split and local
     (identical), three placement policies on one workload, then the fleet the simulator models."""
-    from prfaas.cli.outputs import OutputError, output_file, output_folder, write_failed
+    from prfaas.cli.outputs import OutputError, out_and_json, write_failed
     from prfaas.devstack.state import UpError, read_state
     from prfaas.devstack.tour import SCENARIO, WHY_THEY_DIFFER, TourError, completion_pair, fleet_command
     from prfaas.engine.models import prfaas_home
     from prfaas.loadgen.client import fetch_models
 
     try:  # before part 1: a path that cannot be written would lose the tour's figures
-        if out is not None:
-            output_folder(out, "--out")
-        if json_path is not None:
-            output_file(json_path, "--json")
+        out_and_json(out, json_path)
     except OutputError as exc:
         raise _fail(str(exc)) from None
     try:
