@@ -34,6 +34,13 @@ from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
 
 log = logging.getLogger(__name__)
+WIRE_BYTES_WAIT_S = 5.0  # a biller waits this long for split jobs' wire bytes recorded after DONE
+WIRE_BYTES_GRACE_S = 300.0  # after this long past DONE a split job without wire bytes is billed without them
+WIRE_FIELDS = ["bytes_raw", "bytes_wire"]
+
+
+def _wire_missing(job: dict[str, str]) -> bool:
+    return job.get("placement_chosen") == "split" and not int(job.get("bytes_wire", 0) or 0)
 
 
 class Meter:
@@ -137,28 +144,30 @@ class Meter:
 
     # -- billing -------------------------------------------------------------------------------
 
-    def bill(self, job_id: str) -> UsageEntry | None:
-        """Write the job's entry (and its wasted attempts) if it is DONE; the stored entry if billed before."""
-        entries = self.bill_many([job_id])
+    def bill(self, job_id: str, wait_s: float = WIRE_BYTES_WAIT_S) -> UsageEntry | None:
+        """Write the job's entry (and its wasted attempts) if it is DONE; the stored entry if billed before.
+        None: not DONE, gone, or a split job whose wire bytes have not come yet (see `bill_many`)."""
+        entries = self.bill_many([job_id], wait_s)
         return entries[0] if entries else None
 
-    def bill_many(self, job_ids: list[str]) -> list[UsageEntry]:
+    def bill_many(self, job_ids: list[str], wait_s: float = WIRE_BYTES_WAIT_S) -> list[UsageEntry]:
         """`bill` for several jobs: the jobs and their timelines read in one Redis round trip, the entries
         written in one ledger transaction, each tenant's spend raised (its jobs' reservations settled) once.
         Returns the entries of the jobs that are DONE (written now or before), in order; jobs gone or not DONE
-        are skipped."""
+        are skipped, and so is a split job whose wire bytes are not recorded yet, after `wait_s` for all of them
+        together, unless it finished over `WIRE_BYTES_GRACE_S` ago (then its egress is billed as 0)."""
         started = time.perf_counter()
         jobs: list[tuple[JobUsage, PriceTable]] = []
         stages: dict[str, tuple[dict[str, str], dict[str, float]]] = {}
         tables: dict[tuple[str, str], PriceTable] = {}
-        for found in self.s.jobs.with_timelines(job_ids):
-            if found is None or found[0]["state"] != JobState.DONE:
-                continue
-            job = self._with_wire_bytes(found[0])
-            usage = job_usage(job, found[1])
+        done = [f for f in self.s.jobs.with_timelines(job_ids) if f is not None and f[0]["state"] == JobState.DONE]
+        for job, timeline in self._with_wire_bytes(done, wait_s):
+            usage = job_usage(job, timeline)
+            if usage.placement == "split" and not usage.kv_bytes_wire and not self._past_wire_grace(usage):
+                continue  # its wire bytes may still come: the reconciliation sweep bills it (its reservation holds)
             if self.latency is not None:
-                stages[usage.job_id] = (job, stage_seconds(job, found[1], usage.tpot_s))
-            self.record_wasted(job, found[1], range(1, usage.attempts))
+                stages[usage.job_id] = (job, stage_seconds(job, timeline, usage.tpot_s))
+            self.record_wasted(job, timeline, range(1, usage.attempts))
             regions = (usage.prefill_region, usage.decode_region)
             if regions not in tables:
                 tables[regions] = self.price_table(*regions)
@@ -188,17 +197,32 @@ class Meter:
                 if entry.job_id in stages:
                     self.latency.observe(*stages[entry.job_id])
 
-    def _with_wire_bytes(self, job: dict[str, str], wait_s: float = 5.0) -> dict[str, str]:
+    def _with_wire_bytes(
+        self, done: list[tuple[dict[str, str], list[dict[str, Any]]]], wait_s: float
+    ) -> list[tuple[dict[str, str], list[dict[str, Any]]]]:
         """A split job's wire bytes come with the prefill region's `shipment_complete` event, which the
-        dispatcher may record after DONE: wait for them a little (this runs off the request path)."""
+        dispatcher may record after DONE: wait up to `wait_s` for those of all of `done` together, reading only
+        the jobs still without them (this runs off the request path; one late job holds the batch once)."""
+        by_id = {job["id"]: job for job, _ in done}
+        missing = {job_id for job_id, job in by_id.items() if _wire_missing(job)}
         deadline = time.monotonic() + wait_s
-        while job.get("placement_chosen") == "split" and not int(job.get("bytes_wire", 0) or 0):
-            if time.monotonic() > deadline:
-                log.warning("job %s: no wire bytes recorded after %.0f s; egress billed as 0", job["id"], wait_s)
-                break
+        while missing and time.monotonic() < deadline:
             time.sleep(0.05)
-            job = self.s.jobs.get(job["id"])
-        return job
+            ids = sorted(missing)
+            for job_id, fields in zip(ids, self.s.jobs.fields_of(ids, WIRE_FIELDS), strict=True):
+                if fields is not None and int(fields.get("bytes_wire", 0) or 0):
+                    missing.discard(job_id)
+                    by_id[job_id].update(fields)  # DONE is final: these are the answering attempt's
+        return done
+
+    def _past_wire_grace(self, usage: JobUsage) -> bool:
+        """Whether a split job without wire bytes is billed anyway (its egress as 0): its prefill region's event
+        is lost (the region died after the hand-off, the dispatcher's stream broke)."""
+        age_s = time.time() - usage.finished_at.timestamp()
+        if age_s < WIRE_BYTES_GRACE_S:
+            return False
+        log.warning("job %s: no wire bytes recorded %.0f s after DONE; egress billed as 0", usage.job_id, age_s)
+        return True
 
     def record_wasted(self, job: dict[str, str], timeline: list[dict[str, Any]], attempts: range) -> None:
         """Record the GPU time of each of `attempts` (that did not answer) as the platform's cost, once."""

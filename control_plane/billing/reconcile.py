@@ -1,5 +1,6 @@
 """The reconciliation sweep (the beat task `prfaas.reconcile_ledger`, every minute): bills DONE jobs that have
-no ledger entry (their API process died between DONE and the write), records the wasted attempts of FAILED /
+no ledger entry (their API process died between DONE and the write, or their wire bytes came after the biller's
+wait: `Meter.bill_many`), records the wasted attempts of FAILED /
 CANCELED jobs, raises every tenant's monthly spend in Redis to the ledger's sum (of each month its window reaches
 into: a job counts in the month it finished in), and ends budget reservations left behind (a job gone from Redis,
 a FAILED / CANCELED one, a DONE one billed over `SETTLE_GRACE_S` ago whose writer died before settling it, once
@@ -71,13 +72,13 @@ def _bill(meter: Meter, job_ids: list[str]) -> int:
     if not job_ids:
         return 0
     try:
-        return len(meter.bill_many(job_ids))
+        return len(meter.bill_many(job_ids, wait_s=0))
     except Exception:
         log.warning("reconcile: billing %d jobs together failed; billing them one by one", len(job_ids), exc_info=True)
     written = 0
     for job_id in job_ids:
         try:
-            written += int(meter.bill(job_id) is not None)
+            written += int(meter.bill(job_id, wait_s=0) is not None)
         except Exception:
             log.exception("reconcile: job %s; the next sweep tries again", job_id)
     return written

@@ -8,6 +8,7 @@ counts in the ledger queue until its bill is written."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +19,10 @@ import yaml
 from cp_kit import settings_fixture
 from prometheus_client import CollectorRegistry
 
+from prfaas.control_plane.billing import meter as meter_module
 from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.control_plane.billing.meter import Meter
+from prfaas.control_plane.billing.reconcile import reconcile
 from prfaas.control_plane.billing.spend import TenantSpend
 from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.latency import stage_seconds
@@ -88,6 +91,41 @@ def test_a_failed_over_split_job_is_billed_its_last_attempts_wire_bytes(
     assert (entry.prefill_region, entry.kv_bytes_wire) == ("prefill-c", LAST_WIRE)
 
 
+def _done_split(services: Services, tenant: str) -> str:
+    fields = {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 3}
+    job = services.jobs.create(tenant, fields, Quota(rps=100, concurrency=100, budget_usd=100)).job_id
+    _split(services, job, 1, "prefill-a")
+    services.jobs.transition(job, JobState.DECODING, 1, note="decoding")
+    services.jobs.transition(job, JobState.DONE, 1, completion_tokens=3, gen_first_s=0.2, gen_last_s=0.4)
+    return job
+
+
+def test_split_jobs_whose_wire_bytes_come_late_are_billed_them_by_the_sweep(
+    stores: tuple[Services, Ledger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Split jobs whose prefill region's shipment_complete has not come by the biller's wait hold it once for
+    all of them (before: the wait each, in turn), and are left unbilled, not billed 0 egress for good: the sweep
+    bills them their wire bytes once recorded. Only past the grace is a job billed without them."""
+    services, ledger = stores
+    jobs = services.jobs
+    tenant = services.tenants.create("acme").id
+    late = [_done_split(services, tenant) for _ in range(3)]
+    meter = Meter(services, ledger)
+    started = time.monotonic()
+    assert meter.bill_many(late, wait_s=0.5) == []  # none billed yet: their bytes may still come
+    assert time.monotonic() - started < 1.4, "each job waited for in turn"
+    assert all(ledger.entry(job) is None for job in late)
+
+    jobs.update(late[0], 1, bytes_wire=LAST_WIRE)  # the dispatcher records the late event
+    assert reconcile(meter) == 1
+    entry = ledger.entry(late[0])
+    assert entry is not None and entry.kv_bytes_wire == LAST_WIRE and entry.egress_usd == 0.0  # no link price
+
+    monkeypatch.setattr(meter_module, "WIRE_BYTES_GRACE_S", 0.0)  # the rest never come: billed without them
+    assert reconcile(meter) == 2
+    assert [ledger.entry(job).kv_bytes_wire for job in late[1:]] == [0, 0]  # type: ignore[union-attr]
+
+
 def test_a_local_retry_of_a_split_job_has_no_reserve_stage(settings: Settings) -> None:
     services = Services.create(settings)
     try:
@@ -145,10 +183,10 @@ def test_a_job_counts_in_the_ledger_queue_until_its_bill_is_written(stores: tupl
     writing, release = threading.Event(), threading.Event()
 
     class SlowLedger(Meter):
-        def bill_many(self, job_ids: list[str]) -> list:  # type: ignore[type-arg]
+        def bill_many(self, job_ids: list[str], wait_s: float = 5.0) -> list:  # type: ignore[type-arg]
             writing.set()
             assert release.wait(10)
-            return super().bill_many(job_ids)
+            return super().bill_many(job_ids, wait_s)
 
     registry = CollectorRegistry()
     meter = SlowLedger(services, ledger, registry, batch_window_s=0)
