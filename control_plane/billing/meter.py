@@ -218,7 +218,7 @@ class Meter:
     def _past_wire_grace(self, usage: JobUsage) -> bool:
         """Whether a split job without wire bytes is billed anyway (its egress as 0): its prefill region's event
         is lost (the region died after the hand-off, the dispatcher's stream broke)."""
-        age_s = time.time() - usage.finished_at.timestamp()
+        age_s = time.time() - usage.finished_at.timestamp() if usage.finished_at is not None else WIRE_BYTES_GRACE_S
         if age_s < WIRE_BYTES_GRACE_S:
             return False
         log.warning("job %s: no wire bytes recorded %.0f s after DONE; egress billed as 0", usage.job_id, age_s)
