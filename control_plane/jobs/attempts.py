@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -93,5 +92,5 @@ class Attempts:
 
     def _queued(self, job_id: str, attempt: int, countdown_s: float) -> Lease:
         """The `queued` lease of `attempt`'s dispatch, queued with `countdown_s`."""
-        deadline = time.time() + countdown_s + self.settings.dispatch.visibility_s
+        deadline = self.leases.clock.now() + countdown_s + self.settings.dispatch.visibility_s
         return Lease(job_id, attempt, "queued", self.owner, "", deadline)

@@ -22,6 +22,8 @@ import json
 import logging
 import os
 import socket
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +100,7 @@ class Lease:
     stage: str  # queued (waiting for its dispatch), placing, prefill, reship
     owner: str  # the worker process holding it
     where: str  # the instance the stage runs on (region/instance), "" while placing
-    deadline: float  # epoch seconds
+    deadline: float  # epoch seconds on Redis's clock (`RedisClock`)
 
     def info(self) -> str:
         return json.dumps({"attempt": self.attempt, "stage": self.stage, "owner": self.owner, "where": self.where,
@@ -149,10 +151,35 @@ def lease_keys(settings: Settings) -> tuple[str, str]:
     return settings.key("leases"), settings.key("leases", "info")
 
 
+class RedisClock:
+    """Epoch seconds on Redis's clock (TIME), the one every lease deadline is set and aged on: a worker whose clock
+    runs ahead of the one that granted a lease took it back as overrun while it ran (a sweeper 60 s ahead failed
+    every stage under a minute), one behind left dead work leased. This host's clock plus the offset to Redis's,
+    measured (one TIME) at most every `refresh_s`."""
+
+    def __init__(self, client: redis.Redis, refresh_s: float = 30.0) -> None:
+        self.redis: Any = client
+        self.refresh_s = refresh_s
+        self._offset = 0.0
+        self._measured_at = float("-inf")  # monotonic
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        if time.monotonic() - self._measured_at > self.refresh_s:
+            with self._lock:
+                if time.monotonic() - self._measured_at > self.refresh_s:
+                    before = time.time()
+                    seconds, micros = self.redis.time()
+                    self._offset = seconds + micros / 1e6 - (before + time.time()) / 2
+                    self._measured_at = time.monotonic()
+        return time.time() + self._offset
+
+
 class Leases:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.redis: Any = client  # redis-py types replies as Awaitable | Any
         self.settings = settings
+        self.clock = RedisClock(client)  # deadlines: epoch s on Redis's clock
         self._zset, self._info = lease_keys(settings)
         self._claim = client.register_script(_CLAIM_DISPATCH)
         self._grant = client.register_script(_GRANT)

@@ -32,7 +32,7 @@ from typing import Any
 import redis
 
 from prfaas.control_plane.jobs.errors import AdmissionRefused, IllegalTransition, JobNotFound, StaleAttempt
-from prfaas.control_plane.jobs.leases import Lease, lease_keys
+from prfaas.control_plane.jobs.leases import Lease, RedisClock, lease_keys
 from prfaas.control_plane.jobs.notifier import Notifier
 from prfaas.control_plane.jobs.scripts import ADMIT, CREATE, RELEASE, TRANSITION, UPDATE
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
@@ -82,6 +82,7 @@ class JobStore:
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
+        self.clock = RedisClock(client)  # lease deadlines are on Redis's clock
         self.notifier = Notifier(client, _glob_escape(settings.key("job")) + ":*:notify")
         self._transition = client.register_script(TRANSITION)
         self._admit = client.register_script(ADMIT)
@@ -183,7 +184,7 @@ class JobStore:
         ]  # fmt: skip
         queued = ["", ""]  # the `queued` lease, with the job, or none
         if follow_as and not handed_off:
-            lease = Lease(job_id, 1, "queued", follow_as, "", now + s.dispatch.visibility_s)
+            lease = Lease(job_id, 1, "queued", follow_as, "", self.clock.now() + s.dispatch.visibility_s)
             keys.extend(lease_keys(s))
             queued = [repr(lease.deadline), lease.info()]
         else:

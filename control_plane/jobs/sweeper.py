@@ -92,8 +92,9 @@ class Sweeper:
             self._give_back[0]()  # Redis still away: the pass fails here, and the next one gives it back
             self._give_back.pop(0)
         done = []
+        clock = self.leases.clock.now()  # deadlines are on Redis's clock
         for lease in self.leases.all():
-            overran, orphaned = lease.deadline < now, self._dead(lease.owner, alive, known, missing, now)
+            overran, orphaned = lease.deadline < clock, self._dead(lease.owner, alive, known, missing, now)
             if not (overran or orphaned) or not self.leases.take_exact(lease):  # not one granted since it was read
                 continue
             recover, give_back = partial(self._recover, lease, overran), partial(self.leases.restore, lease)
@@ -134,7 +135,8 @@ class Sweeper:
             return f"{lease.job_id}: gone"
         if job["state"] in TERMINAL or int(job["attempt"]) != lease.attempt:
             return f"{lease.job_id}: moved on"
-        late = f"overran its lease by {time.time() - lease.deadline:.1f} s" if overran else f"lost {lease.owner}"
+        over_s = self.leases.clock.now() - lease.deadline
+        late = f"overran its lease by {over_s:.1f} s" if overran else f"lost {lease.owner}"
         if lease.stage == "queued":  # its dispatch never started: queue it again, unless a dispatch claimed it since
             if not self.attempts.requeue(lease.job_id, lease.attempt):
                 return f"{lease.job_id}: moved on"

@@ -6,6 +6,7 @@ is what the sweeper sees of one: no beat and no pass for 2 s."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -90,3 +91,44 @@ def test_a_process_whose_host_clock_lags_is_alive_while_it_beats(
     assert api.me in api.alive()
     assert sweeper.sweep() == [] and services.jobs.get(job_id)["state"] == JobState.QUEUED
     sweeper.stop()
+
+
+@pytest.mark.parametrize("skew_s", [60.0, -60.0])
+def test_lease_deadlines_are_on_redis_clock_whatever_the_hosts_clocks(
+    services: Services, monkeypatch: pytest.MonkeyPatch, skew_s: float
+) -> None:
+    """A worker whose host clock is `skew_s` behind the sweeper's grants a 30 s prefill lease: the sweeper takes it
+    back neither while it runs (before, a sweeper 60 s ahead retried every stage under a minute) nor later than
+    its deadline when it is behind."""
+    real = time.time
+
+    @contextlib.contextmanager
+    def host(clock_skew_s: float) -> Iterator[None]:
+        with monkeypatch.context() as clock:
+            clock.setattr(time, "time", lambda: real() + clock_skew_s)
+            yield
+
+    owner = Heartbeats(services.redis, services.settings, "worker").start()
+    with host(-skew_s / 2):  # the granting worker's host
+        granting = Leases(services.redis, services.settings)
+        job_id = _prefilling_for(services, granting, owner.me, 30.0)
+    with host(skew_s / 2):  # the sweeper's host
+        leases = Leases(services.redis, services.settings)
+        sweeper = Sweeper(services.jobs, leases, Attempts(services.jobs, leases, lambda *_: None, "worker:sweeper"),
+                          {"worker": owner}, ChannelCache(None))  # fmt: skip
+        assert sweeper.sweep() == [] and leases.get(job_id) is not None  # 30 s left on Redis's clock
+    with host(-skew_s / 2):
+        granting.grant(Lease(job_id, 1, "prefill", owner.me, "prefill-a/i0", granting.clock.now() - 0.5))  # overran
+    with host(skew_s / 2):
+        done = sweeper.sweep()
+    assert len(done) == 1 and done[0].startswith(f"{job_id}: retrying"), done
+    owner.stop()
+
+
+def _prefilling_for(services: Services, leases: Leases, owner: str, lease_s: float) -> str:
+    fields = {"token_ids": [1, 2, 3], "prompt_tokens": 3, "max_new_tokens": 2}
+    quota = Quota(rps=100, concurrency=100, budget_usd=100)
+    job_id = services.jobs.create("t-" + uuid.uuid4().hex[:8], fields, quota).job_id
+    services.jobs.transition(job_id, JobState.PREFILLING, 1, note="prefill")
+    leases.grant(Lease(job_id, 1, "prefill", owner, "prefill-a/i0", leases.clock.now() + lease_s))
+    return job_id
