@@ -44,6 +44,10 @@ def upgrade(url: str, *, engine: Engine | None = None, revision: str = "head") -
         # a SQLite database, a transaction-scoped advisory lock on PostgreSQL.
         with _migration_lock(eng), eng.begin() as conn:
             if eng.dialect.name == "postgresql":
+                # a migration may wait longer than a request's statement (another process's migration, a lock
+                # an ALTER needs), as the SQLite file lock does: 60 s, then the process fails to start
+                conn.execute(text("SET LOCAL statement_timeout = '120s'"))
+                conn.execute(text("SET LOCAL lock_timeout = '60s'"))
                 conn.execute(text("SELECT pg_advisory_xact_lock(7274727)"))
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
