@@ -38,12 +38,13 @@ import openai
 
 from prfaas.devstack.stack import Stack, wait_until
 from prfaas.engine.models import prepare_model
-from prfaas.sim.calibration import Timings, fit_line, fit_prefill, load_timings, measured_ttfts, predict
-from prfaas.sim.workload import load_trace
+from prfaas.sim.calibration import Timings, fit_line, fit_prefill, predict_trace
 
 MODEL = "tiny-llama"
 CALL_TIMEOUT_S = 60.0
 PROBE_SIZES = (4, 128, 384, 640, 900, 1000, 1500, 2000, 2500, 3000)  # prompt tokens of the probe requests
+# the thresholds (low, high] that leave three probe sizes below (local) and three at or above (split)
+SPLIT_RANGE = (sorted(PROBE_SIZES)[2], sorted(PROBE_SIZES)[-3])
 PREFILL_PRICE, DECODE_PRICE = 0.5, 4.0  # $/GPU-hour the two regions announce (split is cheaper)
 
 
@@ -119,6 +120,18 @@ def timings_from(
     return timings, {"overhead_s": overhead, "probes": probes}
 
 
+def split_problem(split_tokens: int) -> str | None:
+    """Why `timings_from` could not fit both regions' prefill lines at this threshold (None: it can): each needs
+    probes of three sizes or more on its side (below the threshold local, at or above it split)."""
+    low, high = SPLIT_RANGE
+    if low < split_tokens <= high:
+        return None
+    return (
+        f"--split-tokens {split_tokens}: the probes ({', '.join(map(str, sorted(PROBE_SIZES)))} tokens) need three "
+        f"sizes on each side of the threshold to fit each region's prefill line; pick one in ({low}, {high}]"
+    )
+
+
 def workload(count: int, rate: float, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     rows, t = [], 0.0
@@ -161,11 +174,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
-    parser.add_argument("--split-tokens", type=int, default=1000, help="the deployment's disaggregation threshold")
+    low, high = SPLIT_RANGE
+    split_help = f"the deployment's disaggregation threshold, in ({low}, {high}]: three probe sizes each side"
+    parser.add_argument("--split-tokens", type=int, default=1000, help=split_help)
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats per size (engine and probes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="folder for timings.json, workload.jsonl, measured.jsonl")
     args = parser.parse_args()
+    problem = split_problem(args.split_tokens)
+    if problem is not None:  # before the engine timing and the ~2 min of probes that would end in this
+        parser.error(problem)
     # The regions must run the engine as it is timed here, on one torch thread: spawn_region's
     # default is OMP_NUM_THREADS=2, and two OpenMP threads per region on this 2-core host (both
     # regions, the API, the worker and everything else on it) made a split's prefill 5-15x
@@ -207,17 +225,11 @@ def main() -> None:
         stack.stop()
         stack.cleanup()
     (out / "measured.jsonl").write_text("".join(json.dumps(r) + "\n" for r in measured))
-    prediction = predict(load_timings(out / "timings.json"), load_trace(out / "workload.jsonl"),
-                         measured_ttfts(out / "measured.jsonl"))  # fmt: skip
-    (out / "prediction.json").write_text(json.dumps(prediction.as_row(), indent=2) + "\n")
+    prediction = predict_trace(out / "timings.json", out / "measured.jsonl")  # the workload's rows, measured
+    (out / "prediction.json").write_text(json.dumps(prediction.as_row(), indent=2, allow_nan=False) + "\n")
     print(f"files in {out}")
-    print(f"{prediction.num_requests} requests, {prediction.num_split} split in the simulation")
-    error = "n/a" if prediction.error is None else f"{prediction.error:+.1%}"
-    measured_p50 = (prediction.measured_ttft_p50_s or 0) * 1000
-    print(f"TTFT P50: predicted {prediction.predicted_ttft_p50_s * 1000:.1f} ms, "
-          f"measured {measured_p50:.1f} ms, error {error} (target within 20%)")  # fmt: skip
-    print(f"TTFT P90: predicted {prediction.predicted_ttft_p90_s * 1000:.1f} ms, "
-          f"measured {(prediction.measured_ttft_p90_s or 0) * 1000:.1f} ms")  # fmt: skip
+    for line in prediction.lines():
+        print(line + (" (target within 20%)" if line.startswith("TTFT P50") else ""))
 
 
 if __name__ == "__main__":

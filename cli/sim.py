@@ -23,7 +23,8 @@ sim_app = typer.Typer(
 
 
 def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+    """Print one `error:` line (not wrapped at the terminal's width) -> the exit 2 to raise."""
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -57,7 +58,9 @@ def sim_run(
         [], "--policy", help="policies to compare (repeatable; default: prfaas and every baseline)"
     ),
     seed: int = typer.Option(0, help="workload seed (same seed, same result)"),
-    requests: int | None = typer.Option(None, help="requests per run (default: the scenario's)"),
+    requests: int | None = typer.Option(
+        None, help="requests per run (default: the scenario's; with --trace: its first N arrivals, default all)"
+    ),
     trace: Path | None = typer.Option(None, help="JSONL trace to replay instead of the scenario's workload"),
     tune: bool = typer.Option(False, help="each policy on its own best prefill:decode split (prfaas: and threshold)"),
     json_path: Path | None = typer.Option(None, "--json", help="write one row per policy here"),
@@ -81,8 +84,7 @@ def sim_run(
                 ),
             )
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     _print_rows({"": rows})
     for line in paper_lines(scenario, rows):
         console.print(line)
@@ -113,8 +115,7 @@ def sim_compare(
             labels = [str(path) for path in files]
         runs = {label: load_rows(path) for label, path in zip(labels, files, strict=True)}
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     _print_rows(runs)
     if chart is not None:
         from prfaas.sim.charts import policy_chart
@@ -132,7 +133,9 @@ def sim_plan(
     threshold: list[int] = typer.Option([], "--threshold", help="thresholds to try (repeatable; default: a grid)"),
     share: list[float] = typer.Option([], "--prefill-share", help="PD prefill shares to try (default: every split)"),
     seed: int = typer.Option(0, help="workload seed"),
-    requests: int | None = typer.Option(None, help="requests per run (default: the scenario's)"),
+    requests: int | None = typer.Option(
+        None, help="requests per run (default: the scenario's; with --trace: its first N arrivals, default all)"
+    ),
     trace: Path | None = typer.Option(None, help="JSONL trace to plan for instead of the scenario's workload"),
     json_path: Path | None = typer.Option(None, "--json", help="write every grid point here"),
     png: Path | None = typer.Option(None, help="write throughput against threshold here"),
@@ -141,14 +144,13 @@ def sim_plan(
     prints every point and the recommended configuration."""
     import json
 
-    from prfaas.sim.compare import arrivals_for, load_scenario
+    from prfaas.sim.compare import arrivals_for, load_scenario, trace_arrivals
     from prfaas.sim.planner import plan, recommend, recommended_yaml
-    from prfaas.sim.workload import load_trace
 
     chart = _outputs(json_path, png)
     try:
         chosen = load_scenario(scenario, requests)
-        draw = arrivals_for(chosen, load_trace(trace) if trace else None, seed)
+        draw = arrivals_for(chosen, trace_arrivals(trace, requests) if trace else None, seed)
         table = Table("threshold", "prefill:decode workers", "req/s at SLO", "TTFT P90 s", "split share", "$/1M tok")
         with sim_progress() as (progress, task):
 
@@ -168,8 +170,7 @@ def sim_plan(
                 chosen, draw, policy=policy, thresholds=threshold or None, shares=share or None, on_point=on_point
             )
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     console.print(table)
     best = recommend(points)
     console.print(f"recommended ({policy}, {best.throughput_at_slo_rps:.3g} req/s at SLO):")
@@ -201,29 +202,26 @@ def sim_calibrate(
     try:
         prediction = predict_trace(timings, trace)
     except (ValueError, OSError) as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
-    measured = prediction.measured_ttft_p50_s
-    console.print(f"{prediction.num_requests} requests, {prediction.num_split} split in the simulation")
-    console.print(
-        f"TTFT P50: predicted {prediction.predicted_ttft_p50_s * 1000:.1f} ms, measured "
-        + ("-" if measured is None else f"{measured * 1000:.1f} ms")
-        + ("" if prediction.error is None else f", error {prediction.error:+.1%}")
-    )
-    p90 = prediction.measured_ttft_p90_s
-    console.print(
-        f"TTFT P90: predicted {prediction.predicted_ttft_p90_s * 1000:.1f} ms, measured "
-        + ("-" if p90 is None else f"{p90 * 1000:.1f} ms")
-    )
+        raise _fail(str(exc)) from None
+    for line in prediction.lines():
+        console.print(line, highlight=False, markup=False)
+    if not prediction.num_compared:  # every figure would be "-": say why instead of writing nulls
+        raise _fail(
+            f"no TTFT to predict: none of the {prediction.num_requests} requests completed in the simulation"
+            + (" and has a measured ttft_s" if prediction.num_completed else "")
+        )
     if json_path is not None:
         try:
-            json_path.write_text(json.dumps(prediction.as_row(), indent=2) + "\n", encoding="utf-8")
+            json_path.write_text(json.dumps(prediction.as_row(), indent=2, allow_nan=False) + "\n", encoding="utf-8")
         except OSError as exc:
             raise _fail(write_failed(json_path, exc)) from None
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
+    """A figure of a saved row as `spec` says; "-" for null (none measured) or anything not a number."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "-"
+    return format(value * scale, spec)
 
 
 @contextlib.contextmanager
@@ -241,15 +239,14 @@ def _print_rows(runs: dict[str, list[dict[str, Any]]]) -> None:
         for row in rows:
             at = row.get("at_slo") or {}
             ttft = "-" if not at else f"{_fmt(at.get('ttft_p50_s'), '.2f')}/{_fmt(row['ttft_p90_s'], '.2f')}"
-            tpot = at.get("tpot_p90_s")
             table.add_row(
                 run,
                 row["policy"],
                 str(row.get("num_gpus", "-")),
-                f"{row['throughput_at_slo_rps']:.3g}",
+                _fmt(row["throughput_at_slo_rps"], ".3g"),
                 ttft,
-                "-" if tpot is None else f"{tpot * 1000:.0f}",
-                "-" if row["link_util"] is None else f"{row['link_util']:.1%}",
+                _fmt(at.get("tpot_p90_s"), ".0f", 1000),
+                _fmt(row["link_util"], ".1%"),
                 _fmt(row["usd_per_mtok"], ".3f"),
                 _fmt(row.get("ttft_p90_at_common_rate_s"), ".2f"),
             )

@@ -214,39 +214,73 @@ def fleet_of(timings: Timings) -> tuple[FleetSpec, dict[str, MeasuredWorker]]:
 
 @dataclass(frozen=True)
 class Prediction:
+    """Predicted TTFT percentiles beside measured ones, both over the same requests: those that completed in the
+    simulation and (when the trace has any) carry a measured `ttft_s` (`num_compared`)."""
+
     num_requests: int
-    num_completed: int
+    num_completed: int  # in the simulation
+    num_rejected: int  # in the simulation (e.g. no worker's KV buffer holds the prompt)
+    rejected: dict[str, int]  # reason -> requests
     num_split: int
-    predicted_ttft_p50_s: float
-    predicted_ttft_p90_s: float
+    num_compared: int
+    predicted_ttft_p50_s: float | None  # None: no request to compare
+    predicted_ttft_p90_s: float | None
     measured_ttft_p50_s: float | None  # from the trace's `ttft_s` fields, when it has them
     measured_ttft_p90_s: float | None
 
     @property
     def error(self) -> float | None:
         """Predicted P50 / measured P50 - 1."""
-        if not self.measured_ttft_p50_s:
+        if not self.measured_ttft_p50_s or self.predicted_ttft_p50_s is None:
             return None
         return self.predicted_ttft_p50_s / self.measured_ttft_p50_s - 1
 
     def as_row(self) -> dict[str, Any]:
-        return {**self.__dict__, "error": self.error}
+        """The `--json` document: strict JSON (a figure that is not finite is null, never `Infinity`)."""
+        row = {**self.__dict__, "error": self.error}
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+    def lines(self) -> list[str]:
+        """What `prfaas sim calibrate` and bench/sim_calibrate.py print."""
+        why = ", ".join(f"{reason}: {n}" for reason, n in self.rejected.items())
+        out = [
+            f"{self.num_requests} requests in the simulation: {self.num_completed} completed ({self.num_split} split), "
+            f"{self.num_rejected} rejected" + (f" ({why})" if why else "")
+        ]
+        if self.measured_ttft_p50_s is not None and self.num_compared < self.num_requests:
+            out.append(f"TTFT over the {self.num_compared} requests completed in the simulation and measured")
+        for q, predicted, measured in ((50, self.predicted_ttft_p50_s, self.measured_ttft_p50_s),
+                                       (90, self.predicted_ttft_p90_s, self.measured_ttft_p90_s)):  # fmt: skip
+            line = f"TTFT P{q}: predicted {_ms(predicted)}, measured {_ms(measured)}"
+            out.append(line + ("" if q != 50 or self.error is None else f", error {self.error:+.1%}"))
+        return out
 
 
-def measured_ttfts(path: str | Path) -> list[float]:
-    """The `ttft_s` of every trace row that has one (a completed request of a measured run)."""
-    out = []
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
+def measured_ttfts(path: str | Path) -> list[float | None]:
+    """Each trace row's measured `ttft_s` (None where it has none: not measured, or the request failed), in the
+    order `load_trace` replays the rows (by `t_s`, ties in file order), so that the i-th is the i-th arrival's."""
+    rows: list[tuple[float, float | None]] = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if line.strip():
-            value = json.loads(line).get("ttft_s")
-            if isinstance(value, int | float) and math.isfinite(value):
-                out.append(float(value))
-    return out
+            doc = json.loads(line)
+            value = doc.get("ttft_s")
+            finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            rows.append((float(doc["t_s"]), float(value) if finite else None))
+    first = min((t for t, _ in rows), default=0.0)
+    return [ttft for _, ttft in sorted(rows, key=lambda row: row[0] - first)]  # load_trace's key, stable too
 
 
-def predict(timings: Timings, arrivals: Sequence[Arrival], measured: Sequence[float] = ()) -> Prediction:
+def predict(timings: Timings, arrivals: Sequence[Arrival], measured: Sequence[float | None] = ()) -> Prediction:
     """Simulate `arrivals` on the measured deployment, routed as `timings.route` says at the
-    deployment's threshold, with no SLO cut (a bench run sends everything)."""
+    deployment's threshold, with no SLO cut (a bench run sends everything). `measured`: none, or
+    the measured TTFT (None: none) of each arrival, in order; predicted and measured percentiles
+    are then over the requests that have both."""
+    if measured and len(measured) != len(arrivals):
+        raise ValueError(f"{len(measured)} measured TTFTs for {len(arrivals)} requests: one per request, in order")
     fleet, workers = fleet_of(timings)
     if timings.route == "length":
         policy = split_by_length_policy(timings.min_uncached_tokens)
@@ -256,15 +290,27 @@ def predict(timings: Timings, arrivals: Sequence[Arrival], measured: Sequence[fl
     sim = Simulation(fleet, policy.scheduler(), slo, workers=workers, dispatch_overhead_s=timings.overhead_s)
     records = sim.run(arrivals)
     done = [r for r in records if r.outcome is Outcome.COMPLETED]
-    ttft = [r.ttft_s for r in done]
+    rejected: dict[str, int] = {}
+    for r in records:
+        if r.outcome is not Outcome.COMPLETED:
+            rejected[str(r.reason)] = rejected.get(str(r.reason), 0) + 1
+    has_measured = any(m is not None for m in measured)
+    pairs = [(r.ttft_s, measured[r.index] if has_measured else None) for r in done]
+    if has_measured:  # the same requests on both sides: those the simulation served and the run measured
+        pairs = [(p, m) for p, m in pairs if m is not None]
+    predicted = [p for p, _ in pairs]
+    got = [m for _, m in pairs if m is not None]
     return Prediction(
         num_requests=len(records),
         num_completed=len(done),
+        num_rejected=len(records) - len(done),
+        rejected=rejected,
         num_split=sum(1 for r in done if r.mode == "split"),
-        predicted_ttft_p50_s=percentile(ttft, 50),
-        predicted_ttft_p90_s=percentile(ttft, 90),
-        measured_ttft_p50_s=percentile(measured, 50) if measured else None,
-        measured_ttft_p90_s=percentile(measured, 90) if measured else None,
+        num_compared=len(pairs),
+        predicted_ttft_p50_s=percentile(predicted, 50) if predicted else None,
+        predicted_ttft_p90_s=percentile(predicted, 90) if predicted else None,
+        measured_ttft_p50_s=percentile(got, 50) if got else None,
+        measured_ttft_p90_s=percentile(got, 90) if got else None,
     )
 
 

@@ -36,6 +36,14 @@ def arrivals_for(scenario: Scenario, trace: list[Arrival] | None, seed: int) -> 
     return lambda rate: scale_rate(trace, rate / native)
 
 
+def trace_arrivals(path: str | Path, num_requests: int | None = None) -> list[Arrival]:
+    """The trace's arrivals, or (`num_requests`, `--requests`) its first `num_requests` of them."""
+    if num_requests is not None and num_requests < 1:
+        raise ValueError("requests must be at least 1")
+    arrivals = load_trace(path)
+    return arrivals if num_requests is None else arrivals[:num_requests]
+
+
 def load_scenario(scenario_name: str, num_requests: int | None = None) -> Scenario:
     if scenario_name not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario_name!r}; known: {sorted(SCENARIOS)}")
@@ -62,7 +70,7 @@ def compare(
     threshold), found by `planner.plan`, as PrfaaS grid-searches its baselines too; the row
     says which (`tuned`)."""
     scenario = load_scenario(scenario_name, num_requests)
-    trace = load_trace(trace_path) if trace_path else None
+    trace = trace_arrivals(trace_path, num_requests) if trace_path else None
     draw = arrivals_for(scenario, trace, seed)
     rows = []
     policy_of: dict[str, SimPolicy] = {}
@@ -126,17 +134,37 @@ def _share_of(point: PlanPoint) -> float:
     return prefill / (prefill + sum(point.decode_workers.values()))
 
 
+# the figures every `--json` row carries (`experiment.comparison_row`), each a number or null; and those a row
+# may carry, which the table and the chart read when they are there
+ROW_FIGURES = ("throughput_at_slo_rps", "ttft_p90_s", "link_util", "usd_per_mtok")
+OPTIONAL_FIGURES = ("ttft_p90_at_common_rate_s",)
+
+
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows written by `prfaas sim run --json`; a clear error for anything else."""
+    """Rows written by `prfaas sim run --json`; a clear error (naming the file) for anything else."""
     try:
         rows = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON: {exc}") from None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and "policy" in r for r in rows):
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("policy"), str) for r in rows):
         raise ValueError(f"{path} is not a `prfaas sim run --json` file (a list of rows with `policy`)")
+    for row in rows:
+        name = f"{path} is not a `prfaas sim run --json` file: policy {row['policy']!r}"
+        for key in ROW_FIGURES + OPTIONAL_FIGURES:
+            if key not in row:
+                if key in ROW_FIGURES:
+                    raise ValueError(f"{name} has no `{key}`")
+            elif not _number_or_null(row[key]):
+                raise ValueError(f"{name} has `{key}` {row[key]!r}, not a number or null")
+        if not isinstance(row.get("at_slo") or {}, dict):
+            raise ValueError(f"{name} has `at_slo` {row['at_slo']!r}, not an object")
     return rows
+
+
+def _number_or_null(value: Any) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
 
 
 def paper_lines(scenario_name: str, rows: list[dict[str, Any]]) -> list[str]:

@@ -2,10 +2,13 @@
 
 Every sequence in the pool takes one token per step; a step's time depends on the batch
 (sequences per worker) and the context they hold (`WorkerTimings.decode_step_s`). Between two
-changes (a sequence joins or finishes) every step takes the same time, so the pool keeps a
-step counter `steps` that advances by elapsed / step time, and schedules one wake-up at the
-next finish; a join or finish recomputes the step time, so a late joiner slows everyone
-(no per-token events, no per-request loops: O(log n) per change).
+changes (a sequence joins or finishes) the batch is fixed and the context grows by one token
+per sequence per step, so the step time grows by a fixed amount per step (exactly for a step
+time linear in context: the measured and roofline models; the secant for anything else): k
+steps take k step times at their mean context, a + b k / 2 each. The pool keeps a step counter
+`steps` that advances by inverting that (a quadratic) over the elapsed time, and schedules one
+wake-up at the next finish; a join or finish recomputes a and b, so a late joiner slows
+everyone (no per-token events, no per-request loops: O(log n) per change).
 
 Sequences are spread evenly over the workers (ideal load balancing): batch per worker =
 ceil(sequences / workers), context per worker = total context / workers. The context of a
@@ -59,7 +62,8 @@ class DecodePool:
         self._heap: list[tuple[float, int, _Sequence]] = []  # (finish step, join order, sequence)
         self._seq = 0
         self._last = 0.0
-        self.step_s = worker.decode_step_s(1, 0)
+        self.step_s = worker.decode_step_s(1, 0)  # s: the step at the current context
+        self._step_growth_s = 0.0  # s per step: how much each step adds to the next (the context it grew)
         self.busy_s = 0.0  # time with at least one sequence decoding
         self._generation = 0
         self.version = 0  # bumped on every change (snapshot caching)
@@ -101,7 +105,6 @@ class DecodePool:
         base = prompt_tokens - self.steps
         self.num_sequences += 1
         self._ctx_base += base
-        self.step_s = self.step_with()
         # token 0 goes out now; the other output_tokens - 1 take a step each at the batch's pace
         heapq.heappush(
             self._heap, (self.steps + output_tokens - 1, self._seq, _Sequence(base, output_tokens, now, done))
@@ -112,19 +115,30 @@ class DecodePool:
         now = float(self.env.now)
         dt = now - self._last
         if dt > 0 and self.num_sequences:
-            self.steps += dt / self.step_s
+            # k steps from here take a k + b k^2 / 2 (a: this step, b: growth per step): its root in k for dt,
+            # in the form that stays exact as b -> 0
+            a, b = self.step_s, self._step_growth_s
+            advanced = 2 * dt / (a + math.sqrt(max(0.0, a * a + 2 * b * dt)))
+            self.steps += advanced
+            self.step_s = a + b * advanced
             self.busy_s += dt
         self._last = now
 
     def _reschedule(self) -> None:
+        """After a change: the step time now, its growth per step up to the next finish (the secant), and the
+        wake-up at that finish."""
         self.version += 1
         self._generation += 1
+        self.step_s, self._step_growth_s = self.step_with(), 0.0
         if not self._heap:
             return
         generation = self._generation
+        steps = max(0.0, self._heap[0][0] - self.steps)
+        if steps > 0:  # the context then holds every sequence's `steps` tokens more
+            self._step_growth_s = (self.step_with(extra_ctx=round(self.num_sequences * steps)) - self.step_s) / steps
         # at least one float step of the clock: at a large simulated time (a trace in epoch seconds) a shorter
         # delay leaves env.now where it is, no step is counted, and the pool would wake at that instant forever
-        delay = max(math.ulp(float(self.env.now)), (self._heap[0][0] - self.steps) * self.step_s)
+        delay = max(math.ulp(float(self.env.now)), steps * (self.step_s + self._step_growth_s * steps / 2))
         timer = self.env.timeout(delay)
         timer.callbacks.append(lambda _event: self._wake(generation))
 
@@ -143,5 +157,4 @@ class DecodePool:
             self._ctx_base = 0.0  # drop the float residue of the departed
         while self.waiting and (self.max_sequences is None or self.num_sequences < self.max_sequences):
             self._join(*self.waiting.popleft())
-        self.step_s = self.step_with()
         self._reschedule()

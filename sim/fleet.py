@@ -73,7 +73,11 @@ class RegionSpec:
 
     @property
     def num_gpus(self) -> int:
-        return (self.num_prefill_workers + self.num_decode_workers) * self.gpus_per_worker
+        # shared slots: the prefill and decode counts name the same engines, each counted once
+        workers = (
+            self.num_prefill_workers if self.shared_workers else self.num_prefill_workers + self.num_decode_workers
+        )
+        return workers * self.gpus_per_worker
 
     def worker(self, model: ModelProfile) -> WorkerModel:
         return WorkerModel(GPUS[self.gpu], model, self.gpus_per_worker)

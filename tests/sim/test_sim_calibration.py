@@ -11,6 +11,7 @@ import pytest
 
 from prfaas.sim.calibration import (
     MeasuredWorker,
+    Prediction,
     PrefillFit,
     fit_line,
     fit_prefill,
@@ -165,3 +166,44 @@ def test_cli_calibrate_prints_the_prediction_beside_the_measurement(tmp_path: Pa
     assert json.loads(out.read_text())["num_requests"] == 1
     missing = CliRunner().invoke(app, ["sim", "calibrate", "--timings", str(timings), "--trace", str(tmp_path / "no")])
     assert missing.exit_code == 2 and "error:" in missing.output
+
+
+def _cli_calibrate(tmp_path: Path, rows: list[dict[str, Any]]) -> tuple[Any, Path]:
+    from typer.testing import CliRunner
+
+    from prfaas.cli.main import app
+
+    trace = tmp_path / "measured.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "prediction.json"
+    args = ["sim", "calibrate", "--timings", str(_write(tmp_path, TIMINGS)), "--trace", str(trace), "--json", str(out)]
+    return CliRunner().invoke(app, args), out
+
+
+def test_predicted_and_measured_ttft_are_over_the_same_requests(tmp_path: Path) -> None:
+    # 2M prompt tokens of 1 KiB each fill no 1 GiB KV buffer: the simulation rejects the request the run measured
+    # at 5 s. The measured P90 was over all three (5 s), the predicted over the two it served (0.27 s). The file is
+    # out of order: its rows pair with the arrivals as load_trace replays them, by t_s
+    rows = [{"t_s": 20.0, "prompt_tokens": 2_000_000, "output_tokens": 4, "ttft_s": 5.0}]
+    rows += [{"t_s": 10.0 * i, "prompt_tokens": 200, "output_tokens": 4, "ttft_s": 0.3} for i in range(2)]
+    result, out = _cli_calibrate(tmp_path, rows)
+    assert result.exit_code == 0, result.output
+    assert "3 requests in the simulation: 2 completed (0 split), 1 rejected (capacity: 1)" in result.output
+    assert "TTFT P90: predicted 270.0 ms, measured 300.0 ms" in result.output
+    doc = json.loads(out.read_text())
+    assert (doc["num_completed"], doc["num_rejected"], doc["num_compared"]) == (2, 1, 2)
+
+
+def test_a_trace_the_simulation_serves_none_of_is_an_error_not_infinity(tmp_path: Path) -> None:
+    # every request rejected: the percentiles of nothing were inf, printed "inf ms" and written as `Infinity`
+    rows = [{"t_s": 1.0 * i, "prompt_tokens": 2_000_000, "output_tokens": 4, "ttft_s": 0.02} for i in range(3)]
+    result, out = _cli_calibrate(tmp_path, rows)
+    assert result.exit_code == 2, result.output
+    assert "0 completed (0 split), 3 rejected (capacity: 3)" in result.output
+    assert "error: no TTFT to predict: none of the 3 requests completed in the simulation" in result.output
+    assert "inf" not in result.output and not out.exists()
+
+
+def test_the_json_prediction_is_strict_json() -> None:
+    row = Prediction(1, 0, 1, {"capacity": 1}, 0, 0, math.inf, None, 0.02, 0.02).as_row()
+    assert row["predicted_ttft_p50_s"] is None and json.loads(json.dumps(row, allow_nan=False)) == row

@@ -94,3 +94,55 @@ def test_cli_refuses_a_trace_no_workload_could_be(tmp_path: Path, lines: list[st
 def test_cli_names_a_trace_it_cannot_read(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["sim", "run", "--policy", "prfaas", "--trace", str(tmp_path / "nope.jsonl")])
     assert result.exit_code == 2 and "cannot read the trace" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        # a row with its policy only: KeyError 'throughput_at_slo_rps' out of the table, a traceback
+        ([{"policy": "x"}], "policy 'x' has no `throughput_at_slo_rps`"),
+        ([{"policy": "x", "throughput_at_slo_rps": "fast"}], "`throughput_at_slo_rps` 'fast', not a number or null"),
+        ([{**dict.fromkeys(REQUIRED), "policy": "x", "at_slo": [1]}], "`at_slo` [1], not an object"),
+    ],
+)
+def test_cli_compare_names_a_file_whose_rows_are_not_a_runs(tmp_path: Path, rows: list, message: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(rows))
+    result = CliRunner().invoke(app, ["sim", "compare", str(bad)])
+    assert result.exit_code == 2 and not isinstance(result.exception, KeyError | TypeError), result.output
+    assert f"{bad} is not a `prfaas sim run --json` file" in result.output and message in result.output
+
+
+def test_cli_compare_prints_null_figures_as_dashes(tmp_path: Path) -> None:
+    # null is what a run with nothing at SLO writes (comparison_row: no run met it, or an infinite figure)
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps([{**dict.fromkeys(REQUIRED), "policy": "x", "at_slo": {"ttft_p50_s": None}}]))
+    result = CliRunner().invoke(app, ["sim", "compare", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "│ x " in result.output and "│ - " in result.output
+
+
+def _trace_of_40(tmp_path: Path) -> Path:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"t_s": i * 0.5, "prompt_tokens": 900, "output_tokens": 20}) + "\n"
+                             for i in range(40)))  # fmt: skip
+    return trace
+
+
+def test_requests_cut_a_trace_to_its_first_arrivals(tmp_path: Path) -> None:
+    # --requests with --trace was ignored: every run replayed all 40 rows
+    rows = compare("small", policies=["prfaas"], trace_path=str(_trace_of_40(tmp_path)), num_requests=10)
+    assert rows[0]["at_slo"]["num_requests"] == 10
+
+
+def test_cli_plan_cuts_a_trace_to_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = _trace_of_40(tmp_path)
+    drawn: list[int] = []
+
+    def fake_plan(scenario, draw, **kwargs):  # type: ignore[no-untyped-def]
+        drawn.append(len(draw(1.0)))
+        raise ValueError("planned")
+
+    monkeypatch.setattr("prfaas.sim.planner.plan", fake_plan)
+    result = CliRunner().invoke(app, ["sim", "plan", "--scenario", "small", "--trace", str(trace), "--requests", "7"])
+    assert result.exit_code == 2 and "planned" in result.output and drawn == [7], result.output

@@ -41,13 +41,29 @@ def _run(
     return [r for r in out if r is not None], pool
 
 
-def test_a_lone_sequence_takes_one_step_per_token_with_its_context_growing() -> None:
-    # 100 tokens, prompt 1000: token 0 is the prefill's, then 99 steps; step k holds 1000 + k tokens -> sum over
-    # k < 99 of (0.010 + 1e-6 (1000 + k)); the context advances continuously, the closed form uses its mean
-    [result], pool = _run([(0.0, 1000, 100)])
+@pytest.mark.parametrize(("prompt", "output"), [(1000, 100), (0, 10_000), (1000, 32_000)])
+def test_a_lone_sequence_takes_one_step_per_token_with_its_context_growing(prompt: int, output: int) -> None:
+    # token 0 is the prefill's, then output - 1 steps; step k holds prompt + k tokens: the sum over k < output - 1
+    # of (0.010 + 1e-6 (prompt + k)). The pool counts steps continuously (k steps at their mean context), a hair
+    # (1e-6 / 2 s a step) above the sum. The step time frozen at the join's context was 33 % short at (0, 10000)
+    # and 59 % at (1000, 32000)
+    [result], pool = _run([(0.0, prompt, output)])
+    exact = sum(0.010 + 1e-6 * (prompt + k) for k in range(output - 1))
     assert result.first_token_s == 0.0
-    assert result.finish_s == pytest.approx(99 * (0.010 + 1e-6 * 1000), rel=0.01)
+    assert result.finish_s == pytest.approx(exact, rel=1e-3)
+    assert result.tpot_s == pytest.approx(exact / (output - 1), rel=1e-3)
     assert pool.num_sequences == 0 and pool.context_tokens == 0
+
+
+def test_a_joiner_mid_decode_sees_the_context_the_first_has_grown() -> None:
+    # A (prompt 0, 2001 tokens) alone for 1 s: 0.010 + 1e-6 k a step, k = 99.5 steps (0.010 k + 1e-6 k^2 / 2 = 1);
+    # then B (prompt 0, 11 tokens) joins: batch 2, context 99.5 growing by 2 a step. B's 10 steps end at
+    # 1 + sum over j < 10 of (0.020 + 1e-6 (99.5 + 2 j)) = 1.201085 s (1.201000 with A's step frozen at its join:
+    # 100 steps in that second, then a context of 100 held through B's steps)
+    results, _ = _run([(0.0, 0, 2001), (1.0, 0, 11)])
+    steps_a = (-0.010 + math.sqrt(0.010**2 + 2 * 1e-6 * 1.0)) / 1e-6
+    exact = 1.0 + sum(0.020 + 1e-6 * (steps_a + 2 * j) for j in range(10))
+    assert results[1].finish_s == pytest.approx(exact, abs=2e-5)  # the pool rounds the context to whole tokens
 
 
 def test_a_late_joiner_slows_the_sequence_already_decoding() -> None:

@@ -49,3 +49,12 @@ def test_a_fleet_with_a_self_loop_is_refused_before_any_run() -> None:
     pd = RegionSpec("pd", "H100", 2, 2, gpus_per_worker=1)
     with pytest.raises(ValueError, match="a link joins two regions"):
         FleetSpec("dense-8b", (pd,), (LinkSpec("pd", "pd", 25.0, 10.0),))
+
+
+def test_shared_slots_count_their_gpus_once() -> None:
+    # 3 shared slots of 2 GPUs: the prefill and decode counts name the same 3 engines, so 6 GPUs (not 12), and the
+    # fleet (plus a separate 1 x 2-GPU PD worker pair: 4 GPUs) 10; usd_per_mtok and usd_per_hour are GPUs x price
+    shared = RegionSpec("d", "H100", 3, 3, gpus_per_worker=2, shared_workers=True)
+    separate = RegionSpec("pd", "H100", 1, 1, gpus_per_worker=2)
+    assert (shared.num_gpus, separate.num_gpus) == (6, 4)
+    assert FleetSpec("dense-8b", (shared, separate)).num_gpus == 10
