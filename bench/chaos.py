@@ -19,7 +19,9 @@ colocated run's), `wrong_text`, `failed_with_reason` (the API named why the job 
 counted twice), `streams_broken` (a request that never got its final chunk nor a reason, after
 its retries), `stream_breaks_retried` (streams that broke and were retried), `ledger_matches`
 (the ledger's sum for the tenant = its spend in Redis), `faults` (what was done when), and
-timings.
+timings (`wall_s`: monotonic). Options that would send nothing (`--rate` not above 0, `--requests`,
+`--prompts` or `--max-tokens` under 1, `--deadline-s` not above 0) are refused (exit 2) before the
+model loads and the deployment starts.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 
 import redis
 
-from prfaas.bench.deployment_kit import add_steady_load_options, fresh_deployment
+from prfaas.bench.deployment_kit import add_steady_load_options, at_least_one, fresh_deployment, positive
 from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.devstack.deployment import Deployment
 from prfaas.devstack.topology import split_topology
@@ -67,10 +69,12 @@ TERMINAL = {b"DONE", b"FAILED", b"CANCELED"}
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200)
-    add_steady_load_options(parser)
-    parser.add_argument("--prompts", type=int, default=8, help="distinct prompts (each checked against a local run)")
-    parser.add_argument("--deadline-s", type=float, default=120.0, help="a request gives up this long after its start")
+    parser.add_argument("--requests", type=at_least_one, default=200)
+    add_steady_load_options(parser)  # --rate > 0, --max-tokens >= 1: checked before the model and the deployment
+    parser.add_argument("--prompts", type=at_least_one, default=8,
+                        help="distinct prompts (each checked against a local run)")  # fmt: skip
+    parser.add_argument("--deadline-s", type=positive, default=120.0,
+                        help="a request gives up this long after its start")  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     root = os.geteuid() == 0
@@ -86,10 +90,10 @@ def main() -> int:
         asked = [steady.Asked(i, i / args.rate, prompts[i % n], args.max_tokens) for i in range(args.requests)]
         run_s = args.requests / args.rate
         faults = Faults(deployment, run_s, root)
-        started = time.time()
+        started = time.monotonic()  # a wall-clock step (NTP) mid-run is not the run's length
         steady.run(state.api_base, state.api_key, MODEL, asked, deadline_s=args.deadline_s, on_tick=faults.tick)
         faults.finish()
-        report = tally(deployment, state.tenant_id, asked, expected, prompts, faults.done, time.time() - started)
+        report = tally(deployment, state.tenant_id, asked, expected, prompts, faults.done, time.monotonic() - started)
     finally:
         deployment.stop()
     print(json.dumps(report, indent=2))

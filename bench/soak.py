@@ -14,7 +14,10 @@ job TTL): what serving once leaves for good, the tenant's spend of the month, is
 `--json` writes: `rss_slope_mb_per_min` per process (least squares over the samples after a
 2-minute warm-up), `rss_mb` first and last per process, `redis_keys_start` (at rest, the job TTL
 after a first request), `redis_keys_end` (the job TTL after the last one ended), `requests`, `done`, `errors`
-(requests that did not end with their final chunk), and the settings used.
+(requests that did not end with their final chunk), and the settings used. Exit 0 when every
+process's RSS slope is under 1 MB/min (a run without 3 samples past the warm-up, or without any,
+measured nothing: exit 1), no request failed and the keys grew by 10 % at most; `--rate`,
+`--minutes` and `--max-tokens` that would send nothing are refused (exit 2) before the deployment starts.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 import psutil
 import redis
 
-from prfaas.bench.deployment_kit import add_steady_load_options, fresh_deployment
+from prfaas.bench.deployment_kit import add_steady_load_options, fresh_deployment, positive
 from prfaas.devstack.deployment import Deployment
 from prfaas.devstack.topology import split_topology
 from prfaas.engine.hf import HFEngine
@@ -52,12 +55,15 @@ TOPOLOGY = split_topology(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--minutes", type=positive, default=30.0)
     add_steady_load_options(parser)
     parser.add_argument("--job-ttl-s", type=int, default=120, help="finished jobs' keys live this long")
     parser.add_argument("--emulate-wan", action="store_true", help="regions in namespaces (root)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    count = int(args.minutes * 60 * args.rate)
+    if count < 1:  # before the deployment: a soak that sends nothing would pass
+        parser.error(f"--minutes {args.minutes:g} at --rate {args.rate:g} is not one request")
     os.environ["PRFAAS_JOB_TTL_S"] = str(args.job_ttl_s)
     os.environ.setdefault("PRFAAS_REDIS_URL", "redis://127.0.0.1:6379/0")
     corpus = HFEngine(MODEL).encode(Path(json.__file__).read_text() * 4)
@@ -75,7 +81,6 @@ def main() -> int:
         print(f"first request served; waiting {args.job_ttl_s + 30} s for its keys to expire", flush=True)
         time.sleep(args.job_ttl_s + 30)
         keys_start = keys.names()
-        count = int(args.minutes * 60 * args.rate)
         asked = [steady.Asked(i, i / args.rate, corpus[(i % 16) * 350 : (i % 16) * 350 + 300], args.max_tokens)
                  for i in range(count)]  # fmt: skip
         next_sample = [0.0]
@@ -103,7 +108,8 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    slopes_ok = all(v is not None and v < 1.0 for v in report["rss_slope_mb_per_min"].values())
+    slopes = report["rss_slope_mb_per_min"].values()
+    slopes_ok = bool(slopes) and all(v is not None and v < 1.0 for v in slopes)  # no sample: nothing measured
     ok = slopes_ok and report["errors"] == 0 and len(keys_end) <= 1.1 * len(keys_start)
     return 0 if ok else 1
 

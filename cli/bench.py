@@ -149,6 +149,9 @@ def bench(
     unknown = [p for p in policies if p not in loadgen.PLACEMENTS]
     if unknown or not policies:
         raise _fail(f"unknown policy {', '.join(unknown) or '(none)'}; known: {', '.join(loadgen.PLACEMENTS)}")
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:  # bench.json keys its figures by policy: a second run would overwrite the first's
+        raise _fail(f"--compare: {', '.join(twice)} named more than once; each policy runs once")
     if rate is not None and concurrency is not None:
         raise _fail("--rate (open loop) and --concurrency (closed loop) exclude each other")
     if concurrency is not None and concurrency < 1:

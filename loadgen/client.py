@@ -5,7 +5,9 @@ Open loop (`rate_rps`: each request starts at its planned time whatever the othe
 closed loop (`concurrency` requests in flight). Per request: TTFT (send -> first streamed
 token), inter-token gaps, end-to-end latency; then each job's placement, regions, KV bytes
 and cost from `GET /v1/jobs/{id}`. Every call has a deadline (`timeout_s`). A request completed when
-a token streamed and a chunk carried its `finish_reason` (a stream cut short fails).
+a token streamed and a chunk carried its `finish_reason` (a stream cut short fails; one cut after that
+chunk, before the usage chunk or `[DONE]`, lost nothing). The connection pool has room for every request
+in flight (open loop: no limit), so no request waits in the client for a connection with its clock running.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ async def _send(
     """One streamed completion of `prompt` (greedy), its figures and text written to `out`."""
     start = time.perf_counter()
     out.sent_s = start - t0
-    last = 0.0
+    last = seen = 0.0  # perf_counter of the last text chunk, of the last chunk
     pieces = 0
     finished = False  # a chunk carried a finish_reason: the reply is whole (not cut off by a stream's end)
     try:
@@ -89,7 +91,7 @@ async def _send(
                 stream_options={"include_usage": True}, extra_body=extra,
             )  # fmt: skip
             async for chunk in stream:
-                now = time.perf_counter()
+                now = seen = time.perf_counter()
                 out.job_id = out.job_id or chunk.id
                 finished = finished or bool(chunk.choices and chunk.choices[0].finish_reason)
                 if chunk.choices and chunk.choices[0].text:
@@ -113,6 +115,9 @@ async def _send(
         out.error = f"timeout after {timeout_s} s"
     except Exception as exc:  # an API error is a result of the run, not a crash of it
         out.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if out.latency_s is None and finished and out.ttft_s is not None:  # cut after the finish_reason: whole
+        out.latency_s, out.ok, out.error = seen - start, True, None
+        out.output_tokens = out.output_tokens or pieces
 
 
 async def _run(
@@ -121,8 +126,7 @@ async def _run(
 ) -> tuple[list[Outcome], float]:  # fmt: skip
     import openai
 
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10))
+    http = httpx.AsyncClient(limits=_limits(concurrency), timeout=httpx.Timeout(timeout_s, connect=10))
     client = openai.AsyncOpenAI(base_url=api_base, api_key=api_key, max_retries=0, http_client=http)
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
@@ -155,6 +159,12 @@ async def _run(
     return sorted(outcomes, key=lambda o: o.index), time.perf_counter() - t0
 
 
+def _limits(concurrency: int | None) -> httpx.Limits:
+    """A connection for every request in flight: `concurrency` (closed loop), or as many as the open loop's
+    arrivals ask for (a cap would queue them in the client, and their TTFT would count the wait)."""
+    return httpx.Limits(max_connections=concurrency, max_keepalive_connections=256)
+
+
 def run(
     api_base: str, api_key: str, model: str, planned: list[Planned], placement: str = "auto",
     concurrency: int | None = None, timeout_s: float = 300.0, on_done: Callable[[Outcome], None] = lambda _: None,
@@ -184,12 +194,24 @@ async def _conversations(
 ) -> tuple[list[Outcome], float]:  # fmt: skip
     import openai
 
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256), timeout=httpx.Timeout(timeout_s, connect=10))
+    http = httpx.AsyncClient(limits=_limits(concurrency), timeout=httpx.Timeout(timeout_s, connect=10))
     client = openai.AsyncOpenAI(base_url=api_base, api_key=api_key, max_retries=0, http_client=http)
     gate = asyncio.Semaphore(concurrency or len(conversations) or 1)
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
     turns = max((len(c.users) for c in conversations), default=1)
+
+    def unsent(conv: Conversation, first: int, tokens: int, at_s: float, why: str) -> None:
+        """Turns `first`.. that a conversation did not send count as failed (`why`), not as none: every planned
+        turn is an outcome. Their prompts: at least the history so far (`tokens`) and the user messages up to
+        theirs; their arrivals: `at_s` for turn `first`, then a pause apart."""
+        for later in range(first, len(conv.users)):
+            tokens += len(conv.users[later])
+            arrival_s = at_s + think_s * (later - first)
+            lost = Outcome(conv.index * turns + later, f"turn{later}", arrival_s, tokens, len(conv.system), conv.index,
+                           conv.max_tokens[later], cache_salt=salt, error=why)  # fmt: skip
+            outcomes.append(lost)
+            on_done(lost)
 
     async def talk(conv: Conversation) -> None:
         delay = conv.start_s - (time.perf_counter() - t0)
@@ -199,25 +221,20 @@ async def _conversations(
             history = list(conv.system)
             for turn, (user, limit) in enumerate(zip(conv.users, conv.max_tokens, strict=True)):
                 prompt = history + list(user)
-                if len(prompt) + limit > max_prompt_tokens:
-                    return  # the conversation outgrew the model: it ends here
                 # arrival: turn 0's is planned, a later turn's is when it was sent (after a reply and a pause)
                 at_s = conv.start_s if turn == 0 else time.perf_counter() - t0
+                if len(prompt) + limit > max_prompt_tokens:  # the conversation outgrew the model: it ends here
+                    unsent(conv, turn, len(history), at_s, "not sent: the conversation outgrew the model's context")
+                    return
                 out = Outcome(conv.index * turns + turn, f"turn{turn}", at_s, len(prompt), len(conv.system),
                               conv.index, limit, cache_salt=salt)  # fmt: skip
                 await _send(client, model, prompt, placement, t0, timeout_s, out)
                 outcomes.append(out)
                 on_done(out)
-                if not out.ok:  # a failed turn ends the conversation (its history is unknown): the turns it
-                    planned = len(prompt)  # did not send count as failed, not as none (their prompts: at least
-                    ended_s = time.perf_counter() - t0  # the history so far and the user messages; their
-                    for later in range(turn + 1, len(conv.users)):  # arrivals: a pause apart from the failure on)
-                        planned += len(conv.users[later])
-                        lost = Outcome(conv.index * turns + later, f"turn{later}", ended_s + think_s * (later - turn),
-                                       planned, len(conv.system), conv.index, conv.max_tokens[later], cache_salt=salt,
-                                       error=f"not sent: turn {turn} of its conversation failed")  # fmt: skip
-                        outcomes.append(lost)
-                        on_done(lost)
+                if not out.ok:  # a failed turn ends the conversation (its history is unknown)
+                    ended_s = time.perf_counter() - t0
+                    why = f"not sent: turn {turn} of its conversation failed"
+                    unsent(conv, turn + 1, len(prompt), ended_s + think_s, why)
                     return
                 history = prompt + encode(out.text)
                 if turn + 1 < len(conv.users):

@@ -2,7 +2,7 @@
 
 Pure functions of a seed (the same seed gives the same requests, so `--compare` runs one
 workload under each policy). Length specs: `fixed:N`, `uniform:LO-HI`, `lognormal:MEDIAN,SIGMA`
-(natural-log sigma, clipped to [1, the model's limit]); named mixes in `MIXES`.
+(natural-log sigma in [0, `MAX_SIGMA`], every draw clipped to [1, the model's limit]); named mixes in `MIXES`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ class WorkloadError(ValueError):
     """A workload option that cannot be used; the message names the option."""
 
 
+MAX_SIGMA = 10.0  # lognormal: past it one draw in 100 is e^23 (1e10) times the median; a typo, not a workload
+
+
 @dataclass(frozen=True)
 class Lengths:
     kind: str  # fixed | uniform | lognormal
@@ -27,8 +30,10 @@ class Lengths:
             value = self.a
         elif self.kind == "uniform":
             value = rng.uniform(self.a, self.b)
-        else:
-            value = rng.lognormvariate(math.log(self.a), self.b)
+        else:  # lognormvariate's draw, capped in log space: exp() of a long tail's draw overflows
+            value = math.exp(min(rng.normalvariate(math.log(self.a), self.b), math.log(hi + 1)))
+        if not math.isfinite(value):  # a Lengths built by hand with nan or inf: the limit
+            return hi
         return max(1, min(hi, round(value)))
 
 
@@ -46,16 +51,18 @@ def parse_lengths(spec: str, option: str) -> Lengths:
         elif kind == "lognormal":
             median, _, sigma = args.partition(",")
             result = Lengths("lognormal", float(median), float(sigma))
-            if result.b < 0:
-                raise ValueError
         else:
             raise ValueError
     except ValueError:
         raise WorkloadError(
             f"{option}: {spec!r} is not fixed:N, uniform:LO-HI or lognormal:MEDIAN,SIGMA (positive numbers)"
         ) from None
-    if result.a < 1:
+    if not (math.isfinite(result.a) and math.isfinite(result.b)):  # float() reads nan, inf and 1e400 (inf)
+        raise WorkloadError(f"{option}: {spec!r}: MEDIAN and SIGMA must be finite numbers")
+    if not result.a >= 1:
         raise WorkloadError(f"{option}: {spec!r}: lengths start at 1 token")
+    if result.kind == "lognormal" and not 0 <= result.b <= MAX_SIGMA:
+        raise WorkloadError(f"{option}: {spec!r}: SIGMA must be between 0 and {MAX_SIGMA:g} (natural log)")
     return result
 
 

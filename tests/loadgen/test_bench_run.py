@@ -80,3 +80,14 @@ def test_ctrl_c_keeps_the_policies_that_finished_and_exits_130(tmp_path: Path) -
     assert list(bench["policies"]) == ["colocated"] and bench["policies"]["colocated"]["completed"] == 2
     trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert [row["policy"] for row in trace] == ["colocated", "colocated"]
+
+
+def test_a_policy_named_twice_in_compare_is_a_usage_error(tmp_path: Path) -> None:
+    # before: run twice, bench.json kept the second run's figures, trace.jsonl both runs' rows under one name
+    with fake_api(answer) as api:
+        proc = _bench(api.url, tmp_path, "colocated,prfaas,colocated")
+        output, _ = proc.communicate(timeout=60)
+        sent = len(api.bodies)
+    assert proc.returncode == 2, output
+    assert output.strip().splitlines() == ["error: --compare: colocated named more than once; each policy runs once"]
+    assert sent == 0 and not (tmp_path / "bench.json").exists()

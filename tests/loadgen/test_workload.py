@@ -66,6 +66,31 @@ def test_bad_length_specs_name_the_option(spec: str, message: str) -> None:
         parse_lengths(spec, "--input-len")
 
 
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("lognormal:nan,0.5", "MEDIAN and SIGMA must be finite"),  # passed, then plan() raised ValueError
+        ("lognormal:300,nan", "MEDIAN and SIGMA must be finite"),
+        ("lognormal:1e400,0.5", "MEDIAN and SIGMA must be finite"),  # float() reads it as inf: OverflowError
+        ("lognormal:300,inf", "MEDIAN and SIGMA must be finite"),
+        ("lognormal:300,1000", "SIGMA must be between 0 and 10"),  # every draw overflowed exp()
+        ("lognormal:300,-1", "SIGMA must be between 0 and 10"),
+        ("lognormal:0.5,0.3", "lengths start at 1"),
+    ],
+)
+def test_lognormal_specs_that_cannot_be_sampled_are_refused_by_validate(spec: str, message: str) -> None:
+    # validate() is what `prfaas bench` checks before it runs (exit 2 naming the option, not a traceback)
+    with pytest.raises(WorkloadError, match=f"^--input-len: '{spec}': {message}"):
+        WorkloadSpec(3, None, input_len=spec).validate()
+
+
+def test_a_lognormal_tail_past_what_a_float_holds_is_clipped_to_the_model_limit() -> None:
+    # median 1e308 (finite, valid): about every other draw was past exp()'s range (OverflowError in plan)
+    reqs = plan(WorkloadSpec(40, None, input_len="lognormal:1e308,10", output_len="lognormal:1e308,10"), CORPUS, 64)
+    assert {len(r.prompt) for r in reqs} == {64}
+    assert {r.max_tokens for r in reqs} == {1 << 20}  # the output's limit in plan()
+
+
 def test_bad_workload_options_are_refused() -> None:
     with pytest.raises(WorkloadError, match="--mix: unknown mix 'nope'"):
         plan(WorkloadSpec(5, None, mix="nope"), CORPUS, 512)
