@@ -382,14 +382,18 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         with self._lock:
             return not self._reservations and not self._local and self.workers.busy == 0
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
         self._closed.set()
         with self._lock:
-            reservations = list(self._reservations.values())
-            local = list(self._local.values())
+            reservations, local = list(self._reservations.values()), list(self._local.values())
+        ending = threading.Thread(target=self._end_all, args=(reservations, local), daemon=True)
+        ending.start()  # waited for `wait_s` (s), not for ever: ending a hold can wait on a stalled engine (vLLM's
+        ending.join(wait_s)  # forget); closing the backend ends the engine's calls (kills a vLLM server), and so them
+        self.watcher.close()
+        self.backend.close()
+
+    def _end_all(self, reservations: list[Reservation], local: list[LocalJob]) -> None:
         for res in reservations:
             self._end(res, Unavailable("decode region shutting down"))
         for job in local:
             job.stop(Unavailable("decode region shutting down"))
-        self.watcher.close()
-        self.backend.close()

@@ -56,6 +56,7 @@ DEFAULT_TIMEOUT_S = 120.0
 CANCELED_KEPT_S = 600.0  # a Cancel is remembered this long: a Prefill or Reship of that attempt arriving after it
 MAX_CANCELED = 4096  # (the calls travel on channels of their own, in no set order) is refused
 SUPERSEDE_WAIT_S = 5.0  # a newer attempt waits this long for an older one still here to stop
+CLOSE_WAIT_S = 5.0  # close() waits this long for the workers to stop before it closes the backend, and again after
 
 
 class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
@@ -74,6 +75,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         self.draining = False
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="prfaas-prefill")
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified as a worker ends a job
         self._jobs: dict[str, Job] = {}
         self._reships: dict[str, list[_Reship]] = {}  # job -> its Reship calls in progress
         self._canceled: OrderedDict[str, tuple[int, float]] = OrderedDict()  # job -> (attempt canceled, until)
@@ -233,6 +235,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         finally:
             with self._lock:
                 self._busy -= 1
+                self._idle.notify_all()
                 if self._jobs.get(job.job_id) is job:
                     del self._jobs[job.job_id]
             self._gauges()
@@ -337,7 +340,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
         with self._lock:
             return not self._jobs and not self._reships
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         with self._lock:  # a Prefill or Reship admitted after this is refused; one admitted before is listed here
             self.draining = True
             jobs = list(self._jobs.values())
@@ -346,8 +349,17 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
             job.cancel(Unavailable("prefill region shutting down"))
         for reship in reships:
             reship.stop(Unavailable("prefill region shutting down"))
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self.backend.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)  # the queued runs canceled: they end at once
+        running = self._wait_idle(wait_s)  # a worker stuck in the backend (a stalled engine) must not hold
+        self.backend.close()  # the region's stop: closing the backend ends its calls (a vLLM server is killed)
+        if running and (left := self._wait_idle(wait_s)):
+            log.warning("prefill region closed with workers still running jobs %s", ", ".join(left))
+
+    def _wait_idle(self, timeout_s: float) -> list[str]:
+        """The jobs a worker still runs after waiting up to `timeout_s` for them all to end."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy == 0, timeout_s)
+            return [job.job_id for job in self._jobs.values() if job.running]
 
 
 @dataclasses.dataclass(eq=False)

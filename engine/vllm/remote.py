@@ -36,7 +36,7 @@ from prfaas.engine.prefix_cache import ResidencyMirror
 from prfaas.engine.sampling import Chosen
 from prfaas.engine.vllm.params import GenerateOptions
 from prfaas.engine.vllm.sampling import chosen
-from prfaas.engine.vllm.server import AUTHKEY_ENV, TICKET_KEYS_ENV, RemoteError, VLLMClient
+from prfaas.engine.vllm.server import AUTHKEY_ENV, CONTROL_TIMEOUT_S, TICKET_KEYS_ENV, RemoteError, VLLMClient
 from prfaas.transport.endpoints import hostport
 from prfaas.transport.errors import PeerUnavailable, TicketRejected, TransferCanceled, TransferTimeout, TransportError
 from prfaas.transport.tls import NodeCert
@@ -44,7 +44,6 @@ from prfaas.transport.tls import NodeCert
 log = logging.getLogger(__name__)
 # Where `make vllm-install` puts the vLLM environment: the repository root (editable install).
 DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # engine/vllm/ -> root
-CONTROL_TIMEOUT_S = 30.0  # expect, wait_shipped polling, cancel_shipment: calls that do no compute
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,14 @@ import multiprocessing
 import os
 import queue
 import socket
+import struct
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Generator
 from dataclasses import asdict
-from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 from threading import Event
 from typing import TYPE_CHECKING, Any, Unpack
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
 
 AUTHKEY_ENV = "PRFAAS_VLLM_AUTHKEY"
 TICKET_KEYS_ENV = "PRFAAS_VLLM_TICKET_KEYS"  # kid:hexkey[,kid:hexkey...]: keys off the command line
+# expect, forget, free_blocks, cancel_shipment: calls that do no compute; also the most any call's connect, handshake
+# and request send may take (a server that cannot answer its challenge in this long is stalled, not busy)
+CONTROL_TIMEOUT_S = 30.0
 log = logging.getLogger(__name__)
 
 
@@ -65,12 +69,47 @@ def _no_delay(conn: Connection) -> Connection:
     return conn
 
 
-def _connect(address: tuple[str, int], authkey: bytes) -> Connection:
-    """`Client(address, authkey=...)`, with TCP_NODELAY set before the handshake."""
-    conn = _no_delay(Client(address))
+def _io_timeout(conn: Connection, seconds: float) -> None:
+    """SO_RCVTIMEO and SO_SNDTIMEO on the connection's socket: a read or a write that waits longer fails
+    (EAGAIN). `Connection` reads and writes the descriptor itself, so a Python socket timeout cannot do it."""
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, max(int((seconds - whole) * 1e6), 0 if whole else 1))  # 0, 0: no timeout
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _connect(address: tuple[str, int], authkey: bytes, request: Any, timeout_s: float) -> Connection:
+    """`Client(address, authkey=...)` then `send(request)`, all within `timeout_s` (at most CONTROL_TIMEOUT_S):
+    a server process alive but stalled (its listen backlog takes the connection, nobody answers the challenge)
+    is a TimeoutError, not a wait forever. Each step (connect, the two challenges, the send) gets the time left
+    when it starts. TCP_NODELAY is set before the handshake; afterwards a read or write of the reply waits at
+    most CONTROL_TIMEOUT_S (a reply that started and stalls), `poll` bounds the wait for it to start."""
+    budget_s = min(timeout_s, CONTROL_TIMEOUT_S)
+    deadline = time.monotonic() + budget_s
+    stalled = f"vLLM server at {address} did not answer in {budget_s:.3g} s"
+    sock = socket.create_connection(address, timeout=budget_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)  # the descriptor blocking again: `Connection` expects it, SO_RCVTIMEO bounds it
+    conn = Connection(sock.detach())
+
+    def bound() -> None:  # the next step gets the time left
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(stalled)
+        _io_timeout(conn, left)
+
     try:
-        answer_challenge(conn, authkey)
-        deliver_challenge(conn, authkey)
+        try:
+            bound()
+            answer_challenge(conn, authkey)
+            bound()
+            deliver_challenge(conn, authkey)
+            bound()
+            conn.send(request)
+        except BlockingIOError:  # SO_RCVTIMEO / SO_SNDTIMEO ran out
+            raise TimeoutError(stalled) from None
+        _io_timeout(conn, CONTROL_TIMEOUT_S)
     except BaseException:
         conn.close()
         raise
@@ -264,10 +303,10 @@ class VLLMClient:
         self._authkey = authkey
 
     def _call(self, op: str, args: Any, timeout_s: float) -> Any:
-        conn = _connect(self.address, self._authkey)
+        deadline = time.monotonic() + timeout_s
+        conn = _connect(self.address, self._authkey, (op, args), timeout_s)
         try:
-            conn.send((op, args))
-            if not conn.poll(timeout_s):
+            if not conn.poll(max(deadline - time.monotonic(), 0.0)):
                 raise TimeoutError(f"vLLM server gave no answer to {op} in {timeout_s} s")
             status, result = conn.recv()
         finally:
@@ -285,10 +324,12 @@ class VLLMClient:
         request on the server; so does `stop` (checked every 0.1 s, also while vLLM waits for a
         shipment), which raises `StreamStopped`. `timeout_s`: 300 s by default."""
         timeout_s = options.get("timeout_s", 300.0)
-        conn = _connect(self.address, self._authkey)
+        deadline = time.monotonic() + timeout_s + 5
+        if stop is not None and stop.is_set():
+            raise StreamStopped("stopped by the caller")
+        request = ("stream", (token_ids, max_tokens, options.get("kv_params"), timeout_s, options.get("sampling")))
+        conn = _connect(self.address, self._authkey, request, timeout_s + 5)
         try:
-            conn.send(("stream", (token_ids, max_tokens, options.get("kv_params"), timeout_s, options.get("sampling"))))
-            deadline = time.monotonic() + timeout_s + 5
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
