@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prfaas.control_plane import dashboard
 from prfaas.control_plane.api import completions, errors, extras, jobs, prices, regions, tenants, usage
 from prfaas.control_plane.api.body_limit import BodyLimit
+from prfaas.control_plane.api.deps import ScraperDep
 from prfaas.control_plane.api.errors import STORE_UNAVAILABLE
 from prfaas.control_plane.api.metrics import ApiMetrics
 from prfaas.control_plane.billing.meter import open_meter
@@ -107,7 +108,7 @@ def create_app(settings: Settings) -> FastAPI:
             raise STORE_UNAVAILABLE.error() from None
         return {"status": "ready"}
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get("/metrics", tags=["ops"], dependencies=[ScraperDep])  # tenant ids label its job histograms
     def prometheus() -> Response:
         return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 

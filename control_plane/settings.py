@@ -146,7 +146,12 @@ class Settings(BaseSettings):
     dev: bool = Field(default=False, description="allow placeholder secrets (never in production)")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="job store, tenant cache, registry, broker")
     key_prefix: str = Field(default="prfaas", min_length=1, description="prefix of every Redis key")
-    admin_key: SecretStr = Field(description="bearer key of the admin routes")
+    admin_key: SecretStr = Field(description="bearer key of the admin routes (and of the API's /metrics)")
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="a bearer token that reads the API's /metrics besides the admin key (a scraper's own, so "
+        "Prometheus need not hold the admin key); None: the admin key only",
+    )
     ticket_key: SecretStr = Field(description="HMAC key of KV transfer tickets (shared with decode regions)")
     ticket_key_id: str = "k1"
     model: str = Field(default="tiny-llama", description="the served model: catalog name or HF folder")
@@ -228,8 +233,10 @@ class Settings(BaseSettings):
     def _real_secrets(self) -> Self:
         if self.dev:
             return self
-        for name in ("admin_key", "ticket_key"):
-            value = getattr(self, name).get_secret_value()
+        for name in ("admin_key", "ticket_key", "metrics_token"):
+            if (secret := getattr(self, name)) is None:  # metrics_token: the admin key only
+                continue
+            value = secret.get_secret_value()
             # not "xxx" as a word: it is in about 1 of 800 random url-safe keys (`prfaas up`'s own)
             if (len(value) < MIN_SECRET_CHARS or any(p in value.lower() for p in PLACEHOLDERS)
                     or len(set(value)) < MIN_DISTINCT_CHARS):  # fmt: skip

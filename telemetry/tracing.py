@@ -14,19 +14,21 @@ How the context travels (W3C `traceparent`): in the job's record in Redis (field
 with the job, so the worker that dispatches it, or retries it, continues the same trace); in gRPC metadata on
 every call to a region (`metadata()` on the client, `from_metadata()` in the servicer); and in the KV
 shipment's OPEN frame (docs/wire-format.md), so the decode region's receive span is a child of the prefill
-region's. Spans are named `stage` or `service.stage`, carry `prfaas.job_id` and, where they have one, the
-region, mode and codec (attributes `prfaas.*`).
+region's. Spans are named `stage` or `service.stage`, carry `prfaas.job_id` (a `span_at` child its parent's)
+and, where they have one, the region, mode and codec (attributes `prfaas.*`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -52,8 +54,10 @@ __all__ = [
     "JOB_ID",
     "Span",
     "SpanKind",
+    "Spanned",
     "configure",
     "end",
+    "ending",
     "failed",
     "from_metadata",
     "from_traceparent",
@@ -169,10 +173,63 @@ def traced(name: str, pairs: Iterable[tuple[str, str | bytes]] | None, job_id: s
         span.end()
 
 
+class Spanned(Generic[T]):
+    """`items` under `span`, which ends with them however the stream ends: read to its end, raised (an error),
+    closed by its reader (`prfaas.closed_early`; `close(error)`: failed instead), or dropped unclosed (ended
+    when collected). Before its first item too, unlike a generator's `finally`, which never runs for a
+    generator closed or dropped before it started: its span would never be exported."""
+
+    def __init__(self, span: Span, items: Iterator[T]) -> None:
+        self.span = span
+        self.items = items
+        self._dropped = weakref.finalize(self, _dropped, span)  # detached once the span ends here
+
+    def __iter__(self) -> Spanned[T]:
+        return self
+
+    def __next__(self) -> T:
+        try:
+            return next(self.items)
+        except StopIteration:
+            self._end(None)
+            raise
+        except BaseException as exc:
+            self._end(exc)
+            raise
+
+    def close(self, error: str | None = None) -> None:
+        """Stop reading: `items` closed, the span ended (failed with `error` when given, else closed early)."""
+        try:
+            close = getattr(self.items, "close", None)
+            if close is not None:
+                close()
+        except BaseException as exc:
+            self._end(exc)
+            raise
+        self._end(error if error is not None else GeneratorExit())
+
+    def _end(self, error: BaseException | str | None) -> None:
+        if self._dropped.detach() is None:  # ended already
+            return
+        if isinstance(error, BaseException):
+            interrupted(self.span, error)
+        elif error is not None:
+            failed(self.span, error)
+        self.span.end()
+
+
+def _dropped(span: Span) -> None:
+    span.set_attribute("prfaas.closed_early", True)
+    span.end()
+
+
 def span_at(name: str, parent: otel_context.Context | Span | None, start_ns: int, end_ns: int,
             attributes: Mapping[str, AttributeValue] | None = None) -> None:  # fmt: skip
-    """A finished span of measured times (ns since the epoch), child of `parent` (a context or a span)."""
+    """A finished span of measured times (ns since the epoch), child of `parent` (a context or a span), whose
+    `prfaas.job_id` it carries unless `attributes` name one."""
     if isinstance(parent, Span):
+        job_id = (getattr(parent, "attributes", None) or {}).get(JOB_ID)  # an SDK span's (none when off)
+        attributes = ({JOB_ID: job_id} | dict(attributes or {})) if job_id is not None else attributes
         parent = set_span_in_context(parent)
     span = tracer.start_span(name, context=parent, start_time=start_ns, attributes=attributes)
     span.end(end_time=max(start_ns, end_ns))
@@ -190,6 +247,19 @@ def interrupted(span: Span, exc: BaseException) -> None:
         span.set_attribute("prfaas.closed_early", True)
     else:
         failed(span, exc)
+
+
+@contextlib.contextmanager
+def ending(span: Span) -> Iterator[Span]:
+    """`span`, ended when the block exits; an exception that escapes the block marks it (`interrupted`) and
+    goes on: a span its own code ends is never exported "ok" for an error nobody expected."""
+    try:
+        yield span
+    except BaseException as exc:
+        interrupted(span, exc)
+        raise
+    finally:
+        span.end()
 
 
 def end(span: Span, error: BaseException | str | None = None) -> None:

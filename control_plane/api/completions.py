@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -60,7 +60,6 @@ from prfaas.control_plane.jobs.generation import JobEnded
 from prfaas.control_plane.jobs.objectives import LOSSLESS, job_fields
 from prfaas.control_plane.jobs.prefix import prefix_fields
 from prfaas.control_plane.jobs.store import Admission, HandedOff
-from prfaas.control_plane.jobs.tokenlog import Token
 from prfaas.control_plane.services import ServedModel, Services
 from prfaas.control_plane.tenants import Objectives
 from prfaas.engine.sampling import SamplingParams
@@ -168,10 +167,13 @@ def _run(
             choices = [Choice(s.model, params, chat, index * n + c, echo, echo_only) for c in range(n)]  # OpenAI's
             jobs.append(_start(g, body, prompt, params, placement, kind, key, choices))
     except BaseException:
+        refused = "another prompt of the request was refused"
         for job in jobs:  # the prompts already started end with the request
             if job.leader:
                 with contextlib.suppress(redis.RedisError):
-                    g.follower.cancel(job.job_id, "another prompt of the request was refused")
+                    g.follower.cancel(job.job_id, refused)
+            if isinstance(job.stream, tracing.Spanned):  # never read: its job's span ends here
+                job.stream.close(refused)
         raise
     return _respond(g, body, jobs, kind)
 
@@ -191,7 +193,7 @@ def _start(
     if not job.leader:
         tracing.end(span)
         return job
-    job.stream = _traced(span, job.stream)
+    job.stream = tracing.Spanned(span, job.stream)  # the job's span ends with its stream, read or not
     return job
 
 
@@ -207,7 +209,8 @@ def _admitted(
     except AdmissionRefused as exc:
         raise _refused(g, exc) from None
     span.set_attribute(tracing.JOB_ID, admission.job_id)
-    tracing.span_at("api.admission", span, admitting, time.time_ns(), {"prfaas.replay": admission.existing})
+    tracing.span_at("api.admission", span, admitting, time.time_ns(),
+                    {tracing.JOB_ID: admission.job_id, "prfaas.replay": admission.existing})  # fmt: skip
     if admission.existing:
         return _attach(g, admission.job_id, choices)
     try:  # from here on, a refusal gives the admission's slot and rate count back
@@ -241,17 +244,6 @@ def _admitted(
         g.follower.abandon(job_id, failed or f"its request failed before its tokens were read ({type(exc).__name__})")
         raise
     return PromptJob(job_id, tokens, len(ids), choices, leader=True)
-
-
-def _traced(span: tracing.Span, tokens: Iterator[Token]) -> Iterator[Token]:
-    """`tokens`, ending the job's span with them (an error when the job ended without its tokens)."""
-    try:
-        yield from tokens
-    except BaseException as exc:  # GeneratorExit: the client went away
-        tracing.interrupted(span, exc)
-        raise
-    finally:
-        span.end()
 
 
 def _attach(g: Generation, job_id: str, choices: list[Choice]) -> PromptJob:
@@ -300,8 +292,9 @@ def _create(
     asked |= objectives
     placing = time.time_ns()
     placed = g.follower.placer.place(asked, hand_off=s.settings.admission.placement)
-    tracing.span_at("api.placement", span, placing, time.time_ns(),
-                    {"prfaas.placement": str(placed.fields.get("placement_chosen", "dispatched"))})  # fmt: skip
+    tracing.span_at("api.placement", span, placing, time.time_ns(), {
+        tracing.JOB_ID: admission.job_id, "prfaas.placement": str(placed.fields.get("placement_chosen", "dispatched"))
+    })  # fmt: skip
     created = s.jobs.create(
         tenant.id, fields | placed.fields, tenant.quota, handed_off=placed.handed_off, admission=admission,
         reserve_usd=placed.predicted_usd, follow_as=g.follower.owner,
@@ -320,11 +313,22 @@ def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> Ans
         return ClosingStreamingResponse(
             sse(s, g.follower, jobs, kind, include_usage, continuous),
             gone=lambda: client_gone(g.follower, jobs, reading=True),  # its stream is read meanwhile
-            unstarted=lambda: client_gone(g.follower, jobs),  # gone before its first chunk was asked for
+            unstarted=lambda: _unstarted(g, jobs),  # gone before its first chunk was asked for
             media_type="text/event-stream",
             headers=headers | {"Cache-Control": "no-cache"},
         )
     return AnswerResponse(lambda: _answer(g, jobs, kind), lambda: client_gone(g.follower, jobs, reading=True), headers)
+
+
+def _unstarted(g: Generation, jobs: list[PromptJob]) -> None:
+    """The client of a `stream=true` response left before its first chunk was asked for: its jobs end, and a
+    batch's streams, which nothing will read, are closed (a single job's is `Follower.disconnected`'s)."""
+    try:
+        client_gone(g.follower, jobs)
+    finally:
+        for job in jobs if len(jobs) > 1 else ():
+            if isinstance(job.stream, tracing.Spanned):
+                job.stream.close()
 
 
 def _answer(g: Generation, jobs: list[PromptJob], kind: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Named FastAPI dependencies: the services, the meter, the job follower, the caller's tenant, the admin
-check, and what a generation route needs besides its body (`GenerationDep`).
+check, the metrics scraper's, and what a generation route needs besides its body (`GenerationDep`).
 
 FastAPI runs a plain `def` dependency in its thread pool (a thread hop each, per request), so these are
 all `async def`: they read the app's state, compare a key, or look the tenant up with the asyncio Redis
@@ -19,6 +19,7 @@ from prfaas.control_plane.api.openai_schemas import Placement
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.jobs.generation import Follower
 from prfaas.control_plane.services import Services
+from prfaas.control_plane.settings import Settings
 from prfaas.control_plane.tenants import Tenant, TenantStatus
 
 
@@ -65,8 +66,20 @@ async def admin(request: Request, s: ServicesDep) -> None:
         raise ADMIN_REQUIRED.error()
 
 
+async def scraper(request: Request) -> None:
+    """The API's `/metrics` (it names tenants): the admin key or `metrics_token`, else 401. Each key is
+    compared in constant time, and both always are: the time taken says nothing of which one matched."""
+    token = _bearer(request).encode()
+    settings: Settings = request.app.state.settings
+    keys = [k.get_secret_value().encode() for k in (settings.admin_key, settings.metrics_token) if k is not None]
+    matches = [hmac.compare_digest(token, key) for key in keys]  # every one compared: no short cut
+    if not any(matches):
+        raise INVALID_API_KEY.error()
+
+
 TenantDep = Annotated[Tenant, Depends(tenant)]
 AdminDep = Depends(admin)
+ScraperDep = Depends(scraper)
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,13 @@ def _days(start: dt.datetime, end: dt.datetime) -> list[str]:
 
 
 def tenant_view(meter: Meter, tenant: str, now: float | None = None) -> dict[str, Any]:
-    """Every figure is summed in SQL over the whole window (a tenant's 30 days may hold millions of jobs);
-    only the recent jobs' rows leave the database."""
-    end = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.UTC) + dt.timedelta(seconds=1)
-    start = (end - WINDOW).replace(hour=0, minute=0, second=0, microsecond=0)
+    """The last 30 days to `now` (epoch s; None: now), exactly: its figures, recent jobs and day charts (whose
+    first day is the part of it in the window); "this month" is the calendar month of `now`. Every figure is
+    summed in SQL over the whole window (a tenant's 30 days may hold millions of jobs); only the recent jobs'
+    rows leave the database."""
+    t = time.time() if now is None else now
+    end = dt.datetime.fromtimestamp(t, dt.UTC) + dt.timedelta(seconds=1)  # a job finished at `now` is in
+    start = end - WINDOW
     ledger = meter.ledger
     by_day = {g.key: g for g in ledger.totals(tenant, start, end, "day")}
     by_region = {g.key: g.total_usd for g in ledger.totals(tenant, start, end, "region")}
@@ -74,7 +77,7 @@ def tenant_view(meter: Meter, tenant: str, now: float | None = None) -> dict[str
         "ttft_ms": {q: None if v is None else v * 1000 for q, v in ttft.items()},
         "tpot_ms": {q: None if v is None else v * 1000 for q, v in tpot.items()},
         "recent": [_job_row(e) for e in ledger.entries(tenant, start, end, limit=RECENT_JOBS)],
-        "month_spend_usd": ledger.spend(tenant, *month_window()),
+        "month_spend_usd": ledger.spend(tenant, *month_window(t)),
         "charts": charts,
     }
 

@@ -97,7 +97,7 @@ class Dispatcher:
         return self.channels.get(target, server_name(region))
 
     def lease(self, job_id: str, attempt: int, stage: str, where: str, seconds: float) -> Lease:
-        return Lease(job_id, attempt, stage, self.owner, where, time.time() + seconds)
+        return Lease(job_id, attempt, stage, self.owner, where, self.leases.clock.now() + seconds)
 
     def lease_s(self, decision: Decision) -> float:
         """A stage's lease: `lease.factor` x the scheduler's predicted TTFT (queue, prefill and
@@ -124,26 +124,25 @@ class Dispatcher:
             "worker.dispatch", context=tracing.from_traceparent(job.get("trace")),
             attributes={tracing.JOB_ID: job_id, "prfaas.attempt": attempt},
         )  # fmt: skip
-        try:
-            self._attempt(job_id, job, attempt, span)
-            return "started"
-        except AttemptFailed as exc:
-            tracing.failed(span, exc)
-            outcome = self.attempts.fail(job_id, attempt, exc.where, str(exc))  # its lease replaces ours, then
-            self.leases.take(job_id, attempt)  # ours is left only if the move was refused
-            return outcome
-        except PlacementRejected as exc:
-            tracing.failed(span, exc)
-            return self._unplaced(job_id, job, attempt, f"no placement: {exc}", exc.reason == RejectReason.SLO)
-        except PlaceAgain as exc:
-            tracing.failed(span, exc)
-            return self._unplaced(job_id, job, attempt, str(exc))
-        except (StaleAttempt, IllegalTransition, Superseded, JobNotFound):
-            span.set_attribute("prfaas.outcome", "superseded")
-            self.leases.take(job_id, attempt)
-            return "superseded"
-        finally:
-            span.end()
+        with tracing.ending(span):  # failed by an error none of these expects (Redis away, a bug), raised
+            try:
+                self._attempt(job_id, job, attempt, span)
+                return "started"
+            except AttemptFailed as exc:
+                tracing.failed(span, exc)
+                outcome = self.attempts.fail(job_id, attempt, exc.where, str(exc))  # its lease replaces ours, then
+                self.leases.take(job_id, attempt)  # ours is left only if the move was refused
+                return outcome
+            except PlacementRejected as exc:
+                tracing.failed(span, exc)
+                return self._unplaced(job_id, job, attempt, f"no placement: {exc}", exc.reason == RejectReason.SLO)
+            except PlaceAgain as exc:
+                tracing.failed(span, exc)
+                return self._unplaced(job_id, job, attempt, str(exc))
+            except (StaleAttempt, IllegalTransition, Superseded, JobNotFound):
+                span.set_attribute("prfaas.outcome", "superseded")
+                self.leases.take(job_id, attempt)
+                return "superseded"
 
     def _unplaced(self, job_id: str, job: dict[str, str], attempt: int, reason: str, slo: bool = False) -> str:
         """No region can take the job now. The fleet's view may be stale (no heartbeats while the
@@ -180,7 +179,7 @@ class Dispatcher:
         span.set_attributes({"prfaas.placement": decision.mode.value, "prfaas.decode_region": decision.decode_region,
                              "prfaas.prefill_region": decision.prefill_region,
                              "prfaas.codec": decision.codec or ""})  # fmt: skip
-        tracing.span_at("worker.placement", span, deciding_ns, time.time_ns())
+        tracing.span_at("worker.placement", span, deciding_ns, time.time_ns(), {tracing.JOB_ID: job_id})
         prefix = prefix_hashes(job)
         try:  # of each region the instance holding most of the prompt, else the least loaded; decode: one with room
             decode = decode_instance(self.s.regions.get(decision.decode_region), self.s.model.shape,
@@ -226,9 +225,9 @@ class Dispatcher:
             reserve.cache_salt = salt
             reserve.token_ids.extend(token_ids)
         reserving = time.perf_counter()
+        attributes = {tracing.JOB_ID: job_id, "prfaas.decode_region": decode.key}
         call = tracing.tracer.start_span("worker.reserve", context=tracing.set_span_in_context(span),
-                                         kind=tracing.SpanKind.CLIENT,
-                                         attributes={"prfaas.decode_region": decode.key})  # fmt: skip
+                                         kind=tracing.SpanKind.CLIENT, attributes=attributes)  # fmt: skip
         try:
             reply = decode_stub.Reserve(reserve, timeout=10, metadata=tracing.metadata(call))
         except grpc.RpcError as exc:
@@ -307,7 +306,8 @@ class Dispatcher:
         except (StaleAttempt, IllegalTransition, JobNotFound):
             call.cancel()  # the job moved on (canceled, or the sweeper started the next attempt)
         except Exception as exc:
-            if handed:  # the job decodes: it must not be taken back for a lost byte count
+            if handed:  # the job decodes: it must not be taken back for a lost byte count (its span: failed)
+                tracing.failed(span, exc)
                 log.warning("job %s attempt %d: after its hand-off: %r", run.job_id, run.attempt, exc)
             else:
                 lost = True

@@ -162,7 +162,6 @@ class Follower:
                 attributes={tracing.JOB_ID: job_id, "prfaas.attempt": attempt, "prfaas.placement": handed["mode"],
                             "prfaas.decode_region": handed.get("decode_region", "")},
             )  # fmt: skip
-            metadata = tracing.metadata(call)
             try:
                 if handed["mode"] == "local":
                     local = decode_pb2.GenerateRequest(
@@ -170,7 +169,7 @@ class Follower:
                     )
                     if (salt := cache_salt(job)) is not None:
                         local.cache_salt = salt
-                    stream = stub.Generate(local, timeout=remaining + 5, metadata=metadata)
+                    stream = stub.Generate(local, timeout=remaining + 5, metadata=tracing.metadata(call))
                 else:
                     kv = common_pb2.KVDescriptor.FromString(base64.b64decode(handed["kv"]))
                     request = decode_pb2.DecodeRequest(
@@ -185,7 +184,7 @@ class Follower:
                         request.prompt_logprobs.add().ParseFromString(base64.b64decode(position))
                     if (salt := cache_salt(job)) is not None:
                         request.cache_salt = salt
-                    stream = stub.Decode(request, timeout=remaining + 5, metadata=metadata)
+                    stream = stub.Decode(request, timeout=remaining + 5, metadata=tracing.metadata(call))
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 served: dict[str, int] = {}  # a local run's prefix cache hit, recorded with DONE
                 n = job_sampling(job).n  # choices: DONE once each ended
@@ -237,6 +236,9 @@ class Follower:
                 self._lost(job_id, attempt, handed["mode"], exc, after_tokens=output.count)
             except (StaleAttempt, IllegalTransition):
                 continue  # a newer attempt (or a cancel) took over
+            except BaseException as exc:  # Redis away, JobEnded, a bug: failed; its reader gone (GeneratorExit): not
+                tracing.interrupted(call, exc)
+                raise
             finally:
                 tracing.end(call)  # once: a second end is a no-op
 
@@ -253,9 +255,8 @@ class Follower:
         renew_s = self.s.settings.beat_s
         reader, renewed = f"{self.owner or 'reader'}:{uuid.uuid4().hex[:12]}", float("-inf")
         try:
-            seen = 0
+            seen, output = 0, Outputs(())
             n = job_sampling(self.s.jobs.get(job_id)).n
-            output = Outputs(())
             while True:
                 if time.monotonic() - renewed >= renew_s:  # attached, and counted while it reads (jobs/tokenlog.py)
                     self.log.attach(job_id, reader)
@@ -395,5 +396,4 @@ def _trace_parent(span: tracing.Span | None, job: dict[str, str]) -> Any:
 
 
 def _ids(job: dict[str, str], field: str = "token_ids") -> list[int]:
-    ids: list[int] = json.loads(job.get(field) or "[]")
-    return ids
+    return list(json.loads(job.get(field) or "[]"))

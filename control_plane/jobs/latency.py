@@ -1,5 +1,6 @@
 """Where a finished job's time went: its stages, from its record and timeline, and the control plane's
-latency histograms over them (`GET /metrics` of the API process; docs/operations.md, "Metrics"). The
+latency histograms over them (`GET /metrics` of the API process, which answers the admin key or
+`metrics_token` only: the tenant label names tenants; docs/operations.md, "Metrics"). The
 API observes admission itself (`prfaas_api_admission_seconds`, api/metrics.py).
 
 `stage_seconds(job, timeline)` is pure: the answering attempt's stages, in seconds, each present only

@@ -4,6 +4,7 @@ job's tree; and the KV shipment's OPEN carrying the sender's context to the rece
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import Generator
@@ -107,6 +108,70 @@ def test_traced_ends_its_span_with_the_stream_closes_it_and_marks_only_errors(re
         list(tracing.traced("decode.job", [], "job-4", failing()))
     (span,) = job_trace(folder, "job-4")
     assert span.status == "error: engine died" and span.attributes["prfaas.events"] == 1
+
+
+def test_a_spanned_stream_ends_its_span_however_it_ends_read_or_not(recorded) -> None:  # type: ignore[no-untyped-def]
+    """A generator's `finally` never runs for one closed or dropped before its first item (a batch's later prompt
+    refused, a client gone before the first chunk): `Spanned` ends its span then too, once."""
+    tracer, folder = recorded
+    closed: list[str] = []
+
+    def span(name: str) -> tracing.Span:
+        return tracer.start_span("api.job", attributes={tracing.JOB_ID: name})
+
+    def items(name: str) -> Generator[int, None, None]:
+        try:
+            yield from range(3)
+        finally:
+            closed.append(name)
+
+    def failing() -> Generator[int, None, None]:
+        yield 1
+        raise RuntimeError("engine died")
+
+    read = tracing.Spanned(span("read"), items("read"))
+    assert list(read) == [0, 1, 2]
+    read.close()  # once ended, a close ends nothing twice
+    tracing.Spanned(span("closed"), items("closed")).close()  # before its first item
+    tracing.Spanned(span("refused"), items("refused")).close("another prompt of the request was refused")
+    started = tracing.Spanned(span("started"), items("started"))
+    assert next(started) == 0
+    started.close()  # mid-stream: the items are closed too
+    with pytest.raises(RuntimeError):
+        list(tracing.Spanned(span("failed"), failing()))
+    dropped = tracing.Spanned(span("dropped"), items("dropped"))
+    del dropped  # never read nor closed: ended when collected
+    gc.collect()
+
+    ended = [
+        (s.attributes[tracing.JOB_ID], s.status, s.attributes.get("prfaas.closed_early")) for s in read_spans(folder)
+    ]
+    assert sorted(ended) == [
+        ("closed", "ok", True), ("dropped", "ok", True), ("failed", "error: engine died", None), ("read", "ok", None),
+        ("refused", "error: another prompt of the request was refused", None), ("started", "ok", True),
+    ]  # fmt: skip
+    assert sorted(closed) == ["read", "started"]  # a generator that never started has no `finally` to run
+
+
+def test_a_span_at_carries_its_parents_job_id_and_ending_marks_an_escaping_error(recorded, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    tracer, folder = recorded
+    monkeypatch.setattr(tracing, "tracer", tracer)
+    now = time.time_ns()
+    dispatch = tracer.start_span("worker.dispatch", attributes={tracing.JOB_ID: "job-5"})
+
+    def attempt() -> None:
+        with tracing.ending(dispatch) as parent:
+            tracing.span_at("worker.placement", parent, now, now + 1000)  # its parent's job id, unless told one
+            tracing.span_at("prefill.queue", parent, now, now + 1000, {"prfaas.cached_tokens": 0})
+            raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        attempt()
+    spans = {s.name: s for s in job_trace(folder, "job-5")}
+    assert {name: s.attributes.get(tracing.JOB_ID) for name, s in spans.items()} == {
+        "worker.dispatch": "job-5", "worker.placement": "job-5", "prefill.queue": "job-5"
+    }  # fmt: skip
+    assert spans["worker.dispatch"].status == "error: 'a bug'" and spans["worker.placement"].status == "ok"
 
 
 def test_the_open_frame_carries_the_senders_context_and_refuses_a_malformed_one() -> None:

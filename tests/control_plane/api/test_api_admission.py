@@ -39,7 +39,7 @@ def client(stack: Stack, key: str) -> openai.OpenAI:
 
 def tokenized(stack: Stack) -> float:
     """How many prompts the API process has tokenized (its metric)."""
-    for line in httpx.get(stack.url + "/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(stack.url + "/metrics", headers=ADMIN, timeout=5).text.splitlines():
         if line.startswith("prfaas_api_tokenize_seconds_count "):
             return float(line.split()[1])
     return 0.0

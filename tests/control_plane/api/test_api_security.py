@@ -158,9 +158,33 @@ def test_budget_and_concurrency_refusals(client: TestClient) -> None:
 def test_health_ready_metrics(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json() == {"status": "ready"}
-    text = client.get("/metrics").text
+    text = client.get("/metrics", headers=ADMIN).text
     assert 'prfaas_api_responses_total{route="/healthz",status="200"} 1.0' in text
     assert 'prfaas_api_responses_total{route="/readyz",status="200"} 1.0' in text
+
+
+def test_metrics_need_the_admin_key_or_the_metrics_token() -> None:
+    """The job histograms are labelled by tenant id: a scrape without either key learns nothing of the tenants
+    (401 with the stable `detail` of a missing or an invalid key, as every route outside /v1 answers it)."""
+    token = "scraper-token-of-its-own-0123456789abcdef"
+    for settings in settings_fixture(metrics_token=token):
+        with TestClient(create_app(settings)) as c:
+            c.app.state.meter.latency.observe(
+                {"tenant": "acme-corp", "placement_chosen": "local", "decode_region": "r1"}, {"e2e": 1.0}
+            )  # what the meter observes for a job it bills
+            for headers, detail in (
+                ({}, "missing API key"),
+                ({"Authorization": "Bearer not-the-admin-key"}, "invalid API key"),
+                ({"Authorization": f"Bearer {token}x"}, "invalid API key"),
+                ({"Authorization": f"Basic {ADMIN_KEY}"}, "missing API key"),
+            ):
+                refused = c.get("/metrics", headers=headers)
+                assert refused.status_code == 401, headers
+                assert refused.json() == {"detail": detail}
+                assert refused.headers["www-authenticate"] == "Bearer" and "acme-corp" not in refused.text
+            for key in (ADMIN_KEY, token):
+                scraped = c.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+                assert scraped.status_code == 200 and 'tenant="acme-corp"' in scraped.text
 
 
 def test_a_500_is_counted() -> None:
@@ -176,7 +200,8 @@ def test_a_500_is_counted() -> None:
         with TestClient(app, raise_server_exceptions=False) as c:
             response = c.get("/v1/boom")
             assert (response.status_code, response.json()["error"]["type"]) == (500, "server_error")
-            assert 'prfaas_api_responses_total{route="/v1/boom",status="500"} 1.0' in c.get("/metrics").text
+            scraped = c.get("/metrics", headers=ADMIN).text
+            assert 'prfaas_api_responses_total{route="/v1/boom",status="500"} 1.0' in scraped
 
 
 def _prefix(client: TestClient) -> str:

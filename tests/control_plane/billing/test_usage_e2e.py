@@ -226,7 +226,7 @@ def test_budget_is_enforced_from_the_ledger(metered: Metered) -> None:
 
 
 def test_metering_metrics(metered: Metered) -> None:
-    text = httpx.get(metered.stack.url + "/metrics", timeout=5).text
+    text = httpx.get(metered.stack.url + "/metrics", headers=ADMIN, timeout=5).text
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

@@ -73,3 +73,28 @@ def test_tenant_view_of_a_tenant_without_jobs(ledger: Ledger) -> None:
     assert view["ttft_ms"] == {50: None, 90: None, 99: None} and view["savings_pct"] == 0.0
     chart = view["charts"]["spend_phase"]
     assert len(chart["labels"]) == 31 and set(chart["datasets"][0]["data"]) == {0.0}
+
+
+def test_tenant_view_is_the_last_30_days_to_the_second_and_its_month_is_the_views(ledger: Ledger) -> None:
+    """Not from the midnight before them (up to 31 days), and "this month" is the month of the view's `now`,
+    not of the wall clock."""
+    now = dt.datetime(2026, 11, 30, 23, 0, tzinfo=dt.UTC)  # the window: from 2026-10-31 23:00:01
+    finished = {
+        "before": now - dt.timedelta(days=30, hours=22),  # 2026-10-31 01:00: that day, but not the last 30 days
+        "october": now - dt.timedelta(days=29, hours=23, minutes=30),  # 2026-10-31 23:30: in them, not this month
+        "november": now - dt.timedelta(hours=1),
+    }
+    ledger.record_many([(JobUsage(job_id, "acme", "m", "dear", "dear", 1, 1, 10, 2, finished_at=at), PRICES)
+                        for job_id, at in finished.items()])  # fmt: skip
+    usd = {e.job_id: e.total_usd for e in ledger.entries("acme", now - dt.timedelta(days=40), now, limit=10)}
+
+    view = tenant_view(types.SimpleNamespace(ledger=ledger), "acme", now.timestamp())
+
+    assert view["end"] - view["start"] == dt.timedelta(days=30)
+    assert view["jobs"] == 2 and view["tokens_in"] == 20
+    assert [r["job_id"] for r in view["recent"]] == ["november", "october"]
+    assert math.isclose(view["spend_usd"], usd["october"] + usd["november"], rel_tol=1e-9)
+    chart = view["charts"]["savings"]
+    billed = dict(zip(chart["labels"], chart["datasets"][0]["data"], strict=True))
+    assert math.isclose(billed["2026-10-31"], usd["october"], rel_tol=1e-6)  # its first day: the part in the window
+    assert math.isclose(view["month_spend_usd"], usd["november"], rel_tol=1e-9)  # November's: the view's month

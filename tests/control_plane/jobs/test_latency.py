@@ -12,6 +12,7 @@ import pytest
 from metering_kit import Metered
 
 from prfaas.control_plane.jobs.latency import BoundedLabel, stage_seconds
+from prfaas.devstack.stack import ADMIN
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "operations.md"
 
@@ -70,7 +71,7 @@ def _documented() -> dict[str, str]:
 def test_every_documented_histogram_is_exported_with_observations(metered: Metered) -> None:
     documented = _documented()
     assert len(documented) >= 12 and "prfaas_job_first_token_seconds" in documented
-    api = _samples(httpx.get(metered.stack.url + "/metrics", timeout=5).text)
+    api = _samples(httpx.get(metered.stack.url + "/metrics", headers=ADMIN, timeout=5).text)
     regions = [_samples(httpx.get(f"http://{r.metrics}/metrics", timeout=5).text) for r in metered.stack.regions]
     for name, process in documented.items():
         exported = [api] if process == "api" else regions
@@ -100,7 +101,7 @@ def test_every_grafana_query_names_a_series_the_services_export(metered: Metered
     queries += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     named = {m for q in queries for m in re.findall(r"\bprfaas_[a-z0-9_]+", q)}
     assert len(queries) >= 20 and len(named) >= 20
-    texts = [httpx.get(metered.stack.url + "/metrics", timeout=5).text]
+    texts = [httpx.get(metered.stack.url + "/metrics", headers=ADMIN, timeout=5).text]
     texts += [httpx.get(f"http://{r.metrics}/metrics", timeout=5).text for r in metered.stack.regions]
     exported = {name.split("{")[0] for text in texts for name in _samples(text)}
     suffixes = {"counter": ("", "_total"), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
