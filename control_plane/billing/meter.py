@@ -12,6 +12,7 @@ rises by the new entries' $ and their jobs' budget reservations end, in one step
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -35,7 +36,8 @@ from prfaas.control_plane.services import Services
 
 log = logging.getLogger(__name__)
 WIRE_BYTES_WAIT_S = 5.0  # a biller waits this long for split jobs' wire bytes recorded after DONE
-WIRE_BYTES_GRACE_S = 300.0  # after this long past DONE a split job without wire bytes is billed without them
+WIRE_BYTES_GRACE_S = 300.0  # after this long past DONE it is billed without them (at once: job.ttl_s under 600 s)
+WIRE_RETRY_S = (5.0, 60.0)  # a biller tries a job whose wire bytes did not come again after 5 s, doubling to 60 s
 WIRE_FIELDS = ["bytes_raw", "bytes_wire"]
 
 
@@ -54,12 +56,14 @@ class Meter:
         *,
         batch_window_s: float = 0.05,
         max_batch: int = 256,
+        wire_wait_s: float = WIRE_BYTES_WAIT_S,
     ) -> None:
         """`registry`: where this process's metering metrics and the stage latencies of the jobs it bills are
         exported; None: neither is kept."""
         self.s = services
         self.batch_window_s = batch_window_s  # the writer bills what queued in this long together
         self.max_batch = max_batch
+        self.wire_wait_s = wire_wait_s  # the writer waits this long for a batch's late wire bytes, then defers
         self.ledger = ledger
         self.prices: PriceBook = services.regions.prices
         # latency: the stage histograms of the jobs this process bills (jobs/latency.py)
@@ -67,6 +71,8 @@ class Meter:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._later: list[tuple[float, str, float]] = []  # heap: (due, monotonic; job id; the delay it waited)
+        self._retrying: dict[str, float] = {}  # job id -> its next delay: deferred jobs, already waited for
         self.spend = TenantSpend(services.redis, services.jobs)
 
     # -- the hook ------------------------------------------------------------------------------
@@ -84,7 +90,7 @@ class Meter:
 
     def _run(self) -> None:
         while True:
-            batch = [self._queue.get()]
+            batch = [self._next()]
             if batch[0] is not None and self.batch_window_s > 0:
                 # Let more jobs queue: every job billed with the others of its window costs one Redis round trip,
                 # one ledger transaction and one spend update per window, not per job. No waiter during the
@@ -96,21 +102,49 @@ class Meter:
                 except queue.Empty:
                     break
             ids = [job_id for job_id in batch if job_id is not None]
+            deferred: list[str] = []
             try:
                 if ids:
-                    self._bill_batch(ids)
+                    self._bill_batch(ids, deferred)
             finally:
-                if ids and self.metrics is not None:
-                    self.metrics.queue_depth.dec(len(ids))  # billed (or left to the reconciliation sweep)
+                if ids and self.metrics is not None:  # billed (or left to the reconciliation sweep); not the deferred
+                    self.metrics.queue_depth.dec(len(ids) - len(deferred))
                 for _ in batch:
                     self._queue.task_done()
             if len(ids) < len(batch):
+                if self._later:  # closing: the reconciliation sweep bills them
+                    log.info("%d jobs left waiting for their wire bytes", len(self._later))
                 return
 
-    def _bill_batch(self, job_ids: list[str]) -> None:
+    def _next(self) -> str | None:
+        """The next job to bill: a queued one, or a deferred one whose retry is due (queued again)."""
+        while True:
+            with self._lock:
+                due_in = self._later[0][0] - time.monotonic() if self._later else None
+                if due_in is not None and due_in <= 0:
+                    _, job_id, waited = heapq.heappop(self._later)
+                    self._retrying[job_id] = min(2 * waited, WIRE_RETRY_S[1])
+                    self._queue.put_nowait(job_id)
+            try:
+                return self._queue.get(timeout=due_in if due_in is None or due_in > 0 else 0.001)
+            except queue.Empty:
+                continue
+
+    def _defer(self, job_ids: list[str]) -> None:
+        """Try these jobs again later, from this process (its metrics observe them): their wire bytes may come."""
+        with self._lock:
+            for job_id in job_ids:
+                delay = self._retrying.get(job_id, WIRE_RETRY_S[0])
+                heapq.heappush(self._later, (time.monotonic() + delay, job_id, delay))
+
+    def _bill_batch(self, job_ids: list[str], deferred: list[str]) -> None:
         try:
-            self.bill_many(job_ids)
+            self.bill_many(job_ids, self.wire_wait_s, deferred)
+            for job_id in set(job_ids) - set(deferred):
+                self._retrying.pop(job_id, None)
+            self._defer(deferred)
         except Exception:
+            deferred.clear()  # one by one below: a job deferred there is left to the reconciliation sweep
             if self.metrics is not None:
                 self.metrics.errors.inc()
             log.exception("billing %d jobs together failed; billing them one by one", len(job_ids))
@@ -150,12 +184,15 @@ class Meter:
         entries = self.bill_many([job_id], wait_s)
         return entries[0] if entries else None
 
-    def bill_many(self, job_ids: list[str], wait_s: float = WIRE_BYTES_WAIT_S) -> list[UsageEntry]:
+    def bill_many(
+        self, job_ids: list[str], wait_s: float = WIRE_BYTES_WAIT_S, deferred: list[str] | None = None
+    ) -> list[UsageEntry]:
         """`bill` for several jobs: the jobs and their timelines read in one Redis round trip, the entries
         written in one ledger transaction, each tenant's spend raised (its jobs' reservations settled) once.
         Returns the entries of the jobs that are DONE (written now or before), in order; jobs gone or not DONE
         are skipped, and so is a split job whose wire bytes are not recorded yet, after `wait_s` for all of them
-        together, unless it finished over `WIRE_BYTES_GRACE_S` ago (then its egress is billed as 0)."""
+        together (not for one deferred before), unless it finished over its grace ago (`_past_wire_grace`: then its
+        egress is billed as 0); its id is added to `deferred`."""
         started = time.perf_counter()
         jobs: list[tuple[JobUsage, PriceTable]] = []
         stages: dict[str, tuple[dict[str, str], dict[str, float]]] = {}
@@ -164,7 +201,9 @@ class Meter:
         for job, timeline in self._with_wire_bytes(done, wait_s):
             usage = job_usage(job, timeline)
             if usage.placement == "split" and not usage.kv_bytes_wire and not self._past_wire_grace(usage):
-                continue  # its wire bytes may still come: the reconciliation sweep bills it (its reservation holds)
+                if deferred is not None:  # its wire bytes may still come: billed later (its reservation holds)
+                    deferred.append(usage.job_id)
+                continue
             if self.latency is not None:
                 stages[usage.job_id] = (job, stage_seconds(job, timeline, usage.tpot_s))
             self.record_wasted(job, timeline, range(1, usage.attempts))
@@ -204,7 +243,7 @@ class Meter:
         dispatcher may record after DONE: wait up to `wait_s` for those of all of `done` together, reading only
         the jobs still without them (this runs off the request path; one late job holds the batch once)."""
         by_id = {job["id"]: job for job, _ in done}
-        missing = {job_id for job_id, job in by_id.items() if _wire_missing(job)}
+        missing = {job_id for job_id, job in by_id.items() if _wire_missing(job) and job_id not in self._retrying}
         deadline = time.monotonic() + wait_s
         while missing and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -217,9 +256,12 @@ class Meter:
 
     def _past_wire_grace(self, usage: JobUsage) -> bool:
         """Whether a split job without wire bytes is billed anyway (its egress as 0): its prefill region's event
-        is lost (the region died after the hand-off, the dispatcher's stream broke)."""
-        age_s = time.time() - usage.finished_at.timestamp() if usage.finished_at is not None else WIRE_BYTES_GRACE_S
-        if age_s < WIRE_BYTES_GRACE_S:
+        is lost (the region died after the hand-off, the dispatcher's stream broke). No grace where jobs are kept
+        under twice it (`job.ttl_s`): a job gone from Redis is billed by nobody."""
+        # billed while Redis still holds it: jobs kept under twice the grace (a short job.ttl_s) are not deferred
+        grace_s = WIRE_BYTES_GRACE_S if self.s.settings.job.ttl_s >= 2 * WIRE_BYTES_GRACE_S else 0.0
+        age_s = time.time() - usage.finished_at.timestamp() if usage.finished_at is not None else grace_s
+        if age_s < grace_s:
             return False
         log.warning("job %s: no wire bytes recorded %.0f s after DONE; egress billed as 0", usage.job_id, age_s)
         return True

@@ -126,6 +126,54 @@ def test_split_jobs_whose_wire_bytes_come_late_are_billed_them_by_the_sweep(
     assert [ledger.entry(job).kv_bytes_wire for job in late[1:]] == [0, 0]  # type: ignore[union-attr]
 
 
+def test_a_split_job_whose_wire_bytes_come_late_is_billed_by_its_own_biller(stores: tuple[Services, Ledger]) -> None:
+    """The biller tries a deferred job again itself (5 s, doubling): the job is in its process's metrics, wire
+    bytes included (the sweep's biller exports none), and it costs no second wait."""
+    services, ledger = stores
+    tenant = services.tenants.create("acme").id
+    job = _done_split(services, tenant)
+    registry = CollectorRegistry()
+    meter = Meter(services, ledger, registry, batch_window_s=0, wire_wait_s=0.2)
+    try:
+        meter.job_done(job)
+        assert meter.flush(10)
+        assert ledger.entry(job) is None  # deferred: no bytes yet
+        assert registry.get_sample_value("prfaas_ledger_queue_depth") == 1.0  # still waiting to be billed
+        services.jobs.update(job, 1, bytes_wire=LAST_WIRE)
+        deadline = time.monotonic() + 15
+        while ledger.entry(job) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        entry = ledger.entry(job)
+        assert entry is not None and entry.kv_bytes_wire == LAST_WIRE
+        assert registry.get_sample_value("prfaas_billed_jobs_total", {"placement": "split"}) == 1.0
+        assert registry.get_sample_value("prfaas_ledger_queue_depth") == 0.0
+    finally:
+        meter.close()
+
+
+def test_a_split_job_without_wire_bytes_is_billed_while_redis_still_holds_it(tmp_path: Path) -> None:
+    """The grace is at most half the job's TTL: past it the job is billed 0 egress; after its TTL it would be gone
+    from Redis (and its reservation released as gone) with no entry ever written."""
+    prices = tmp_path / "prices.yaml"
+    prices.write_text(yaml.safe_dump({"max_age_s": 3600, "refresh_s": 3600, "regions": PRICES}))
+    for settings in settings_fixture(prices={"path": str(prices)}, job={"ttl_s": 2}):
+        services = Services.create(settings)
+        ledger = Ledger(settings.ledger.url)
+        meter = Meter(services, ledger, batch_window_s=0, wire_wait_s=0.2)
+        try:
+            job = _done_split(services, services.tenants.create("acme").id)
+            meter.job_done(job)
+            deadline = time.monotonic() + 10
+            while ledger.entry(job) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            entry = ledger.entry(job)
+            assert entry is not None and entry.kv_bytes_wire == 0, "never billed"
+        finally:
+            meter.close()
+            ledger.close()
+            services.close()
+
+
 def test_a_local_retry_of_a_split_job_has_no_reserve_stage(settings: Settings) -> None:
     services = Services.create(settings)
     try:
