@@ -18,6 +18,7 @@ from prfaas.control_plane.settings import Settings
 
 log = logging.getLogger(__name__)
 TASK = "prfaas.dispatch_job"
+BROKER_TIMEOUT_S = 5.0  # each broker connect, read and write
 
 
 def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
@@ -33,7 +34,13 @@ def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
             "visibility_timeout": settings.dispatch.visibility_s,
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            # a broker that takes the connection and never answers (Redis stopped, a partition) fails a publish
+            # in seconds: without these, an API request's enqueue blocked for good, holding its tenant's slot
+            "socket_timeout": BROKER_TIMEOUT_S,
+            "socket_connect_timeout": BROKER_TIMEOUT_S,
         },
+        broker_connection_timeout=BROKER_TIMEOUT_S,
+        task_publish_retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1},
         broker_connection_retry_on_startup=True,
         task_ignore_result=True,
     )
