@@ -211,6 +211,11 @@ def install(app: FastAPI) -> None:
         log.warning("database unreachable: %s", exc.orig)
         return render(request, DATABASE_UNAVAILABLE.error())
 
+    @app.exception_handler(sqlalchemy.exc.TimeoutError)
+    async def database_busy(request: Request, exc: sqlalchemy.exc.TimeoutError) -> Response:  # the pool ran dry
+        log.warning("no database connection free: %s", exc)
+        return render(request, DATABASE_UNAVAILABLE.error())
+
     @app.exception_handler(sqlalchemy.exc.DataError)
     async def unstorable(request: Request, exc: sqlalchemy.exc.DataError) -> Response:  # a NUL byte in PostgreSQL text
         log.info("database refused a value: %s", exc.orig)

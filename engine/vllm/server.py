@@ -79,6 +79,15 @@ def _io_timeout(conn: Connection, seconds: float) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
+def _recv(conn: Connection) -> Any:
+    """A reply that `poll` said had started: one that stalls past the socket's timeout (`_connect`) is a
+    TimeoutError (the engine's WorkerTimeout), not the BlockingIOError SO_RCVTIMEO raises."""
+    try:
+        return conn.recv()
+    except BlockingIOError:
+        raise TimeoutError(f"a vLLM server's reply stalled for {CONTROL_TIMEOUT_S:.0f} s") from None
+
+
 def _connect(address: tuple[str, int], authkey: bytes, request: Any, timeout_s: float) -> Connection:
     """`Client(address, authkey=...)` then `send(request)`, all within `timeout_s` (at most CONTROL_TIMEOUT_S):
     a server process alive but stalled (its listen backlog takes the connection, nobody answers the challenge)
@@ -308,7 +317,7 @@ class VLLMClient:
         try:
             if not conn.poll(max(deadline - time.monotonic(), 0.0)):
                 raise TimeoutError(f"vLLM server gave no answer to {op} in {timeout_s} s")
-            status, result = conn.recv()
+            status, result = _recv(conn)
         finally:
             conn.close()
         if status != "ok":
@@ -338,7 +347,7 @@ class VLLMClient:
                     raise StreamStopped("stopped by the caller")
                 if not conn.poll(min(remaining, 0.1)):
                     continue
-                status, payload = conn.recv()
+                status, payload = _recv(conn)
                 if status == "steps":
                     yield list(payload)
                 elif status == "ok":

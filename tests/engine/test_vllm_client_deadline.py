@@ -125,3 +125,27 @@ def test_a_live_server_answers_within_the_deadline() -> None:
         prompt = list(range(500_000))
         reply = _within(20.0, lambda: client.generate(prompt, 1, timeout_s=10.0))
         assert reply == {"token_ids": prompt[::-1]}
+
+
+def test_a_reply_that_starts_and_stalls_is_a_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that sends the head of its reply and stalls: the read gives up after CONTROL_TIMEOUT_S as a
+    TimeoutError (the engine's WorkerTimeout), not the socket's BlockingIOError (read as a server gone)."""
+    monkeypatch.setattr(server, "CONTROL_TIMEOUT_S", 1.0)
+    listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
+    held: list[Any] = []
+
+    def serve() -> None:
+        conn = listener.accept()
+        held.append(conn)
+        conn.recv()
+        os.write(conn.fileno(), (1000).to_bytes(4, "big") + b"\x80")  # 1 byte of a 1,000-byte reply, then nothing
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = VLLMClient(listener.address, AUTHKEY)
+    try:
+        outcome = _within(10, lambda: client.num_free_blocks(timeout_s=8))
+        assert isinstance(outcome, TimeoutError), outcome
+    finally:
+        for conn in held:
+            conn.close()
+        listener.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import sqlalchemy.exc
 from cp_kit import ADMIN_KEY, postgres_database, settings_fixture
 from fastapi.testclient import TestClient
 
@@ -249,3 +250,20 @@ def test_a_link_over_the_schedulers_limits_is_refused_naming_its_field(client: T
     reply = client.put("/admin/links", json=link | {"rtt_ms": 5, "dst": "cheap"}, headers=ADMIN)
     assert (reply.status_code, reply.json()) == (422, {"detail": "a link needs two different regions"})
     assert client.put("/admin/links", json=link | {"rtt_ms": 60_000}, headers=ADMIN).status_code == 200
+
+
+def test_a_database_pool_run_dry_is_a_503() -> None:
+    """Every connection of the pool held by statements a stalled database keeps waiting (db/engine.py bounds
+    them): the next lookup times out waiting for one (sqlalchemy's TimeoutError, not an OperationalError), which
+    is `database_unavailable` like any database outage, not a 500."""
+    for settings in settings_fixture():
+        app = create_app(settings)
+
+        @app.get("/v1/lookup")
+        def lookup() -> None:
+            raise sqlalchemy.exc.TimeoutError("QueuePool limit of size 5 overflow 10 reached, connection timed out")
+
+        with TestClient(app, raise_server_exceptions=False) as c:
+            reply = c.get("/v1/lookup")
+            assert reply.status_code == 503 and reply.headers["retry-after"] == "2"
+            assert reply.json()["error"]["code"] == "database_unavailable"
