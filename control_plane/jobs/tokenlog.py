@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from prfaas.control_plane.jobs.errors import JobNotFound
 from prfaas.control_plane.jobs.scripts import LIVE_READERS_FN
 from prfaas.control_plane.jobs.states import TERMINAL
 from prfaas.control_plane.jobs.store import JobStore
@@ -58,10 +59,12 @@ def _lp_of(entry: list[Any] | None) -> TokenLogprobs | None:
     return None if entry is None else TokenLogprobs(entry[0], entry[1], tuple(entry[2]), tuple(entry[3]))
 
 
-# KEYS: token log, attached readers, notify channel. ARGV: entry, TTL.
+# KEYS: token log, attached readers, notify channel, the job's record. ARGV: entry, TTL. Returns 0, logging
+# nothing, when the record is gone (a Redis that came back empty): the job is lost, its decode is not worth going on.
 _LOG_TOKEN = (
     LIVE_READERS_FN
     + """
+if redis.call('EXISTS', KEYS[4]) == 0 then return 0 end
 redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 if live_readers(KEYS[2]) > 0 then redis.call('PUBLISH', KEYS[3], 'token') end
@@ -100,10 +103,12 @@ class TokenLog:
 
     def log_token(self, job_id: str, token: Token) -> None:
         """Append the job's next token (its index is its place in the log); wakes attached
-        readers, if any (a job nobody attached to publishes nothing)."""
+        readers, if any (a job nobody attached to publishes nothing). JobNotFound, logging nothing, when the
+        job's record is gone (Redis came back empty): before, its decode ran on to the last token for nobody."""
         key = self.settings.key("job", job_id)
         args = [token.entry(), self.settings.job.ttl_s]
-        self._log(keys=[key + ":tokens", key + ":attached", key + ":notify"], args=args)
+        if not self._log(keys=[key + ":tokens", key + ":attached", key + ":notify", key], args=args):
+            raise JobNotFound(job_id)
 
     def logged_tokens(self, job_id: str, start: int) -> list[Token]:
         """The logged tokens from index `start` on."""
