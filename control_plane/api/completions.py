@@ -33,7 +33,6 @@ from prfaas.control_plane.api.errors import (
     ADMISSION_REFUSALS,
     INVALID_REQUEST,
     JOB_NOT_FOUND,
-    MODEL_NOT_FOUND,
     PLACEMENT_NOT_ALLOWED,
     PROMPT_EMPTY,
     PROMPT_TOO_LONG,
@@ -41,6 +40,7 @@ from prfaas.control_plane.api.errors import (
     TOKEN_OUT_OF_VOCAB,
     UNKNOWN_KV_CODEC,
     ApiError,
+    model_not_found,
 )
 from prfaas.control_plane.api.openai_schemas import ChatCompletionCreate, CompletionCreate
 from prfaas.control_plane.api.sampling import sampling_spec
@@ -116,7 +116,7 @@ def _encoder(model: ServedModel, text: str) -> Callable[[], list[int]]:
 
 def _served_model(s: Services, model: str) -> ServedModel:
     if model != s.model.name:
-        raise MODEL_NOT_FOUND.error(param="model")
+        raise model_not_found(model, s.model.name)
     return s.model
 
 

@@ -101,6 +101,13 @@ TENANT_SUSPENDED = problem(403, "tenant_suspended", "tenant suspended")
 ADMIN_REQUIRED = problem(403, "admin_key_required", "admin key required")
 PLACEMENT_NOT_ALLOWED = problem(403, "placement_not_allowed", "placement requests are not enabled for this tenant")
 MODEL_NOT_FOUND = problem(404, "model_not_found", "model not found")
+
+
+def model_not_found(asked: str, served: str) -> ApiError:
+    """404 `model_not_found`, naming the model asked for and the one served (the stable message first)."""
+    return MODEL_NOT_FOUND.error(f"model not found: {asked!r}; this deployment serves {served!r}", param="model")
+
+
 JOB_NOT_FOUND = problem(404, "job_not_found", "job not found")
 USAGE_NOT_FOUND = problem(404, "usage_entry_not_found", "usage entry not found")
 UNKNOWN_URL = problem(404, "unknown_url", "unknown URL", type="invalid_request_error")  # as OpenAI answers it

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from prfaas.control_plane.api.deps import ServicesDep, TenantDep
-from prfaas.control_plane.api.errors import MODEL_NOT_FOUND, TOKEN_OUT_OF_VOCAB
+from prfaas.control_plane.api.errors import TOKEN_OUT_OF_VOCAB, model_not_found
 from prfaas.control_plane.api.openai_schemas import ChatMessage, TokenId
 from prfaas.control_plane.services import Services
 
@@ -53,7 +53,7 @@ def version() -> dict[str, str]:
 
 def _model(s: Services, name: str | None) -> None:
     if name is not None and name != s.model.name:
-        raise MODEL_NOT_FOUND.error(param="model")
+        raise model_not_found(name, s.model.name)
 
 
 @router.post("/tokenize")

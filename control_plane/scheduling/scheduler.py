@@ -254,9 +254,10 @@ class GlobalScheduler:
         here = local.estimate
         cost_gain = gain(split.total_usd, here.total_usd)
         ttft_gain = gain(split.ttft_s, here.ttft_s)
+        cheaper, faster = _percent(cost_gain, "cheaper", "dearer"), _percent(ttft_gain, "faster", "slower")
         figures = (
-            f"${split.total_usd:.6f} vs ${here.total_usd:.6f} local ({_percent(cost_gain, 'cheaper')}), "
-            f"TTFT {split.ttft_s * 1000:.0f} ms vs {here.ttft_s * 1000:.0f} ms local ({_percent(ttft_gain, 'faster')})"
+            f"${split.total_usd:.6f} vs ${here.total_usd:.6f} local ({cheaper}), "
+            f"TTFT {split.ttft_s * 1000:.0f} ms vs {here.ttft_s * 1000:.0f} ms local ({faster})"
         )
         if cost_gain >= self.rule.min_cost_gain or ttft_gain >= self.rule.min_ttft_gain:
             return best_split, f"split via {best_split.label}: {figures}"
@@ -273,8 +274,11 @@ def gain(split: float, local: float) -> float:
     return 0.0 if split <= 0 else -math.inf
 
 
-def _percent(fraction: float, better: str) -> str:
-    return f"{fraction:+.1%} {better}" if math.isfinite(fraction) else f"not {better}: local's is 0"
+def _percent(fraction: float, better: str, worse: str) -> str:
+    """`+49.0% cheaper`, `34.6% slower` (not `-34.6% faster`)."""
+    if not math.isfinite(fraction):
+        return f"not {better}: local's is 0"
+    return f"{fraction:+.1%} {better}" if fraction >= 0 else f"{-fraction:.1%} {worse}"
 
 
 def _decision(chosen: Candidate, local: Candidate, explanation: Explanation) -> Decision:

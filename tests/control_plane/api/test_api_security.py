@@ -116,7 +116,8 @@ def test_suspended_tenant_is_refused(client: TestClient) -> None:
 @pytest.mark.parametrize(
     ("body", "status", "message", "code", "param"),
     [
-        ({"model": "nope", "prompt": "hi"}, 404, "model not found", "model_not_found", "model"),
+        ({"model": "nope", "prompt": "hi"}, 404, "model not found: 'nope'; this deployment serves 'tiny-llama'",
+         "model_not_found", "model"),
         ({"model": "tiny-llama", "prompt": "hi " * 5000}, 400, "prompt too long for the model",
          "context_length_exceeded", "prompt"),
         ({"model": "tiny-llama", "prompt": [999999]}, 400, "prompt token id out of the model's vocabulary",

@@ -162,7 +162,10 @@ def test_long_cold_prompt_decision_carries_the_predicted_figures() -> None:
     assert decision.colocated_cost.prefill_usd == pytest.approx(2.0 * 8 * 6.0 / 3600)
     assert decision.colocated_cost.total_usd == pytest.approx(0.0272)
     assert decision.cost.total_usd < decision.colocated_cost.total_usd * 0.9
-    assert decision.explanation.verdict.startswith("split via pre-cheap: $0.013880 vs $0.027200 local (+49.0% cheaper)")
+    assert decision.explanation.verdict.startswith(
+        "split via pre-cheap: $0.013880 vs $0.027200 local (+49.0% cheaper), "
+        "TTFT 2692 ms vs 2000 ms local (34.6% slower)"
+    )  # a slower split is said slower (it read "-34.6% faster")
     prefill_stage = decision.explanation.stages[-1]
     assert prefill_stage.ranking == ["pre-cheap", "pre-mid"]
     # price weight 3: pre-cheap is cheapest (3.0); pre-mid's $0.0153 vs $0.0094 scores 3 * 0.61.
