@@ -15,7 +15,12 @@ from typing import Any
 
 import grpc
 
-from prfaas.region.channels import TlsFiles, aio_channel
+from prfaas.region.channels import TlsFiles, aio_channel, keepalive_options
+
+# A prefill region that hangs (stopped, a partition that drops without closing) breaks its event streams within
+# this and an ack's wait: its attempt fails over in seconds. Before, the stream waited for its call's deadline
+# (the lease + 5 s, 30 s at least) or the job's, with the decode region idle.
+KEEPALIVE_S = 5.0
 
 
 class Watcher:
@@ -49,5 +54,6 @@ class Watcher:
         """On the loop only (a coroutine's body)."""
         found = self._channels.get((target, server_name))
         if found is None:
-            found = self._channels[(target, server_name)] = aio_channel(target, self.tls, server_name)
+            options = keepalive_options(KEEPALIVE_S)
+            found = self._channels[(target, server_name)] = aio_channel(target, self.tls, server_name, options)
         return found
