@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_INSTANCE = "0"  # what an instance that names none registers as
+INCARNATION = "@"  # in a job's `excluded` entry, `region/instance@t`: no region name or instance id holds it
 
 
 class RegionNotFound(Exception):
@@ -63,6 +64,18 @@ class InstanceRecord(Load):
     @property
     def key(self) -> str:
         return f"{self.name}/{self.instance}"
+
+    def excluded_by(self, exclude: frozenset[str]) -> bool:
+        """Whether a job's `excluded` entries leave this incarnation out: `region/instance@t` (`exclusion`)
+        the incarnations registered by `t`, Redis's clock (the one that failed, not one that registered
+        again since: a restart keeps the instance id); a plain `region/instance` (an entry written before
+        incarnations were told apart) all of them."""
+        if not exclude:
+            return False
+        if self.key in exclude:
+            return True
+        prefix = self.key + INCARNATION
+        return any(e.startswith(prefix) and self.registered_at <= _failed_at(e[len(prefix) :]) for e in exclude)
 
     @property
     def healthy(self) -> bool:
@@ -140,13 +153,27 @@ class RegionRecord(Load):
         """The healthy instance new work goes to: of those whose free KV buffer holds `kv_bytes` (the
         reservation a decode instance takes; all of them when none does), the one holding the longest
         run of the prompt's leading blocks (`prefix`, short digests), then the least loaded, then the
-        most KV room; RegionNotFound when none is left (all dead, draining or in `exclude`, by key)."""
-        candidates = [i for i in self.healthy_instances if i.key not in exclude]
+        most KV room; RegionNotFound when none is left (all dead, draining or in `exclude`: `excluded_by`)."""
+        candidates = [i for i in self.healthy_instances if not i.excluded_by(exclude)]
         if not candidates:
             raise RegionNotFound(f"region {self.name} has no healthy instance left")
         fit = [i for i in candidates if i.kv_free_bytes >= kv_bytes]  # a prefix hit is no use where it is refused
         return min(fit or candidates, key=lambda i: (-cached_run(prefix, i.prefix_blocks), i.load, -i.kv_free_bytes,
                                                      i.instance))  # fmt: skip
+
+
+def exclusion(key: str, failed_at: float) -> str:
+    """A job's `excluded` entry for the instance `key` that failed an attempt at `failed_at` (s since the
+    epoch, Redis's clock, as `registered_at`): that incarnation, not the instance registered again after."""
+    return f"{key}{INCARNATION}{failed_at:.6f}"
+
+
+def _failed_at(raw: str) -> float:
+    try:
+        at = float(raw)
+    except ValueError:
+        at = float("nan")
+    return at if at == at else float("inf")  # not a time (written by hand): every incarnation, as a plain key
 
 
 def cached_run(prefix: tuple[str, ...], held: frozenset[str]) -> int:

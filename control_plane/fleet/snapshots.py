@@ -33,9 +33,10 @@ def snapshot_of(
     prices: PriceBook,
     exclude: frozenset[str] = frozenset(),
 ) -> ClusterSnapshot:
-    """`exclude`: regions by name, or instances by `region/instance` key (a region is left out
-    once none of its healthy instances is left). A region whose figures do not validate is left
-    out (logged), and the links naming it."""
+    """`exclude`: regions by name, or instances by `region/instance` key or incarnation
+    (`InstanceRecord.excluded_by`; a region is left out, `excluded`, once none of its healthy
+    instances is left). A region whose figures do not validate is left out (logged), and the
+    links naming it."""
     priors = _rate_priors(records)
     regions = []
     for r in records:
@@ -49,9 +50,12 @@ def snapshot_of(
 
 
 def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook, prior: dict[str, float]) -> Region:
-    left = [i for i in r.healthy_instances if i.key not in exclude]
+    left = [i for i in r.healthy_instances if not i.excluded_by(exclude)]
+    # a region alive but whose healthy instances all failed this job (or left out by name) is `excluded`: the
+    # scheduler says so, not that it is unhealthy (a restarted instance registers again and is no longer)
+    excluded = r.name in exclude or (r.healthy and not left)
     if left and len(left) < len(r.healthy_instances):  # capacity, load and cache of what a retry may use
-        r = RegionRecord.of([i for i in r.instances if i.key not in exclude])
+        r = RegionRecord.of([i for i in r.instances if not i.excluded_by(exclude)])
     decode_tps = r.decode_tokens_per_s or prior.get("decode_tokens_per_s") or FALLBACK_DECODE_TPS
     prefill_tps = r.prefill_tokens_per_s or prior.get("prefill_tokens_per_s") or FALLBACK_PREFILL_TPS
     on_demand = prices.on_demand(r.name)
@@ -66,7 +70,7 @@ def _region(r: RegionRecord, exclude: frozenset[str], prices: PriceBook, prior: 
         kv_buffer_largest_free_bytes=r.kv_largest_free_bytes if decodes else 0,
         kv_buffer_bytes=r.kv_used_bytes + r.kv_free_bytes if decodes else 0,
         prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
-        tpot_ms=1000.0 / decode_tps, healthy=bool(left) and r.name not in exclude,
+        tpot_ms=1000.0 / decode_tps, healthy=bool(left) and r.name not in exclude, excluded=excluded,
         heartbeat_age_s=r.heartbeat_age_s, heartbeat_interval_s=r.heartbeat_interval_s or None,
         cached_prefix_hashes=r.prefix_blocks,
         # a decode region reports its queue in jobs (each holds a worker for its whole generation), not tokens

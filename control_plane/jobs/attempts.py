@@ -4,7 +4,10 @@ a backoff with jitter and leaving out the instances that failed it, or FAILED wi
 once `max_attempts` are spent. One rule, in one place.
 
 The instances an attempt failed on accumulate in the job's `excluded` field (JSON list of
-`region/instance` keys), so every later attempt leaves them all out.
+`region/instance@t` entries, `t` the failure's time on Redis's clock), so every later attempt
+leaves them all out: the incarnations that failed, not one registered since (a restarted
+instance keeps its id, and would be left out for good). A plain `region/instance`, written
+before, leaves out every incarnation (fleet/records.py `InstanceRecord.excluded_by`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from prfaas.control_plane.fleet.records import INCARNATION, exclusion
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Lease, Leases
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
@@ -56,8 +60,9 @@ class Attempts:
             return "superseded"
         log.warning("job %s attempt %d failed on %s: %s", job_id, attempt, where or "-", reason)
         excluded = set(json.loads(job.get("excluded") or "[]"))
-        if where:
-            excluded.add(where)
+        if where:  # an instance: its latest failure's entry covers the earlier ones' incarnations too
+            excluded = {e for e in excluded if not e.startswith(where + INCARNATION)}
+            excluded.add(exclusion(where, self.leases.clock.now()) if "/" in where else where)
         backoff = self.backoff_s(attempt)
         try:
             if attempt >= self.settings.max_attempts:

@@ -4,7 +4,8 @@
 2. For the best decode regions in order (at most `max_decode_regions_tried`), the prefill
    profile over {the decode region prefilling locally} + {each region with a link into it},
    split candidates only when the decode region's uncached prompt reaches the threshold.
-   Filters judge all; scorers and the picker rank the split candidates.
+   Filters judge all; scorers and the picker rank the split candidates. Before the policy's
+   filters, regions a retry leaves out (`Region.excluded`) are cut, traced as `excluded`.
 3. Conditional disaggregation: the best split wins when local was cut, or when it is
    predicted cheaper or faster than local by the configured margin. Otherwise local.
 
@@ -96,9 +97,16 @@ class _Ranked:
     totals: dict[str, float]
 
 
+EXCLUDED = "excluded"  # the cut of regions a retry leaves out: every healthy instance failed the request before
+
+
 def _filter(profile: Profile, ctx: Context, candidates: list[Candidate], timings: dict[str, float]) -> _Filtered:
-    survivors = candidates
+    survivors = [c for c in candidates if not c.region.excluded]
     cut: dict[str, list[str]] = {}
+    if len(survivors) < len(candidates):  # the request's own exclusions, whatever the policy (not unhealthy)
+        cut[EXCLUDED] = [c.label for c in candidates if c.region.excluded]
+        if not survivors:
+            return _Filtered([], cut, RejectReason.UNHEALTHY, EXCLUDED)
     for named in profile.filters:
         start = time.perf_counter_ns()
         keep = named.plugin.keep

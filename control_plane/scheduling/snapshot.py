@@ -83,6 +83,10 @@ class Region(BaseModel):
         "region's price per token does not fall as its batch fills (None: decode_tokens_per_s prices it)",
     )
     healthy: bool = True
+    excluded: bool = Field(
+        default=False, description="left out of this request's placement: its instances failed an earlier attempt "
+        "(a retry's snapshot; the scheduler cuts it before the policy's filters)",
+    )  # fmt: skip
     heartbeat_age_s: NonNegFloat = Field(default=0.0, description="seconds since the last heartbeat")
     heartbeat_interval_s: PosFloat | None = Field(
         default=None, description="seconds between its heartbeats (its instances' longest); None: not reported"
