@@ -127,7 +127,7 @@ pytest-vllm: vllm-install models services
 # fleet-scale view from the simulator; then prfaas down (also on failure or Ctrl-C).
 demo: install
 	$(BIN)/prfaas up --detach --topology examples/topology.yaml --model smollm2-135m
-	trap '$(BIN)/prfaas down' EXIT INT TERM; $(BIN)/prfaas tour --out build/demo
+	trap '$(BIN)/prfaas down' EXIT INT TERM; $(BIN)/prfaas tour --out build/demo --down-after
 
 demo-split: models
 	$(BIN)/prfaas demo

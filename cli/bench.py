@@ -6,6 +6,7 @@ several placement policies and prints ratios. Logic: the loadgen package (worklo
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,8 @@ console = Console(width=max(Console().width, 150))  # the tables are wide; pipes
 
 
 def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+    """Print one `error:` line (not wrapped at the console's width) -> the exit 2 to raise."""
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -202,7 +204,9 @@ def bench(
 
         def progress(name: str, total: int) -> Callable[[], None]:
             task = bar.add_task(name, total=total)
-            return lambda: bar.advance(task)
+            if console.is_terminal:
+                return lambda: bar.advance(task)
+            return _policy_line(name, total, lambda: bar.advance(task))
 
         try:
             summaries, rows = session.run(base, key, served, send, num_requests, warm, policies, timeout_s,
@@ -238,6 +242,21 @@ def bench(
         raise typer.Exit(130)
     if any(s["completed"] == 0 for s in summaries.values()):
         raise typer.Exit(1)  # nothing to compare: make demo must fail
+
+
+def _policy_line(name: str, total: int, advance: Callable[[], None]) -> Callable[[], None]:
+    """`advance`, and a line once the policy's `total` requests have ended: off a terminal (a log, `make demo`
+    piped) the bar does not show, and three policies are minutes without a line otherwise."""
+    started, ended, lock = time.monotonic(), [0], threading.Lock()
+
+    def done() -> None:
+        advance()
+        with lock:  # requests end on the client's threads
+            ended[0] += 1
+            if ended[0] == total:
+                console.print(f"{name}: {total}/{total} done ({time.monotonic() - started:.0f} s)", highlight=False)
+
+    return done
 
 
 def _conversations(base: str, key: str, model: str, conversations: list[Any], concurrency: int | None,

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prfaas.cli.bench import bench as bench_command
-from prfaas.cli.model import model_app, quiet_transformers
+from prfaas.cli.model import model_app, prepare_for_up, quiet_transformers
 from prfaas.cli.sim import sim_app
 from prfaas.cli.tour import tour as tour_command
 from prfaas.cli.trace import trace as trace_command
@@ -24,6 +24,15 @@ app.add_typer(sched_app, name="sched")
 certs_app = typer.Typer(help="Certificates for mutual TLS between components.", no_args_is_help=True)
 app.add_typer(certs_app, name="certs")
 console = Console()
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    """Print one `error:` line, never wrapped at the terminal's width (a log's 80 columns split a path) ->
+    the exit to raise."""
+    from rich.markup import escape
+
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
 
 
 @sched_app.command(
@@ -70,8 +79,7 @@ def certs_init(
         identities = {names[0]: Identity.parse(identity)} if identity is not None else {}
         ca, nodes = init_certs(target, names, sans, identities=identities, days=days, force=force)
     except (ValueError, OSError, IdentityError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     console.print(f"CA {'kept' if existed else 'created'}: {ca}")
     for node in nodes:
         console.print(f"issued {node.cert} (key {node.key}, 0600) for {', '.join(sans)}"
@@ -91,8 +99,7 @@ def demo(
     try:
         report = run_demo(model, prompt or DEFAULT_PROMPT, max_new_tokens)
     except EngineError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     console.print(f"[bold]model[/bold] {report.model}, prompt {report.prompt_tokens} tokens, fp32 greedy")
     console.print(f"[bold]colocated[/bold] (one process):\n{report.colocated_text}\n")
     console.print(
@@ -119,20 +126,15 @@ def region(
     """Start one region (prefill, decode or both) from its config; SIGTERM drains it."""
     import logging
 
-    from rich.markup import escape
-
     from prfaas.region.config import ConfigError, load_config
 
     if not isinstance(logging.getLevelName(log_level.upper()), int):
-        console.print(f"[red]error:[/red] --log-level {escape(log_level)}: one of DEBUG, INFO, WARNING, ERROR",
-                      highlight=False)  # fmt: skip
-        raise typer.Exit(2)
+        raise _fail(f"--log-level {log_level}: one of DEBUG, INFO, WARNING, ERROR")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = load_config(config)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     quiet_transformers()
     from prfaas.decode_region.role import build_decode
     from prfaas.prefill_region.role import build_prefill
@@ -141,8 +143,7 @@ def region(
     try:
         serve(settings, {"prefill": build_prefill, "decode": build_decode})
     except (EngineError, OSError, ValueError) as exc:
-        console.print(f"[red]error:[/red] cannot start region {settings.name}: {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(f"cannot start region {settings.name}: {exc}") from None
 
 
 @app.command()
@@ -166,7 +167,7 @@ def up(
     from prfaas.devstack.preflight import check_policy
     from prfaas.devstack.state import UpError
     from prfaas.devstack.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
-    from prfaas.devstack.up import Interrupted, run_up
+    from prfaas.devstack.up import Interrupted, claim_home, run_up
     from prfaas.engine.models import prfaas_home
 
     path = topology or DEFAULT_TOPOLOGY
@@ -175,14 +176,16 @@ def up(
         if model:
             spec = spec.model_copy(update={"model": model})
     except TopologyError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     try:
         check_policy(spec)  # before a model build makes a bad policy wait
-    except UpError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
-    _prepare_for_up(spec.name, spec.model)
+        claim_home(prfaas_home())  # a deployment already up is said at once, and the home made 0700 first
+    except (UpError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    prepare_for_up(spec.name, spec.model)
+
+    def say(message: str) -> None:  # a line naming a log keeps its path whole
+        console.print(escape(message), soft_wrap=True)
 
     def ready(state: object) -> None:
         from prfaas.devstack.state import UpState
@@ -197,42 +200,14 @@ def up(
         console.print("[green]up[/green]" + ("" if detach else "; Ctrl-C or `prfaas down` stops it"))
 
     try:
-        run_up(spec, str(path), prfaas_home(), emulate_wan, detach, lambda m: console.print(escape(m)), ready,
-               hosts=hosts, insecure=insecure)  # fmt: skip
+        run_up(spec, str(path), prfaas_home(), emulate_wan, detach, say, ready, hosts=hosts, insecure=insecure)
     except Interrupted as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(130) from None
+        raise _fail(str(exc), 130) from None
     except UpError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     except Exception as exc:  # anything unforeseen is still one line, not a traceback (what started is stopped)
         logs = prfaas_home() / "up"
-        console.print(f"[red]error:[/red] up failed: {type(exc).__name__}: {escape(str(exc))} (logs in {logs})",
-                      highlight=False)  # fmt: skip
-        raise typer.Exit(2) from None
-
-
-def _prepare_for_up(topology: str, model: str) -> None:
-    """Build the topology's catalog model when this home lacks it (a bar while it builds), before
-    `up` starts anything; an unknown model or a failed build is one line and exit status 2."""
-    from rich.markup import escape
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from prfaas.engine.models import models_root, prepare_model, unprepared
-
-    try:
-        missing = unprepared(model)
-        if missing is None:
-            return
-        quiet_transformers()
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as bar:  # fmt: skip
-            bar.add_task(f"preparing model {missing} in {models_root()} (first run only)", total=None)
-            prepared = prepare_model(missing)
-    except EngineError as exc:
-        console.print(f"[red]error:[/red] topology {topology!r}: model: {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
-    console.print(f"prepared {prepared.name} at {prepared.path} (sha256 {prepared.checksum[:16]}...)")
+        raise _fail(f"up failed: {type(exc).__name__}: {exc} (logs in {logs})") from None
 
 
 @app.command()
@@ -245,10 +220,9 @@ def down() -> None:
     from prfaas.engine.models import prfaas_home
 
     try:
-        found = stop(prfaas_home(), lambda m: console.print(escape(m)))
+        found = stop(prfaas_home(), lambda m: console.print(escape(m), soft_wrap=True))
     except UpError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     console.print("down" if found else f"nothing is up ({prfaas_home() / 'up.json'} does not exist)")
 
 
@@ -277,7 +251,6 @@ def regions_import(
     import json
 
     import httpx
-    from rich.markup import escape
 
     from prfaas.control_plane.fleet.terraform_outputs import OutputsError, parse_outputs
     from prfaas.control_plane.fleet.terraform_outputs import apply as apply_links
@@ -285,14 +258,11 @@ def regions_import(
     try:
         deployment = parse_outputs(file.read_text())
     except OSError as exc:
-        console.print(f"[red]error:[/red] {escape(f'{file}: {exc.strerror}')}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(f"{file}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
-        console.print(f"[red]error:[/red] {escape(f'{file}: not UTF-8 text (byte {exc.start})')}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(f"{file}: not UTF-8 text (byte {exc.start})") from None
     except OutputsError as exc:
-        console.print(f"[red]error:[/red] {escape(f'{file}: {exc}')}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(f"{file}: {exc}") from None
     if as_json:
         print(json.dumps({
             "regions": [r.model_dump() for r in deployment.regions],
@@ -314,20 +284,15 @@ def regions_import(
         return
     target = url or (deployment.control_plane.api_url if deployment.control_plane else None)
     if target is None:
-        console.print("[red]error:[/red] --apply needs --url (the outputs name no control_plane.api_url)")
-        raise typer.Exit(2)
+        raise _fail("--apply needs --url (the outputs name no control_plane.api_url)")
     if not admin_key:
-        console.print("[red]error:[/red] --apply needs the admin key (--admin-key or PRFAAS_ADMIN_KEY)")
-        raise typer.Exit(2)
+        raise _fail("--apply needs the admin key (--admin-key or PRFAAS_ADMIN_KEY)")
     try:
         report = apply_links(deployment, target, admin_key)
     except httpx.HTTPStatusError as exc:
-        detail = escape(f"{target} refused: HTTP {exc.response.status_code} {exc.response.text[:200]}")
-        console.print(f"[red]error:[/red] {detail}", highlight=False)
-        raise typer.Exit(1) from None
+        raise _fail(f"{target} refused: HTTP {exc.response.status_code} {exc.response.text[:200]}", 1) from None
     except httpx.HTTPError as exc:
-        console.print(f"[red]error:[/red] {escape(f'cannot reach {target}: {exc}')}", highlight=False)
-        raise typer.Exit(1) from None
+        raise _fail(f"cannot reach {target}: {exc}", 1) from None
     registered, missing = ", ".join(report.registered) or "none", ", ".join(report.missing) or "none"
     console.print(f"put {report.links_put} link(s) to {target}; healthy: {registered}; not yet: {missing}")
 

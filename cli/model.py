@@ -3,11 +3,15 @@ engine/calibration.py do the work)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from prfaas.engine.errors import EngineError
@@ -51,9 +55,10 @@ def _each_model(
         try:
             done = step(name)
         except errors as exc:
-            console.print(f"[red]error:[/red] {f'{name}: ' if name_errors else ''}{exc}")
+            console.print(f"[red]error:[/red] {escape(f'{name}: ' if name_errors else '')}{escape(str(exc))}",
+                          highlight=False, soft_wrap=True)  # fmt: skip
             raise typer.Exit(2) from None
-        console.print(done)
+        console.print(done, soft_wrap=True)
 
 
 @model_app.command("prepare")
@@ -87,3 +92,50 @@ def model_calibrate(
         return f"{'measured' if measured else 'kept'} the query energy of {model} at {path}"
 
     _each_model(models, measure, (EngineError, RuntimeError), name_errors=True)
+
+
+def prepare_for_up(topology: str, model: str) -> None:
+    """Build the topology's catalog model when this home lacks it, before `prfaas up` starts anything; an
+    unknown model or a failed build is one line and exit status 2."""
+    from prfaas.engine.models import models_root, prepare_model, unprepared
+
+    try:
+        missing = unprepared(model)
+        if missing is None:
+            return
+        quiet_transformers()
+        with _building(f"preparing model {missing} in {models_root()}"):
+            prepared = prepare_model(missing)
+    except EngineError as exc:
+        console.print(f"[red]error:[/red] topology {escape(repr(topology))}: model: {escape(str(exc))}",
+                      highlight=False, soft_wrap=True)  # fmt: skip
+        raise typer.Exit(2) from None
+    console.print(f"prepared {prepared.name} at {prepared.path} (sha256 {prepared.checksum[:16]}...)", soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _building(what: str, every_s: float = 20.0) -> Iterator[None]:
+    """A spinner and a bar on a terminal while the block runs; elsewhere (a log, CI), which shows no bar, a
+    line as it starts and one every `every_s` seconds, so a minute's build is never a minute of silence."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    if console.is_terminal:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:  # fmt: skip
+            bar.add_task(f"{what} (first run only)", total=None)
+            yield
+        return
+    console.print(f"{what} (first run only)", highlight=False, soft_wrap=True)
+    started, done = time.monotonic(), threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            console.print(f"{what}: {time.monotonic() - started:.0f} s", highlight=False, soft_wrap=True)
+
+    thread = threading.Thread(target=beat, name="prepare-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

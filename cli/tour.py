@@ -20,7 +20,8 @@ BENCH_ARGS = ["--compare", "colocated,split-always,prfaas", "--mix", "chat-rag",
 
 
 def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+    """Print one `error:` line (not wrapped at the console's width) -> the exit 2 to raise."""
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -37,6 +38,7 @@ def tour(
     ),
     out: Path = typer.Option(None, help="folder for the policy table's bench.json (default $PRFAAS_HOME/bench/)"),
     json_path: Path = typer.Option(None, "--json", help="write the completions and the fleet rows here"),
+    down_after: bool = typer.Option(False, "--down-after", hidden=True, help="the caller stops it next (make demo)"),
 ) -> None:
     """The first run's story on a running `prfaas up`: one real completion split and local
     (identical), three placement policies on one workload, then the fleet the simulator models."""
@@ -96,8 +98,9 @@ def tour(
     console.print(f"dashboard  {state.dashboard_url} (sign in with the API key)", highlight=False)
     console.print(f"API key    {state.api_key}", highlight=False)
     console.print(f"API base   {state.api_base} (any OpenAI client)", highlight=False)
-    console.print("`make demo` stops the deployment now; `prfaas up --model smollm2-135m` brings it back with the "
-                  "same tenant, key and usage.", highlight=False)  # fmt: skip
+    again = "`prfaas up --model smollm2-135m` brings it back with the same tenant, key and usage."
+    console.print(f"`make demo` stops the deployment now; {again}" if down_after else
+                  f"The deployment stays up: `prfaas down` stops it, and {again}", highlight=False)  # fmt: skip
     if json_path is not None:
         try:
             json_path.parent.mkdir(parents=True, exist_ok=True)

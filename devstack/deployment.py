@@ -65,6 +65,17 @@ def _redis_answers(url: str) -> bool:
         return False
 
 
+def _private_database(path: Path) -> Path:
+    """`path`, an SQLite file made 0600 in a 0700 folder before the control plane opens it (SQLite gives its
+    -wal and -shm files the database's mode); one an earlier run left wider is narrowed."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            file.chmod(0o600)
+    return path
+
+
 class Deployment:
     """Starts the processes of one topology; `stop()` (also after a failed start) removes all of them."""
 
@@ -212,7 +223,8 @@ class Deployment:
             PRFAAS_KEY_PREFIX=self.state.key_prefix, PRFAAS_ADMIN_KEY=self.admin_key,
             PRFAAS_TICKET_KEY=self.ticket_key, PRFAAS_POLICY_PATH=str(policy), PRFAAS_MODEL=self.topology.model,
         )  # fmt: skip
-        env.setdefault("PRFAAS_LEDGER_URL", f"sqlite:///{self.data_dir / 'control-plane.db'}")
+        if "PRFAAS_LEDGER_URL" not in env:  # the database `up` keeps: tenants, key digests, the ledger
+            env["PRFAAS_LEDGER_URL"] = f"sqlite:///{_private_database(self.data_dir / 'control-plane.db')}"
         env.pop("PRFAAS_DEV", None)
         env[TRACE_DIR_ENV] = str(self.trace_dir)  # `prfaas trace JOB_ID` reads the spans there
         if self.pki is not None:

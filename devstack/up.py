@@ -24,6 +24,21 @@ class Interrupted(UpError):
     """A signal came before the deployment was up; what had started is stopped."""
 
 
+def claim_home(home: Path) -> None:
+    """`UpError` when the deployment of `home/up.json` is still up; else remove a crashed run's leftovers
+    (namespaces, keys, the file) and make `home` if missing, mode 0700: up.json in it holds the admin key, and
+    `deployments/` the tenants and their key digests. `prfaas up` calls it before it builds a model, which
+    would otherwise make the home (umask-wide) and take a minute before saying that a deployment is up."""
+    old = read_state(home)
+    if old is not None:
+        supervised = old.supervisor_pid and pid_alive(old.supervisor_pid) and old.ours(old.supervisor_pid)
+        if any(old.ours(g) and group_alive(g) for g in old.groups.values()) or supervised:
+            raise UpError(f"a deployment is already up ({old.url or 'starting'}); run `prfaas down` first")
+        stop_state(old, lambda _: None)  # a crashed run's leftovers (namespaces, keys)
+        state_path(home).unlink()
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
 def run_up(
     topology: Topology,
     topology_path: str,
@@ -38,16 +53,10 @@ def run_up(
 ) -> UpState | None:
     """Start the deployment; unless `detach`, keep it up until a stop signal, then stop it. Returns the state
     (None once a foreground run has stopped). Raises `UpError` (`Interrupted` for a signal before it was up),
-    and before any process starts when the topology's model is unknown or not prepared (`preflight`)."""
+    and before any process starts when a deployment is already up (`claim_home`) or the topology's model is
+    unknown or not prepared (`preflight`)."""
+    claim_home(home)
     preflight(topology)
-    old = read_state(home)
-    if old is not None:
-        supervised = old.supervisor_pid and pid_alive(old.supervisor_pid) and old.ours(old.supervisor_pid)
-        if any(old.ours(g) and group_alive(g) for g in old.groups.values()) or supervised:
-            raise UpError(f"a deployment is already up ({old.url or 'starting'}); run `prfaas down` first")
-        stop_state(old, lambda _: None)  # a crashed run's leftovers (namespaces, keys)
-        state_path(home).unlink()
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)  # up.json in it holds the admin key
 
     def tell(message: str) -> None:  # a closed terminal (SIGHUP) makes every print fail: the stop goes on
         with contextlib.suppress(OSError):

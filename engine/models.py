@@ -135,7 +135,9 @@ def prepare_model(name: str, root: Path | None = None, *, force: bool = False) -
     catalog = _catalog()
     if name not in catalog:
         raise UnknownModel(f"unknown model {name!r}; available: {', '.join(sorted(catalog))}")
-    root = root or models_root()
+    if root is None:  # the home, made here when missing, is 0700: `prfaas up` keeps its keys in it too
+        prfaas_home().mkdir(mode=0o700, parents=True, exist_ok=True)
+        root = models_root()
     root.mkdir(parents=True, exist_ok=True)
     target = root / name
     with FileLock(str(root / f".{name}.lock"), timeout=1800):
