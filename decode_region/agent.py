@@ -25,7 +25,7 @@ from prfaas.decode_region import metrics
 from prfaas.decode_region.backend import DecodeBackend, DecodeCall, close_tokens
 from prfaas.decode_region.book import KVBook
 from prfaas.decode_region.local_jobs import LocalJob
-from prfaas.decode_region.peer_watch import PeerWatcher
+from prfaas.decode_region.peer_watch import PeerWatcher, PrefillLost
 from prfaas.decode_region.reservations import Reservation, ReservationEvents, Tombstone, raise_as_region_error
 from prfaas.decode_region.tokens import TokenStream
 from prfaas.decode_region.workers import WorkerSlots
@@ -139,7 +139,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
                 res.raise_ended()
             if request.prefill_grpc:
                 watch = self.watcher.watch(
-                    request.prefill_grpc, lambda why: self._end(res, Unavailable(why)), request.prefill_region
+                    request.prefill_grpc, lambda why: self._end(res, PrefillLost(why)), request.prefill_region
                 )
                 if not res.attach(watch=watch):
                     res.raise_ended()

@@ -1,5 +1,5 @@
 """Watch a prefill region while it owes us KV: if it dies (its gRPC health stream breaks),
-the reservations waiting on it are failed with UNAVAILABLE and their buffers freed.
+the reservations waiting on it are failed with `PrefillLost` (ABORTED) and their buffers freed.
 
 One health `Watch` stream per prefill region, shared by every reservation that waits on it
 (not one per reservation): opening and cancelling a stream per job made the prefill region's
@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prfaas.region.channels import TlsFiles, keepalive_options, replies
 from prfaas.region.channels import channel as open_channel
-from prfaas.region.errors import Unavailable
+from prfaas.region.errors import RegionError, Unavailable
 from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,14 @@ STREAM_S = 60.0  # one Watch call's deadline; reopened if reservations still wai
 # (it also bounds a stream whose connection gRPC never notices closing: seen about once in 500
 # stops of a region while the call connects, the client's socket left in CLOSE-WAIT)
 BUSY_RETRY_S = 1.0  # after a region refused the Watch (RESOURCE_EXHAUSTED: its streams are all taken)
+
+
+class PrefillLost(RegionError, code=grpc.StatusCode.ABORTED):
+    """The prefill region that owed a reservation its KV stopped answering: the KV will not come, and this
+    decode region is not to blame. Not UNAVAILABLE (what a decode region itself down or draining answers,
+    and what the control plane suspects the decode instance on): ABORTED, which no other outcome here has
+    and gRPC itself never makes, so the control plane leaves the prefill instance out instead and computes
+    the prompt again (control_plane/jobs/decode_calls.py `PREFILL_LOST`)."""
 
 
 class Watch:

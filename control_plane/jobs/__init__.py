@@ -13,6 +13,7 @@ periodic.py    Periodic: a duty run every interval on a daemon thread (heartbeat
 attempts.py    a failed attempt: the next one (backoff, excluded instances) or FAILED
 sweeper.py     takes back overrun leases, dead workers' attempts, dead API processes' jobs
 generation.py  Follower: the API side (stream the tokens, record DONE, decode failover, cancel)
+decode_calls.py  the API's calls to the regions: keepalive channels, Generate / Decode, Cancel in both
 tokenlog.py    a job's streamed tokens, for the requests that attach (Idempotency-Key)
 celery_app.py  the Celery application and `enqueue` (the worker process: control_plane/worker.py)
 """

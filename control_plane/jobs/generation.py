@@ -6,16 +6,16 @@ one is queued (jobs/attempts.py) leaving that instance out and, for a split job,
 prefill instance that still leases its KV (`reship_from`: the dispatcher reships it rather
 than prefill again). The next attempt's stream is picked up and the tokens already sent are
 skipped, so the client's stream goes on without repeating or skipping a token (greedy
-decoding, or the seeded sampler every job gets, gives the same tokens again).
+decoding, or the seeded sampler every job gets, gives the same tokens again). A Decode that
+ends `PREFILL_LOST` (the decode region lost the prefill instance that owed it the KV:
+jobs/decode_calls.py) leaves that prefill instance out instead, and reships nothing from it.
 
 While it streams a job, this process is its follower (`JobStore.follow`); the sweeper ends
 the jobs of a follower that stopped beating (jobs/sweeper.py)."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -30,16 +30,15 @@ from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.usage import served_timing
 from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.celery_app import enqueue
+from prfaas.control_plane.jobs.decode_calls import PREFILL_LOST, cancel_in_regions, region_channels, start_decode
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
-from prfaas.control_plane.jobs.prefix import cache_salt
-from prfaas.control_plane.jobs.records import job_sampling, sampling
+from prfaas.control_plane.jobs.records import job_sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.tokenlog import Outputs, Token, TokenLog, recorded_tokens
 from prfaas.control_plane.services import Services
-from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from prfaas.region.channels import ChannelCache
+from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2_grpc
 from prfaas.region.requests import logprobs_from_proto
 from prfaas.telemetry import tracing
 from prfaas.transport.identity import server_name
@@ -71,10 +70,7 @@ class Follower:
         self.leases = Leases(services.redis, services.settings)
         self.attempts = Attempts(services.jobs, self.leases, enqueue_job, owner)
         self.log = TokenLog(services.jobs)
-        # Not `SingleThreadedUnaryStream` (it saved ~0.2 ms a request, a thread to pump an idle channel's
-        # events): its calls are freed only when their reader consumes their last events, and a cancelled
-        # one's never are (every call of the soak's API stayed in memory, ~2.5 MB/min).
-        self.channels = ChannelCache(services.settings.tls)
+        self.channels = region_channels(services.settings.tls)  # keepalive: a hung region breaks its stream in seconds
         self._decode_stubs: dict[tuple[str, str], decode_pb2_grpc.DecodeRegionStub] = {}  # by target and region
         self.placer = AdmissionPlacer(services, services.settings.snapshot_ttl_s)
         self.meter = meter  # bills each job once it is DONE (off this thread)
@@ -148,7 +144,7 @@ class Follower:
                     raise JobEnded(job["state"], job.get("error") or job["state"].lower())
                 if job["state"] == JobState.DONE:
                     raise JobEnded("DONE", "finished elsewhere")
-                self.cancel(job_id, "deadline")
+                self.cancel(job_id, "deadline", wait=False)  # the client hears now, whatever the regions do
                 raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job.timeout_s:g} s")
             attempt = int(info["attempt"])
             after = attempt
@@ -163,28 +159,7 @@ class Follower:
                             "prfaas.decode_region": handed.get("decode_region", "")},
             )  # fmt: skip
             try:
-                if handed["mode"] == "local":
-                    local = decode_pb2.GenerateRequest(
-                        job_id=job_id, token_ids=_ids(job), sampling=sampling(job), timeout_s=remaining, attempt=attempt
-                    )
-                    if (salt := cache_salt(job)) is not None:
-                        local.cache_salt = salt
-                    stream = stub.Generate(local, timeout=remaining + 5, metadata=tracing.metadata(call))
-                else:
-                    kv = common_pb2.KVDescriptor.FromString(base64.b64decode(handed["kv"]))
-                    request = decode_pb2.DecodeRequest(
-                        job_id=job_id, attempt=attempt, first_token=int(handed["first_token"]), kv=kv,
-                        sampling=sampling(job), timeout_s=remaining, token_ids=_ids(job),  # vLLM, penalties need it
-                    )  # fmt: skip
-                    if handed.get("first_logprobs"):
-                        request.first_logprobs.ParseFromString(base64.b64decode(handed["first_logprobs"]))
-                    for choice in handed.get("choices") or ():
-                        request.choices.add().ParseFromString(base64.b64decode(choice))
-                    for position in handed.get("prompt_logprobs") or ():
-                        request.prompt_logprobs.add().ParseFromString(base64.b64decode(position))
-                    if (salt := cache_salt(job)) is not None:
-                        request.cache_salt = salt
-                    stream = stub.Decode(request, timeout=remaining + 5, metadata=tracing.metadata(call))
+                stream = start_decode(stub, job_id, job, handed, attempt, remaining, tracing.metadata(call))
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 served: dict[str, int] = {}  # a local run's prefix cache hit, recorded with DONE
                 n = job_sampling(job).n  # choices: DONE once each ended
@@ -346,34 +321,28 @@ class Follower:
         where = f"{job['decode_region']}/{job['decode_instance']}" if job.get("decode_instance") else ""
         log.warning("job %s attempt %d: decode stream in %s ended after %d tokens: %s", job_id, attempt,
                     where or "?", after_tokens, exc.code().name)  # fmt: skip
+        reason = f"{mode} decode in {where or '?'} lost after {after_tokens} tokens: {exc.code().name}"
+        if mode == "split" and exc.code() == PREFILL_LOST:  # the decode instance is fine, its KV's source is not:
+            # that one is left out (it may hang: no reship from it), and the next attempt computes the prompt again
+            prefill = f"{job['prefill_region']}/{job['prefill_instance']}" if job.get("prefill_instance") else ""
+            self.attempts.fail(job_id, attempt, prefill, f"{reason} ({exc.details()})", reship_from="")
+            return
         if exc.code() == grpc.StatusCode.UNAVAILABLE and where:
             self.s.regions.suspect(where)
-        reason = f"{mode} decode in {where or '?'} lost after {after_tokens} tokens: {exc.code().name}"
         reship: dict[str, str] | str = ""
         if mode == "split" and job.get("prefill_instance"):  # its KV is still leased there a while
             reship = {"region": job["prefill_region"], "instance": job["prefill_instance"]}
         self.attempts.fail(job_id, attempt, where, reason, reship_from=reship)
 
-    def cancel(self, job_id: str, reason: str) -> bool:
-        """CANCELED in the store, then Cancel in both regions (idempotent there)."""
+    def cancel(self, job_id: str, reason: str, *, wait: bool = True) -> bool:
+        """CANCELED in the store, then Cancel in both regions (idempotent there); `wait`: for their answers."""
         try:
             # followed from its creation: a job canceled before its stream was read is no longer ours either
             self.s.jobs.transition(job_id, JobState.CANCELED, 0, note=reason, error=f"canceled: {reason}",
                                    unfollow=self.owner)  # fmt: skip
         except (IllegalTransition, JobNotFound):
             return False
-        job = self.s.jobs.get(job_id)
-        request = common_pb2.CancelRequest(job_id=job_id, reason=reason)
-        for target, region, stub_type in (
-            (job.get("decode_grpc"), job.get("decode_region", ""), decode_pb2_grpc.DecodeRegionStub),
-            (job.get("prefill_grpc"), job.get("prefill_region", ""), prefill_pb2_grpc.PrefillRegionStub),
-        ):
-            if not target:
-                continue
-            try:
-                stub_type(self.channels.get(target, server_name(region))).Cancel(request, timeout=2)
-            except grpc.RpcError as exc:
-                log.warning("cancel of %s in %s: %s", job_id, target, exc.code().name)
+        cancel_in_regions(self.channels, job_id, self.s.jobs.get(job_id), reason, wait)
         return True
 
 
@@ -393,7 +362,3 @@ def _released(stream: Any) -> Iterator[threading.Event]:
 def _trace_parent(span: tracing.Span | None, job: dict[str, str]) -> Any:
     """The context a decode call's span is started in: the job's span in this process, else its record's trace."""
     return tracing.set_span_in_context(span) if span is not None else tracing.from_traceparent(job.get("trace"))
-
-
-def _ids(job: dict[str, str], field: str = "token_ids") -> list[int]:
-    return list(json.loads(job.get(field) or "[]"))
