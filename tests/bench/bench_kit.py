@@ -53,3 +53,36 @@ def unusable_home(tmp_path: Path) -> dict[str, str]:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     return {**os.environ, "PRFAAS_HOME": str(blocker / "home"), "HF_HUB_OFFLINE": "1"}
+
+
+# main() of a bench script for each of several command lines in one child interpreter (the import alone takes
+# seconds), with what it would start stubbed to raise: a command line that got past the argument checks says so
+# instead of loading a model. Prints [exit code or exception name, stderr or message] per command line.
+_USAGE = """
+import contextlib, io, json, sys
+import prfaas.bench.{name} as script
+
+def past_the_checks(*args, **kwargs):
+    raise RuntimeError("went past the argument checks")
+
+script.HFEngine = script.fresh_deployment = past_the_checks
+results = []
+for argv in json.load(sys.stdin):
+    sys.argv, err = ["{name}.py", *argv], io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            script.main()
+        results.append([None, err.getvalue()])
+    except SystemExit as exc:
+        results.append([exc.code, err.getvalue()])
+    except Exception as exc:
+        results.append([type(exc).__name__, str(exc)])
+print(json.dumps(results))
+"""
+
+
+def usage_outcomes(name: str, argvs: list[list[str]]) -> dict[str, list[object]]:
+    """bench/<name>.py's main() on each of `argvs` with its model and deployment stubbed to raise (`_USAGE`):
+    " ".join(argv) -> [exit code (2: a usage error) or the exception's name, stderr or its message]."""
+    results = python(_USAGE.replace("{name}", name), argvs)
+    return {" ".join(argv): result for argv, result in zip(argvs, results, strict=True)}

@@ -5,7 +5,7 @@ are usage errors before the model loads, and a run that took no sample exits 1."
 from __future__ import annotations
 
 import pytest
-from bench_kit import python
+from bench_kit import python, usage_outcomes
 
 CASES = [
     (["--rate", "0"], "argument --rate: must be a positive number, not 0"),
@@ -16,35 +16,10 @@ CASES = [
     (["--max-tokens", "0"], "argument --max-tokens: at least 1, not 0"),
 ]
 
-# main() of the script for each case in one child interpreter (the import alone takes seconds), with the model and
-# the deployment stubbed to raise: a case that got past the argument checks says so instead of loading a model.
-USAGE = """
-import contextlib, io, json, sys
-import prfaas.bench.soak as script
-
-def past_the_checks(*args, **kwargs):
-    raise RuntimeError("went past the argument checks")
-
-script.HFEngine = script.fresh_deployment = past_the_checks
-results = []
-for argv in json.load(sys.stdin):
-    sys.argv, err = ["soak.py", *argv], io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            script.main()
-        results.append([None, err.getvalue()])
-    except SystemExit as exc:
-        results.append([exc.code, err.getvalue()])
-    except Exception as exc:
-        results.append([type(exc).__name__, str(exc)])
-print(json.dumps(results))
-"""
-
 
 @pytest.fixture(scope="module")
 def usage() -> dict[str, list[object]]:
-    results = python(USAGE, [args for args, _ in CASES])
-    return {" ".join(args): result for (args, _), result in zip(CASES, results, strict=True)}
+    return usage_outcomes("soak", [args for args, _ in CASES])
 
 
 @pytest.mark.parametrize(("args", "message"), CASES)
