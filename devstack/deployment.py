@@ -69,6 +69,7 @@ def _private_database(path: Path) -> Path:
     """`path`, an SQLite file made 0600 in a 0700 folder before the control plane opens it (SQLite gives its
     -wal and -shm files the database's mode); one an earlier run left wider is narrowed."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
     path.touch(mode=0o600)
     for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         with contextlib.suppress(FileNotFoundError):

@@ -114,17 +114,19 @@ class Meter:
             if len(ids) < len(batch):
                 if self._later:  # closing: the reconciliation sweep bills them
                     log.info("%d jobs left waiting for their wire bytes", len(self._later))
+                    if self.metrics is not None:
+                        self.metrics.queue_depth.dec(len(self._later))
                 return
 
     def _next(self) -> str | None:
         """The next job to bill: a queued one, or a deferred one whose retry is due (queued again)."""
         while True:
-            with self._lock:
-                due_in = self._later[0][0] - time.monotonic() if self._later else None
-                if due_in is not None and due_in <= 0:
+            with self._lock:  # every retry due, queued together: billed in one batch
+                while self._later and self._later[0][0] <= time.monotonic():
                     _, job_id, waited = heapq.heappop(self._later)
                     self._retrying[job_id] = min(2 * waited, WIRE_RETRY_S[1])
                     self._queue.put_nowait(job_id)
+                due_in = self._later[0][0] - time.monotonic() if self._later else None
             try:
                 return self._queue.get(timeout=due_in if due_in is None or due_in > 0 else 0.001)
             except queue.Empty:
@@ -140,23 +142,24 @@ class Meter:
     def _bill_batch(self, job_ids: list[str], deferred: list[str]) -> None:
         try:
             self.bill_many(job_ids, self.wire_wait_s, deferred)
-            for job_id in set(job_ids) - set(deferred):
-                self._retrying.pop(job_id, None)
-            self._defer(deferred)
         except Exception:
-            deferred.clear()  # one by one below: a job deferred there is left to the reconciliation sweep
+            deferred.clear()  # one by one below (one unpriced job stops no other)
             if self.metrics is not None:
                 self.metrics.errors.inc()
             log.exception("billing %d jobs together failed; billing them one by one", len(job_ids))
             for job_id in job_ids:
-                self._bill_retrying(job_id)
+                self._bill_retrying(job_id, deferred)
+        for job_id in set(job_ids) - set(deferred):
+            self._retrying.pop(job_id, None)
+        self._defer(deferred)
 
-    def _bill_retrying(self, job_id: str, tries: int = 3) -> None:
+    def _bill_retrying(self, job_id: str, deferred: list[str], tries: int = 3) -> None:
         for i in range(tries):
             try:
-                self.bill(job_id)
+                self.bill_many([job_id], self.wire_wait_s, deferred)
                 return
             except Exception:
+                deferred[:] = [other for other in deferred if other != job_id]  # deferred by a try that then failed
                 if self.metrics is not None:
                     self.metrics.errors.inc()
                 log.exception("billing job %s failed (try %d of %d)", job_id, i + 1, tries)

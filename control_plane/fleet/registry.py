@@ -347,7 +347,8 @@ class RegionRegistry:
     def snapshot(self, model: ModelShape, exclude: frozenset[str] = frozenset()) -> ClusterSnapshot:
         """The fleet as the scheduler sees it: regions (dead, drained or excluded ones marked
         unhealthy) and the links between them. `exclude`: regions by name, or instances by
-        `region/instance` key (a region is left out once none of its healthy instances is left)."""
+        `region/instance@t` entry, an incarnation (`InstanceRecord.excluded_by`; a region is left out once none
+        of its healthy instances is left)."""
         return self.snapshot_of(self.regions(), self.links(), model, exclude)
 
     def snapshot_of(

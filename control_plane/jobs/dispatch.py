@@ -238,7 +238,8 @@ class Dispatcher:
             if full and (refusals := int(job.get("full_refusals", 0) or 0) + 1) <= FULL_RETRIES:  # full for now
                 jobs.update(job_id, attempt, full_refusals=refusals)  # then the attempt fails, leaving it out
                 raise PlaceAgain(f"reserve in {decode.key}: RESOURCE_EXHAUSTED {exc.details() or ''}".strip()) from exc
-            raise self._failed(decode.key, "reserve", exc) from exc
+            lost = exc.code() == grpc.StatusCode.ABORTED  # PREFILL_LOST: the decode region lost `prefill` meanwhile
+            raise self._failed(prefill.key if lost else decode.key, "reserve", exc) from exc
         finally:
             call.end()
         reserve_s = time.perf_counter() - reserving
@@ -349,9 +350,8 @@ class Dispatcher:
 
     @staticmethod
     def _lost(run: Started, step: str, span: tracing.Span, exc: Exception) -> None:
-        """Following the stage failed for a reason of ours (Redis away past its retries): its lease is left
-        in place, so the sweeper takes the attempt back at the lease's deadline (stops it in its regions, tries
-        again); taken here, nothing would ever move the job on."""
+        """Following the stage failed for a reason of ours (Redis away past its retries): its lease is left in place,
+        so the sweeper takes the attempt back at its deadline; taken here, nothing would ever move the job on."""
         log.error("job %s attempt %d: following its %s failed (%r); the sweeper takes it back at its lease's end",
                   run.job_id, run.attempt, step, exc)  # fmt: skip
         tracing.failed(span, exc)

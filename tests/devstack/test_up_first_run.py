@@ -118,9 +118,11 @@ def test_the_control_plane_database_is_made_0600_before_the_api_opens_it(
         assert env["PRFAAS_LEDGER_URL"] == f"sqlite:///{database}"
         assert (_mode(database), _mode(database.parent)) == (0o600, 0o700)
         database.chmod(0o644)  # an earlier run's
+        database.parent.chmod(0o755)
         database.with_name("control-plane.db-wal").touch(mode=0o644)
         deployment._cp_env()
         assert _mode(database) == _mode(database.with_name("control-plane.db-wal")) == 0o600
+        assert _mode(database.parent) == 0o700
         monkeypatch.setenv("PRFAAS_LEDGER_URL", f"sqlite:///{tmp_path / 'mine.db'}")
         assert deployment._cp_env()["PRFAAS_LEDGER_URL"] == f"sqlite:///{tmp_path / 'mine.db'}"
         assert not (tmp_path / "mine.db").exists()

@@ -151,6 +151,38 @@ def test_a_split_job_whose_wire_bytes_come_late_is_billed_by_its_own_biller(stor
         meter.close()
 
 
+def test_deferred_jobs_due_together_are_tried_again_in_one_batch(
+    stores: tuple[Services, Ledger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every split job of a prefill region that died after its hand-offs comes back at once: one batch, one Redis
+    round trip and one ledger transaction, not one each (they came back one per batch)."""
+    services, ledger = stores
+    tenant = services.tenants.create("acme").id
+    late = [_done_split(services, tenant) for _ in range(12)]
+    monkeypatch.setattr(meter_module, "WIRE_RETRY_S", (0.5, 0.5))
+    batches: list[int] = []
+
+    class Counted(Meter):
+        def bill_many(self, job_ids: list[str], wait_s: float = 5.0, deferred: list[str] | None = None) -> list:  # type: ignore[type-arg]
+            batches.append(len(job_ids))
+            return super().bill_many(job_ids, wait_s, deferred)
+
+    meter = Counted(services, ledger, batch_window_s=0.05, wire_wait_s=0.1)
+    try:
+        for job in late:
+            meter.job_done(job)
+        assert meter.flush(10)
+        for job in late:
+            services.jobs.update(job, 1, bytes_wire=LAST_WIRE)
+        deadline = time.monotonic() + 10
+        while any(ledger.entry(job) is None for job in late) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(ledger.entry(job) is not None for job in late)
+        assert batches[0] == 12 and len(batches) <= 4, batches  # the retries: all 12 together
+    finally:
+        meter.close()
+
+
 def test_a_split_job_without_wire_bytes_is_billed_while_redis_still_holds_it(tmp_path: Path) -> None:
     """The grace is at most half the job's TTL: past it the job is billed 0 egress; after its TTL it would be gone
     from Redis (and its reservation released as gone) with no entry ever written."""
@@ -231,10 +263,10 @@ def test_a_job_counts_in_the_ledger_queue_until_its_bill_is_written(stores: tupl
     writing, release = threading.Event(), threading.Event()
 
     class SlowLedger(Meter):
-        def bill_many(self, job_ids: list[str], wait_s: float = 5.0) -> list:  # type: ignore[type-arg]
+        def bill_many(self, job_ids: list[str], wait_s: float = 5.0, deferred: list[str] | None = None) -> list:  # type: ignore[type-arg]
             writing.set()
             assert release.wait(10)
-            return super().bill_many(job_ids, wait_s)
+            return super().bill_many(job_ids, wait_s, deferred)
 
     registry = CollectorRegistry()
     meter = SlowLedger(services, ledger, registry, batch_window_s=0)

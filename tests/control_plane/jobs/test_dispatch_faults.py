@@ -60,9 +60,12 @@ class Decode(decode_pb2_grpc.DecodeRegionServicer):
     def __init__(self) -> None:
         self.reserves = 0
         self.full_for = 0  # this many Reserves are refused: the buffer is full
+        self.prefill_lost = False  # Reserve ends ABORTED: its health watch on the prefill region broke meanwhile
 
     async def Reserve(self, request: Any, context: Any) -> Any:  # noqa: N802
         self.reserves += 1
+        if self.prefill_lost:
+            await context.abort(grpc.StatusCode.ABORTED, f"prefill region {request.prefill_region} is unavailable")
         if self.reserves <= self.full_for:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV buffer full")
         return decode_pb2.ReserveReply(kv_endpoint="127.0.0.1:9", free_bytes=1 << 40, expires_in_s=request.ttl_s)
@@ -140,6 +143,19 @@ def test_a_decode_instance_full_every_time_is_left_out_after_a_few_tries(
     job = services.jobs.get(job_id)
     assert job["attempt"] == "2" and [e.split("@")[0] for e in json.loads(job["excluded"])] == ["decode-t/i0"], job
     assert job["full_refusals"] == "0"  # the new attempt's own count
+
+
+def test_a_reserve_that_lost_its_prefill_region_leaves_that_prefill_instance_out(
+    services: Services, regions: FakeRegions
+) -> None:
+    """ABORTED (PrefillLost): the decode region is healthy, the prefill instance it was to receive from is not."""
+    regions.decode.prefill_lost = True
+    queued: list[tuple[str, float]] = []
+    dispatcher = Dispatcher(services, lambda job_id, countdown: queued.append((job_id, countdown)), owner="worker:t")
+    job_id = _job(services)
+    assert dispatcher.run(job_id) == "retrying"
+    job = services.jobs.get(job_id)
+    assert [e.split("@")[0] for e in json.loads(job["excluded"])] == ["prefill-t/i0"], job
 
 
 class Draining(Dispatcher):
