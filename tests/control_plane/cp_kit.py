@@ -4,10 +4,13 @@ two-region stack of real processes the API's end-to-end tests run against."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import tempfile
+import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,8 +34,10 @@ __all__ = [
     "ensure_redis",
     "make_settings",
     "openai_client",
+    "outcome_within",
     "postgres_database",
     "settings_fixture",
+    "silent_port",
     "stack_services",
     "stack_settings",
     "two_region_stack",
@@ -147,3 +152,47 @@ def two_region_stack(
     finally:
         s.stop()
         s.cleanup()
+
+
+def outcome_within(fn: Callable[[], Any], cutoff_s: float) -> tuple[BaseException | None, float]:
+    """What `fn` raised (None: it returned) and how long it took, on a thread given `cutoff_s`: one still
+    blocked then fails the test instead of hanging it (a daemon thread, left blocked)."""
+    box: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            box.append(None)
+        except BaseException as exc:  # the test reads it
+            box.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(cutoff_s)
+    assert not thread.is_alive(), f"still blocked after {cutoff_s:.0f} s"
+    return box[0], time.monotonic() - started
+
+
+@contextmanager
+def silent_port() -> Iterator[int]:
+    """A local port that accepts every connection and never says a word (a stalled server)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[Any] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept())
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+        for conn, _ in held:
+            conn.close()

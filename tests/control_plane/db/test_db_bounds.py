@@ -5,15 +5,12 @@ uncached API key is looked up on the request path. Real PostgreSQL for the lock.
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
+from cp_kit import outcome_within, silent_port
 from ledger_kit import PG_URL, _pg_reachable
 
 from prfaas.control_plane.db import engine as db_engine
@@ -22,37 +19,10 @@ from prfaas.control_plane.db.engine import make_engine
 CUTOFF_S = 15.0  # the test's own bound: a wait still blocked here is unbounded
 
 
-def _within(fn: Callable[[], Any], cutoff_s: float = CUTOFF_S) -> tuple[BaseException | None, float]:
-    """What `fn` raised and how long it took; fails the test if it is still blocked at `cutoff_s`."""
-    box: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            fn()
-            box.append(None)
-        except BaseException as exc:  # the test reads it
-            box.append(exc)
-
-    started = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(cutoff_s)
-    assert not thread.is_alive(), f"still blocked after {cutoff_s:.0f} s"
-    return box[0], time.monotonic() - started
-
-
 @pytest.fixture
 def silent_server() -> Iterator[int]:
-    """A port that accepts connections and never says a word."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    held: list[Any] = []
-    threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
-    yield listener.getsockname()[1]
-    for conn, _ in held:
-        conn.close()
-    listener.close()
+    with silent_port() as port:
+        yield port
 
 
 def test_a_server_that_never_answers_fails_the_connection_at_its_timeout(
@@ -61,7 +31,7 @@ def test_a_server_that_never_answers_fails_the_connection_at_its_timeout(
     monkeypatch.setattr(db_engine, "CONNECT_TIMEOUT_S", 2)
     engine = make_engine(f"postgresql+psycopg://prfaas@127.0.0.1:{silent_server}/test")
     try:
-        error, took = _within(lambda: engine.connect().close())
+        error, took = outcome_within(lambda: engine.connect().close(), CUTOFF_S)
     finally:
         engine.dispose()
     assert isinstance(error, sa.exc.OperationalError), error
@@ -100,7 +70,7 @@ def test_a_locked_table_fails_the_statement_at_the_lock_timeout(
                 with engine.connect() as conn:
                     conn.execute(sa.text("SELECT count(*) FROM api_keys")).scalar()
 
-            error, took = _within(read)
+            error, took = outcome_within(read, CUTOFF_S)
     finally:
         engine.dispose()
         locker.dispose()

@@ -4,15 +4,11 @@ Before, `enqueue` blocked for good: the request hung and its tenant's concurrenc
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import kombu.exceptions
 import pytest
-from cp_kit import cleanup, ensure_redis, make_settings
+from cp_kit import cleanup, ensure_redis, make_settings, outcome_within, silent_port
 
 from prfaas.control_plane.jobs.celery_app import BROKER_TIMEOUT_S, enqueue, make_celery
 
@@ -20,23 +16,8 @@ from prfaas.control_plane.jobs.celery_app import BROKER_TIMEOUT_S, enqueue, make
 @pytest.fixture
 def silent_broker() -> Iterator[str]:
     """A redis:// URL whose server accepts every connection and never says a word."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    held: list[Any] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                held.append(listener.accept())
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
-    listener.close()
-    for conn, _ in held:
-        conn.close()
+    with silent_port() as port:
+        yield f"redis://127.0.0.1:{port}/0"
 
 
 def test_a_dispatch_on_a_broker_that_never_answers_fails_in_seconds(silent_broker: str) -> None:
@@ -44,20 +25,9 @@ def test_a_dispatch_on_a_broker_that_never_answers_fails_in_seconds(silent_broke
     settings = make_settings()
     app = make_celery(settings)
     app.conf.broker_url = silent_broker
-    outcome: list[Any] = []
-
-    def send() -> None:
-        try:
-            enqueue(app, "job-1")
-            outcome.append(None)
-        except BaseException as exc:  # the test reads it
-            outcome.append(exc)
-
-    started = time.monotonic()
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
-    sender.join(4 * BROKER_TIMEOUT_S)
-    cleanup(settings)
-    assert not sender.is_alive(), f"enqueue still blocked after {4 * BROKER_TIMEOUT_S:.0f} s"
-    assert isinstance(outcome[0], kombu.exceptions.OperationalError), outcome
-    assert time.monotonic() - started < 3 * BROKER_TIMEOUT_S
+    try:
+        error, took_s = outcome_within(lambda: enqueue(app, "job-1"), 4 * BROKER_TIMEOUT_S)
+    finally:
+        cleanup(settings)
+    assert isinstance(error, kombu.exceptions.OperationalError), error
+    assert took_s < 3 * BROKER_TIMEOUT_S
