@@ -19,7 +19,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 def job_public(s: Services, job: dict[str, str]) -> JobPublic:
     prompt = int(job.get("prompt_tokens", 0))
-    completion = int(job.get("completion_tokens", 0))
+    completion = int(job.get("completion_tokens") or job.get("cut_tokens") or 0)  # cut: what a canceled job sent
     return JobPublic(
         id=job["id"], state=job["state"], attempt=int(job["attempt"]), model=job.get("model", ""),
         created_at=float(job["created_at"]), updated_at=float(job["updated_at"]),
@@ -62,5 +62,5 @@ def get_job(job_id: str, tenant: TenantDep, s: ServicesDep) -> JobPublic:
 @router.delete("/{job_id}")
 def cancel_job(job_id: str, tenant: TenantDep, s: ServicesDep, follower: FollowerDep) -> JobPublic:
     _owned(s, tenant.id, job_id)
-    follower.cancel(job_id, "canceled by the tenant")
+    follower.cancel(job_id, "canceled by the tenant", by_client=True)
     return job_public(s, s.jobs.get(job_id))

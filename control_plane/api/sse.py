@@ -195,14 +195,15 @@ def client_gone(follower: Follower, jobs: list[PromptJob], *, reading: bool = Fa
                 follower.left(jobs[0].job_id)
             else:
                 follower.disconnected(jobs[0].job_id, jobs[0].stream)
-    cancel_batch(follower, jobs, "client disconnected")
+    cancel_batch(follower, jobs, "client disconnected", by_client=True)
 
 
-def cancel_batch(follower: Follower, jobs: list[PromptJob], reason: str) -> None:
+def cancel_batch(follower: Follower, jobs: list[PromptJob], reason: str, *, by_client: bool = False) -> None:
     """A batch's response ended early (one prompt's job failed, or its client left): the jobs of its other
     prompts are canceled, not left running for no one, billed, and holding the tenant's concurrency slots.
-    (A single job: its own end, or `client_gone`.) A job that has ended already is left as it is."""
+    (A single job: its own end, or `client_gone`.) A job that has ended already is left as it is. `by_client`:
+    its client left, so each job's tokens read so far are billed (`Follower.cancel`)."""
     for job in jobs if len(jobs) > 1 else ():
         if job.leader:
             with contextlib.suppress(redis.RedisError):  # then its job ends with the outage (Follower.abandon)
-                follower.cancel(job.job_id, reason)
+                follower.cancel(job.job_id, reason, by_client=by_client)

@@ -1,13 +1,14 @@
 """Metering: a finished job becomes its ledger entry, exactly once, off the request path.
 
-The single hook is `Meter.job_done(job_id)`, called by the API process right after the job's `DONE`
-transition (control_plane/jobs/generation.py). It only queues the id (no I/O): a background thread reads the job
-and its timeline from Redis, prices the work (`PriceBook`: live or table $/GPU-hour, the link's egress $/GB from
-the registry) and writes the ledger (`Ledger.record_many`: idempotent on the job id, so a second API process, a
-retry or the reconciliation sweep (billing/reconcile.py) never bills twice). Attempts that did not produce the
-answer (a failover, a lost region) are recorded as the platform's cost (`Ledger.record_wasted_once`), never the
-tenant's. What each job is billed: billing/usage.py. After every write the tenants' monthly spend in Redis
-rises by the new entries' $ and their jobs' budget reservations end, in one step (billing/spend.py).
+The single hook is `Meter.job_done(job_id)`, called by the API process right after the job's `DONE` transition
+(control_plane/jobs/generation.py), and for a job its client canceled (billed up to the cut). It only queues the id
+(no I/O): a background thread reads the job and its timeline from Redis, prices the work (`PriceBook`: live or
+table $/GPU-hour, the link's egress $/GB from the registry) and writes the ledger (`Ledger.record_many`: idempotent
+on the job id, so a second API process, a retry or the reconciliation sweep (billing/reconcile.py) never bills
+twice). Attempts that did not produce the answer (a failover, a lost region) are recorded as the platform's cost
+(`Ledger.record_wasted_once`), never the tenant's. What each job is billed: billing/usage.py. After every write the
+tenants' monthly spend in Redis rises by the new entries' $ and their jobs' budget reservations end, in one step
+(billing/spend.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from prfaas.control_plane.billing.metrics import MeteringMetrics
 from prfaas.control_plane.billing.models import UsageEntry
 from prfaas.control_plane.billing.prices import PriceBook
 from prfaas.control_plane.billing.spend import TenantSpend
-from prfaas.control_plane.billing.usage import job_usage, wasted_work
+from prfaas.control_plane.billing.usage import billable, job_usage, wasted_work
 from prfaas.control_plane.fleet.records import RegionNotFound
 from prfaas.control_plane.jobs.latency import LatencyMetrics, stage_seconds
 from prfaas.control_plane.jobs.states import JobState
@@ -78,7 +79,8 @@ class Meter:
     # -- the hook ------------------------------------------------------------------------------
 
     def job_done(self, job_id: str) -> None:
-        """Queue a DONE job for billing; returns at once (no I/O on the caller's path)."""
+        """Queue a finished job for billing; returns at once (no I/O on the caller's path). A job that turns out
+        not `billable` (billing/usage.py: not DONE, nor canceled by its client after tokens came) is skipped."""
         self._queue.put_nowait(job_id)
         if self.metrics is not None:
             self.metrics.queue_depth.inc()
@@ -182,8 +184,8 @@ class Meter:
     # -- billing -------------------------------------------------------------------------------
 
     def bill(self, job_id: str, wait_s: float = WIRE_BYTES_WAIT_S) -> UsageEntry | None:
-        """Write the job's entry (and its wasted attempts) if it is DONE; the stored entry if billed before.
-        None: not DONE, gone, or a split job whose wire bytes have not come yet (see `bill_many`)."""
+        """Write the job's entry (and its wasted attempts) if it is `billable`; the stored entry if billed before.
+        None: not billable, gone, or a split job whose wire bytes have not come yet (see `bill_many`)."""
         entries = self.bill_many([job_id], wait_s)
         return entries[0] if entries else None
 
@@ -192,7 +194,7 @@ class Meter:
     ) -> list[UsageEntry]:
         """`bill` for several jobs: the jobs and their timelines read in one Redis round trip, the entries
         written in one ledger transaction, each tenant's spend raised (its jobs' reservations settled) once.
-        Returns the entries of the jobs that are DONE (written now or before), in order; jobs gone or not DONE
+        Returns the entries of the `billable` jobs (written now or before), in order; jobs gone or not billable
         are skipped, and so is a split job whose wire bytes are not recorded yet, after `wait_s` for all of them
         together (not for one deferred before), unless it finished over its grace ago (`_past_wire_grace`: then its
         egress is billed as 0); its id is added to `deferred`."""
@@ -200,14 +202,17 @@ class Meter:
         jobs: list[tuple[JobUsage, PriceTable]] = []
         stages: dict[str, tuple[dict[str, str], dict[str, float]]] = {}
         tables: dict[tuple[str, str], PriceTable] = {}
-        done = [f for f in self.s.jobs.with_timelines(job_ids) if f is not None and f[0]["state"] == JobState.DONE]
+        cut: set[str] = set()
+        done = [f for f in self.s.jobs.with_timelines(job_ids) if f is not None and billable(f[0])]
         for job, timeline in self._with_wire_bytes(done, wait_s):
             usage = job_usage(job, timeline)
             if usage.placement == "split" and not usage.kv_bytes_wire and not self._past_wire_grace(usage):
                 if deferred is not None:  # its wire bytes may still come: billed later (its reservation holds)
                     deferred.append(usage.job_id)
                 continue
-            if self.latency is not None:
+            if job["state"] != JobState.DONE:  # canceled by its client: billed up to the cut, its stages cut short
+                cut.add(usage.job_id)
+            elif self.latency is not None:
                 stages[usage.job_id] = (job, stage_seconds(job, timeline, usage.tpot_s))
             self.record_wasted(job, timeline, range(1, usage.attempts))
             regions = (usage.prefill_region, usage.decode_region)
@@ -220,19 +225,20 @@ class Meter:
             try:  # only the writer of an entry settles it: the spend rises once per job (a crash in between: reconcile)
                 late = self.spend.settle(((e.tenant, e.job_id, e.total_usd, e.finished_at) for e in written), lease)
             finally:  # the entries are written: their metrics too (a retry finds them written, and observes nothing)
-                self._observe(written, stages, started)
+                self._observe(written, stages, cut, started)
         finished = {e.job_id: e.finished_at for e in written}
         for tenant, ids in late.items():  # the lease ran out before the settle (a stall): syncs count them instead
             self.spend.catch_up(tenant, self.ledger, {job_id: finished[job_id] for job_id in ids})
         return [entry for entry, _ in results]
 
     def _observe(
-        self, written: list[UsageEntry], stages: dict[str, tuple[dict[str, str], dict[str, float]]], started: float
-    ) -> None:
+        self, written: list[UsageEntry], stages: dict[str, tuple[dict[str, str], dict[str, float]]], cut: set[str],
+        started: float,
+    ) -> None:  # fmt: skip
         if self.metrics is not None:
             each_s = (time.perf_counter() - started) / max(1, len(written))
             for entry in written:
-                self.metrics.billed(entry)
+                self.metrics.billed(entry, cut=entry.job_id in cut)
                 self.metrics.write_s.observe(each_s)
         if self.latency is not None:  # once per job: by the process whose write inserted its entry
             for entry in written:

@@ -29,6 +29,10 @@ class MeteringMetrics:
             "prfaas_savings_usd", "colocated $ - billed $ of jobs billed by this process", ["region"], registry=r
         )
         self.billed_jobs = Counter("prfaas_billed_jobs", "ledger entries written", ["placement"], registry=r)
+        self.billed_cut_jobs = Counter(
+            "prfaas_billed_cut_jobs", "ledger entries of jobs their client canceled (billed up to the cut; also in "
+            "prfaas_billed_jobs_total)", ["placement"], registry=r,
+        )  # fmt: skip
         self.wasted_usd = Counter(
             "prfaas_wasted_usd", "platform cost of attempts that did not answer", ["phase", "region"], registry=r
         )
@@ -37,7 +41,7 @@ class MeteringMetrics:
         self.queue_depth = Gauge("prfaas_ledger_queue_depth", "finished jobs waiting to be billed", registry=r)
         r.register(self.prices)
 
-    def billed(self, entry: UsageEntry) -> None:
+    def billed(self, entry: UsageEntry, *, cut: bool = False) -> None:
         self.billed_usd.labels("prefill", entry.prefill_region).inc(entry.prefill_usd)
         self.billed_usd.labels("decode", entry.decode_region).inc(entry.decode_usd)
         if entry.egress_usd:
@@ -45,6 +49,8 @@ class MeteringMetrics:
         self.colocated_usd.labels(entry.decode_region).inc(entry.colocated_usd)
         self.savings_usd.labels(entry.decode_region).inc(entry.savings_usd)
         self.billed_jobs.labels(entry.placement or "unknown").inc()
+        if cut:
+            self.billed_cut_jobs.labels(entry.placement or "unknown").inc()
 
 
 class PriceCollector(Collector):

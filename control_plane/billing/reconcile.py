@@ -1,6 +1,7 @@
-"""The reconciliation sweep (the beat task `prfaas.reconcile_ledger`, every minute): bills DONE jobs that have
-no ledger entry (their API process died between DONE and the write, or their wire bytes came after the biller's
-wait: `Meter.bill_many`), records the wasted attempts of FAILED /
+"""The reconciliation sweep (the beat task `prfaas.reconcile_ledger`, every minute): bills the jobs due a bill
+(DONE, or canceled by their client after tokens came: billing/usage.py's `billable`) that have no ledger entry
+(their API process died between the end and the write, or their wire bytes came after the biller's wait:
+`Meter.bill_many`), records the wasted attempts of the other FAILED /
 CANCELED jobs, raises every tenant's monthly spend in Redis to the ledger's sum (of each month its window reaches
 into: a job counts in the month it finished in), and ends budget reservations left behind (a job gone from Redis,
 a FAILED / CANCELED one, a DONE one billed over `SETTLE_GRACE_S` ago whose writer died before settling it, once
@@ -19,10 +20,11 @@ import time
 
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.spend import months
-from prfaas.control_plane.billing.usage import wasted_work
+from prfaas.control_plane.billing.usage import billable, wasted_work
 from prfaas.control_plane.jobs.states import JobState
 
 SETTLE_GRACE_S = 60.0  # a DONE job's biller settles it within this long of billing it, or not at all
+CUT_GRACE_S = 60.0  # a job's follower records what its stream got within this long of its client's cancel
 BATCH = 500  # jobs per Redis round trip and per SQL query
 ENDED_UNBILLED = (JobState.FAILED, JobState.CANCELED)
 log = logging.getLogger(__name__)
@@ -55,11 +57,19 @@ def reconcile(meter: Meter, window_s: float = 3600.0) -> int:
 
 
 def _reconcile_batch(meter: Meter, job_ids: list[str]) -> int:
-    """Bill the DONE jobs of `job_ids` the meter missed and record the wasted attempts of the FAILED / CANCELED
-    ones not recorded yet; returns the entries written. Jobs gone from Redis are skipped."""
-    states = meter.s.jobs.fields_of(job_ids, ["state"])
-    done = [j for j, job in zip(job_ids, states, strict=True) if job is not None and job["state"] == JobState.DONE]
-    ended = [j for j, job in zip(job_ids, states, strict=True) if job is not None and job["state"] in ENDED_UNBILLED]
+    """Bill the `billable` jobs of `job_ids` the meter missed (DONE, or canceled by their client after tokens
+    came) and record the wasted attempts of the other FAILED / CANCELED ones not recorded yet; returns the
+    entries written. Jobs gone from Redis are skipped, and so is a job its client canceled whose follower may
+    still record what it got (`CUT_GRACE_S`)."""
+    states = meter.s.jobs.fields_of(job_ids, ["state", "client_canceled", "cut_tokens", "updated_at"])
+    done, ended = [], []
+    for job_id, job in zip(job_ids, states, strict=True):
+        if job is None:
+            continue
+        if billable(job):
+            done.append(job_id)
+        elif job["state"] in ENDED_UNBILLED and not _cut_pending(job):
+            ended.append(job_id)
     billed = meter.ledger.billed(done)
     written = _bill(meter, [j for j in done if j not in billed])
     if ended:
@@ -67,8 +77,15 @@ def _reconcile_batch(meter: Meter, job_ids: list[str]) -> int:
     return written
 
 
+def _cut_pending(job: dict[str, str]) -> bool:
+    """A job its client canceled with no `cut_tokens` yet, canceled under `CUT_GRACE_S` ago: its follower may
+    still record the tokens it got (then it is billed, not the platform's waste)."""
+    recent = time.time() - float(job.get("updated_at") or 0) < CUT_GRACE_S
+    return job.get("client_canceled") == "1" and not job.get("cut_tokens") and recent
+
+
 def _bill(meter: Meter, job_ids: list[str]) -> int:
-    """Bill these DONE jobs together, or one by one when that fails (an unpriced one stops no other)."""
+    """Bill these jobs together, or one by one when that fails (an unpriced one stops no other)."""
     if not job_ids:
         return 0
     try:

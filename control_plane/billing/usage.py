@@ -6,6 +6,8 @@ What is measured, per job (fields written into the job hash on the way, see `ser
 - local: prefill GPU-s = `Generate`'s elapsed time to its first token; decode GPU-s as above.
 - a wasted attempt: the wall time its region held the job, from the attempt's timeline (PREFILLING -> next
   entry in the prefill region; TRANSFERRING / DECODING -> next entry in the decode region; LOCAL -> next entry).
+- a job its client canceled after tokens came (`billable`): as a DONE one, up to the last token its follower got
+  (the `cut_` fields, `Outputs.cut`); its earlier attempts are wasted work, as a DONE job's are.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def served_timing(first: tuple[float, float] | None, last_elapsed_s: float) -> d
     if first is None:
         return {"gen_last_s": last_elapsed_s}
     return {"first_token_at": first[0], "gen_first_s": first[1], "gen_last_s": last_elapsed_s}
+
+
+def billable(job: dict[str, str]) -> bool:
+    """Whether the job is billed to its tenant: DONE, or CANCELED by its client (`client_canceled`: it left,
+    or the tenant canceled the job) after tokens reached its follower (`cut_tokens`): the work up to the cut. A
+    job canceled before its first token, or by the platform (its deadline, a batch's other prompt failing),
+    is the platform's cost (`wasted_work`)."""
+    if job.get("state") == "DONE":
+        return True
+    return job.get("state") == "CANCELED" and job.get("client_canceled") == "1" and int(job.get("cut_tokens") or 0) > 0
 
 
 def _f(job: dict[str, str], name: str) -> float | None:
@@ -84,12 +96,18 @@ def wasted_work(job: dict[str, str], timeline: list[dict[str, Any]], attempts: r
 
 
 def job_usage(job: dict[str, str], timeline: list[dict[str, Any]]) -> JobUsage:
-    """The bill of a DONE job: the work of its final attempt (the one that answered)."""
+    """The bill of a `billable` job: the work of its final attempt (the one that answered, or was cut short by
+    its client: its tokens and decode time up to the last token its follower got)."""
     attempt = int(job["attempt"])
     split = job.get("placement_chosen") == "split"
     decode_region = job.get("decode_region", "")
     prefill_region = job.get("prefill_region", decode_region) if split else decode_region
-    first, last = _f(job, "gen_first_s"), _f(job, "gen_last_s")
+    cut = job.get("state") == "CANCELED"  # its fields: what the follower recorded when the stream ended (`cut_`)
+    end, first_s, last_s, tokens, first_at_s = (
+        ("CANCELED", "cut_first_s", "cut_last_s", "cut_tokens", "cut_first_at") if cut
+        else ("DONE", "gen_first_s", "gen_last_s", "completion_tokens", "first_token_at")
+    )  # fmt: skip
+    first, last = _f(job, first_s), _f(job, last_s)
     mine = {e["state"]: float(e["at"]) for e in timeline if e.get("attempt") == attempt}
     decode_s = max(0.0, last - first) if last is not None and first is not None else 0.0
     if split:
@@ -98,10 +116,10 @@ def job_usage(job: dict[str, str], timeline: list[dict[str, Any]]) -> JobUsage:
             prefill_s = mine["TRANSFERRING"] - mine["PREFILLING"]
     else:
         prefill_s = first
-        if prefill_s is None and "LOCAL" in mine and "DONE" in mine:
-            prefill_s = mine["DONE"] - mine["LOCAL"]
-    tokens_out = int(job.get("completion_tokens", 0) or 0)
-    first_at = _f(job, "first_token_at")
+        if prefill_s is None and "LOCAL" in mine and end in mine:
+            prefill_s = mine[end] - mine["LOCAL"]
+    tokens_out = int(job.get(tokens, 0) or 0)
+    first_at = _f(job, first_at_s)
     ttft = first_at - float(job["created_at"]) if first_at is not None else None
     tpot = decode_s / (tokens_out - 1) if tokens_out > 1 and last is not None and first is not None else None
     return JobUsage(
@@ -110,7 +128,7 @@ def job_usage(job: dict[str, str], timeline: list[dict[str, Any]]) -> JobUsage:
         tokens_in=int(job.get("prompt_tokens", 0) or 0), tokens_out=tokens_out,
         kv_bytes_raw=int(job.get("bytes_raw", 0) or 0) if split else 0,
         kv_bytes_wire=int(job.get("bytes_wire", 0) or 0) if split else 0,
-        finished_at=dt.datetime.fromtimestamp(mine.get("DONE", float(job["updated_at"])), dt.UTC),
+        finished_at=dt.datetime.fromtimestamp(mine.get(end, float(job["updated_at"])), dt.UTC),
         placement="split" if split else "local", attempts=attempt, ttft_s=ttft, tpot_s=tpot,
         codec=job.get("codec", "") if split else "",
     )  # fmt: skip

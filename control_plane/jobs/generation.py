@@ -90,9 +90,12 @@ class Follower:
             if self.owner and not followed:
                 self.leases.follow(job_id, self.owner)
             unfollowed = False
+            outputs = Outputs(already or ())
             try:
-                outputs = Outputs(already or ())
                 unfollowed = yield from self._tokens(job_id, job, ready, after_attempt, outputs, parent)
+            except BaseException:  # its client gone (GeneratorExit), the job canceled, failed or timed out
+                self._cut(job_id, outputs)
+                raise
             finally:
                 if self.owner and not unfollowed:
                     with contextlib.suppress(redis.RedisError):  # an outage's other errors say it already
@@ -172,6 +175,8 @@ class Follower:
                             if handed["mode"] == "split":
                                 tenant = job["tenant"]
                                 jobs.transition(job_id, JobState.DECODING, attempt, note="first token", tenant=tenant)
+                        if first is not None:  # what a cut stream was billed (`_cut`)
+                            output.timing = (attempt, *first, event.elapsed_s)
                         token = Token(
                             event.index, event.token, event.last, event.finish_reason, event.stop_reason,
                             logprobs_from_proto(event.logprobs) if event.HasField("logprobs") else None, event.choice,
@@ -292,7 +297,7 @@ class Follower:
         requests are attached to it, for which it runs on (its reader then reads it to its end for them)."""
         if self.log.readers(job_id) > 0:
             return False
-        self.cancel(job_id, "client disconnected")
+        self.cancel(job_id, "client disconnected", by_client=True)
         return True
 
     def _cancel_decode(self, job_id: str, handed: dict[str, Any], reason: str) -> None:
@@ -334,16 +339,34 @@ class Follower:
             reship = {"region": job["prefill_region"], "instance": job["prefill_instance"]}
         self.attempts.fail(job_id, attempt, where, reason, reship_from=reship)
 
-    def cancel(self, job_id: str, reason: str, *, wait: bool = True) -> bool:
-        """CANCELED in the store, then Cancel in both regions (idempotent there); `wait`: for their answers."""
+    def cancel(self, job_id: str, reason: str, *, wait: bool = True, by_client: bool = False) -> bool:
+        """CANCELED in the store, then Cancel in both regions (idempotent there); `wait`: for their answers.
+        `by_client`: the tenant's choice (its client left, or it canceled the job), not the platform's: the
+        tokens its follower got are billed (`_cut`; billing/usage.py), as vLLM-backed APIs bill an aborted
+        request's output so far."""
+        marked = {"client_canceled": 1} if by_client else {}
         try:
             # followed from its creation: a job canceled before its stream was read is no longer ours either
             self.s.jobs.transition(job_id, JobState.CANCELED, 0, note=reason, error=f"canceled: {reason}",
-                                   unfollow=self.owner)  # fmt: skip
+                                   unfollow=self.owner, **marked)  # fmt: skip
         except (IllegalTransition, JobNotFound):
             return False
+        if by_client and self.meter is not None:  # billed once its follower has recorded what it got (`_cut`)
+            self.meter.job_done(job_id)
         cancel_in_regions(self.channels, job_id, self.s.jobs.get(job_id), reason, wait)
         return True
+
+    def _cut(self, job_id: str, output: Outputs) -> None:
+        """The job's stream ended before DONE with tokens read: what it got, for the bill of a job its client
+        canceled (`cancel(by_client=True)`), recorded while its attempt is current; then billed if it is one
+        (the biller skips any other). Whichever of this and the cancel comes second finds both in the record:
+        each queues the job after its own write."""
+        cut = output.cut()
+        if not cut or output.timing is None:
+            return
+        with contextlib.suppress(redis.RedisError):  # an outage: the job is not billed (the platform's loss)
+            if self.s.jobs.update(job_id, output.timing[0], **cut) and self.meter is not None:
+                self.meter.job_done(job_id)
 
 
 @contextlib.contextmanager

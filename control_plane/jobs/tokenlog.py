@@ -163,6 +163,8 @@ class Outputs:
     def __init__(self, tokens: Iterable[Token]) -> None:
         self.tokens: dict[int, list[int]] = {}
         self.ended: dict[int, Token] = {}  # choice -> its last token
+        # the stream now read: (attempt, wall time of its token 0, that token's and the latest one's elapsed s)
+        self.timing: tuple[int, float, float, float] | None = None
         for token in tokens:
             self.add(token)
 
@@ -190,6 +192,14 @@ class Outputs:
 
     def done(self, n: int) -> bool:
         return len(self.ended) >= n
+
+    def cut(self) -> dict[str, Any]:
+        """The record of an output cut short (the job ended before DONE: billing/usage.py bills it when its client
+        canceled it): the tokens its follower got, and the decode time of the stream that brought the last."""
+        if self.timing is None or not self.count:
+            return {}
+        _, first_at, first_s, last_s = self.timing
+        return {"cut_tokens": self.count, "cut_first_at": first_at, "cut_first_s": first_s, "cut_last_s": last_s}
 
     def record(self) -> dict[str, Any]:
         """The DONE record's fields: completion tokens over every choice; a one-choice job's output ids,

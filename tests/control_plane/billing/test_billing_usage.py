@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from prfaas.control_plane.billing.usage import Work, job_usage, served_timing, wasted_work
+from prfaas.control_plane.billing.usage import Work, billable, job_usage, served_timing, wasted_work
 
 T = 1_800_000_000.0  # epoch s
 
@@ -90,3 +90,31 @@ def test_a_local_note_names_an_instance_the_region_is_billed() -> None:
     job = {k: v for k, v in SPLIT.items() if k != "regions_a1"} | {"placement_chosen": "local"}
     tl = _tl(("LOCAL", 1, 0, "local in dec/0"), ("QUEUED", 2, 1.0, "lost"))
     assert wasted_work(job, tl, range(1, 2)) == [Work(1, "local", "dec", 1.0, "lost")]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"state": "DONE"}, True),
+        ({"state": "CANCELED", "client_canceled": "1", "cut_tokens": "4"}, True),
+        ({"state": "CANCELED", "client_canceled": "1"}, False),  # before its first token: the platform's cost
+        ({"state": "CANCELED", "cut_tokens": "4"}, False),  # canceled by the platform (its deadline)
+        ({"state": "FAILED", "client_canceled": "1", "cut_tokens": "4"}, False),
+    ],
+)
+def test_billable_jobs(fields: dict[str, str], expected: bool) -> None:
+    assert billable(fields) is expected
+
+
+def test_a_job_its_client_cut_is_billed_up_to_the_cut() -> None:
+    """A split job canceled by its client after 4 tokens: prefill as recorded, decode first token to the last one
+    its follower got, 4 tokens out, finished when it was canceled."""
+    job = SPLIT | {"state": "CANCELED", "client_canceled": "1", "placement_chosen": "split", "attempt": "1",
+                   "prefill_gpu_s": "0.7", "cut_tokens": "4", "cut_first_at": str(T + 1.0), "cut_first_s": "0.1",
+                   "cut_last_s": "0.4", "created_at": str(T), "updated_at": str(T + 9)}  # fmt: skip
+    tl = _tl(("PREFILLING", 1, 0, ""), ("TRANSFERRING", 1, 0.7, ""), ("DECODING", 1, 1.0, ""),
+             ("CANCELED", 1, 1.5, "client disconnected"))  # fmt: skip
+    usage = job_usage(job, tl)
+    assert (usage.prefill_gpu_s, usage.decode_gpu_s, usage.tokens_out) == (0.7, pytest.approx(0.3), 4)
+    assert usage.ttft_s == pytest.approx(1.0) and usage.tpot_s == pytest.approx(0.1)
+    assert usage.finished_at is not None and usage.finished_at.timestamp() == pytest.approx(T + 1.5)

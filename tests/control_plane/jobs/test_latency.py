@@ -79,12 +79,13 @@ def test_every_documented_histogram_is_exported_with_observations(metered: Meter
         assert counts, f"{name}: exported by no {process} process"
         if name != "prfaas_api_tokenize_seconds":  # these prompts are token ids: nothing to tokenize
             assert sum(counts) > 0, f"{name}: never observed"
-    # once per billed job, by the API process that billed it (every job here: the stack has one)
+    # once per billed DONE job (not one its client cut short), by the API process that billed it (the stack has one)
     billed = sum(v for k, v in api.items() if k.startswith("prfaas_billed_jobs_total"))
+    cut = {k.split("{")[1]: v for k, v in api.items() if k.startswith("prfaas_billed_cut_jobs_total{")}
     e2e = sum(v for k, v in api.items() if k.startswith("prfaas_job_e2e_seconds_count"))
-    assert e2e == billed > 0
+    assert e2e == billed - sum(cut.values()) > 0
     split = sum(v for k, v in api.items() if k.startswith("prfaas_job_transfer_seconds_count{"))
-    assert split == api['prfaas_billed_jobs_total{placement="split"}']
+    assert split == api['prfaas_billed_jobs_total{placement="split"}'] - cut.get('placement="split"}', 0)
     assert api['prfaas_link_kv_bytes_total{kind="raw",link="prefill-a>decode-b"}'] > 0
     tenants = {m.group(1) for k in api for m in [re.search(r'tenant="([^"]+)"', k)] if m}
     assert set(metered.ids.values()) <= tenants  # by tenant (bounded: 50 per process)
