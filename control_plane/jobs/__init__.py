@@ -7,6 +7,7 @@ notifier.py    pub/sub wake-ups for waiters on a job
 store.py       JobStore: create (admission), transition, hand-offs between dispatch and the API
 placement.py   AdmissionPlacer: local jobs placed by the API process at admission
 dispatch.py    Dispatcher: the Celery task's body (claim, place, reserve, start; the watcher follows)
+prefill_calls.py  the worker's Prefill / Reship calls, followed on the watcher to the hand-off
 watcher.py     the worker's asyncio loop that reads the prefill streams (no thread per job)
 leases.py      leases on an attempt's stages, heartbeats of workers and API processes
 periodic.py    Periodic: a duty run every interval on a daemon thread (heartbeats, the sweeper)

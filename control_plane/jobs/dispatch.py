@@ -1,7 +1,7 @@
 """Carrying out a placement (the Celery task's body), without waiting on it: claim the attempt,
 decide on a fresh snapshot, reserve on the decode region, start the prefill, and return. The
 prefill region's event stream is read by the worker's watcher (jobs/watcher.py: one asyncio
-loop per worker process), which records each transition. Tokens do not pass through here: at
+loop per worker process), which records each transition (jobs/prefill_calls.py). Tokens do not pass through here: at
 `prefill_done` (split) or at once (local) the attempt's hand-off is posted to Redis and the API
 process streams from the decode region itself.
 
@@ -20,31 +20,30 @@ to ship it to a new decode instance (`Reship`); only if that fails is the prompt
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
 from prfaas.control_plane.fleet.records import InstanceRecord, RegionNotFound
 from prfaas.control_plane.jobs.attempts import Attempts, Enqueue
+from prfaas.control_plane.jobs.decode_calls import PREFILL_LOST
 from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Lease, Leases, process_id
 from prfaas.control_plane.jobs.objectives import slo_ms
 from prfaas.control_plane.jobs.placement import decode_instance
+from prfaas.control_plane.jobs.prefill_calls import AttemptFailed, PrefillCalls, Started, attempt_failed
 from prfaas.control_plane.jobs.prefix import cache_salt, pins, prefix_hashes
-from prfaas.control_plane.jobs.records import first_fields, job_request, placed_fields, ready_info, sampling
+from prfaas.control_plane.jobs.records import job_request, placed_fields, ready_info, sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.watcher import Watcher
 from prfaas.control_plane.scheduling.decision import Decision, Mode
 from prfaas.control_plane.scheduling.errors import PlacementRejected, RejectReason
 from prfaas.control_plane.scheduling.snapshot import kv_dtypes_alike
 from prfaas.control_plane.services import Services
-from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prfaas.protos.prfaas.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from prfaas.region.channels import ChannelCache
 from prfaas.telemetry import tracing
 from prfaas.transport.identity import server_name
@@ -58,14 +57,6 @@ RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED, grpc.StatusCode.ALREADY_EXISTS,
 })  # fmt: skip
-
-
-class AttemptFailed(Exception):
-    """This attempt cannot finish; the instance (`region/instance` key) is left out of the next one."""
-
-    def __init__(self, where: str, reason: str) -> None:
-        super().__init__(reason)
-        self.where = where
 
 
 class PlaceAgain(Exception):
@@ -91,6 +82,7 @@ class Dispatcher:
         self.owner = owner or process_id("worker")  # whose beats keep this process's leases alive
         self.attempts = Attempts(services.jobs, self.leases, enqueue, self.owner)
         self.watcher = watcher or Watcher(settings.tls)
+        self.calls = PrefillCalls(services, self.leases, self.attempts, self.watcher)  # followed on the watcher
 
     def channel(self, target: str, region: str) -> grpc.Channel:
         """To an instance of `region` at `target` (with TLS, it must present that region's name)."""
@@ -238,8 +230,8 @@ class Dispatcher:
             if full and (refusals := int(job.get("full_refusals", 0) or 0) + 1) <= FULL_RETRIES:  # full for now
                 jobs.update(job_id, attempt, full_refusals=refusals)  # then the attempt fails, leaving it out
                 raise PlaceAgain(f"reserve in {decode.key}: RESOURCE_EXHAUSTED {exc.details() or ''}".strip()) from exc
-            lost = exc.code() == grpc.StatusCode.ABORTED  # PREFILL_LOST: the decode region lost `prefill` meanwhile
-            raise self._failed(prefill.key if lost else decode.key, "reserve", exc) from exc
+            lost = exc.code() == PREFILL_LOST  # the decode region lost `prefill` meanwhile: that one is left out
+            raise attempt_failed(self.s, prefill.key if lost else decode.key, "reserve", exc) from exc
         finally:
             call.end()
         reserve_s = time.perf_counter() - reserving
@@ -264,7 +256,7 @@ class Dispatcher:
         if reship:
             again = prefill_pb2.ReshipRequest(job_id=job_id, attempt=attempt, destination=destination)
             again.timeout_s = lease_s
-            self.watcher.submit(self._follow_reship(started, again))
+            self.calls.reship(started, again)
             return
         request = prefill_pb2.PrefillRequest(
             job_id=job_id, attempt=attempt, tenant=job["tenant"], token_ids=token_ids, sampling=sampling(job),
@@ -272,129 +264,9 @@ class Dispatcher:
         )  # fmt: skip
         if salt is not None:
             request.cache_salt = salt
-        self.watcher.submit(self._follow_prefill(started, request))
-
-    async def _follow_prefill(self, run: Started, request: prefill_pb2.PrefillRequest) -> None:
-        """On the watcher's loop: the prefill's events, to the end of its shipment."""
-        jobs = self.s.jobs
-        channel = self.watcher.channel(run.prefill.grpc_endpoint, server_name(run.prefill.name))
-        span = run.call_span("worker.prefill")
-        lost = handed = False
-        call = prefill_pb2_grpc.PrefillRegionStub(channel).Prefill(request, timeout=run.lease_s + 5,
-                                                                   metadata=tracing.metadata(span))  # fmt: skip
-        try:
-            async for event in call:
-                kind = event.WhichOneof("event")
-                if kind == "prefill_done":
-                    done = event.prefill_done
-                    jobs.transition(run.job_id, JobState.TRANSFERRING, run.attempt, note="prefill done, KV shipping",
-                                    tenant=run.tenant)  # fmt: skip
-                    # The decode region answers only once all KV arrived, so by the time the job
-                    # can read DONE its raw bytes have been shipped: record them now, before the
-                    # hand-off (the prefill region's shipment_complete event may come after DONE).
-                    jobs.update(run.job_id, run.attempt, bytes_raw=run.kv_bytes, prefill_gpu_s=done.prefill_s,
-                                cached_tokens=done.cached_tokens)  # fmt: skip
-                    kv = base64.b64encode(done.kv.SerializeToString()).decode()
-                    first = first_fields(done)
-                    jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
-                    handed = True  # decoding from here on: what follows is bookkeeping
-                elif kind == "shipment_complete":
-                    shipped = event.shipment_complete
-                    jobs.update(run.job_id, run.attempt, bytes_raw=shipped.raw_bytes, bytes_wire=shipped.wire_bytes)
-        except grpc.aio.AioRpcError as exc:
-            tracing.failed(span, exc.code().name)
-            await self._stage_failed(run, "prefill", exc)
-        except (StaleAttempt, IllegalTransition, JobNotFound):
-            call.cancel()  # the job moved on (canceled, or the sweeper started the next attempt)
-        except Exception as exc:
-            if handed:  # the job decodes: it must not be taken back for a lost byte count (its span: failed)
-                tracing.failed(span, exc)
-                log.warning("job %s attempt %d: after its hand-off: %r", run.job_id, run.attempt, exc)
-            else:
-                lost = True
-                call.cancel()
-                self._lost(run, "prefill", span, exc)
-        finally:
-            span.end()
-            if not lost:
-                self.leases.take(run.job_id, run.attempt)
-
-    async def _follow_reship(self, run: Started, request: prefill_pb2.ReshipRequest) -> None:
-        """On the watcher's loop: the leased KV shipped to the new decode instance, then its hand-off."""
-        jobs = self.s.jobs
-        channel = self.watcher.channel(run.prefill.grpc_endpoint, server_name(run.prefill.name))
-        span = run.call_span("worker.reship")
-        lost = False
-        try:
-            reply = await prefill_pb2_grpc.PrefillRegionStub(channel).Reship(
-                request, timeout=run.lease_s + 5, metadata=tracing.metadata(span)
-            )
-            jobs.transition(run.job_id, JobState.TRANSFERRING, run.attempt, note="reshipped", tenant=run.tenant)
-            jobs.update(run.job_id, run.attempt, bytes_raw=reply.shipment.raw_bytes,
-                        bytes_wire=reply.shipment.wire_bytes, reship_from="")  # fmt: skip
-            kv = base64.b64encode(reply.kv.SerializeToString()).decode()
-            first = first_fields(reply)
-            jobs.post_ready(run.job_id, run.attempt, ready_info("split", run.decode, kv=kv, **first))
-        except grpc.aio.AioRpcError as exc:  # lease gone, region down: the next attempt computes the prompt again
-            tracing.failed(span, exc.code().name)
-            await self._stage_failed(run, "reship", exc, reship_from="")
-        except (StaleAttempt, IllegalTransition, JobNotFound):
-            pass
-        except Exception as exc:
-            lost = True
-            self._lost(run, "reship", span, exc)
-        finally:
-            span.end()
-            if not lost:
-                self.leases.take(run.job_id, run.attempt)
-
-    @staticmethod
-    def _lost(run: Started, step: str, span: tracing.Span, exc: Exception) -> None:
-        """Following the stage failed for a reason of ours (Redis away past its retries): its lease is left in place,
-        so the sweeper takes the attempt back at its deadline; taken here, nothing would ever move the job on."""
-        log.error("job %s attempt %d: following its %s failed (%r); the sweeper takes it back at its lease's end",
-                  run.job_id, run.attempt, step, exc)  # fmt: skip
-        tracing.failed(span, exc)
-
-    async def _stage_failed(self, run: Started, step: str, exc: grpc.aio.AioRpcError, **fields: Any) -> None:
-        """The next attempt first (moved under its own lease, in place of this one's, before this process may die),
-        then the reservation released. A sweeper that took the lease back may fail it too: one of the two moves it."""
-        failed = self._failed(run.prefill.key, step, exc)
-        self.attempts.fail(run.job_id, run.attempt, failed.where, str(failed), **fields)
-        channel = self.watcher.channel(run.decode.grpc_endpoint, server_name(run.decode.name))
-        with contextlib.suppress(grpc.aio.AioRpcError):  # else the reservation expires on its own (ttl_s)
-            release = decode_pb2.ReleaseRequest(job_id=run.job_id, attempt=run.attempt)  # that attempt's only
-            await decode_pb2_grpc.DecodeRegionStub(channel).Release(release, timeout=5)
+        self.calls.prefill(started, request)
 
     @staticmethod
     def _release(stub: decode_pb2_grpc.DecodeRegionStub, job_id: str, attempt: int) -> None:
         with contextlib.suppress(grpc.RpcError):  # else the reservation expires on its own (ttl_s)
             stub.Release(decode_pb2.ReleaseRequest(job_id=job_id, attempt=attempt), timeout=5)
-
-    def _failed(self, where: str, step: str, exc: grpc.RpcError) -> AttemptFailed:
-        # every code costs the attempt (RETRYABLE ones are the expected ones); the next tries elsewhere
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            self.s.regions.suspect(where)  # and no one sends it new work until it beats again
-        reason = f"{step} in {where}: {exc.code().name} {exc.details() or ''}".strip()
-        return AttemptFailed(where, reason)
-
-
-@dataclass(frozen=True)
-class Started:
-    """An attempt whose prefill (or reship) is under way, as its watcher coroutine knows it."""
-
-    job_id: str
-    tenant: str
-    attempt: int
-    kv_bytes: int  # raw KV bytes the shipment carries (the prompt's, but a prefix the decode region holds)
-    decode: InstanceRecord
-    prefill: InstanceRecord
-    lease_s: float
-    span: tracing.Span  # the dispatch's: the prefill (or reship) call's parent
-
-    def call_span(self, name: str) -> tracing.Span:
-        """The span of this attempt's call to its prefill region (the callee's parent)."""
-        return tracing.tracer.start_span(
-            name, context=tracing.set_span_in_context(self.span), kind=tracing.SpanKind.CLIENT,
-            attributes={tracing.JOB_ID: self.job_id, "prfaas.prefill_region": self.prefill.key},
-        )  # fmt: skip
