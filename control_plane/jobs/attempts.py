@@ -4,7 +4,8 @@ a backoff with jitter and leaving out the instances that failed it, or FAILED wi
 once `max_attempts` are spent. One rule, in one place.
 
 The instances an attempt failed on accumulate in the job's `excluded` field (JSON list of
-`region/instance@t` entries, `t` the failure's time on Redis's clock), so every later attempt
+`region/instance@t` entries, `t` on Redis's clock: when the incarnation placed registered, recorded at
+placement, else the failure's time), so every later attempt
 leaves them all out: the incarnations that failed, not one registered since (a restarted
 instance keeps its id, and would be left out for good). A plain `region/instance`, written
 before, leaves out every incarnation (fleet/records.py `InstanceRecord.excluded_by`).
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 # A new attempt starts with no KV shipped, no Reserve and no refusal from a full decode instance: a failed-over
 # split job is billed the bytes its last attempt shipped, and a local retry's stage metrics have no Reserve.
 _ATTEMPT_FRESH: dict[str, Any] = {"bytes_raw": 0, "bytes_wire": 0, "reserve_s": "", "full_refusals": 0}
+REGISTERED_SLACK_S = 0.001  # a placed incarnation's registration time, as an exclusion writes it (µs), and a
+# margin: a restart registers seconds later
 Enqueue = Callable[[str, float], object]  # (job id, countdown s): queue the job's dispatch
 
 
@@ -41,6 +44,16 @@ class Attempts:
         self.settings = jobs.settings
         self.enqueue = enqueue
         self.owner = owner
+
+    def _incarnation(self, job: dict[str, str], where: str) -> float:
+        """The time up to which registrations of `where` (`region/instance`) are the incarnation that failed: when
+        the one placed registered (recorded at placement, `*_registered_at`), so that an instance that restarted
+        before its failure was noticed (a broken stream takes seconds to tell) is not left out; else now."""
+        for role in ("decode", "prefill"):
+            placed = float(job.get(f"{role}_registered_at") or 0)
+            if placed > 0 and where == f"{job.get(f'{role}_region')}/{job.get(f'{role}_instance')}":
+                return placed + REGISTERED_SLACK_S
+        return self.leases.clock.now()
 
     def backoff_s(self, attempt: int) -> float:
         return float(self.settings.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
@@ -62,7 +75,7 @@ class Attempts:
         excluded = set(json.loads(job.get("excluded") or "[]"))
         if where:  # an instance: its latest failure's entry covers the earlier ones' incarnations too
             excluded = {e for e in excluded if not e.startswith(where + INCARNATION)}
-            excluded.add(exclusion(where, self.leases.clock.now()) if "/" in where else where)
+            excluded.add(exclusion(where, self._incarnation(job, where)) if "/" in where else where)
         backoff = self.backoff_s(attempt)
         try:
             if attempt >= self.settings.max_attempts:

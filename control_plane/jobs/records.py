@@ -45,6 +45,8 @@ def placed_fields(decision: Decision, decode: InstanceRecord, prefill: InstanceR
         "decode_grpc": decode.grpc_endpoint, "prefill_grpc": prefill.grpc_endpoint,
         "cost_usd": decision.cost.total_usd, "colocated_cost_usd": decision.colocated_cost.total_usd,
         "codec": decision.codec or "",
+        # the incarnations placed (jobs/attempts.py: a failure leaves out that one, not one registered since)
+        "decode_registered_at": decode.registered_at, "prefill_registered_at": prefill.registered_at,
     }  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -25,9 +25,12 @@ from prfaas.control_plane.services import Services
 
 class Dying(Decode):
     down = False  # Reserve answers UNAVAILABLE, as from a process killed mid-job
+    before_abort: Callable[[], None] | None = None  # what happens meanwhile (the instance restarts)
 
     async def Reserve(self, request: Any, context: Any) -> Any:  # noqa: N802
         if self.down:
+            if self.before_abort is not None:
+                self.before_abort()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
         return await super().Reserve(request, context)
 
@@ -102,3 +105,30 @@ def test_the_same_incarnation_stays_excluded_and_the_placement_says_so(
     assert (job["state"], job["attempt"]) == ("QUEUED", "2"), job
     with pytest.raises(PlacementRejected, match="no decode region: filter 'excluded' cut the last of 1"):
         dispatcher.decide(job, frozenset(json.loads(job["excluded"])))  # alive: not blamed on 'health'
+
+
+def test_an_instance_restarted_before_its_failure_is_noticed_serves_the_next_attempt(
+    services: Services, regions: FakeRegions
+) -> None:
+    """The decode instance restarts while attempt 1's Reserve to its old incarnation is failing (the failure is
+    noticed after the new one registered): attempt 2 leaves out the incarnation placed, not the new one. Before,
+    the exclusion was stamped with the failure's time, which the new registration preceded: left out for good."""
+    dispatcher = _dispatcher(services)
+    job_id = _job(services)
+    decode = services.regions.get("decode-t").instances[0]
+    port = int(decode.grpc_endpoint.rsplit(":", 1)[1])
+
+    def restarted() -> None:
+        time.sleep(0.01)  # Redis's clock moves on: the new incarnation registers after the one placed
+        regions.tokens["decode"] = regions._register("decode", port)
+
+    regions.decode.down, regions.decode.before_abort = True, restarted
+    assert dispatcher.run(job_id) == "retrying"
+    regions.decode.down = False
+    assert services.regions.get("decode-t").instances[0].registered_at > decode.registered_at
+    (excluded,) = json.loads(services.jobs.get(job_id)["excluded"])
+    assert excluded.startswith("decode-t/i0@")
+    _until_healthy(services, "decode-t")
+    assert dispatcher.run(job_id) == "started"
+    job = services.jobs.get(job_id)
+    assert (job["attempt"], job["decode_instance"], job["state"]) == ("2", "i0", "PREFILLING"), job
