@@ -2,7 +2,8 @@
 
 What is measured, per job (fields written into the job hash on the way, see `served_timing`):
 - split: prefill GPU-s = the prefill region's `PrefillDone.prefill_s`; decode GPU-s = the decode stream's
-  elapsed time from its first token to its last (`TokenEvent.elapsed_s`).
+  elapsed time from its first token to its last (`TokenEvent.elapsed_s`), less its region's stalls (gaps
+  between two tokens over `STALL_GAP_S`, jobs/tokenlog.py: `gen_stall_s`).
 - local: prefill GPU-s = `Generate`'s elapsed time to its first token; decode GPU-s as above.
 - a wasted attempt: the wall time its region held the job, from the attempt's timeline (PREFILLING -> next
   entry in the prefill region; TRANSFERRING / DECODING -> next entry in the decode region; LOCAL -> next entry).
@@ -14,9 +15,12 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prfaas.control_plane.billing.costs import JobUsage
+
+if TYPE_CHECKING:
+    from prfaas.control_plane.jobs.tokenlog import StreamTiming
 
 
 @dataclass(frozen=True)
@@ -30,11 +34,10 @@ class Work:
     reason: str
 
 
-def served_timing(first: tuple[float, float] | None, last_elapsed_s: float) -> dict[str, float]:
-    """Job-hash fields the API records with DONE: `first` = (wall time, stream elapsed s) of token 0."""
-    if first is None:
-        return {"gen_last_s": last_elapsed_s}
-    return {"first_token_at": first[0], "gen_first_s": first[1], "gen_last_s": last_elapsed_s}
+def served_timing(timing: StreamTiming | None, last_elapsed_s: float) -> dict[str, float]:
+    """Job-hash fields the API records with DONE: the timing of the stream that brought the last token (None:
+    its token 0 never came on it)."""
+    return {"gen_last_s": last_elapsed_s} if timing is None else timing.served()
 
 
 def billable(job: dict[str, str]) -> bool:
@@ -103,13 +106,15 @@ def job_usage(job: dict[str, str], timeline: list[dict[str, Any]]) -> JobUsage:
     decode_region = job.get("decode_region", "")
     prefill_region = job.get("prefill_region", decode_region) if split else decode_region
     cut = job.get("state") == "CANCELED"  # its fields: what the follower recorded when the stream ended (`cut_`)
-    end, first_s, last_s, tokens, first_at_s = (
-        ("CANCELED", "cut_first_s", "cut_last_s", "cut_tokens", "cut_first_at") if cut
-        else ("DONE", "gen_first_s", "gen_last_s", "completion_tokens", "first_token_at")
+    end, first_s, last_s, stall_s, tokens, first_at_s = (
+        ("CANCELED", "cut_first_s", "cut_last_s", "cut_stall_s", "cut_tokens", "cut_first_at") if cut
+        else ("DONE", "gen_first_s", "gen_last_s", "gen_stall_s", "completion_tokens", "first_token_at")
     )  # fmt: skip
     first, last = _f(job, first_s), _f(job, last_s)
+    stalled = _f(job, stall_s) or 0.0  # its region stopped between two tokens (jobs/tokenlog.py): no GPU time
     mine = {e["state"]: float(e["at"]) for e in timeline if e.get("attempt") == attempt}
-    decode_s = max(0.0, last - first) if last is not None and first is not None else 0.0
+    streamed_s = max(0.0, last - first) if last is not None and first is not None else 0.0
+    decode_s = max(0.0, streamed_s - stalled)
     if split:
         prefill_s = _f(job, "prefill_gpu_s")
         if prefill_s is None and "PREFILLING" in mine and "TRANSFERRING" in mine:
@@ -121,7 +126,7 @@ def job_usage(job: dict[str, str], timeline: list[dict[str, Any]]) -> JobUsage:
     tokens_out = int(job.get(tokens, 0) or 0)
     first_at = _f(job, first_at_s)
     ttft = first_at - float(job["created_at"]) if first_at is not None else None
-    tpot = decode_s / (tokens_out - 1) if tokens_out > 1 and last is not None and first is not None else None
+    tpot = streamed_s / (tokens_out - 1) if tokens_out > 1 and last is not None and first is not None else None
     return JobUsage(
         job_id=job["id"], tenant=job["tenant"], model=job.get("model", ""), prefill_region=prefill_region,
         decode_region=decode_region, prefill_gpu_s=max(0.0, prefill_s or 0.0), decode_gpu_s=decode_s,

@@ -175,8 +175,8 @@ class Follower:
                             if handed["mode"] == "split":
                                 tenant = job["tenant"]
                                 jobs.transition(job_id, JobState.DECODING, attempt, note="first token", tenant=tenant)
-                        if first is not None:  # what a cut stream was billed (`_cut`)
-                            output.timing = (attempt, *first, event.elapsed_s)
+                        # the stream's timing (a stall of its region not counted): what DONE or a cut is billed
+                        timing = output.timed(attempt, first, event.elapsed_s) if first is not None else None
                         token = Token(
                             event.index, event.token, event.last, event.finish_reason, event.stop_reason,
                             logprobs_from_proto(event.logprobs) if event.HasField("logprobs") else None, event.choice,
@@ -192,7 +192,7 @@ class Follower:
                                 jobs.transition(
                                     job_id, JobState.DONE, attempt, note=event.finish_reason, tenant=job["tenant"],
                                     log_token=token.entry(), unfollow=self.owner,
-                                    **(output.record() | served_timing(first, event.elapsed_s) | served),
+                                    **(output.record() | served_timing(timing, event.elapsed_s) | served),
                                 )  # fmt: skip
                             except (StaleAttempt, IllegalTransition):
                                 output.undo(token)  # not sent: the newer attempt's stream brings it, and ends the job
@@ -344,7 +344,7 @@ class Follower:
         `by_client`: the tenant's choice (its client left, or it canceled the job), not the platform's: the
         tokens its follower got are billed (`_cut`; billing/usage.py), as vLLM-backed APIs bill an aborted
         request's output so far."""
-        marked = {"client_canceled": 1} if by_client else {}
+        marked: dict[str, Any] = {"client_canceled": 1} if by_client else {}
         try:
             # followed from its creation: a job canceled before its stream was read is no longer ours either
             self.s.jobs.transition(job_id, JobState.CANCELED, 0, note=reason, error=f"canceled: {reason}",
@@ -365,7 +365,7 @@ class Follower:
         if not cut or output.timing is None:
             return
         with contextlib.suppress(redis.RedisError):  # an outage: the job is not billed (the platform's loss)
-            if self.s.jobs.update(job_id, output.timing[0], **cut) and self.meter is not None:
+            if self.s.jobs.update(job_id, output.timing.attempt, **cut) and self.meter is not None:
                 self.meter.job_done(job_id)
 
 

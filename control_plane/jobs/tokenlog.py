@@ -157,14 +157,33 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+STALL_GAP_S = 1.0  # a gap between two tokens of a stream over this is its region stalling (a decode step: ms)
+
+
+@dataclass(frozen=True)
+class StreamTiming:
+    """One decode stream's timing, on its region's clock: its token 0 (wall time here, elapsed s there), its
+    latest token (elapsed s), and the time its gaps between tokens ran over `STALL_GAP_S` (not billed)."""
+
+    attempt: int
+    first_at: float
+    first_s: float
+    last_s: float
+    stall_s: float
+
+    def served(self) -> dict[str, float]:
+        """The DONE record's fields: billing/usage.py bills `gen_last_s - gen_first_s - gen_stall_s`."""
+        return {"first_token_at": self.first_at, "gen_first_s": self.first_s, "gen_last_s": self.last_s,
+                "gen_stall_s": self.stall_s}  # fmt: skip
+
+
 class Outputs:
     """A job's output as its follower has it: each choice's tokens and whether it ended."""
 
     def __init__(self, tokens: Iterable[Token]) -> None:
         self.tokens: dict[int, list[int]] = {}
         self.ended: dict[int, Token] = {}  # choice -> its last token
-        # the stream now read: (attempt, wall time of its token 0, that token's and the latest one's elapsed s)
-        self.timing: tuple[int, float, float, float] | None = None
+        self.timing: StreamTiming | None = None  # of the stream now read: what a cut output is billed
         for token in tokens:
             self.add(token)
 
@@ -193,13 +212,24 @@ class Outputs:
     def done(self, n: int) -> bool:
         return len(self.ended) >= n
 
+    def timed(self, attempt: int, first: tuple[float, float], elapsed_s: float) -> StreamTiming:
+        """A token came at `elapsed_s` on the stream of `attempt` whose token 0 came at `first` (wall time, elapsed
+        s): that stream's timing so far (`timing`), a gap over `STALL_GAP_S` since its previous token counted a
+        stall of its region (the excess: the region stopped, the job used no GPU time)."""
+        t = self.timing
+        same = t is not None and (t.attempt, t.first_at, t.first_s) == (attempt, *first)
+        stall = t.stall_s + max(0.0, elapsed_s - t.last_s - STALL_GAP_S) if same and t is not None else 0.0
+        self.timing = StreamTiming(attempt, first[0], first[1], elapsed_s, stall)
+        return self.timing
+
     def cut(self) -> dict[str, Any]:
         """The record of an output cut short (the job ended before DONE: billing/usage.py bills it when its client
-        canceled it): the tokens its follower got, and the decode time of the stream that brought the last."""
-        if self.timing is None or not self.count:
+        canceled it): the tokens its follower got, and the timing of the stream that brought the last."""
+        t = self.timing
+        if t is None or not self.count:
             return {}
-        _, first_at, first_s, last_s = self.timing
-        return {"cut_tokens": self.count, "cut_first_at": first_at, "cut_first_s": first_s, "cut_last_s": last_s}
+        return {"cut_tokens": self.count, "cut_first_at": t.first_at, "cut_first_s": t.first_s,
+                "cut_last_s": t.last_s, "cut_stall_s": t.stall_s}  # fmt: skip
 
     def record(self) -> dict[str, Any]:
         """The DONE record's fields: completion tokens over every choice; a one-choice job's output ids,

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from prfaas.control_plane.billing.usage import Work, billable, job_usage, served_timing, wasted_work
+from prfaas.control_plane.jobs.tokenlog import STALL_GAP_S, Outputs, StreamTiming
 
 T = 1_800_000_000.0  # epoch s
 
@@ -82,7 +83,26 @@ def test_attempt_regions_fall_back_to_timeline_notes() -> None:
 
 def test_served_timing_without_a_first_token() -> None:
     assert served_timing(None, 2.0) == {"gen_last_s": 2.0}
-    assert served_timing((T, 0.5), 2.0) == {"first_token_at": T, "gen_first_s": 0.5, "gen_last_s": 2.0}
+    timing = StreamTiming(1, T, 0.5, 2.0, 0.25)
+    assert served_timing(timing, 2.0) == {"first_token_at": T, "gen_first_s": 0.5, "gen_last_s": 2.0,
+                                          "gen_stall_s": 0.25}  # fmt: skip
+
+
+def test_a_stream_s_gaps_over_the_stall_gap_are_its_region_stalling() -> None:
+    """Tokens at 0.1, 0.2, 5.2 (a 5 s stop), 5.3 s: 4 s of stall (the gap less STALL_GAP_S); a new stream (the
+    next attempt) starts from none."""
+    output = Outputs(())
+    for elapsed in (0.1, 0.2, 5.2, 5.3):
+        timing = output.timed(1, (T, 0.1), elapsed)
+    assert (timing.first_s, timing.last_s, timing.stall_s) == (0.1, 5.3, pytest.approx(5.0 - STALL_GAP_S))
+    assert output.timed(2, (T + 9, 0.3), 0.4).stall_s == 0.0
+
+
+def test_a_stall_is_not_billed_but_stays_in_the_tpot() -> None:
+    job = SPLIT | {"gen_first_s": "1.5", "gen_last_s": "5.1", "gen_stall_s": "3.0"}
+    usage = job_usage(job, SPLIT_TL)
+    assert usage.decode_gpu_s == pytest.approx(0.6)  # 3.6 s streamed, 3 s of it a stall
+    assert usage.tpot_s == pytest.approx(3.6 / 6)  # what the client saw
 
 
 def test_a_local_note_names_an_instance_the_region_is_billed() -> None:

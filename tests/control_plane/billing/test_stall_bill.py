@@ -1,0 +1,54 @@
+"""A decode region that stalls mid-stream (SIGSTOP, then SIGCONT: a host paused, a process preempted) is not
+paid for its stall (docs/metering.md, decode GPU-s), on metering_kit's stack: the job finishes, and its decode
+GPU-s are the stream's time from first token to last less the gaps between two tokens over `STALL_GAP_S`.
+Before, the tenant paid the whole stop at the decode region's price."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from metering_kit import PRICES, Metered
+
+from prfaas.control_plane.jobs.tokenlog import STALL_GAP_S
+from prfaas.devstack.stack import wait_until
+
+pytestmark = pytest.mark.e2e
+STOP_S = 3.0  # well under the API's keepalive (a region hung longer breaks the stream: failover)
+
+
+def test_a_decode_region_stalled_mid_stream_is_not_billed_for_the_stall(metered: Metered) -> None:
+    m = metered
+    _, key = m.stack.tenant("stalled", allow_placement=True)
+    decode = next(r for r in m.stack.regions if r.name == "decode-b")
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 600, "ignore_eos": True,
+            "stream": True, "prfaas": {"placement": "local"}}  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}"}
+    chunks = 0
+    with httpx.stream("POST", m.stack.url + "/v1/completions", json=body, headers=headers, timeout=60) as reply:
+        job_id = reply.headers["X-Prfaas-Job-Id"]
+        for line in reply.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                chunks += 1
+                if chunks == 3:  # mid-answer: the region stops for STOP_S
+                    os.kill(decode.proc.pid, signal.SIGSTOP)
+                    time.sleep(STOP_S)
+                    os.kill(decode.proc.pid, signal.SIGCONT)
+    job = httpx.get(f"{m.stack.url}/v1/jobs/{job_id}", headers=headers, timeout=5).json()
+    assert job["state"] == "DONE", job
+    ledger = m.ledger()
+    try:
+        wait_until(lambda: ledger.entry(job_id) is not None, 20, 0.1)
+        entry = ledger.entry(job_id)
+    finally:
+        ledger.close()
+    assert entry is not None and entry.tokens_out == 600
+    streamed_s = entry.tpot_s * (entry.tokens_out - 1)  # type: ignore[operator]  # first token to last, wall
+    assert streamed_s > STOP_S  # the stop is in the stream's time (its TPOT, what the client saw) ...
+    assert entry.decode_gpu_s < streamed_s - (STOP_S - STALL_GAP_S) + 0.5  # ... not in what is billed
+    assert entry.decode_usd == pytest.approx(entry.decode_gpu_s / 3600 * PRICES["decode-b"]["usd_per_gpu_hour"])
+    wait_until(lambda: "decode-b" in m.stack.healthy(), 30, 0.1)  # beating again, for the tests after
