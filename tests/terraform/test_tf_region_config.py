@@ -367,3 +367,34 @@ def test_cloud_init_prepares_a_catalog_model_where_the_unit_looks_for_it(
     (tmp_path / "folder").mkdir()
     assert _run_prepare(tmp_path / "folder", _prepare_step(folder)) is None
     assert str(model_folder) in _prepare_step(folder)
+
+
+def _python(folder: Path, name: str, version: str) -> None:
+    """A stand-in interpreter of `version`: answers --version and the `sys.version_info` check cloud-init makes."""
+    ok = tuple(int(x) for x in version.split(".")[:2]) >= (3, 11)
+    answer = f'[[ $1 == --version ]] && echo "Python {version}" && exit 0\nexit {int(not ok)}\n'
+    (folder / name).write_text("#!/bin/bash\n" + answer)
+    (folder / name).chmod(0o755)
+
+
+def test_the_venv_is_made_with_a_python_prfaas_runs_on(tmp_path: Path, rendered: dict[str, str]) -> None:
+    """prfaas needs Python 3.11: the AMI's newest python3.X of at least 3.11 makes the venv, and an AMI without one
+    stops the install with a line saying why. Before, `python3 -m venv` took Ubuntu 22.04's 3.10 (the default AMI
+    then), pip refused the package and the region never came up, with nothing naming the cause."""
+    runcmd = yaml.safe_load(rendered["cloud_init"])["runcmd"]
+    venv = next(c for c in runcmd if "venv /opt/prfaas" in str(c))
+    assert runcmd.index(venv) < runcmd.index("/opt/prfaas/bin/pip install --quiet 'prfaas==0.1.0'")
+    script = tmp_path / "prfaas-python"
+    script.write_text(_files(rendered)["/usr/local/bin/prfaas-python"])
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    _python(bins, "python3", "3.10.12")
+    env = {"PATH": str(bins)}  # only the stand-ins (this host has its own python3.11)
+    old = subprocess.run(["/bin/bash", str(script)], env=env, capture_output=True, text=True, timeout=10)
+    assert old.returncode == 1 and old.stdout == ""
+    assert "needs Python 3.11 or newer; this AMI has Python 3.10.12" in old.stderr and "Ubuntu 24.04" in old.stderr
+    _python(bins, "python3.12", "3.12.3")
+    new = subprocess.run(["/bin/bash", str(script)], env=env, capture_output=True, text=True, timeout=10)
+    assert (new.returncode, new.stdout.strip()) == (0, str(bins / "python3.12")), new.stderr
+    variables = (MODULES / "region_aws" / "variables.tf").read_text()
+    assert "base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id" in variables  # the default AMI's Python: 3.12

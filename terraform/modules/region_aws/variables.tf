@@ -44,7 +44,7 @@ variable "ami_id" {
 variable "ami_ssm_parameter" {
   description = "SSM parameter holding the GPU AMI id"
   type        = string
-  default     = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+  default     = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
 }
 
 variable "root_device_name" {
