@@ -61,15 +61,16 @@ def _reconcile_batch(meter: Meter, job_ids: list[str]) -> int:
     came) and record the wasted attempts of the other FAILED / CANCELED ones not recorded yet; returns the
     entries written. Jobs gone from Redis are skipped, and so is a job its client canceled whose follower may
     still record what it got (`CUT_GRACE_S`)."""
-    states = meter.s.jobs.fields_of(job_ids, ["state", "client_canceled", "cut_tokens", "updated_at"])
-    done, ended = [], []
+    states = meter.s.jobs.fields_of(job_ids, ["state", "attempt", "client_canceled", "cut_tokens", "updated_at"])
+    done: list[str] = []
+    ended: list[str] = []
     for job_id, job in zip(job_ids, states, strict=True):
         if job is None:
             continue
         if billable(job):
             done.append(job_id)
         elif job["state"] in ENDED_UNBILLED and not _cut_pending(job):
-            ended.append(job_id)
+            (ended if _waste(meter, job_id, job) else done).append(job_id)
     billed = meter.ledger.billed(done)
     written = _bill(meter, [j for j in done if j not in billed])
     if ended:
@@ -82,6 +83,16 @@ def _cut_pending(job: dict[str, str]) -> bool:
     still record the tokens it got (then it is billed, not the platform's waste)."""
     recent = time.time() - float(job.get("updated_at") or 0) < CUT_GRACE_S
     return job.get("client_canceled") == "1" and not job.get("cut_tokens") and recent
+
+
+def _waste(meter: Meter, job_id: str, job: dict[str, str]) -> bool:
+    """Whether an ended, unbilled job is the platform's cost for good. A job its client canceled is closed to its
+    follower's record first (`cut_closed`, set only while it has no `cut_tokens`, in one step): a follower that
+    records what it got after this (a stalled process) is refused, so its attempt is never both billed and
+    wasted. False: the record came meanwhile, and the job is billed instead."""
+    if job.get("client_canceled") != "1":
+        return True
+    return meter.s.jobs.update(job_id, int(job["attempt"]), unless="cut_tokens", cut_closed=1)
 
 
 def _bill(meter: Meter, job_ids: list[str]) -> int:
@@ -109,6 +120,8 @@ def _record_wasted(meter: Meter, job_ids: list[str]) -> None:
         if found is None:
             continue
         job, timeline = found
+        if billable(job):  # its follower's record came after all: billed, none of it wasted
+            continue
         try:
             attempts = range(1, int(job["attempt"]) + 1)
             # the rows record_wasted writes: one per (attempt, phase) that held a GPU

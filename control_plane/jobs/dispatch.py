@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import time
+from typing import Any
 
 import grpc
 
@@ -188,7 +189,8 @@ class Dispatcher:
                 prefill = leased
             else:  # gone with its lease, or its KV is of a dtype the decode region refuses: compute it again
                 reship = None
-        where = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}", "placement_s": placement_s}  # metering
+        # metering: the attempt's regions and how long its placement took
+        where: dict[str, Any] = {f"regions_a{attempt}": f"{prefill.name}>{decode.name}", "placement_s": placement_s}
         if not jobs.update(job_id, attempt, **placed_fields(decision, decode, prefill), **where):
             raise Superseded(job_id)
         if decision.mode is Mode.LOCAL and reship is None:

@@ -365,7 +365,8 @@ class Follower:
         if not cut or output.timing is None:
             return
         with contextlib.suppress(redis.RedisError):  # an outage: the job is not billed (the platform's loss)
-            if self.s.jobs.update(job_id, output.timing.attempt, **cut) and self.meter is not None:
+            # refused once the sweep took the job for platform waste (billing/reconcile.py, `cut_closed`)
+            if self.s.jobs.update(job_id, output.timing.attempt, unless="cut_closed", **cut) and self.meter is not None:
                 self.meter.job_done(job_id)
 
 

@@ -116,10 +116,12 @@ TRANSITION = _TRANSITION_TEMPLATE.replace("@LEGAL@", lua_legal_table(LEGAL_MOVES
     "@RELEASE@", RELEASE_RESERVATION_FN + LIVE_READERS_FN
 )
 
-# KEYS: job. ARGV: attempt, then field/value pairs set while that attempt is the job's. Returns 1 when set.
+# KEYS: job. ARGV: attempt, a field whose presence refuses the update ('' = none), then field/value pairs set while
+# that attempt is the job's. Returns 1 when set.
 UPDATE = """
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
-if #ARGV > 1 then redis.call('HSET', KEYS[1], unpack(ARGV, 2)) end
+if ARGV[2] ~= '' and redis.call('HEXISTS', KEYS[1], ARGV[2]) == 1 then return 0 end
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
 return 1
 """
 

@@ -254,11 +254,11 @@ class JobStore:
             raise StaleAttempt(job_id, int(current), attempt)
         return int(current)
 
-    def update(self, job_id: str, attempt: int, **fields: Any) -> bool:
-        """Set fields while `attempt` is current, in one script (checked and written in one step, however
-        busy the job); False when it is stale or the job is gone."""
+    def update(self, job_id: str, attempt: int, *, unless: str = "", **fields: Any) -> bool:
+        """Set fields while `attempt` is current (and the job has no field `unless`), in one script (checked and
+        written in one step, however busy the job); False when it is stale, refused or the job is gone."""
         flat = [x for name, value in fields.items() for x in (name, _encode(value))]
-        return bool(self._update(keys=[self._job(job_id)], args=[attempt, *flat]))
+        return bool(self._update(keys=[self._job(job_id)], args=[attempt, unless, *flat]))
 
     def get(self, job_id: str) -> dict[str, str]:
         raw = self.redis.hgetall(self._job(job_id))

@@ -19,7 +19,9 @@ from prfaas.control_plane.billing.ledger import Ledger
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.models import UsageEntry
 from prfaas.control_plane.billing.reconcile import CUT_GRACE_S, reconcile
+from prfaas.control_plane.jobs.generation import Follower
 from prfaas.control_plane.jobs.states import JobState
+from prfaas.control_plane.jobs.tokenlog import Outputs, Token
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Quota
 from prfaas.devstack.stack import ADMIN, wait_until
@@ -149,6 +151,13 @@ def test_the_sweep_bills_a_cut_job_the_meter_missed_and_leaves_platform_cancels_
         monkeypatch.setattr("prfaas.control_plane.billing.reconcile.CUT_GRACE_S", 0.0)
         assert CUT_GRACE_S > 0 and reconcile(meter) == 0
         assert ledger.entry(pending) is None and [w.phase for w in ledger.wasted(pending)] == ["local"]
+        # its follower's record after that (a stalled process): refused, so the attempt is not billed as well
+        late = Outputs(())
+        late.add(Token(0, 7, False, ""))
+        late.timed(1, (time.time(), 0.2), 0.5)
+        Follower(services, None)._cut(pending, late)
+        assert "cut_tokens" not in services.jobs.get(pending) and reconcile(meter) == 0
+        assert ledger.entry(pending) is None and services.jobs.spend(tenant_id) == pytest.approx(entry.total_usd)
     finally:
         ledger.close()
         services.close()
