@@ -22,8 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from prfaas.prefill_region import metrics
-from prfaas.prefill_region.backend import JobStopped, PrefillBackend, PrefillWork, Shipped
+from prfaas.prefill_region.admission import prefill_work
+from prfaas.prefill_region.backend import JobStopped, PrefillBackend
 from prfaas.prefill_region.destination import Destination
+from prfaas.prefill_region.events import shipment_complete, stage_spans
 from prfaas.prefill_region.job import END, Job
 from prfaas.prefill_region.shipping import link_report
 from prfaas.protos.prfaas.v1 import prefill_pb2, prefill_pb2_grpc, registry_pb2
@@ -33,7 +35,6 @@ from prfaas.region.errors import (
     Conflict,
     DeadlineExceeded,
     Exhausted,
-    InvalidRequest,
     Unavailable,
     streaming,
     unary,
@@ -45,7 +46,6 @@ from prfaas.region.requests import (
     job_uuid,
     logprobs_to_proto,
     prompt_logprobs_to_proto,
-    sampling_from_proto,
     stops,
     timeout_from,
 )
@@ -84,37 +84,13 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
 
     # -- admission -------------------------------------------------------------------------
 
-    def _work(self, request: prefill_pb2.PrefillRequest, job_id: str, deadline: float) -> PrefillWork:
-        token_ids = list(request.token_ids)
-        params = sampling_from_proto(request.sampling)
-        facts = self.backend.facts
-        params.check_vocab(facts.vocab_size)
-        if not token_ids:
-            raise InvalidRequest("token_ids is empty; at least one token is required")
-        bad = next((t for t in token_ids if t >= facts.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {facts.vocab_size})")
-        if len(token_ids) + params.max_new_tokens > facts.max_context:
-            raise InvalidRequest(
-                f"prompt of {len(token_ids)} tokens plus max_new_tokens {params.max_new_tokens} exceeds "
-                f"the model's context of {facts.max_context} tokens"
-            )
-        if request.ship_from_token >= len(token_ids):
-            raise InvalidRequest(
-                f"ship_from_token {request.ship_from_token} leaves none of the {len(token_ids)} tokens"
-            )
-        destination = self.backend.admit(Destination.parse(request.destination, self.codec), params)
-        salt = request.cache_salt if request.HasField("cache_salt") else None
-        return PrefillWork(job_id, request.attempt, token_ids, params, destination, deadline, request.ship_whole,
-                           salt, request.ship_from_token)  # fmt: skip
-
     @streaming
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> Iterator[prefill_pb2.PrefillEvent]:
         job_id = job_uuid(request.job_id)
         timeout_s = timeout_from(request.timeout_s, default_s=DEFAULT_TIMEOUT_S, max_s=MAX_TIMEOUT_S)
-        work = self._work(request, job_id, time.monotonic() + timeout_s)
+        work = prefill_work(request, job_id, time.monotonic() + timeout_s, self.backend, self.codec)
         span = tracing.tracer.start_span(
             "prefill.job", context=tracing.from_metadata(context.invocation_metadata()), kind=tracing.SpanKind.SERVER,
             attributes={tracing.JOB_ID: job_id, "prfaas.attempt": request.attempt,
@@ -174,7 +150,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
                         raise job.error
                     return
                 assert isinstance(item, prefill_pb2.PrefillEvent)
-                _stage_spans(span, item, received)
+                stage_spans(span, item, received)
                 yield item
         finally:
             if not ended:
@@ -227,7 +203,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
             job.emit(prefill_pb2.PrefillEvent(started=prefill_pb2.Started(queued_s=time.monotonic() - job.started)))
             job.check()
             shipped = self.backend.run(job.work, job)
-            job.emit(prefill_pb2.PrefillEvent(shipment_complete=_complete(shipped)))
+            job.emit(prefill_pb2.PrefillEvent(shipment_complete=shipment_complete(shipped)))
         except JobStopped:
             pass  # job.error says why
         except Exception as exc:
@@ -287,7 +263,7 @@ class PrefillAgent(CancelService, prefill_pb2_grpc.PrefillRegionServicer):
                 if not calls:
                     self._reships.pop(job_id, None)
         return prefill_pb2.ReshipReply(
-            shipment=_complete(reshipped.shipped),
+            shipment=shipment_complete(reshipped.shipped),
             kv=reshipped.kv,
             first_token=reshipped.firsts[0].token,
             first_logprobs=logprobs_to_proto(reshipped.firsts[0].logprobs),
@@ -376,25 +352,3 @@ class _Reship:
             self.error = error
         for stop in list(self.stops):
             stop()
-
-
-def _stage_spans(span: tracing.Span, event: prefill_pb2.PrefillEvent, received_ns: int) -> None:
-    """The stages of the job's prefill span, from its events as they pass: queued, the forward, the shipment."""
-    now = time.time_ns()
-    kind = event.WhichOneof("event")
-    if kind == "started":
-        tracing.span_at("prefill.queue", span, received_ns, now)
-    elif kind == "prefill_done":
-        done = event.prefill_done
-        tracing.span_at("prefill.forward", span, now - int(done.prefill_s * 1e9), now,
-                        {"prfaas.cached_tokens": done.cached_tokens})  # fmt: skip
-    elif kind == "shipment_complete":
-        shipped = event.shipment_complete
-        tracing.span_at("prefill.ship", span, now - int(shipped.transfer_s * 1e9), now,
-                        {"prfaas.raw_bytes": shipped.raw_bytes, "prfaas.wire_bytes": shipped.wire_bytes})  # fmt: skip
-
-
-def _complete(shipped: Shipped) -> prefill_pb2.ShipmentComplete:
-    return prefill_pb2.ShipmentComplete(
-        raw_bytes=shipped.raw_bytes, wire_bytes=shipped.wire_bytes, transfer_s=shipped.seconds
-    )
