@@ -61,7 +61,8 @@ def _reconcile_batch(meter: Meter, job_ids: list[str]) -> int:
     came) and record the wasted attempts of the other FAILED / CANCELED ones not recorded yet; returns the
     entries written. Jobs gone from Redis are skipped, and so is a job its client canceled whose follower may
     still record what it got (`CUT_GRACE_S`)."""
-    states = meter.s.jobs.fields_of(job_ids, ["state", "attempt", "client_canceled", "cut_tokens", "updated_at"])
+    names = ["state", "attempt", "client_canceled", "cut_tokens", "cut_attempt", "updated_at"]
+    states = meter.s.jobs.fields_of(job_ids, names)
     done: list[str] = []
     ended: list[str] = []
     for job_id, job in zip(job_ids, states, strict=True):
@@ -90,7 +91,7 @@ def _waste(meter: Meter, job_id: str, job: dict[str, str]) -> bool:
     follower's record first (`cut_closed`, set only while it has no `cut_tokens`, in one step): a follower that
     records what it got after this (a stalled process) is refused, so its attempt is never both billed and
     wasted. False: the record came meanwhile, and the job is billed instead."""
-    if job.get("client_canceled") != "1":
+    if job.get("client_canceled") != "1" or job.get("cut_tokens"):  # not its client's; a failed attempt's record
         return True
     return meter.s.jobs.update(job_id, int(job["attempt"]), unless="cut_tokens", cut_closed=1)
 

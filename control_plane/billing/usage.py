@@ -47,7 +47,9 @@ def billable(job: dict[str, str]) -> bool:
     is the platform's cost (`wasted_work`)."""
     if job.get("state") == "DONE":
         return True
-    return job.get("state") == "CANCELED" and job.get("client_canceled") == "1" and int(job.get("cut_tokens") or 0) > 0
+    cut = job.get("state") == "CANCELED" and job.get("client_canceled") == "1" and int(job.get("cut_tokens") or 0) > 0
+    # of its last attempt (a record from one that failed over before the cancel: that one is the platform's cost)
+    return cut and job.get("cut_attempt", job.get("attempt")) == job.get("attempt")
 
 
 def _f(job: dict[str, str], name: str) -> float | None:
@@ -115,6 +117,8 @@ def job_usage(job: dict[str, str], timeline: list[dict[str, Any]]) -> JobUsage:
     mine = {e["state"]: float(e["at"]) for e in timeline if e.get("attempt") == attempt}
     streamed_s = max(0.0, last - first) if last is not None and first is not None else 0.0
     decode_s = max(0.0, streamed_s - stalled)
+    if cut and end in mine and _f(job, first_at_s) is not None:  # no later than the cancel (a token in flight then)
+        decode_s = min(decode_s, max(0.0, mine[end] - float(job[first_at_s])))
     if split:
         prefill_s = _f(job, "prefill_gpu_s")
         if prefill_s is None and "PREFILLING" in mine and "TRANSFERRING" in mine:

@@ -74,6 +74,7 @@ class Follower:
         self._decode_stubs: dict[tuple[str, str], decode_pb2_grpc.DecodeRegionStub] = {}  # by target and region
         self.placer = AdmissionPlacer(services, services.settings.snapshot_ttl_s)
         self.meter = meter  # bills each job once it is DONE (off this thread)
+        self._streamed: dict[str, Outputs] = {}  # the jobs this process streams now: what a cancel here records
 
     def tokens(
         self, job_id: str, job: dict[str, str] | None = None, ready: dict[str, Any] | None = None, *,
@@ -90,13 +91,15 @@ class Follower:
             if self.owner and not followed:
                 self.leases.follow(job_id, self.owner)
             unfollowed = False
-            outputs = Outputs(already or ())
+            outputs = self._streamed[job_id] = Outputs(already or ())
             try:
                 unfollowed = yield from self._tokens(job_id, job, ready, after_attempt, outputs, parent)
             except BaseException:  # its client gone (GeneratorExit), the job canceled, failed or timed out
                 self._cut(job_id, outputs)
                 raise
             finally:
+                if self._streamed.get(job_id) is outputs:
+                    del self._streamed[job_id]
                 if self.owner and not unfollowed:
                     with contextlib.suppress(redis.RedisError):  # an outage's other errors say it already
                         self.leases.unfollow(job_id, self.owner)
@@ -342,9 +345,14 @@ class Follower:
     def cancel(self, job_id: str, reason: str, *, wait: bool = True, by_client: bool = False) -> bool:
         """CANCELED in the store, then Cancel in both regions (idempotent there); `wait`: for their answers.
         `by_client`: the tenant's choice (its client left, or it canceled the job), not the platform's: the
-        tokens its follower got are billed (`_cut`; billing/usage.py), as vLLM-backed APIs bill an aborted
-        request's output so far."""
-        marked: dict[str, Any] = {"client_canceled": 1} if by_client else {}
+        tokens its follower got are billed (billing/usage.py), as vLLM-backed APIs bill an aborted request's
+        output so far; recorded with the move where this process streams the job, else by its follower when its
+        stream ends (`_cut`)."""
+        marked: dict[str, Any] = {}
+        if by_client:  # streamed here: what it got as of now, with the move (a token that comes later is not billed)
+            streamed = self._streamed.get(job_id)
+            cut = streamed.cut() if streamed is not None else {}
+            marked = {"client_canceled": 1} | cut | ({"cut_closed": 1} if cut else {})  # no later record replaces it
         try:
             # followed from its creation: a job canceled before its stream was read is no longer ours either
             self.s.jobs.transition(job_id, JobState.CANCELED, 0, note=reason, error=f"canceled: {reason}",

@@ -228,8 +228,8 @@ class Outputs:
         t = self.timing
         if t is None or not self.count:
             return {}
-        return {"cut_tokens": self.count, "cut_first_at": t.first_at, "cut_first_s": t.first_s,
-                "cut_last_s": t.last_s, "cut_stall_s": t.stall_s}  # fmt: skip
+        return {"cut_tokens": self.count, "cut_attempt": t.attempt, "cut_first_at": t.first_at,
+                "cut_first_s": t.first_s, "cut_last_s": t.last_s, "cut_stall_s": t.stall_s}  # fmt: skip
 
     def record(self) -> dict[str, Any]:
         """The DONE record's fields: completion tokens over every choice; a one-choice job's output ids,

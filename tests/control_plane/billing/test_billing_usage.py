@@ -120,6 +120,9 @@ def test_a_local_note_names_an_instance_the_region_is_billed() -> None:
         ({"state": "CANCELED", "client_canceled": "1"}, False),  # before its first token: the platform's cost
         ({"state": "CANCELED", "cut_tokens": "4"}, False),  # canceled by the platform (its deadline)
         ({"state": "FAILED", "client_canceled": "1", "cut_tokens": "4"}, False),
+        # recorded for attempt 1, which failed over before the cancel: attempt 1 is the platform's cost
+        ({"state": "CANCELED", "client_canceled": "1", "cut_tokens": "4", "cut_attempt": "1", "attempt": "2"}, False),
+        ({"state": "CANCELED", "client_canceled": "1", "cut_tokens": "4", "cut_attempt": "2", "attempt": "2"}, True),
     ],
 )
 def test_billable_jobs(fields: dict[str, str], expected: bool) -> None:
@@ -138,3 +141,13 @@ def test_a_job_its_client_cut_is_billed_up_to_the_cut() -> None:
     assert (usage.prefill_gpu_s, usage.decode_gpu_s, usage.tokens_out) == (0.7, pytest.approx(0.3), 4)
     assert usage.ttft_s == pytest.approx(1.0) and usage.tpot_s == pytest.approx(0.1)
     assert usage.finished_at is not None and usage.finished_at.timestamp() == pytest.approx(T + 1.5)
+
+
+def test_a_cut_job_is_billed_no_decode_after_its_cancel() -> None:
+    """Its follower recorded a token that came 3 s after token 0, 2 s of it a stall (the region stopped), but the
+    job was canceled 0.1 s after token 0: 0.1 s of decode, not 1 s."""
+    job = SPLIT | {"state": "CANCELED", "client_canceled": "1", "cut_tokens": "4", "cut_first_at": str(T + 1.0),
+                   "cut_first_s": "0.1", "cut_last_s": "3.1", "cut_stall_s": "2.0"}  # fmt: skip
+    tl = _tl(("PREFILLING", 1, 0, ""), ("TRANSFERRING", 1, 0.7, ""), ("DECODING", 1, 1.0, ""),
+             ("CANCELED", 1, 1.1, "canceled by the tenant"))  # fmt: skip
+    assert job_usage(job, tl).decode_gpu_s == pytest.approx(0.1)

@@ -122,8 +122,8 @@ def _canceled_locally(services: Services, tenant_id: str, *, by_client: bool, cu
     time.sleep(0.05)
     marked = {"client_canceled": 1} if by_client else {}
     jobs.transition(job, JobState.CANCELED, 0, note="x", error="canceled: x", **marked)
-    if cut:
-        jobs.update(job, 1, cut_tokens=3, cut_first_at=time.time(), cut_first_s=0.2, cut_last_s=0.5)
+    if cut:  # its token 0 came a second before the cancel
+        jobs.update(job, 1, cut_tokens=3, cut_first_at=time.time() - 1.0, cut_first_s=0.2, cut_last_s=0.5)
     return job
 
 

@@ -52,3 +52,41 @@ def test_a_decode_region_stalled_mid_stream_is_not_billed_for_the_stall(metered:
     assert entry.decode_gpu_s < streamed_s - (STOP_S - STALL_GAP_S) + 0.5  # ... not in what is billed
     assert entry.decode_usd == pytest.approx(entry.decode_gpu_s / 3600 * PRICES["decode-b"]["usd_per_gpu_hour"])
     wait_until(lambda: "decode-b" in m.stack.healthy(), 30, 0.1)  # beating again, for the tests after
+
+
+def test_a_job_canceled_while_its_decode_region_is_stopped_is_billed_up_to_the_cancel(metered: Metered) -> None:
+    """The tenant cancels (DELETE) 1 s into a 3 s stop of the decode region, then the region resumes: what is
+    billed is what the job had at the cancel, which the DELETE's answer shows. Before, the follower recorded the
+    token the region sent on resuming (after the cancel), and with it the stall's first second: ~1 s of decode for
+    a few ms of tokens, and more tokens than the DELETE reported."""
+    m = metered
+    _, key = m.stack.tenant("stalled-cancel", allow_placement=True)
+    decode = next(r for r in m.stack.regions if r.name == "decode-b")
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7, 8, 9, 11], "max_tokens": 600, "ignore_eos": True,
+            "stream": True, "prfaas": {"placement": "local"}}  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}"}
+    chunks = 0
+    with httpx.stream("POST", m.stack.url + "/v1/completions", json=body, headers=headers, timeout=60) as reply:
+        job_id = reply.headers["X-Prfaas-Job-Id"]
+        for line in reply.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                chunks += 1
+                if chunks == 3:
+                    os.kill(decode.proc.pid, signal.SIGSTOP)
+                    try:
+                        time.sleep(1.0)
+                        canceled = httpx.delete(f"{m.stack.url}/v1/jobs/{job_id}", headers=headers, timeout=10)
+                        time.sleep(STOP_S - 1.0)
+                    finally:
+                        os.kill(decode.proc.pid, signal.SIGCONT)
+    assert canceled.status_code == 200 and canceled.json()["state"] == "CANCELED", canceled.text
+    shown = canceled.json()["usage"]["completion_tokens"]
+    ledger = m.ledger()
+    try:
+        wait_until(lambda: ledger.entry(job_id) is not None, 20, 0.1)
+        entry = ledger.entry(job_id)
+    finally:
+        ledger.close()
+    assert entry is not None and entry.tokens_out == shown >= 3, (entry and entry.tokens_out, shown)
+    assert entry.decode_gpu_s < 0.5, entry.decode_gpu_s  # its tokens before the stop: not the stop
+    wait_until(lambda: "decode-b" in m.stack.healthy(), 30, 0.1)
