@@ -48,8 +48,11 @@ def billable(job: dict[str, str]) -> bool:
     if job.get("state") == "DONE":
         return True
     cut = job.get("state") == "CANCELED" and job.get("client_canceled") == "1" and int(job.get("cut_tokens") or 0) > 0
-    # of its last attempt (a record from one that failed over before the cancel: that one is the platform's cost)
-    return cut and job.get("cut_attempt", job.get("attempt")) == job.get("attempt")
+    # of its last attempt (a record from one that failed over before the cancel: that one is the platform's cost),
+    # whose first token came before the cancel (one that came after it, to another process, is not the tenant's)
+    first_at, canceled_at = _f(job, "cut_first_at"), _f(job, "canceled_at")
+    before = first_at is None or canceled_at is None or first_at <= canceled_at
+    return cut and before and job.get("cut_attempt", job.get("attempt")) == job.get("attempt")
 
 
 def _f(job: dict[str, str], name: str) -> float | None:

@@ -352,7 +352,8 @@ class Follower:
         if by_client:  # streamed here: what it got as of now, with the move (a token that comes later is not billed)
             streamed = self._streamed.get(job_id)
             cut = streamed.cut() if streamed is not None else {}
-            marked = {"client_canceled": 1} | cut | ({"cut_closed": 1} if cut else {})  # no later record replaces it
+            closed = {"cut_closed": 1} if streamed is not None else {}  # no later record (`_cut`) replaces this one
+            marked = {"client_canceled": 1, "canceled_at": time.time()} | cut | closed
         try:
             # followed from its creation: a job canceled before its stream was read is no longer ours either
             self.s.jobs.transition(job_id, JobState.CANCELED, 0, note=reason, error=f"canceled: {reason}",

@@ -123,6 +123,27 @@ def test_a_local_note_names_an_instance_the_region_is_billed() -> None:
         # recorded for attempt 1, which failed over before the cancel: attempt 1 is the platform's cost
         ({"state": "CANCELED", "client_canceled": "1", "cut_tokens": "4", "cut_attempt": "1", "attempt": "2"}, False),
         ({"state": "CANCELED", "client_canceled": "1", "cut_tokens": "4", "cut_attempt": "2", "attempt": "2"}, True),
+        # its first token came after the cancel (to a process the cancel did not reach): not the tenant's
+        (
+            {
+                "state": "CANCELED",
+                "client_canceled": "1",
+                "cut_tokens": "2",
+                "cut_first_at": "10.5",
+                "canceled_at": "10",
+            },
+            False,
+        ),
+        (
+            {
+                "state": "CANCELED",
+                "client_canceled": "1",
+                "cut_tokens": "2",
+                "cut_first_at": "9.5",
+                "canceled_at": "10",
+            },
+            True,
+        ),
     ],
 )
 def test_billable_jobs(fields: dict[str, str], expected: bool) -> None:

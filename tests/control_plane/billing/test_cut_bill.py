@@ -161,3 +161,37 @@ def test_the_sweep_bills_a_cut_job_the_meter_missed_and_leaves_platform_cancels_
     finally:
         ledger.close()
         services.close()
+
+
+def test_a_cancel_before_the_first_token_where_the_job_streams_bills_no_token_that_comes_after(
+    metered: Metered, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client leaves before the job's first token reached the API process that streams it: the cancel closes
+    the job's record, so tokens that were already on their way (recorded when the stream ends) are not billed, and
+    the job is the platform's cost as any job canceled before its first token."""
+    m = metered
+    monkeypatch.setenv("PRFAAS_PRICES_PATH", m.stack.env["PRFAAS_PRICES_PATH"])
+    services = Services.create(stack_settings(m.stack))
+    ledger = Ledger(m.stack.ledger_url)
+    try:
+        tenant_id, _ = m.stack.tenant("early-cut")
+        jobs = services.jobs
+        job = jobs.create(tenant_id, {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 50}, QUOTA).job_id
+        jobs.update(job, 1, placement_chosen="local", decode_region="decode-b", prefill_region="decode-b")
+        jobs.transition(job, JobState.LOCAL, 1, note="local in decode-b")
+        follower = Follower(services, None)
+        streamed = follower._streamed[job] = Outputs(())  # this process streams it: no token yet
+        assert follower.cancel(job, "client disconnected", wait=False, by_client=True)
+        streamed.add(Token(0, 7, False, ""))  # then two tokens that were in flight
+        streamed.add(Token(1, 8, False, ""))
+        streamed.timed(1, (time.time(), 0.2), 0.3)
+        follower._cut(job, streamed)
+        record = jobs.get(job)
+        assert "cut_tokens" not in record and record["cut_closed"] == "1", record
+        monkeypatch.setattr("prfaas.control_plane.billing.reconcile.CUT_GRACE_S", 0.0)
+        meter = Meter(services, ledger)
+        assert reconcile(meter) == 0 and ledger.entry(job) is None
+        assert [w.phase for w in ledger.wasted(job)] == ["local"]
+    finally:
+        ledger.close()
+        services.close()
