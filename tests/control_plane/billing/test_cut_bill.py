@@ -112,13 +112,31 @@ def test_a_split_job_its_tenant_cancels_mid_stream_is_billed_with_its_egress(met
 QUOTA = Quota(rps=100, concurrency=100, budget_usd=100)
 
 
-def _canceled_locally(services: Services, tenant_id: str, *, by_client: bool, cut: bool) -> str:
-    """A job run locally in decode-b and canceled (`by_client` or by the platform), with its follower's record of
-    3 tokens (`cut`) or none, and no `job_done` (its API process died)."""
+@pytest.fixture
+def swept(metered: Metered, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Services, Ledger]]:
+    """The stack's job store and ledger, for jobs written here and the sweeps run on them (the stack's prices)."""
+    monkeypatch.setenv("PRFAAS_PRICES_PATH", metered.stack.env["PRFAAS_PRICES_PATH"])
+    services = Services.create(stack_settings(metered.stack))
+    ledger = Ledger(metered.stack.ledger_url)
+    yield services, ledger
+    ledger.close()
+    services.close()
+
+
+def _local(services: Services, tenant_id: str) -> str:
+    """A job running locally in decode-b."""
     jobs = services.jobs
     job = jobs.create(tenant_id, {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 50}, QUOTA).job_id
     jobs.update(job, 1, placement_chosen="local", decode_region="decode-b", prefill_region="decode-b")
     jobs.transition(job, JobState.LOCAL, 1, note="local in decode-b")
+    return job
+
+
+def _canceled_locally(services: Services, tenant_id: str, *, by_client: bool, cut: bool) -> str:
+    """A job run locally in decode-b and canceled (`by_client` or by the platform), with its follower's record of
+    3 tokens (`cut`) or none, and no `job_done` (its API process died)."""
+    jobs = services.jobs
+    job = _local(services, tenant_id)
     time.sleep(0.05)
     marked = {"client_canceled": 1} if by_client else {}
     jobs.transition(job, JobState.CANCELED, 0, note="x", error="canceled: x", **marked)
@@ -128,70 +146,54 @@ def _canceled_locally(services: Services, tenant_id: str, *, by_client: bool, cu
 
 
 def test_the_sweep_bills_a_cut_job_the_meter_missed_and_leaves_platform_cancels_as_waste(
-    metered: Metered, monkeypatch: pytest.MonkeyPatch
+    metered: Metered, swept: tuple[Services, Ledger], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    m = metered
-    monkeypatch.setenv("PRFAAS_PRICES_PATH", m.stack.env["PRFAAS_PRICES_PATH"])
-    services = Services.create(stack_settings(m.stack))
-    ledger = Ledger(m.stack.ledger_url)
-    try:
-        tenant_id, _ = m.stack.tenant("swept-cuts")
-        cut = _canceled_locally(services, tenant_id, by_client=True, cut=True)
-        platform = _canceled_locally(services, tenant_id, by_client=False, cut=True)  # its deadline, say
-        pending = _canceled_locally(services, tenant_id, by_client=True, cut=False)  # its follower may still record
-        meter = Meter(services, ledger)
-        assert reconcile(meter) == 1 and reconcile(meter) == 0
-        entry = ledger.entry(cut)
-        assert entry is not None and (entry.tokens_out, entry.prefill_gpu_s) == (3, 0.2)
-        assert entry.decode_gpu_s == pytest.approx(0.3) and ledger.wasted(cut) == []
-        assert ledger.entry(platform) is None and [w.phase for w in ledger.wasted(platform)] == ["local"]
-        assert ledger.entry(pending) is None and ledger.wasted(pending) == []
-        assert services.jobs.spend(tenant_id) == pytest.approx(entry.total_usd)
-        # no record within the grace: canceled before its first token came, the platform's cost
-        monkeypatch.setattr("prfaas.control_plane.billing.reconcile.CUT_GRACE_S", 0.0)
-        assert CUT_GRACE_S > 0 and reconcile(meter) == 0
-        assert ledger.entry(pending) is None and [w.phase for w in ledger.wasted(pending)] == ["local"]
-        # its follower's record after that (a stalled process): refused, so the attempt is not billed as well
-        late = Outputs(())
-        late.add(Token(0, 7, False, ""))
-        late.timed(1, (time.time(), 0.2), 0.5)
-        Follower(services, None)._cut(pending, late)
-        assert "cut_tokens" not in services.jobs.get(pending) and reconcile(meter) == 0
-        assert ledger.entry(pending) is None and services.jobs.spend(tenant_id) == pytest.approx(entry.total_usd)
-    finally:
-        ledger.close()
-        services.close()
+    m, (services, ledger) = metered, swept
+    tenant_id, _ = m.stack.tenant("swept-cuts")
+    cut = _canceled_locally(services, tenant_id, by_client=True, cut=True)
+    platform = _canceled_locally(services, tenant_id, by_client=False, cut=True)  # its deadline, say
+    pending = _canceled_locally(services, tenant_id, by_client=True, cut=False)  # its follower may still record
+    meter = Meter(services, ledger)
+    assert reconcile(meter) == 1 and reconcile(meter) == 0
+    entry = ledger.entry(cut)
+    assert entry is not None and (entry.tokens_out, entry.prefill_gpu_s) == (3, 0.2)
+    assert entry.decode_gpu_s == pytest.approx(0.3) and ledger.wasted(cut) == []
+    assert ledger.entry(platform) is None and [w.phase for w in ledger.wasted(platform)] == ["local"]
+    assert ledger.entry(pending) is None and ledger.wasted(pending) == []
+    assert services.jobs.spend(tenant_id) == pytest.approx(entry.total_usd)
+    # no record within the grace: canceled before its first token came, the platform's cost
+    monkeypatch.setattr("prfaas.control_plane.billing.reconcile.CUT_GRACE_S", 0.0)
+    assert CUT_GRACE_S > 0 and reconcile(meter) == 0
+    assert ledger.entry(pending) is None and [w.phase for w in ledger.wasted(pending)] == ["local"]
+    # its follower's record after that (a stalled process): refused, so the attempt is not billed as well
+    late = Outputs(())
+    late.add(Token(0, 7, False, ""))
+    late.timed(1, (time.time(), 0.2), 0.5)
+    Follower(services, None)._cut(pending, late)
+    assert "cut_tokens" not in services.jobs.get(pending) and reconcile(meter) == 0
+    assert ledger.entry(pending) is None and services.jobs.spend(tenant_id) == pytest.approx(entry.total_usd)
 
 
 def test_a_cancel_before_the_first_token_where_the_job_streams_bills_no_token_that_comes_after(
-    metered: Metered, monkeypatch: pytest.MonkeyPatch
+    metered: Metered, swept: tuple[Services, Ledger], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The client leaves before the job's first token reached the API process that streams it: the cancel closes
     the job's record, so tokens that were already on their way (recorded when the stream ends) are not billed, and
     the job is the platform's cost as any job canceled before its first token."""
-    m = metered
-    monkeypatch.setenv("PRFAAS_PRICES_PATH", m.stack.env["PRFAAS_PRICES_PATH"])
-    services = Services.create(stack_settings(m.stack))
-    ledger = Ledger(m.stack.ledger_url)
-    try:
-        tenant_id, _ = m.stack.tenant("early-cut")
-        jobs = services.jobs
-        job = jobs.create(tenant_id, {"model": "tiny-llama", "prompt_tokens": 5, "max_new_tokens": 50}, QUOTA).job_id
-        jobs.update(job, 1, placement_chosen="local", decode_region="decode-b", prefill_region="decode-b")
-        jobs.transition(job, JobState.LOCAL, 1, note="local in decode-b")
-        follower = Follower(services, None)
-        streamed = follower._streamed[job] = Outputs(())  # this process streams it: no token yet
-        assert follower.cancel(job, "client disconnected", wait=False, by_client=True)
-        streamed.add(Token(0, 7, False, ""))  # then two tokens that were in flight
-        streamed.add(Token(1, 8, False, ""))
-        streamed.timed(1, (time.time(), 0.2), 0.3)
-        follower._cut(job, streamed)
-        record = jobs.get(job)
-        assert "cut_tokens" not in record and record["cut_closed"] == "1", record
-        monkeypatch.setattr("prfaas.control_plane.billing.reconcile.CUT_GRACE_S", 0.0)
-        meter = Meter(services, ledger)
-        assert reconcile(meter) == 0 and ledger.entry(job) is None
-        assert [w.phase for w in ledger.wasted(job)] == ["local"]
-    finally:
-        ledger.close()
-        services.close()
+    m, (services, ledger) = metered, swept
+    tenant_id, _ = m.stack.tenant("early-cut")
+    jobs = services.jobs
+    job = _local(services, tenant_id)
+    follower = Follower(services, None)
+    streamed = follower._streamed[job] = Outputs(())  # this process streams it: no token yet
+    assert follower.cancel(job, "client disconnected", wait=False, by_client=True)
+    streamed.add(Token(0, 7, False, ""))  # then two tokens that were in flight
+    streamed.add(Token(1, 8, False, ""))
+    streamed.timed(1, (time.time(), 0.2), 0.3)
+    follower._cut(job, streamed)
+    record = jobs.get(job)
+    assert "cut_tokens" not in record and record["cut_closed"] == "1", record
+    monkeypatch.setattr("prfaas.control_plane.billing.reconcile.CUT_GRACE_S", 0.0)
+    meter = Meter(services, ledger)
+    assert reconcile(meter) == 0 and ledger.entry(job) is None
+    assert [w.phase for w in ledger.wasted(job)] == ["local"]
