@@ -61,7 +61,8 @@ def _reconcile_batch(meter: Meter, job_ids: list[str]) -> int:
     came) and record the wasted attempts of the other FAILED / CANCELED ones not recorded yet; returns the
     entries written. Jobs gone from Redis are skipped, and so is a job its client canceled whose follower may
     still record what it got (`CUT_GRACE_S`)."""
-    names = ["state", "attempt", "client_canceled", "cut_tokens", "cut_attempt", "updated_at"]
+    names = ["state", "attempt", "updated_at", "client_canceled", "canceled_at"]  # and what `billable` reads
+    names += ["cut_tokens", "cut_attempt", "cut_first_at"]
     states = meter.s.jobs.fields_of(job_ids, names)
     done: list[str] = []
     ended: list[str] = []

@@ -197,3 +197,18 @@ def test_a_cancel_before_the_first_token_where_the_job_streams_bills_no_token_th
     meter = Meter(services, ledger)
     assert reconcile(meter) == 0 and ledger.entry(job) is None
     assert [w.phase for w in ledger.wasted(job)] == ["local"]
+
+
+def test_a_record_whose_first_token_came_after_the_cancel_is_swept_as_waste(
+    metered: Metered, swept: tuple[Services, Ledger]
+) -> None:
+    """Recorded by a follower the cancel did not reach, its first token after the cancel: not billable, and the
+    sweep records it as the platform's cost (it reads what `billable` needs: before, it took the job for billable
+    on the fields it read, the biller skipped it, and no sweep ever recorded it)."""
+    m, (services, ledger) = metered, swept
+    tenant_id, _ = m.stack.tenant("late-first")
+    job = _canceled_locally(services, tenant_id, by_client=True, cut=True)  # its first token: a second ago
+    services.jobs.update(job, 1, canceled_at=time.time() - 2.0)  # the cancel: before that
+    meter = Meter(services, ledger)
+    assert reconcile(meter) == 0 and ledger.entry(job) is None
+    assert [w.phase for w in ledger.wasted(job)] == ["local"]
