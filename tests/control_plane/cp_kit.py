@@ -20,6 +20,7 @@ import psycopg
 import pytest
 import redis
 
+from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.settings import Settings
 from prfaas.devstack.stack import ADMIN_KEY, REDIS_URL, TICKET_KEY, Stack, wait_until  # TICKET_KEY: region_kit.KEY
@@ -103,6 +104,22 @@ def settings_fixture(**overrides: object) -> Iterator[Settings]:
     settings = make_settings(**overrides)
     yield settings
     cleanup(settings)
+
+
+def services_fixture(**overrides: object) -> Iterator[Services]:
+    """Services on settings of their own (`make_settings(**overrides)`), closed and cleaned up after."""
+    for settings in settings_fixture(**overrides):
+        services = Services.create(settings)
+        yield services
+        services.close()
+
+
+def registry_fixture() -> Iterator[RegionRegistry]:
+    """A region registry on settings of its own, cleaned up after."""
+    for settings in settings_fixture():
+        client = redis.Redis.from_url(settings.redis_url)
+        yield RegionRegistry(client, settings)
+        client.close()
 
 
 def api_stack(folder: Path, **env: str) -> Iterator[Stack]:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import redis
-from cp_kit import settings_fixture
+from cp_kit import registry_fixture
 
 from prfaas.control_plane.fleet.records import RegionNotFound, exclusion
 from prfaas.control_plane.fleet.registry import RegionRegistry
@@ -22,10 +21,7 @@ MODEL = ModelShape(name="tiny-llama", num_layers=4, kv_bytes_per_token=1024)
 
 @pytest.fixture
 def reg() -> Iterator[RegionRegistry]:
-    for settings in settings_fixture():
-        client = redis.Redis.from_url(settings.redis_url)
-        yield RegionRegistry(client, settings)
-        client.close()
+    yield from registry_fixture()
 
 
 def _register(reg: RegionRegistry, instance: str = "vm") -> str:

@@ -14,8 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import redis
-from cp_kit import settings_fixture
+from cp_kit import registry_fixture
 from pydantic import ValidationError
 from test_link_estimates import link_report
 
@@ -35,10 +34,7 @@ INF, NAN = float("inf"), float("nan")
 
 @pytest.fixture
 def reg() -> Iterator[RegionRegistry]:
-    for settings in settings_fixture():
-        client = redis.Redis.from_url(settings.redis_url)
-        yield RegionRegistry(client, settings)
-        client.close()
+    yield from registry_fixture()
 
 
 def _register(reg: RegionRegistry, name: str, role: str = "decode", **fields: object) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
-from cp_kit import cleanup, ensure_redis, make_settings
+from cp_kit import services_fixture
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prfaas.control_plane.jobs.celery_app import make_celery
@@ -65,12 +65,7 @@ class Decode(decode_pb2_grpc.DecodeRegionServicer):
 
 @pytest.fixture
 def services() -> Iterator[Services]:
-    ensure_redis()
-    settings = make_settings(job={"timeout_s": JOB_TIMEOUT_S})
-    services = Services.create(settings)
-    yield services
-    services.close()
-    cleanup(settings)
+    yield from services_fixture(job={"timeout_s": JOB_TIMEOUT_S})
 
 
 def _serve(servicer: Decode) -> tuple[grpc.Server, str]:
@@ -125,17 +120,21 @@ def _follow(services: Services, job_id: str, target: str) -> tuple[list[int], di
     return tokens, queued, suspected
 
 
+def _followed_against(services: Services, servicer: Decode) -> tuple[list[int], dict[str, str], list[str]]:
+    """`_follow` of a new split job whose decode region is `servicer`, on a gRPC server of its own."""
+    server, target = _serve(servicer)
+    try:
+        return _follow(services, _split_job(services, target), target)
+    finally:
+        server.stop(None)
+
+
 def test_a_decode_whose_prefill_was_lost_leaves_the_prefill_instance_out_not_the_decode_one(
     services: Services,
 ) -> None:
     """Before, ABORTED cost the decode instance the job (left out) and reshipped from the lost prefill."""
     servicer = Decode((grpc.StatusCode.ABORTED, "prefill region 127.0.0.1:9 is unavailable (UNAVAILABLE: ping)"))
-    server, target = _serve(servicer)
-    try:
-        job_id = _split_job(services, target)
-        tokens, queued, suspected = _follow(services, job_id, target)
-    finally:
-        server.stop(None)
+    tokens, queued, suspected = _followed_against(services, servicer)
     assert tokens == TOKENS
     excluded = json.loads(queued["excluded"])
     assert [e.split("@")[0] for e in excluded] == ["p/i0"], excluded  # ["d/i0"] before
@@ -145,12 +144,7 @@ def test_a_decode_whose_prefill_was_lost_leaves_the_prefill_instance_out_not_the
 
 def test_a_decode_instance_that_went_away_is_still_left_out_and_the_kv_reshipped(services: Services) -> None:
     servicer = Decode((grpc.StatusCode.UNAVAILABLE, "decode region shutting down"))
-    server, target = _serve(servicer)
-    try:
-        job_id = _split_job(services, target)
-        tokens, queued, suspected = _follow(services, job_id, target)
-    finally:
-        server.stop(None)
+    tokens, queued, suspected = _followed_against(services, servicer)
     assert tokens == TOKENS
     assert [e.split("@")[0] for e in json.loads(queued["excluded"])] == ["d/i0"]
     assert json.loads(queued["reship_from"]) == {"region": "p", "instance": "i0"}

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import pytest
 import redis
-from cp_kit import cleanup, ensure_redis, make_settings
+from cp_kit import services_fixture
 from fake_regions import FakeRegions
 
 from prfaas.control_plane.jobs.attempts import Attempts
@@ -79,12 +79,7 @@ class Decode(decode_pb2_grpc.DecodeRegionServicer):
 
 @pytest.fixture
 def services() -> Iterator[Services]:
-    ensure_redis()
-    settings = make_settings(job={"timeout_s": 20})
-    services = Services.create(settings)
-    yield services
-    services.close()
-    cleanup(settings)
+    yield from services_fixture(job={"timeout_s": 20})
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from cp_kit import cleanup, ensure_redis, make_settings
+from cp_kit import services_fixture
 from fake_regions import FakeRegions
 from test_dispatch_faults import Decode, Prefill, _job
 
@@ -37,12 +37,7 @@ class Dying(Decode):
 
 @pytest.fixture
 def services() -> Iterator[Services]:
-    ensure_redis()
-    settings = make_settings(job={"timeout_s": 20})
-    services = Services.create(settings)
-    yield services
-    services.close()
-    cleanup(settings)
+    yield from services_fixture(job={"timeout_s": 20})
 
 
 @pytest.fixture
