@@ -1,14 +1,8 @@
 """The decode region agent: the DecodeRegion gRPC service. KV buffer reservations with
 admission control (`book.py`), shipments accepted only against a ticket for a reservation
 held here, decode streamed as tokens, and the local (end-to-end) path for short prompts.
-What runs the model is the region's `DecodeBackend` (`backend.py`).
-
-Lifetimes: a reservation ends exactly once (`_end`), whatever ends it (Decode finished,
-Release, Cancel, client disconnect, deadline, the prefill region lost, a bad shipment); its
-bytes are freed right then and the backend's hold on its shipment ended. Its outcome stays
-readable for a while (`Tombstone`), so a caller arriving after a failure gets the failure's
-status, not NOT_FOUND: the status alone, not the error, whose traceback would keep the KV
-its frames held alive as long.
+What runs the model is the region's `DecodeBackend` (`backend.py`); what the region holds
+(reservations, their tombstones, local jobs) and how a reservation ends, `held.py`.
 """
 
 from __future__ import annotations
@@ -24,9 +18,10 @@ import grpc
 from prfaas.decode_region import metrics
 from prfaas.decode_region.backend import DecodeBackend, DecodeCall, close_tokens
 from prfaas.decode_region.book import KVBook
+from prfaas.decode_region.held import HeldJobs, gauges
 from prfaas.decode_region.local_jobs import LocalJob
 from prfaas.decode_region.peer_watch import PeerWatcher, PrefillLost
-from prfaas.decode_region.reservations import Reservation, ReservationEvents, Tombstone, raise_as_region_error
+from prfaas.decode_region.reservations import Reservation, ReservationEvents, raise_as_region_error
 from prfaas.decode_region.tokens import TokenStream
 from prfaas.decode_region.workers import WorkerSlots
 from prfaas.engine.sampling import Chosen, SamplingParams
@@ -36,8 +31,6 @@ from prfaas.region.channels import TlsFiles
 from prfaas.region.errors import (
     Canceled,
     Conflict,
-    DeadlineExceeded,
-    Exhausted,
     InvalidRequest,
     NotFound,
     PreconditionFailed,
@@ -56,7 +49,6 @@ from prfaas.region.requests import (
 from prfaas.telemetry import tracing
 
 log = logging.getLogger(__name__)
-TOMBSTONE_S = 120.0
 DEFAULT_TTL_S = 60.0
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -85,19 +77,14 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         self.book = KVBook(kv_buffer_bytes)
         self.workers = WorkerSlots(num_workers)
         self.max_reservation_s = max_reservation_s
-        self.max_jobs = max_jobs
+        self.held = HeldJobs(self.book, max_jobs)
         self.watcher = PeerWatcher(heartbeat_interval_s, tls)
         self.draining = False
-        self._lock = threading.Lock()
-        self._reservations: dict[str, Reservation] = {}
-        self._tombstones: dict[str, Tombstone] = {}
-        self._local: dict[str, LocalJob] = {}  # Generate jobs, by job id
         self._rate = metrics.Smoothed(metrics.TOKENS_PER_S)  # tokens/s
         self._prefill_rate = metrics.Smoothed(metrics.PREFILL_TOKENS_PER_S)  # of local prefills: what local costs
-        self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="prfaas-decode-reaper", daemon=True)
         self._reaper.start()
-        self._gauges()
+        gauges(self.book)
 
     # -- reservations ----------------------------------------------------------------------
 
@@ -110,23 +97,14 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
             raise InvalidRequest("kv_bytes must be > 0")
         default_s = min(DEFAULT_TTL_S, self.max_reservation_s)  # for an unset ttl_s: within what this region allows
         ttl_s = timeout_from(request.ttl_s, default_s=default_s, max_s=self.max_reservation_s, field="ttl_s")
-        with self._lock:
-            existing = self._reservations.get(job_id)
+        existing = self.held.reservation(job_id)
         if existing is not None:
             if existing.attempt >= request.attempt:
                 raise Conflict(f"job {job_id} attempt {existing.attempt} already holds a reservation")
             self._end(existing, Canceled(f"superseded by attempt {request.attempt}"))
         res = Reservation(job_id, request.attempt, request.tenant, request.kv_bytes, time.monotonic() + ttl_s,
                           trace=tracing.traceparent_in(context.invocation_metadata()))  # fmt: skip
-        with self._lock:
-            if self._closed.is_set():  # close() took its list of reservations already: this one would stay
-                raise Unavailable("decode region shutting down")
-            if job_id in self._reservations:
-                raise Conflict(f"job {job_id} already holds a reservation")
-            self._admit()
-            free = self.book.reserve(job_id, request.kv_bytes)  # BufferFull -> RESOURCE_EXHAUSTED
-            self._reservations[job_id] = res
-            self._tombstones.pop(job_id, None)
+        free = self.held.reserve(res)  # BufferFull -> RESOURCE_EXHAUSTED
         try:  # whatever fails from here on (the engine's server gone, a watch that cannot open) undoes it all
             salt = request.cache_salt if request.HasField("cache_salt") else None
             try:
@@ -149,7 +127,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         except Exception as exc:
             self._end(res, exc)  # the bytes go back at once, what was attached is stopped (a no-op if it had ended)
             raise
-        self._gauges()
+        gauges(self.book)
         return decode_pb2.ReserveReply(
             kv_endpoint=self.backend.kv_endpoint, free_bytes=free, expires_in_s=ttl_s,
             cached_tokens=hold.cached_tokens,
@@ -157,23 +135,15 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
 
     @unary
     def Release(self, request: decode_pb2.ReleaseRequest, context: grpc.ServicerContext) -> decode_pb2.ReleaseReply:
-        with self._lock:
-            res = self._reservations.get(job_uuid(request.job_id))
+        res = self.held.reservation(job_uuid(request.job_id))
         if res is not None and request.attempt and res.attempt != request.attempt:
             res = None  # another attempt's (a newer one's: this message is stale)
         if res is not None:
             self._end(res, Canceled("released by the caller"))
         return decode_pb2.ReleaseReply(found=res is not None)
 
-    def _admit(self) -> None:
-        """Room for one more job (under the lock), else Exhausted."""
-        if len(self._reservations) + len(self._local) >= self.max_jobs:
-            raise Exhausted(f"decode region holds {self.max_jobs} jobs (max_jobs); place the job elsewhere")
-
     def cancel(self, job_id: str, canceled: Canceled, attempt: int = 0) -> bool:
-        with self._lock:
-            res = self._reservations.get(job_id)
-            local = self._local.get(job_id)
+        res, _, local = self.held.found(job_id)
         if res is not None and not stops(attempt, res.attempt):
             res = None  # a newer attempt's reservation: this Cancel is stale
         if local is not None and not stops(attempt, local.attempt):
@@ -185,43 +155,11 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         return res is not None or local is not None
 
     def _end(self, res: Reservation, error: BaseException | None) -> bool:
-        """End `res` once: free its bytes, stop its shipment, its watch and its decode; False if it had
-        ended. Of `error` only its status is kept (`CarriedStatus`), not the frames its traceback holds."""
-        if not res.mark_ended(error):
-            return False
-        status = res.error
-        with self._lock:
-            if self._reservations.get(res.job_id) is res:
-                del self._reservations[res.job_id]
-                self.book.release(res.job_id)
-            self._tombstones[res.job_id] = Tombstone(res.attempt, status, time.monotonic())
-        if res.watch is not None:
-            res.watch.stop()
-        if res.hold is not None:
-            res.hold.end(f"reservation ended: {status}" if status is not None else "reservation ended")
-        outcome = "done"
-        if status is not None:
-            log.info("reservation %s attempt %d ended: %s %s", res.job_id, res.attempt, status.code.name, status)
-            outcome = status.code.name.lower()
-        metrics.RESERVATIONS_ENDED.labels(outcome).inc()
-        self._gauges()
-        return True
+        return self.held.end(res, error)
 
     def _reap_loop(self) -> None:
-        while not self._closed.wait(0.1):
-            now = time.monotonic()
-            with self._lock:
-                due = [r for r in self._reservations.values() if now >= r.deadline and not r.decoding]
-                for job_id in [j for j, t in self._tombstones.items() if now - t.at > TOMBSTONE_S]:
-                    del self._tombstones[job_id]
-            for res in due:
-                self._end(res, DeadlineExceeded("reservation expired before its KV was decoded"))
-
-    def _gauges(self) -> None:
-        used = self.book.used_bytes
-        metrics.KV_USED.set(used)
-        metrics.KV_FREE.set(self.book.capacity_bytes - used)
-        metrics.RESERVATIONS.set(self.book.num_reservations)
+        while not self.held.closed.wait(0.1):
+            self.held.reap()
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -235,9 +173,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
     def _claim(self, call: DecodeCall, context: grpc.ServicerContext) -> Reservation:
         """The call's reservation, claimed for this stream (an ended one raises its error, a
         second Decode gets ALREADY_EXISTS) and ended if the caller goes away."""
-        with self._lock:
-            res = self._reservations.get(call.job_id)
-            tomb = self._tombstones.get(call.job_id)
+        res, tomb, _ = self.held.found(call.job_id)
         if res is None:
             if tomb is not None and tomb.attempt == call.attempt and tomb.error is not None:
                 raise_as_region_error(tomb.error)
@@ -324,13 +260,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         self.backend.check_prompt(token_ids, params)
         job = LocalJob(request.attempt)
         canceled = job.canceled
-        with self._lock:
-            if self._closed.is_set():  # close() took its list of jobs already: this one would run on
-                raise Unavailable("decode region shutting down")
-            if job_id in self._local or job_id in self._reservations:
-                raise Conflict(f"job {job_id} is already running here")
-            self._admit()
-            self._local[job_id] = job
+        self.held.add_local(job_id, job)
         if not context.add_callback(job.stop):
             job.stop()  # the call is over already: no callback will come
         rests: list[Iterator[Chosen]] = []
@@ -356,8 +286,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         finally:
             for rest in rests:
                 close_tokens(rest)
-            with self._lock:
-                self._local.pop(job_id, None)
+            self.held.drop_local(job_id)
 
     def _count_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0:  # else all of it was cached: nothing measured
@@ -379,21 +308,12 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         }  # fmt: skip
 
     def idle(self) -> bool:
-        with self._lock:
-            return not self._reservations and not self._local and self.workers.busy == 0
+        return self.held.empty() and self.workers.busy == 0
 
     def close(self, wait_s: float = 5.0) -> None:
-        self._closed.set()
-        with self._lock:
-            reservations, local = list(self._reservations.values()), list(self._local.values())
-        ending = threading.Thread(target=self._end_all, args=(reservations, local), daemon=True)
+        reservations, local = self.held.close()
+        ending = threading.Thread(target=self.held.end_all, args=(reservations, local), daemon=True)
         ending.start()  # waited for `wait_s` (s), not for ever: ending a hold can wait on a stalled engine (vLLM's
         ending.join(wait_s)  # forget); closing the backend ends the engine's calls (kills a vLLM server), and so them
         self.watcher.close()
         self.backend.close()
-
-    def _end_all(self, reservations: list[Reservation], local: list[LocalJob]) -> None:
-        for res in reservations:
-            self._end(res, Unavailable("decode region shutting down"))
-        for job in local:
-            job.stop(Unavailable("decode region shutting down"))

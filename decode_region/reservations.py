@@ -2,7 +2,7 @@
 tombstone its outcome leaves (so a caller arriving after a failure gets the failure's status,
 not NOT_FOUND).
 
-A reservation ends exactly once (`DecodeAgent._end`), whatever ends it: Decode finished,
+A reservation ends exactly once (`HeldJobs.end`, held.py), whatever ends it: Decode finished,
 Release, Cancel, the caller gone, its deadline, the prefill region lost, a bad shipment.
 """
 
@@ -48,8 +48,8 @@ class Reservation:
                         cache_salt, token_ids)  # fmt: skip
 
     def attach(self, hold: KVHold | None = None, watch: Watch | None = None) -> bool:
-        """Attach the shipment's hold or the watch on its sender, for `_end` to stop; False if the
-        reservation had ended (`_end` found nothing of it): it is stopped here then."""
+        """Attach the shipment's hold or the watch on its sender, for `HeldJobs.end` to stop; False if the
+        reservation had ended (`end` found nothing of it): it is stopped here then."""
         with self.cond:
             ended = self.ended
             if not ended and hold is not None:

@@ -158,7 +158,7 @@ def test_a_reserve_its_caller_left_frees_its_bytes_at_once(region: Region, monke
     job_id = new_job()
     request = decode_pb2.ReserveRequest(job_id=job_id, attempt=1, tenant="acme", kv_bytes=1000, ttl_s=60)
     assert _code(lambda: region.decode_stub.Reserve(request, timeout=0.3)) == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: job_id not in decode._reservations, timeout_s=5)
+    wait_until(lambda: job_id not in decode.held.reservations, timeout_s=5)
     assert decode.book.used_bytes == 0
 
 
@@ -178,7 +178,7 @@ def test_forged_ticket_stores_no_kv(region: Region, tiny_engine: HFEngine, long_
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "ticket" in info.value.details()
     assert region.decode is not None
-    hold = region.decode._reservations[job_id].hold
+    hold = region.decode.held.reservations[job_id].hold
     assert isinstance(hold, Assembly) and hold.inbound.info is None  # never opened: no KV stored
     assert decode_metrics.KV_RECEIVED._value.get() == received
     cancel(region.decode_stub, job_id)
