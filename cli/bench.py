@@ -178,8 +178,8 @@ def bench(
     base, key = _connection(api_base, api_key)
     try:
         served = model or loadgen.fetch_models(base, key)[0]
-    except Exception as exc:
-        raise _fail(f"cannot reach {base}/models: {exc}") from None
+    except loadgen.ApiUnusable as exc:
+        raise _fail(str(exc)) from None
     try:
         corpus, context = session.corpus(served)
     except EngineError as exc:
@@ -200,7 +200,7 @@ def bench(
     console.print(f"{served} at {base}: {num_requests} requests/policy, {loop}, "
                   f"{'mix ' + mix if mix else f'input {input_len}, output {output_len}'}")  # fmt: skip
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar:  # fmt: skip
+                  console=console, disable=not console.is_terminal) as bar:  # fmt: skip
 
         def progress(name: str, total: int) -> Callable[[], None]:
             task = bar.add_task(name, total=total)

@@ -46,7 +46,7 @@ def tour(
     from prfaas.devstack.state import UpError, read_state
     from prfaas.devstack.tour import SCENARIO, WHY_THEY_DIFFER, TourError, completion_pair, fleet_command
     from prfaas.engine.models import prfaas_home
-    from prfaas.loadgen.client import fetch_models
+    from prfaas.loadgen.client import ApiUnusable, fetch_models
 
     try:  # before part 1: a path that cannot be written would lose the tour's figures
         out_and_json(out, json_path)
@@ -60,8 +60,8 @@ def tour(
         raise _fail("nothing is up: run `prfaas up --model smollm2-135m --detach` first (make demo does)")
     try:
         model = fetch_models(state.api_base, state.api_key)[0]
-    except Exception as exc:
-        raise _fail(f"cannot reach {state.api_base}/models: {exc}") from None
+    except ApiUnusable as exc:
+        raise _fail(str(exc)) from None
     report: dict[str, Any] = {"model": model}
 
     console.rule(f"1. One request, split across regions and local ({model}, greedy)")

@@ -292,7 +292,36 @@ def _unknown_route(body: dict[str, object]) -> bool:
     return body.get("detail") == "Not Found" or (isinstance(error, dict) and error.get("code") == "unknown_url")
 
 
+class ApiUnusable(Exception):
+    """The API cannot be used as given (not reached, the key refused, no model served); one line that says which."""
+
+
 def fetch_models(api_base: str, api_key: str) -> list[str]:
-    reply = httpx.get(api_base + "/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
-    reply.raise_for_status()
-    return [m["id"] for m in reply.json()["data"]]
+    """The models `api_base` serves (at least one), else ApiUnusable."""
+    url = api_base + "/models"
+    try:
+        reply = httpx.get(url, headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    except httpx.HTTPError as exc:
+        raise ApiUnusable(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
+    if reply.status_code in (401, 403):
+        raise ApiUnusable(f"{api_base} refused the API key (HTTP {reply.status_code}: {_message(reply)})")
+    if reply.status_code != 200:
+        raise ApiUnusable(f"{url} answered HTTP {reply.status_code}: {_message(reply)}")
+    try:
+        models = [str(m["id"]) for m in reply.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise ApiUnusable(f"{url} did not answer a model list (is {api_base} a prfaas API?)") from None
+    if not models:
+        raise ApiUnusable(f"{url} serves no model")
+    return models
+
+
+def _message(reply: httpx.Response) -> str:
+    """The error message of an OpenAI-style error body, else the body's start, on one line."""
+    try:
+        error = reply.json().get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return " ".join(str(error["message"]).split())[:200]
+    except (ValueError, AttributeError):
+        pass
+    return " ".join(reply.text.split())[:200] or reply.reason_phrase

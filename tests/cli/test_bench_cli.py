@@ -4,11 +4,17 @@ line."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from prfaas.devstack.stack import Stack
+from prfaas.devstack.state import UpState, write_state
+from prfaas.engine.models import prepare_model
 
 
 def _bench(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
@@ -73,3 +79,41 @@ def test_a_corrupt_state_file_is_one_line_not_a_traceback(command: list[str], tm
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout.startswith(f"error: {tmp_path / 'up.json'} is not a prfaas up state file (")
     assert out.stdout.count("\n") == 1 and "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The real API process (no region: /v1/models needs none)."""
+    prepare_model("tiny-llama")
+    stack = Stack(tmp_path_factory.mktemp("api"))
+    try:
+        stack.start_api()
+        yield stack
+    finally:
+        stack.stop()
+        stack.cleanup()
+
+
+def test_bench_and_tour_say_the_key_was_refused_in_one_line(api: Stack, tmp_path: Path) -> None:
+    """A wrong or revoked key is the key refused, not 'cannot reach' with httpx's two-line text; a closed port is
+    'cannot reach'. Before, both were `cannot reach .../models: Client error '401 Unauthorized' ...` and a second
+    line pointing at developer.mozilla.org."""
+    refused = f"error: {api.url}/v1 refused the API key (HTTP 401: "
+    out = _bench(["--api-base", f"{api.url}/v1", "--api-key", "pfk-wrong"], tmp_path)
+    assert out.returncode == 2 and out.stdout.startswith(refused), out.stdout + out.stderr
+    assert out.stdout.count("\n") == 1, out.stdout
+    state = UpState(api_base=f"{api.url}/v1", api_key="pfk-wrong", admin_key="a", dashboard_url="", url=api.url,
+                    tenant_id="t", topology="", redis_url="", key_prefix="p", registry="", log_dir="",
+                    emulate_wan=False)  # fmt: skip
+    write_state(tmp_path, state)
+    env = {**os.environ, "PRFAAS_HOME": str(tmp_path), "COLUMNS": "200"}
+    tour = subprocess.run([sys.executable, "-m", "prfaas.cli.main", "tour", "--no-fleet"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert tour.returncode == 2 and tour.stdout.startswith(refused), tour.stdout + tour.stderr
+    assert tour.stdout.count("\n") == 1, tour.stdout
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = _bench(["--api-base", f"http://127.0.0.1:{port}/v1", "--api-key", "k"], tmp_path / "b")
+    assert out.returncode == 2 and out.stdout.startswith(f"error: cannot reach http://127.0.0.1:{port}/v1/models: ")
+    assert out.stdout.count("\n") == 1, out.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ def test_bench_off_a_terminal_prints_a_line_per_finished_policy(tmp_path: Path) 
     assert [line.split(" done (")[0] for line in finished] == ["colocated: 3/3", "split-always: 3/3"], done.stdout
     assert all(line.endswith(" s)") for line in finished), finished
     assert lines.index(finished[1]) < next(i for i, line in enumerate(lines) if "ratio to colocated" in line)
+    bars = [line for line in lines if re.match(r"(colocated|split-always) +━", line)]
+    assert not bars, done.stdout  # the bars' last frame, after the lines that say the same
 
 
 def test_a_model_build_off_a_terminal_is_a_line_now_and_one_every_interval(monkeypatch: pytest.MonkeyPatch) -> None:
