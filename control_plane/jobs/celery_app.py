@@ -27,11 +27,14 @@ def make_celery(settings: Settings, *, worker: bool = False) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        task_default_queue=settings.key("dispatch"),
-        # kombu sweeps for unacked messages past visibility_timeout only every interval x throttle
-        # (10 s x 10 by default): sweep each second, or a dead worker's dispatch waits ~100 s more
+        task_default_queue="dispatch",  # the Redis list `<key_prefix>:dispatch` (global_keyprefix below)
         broker_transport_options={
+            # every broker key under the deployment's prefix (the queue, its bindings, kombu's unacked hash and
+            # deadlines): deployments sharing a Redis stay apart, and `prfaas down` leaves none of them behind
+            "global_keyprefix": settings.key(""),
             "visibility_timeout": settings.dispatch.visibility_s,
+            # kombu sweeps for unacked messages past visibility_timeout only every interval x throttle
+            # (10 s x 10 by default): sweep each second, or a dead worker's dispatch waits ~100 s more
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
             # a broker that takes the connection and never answers (Redis stopped, a partition) fails a publish

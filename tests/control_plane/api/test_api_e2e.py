@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import redis
 from cp_kit import stack_services, two_region_stack
 from sqlalchemy import func, select
 
@@ -78,6 +79,24 @@ def test_long_prompt_splits_short_runs_local_both_equal_colocated(
             assert job["bytes_raw"] == len(prompt) * engine.kv_bytes_per_token
             assert job["prefill_region"] == "prefill-a" and job["decode_region"] == "decode-b"
             _assert_the_link_was_measured(s, job["bytes_raw"])
+
+
+def test_every_broker_key_is_under_the_deployment_prefix(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
+) -> None:
+    """The Celery broker's keys (the queue, kombu's binding tables, its unacked hash) are under the deployment's
+    key prefix, as every other key: deployments sharing a Redis stay apart and `prfaas down`, which deletes the
+    prefix, leaves none. Before, `_kombu.binding.<prefix>:dispatch` and kombu's global `unacked` hash stayed."""
+    s, _ = stack
+    _client(s, tenant[1]).completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=2,
+                                             extra_body={"prfaas": {"placement": "split"}})  # fmt: skip
+    client = redis.Redis.from_url(s.env["PRFAAS_REDIS_URL"], decode_responses=True)
+    try:
+        ours = list(client.scan_iter(f"*{s.prefix}*", count=1000))
+        assert f"{s.prefix}:_kombu.binding.dispatch" in ours, sorted(ours)
+        assert [key for key in ours if not key.startswith(f"{s.prefix}:")] == []
+    finally:
+        client.close()
 
 
 def _assert_the_link_was_measured(s: Stack, shipped: int) -> None:
