@@ -49,8 +49,9 @@ from prfaas.devstack.processes import (
 )
 from prfaas.devstack.state import UpError, UpState, state_path, stop_state, write_state
 from prfaas.devstack.tenant import demo_tenant
-from prfaas.devstack.topology import Topology
+from prfaas.devstack.topology import Topology, region_config
 from prfaas.telemetry.tracing import TRACE_DIR_ENV
+from prfaas.transport.endpoints import hostport
 
 START_TIMEOUT_S = 180.0
 
@@ -243,7 +244,7 @@ class Deployment:
         self.state.registry = f"{host}:{cp.registry_port or free_port(host)}"
         port = cp.api_port or free_port(cp.host)
         self._popen("api", api_argv(cp.host, port), env | {"PRFAAS_REGISTRY_LISTEN": self.state.registry})
-        self.state.url = f"http://{cp.host}:{port}"
+        self.state.url = f"http://{hostport(cp.host, port)}"
         self.state.api_base = self.state.url + "/v1"
         for i in range(cp.workers):
             self._popen(f"worker-{i + 1}", worker_argv(f"{self.topology.name}-w{i + 1}", cp.worker_concurrency), env)
@@ -268,13 +269,8 @@ class Deployment:
     def _start_region(self, name: str, k: int) -> None:
         spec = next(r for r in self.topology.regions if r.name == name)
         grpc, kv = self.network.instance_listen(name, k)
-        config = {
-            "name": name, "instance": str(k), "role": spec.role, "gpu_type": spec.gpu_type,
-            "usd_per_gpu_hour": spec.usd_per_gpu_hour, "workers": spec.workers, "codec": spec.codec,
-            "kv_buffer_bytes": spec.kv_buffer_bytes, "model": self.topology.model, "ticket_key": self.ticket_key,
-            "ticket_key_id": "k1", "listen": {"grpc": grpc, "kv": kv}, "control_plane_url": self.state.registry,
-            "heartbeat_interval_s": 1.0, "drain_timeout_s": 3.0,
-        } | spec.extra  # fmt: skip
+        config = region_config(self.topology, spec, instance=str(k), ticket_key=self.ticket_key, ticket_key_id="k1",
+                               listen={"grpc": grpc, "kv": kv}, control_plane_url=self.state.registry)  # fmt: skip
         if self.pki is not None:
             config["tls"] = self.pki.instance(name, str(k))
         else:

@@ -7,13 +7,15 @@ Units: rtt in ms, link rate in Mbit/s, loss in percent, prices in USD.
 
 from __future__ import annotations
 
+import secrets
+import socket
 from pathlib import Path
 from typing import Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from prfaas.region.config import field_errors, parse_bytes
+from prfaas.region.config import RegionConfig, dialable_host, field_errors, parse_bytes
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[1] / "examples" / "topology.yaml"
 _NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -34,6 +36,20 @@ class ControlPlaneSpec(_Strict):
     workers: int = Field(default=1, ge=1, le=16, description="Celery worker processes")
     worker_concurrency: int = Field(default=4, ge=1, le=256, description="threads per Celery worker")
     ttft_slo_ms: float | None = Field(default=None, gt=0, description="SLO handed to the scheduler")
+
+    @field_validator("host")
+    @classmethod
+    def _listenable(cls, value: str) -> str:
+        """An address or name this host can listen on (checked here, not once Redis and the rest started)."""
+        if value not in ("0.0.0.0", "::"):  # a wildcard listens on every address (and dials this host)
+            value = dialable_host(value)
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(value, 0, type=socket.SOCK_STREAM)[0]
+            with socket.socket(family, kind, proto) as s:
+                s.bind(address)
+        except OSError as exc:  # gaierror (no such name), EADDRNOTAVAIL (an address of another host)
+            raise ValueError(f"{value!r}: the API cannot listen there on this host ({exc.strerror or exc})") from None
+        return value
 
 
 class PolicySpec(_Strict):
@@ -112,17 +128,54 @@ class Topology(_Strict):
             if (link.src, link.dst) in seen:
                 raise ValueError(f"links[{i}]: a second link {link.src} -> {link.dst}")
             seen.add((link.src, link.dst))
+        for i, spec in enumerate(self.regions):
+            errors = _extra_errors(self, spec, f"regions[{i}]")
+            if errors:
+                raise ValueError("\n  ".join(errors))
         return self
 
     def link(self, src: str, dst: str) -> LinkSpec | None:
         return next((x for x in self.links if (x.src, x.dst) == (src, dst)), None)
 
 
+def region_config(topology: Topology, spec: RegionSpec, **given: Any) -> dict[str, Any]:
+    """The region config `prfaas up` writes for an instance of `spec`: the topology's fields, `given` (the
+    instance, its listen addresses, keys, registry), then the region's `extra` over them."""
+    return {
+        "name": spec.name, "role": spec.role, "gpu_type": spec.gpu_type, "usd_per_gpu_hour": spec.usd_per_gpu_hour,
+        "workers": spec.workers, "codec": spec.codec, "kv_buffer_bytes": spec.kv_buffer_bytes,
+        "model": topology.model, "heartbeat_interval_s": 1.0, "drain_timeout_s": 3.0, **given,
+    } | spec.extra  # fmt: skip
+
+
+def _extra_errors(topology: Topology, spec: RegionSpec, where: str) -> list[str]:
+    """What is wrong with `spec.extra` as the region config `prfaas up` would write (checked at load, not by the
+    region once everything else started), each line naming `where.extra.FIELD`."""
+    if not spec.extra:
+        return []
+    given = {"instance": "0", "ticket_key": secrets.token_urlsafe(32), "ticket_key_id": "k1", "insecure": True,
+             "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0"}, "control_plane_url": "127.0.0.1:1"}  # fmt: skip
+    try:
+        RegionConfig(**region_config(topology, spec, **given))
+    except ValidationError as exc:
+        lines = []
+        for error, line in zip(exc.errors(), field_errors(exc), strict=True):
+            if error["loc"] and error["loc"][0] in spec.extra:
+                lines.append(f"{where}.extra.{line}")
+            elif not error["loc"]:  # a rule across fields (engine vllm needs transport tcp): one of extra's
+                lines.append(f"{where}.extra: {line.removeprefix('(top level): ')}")
+            else:
+                lines.append(f"{where}: {line}")
+        return lines
+    return []
+
+
 def topology_from_mapping(data: dict[str, Any], source: str = "topology") -> Topology:
     try:
         return Topology(**data)
     except ValidationError as exc:
-        raise TopologyError(f"{source}: invalid topology:\n  " + "\n  ".join(field_errors(exc))) from None
+        lines = [line.removeprefix("(top level): ") for line in field_errors(exc)]  # they name their fields
+        raise TopologyError(f"{source}: invalid topology:\n  " + "\n  ".join(lines)) from None
 
 
 def parse_topology(text: str, source: str = "topology") -> Topology:

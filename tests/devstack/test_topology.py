@@ -15,6 +15,7 @@ from prfaas.devstack.topology import (
     TopologyError,
     load_topology,
     parse_topology,
+    region_config,
     split_topology,
     write_topology,
 )
@@ -67,13 +68,29 @@ def test_the_example_topology_is_valid() -> None:
         ("regions.1.name", "p", "region names repeat: p"),
         ("regions", [], "regions: List should have at least 1 item"),
         ("control_plane", {"api_port": 70000}, "control_plane.api_port: Input should be less than or equal to 65535"),
+        # the region config fields `extra` adds, checked at load (before, by the region once the rest had started,
+        # naming the generated file); a host the API cannot listen on (before, `up failed: gaierror` / OSError)
+        ("regions.1.extra", {"dtyp": "bfloat16"}, "regions[1].extra.dtyp: Extra inputs are not permitted"),
+        ("regions.1.extra", {"dtype": "float99"}, "regions[1].extra.dtype: Input should be 'auto', 'float32'"),
+        ("regions.1.extra", {"engine": "vllm", "shm": True}, "regions[1].extra: engine 'vllm' sends and receives KV"),
+        ("control_plane", {"host": "999.1.1.1"}, "control_plane.host: '999.1.1.1' is not an IP address or a DNS"),
+        ("control_plane", {"host": "192.0.2.7"}, "control_plane.host: '192.0.2.7': the API cannot listen there"),
     ],
 )
 def test_a_bad_field_is_named_in_the_error(field: str, value: object, expected: str) -> None:
     with pytest.raises(TopologyError) as info:
         parse_topology(_with(field, value), "t.yaml")
-    assert str(info.value).startswith("t.yaml: invalid topology:")
+    assert str(info.value).startswith("t.yaml: invalid topology:\n  ")
     assert expected in str(info.value)
+    assert "(top level)" not in str(info.value)  # a rule across fields names them itself
+
+
+def test_extra_fields_a_region_config_has_are_accepted_and_written() -> None:
+    topology = parse_topology(_with("regions.1.extra", {"prefix_cache_bytes": "64MiB", "transport": "tcp"}))
+    config = region_config(topology, topology.regions[1], instance="0")
+    assert (config["prefix_cache_bytes"], config["transport"], config["name"], config["instance"]) == (
+        "64MiB", "tcp", "d", "0"
+    )
 
 
 def test_a_second_link_between_the_same_regions_is_refused() -> None:
