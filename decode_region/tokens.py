@@ -28,14 +28,15 @@ class TokenStream:
         self.rate: float | None = None
 
     def finish(self, chosen: Chosen, index: int, stops: TextStops | None, params: SamplingParams) -> tuple[str, str]:
-        """(finish reason, stop reason) after a choice's token `index`, in vLLM's order: length, end of
-        sequence, stop token id, then a stop string the token completed; ("", "") to go on."""
+        """(finish reason, stop reason) after a choice's token `index`, in vLLM's order (v1 `check_stop`, then its
+        detokenizer): end of sequence, stop token id, length, and a stop string the token completed, which wins
+        over length; ("", "") to go on. So a last allowed token that ends the sequence is a stop, not length."""
         token = chosen.token
-        finish = "length" if index == params.max_new_tokens - 1 else ""
-        if not finish and token in self.eos_token_ids and not params.ignore_eos:
+        if token in self.eos_token_ids and not params.ignore_eos:
             return "eos", ""
-        if not finish and token in params.stop_token_ids:
+        if token in params.stop_token_ids:
             return "stop_token", str(token)
+        finish = "length" if index == params.max_new_tokens - 1 else ""
         if stops is not None:
             matched = stops.push(token)
             if matched is not None:

@@ -50,6 +50,20 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
         {"prompt": COUNT, "max_tokens": 16, "stop": [","], "extra_body": {"min_tokens": 4}},
     ),
     "max_tokens_1": ("completions", {"prompt": FRANCE, "max_tokens": 1}),
+    # the last token max_tokens allows is a stop token id (" Berlin" "."), the end of sequence (chat): `stop`,
+    # its text not shown, as vLLM's check_stop orders them (prfaas answered `length` and showed it)
+    "stop_token_at_max": (
+        "completions",
+        {
+            "prompt": "The capital of France is Paris. The capital of Germany is",
+            "max_tokens": 2,
+            "extra_body": {"stop_token_ids": [30]},
+        },
+    ),
+    "eos_at_max": (
+        "chat",
+        {"messages": [{"role": "user", "content": "What is 2+2? Answer with one number."}], "max_tokens": 7},
+    ),
     "echo": ("completions", {"prompt": FRANCE, "max_tokens": 6, "echo": True}),
     "batch_text": ("completions", {"prompt": [FRANCE, COUNT], "max_tokens": 8}),
     "batch_ids": ("completions", {"prompt": [[504, 3575, 282, 4649, 314], [33, 28, 216, 34, 28]], "max_tokens": 6}),
