@@ -69,13 +69,16 @@ def start_decode(
 
 
 def cancel_in_regions(channels: ChannelCache, job_id: str, job: dict[str, str], reason: str, wait: bool) -> None:
-    """Cancel `job` in its decode and prefill regions (idempotent there), both calls at once. `wait`: return
-    once both answered (`CANCEL_TIMEOUT_S` at most); else at once (a hung region keeps no caller waiting)."""
+    """Cancel `job` in its decode and prefill regions (idempotent there), both calls at once; a local job in its
+    decode region alone (its prefill region is that one, whose server may serve no PrefillRegion: UNIMPLEMENTED).
+    `wait`: return once both answered (`CANCEL_TIMEOUT_S` at most); else at once (a hung region keeps no caller
+    waiting)."""
     request = common_pb2.CancelRequest(job_id=job_id, reason=reason)
     calls = []
+    local = job.get("placement_chosen") == "local"
     for target, region, stub_type in (
         (job.get("decode_grpc"), job.get("decode_region", ""), decode_pb2_grpc.DecodeRegionStub),
-        (job.get("prefill_grpc"), job.get("prefill_region", ""), prefill_pb2_grpc.PrefillRegionStub),
+        (None if local else job.get("prefill_grpc"), job.get("prefill_region", ""), prefill_pb2_grpc.PrefillRegionStub),
     ):
         if target:
             stub = stub_type(channels.get(target, server_name(region)))
