@@ -93,6 +93,10 @@ class ServedModel:
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
+    def decode_prompt(self, token_ids: list[int]) -> str:
+        """A prompt of token ids as `echo` shows it: special tokens kept, as vLLM detokenizes a prompt."""
+        return str(self.tokenizer.decode(token_ids))
+
     def token_text(self, token_id: int) -> str:
         """One token decoded alone, special tokens shown (how vLLM names a token in logprobs)."""
         return str(self.tokenizer.decode([token_id]))

@@ -54,7 +54,7 @@ class Choice:
         self._offset = 0  # text_offset of the next token (completions): the echoed prompt's tokens come first
         self.prompt_ids: list[int] = []  # echo with logprobs: the prompt's tokens (set once tokenized)
         self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # ... and their logprobs (from token 0)
-        self._echo_logprobs = bool(echo) and params.prompt_logprobs is not None
+        self._echo_logprobs = params.prompt_logprobs is not None  # asked (echo with logprobs), even of a "" echo
 
     def add(self, token: Token) -> None:
         if token.prompt_logprobs:  # the job's first token carries them (PromptJob.add gives them to every choice)

@@ -31,6 +31,7 @@ from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.deps import Generation, GenerationDep, ServicesDep, TenantDep
 from prfaas.control_plane.api.errors import (
     ADMISSION_REFUSALS,
+    BATCH_TOO_LARGE,
     INVALID_REQUEST,
     JOB_NOT_FOUND,
     PLACEMENT_NOT_ALLOWED,
@@ -96,7 +97,7 @@ def create_completion(body: CompletionCreate, g: GenerationDep) -> AnswerRespons
         if isinstance(prompt, list):
             if max(prompt) >= len(model.tokenizer):
                 raise TOKEN_OUT_OF_VOCAB.error(param="prompt")
-            runs.append((prompt, model.decode(prompt) if body.echo else ""))
+            runs.append((prompt, model.decode_prompt(prompt) if body.echo else ""))
         else:
             runs.append((_encoder(model, prompt), prompt if body.echo else ""))
     return _run(g, body, runs, 1 if body.echo_only else body.max_tokens, "text_completion")
@@ -144,8 +145,10 @@ def _run(
     prompts run side by side; one refused at admission ends the others (a batch is one request)."""
     s, tenant = g.services, g.tenant
     max_new = max_tokens or s.settings.default.max_tokens
-    if max_new > s.settings.max_new_tokens_limit:
-        raise PROMPT_TOO_LONG.error(param="max_tokens")
+    if max_new > s.settings.max_new_tokens_limit:  # the operator's cap (a prompt that leaves no room: below)
+        limit = s.settings.max_new_tokens_limit
+        raise INVALID_REQUEST.error(f"invalid request: max_tokens: {max_new} is more than this deployment allows "
+                                    f"({limit}, max_new_tokens_limit)", param="max_tokens")  # fmt: skip
     params = sampling_spec(body, max_new, len(s.model.tokenizer), s.settings.default.temperature)
     for prompt, _ in runs:
         if isinstance(prompt, list) and len(prompt) + max_new > s.model.max_context:
@@ -156,6 +159,11 @@ def _run(
     codec = body.prfaas.kv_codec if body.prfaas else None
     if codec is not None and codec != LOSSLESS and codec not in s.lossy_codecs:
         raise UNKNOWN_KV_CODEC.error(param="prfaas.kv_codec")
+    at_once = min(tenant.quota.concurrency, max(1, int(tenant.quota.rps)))  # what admission can let in at once
+    if len(runs) > at_once:  # never admitted whole: a 429 (retried by the clients) would come back each time
+        raise BATCH_TOO_LARGE.error(f"batch too large: {len(runs)} prompts, and this tenant's limits (concurrency "
+                                    f"{tenant.quota.concurrency}, {tenant.quota.rps:g} requests/s) admit at most "
+                                    f"{at_once} at once; send fewer prompts per request", param="prompt")  # fmt: skip
     jobs: list[PromptJob] = []
     try:
         for index, (prompt, echo) in enumerate(runs):

@@ -93,6 +93,7 @@ PROMPT_TOO_LONG = problem(400, "context_length_exceeded", "prompt too long for t
 TOKEN_OUT_OF_VOCAB = problem(400, "invalid_token_id", "prompt token id out of the model's vocabulary")
 UNSUPPORTED_PARAMETER = problem(400, "unsupported_parameter", "parameter not supported")
 INVALID_RANGE = problem(400, "invalid_range", "invalid range")
+BATCH_TOO_LARGE = problem(400, "batch_too_large", "batch too large for the tenant's limits")
 UNKNOWN_KV_CODEC = problem(400, "unknown_kv_codec", "kv_codec is neither lossless nor a lossy codec of the policy")
 MISSING_API_KEY = problem(401, "missing_api_key", "missing API key", **_BEARER)
 INVALID_API_KEY = problem(401, "invalid_api_key", "invalid API key", **_BEARER)
@@ -167,24 +168,41 @@ def _from_http(request: Request, exc: StarletteHTTPException) -> ApiError:
         return UNKNOWN_URL.error(f"unknown URL: {request.method} {request.url.path}")
     if exc.status_code == 405:
         return METHOD_NOT_ALLOWED.error(f"method not allowed: {request.method} {request.url.path}")
+    if exc.status_code == 400:  # FastAPI's own, a body it cannot parse (bad UTF-8, too deep, a 5,000-digit number)
+        return INVALID_REQUEST.error(f"invalid request: body: {exc.detail}")
     return ApiError(exc.status_code, str(exc.detail), type_of(exc.status_code), None, headers=exc.headers)
 
 
 def _union_member(part: str) -> bool:
     """A pydantic location part naming which member of a union failed (`str`, `constrained-str`,
-    `list[int]`), not a field: the `param` names fields only (`prompt`, `messages.0.role`, `group_by`)."""
-    return any(c in part for c in "[-") or part in ("str", "int", "float", "bool", "list", "dict", "none")
+    `list[int]`, a model's class name), not a field: the `param` names fields only (`prompt`, `messages.0.role`)."""
+    return (
+        any(c in part for c in "[-")
+        or part in ("str", "int", "float", "bool", "list", "dict", "none")
+        or (part[:1].isupper())
+    )
+
+
+def _telling(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error to report: the first, or of a union (one error per member: `stop` is a string or a list),
+    the first of the same field that is not "not of this member's type" (`stop: [17 strings]` is too long a
+    list, not "Input should be a valid string")."""
+    if not errors:
+        return {}
+    field = tuple(errors[0].get("loc", ()))[:2]
+    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]
+    return next((e for e in same if not str(e.get("type", "")).endswith("_type")), errors[0])
 
 
 def _invalid(request: Request, exc: RequestValidationError) -> Response:
-    first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
+    first = _telling(list(exc.errors()))
     loc = [str(p) for p in first.get("loc", ())]
     why = first.get("msg", "invalid")
     if not _openai(request):  # the admin routes keep FastAPI's 422
         return JSONResponse({"detail": f"invalid request: {'.'.join(p for p in loc if p != 'body')}: {why}"}, 422)
     if first.get("type") == "json_invalid":
         return render(request, INVALID_REQUEST.error(f"invalid request: body: {why}"))
-    param = ".".join(loc[1:2] + [p for p in loc[2:] if not _union_member(p)]) or None
+    param = ".".join(p for p in loc[1:] if not _union_member(p)) or None  # loc[0]: "body" (or "query")
     if first.get("type") in ("extra_forbidden", "none_required") and param:  # unknown, or known and not implemented
         message = f"unsupported parameter: {param} (docs/control-plane.md lists the parameters this API honours)"
         return render(request, UNSUPPORTED_PARAMETER.error(message, param=param))

@@ -71,7 +71,7 @@ class _Generation(BaseModel):
     stop: Stop | Annotated[list[Stop], Field(max_length=16)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
     ignore_eos: bool | None = None
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # vLLM's range; -1 is no seed
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None = None
     n: int | None = Field(default=None, ge=1, le=16, description="choices per prompt: one prefill, n decodes")
     user: str | None = Field(default=None, max_length=256)

@@ -20,7 +20,7 @@ def num_logprobs(body: Body) -> int | None:
     """Top logprobs per generated token: None = no logprobs at all."""
     if isinstance(body, CompletionCreate):
         return body.logprobs
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:  # 0 is no top logprobs: vLLM takes it without `logprobs`
         raise INVALID_REQUEST.error("top_logprobs needs logprobs set to true", param="top_logprobs")
     return (body.top_logprobs or 0) if body.logprobs else None
 
@@ -37,7 +37,8 @@ def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int, default_temp
             raise INVALID_REQUEST.error(f"logit_bias: key {key[:32]!r} is not a token id", param="logit_bias") from None
         bias[token] = float(value)
     temperature = body.temperature if body.temperature is not None else default_temperature
-    seed = body.seed if body.seed is not None or temperature == 0.0 else secrets.randbits(62)
+    seed = None if body.seed is None or body.seed == -1 else body.seed % 2**63  # vLLM's int64 range, -1 = none
+    seed = seed if seed is not None or temperature == 0.0 else secrets.randbits(62)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     try:
         params = SamplingParams(
@@ -51,7 +52,10 @@ def sampling_spec(body: Body, max_new_tokens: int, vocab_size: int, default_temp
         params.check_vocab(vocab_size)
     except InvalidSamplingParams as exc:
         param = next((name for name in _PARAMS if str(exc).startswith(name)), None)
-        raise INVALID_REQUEST.error(f"invalid request: {exc}", param=param) from None
+        hint = ""
+        if param == "n" and body.temperature is None:  # OpenAI's default samples (1.0); this deployment's is greedy
+            hint = f" (this deployment's default temperature is {default_temperature:g}: set temperature for n > 1)"
+        raise INVALID_REQUEST.error(f"invalid request: {exc}{hint}", param=param) from None
     return params
 
 

@@ -82,6 +82,9 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
     "echo_logprobs": ("completions", {"prompt": STORY, "max_tokens": 6, "logprobs": 3, "echo": True}),
     "echo_only": ("completions", {"prompt": FRANCE, "max_tokens": 0, "echo": True}),  # the prompt scored
     "echo_only_logprobs": ("completions", {"prompt": STORY, "max_tokens": 0, "logprobs": 2, "echo": True}),
+    # token ids with a special one: echoed as vLLM detokenizes a prompt, specials kept (prfaas dropped them, and
+    # its text_offset pointed past the text)
+    "echo_special_ids": ("completions", {"prompt": [2, 19556], "max_tokens": 2, "logprobs": 1, "echo": True}),
     "chat_system": (
         "chat",
         {

@@ -98,7 +98,7 @@ def test_null_refused_parameters_and_unknown_ones(stack: Stack, key: str) -> Non
         ({"logprobs": 21}, "logprobs", "invalid_request"),
         ({"top_p": 0}, "top_p", "invalid_request"),
         ({"extra_body": {"min_tokens": 5}}, "min_tokens", "invalid_request"),  # more than max_tokens
-        ({"stop": [""]}, "stop", "invalid_request"),
+        ({"stop": [""]}, "stop.0", "invalid_request"),  # the list's item (before: "a valid string", `stop`)
     ],
 )
 def test_out_of_range_sampling_gets_400_naming_it(
@@ -108,6 +108,58 @@ def test_out_of_range_sampling_gets_400_naming_it(
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **fields)
     assert (info.value.code, info.value.param) == (code, param), info.value.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        # the telling member of a union: before, "Input should be a valid string" for each
+        ({"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop", "List should have at most 16 items"),
+        ({"prompt": [f"p{i}" for i in range(65)]}, "prompt", "List should have at most 64 items"),
+        ({"prompt": [1, -2]}, "prompt.1", "greater than or equal to 0"),
+        # the operator's cap on max_tokens, not the context (before: `prompt too long for the model`)
+        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens", "max_tokens: 5000 is more than this deployment allows"),
+        # greedy by default here (OpenAI's default samples): the refusal says what to set
+        ({"prompt": "hi", "n": 2}, "n", "this deployment's default temperature is 0: set temperature for n > 1"),
+    ],
+)
+def test_a_refusal_says_what_is_wrong(stack: Stack, key: str, body: dict[str, Any], param: str, message: str) -> None:
+    reply = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL, "max_tokens": 2} | body,
+                       headers={"Authorization": f"Bearer {key}"}, timeout=10)  # fmt: skip
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"], error["param"]) == (400, "invalid_request", param), error
+    assert message in error["message"], error
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"model": "tiny-llama", "prompt": "\xff"}', b'{"a": ' + b"[" * 100_000],
+    ids=["bad-utf8", "too-deep"],
+)
+def test_a_body_that_cannot_be_parsed_is_an_invalid_request(stack: Stack, key: str, raw: bytes) -> None:
+    """FastAPI's own 400 had code null; the documented shape is `invalid_request`, `invalid request: body: ...`."""
+    reply = httpx.post(f"{stack.url}/v1/completions", content=raw, timeout=10,
+                       headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})  # fmt: skip
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"]) == (400, "invalid_request"), error
+    assert error["message"].startswith("invalid request: body: "), error
+
+
+def test_a_batch_the_tenants_limits_never_admit_whole_is_400_not_a_retried_429(stack: Stack) -> None:
+    _, key = stack.tenant("small", concurrency=2, rps=10)
+    client = openai_client(stack, key, 10)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=2)
+    assert (info.value.code, info.value.param) == ("batch_too_large", "prompt")
+    assert "3 prompts, and this tenant's limits (concurrency 2, 10 requests/s) admit at most 2 at once" in str(
+        info.value.message
+    )
+
+
+def test_tokenize_names_the_field_not_the_schema(stack: Stack, key: str) -> None:
+    reply = httpx.post(f"{stack.url}/tokenize", json={"prompt": 5}, headers={"Authorization": f"Bearer {key}"},
+                       timeout=5)  # fmt: skip
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt", reply.text
 
 
 def test_top_logprobs_needs_logprobs(stack: Stack, key: str) -> None:

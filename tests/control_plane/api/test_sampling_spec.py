@@ -64,3 +64,14 @@ def test_refusals_name_the_parameter(fields: dict[str, object], param: str) -> N
     with pytest.raises(ApiError) as info:  # n > 1 under greedy decoding: refused, as vLLM does
         sampling_spec(CompletionCreate(model="m", prompt="x", **fields), 8, VOCAB)  # type: ignore[arg-type]
     assert (info.value.status_code, info.value.param) == (400, param)
+
+
+def test_seeds_in_vllms_int64_range_and_top_logprobs_0_alone_as_vllm() -> None:
+    """vLLM takes a seed in int64 (-1: none) and `top_logprobs: 0` without `logprobs`; both were 400 here."""
+    messages = [{"role": "user", "content": "hi"}]
+    unseeded = sampling_spec(CompletionCreate(model="m", prompt="x", seed=-1, temperature=1.0), 3, VOCAB)
+    assert unseeded.seed is not None and unseeded.seed >= 0  # none asked: one assigned, as for no seed at all
+    negative = sampling_spec(CompletionCreate(model="m", prompt="x", seed=-5, temperature=1.0), 3, VOCAB)
+    assert negative.seed == 2**63 - 5  # the same seed each time (the wire's seed is unsigned)
+    assert sampling_spec(CompletionCreate(model="m", prompt="x", seed=-(2**63)), 3, VOCAB).seed == 0
+    assert sampling_spec(ChatCompletionCreate(model="m", messages=messages, top_logprobs=0), 4, VOCAB).logprobs is None
