@@ -99,6 +99,10 @@ class DispatchSection(_Section):
         default=60, ge=1, description="a dispatch task not acknowledged this long is handed to another worker"
     )
     timeout_s: float = Field(default=120.0, gt=0, description="longest lease of one attempt's prefill")
+    no_region_wait_s: float = Field(
+        default=30.0, gt=0, description="an attempt no region of the fleet can serve (none alive of a role it needs) "
+        "waits this long for one to come back, then FAILED; one the fleet is too busy for waits until its deadline"
+    )  # fmt: skip
 
 
 class LeaseSection(_Section):

@@ -53,6 +53,7 @@ from prfaas.transport.tickets import TicketSigner
 log = logging.getLogger(__name__)
 PLACING_LEASE_S = 30.0  # claim -> prefill started: a snapshot read, a Reserve (10 s at most)
 UNPLACED_RETRY_S = 1.0  # a job no region can take now is placed again this much later
+NO_REGION = (RejectReason.NO_ELIGIBLE_REGION, RejectReason.UNHEALTHY)  # not busy: none alive that could serve
 FULL_RETRIES = 3  # a decode instance full at Reserve is tried again this often, then left out (the attempt fails)
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -128,7 +129,7 @@ class Dispatcher:
                 return outcome
             except PlacementRejected as exc:
                 tracing.failed(span, exc)
-                return self._unplaced(job_id, job, attempt, f"no placement: {exc}", exc.reason == RejectReason.SLO)
+                return self._unplaced(job_id, job, attempt, f"no placement: {exc}", exc.reason)
             except PlaceAgain as exc:
                 tracing.failed(span, exc)
                 return self._unplaced(job_id, job, attempt, str(exc))
@@ -137,15 +138,21 @@ class Dispatcher:
                 self.leases.take(job_id, attempt)
                 return "superseded"
 
-    def _unplaced(self, job_id: str, job: dict[str, str], attempt: int, reason: str, slo: bool = False) -> str:
+    def _unplaced(self, job_id: str, job: dict[str, str], attempt: int, reason: str,
+                  why: RejectReason | None = None) -> str:  # fmt: skip
         """No region can take the job now. The fleet's view may be stale (no heartbeats while the
         registry's process restarts, every region busy): the same attempt is tried again every
         `UNPLACED_RETRY_S` until the job's deadline, then FAILED with the reason. Refused for its
-        objectives (`slo`), it waits no longer than its TTFT objective: past it, no placement can meet it."""
+        objectives (SLO), it waits no longer than its TTFT objective: past it, no placement can meet it.
+        With no region of a role it needs alive at all (`NO_REGION`), no longer than `no_region_wait_s`
+        from this attempt's start (`updated_at`: QUEUED): a client then hears so in seconds, not minutes."""
         created = float(job.get("created_at", 0))
         deadline = created + self.s.settings.job.timeout_s
-        if slo:
+        if why == RejectReason.SLO:
             deadline = min(deadline, created + slo_ms(job, self.s.settings)[0] / 1000.0)
+        if why in NO_REGION:
+            queued = float(job.get("updated_at") or created)
+            deadline = min(deadline, queued + self.s.settings.dispatch.no_region_wait_s)
         if time.time() + UNPLACED_RETRY_S < deadline and self.attempts.unclaim(job_id, attempt, UNPLACED_RETRY_S):
             log.info("job %s attempt %d: %s; again in %.0f s", job_id, attempt, reason, UNPLACED_RETRY_S)
             return "unplaced"
