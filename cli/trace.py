@@ -39,11 +39,13 @@ def trace(
     from prfaas.telemetry.spans import read_spans, tree
     from prfaas.telemetry.tracing import JOB_ID
 
-    folder = directory or prfaas_home() / "up" / "traces"
-    if not folder.is_dir():
+    # `prfaas up`'s, and the run before it's (up.previous: an `up` keeps one run's spans)
+    folders = [directory] if directory else [prfaas_home() / run / "traces" for run in ("up", "up.previous")]
+    folder = folders[0]
+    if not any(f.is_dir() for f in folders):
         raise _fail(f"no span files in {folder}: is `prfaas up` running (it records spans there), or were spans "
                     "exported elsewhere (OTLP)?", 2)  # fmt: skip
-    recorded = read_spans(folder)  # as telemetry/spans.py's job_trace, once the id is known
+    recorded = [s for f in folders if f.is_dir() for s in read_spans(f)]  # as telemetry/spans.py's job_trace
     job_id = _full_id(job_id, {str(s.attributes[JOB_ID]) for s in recorded if JOB_ID in s.attributes})
     traces = {s.trace_id for s in recorded if s.attributes.get(JOB_ID) == job_id}
     spans = sorted((s for s in recorded if s.trace_id in traces), key=lambda s: s.start_ns)

@@ -88,9 +88,8 @@ def test_a_bad_field_is_named_in_the_error(field: str, value: object, expected: 
 def test_extra_fields_a_region_config_has_are_accepted_and_written() -> None:
     topology = parse_topology(_with("regions.1.extra", {"prefix_cache_bytes": "64MiB", "transport": "tcp"}))
     config = region_config(topology, topology.regions[1], instance="0")
-    assert (config["prefix_cache_bytes"], config["transport"], config["name"], config["instance"]) == (
-        "64MiB", "tcp", "d", "0"
-    )
+    shown = (config["prefix_cache_bytes"], config["transport"], config["name"], config["instance"])
+    assert shown == ("64MiB", "tcp", "d", "0")
 
 
 def test_a_second_link_between_the_same_regions_is_refused() -> None:

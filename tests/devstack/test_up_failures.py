@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from prfaas.devstack.processes import failure_cause, log_cause, wait_until
+from prfaas.telemetry.tracing import JOB_ID
 
 PRFAAS = [sys.executable, "-m", "prfaas.cli.main"]
 
@@ -120,8 +121,19 @@ def test_a_policy_that_does_not_validate_fails_in_one_line_before_anything_start
 @pytest.mark.e2e
 def test_a_process_that_dies_at_start_is_one_line_with_its_cause_and_log(tmp_path: Path) -> None:
     """The API's port is taken: uvicorn exits, and `up` says which process, why (the error line
-    of its log) and where the log is; what had started is stopped."""
+    of its log) and where the log is; what had started is stopped. The run before it stays readable in
+    up.previous/ (its log, its spans for `prfaas trace`), without its keys and configs: before, every `up`
+    deleted it."""
     _models_home(tmp_path)
+    before = tmp_path / "home" / "up"
+    (before / "traces").mkdir(parents=True)
+    (before / "pki").mkdir()
+    (before / "api.log").write_text("the run before\n")
+    (before / "region-dec.yaml").write_text("ticket_key: secret\n")
+    job = "e332a3ca-0b5f-4c1e-9d7a-1f2e3d4c5b6a"
+    span = {"trace_id": "a" * 32, "span_id": "0" * 15 + "1", "parent_id": "", "name": "api.job", "service": "api",
+            "start_ns": 1_000, "end_ns": 9_000, "status": "ok", "attributes": {JOB_ID: job}}  # fmt: skip
+    (before / "traces" / "api-1.jsonl").write_text(json.dumps(span) + "\n")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -135,6 +147,13 @@ def test_a_process_that_dies_at_start_is_one_line_with_its_cause_and_log(tmp_pat
     assert "address already in use" in error[0].lower(), error  # the cause, from the log
     assert "Traceback" not in done.stdout + done.stderr
     assert not (tmp_path / "home" / "up.json").exists()  # what started was stopped
+    previous = tmp_path / "home" / "up.previous"
+    assert (previous / "api.log").read_text() == "the run before\n"
+    assert not (previous / "pki").exists() and not list(previous.glob("*.yaml"))
+    env = {**os.environ, "PRFAAS_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    trace = subprocess.run([*PRFAAS, "trace", job[:8], "--json"], env=env, capture_output=True, text=True,
+                           timeout=60, check=False)  # fmt: skip
+    assert trace.returncode == 0 and json.loads(trace.stdout)[0]["attributes"][JOB_ID] == job, trace.stdout
 
 
 def _models_home(tmp_path: Path) -> dict[str, str]:
