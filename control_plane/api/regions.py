@@ -68,8 +68,23 @@ def list_links(s: ServicesDep) -> list[LinkView]:
 
 @router.put("/links")
 def put_link(body: LinkPublic, s: ServicesDep) -> LinkPublic:
+    """A link may name a region not registered yet (links are set before regions come up); one whose regions
+    are registered must lead from a prefill-capable region to a decode-capable one (KV's direction)."""
     try:
-        s.regions.set_link(Link.model_validate(body.model_dump()))
+        link = Link.model_validate(body.model_dump())
     except ValidationError:
         raise HTTPException(422, "a link needs two different regions") from None
+    roles = {r.name: r.role for r in s.regions.regions()}
+    for end, name, wanted in (("src", link.src, ("prefill", "both")), ("dst", link.dst, ("decode", "both"))):
+        if name in roles and roles[name] not in wanted:
+            raise HTTPException(422, f"{end}: region {name!r} has role {roles[name]}, not {'/'.join(wanted)} "
+                                     "(a link carries KV from a prefill region to a decode region)")  # fmt: skip
+    s.regions.set_link(link)
     return body
+
+
+@router.delete("/links/{src}/{dst}", status_code=204)
+def delete_link(src: str, dst: str, s: ServicesDep) -> None:
+    """Remove a configured link (a misspelled one, a path no longer used); its measurements age out."""
+    if not s.regions.delete_link(src, dst):
+        raise HTTPException(404, "link not found")

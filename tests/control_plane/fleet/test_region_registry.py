@@ -16,9 +16,11 @@ import grpc
 import pytest
 import redis
 from cp_kit import settings_fixture
+from fastapi import HTTPException
 from test_link_estimates import LINK, link_report
 
-from prfaas.control_plane.api.regions import list_links
+from prfaas.control_plane.api.regions import delete_link, list_links, put_link
+from prfaas.control_plane.api.schemas import LinkPublic
 from prfaas.control_plane.fleet.registry import RegionRegistry
 from prfaas.control_plane.fleet.server import serve_registry
 from prfaas.control_plane.jobs.placement import decode_instance
@@ -568,3 +570,25 @@ def test_admin_links_ages_the_estimates_on_redis_clock(
     (view,) = list_links(SimpleNamespace(regions=reg, settings=reg.settings))  # type: ignore[arg-type]
     assert view.measured is not None and view.measured.age_s < 5
     assert view.scheduled.utilization == pytest.approx(scheduled.utilization) and scheduled.utilization > 0
+
+
+def test_put_link_refuses_a_wrong_way_link_between_registered_regions_and_delete_removes_one(
+    registry: tuple[RegionRegistry, str],
+) -> None:
+    """PUT /admin/links: a region not registered yet may be named (links are set before regions come up), but
+    one from a decode region or to a prefill region is refused; DELETE removes a link (a typo stayed for good)."""
+    reg, _address = registry
+    reg.register(_registration("pre", "prefill", 1.0))
+    reg.register(_registration("dec", "decode", 4.0))
+    s = SimpleNamespace(regions=reg, settings=reg.settings)
+    with pytest.raises(HTTPException) as info:
+        put_link(LinkPublic(src="dec", dst="pre", rtt_ms=10, bandwidth_gbps=1), s)  # type: ignore[arg-type]
+    assert info.value.status_code == 422
+    assert str(info.value.detail).startswith("src: region 'dec' has role decode, not prefill/both")
+    put_link(LinkPublic(src="nope", dst="dec", rtt_ms=10, bandwidth_gbps=1), s)  # type: ignore[arg-type]
+    assert ("nope", "dec") in {(x.src, x.dst) for x in reg.configured_links()}
+    delete_link("nope", "dec", s)  # type: ignore[arg-type]
+    assert ("nope", "dec") not in {(x.src, x.dst) for x in reg.configured_links()}
+    with pytest.raises(HTTPException) as gone:
+        delete_link("nope", "dec", s)  # type: ignore[arg-type]
+    assert (gone.value.status_code, gone.value.detail) == (404, "link not found")
