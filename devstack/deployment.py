@@ -47,14 +47,13 @@ from prfaas.devstack.processes import (
     worker_argv,
     write_region_config,
 )
-from prfaas.devstack.state import UpError, UpState, state_path, stop_state, write_state
+from prfaas.devstack.state import UpError, UpState, keep_previous, state_path, stop_state, write_state
 from prfaas.devstack.tenant import demo_tenant
 from prfaas.devstack.topology import Topology, region_config
 from prfaas.telemetry.tracing import TRACE_DIR_ENV
 from prfaas.transport.endpoints import hostport
 
 START_TIMEOUT_S = 180.0
-PREVIOUS_RUN = "up.previous"  # $PRFAAS_HOME/up.previous: the last run's logs and spans (`Deployment._keep_previous`)
 
 
 def _redis_answers(url: str) -> bool:
@@ -125,22 +124,8 @@ class Deployment:
 
     # ------------------------------------------------------------------ start
 
-    def _keep_previous(self) -> None:
-        """The last run's logs and spans stay readable in `up.previous/` (`prfaas trace` finds its jobs there), one
-        run's worth; its keys, certificates and configs (which hold the ticket key) do not. Before, every `up`,
-        one that failed too, deleted them."""
-        previous = self.run_dir.with_name(PREVIOUS_RUN)
-        if previous.exists():
-            shutil.rmtree(previous)
-        if not self.run_dir.exists():
-            return
-        self.run_dir.rename(previous)
-        shutil.rmtree(previous / "pki", ignore_errors=True)
-        for config in previous.glob("*.yaml"):
-            config.unlink()
-
     def start(self) -> UpState:
-        self._keep_previous()
+        keep_previous(self.run_dir)
         self.home.mkdir(mode=0o700, parents=True, exist_ok=True)  # up.json in it holds the admin key
         self.run_dir.mkdir(parents=True)
         write_state(self.home, self.state)  # from here on `prfaas down` can clean up a half-started deployment

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -134,6 +135,21 @@ def stop_state(state: UpState, say: Callable[[str], None]) -> None:
             for i in range(0, len(keys), 1000):
                 client.delete(*keys[i : i + 1000])
             client.close()
+
+
+def keep_previous(run_dir: Path) -> None:
+    """Before a run: the last run's logs and spans stay readable in `up.previous/` beside `run_dir` (`prfaas trace`
+    finds its jobs there), one run's worth; its keys, certificates and configs (which hold the ticket key) do not.
+    Before, every `up`, one that failed too, deleted them."""
+    previous = run_dir.with_name("up.previous")
+    if previous.exists():
+        shutil.rmtree(previous)
+    if not run_dir.exists():
+        return
+    run_dir.rename(previous)
+    shutil.rmtree(previous / "pki", ignore_errors=True)
+    for config in previous.glob("*.yaml"):
+        config.unlink()
 
 
 def down(home: Path, say: Callable[[str], None], timeout_s: float = 60.0) -> bool:

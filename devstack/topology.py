@@ -14,6 +14,7 @@ from typing import Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from prfaas.region.config import RegionConfig, dialable_host, field_errors, parse_bytes
 
@@ -148,6 +149,22 @@ def region_config(topology: Topology, spec: RegionSpec, **given: Any) -> dict[st
     } | spec.extra  # fmt: skip
 
 
+class _AsWritten(RegionConfig):
+    """A region config as its file says, the environment not read (`PRFAAS_*` of the process loading the topology
+    is not the region's: `up` writes every field a region needs)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
 def _extra_errors(topology: Topology, spec: RegionSpec, where: str) -> list[str]:
     """What is wrong with `spec.extra` as the region config `prfaas up` would write (checked at load, not by the
     region once everything else started), each line naming `where.extra.FIELD`."""
@@ -156,7 +173,7 @@ def _extra_errors(topology: Topology, spec: RegionSpec, where: str) -> list[str]
     given = {"instance": "0", "ticket_key": secrets.token_urlsafe(32), "ticket_key_id": "k1", "insecure": True,
              "listen": {"grpc": "127.0.0.1:0", "kv": "127.0.0.1:0"}, "control_plane_url": "127.0.0.1:1"}  # fmt: skip
     try:
-        RegionConfig(**region_config(topology, spec, **given))
+        _AsWritten(**region_config(topology, spec, **given))
     except ValidationError as exc:
         lines = []
         for error, line in zip(exc.errors(), field_errors(exc), strict=True):

@@ -301,6 +301,8 @@ def fetch_models(api_base: str, api_key: str) -> list[str]:
     url = api_base + "/models"
     try:
         reply = httpx.get(url, headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    except httpx.InvalidURL as exc:
+        raise ApiUnusable(f"{api_base!r} is not a URL the API can be reached at: {exc}") from None
     except httpx.HTTPError as exc:
         raise ApiUnusable(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
     if reply.status_code in (401, 403):

@@ -13,6 +13,7 @@ stable: clients may match on `code`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -175,23 +177,37 @@ def _from_http(request: Request, exc: StarletteHTTPException) -> ApiError:
 
 def _union_member(part: str) -> bool:
     """A pydantic location part naming which member of a union failed (`str`, `constrained-str`,
-    `list[int]`, a model's class name), not a field: the `param` names fields only (`prompt`, `messages.0.role`)."""
+    `list[int]`, one of our schemas' class names: /tokenize's body), not a field: the `param` names fields only
+    (`prompt`, `messages.0.role`)."""
     return (
         any(c in part for c in "[-")
         or part in ("str", "int", "float", "bool", "list", "dict", "none")
-        or (part[:1].isupper())
+        or part in _schema_names()
     )
+
+
+@functools.cache
+def _schema_names() -> frozenset[str]:
+    """The class names of the API's request schemas (what pydantic names a union's model members by)."""
+    found, todo = set(), list(BaseModel.__subclasses__())
+    while todo:
+        klass = todo.pop()
+        todo.extend(klass.__subclasses__())
+        if klass.__module__.startswith("prfaas.control_plane.api."):
+            found.add(klass.__name__)
+    return frozenset(found)
 
 
 def _telling(errors: list[dict[str, Any]]) -> dict[str, Any]:
     """The error to report: the first, or of a union (one error per member: `stop` is a string or a list),
     the first of the same field that is not "not of this member's type" (`stop: [17 strings]` is too long a
-    list, not "Input should be a valid string")."""
+    list, not "Input should be a valid string"); when every member's is, the first (`prompt: ["a", 5]`)."""
     if not errors:
         return {}
     field = tuple(errors[0].get("loc", ()))[:2]
     same = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]
-    return next((e for e in same if not str(e.get("type", "")).endswith("_type")), errors[0])
+    kind = [str(e.get("type", "")) for e in same]  # a member of the wrong type, or a value it cannot parse as one
+    return next((e for e, k in zip(same, kind, strict=True) if not k.endswith(("_type", "_parsing"))), errors[0])
 
 
 def _invalid(request: Request, exc: RequestValidationError) -> Response:

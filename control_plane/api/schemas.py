@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prfaas.control_plane.billing.queries import GroupTotal
 from prfaas.control_plane.scheduling.snapshot import MAX_BANDWIDTH_GBPS, MAX_RTT_MS
+from prfaas.transport.identity import REGION_NAME
+
+REGION_PATTERN = f"^{REGION_NAME.pattern}$"
 
 
 class Usage(BaseModel):
@@ -155,8 +158,8 @@ class RegionPublic(LoadPublic):
 
 class LinkPublic(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    src: str = Field(min_length=1, max_length=63)
-    dst: str = Field(min_length=1, max_length=63)
+    src: str = Field(pattern=REGION_PATTERN)  # a region's name, as a region config's `name`
+    dst: str = Field(pattern=REGION_PATTERN)  # (a "/" in one made a link DELETE could not name)
     # the scheduler's own limits (snapshot.Link), so a figure over them is refused naming its field
     rtt_ms: float = Field(ge=0, le=MAX_RTT_MS, allow_inf_nan=False)
     bandwidth_gbps: float = Field(ge=0, le=MAX_BANDWIDTH_GBPS, allow_inf_nan=False)

@@ -69,16 +69,17 @@ def start_decode(
 
 
 def cancel_in_regions(channels: ChannelCache, job_id: str, job: dict[str, str], reason: str, wait: bool) -> None:
-    """Cancel `job` in its decode and prefill regions (idempotent there), both calls at once; a local job in its
-    decode region alone (its prefill region is that one, whose server may serve no PrefillRegion: UNIMPLEMENTED).
+    """Cancel `job` in its decode and prefill regions (idempotent there), both calls at once; a local job whose
+    prefill endpoint is its decode region's in that region alone (a decode-only server answers PrefillRegion
+    UNIMPLEMENTED); a local one reshipped from a prefill region's lease is canceled there too.
     `wait`: return once both answered (`CANCEL_TIMEOUT_S` at most); else at once (a hung region keeps no caller
     waiting)."""
     request = common_pb2.CancelRequest(job_id=job_id, reason=reason)
     calls = []
-    local = job.get("placement_chosen") == "local"
+    alone = job.get("placement_chosen") == "local" and job.get("prefill_grpc") == job.get("decode_grpc")
     for target, region, stub_type in (
         (job.get("decode_grpc"), job.get("decode_region", ""), decode_pb2_grpc.DecodeRegionStub),
-        (None if local else job.get("prefill_grpc"), job.get("prefill_region", ""), prefill_pb2_grpc.PrefillRegionStub),
+        (None if alone else job.get("prefill_grpc"), job.get("prefill_region", ""), prefill_pb2_grpc.PrefillRegionStub),
     ):
         if target:
             stub = stub_type(channels.get(target, server_name(region)))

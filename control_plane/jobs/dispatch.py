@@ -145,14 +145,21 @@ class Dispatcher:
         `UNPLACED_RETRY_S` until the job's deadline, then FAILED with the reason. Refused for its
         objectives (SLO), it waits no longer than its TTFT objective: past it, no placement can meet it.
         With no region of a role it needs alive at all (`NO_REGION`), no longer than `no_region_wait_s`
-        from this attempt's start (`updated_at`: QUEUED): a client then hears so in seconds, not minutes."""
+        from when this attempt first found none (`no_region_since`, "attempt:time", cleared by any other
+        refusal): a client then hears so in seconds, not minutes, and a job that waited for a busy fleet
+        still gets the whole wait if its regions then blink."""
         created = float(job.get("created_at", 0))
         deadline = created + self.s.settings.job.timeout_s
         if why == RejectReason.SLO:
             deadline = min(deadline, created + slo_ms(job, self.s.settings)[0] / 1000.0)
+        seen, _, since = (job.get("no_region_since") or "").partition(":")
         if why in NO_REGION:
-            queued = float(job.get("updated_at") or created)
-            deadline = min(deadline, queued + self.s.settings.dispatch.no_region_wait_s)
+            if seen != str(attempt):  # the first sighting: the wait starts now
+                since = str(time.time())
+                self.s.jobs.update(job_id, attempt, no_region_since=f"{attempt}:{since}")
+            deadline = min(deadline, float(since) + self.s.settings.dispatch.no_region_wait_s)
+        elif seen:
+            self.s.jobs.update(job_id, attempt, no_region_since="")  # regions again: a later loss waits anew
         if time.time() + UNPLACED_RETRY_S < deadline and self.attempts.unclaim(job_id, attempt, UNPLACED_RETRY_S):
             log.info("job %s attempt %d: %s; again in %.0f s", job_id, attempt, reason, UNPLACED_RETRY_S)
             return "unplaced"

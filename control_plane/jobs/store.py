@@ -103,6 +103,10 @@ class JobStore:
     def _idem(self, tenant: str, idempotency_key: str | None) -> str:
         return self.settings.key("idem", tenant, idempotency_key) if idempotency_key else ""
 
+    def key_used(self, tenant: str, idempotency_key: str) -> bool:
+        """An Idempotency-Key of `tenant`'s that names a job already (a request sent again)."""
+        return bool(self.redis.exists(self._idem(tenant, idempotency_key)))
+
     def admit(
         self,
         tenant: str,

@@ -117,3 +117,6 @@ def test_bench_and_tour_say_the_key_was_refused_in_one_line(api: Stack, tmp_path
     out = _bench(["--api-base", f"http://127.0.0.1:{port}/v1", "--api-key", "k"], tmp_path / "b")
     assert out.returncode == 2 and out.stdout.startswith(f"error: cannot reach http://127.0.0.1:{port}/v1/models: ")
     assert out.stdout.count("\n") == 1, out.stdout
+    out = _bench(["--api-base", "http://localhost:abc/v1", "--api-key", "k"], tmp_path / "c")  # a traceback before
+    assert out.returncode == 2 and out.stdout.startswith("error: 'http://localhost:abc/v1' is not a URL the API can")
+    assert "Traceback" not in out.stdout + out.stderr

@@ -85,7 +85,8 @@ def test_a_bad_field_is_named_in_the_error(field: str, value: object, expected: 
     assert "(top level)" not in str(info.value)  # a rule across fields names them itself
 
 
-def test_extra_fields_a_region_config_has_are_accepted_and_written() -> None:
+def test_extra_fields_a_region_config_has_are_accepted_and_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PRFAAS_TLS__CERT", "/nonexist")  # this process's environment is not the region's config
     topology = parse_topology(_with("regions.1.extra", {"prefix_cache_bytes": "64MiB", "transport": "tcp"}))
     config = region_config(topology, topology.regions[1], instance="0")
     shown = (config["prefix_cache_bytes"], config["transport"], config["name"], config["instance"])

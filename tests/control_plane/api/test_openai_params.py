@@ -23,7 +23,7 @@ from prfaas.control_plane.api.openai_schemas import (
     ChatCompletionCreate,
     CompletionCreate,
 )
-from prfaas.devstack.stack import Stack
+from prfaas.devstack.stack import ADMIN, Stack
 
 pytestmark = pytest.mark.e2e
 MODEL = "tiny-llama"
@@ -117,6 +117,7 @@ def test_out_of_range_sampling_gets_400_naming_it(
         ({"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop", "List should have at most 16 items"),
         ({"prompt": [f"p{i}" for i in range(65)]}, "prompt", "List should have at most 64 items"),
         ({"prompt": [1, -2]}, "prompt.1", "greater than or equal to 0"),
+        ({"prompt": ["a", 5]}, "prompt", "Input should be a valid string"),  # not "prompt.0: a valid integer"
         # the operator's cap on max_tokens, not the context (before: `prompt too long for the model`)
         ({"prompt": "hi", "max_tokens": 5000}, "max_tokens", "max_tokens: 5000 is more than this deployment allows"),
         # greedy by default here (OpenAI's default samples): the refusal says what to set
@@ -154,6 +155,26 @@ def test_a_batch_the_tenants_limits_never_admit_whole_is_400_not_a_retried_429(s
     assert "3 prompts, and this tenant's limits (concurrency 2, 10 requests/s) admit at most 2 at once" in str(
         info.value.message
     )
+
+
+def test_a_batch_sent_again_with_its_idempotency_key_attaches_whatever_the_limits_now(stack: Stack) -> None:
+    """Its jobs were admitted: the retry attaches to them, admits none, so the limits (lowered since) do not apply."""
+    tenant, key = stack.tenant("again", concurrency=3, rps=10)
+    headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "batch-1"}
+    body = {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2}
+    first = httpx.post(f"{stack.url}/v1/completions", json=body, headers=headers, timeout=30)  # no region: fails
+    assert first.status_code >= 500, first.text
+    lowered = httpx.patch(f"{stack.url}/admin/tenants/{tenant}", json={"concurrency": 2}, headers=ADMIN, timeout=5)
+    assert lowered.status_code == 200, lowered.text
+    again = httpx.post(f"{stack.url}/v1/completions", json=body, headers=headers, timeout=30)
+    assert again.status_code != 400 and again.json()["error"]["code"] != "batch_too_large", again.text  # attached
+
+
+def test_an_unknown_capitalised_parameter_is_named(stack: Stack, key: str) -> None:
+    reply = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "Temperature": 0.5},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=10)  # fmt: skip
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"], error["param"]) == (400, "unsupported_parameter", "Temperature"), error
 
 
 def test_tokenize_names_the_field_not_the_schema(stack: Stack, key: str) -> None:

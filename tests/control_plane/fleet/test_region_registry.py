@@ -17,6 +17,7 @@ import pytest
 import redis
 from cp_kit import settings_fixture
 from fastapi import HTTPException
+from pydantic import ValidationError
 from test_link_estimates import LINK, link_report
 
 from prfaas.control_plane.api.regions import delete_link, list_links, put_link
@@ -592,3 +593,5 @@ def test_put_link_refuses_a_wrong_way_link_between_registered_regions_and_delete
     with pytest.raises(HTTPException) as gone:
         delete_link("nope", "dec", s)  # type: ignore[arg-type]
     assert (gone.value.status_code, gone.value.detail) == (404, "link not found")
+    with pytest.raises(ValidationError):  # a region's name only: "a/b" made a link DELETE could not name
+        LinkPublic(src="a/b", dst="dec", rtt_ms=10, bandwidth_gbps=1)

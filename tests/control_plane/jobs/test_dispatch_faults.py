@@ -308,3 +308,20 @@ def test_a_broken_prefill_queues_the_next_attempt_before_releasing_its_reservati
     assert (state, attempt) == (JobState.QUEUED, "2"), decode.seen
     assert lease is not None and (lease.attempt, lease.stage, lease.owner) == (2, "queued", "worker:t")
     assert services.jobs.get(job_id)["attempt"] == "2"
+
+
+def test_the_no_region_wait_starts_when_the_attempt_first_finds_no_region() -> None:
+    """A job that waited a minute for a busy fleet (allowed, until its deadline), whose regions then blink, waits
+    `no_region_wait_s` from then for them; before, the wait counted from the attempt's start and it failed at
+    once. No region is registered here: every dispatch finds none (NO_ELIGIBLE_REGION)."""
+    for services in services_fixture(job={"timeout_s": 300}, dispatch={"no_region_wait_s": 1.5}):
+        dispatcher = Dispatcher(services, lambda *_: None, owner="worker:t")  # the test runs each dispatch itself
+        job_id = _job(services)
+        minute_ago = str(time.time() - 60)  # its QUEUED entry a minute ago: the busy fleet's wait
+        services.redis.hset(services.jobs._job(job_id), mapping={"created_at": minute_ago, "updated_at": minute_ago})
+        assert dispatcher.run(job_id) == "unplaced"
+        assert services.jobs.get(job_id)["no_region_since"].startswith("1:")
+        time.sleep(1.0)  # the next dispatch (UNPLACED_RETRY_S) is past the wait: failed, saying why
+        assert dispatcher.run(job_id) == "rejected"
+        job = services.jobs.get(job_id)
+        assert job["state"] == JobState.FAILED and "no region in the snapshot can decode" in job["error"], job
