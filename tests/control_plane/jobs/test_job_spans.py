@@ -140,7 +140,13 @@ def test_every_span_of_a_job_carries_its_job_id(client: TestClient, spans: InMem
 def test_the_job_span_is_exported_when_a_later_prompt_of_the_batch_is_refused(
     client: TestClient, spans: InMemorySpanExporter
 ) -> None:
-    key = _key(client, concurrency=1)  # the second prompt's job is one too many
+    key = _key(client, concurrency=2)
+    services = client.app.state.services  # type: ignore[attr-defined]
+    (tenant,) = [t for t in services.tenants.all() if t.name == "acme"]
+    # another request of the tenant's mid-admission holds a slot: the second prompt's job is one too many (a batch
+    # the limits never admit whole is refused before any prompt, 400 batch_too_large)
+    held = services.settings.key("tenant", tenant.id, "admitting")
+    services.redis.zadd(held, {"another-request": time.time() + 60})
     body = {"model": "tiny-llama", "prompt": [PROMPT, PROMPT], "max_tokens": 3}
     reply = client.post("/v1/completions", json=body, headers=key)
     assert (reply.status_code, reply.json()["error"]["code"]) == (429, "concurrency_limit_exceeded")
