@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
@@ -97,9 +98,23 @@ def test_a_request_refused_after_tokenizing_gives_its_slot_back(stack: Stack) ->
     stream.close()
 
 
-def test_budget_reservations_keep_concurrent_jobs_within_the_budget(stack: Stack, services: Services) -> None:
-    """Last in this module: it registers a decode region (nothing listens at its address), so the scheduler
-    predicts each job's $ (its local run there) and admission reserves it."""
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Jobs that wait 60 s: each keeps its reservation through the burst however slow the host (with 5 s, a job
+    of CI's loaded host timed out and gave its $ back mid-burst: a fourth was admitted)."""
+    yield from api_stack(tmp_path_factory.mktemp("cp-budget"), PRFAAS_JOB_TIMEOUT_S="60")
+
+
+@pytest.fixture(scope="module")
+def roomy_services(roomy: Stack) -> Iterator[Services]:
+    yield from stack_services(roomy)
+
+
+def test_budget_reservations_keep_concurrent_jobs_within_the_budget(roomy: Stack, roomy_services: Services) -> None:
+    """It registers a decode region (nothing listens at its address), so the scheduler predicts each job's $ (its
+    local run there) and admission reserves it. Each stream is held open until the end: a stream dropped (its
+    client gone) cancels its job, which gives its reservation back."""
+    stack, services = roomy, roomy_services
     services.regions.register(
         registry_pb2.RegisterRequest(
             name="dec-x", role="decode", gpu_type="cpu", num_workers=1, usd_per_gpu_hour=4.0,
@@ -128,14 +143,16 @@ def test_budget_reservations_keep_concurrent_jobs_within_the_budget(stack: Stack
 
     capped_id, capped = stack.tenant("capped", budget_usd=3.5 * predicted)  # 3 jobs fit, not 4
 
+    held: list[Any] = []  # the open streams
+
     def submit(_: int) -> str:
         try:
-            c = client(stack, capped)
-            return c.completions.create(model="tiny-llama", prompt="hi", max_tokens=16, stream=True).response.headers[
-                "x-prfaas-job-id"
-            ]
+            stream = client(stack, capped).completions.create(model="tiny-llama", prompt="hi", max_tokens=16,
+                                                              stream=True)  # fmt: skip
         except openai.APIStatusError as exc:
             return f"{exc.status_code} {exc.code}"
+        held.append(stream)
+        return str(stream.response.headers["x-prfaas-job-id"])
 
     with ThreadPoolExecutor(8) as pool:
         outcomes = list(pool.map(submit, range(8)))
@@ -146,3 +163,5 @@ def test_budget_reservations_keep_concurrent_jobs_within_the_budget(stack: Stack
     for job in jobs:
         cancel(capped, job)
     wait_until(lambda: tenant_view(capped_id)["reserved_usd"] == 0, 5, 0.05)
+    for stream in held:
+        stream.close()
