@@ -160,8 +160,8 @@ def _run(
     if codec is not None and codec != LOSSLESS and codec not in s.lossy_codecs:
         raise UNKNOWN_KV_CODEC.error(param="prfaas.kv_codec")
     at_once = min(tenant.quota.concurrency, max(1, int(tenant.quota.rps)))  # what admission can let in at once
-    replay = g.idempotency_key is not None and s.jobs.key_used(tenant.id, g.idempotency_key)  # attaches, admits none
-    if len(runs) > at_once and not replay:  # never admitted whole: a 429 (retried by clients) would come each time
+    too_large = len(runs) > at_once  # never admitted whole: a 429 (retried by clients) would come each time
+    if too_large and not (g.idempotency_key and s.jobs.key_used(tenant.id, g.idempotency_key)):  # a replay attaches
         raise BATCH_TOO_LARGE.error(f"batch too large: {len(runs)} prompts, and this tenant's limits (concurrency "
                                     f"{tenant.quota.concurrency}, {tenant.quota.rps:g} requests/s) admit at most "
                                     f"{at_once} at once; send fewer prompts per request", param="prompt")  # fmt: skip

@@ -206,8 +206,8 @@ def _telling(errors: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     field = tuple(errors[0].get("loc", ()))[:2]
     same = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]
-    kind = [str(e.get("type", "")) for e in same]  # a member of the wrong type, or a value it cannot parse as one
-    return next((e for e, k in zip(same, kind, strict=True) if not k.endswith(("_type", "_parsing"))), errors[0])
+    wrong_member = ("_type", "_parsing")  # a member of the wrong type, or a value it cannot parse as one
+    return next((e for e in same if not str(e.get("type", "")).endswith(wrong_member)), errors[0])
 
 
 def _invalid(request: Request, exc: RequestValidationError) -> Response:
