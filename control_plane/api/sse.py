@@ -24,6 +24,7 @@ from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.errors import JOB_ENDED, STORE_UNAVAILABLE, ApiError, sse_error
 from prfaas.control_plane.api.streams import merged
 from prfaas.control_plane.jobs.generation import Follower, JobEnded
+from prfaas.control_plane.jobs.store import CLIENT_LEFT
 from prfaas.control_plane.jobs.tokenlog import Token
 from prfaas.control_plane.services import Services
 
@@ -195,7 +196,7 @@ def client_gone(follower: Follower, jobs: list[PromptJob], *, reading: bool = Fa
                 follower.left(jobs[0].job_id)
             else:
                 follower.disconnected(jobs[0].job_id, jobs[0].stream)
-    cancel_batch(follower, jobs, "client disconnected", by_client=True)
+    cancel_batch(follower, jobs, CLIENT_LEFT, by_client=True)
 
 
 def cancel_batch(follower: Follower, jobs: list[PromptJob], reason: str, *, by_client: bool = False) -> None:

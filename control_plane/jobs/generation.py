@@ -36,6 +36,7 @@ from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
 from prfaas.control_plane.jobs.records import job_sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
+from prfaas.control_plane.jobs.store import CLIENT_LEFT
 from prfaas.control_plane.jobs.tokenlog import Outputs, Token, TokenLog, recorded_tokens
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2_grpc
@@ -300,7 +301,7 @@ class Follower:
         requests are attached to it, for which it runs on (its reader then reads it to its end for them)."""
         if self.log.readers(job_id) > 0:
             return False
-        self.cancel(job_id, "client disconnected", by_client=True)
+        self.cancel(job_id, CLIENT_LEFT, by_client=True)
         return True
 
     def _cancel_decode(self, job_id: str, handed: dict[str, Any], reason: str) -> None:
@@ -353,7 +354,8 @@ class Follower:
             streamed = self._streamed.get(job_id)
             cut = streamed.cut() if streamed is not None else {}
             closed = {"cut_closed": 1} if streamed is not None else {}  # no later record (`_cut`) replaces this one
-            marked = {"client_canceled": 1, "canceled_at": time.time()} | cut | closed
+            marked = {"client_canceled": 1, "client_left": int(reason == CLIENT_LEFT), "canceled_at": time.time()}
+            marked |= cut | closed
         try:
             # followed from its creation: a job canceled before its stream was read is no longer ours either
             self.s.jobs.transition(job_id, JobState.CANCELED, 0, note=reason, error=f"canceled: {reason}",

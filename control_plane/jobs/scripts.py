@@ -170,6 +170,13 @@ local function give_back(admitting, rate, id)
 end
 """
 
+# An Idempotency-Key's mapping dropped if it still names the job. KEYS: idempotency key. ARGV: job id.
+FORGET = """
+local stored = redis.call('GET', KEYS[1])
+if stored and string.match(stored, '^(%S+)') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # A request refused after ADMIT (tokenizing or validation failed). KEYS: admitting zset, rate window. ARGV: job id.
 RELEASE = _GIVE_BACK_FN + "give_back(KEYS[1], KEYS[2], ARGV[1])\nreturn 1\n"
 

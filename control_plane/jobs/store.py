@@ -34,10 +34,14 @@ import redis
 from prfaas.control_plane.jobs.errors import AdmissionRefused, IllegalTransition, JobNotFound, StaleAttempt
 from prfaas.control_plane.jobs.leases import Lease, RedisClock, lease_keys
 from prfaas.control_plane.jobs.notifier import Notifier
-from prfaas.control_plane.jobs.scripts import ADMIT, CREATE, RELEASE, TRANSITION, UPDATE
+from prfaas.control_plane.jobs.scripts import ADMIT, CREATE, FORGET, RELEASE, TRANSITION, UPDATE
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.settings import Settings
 from prfaas.control_plane.tenants import Quota
+
+# The cancel reason of a job whose client went away: the job is marked `client_left`, and a request sent again
+# with its Idempotency-Key gets a fresh job (`JobStore.admit`), as a retry after a dropped connection expects.
+CLIENT_LEFT = "client disconnected"
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class JobStore:
         self._release = client.register_script(RELEASE)
         self._create = client.register_script(CREATE)
         self._update = client.register_script(UPDATE)
+        self._forget = client.register_script(FORGET)
 
     def _job(self, job_id: str) -> str:
         return self.settings.key("job", job_id)
@@ -116,9 +121,24 @@ class JobStore:
         body_hash: str = "",
     ) -> Admission:
         """Let a request in before its prompt is tokenized: an Idempotency-Key seen before names its job
-        (`existing`; with another `body_hash`: refused, `idempotency`), else the budget must have headroom
-        (spend + reserved < budget), the tenant be under its concurrency cap (active jobs and admissions in
-        progress) and its rate. Raises AdmissionRefused (`idempotency`, `budget`, `concurrency`, `rate`)."""
+        (`existing`; with another `body_hash`: refused, `idempotency`), unless that job was canceled because its
+        client left (CLIENT_LEFT: the retry the key is for, which gets a fresh job); else the budget must have
+        headroom (spend + reserved < budget), the tenant be under its concurrency cap (active jobs and admissions
+        in progress) and its rate. Raises AdmissionRefused (`idempotency`, `budget`, `concurrency`, `rate`)."""
+        admission = self._admitted(tenant, quota, job_id, idempotency_key, body_hash)
+        if admission.existing and self._left(admission.job_id):  # once: a key names a left job only once
+            self._forget(keys=[self._idem(tenant, idempotency_key)], args=[admission.job_id])
+            admission = self._admitted(tenant, quota, job_id, idempotency_key, body_hash)
+        return admission
+
+    def _left(self, job_id: str) -> bool:
+        """The job was canceled because its client went away (`Follower.cancel` with CLIENT_LEFT)."""
+        state, left = self.redis.hmget(self._job(job_id), ["state", "client_left"])
+        return _text(state) == JobState.CANCELED.value and _text(left) == "1"
+
+    def _admitted(
+        self, tenant: str, quota: Quota, job_id: str | None, idempotency_key: str | None, body_hash: str
+    ) -> Admission:
         job_id = job_id or str(uuid.uuid4())
         now = time.time()
         k = self.settings.key

@@ -143,13 +143,15 @@ def test_client_disconnect_mid_stream_cancels_the_job_in_both_regions(stack: Sta
 
 def test_client_gone_before_a_non_streamed_answer_cancels_its_job(stack: Stack, long_text: str) -> None:
     """vLLM aborts a request whose client left, streamed or not: a `stream=false` job is canceled when its client
-    goes away, not run to its end for no one, billed."""
+    goes away, not run to its end for no one, billed. The client's retry with its Idempotency-Key gets a fresh
+    job, not the canceled one's 409."""
     _, key = stack.tenant("unary-gone", allow_placement=True)  # its job list holds this job only
     prompt = HFEngine("tiny-llama").encode(long_text)[:600]
     body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 3000, "prfaas": {"placement": "split"}})
     host, _, port = stack.url.removeprefix("http://").partition(":")
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}")  # fmt: skip
+               f"Content-Type: application/json\r\nIdempotency-Key: gone-1\r\nContent-Length: {len(body)}\r\n\r\n"
+               f"{body}")  # fmt: skip
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(request.encode())
         wait_until(lambda: [j["state"] for j in listed(stack, key)] == ["DECODING"], 15, 0.02)
@@ -160,6 +162,15 @@ def test_client_gone_before_a_non_streamed_answer_cancels_its_job(stack: Stack, 
     assert canceled_s < 1.0
     record = job(stack, key, job_id)
     assert "client disconnected" in str(record.get("error")), record
+
+    headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "gone-1", "Content-Type": "application/json"}
+    retry = httpx.post(f"{stack.url}/v1/completions", content=body, headers=headers, timeout=60)
+    assert retry.status_code == 200, retry.text
+    answer = retry.json()
+    assert answer["id"] != job_id and answer["choices"][0]["finish_reason"] in ("stop", "length"), answer
+    assert [j["state"] for j in listed(stack, key)] == ["DONE", "CANCELED"]
+    replay = httpx.post(f"{stack.url}/v1/completions", content=body, headers=headers, timeout=30)
+    assert replay.json()["id"] == answer["id"]  # the key now names the fresh job
 
 
 def test_celery_worker_killed_mid_dispatch_another_worker_finishes_the_job(stack: Stack, long_text: str) -> None:

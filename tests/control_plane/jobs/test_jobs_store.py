@@ -250,6 +250,29 @@ def test_billing_settles_the_reservation_once(store: JobStore) -> None:
     assert spend.reservations("acme") == {later: pytest.approx(0.75)}
 
 
+def test_a_key_whose_job_was_canceled_as_its_client_left_gets_a_fresh_job(store: JobStore) -> None:
+    """A retry after a dropped connection (the job canceled with CLIENT_LEFT) runs again; a job the tenant
+    canceled, or one that failed, is still the key's answer; another body is still refused."""
+    left = store.create("acme", {}, ROOMY, admission=store.admit("acme", ROOMY, idempotency_key="k", body_hash="a"))
+    store.transition(left.job_id, JobState.CANCELED, 0, note="client disconnected", client_canceled=1, client_left=1)
+    with pytest.raises(AdmissionRefused, match="idempotency"):
+        store.admit("acme", ROOMY, idempotency_key="k", body_hash="b")
+    retry = store.admit("acme", ROOMY, idempotency_key="k", body_hash="a")
+    assert not retry.existing and retry.job_id != left.job_id
+    fresh = store.create("acme", {}, ROOMY, admission=retry)
+    assert (fresh.existing, fresh.job_id) == (False, retry.job_id)
+    again = store.admit("acme", ROOMY, idempotency_key="k", body_hash="a")  # the key names the fresh job now
+    assert (again.existing, again.job_id) == (True, fresh.job_id)
+    for name, marked in (("tenant", {"client_canceled": 1, "client_left": 0}), ("failed", {})):
+        first = store.create("acme", {}, ROOMY, idempotency_key=name).job_id
+        if marked:
+            store.transition(first, JobState.CANCELED, 0, note="canceled by the tenant", **marked)
+        else:
+            store.transition(first, JobState.FAILED, 1, error="boom")
+        replay = store.admit("acme", ROOMY, idempotency_key=name)
+        assert (replay.existing, replay.job_id) == (True, first), name
+
+
 def test_idempotency_key_with_another_body_is_refused(store: JobStore) -> None:
     first = store.create("acme", {}, ROOMY, admission=store.admit("acme", ROOMY, idempotency_key="k", body_hash="a"))
     same = store.admit("acme", ROOMY, idempotency_key="k", body_hash="a")
