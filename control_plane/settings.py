@@ -198,6 +198,12 @@ class Settings(BaseSettings):
         description="largest request body (413 beyond, counted while reading, chunked bodies too); 8 MiB holds a "
         "128k-token prompt as token ids (~1 MB of JSON) several times over",
     )
+    sse_keepalive_s: float = Field(
+        default=15.0,
+        ge=0,
+        description="a stream with nothing to send this long gets an SSE comment (': keep-alive'), so a proxy's "
+        "idle timeout does not cut a job waiting for a busy fleet; 0: never",
+    )
     snapshot_ttl_s: float = Field(default=0.25, ge=0, description="how stale the API's view of the fleet may be")
     ttft_slo_ms: float = Field(default=600_000.0, gt=0, description="SLO given to the scheduler")
     tpot_slo_ms: float = Field(default=60_000.0, gt=0)

@@ -323,6 +323,7 @@ def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> Ans
             sse(s, g.follower, jobs, kind, include_usage, continuous),
             gone=lambda: client_gone(g.follower, jobs, reading=True),  # its stream is read meanwhile
             unstarted=lambda: _unstarted(g, jobs),  # gone before its first chunk was asked for
+            keepalive_s=s.settings.sse_keepalive_s,
             media_type="text/event-stream",
             headers=headers | {"Cache-Control": "no-cache"},
         )

@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from prfaas.control_plane.jobs.tokenlog import Token
 from prfaas.control_plane.services import Services
 
 log = logging.getLogger(__name__)
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients (the openai SDKs among them) skip it
 
 
 @dataclass
@@ -73,24 +75,47 @@ class ClosingStreamingResponse(StreamingResponse):
     (Starlette's own listener cannot stop a `next()` in flight: a client gone before the first token left the
     prefill, the KV shipment and the decode running for no one until that token came.) The generator is closed
     as soon as the response ends, however it ends, so its `finally` runs then, not when the garbage collector
-    reaches it; one that never started has no `finally` to run: `unstarted` is called instead."""
+    reaches it; one that never started has no `finally` to run: `unstarted` is called instead. A stream with
+    nothing to send for `keepalive_s` (a job queued behind a busy fleet, a long prefill) gets an SSE comment,
+    which clients skip, so a proxy's idle timeout does not cut it."""
 
     def __init__(self, content: Generator[str, None, None], *, gone: Callable[[], None],
-                 unstarted: Callable[[], None], **kwargs: Any) -> None:  # fmt: skip
+                 unstarted: Callable[[], None], keepalive_s: float = 0.0, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(content, **kwargs)
         self.source = content
         self.gone = gone
         self.unstarted = unstarted
+        self.keepalive_s = keepalive_s or math.inf
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        waiting = threads.waiting(scope)
+        waiting, source = threads.waiting(scope), self.source
         ended = False  # the generator's last chunk was read: a client that leaves now left nothing running
+        error: Exception | None = None
+        # the generator is read one chunk ahead of the client, so a wait for it can be interrupted by a keep-alive
+        ahead, behind = anyio.create_memory_object_stream[str](0)
+
+        async def read() -> None:
+            nonlocal ended, error
+            try:
+                async with ahead:
+                    while (chunk := await anyio.to_thread.run_sync(next, source, None, limiter=waiting)) is not None:
+                        await ahead.send(chunk)
+                    ended = True
+            except Exception as exc:  # the generator's own: raised after the group, not in an ExceptionGroup
+                error = exc
+                group.cancel_scope.cancel()
 
         async def chunks() -> AsyncIterator[str]:
-            nonlocal ended
-            while (chunk := await anyio.to_thread.run_sync(next, self.source, None, limiter=waiting)) is not None:
-                yield chunk
-            ended = True
+            group.start_soon(read)  # once the first chunk is asked for (the headers went out)
+            async with behind:
+                while True:
+                    chunk = KEEPALIVE
+                    with anyio.move_on_after(self.keepalive_s):
+                        try:
+                            chunk = await behind.receive()
+                        except anyio.EndOfStream:
+                            return
+                    yield chunk
 
         async def listen() -> None:
             while (await receive())["type"] != "http.disconnect":  # the body was read: only its end can come
@@ -108,17 +133,12 @@ class ClosingStreamingResponse(StreamingResponse):
             except OSError:  # the client is gone (ASGI 2.4 servers raise it from `send`)
                 raise _ClientGone from None
 
-        error: Exception | None = None
         self.body_iterator = chunks()
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(listen)
-                try:
+                with contextlib.suppress(_ClientGone):
                     await self.stream_response(sending)
-                except _ClientGone:
-                    pass
-                except Exception as exc:  # the generator's own: raised after the group, not in an ExceptionGroup
-                    error = exc
                 group.cancel_scope.cancel()
             if error is not None:
                 raise error

@@ -25,11 +25,14 @@ from prfaas.engine.stops import output_text
 
 pytestmark = pytest.mark.e2e
 LAYER_DELAY_S = 0.5
+KEEPALIVE_S = 0.5  # under the prefill's ~2 s: a stream gets keep-alives before its first token
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from two_region_stack(tmp_path_factory.mktemp("cp-faults"), test_layer_delay_s=LAYER_DELAY_S)
+    folder = tmp_path_factory.mktemp("cp-faults")
+    env = {"PRFAAS_SSE_KEEPALIVE_S": str(KEEPALIVE_S)}
+    yield from two_region_stack(folder, env=env, test_layer_delay_s=LAYER_DELAY_S)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +142,28 @@ def test_client_disconnect_mid_stream_cancels_the_job_in_both_regions(stack: Sta
     tokens = metric(decode.metrics, "prfaas_decode_tokens_total")
     time.sleep(0.5)
     assert metric(decode.metrics, "prfaas_decode_tokens_total") == tokens  # decoding stopped
+
+
+def test_a_stream_waiting_for_its_first_token_gets_keep_alives_the_client_skips(stack: Stack, key: str) -> None:
+    """A split job's prefill takes ~2 s here: the stream sends `: keep-alive` comments (`sse_keepalive_s`) until
+    its first token, so a proxy's idle timeout does not cut it; the official client reads the same text as a
+    stream=false request."""
+    body = {"model": "tiny-llama", "prompt": "The keep-alive test", "max_tokens": 4, "prfaas": {"placement": "split"}}
+    lines: list[str] = []
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body | {"stream": True},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=30) as reply:  # fmt: skip
+        assert reply.status_code == 200
+        lines = [line for line in reply.iter_lines() if line]
+    first = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert first >= 2 and set(lines[:first]) == {": keep-alive"}, lines[: first + 1]
+    assert ": keep-alive" not in lines[first:] and lines[-1] == "data: [DONE]", lines
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
+    split = {"prfaas": {"placement": "split"}}
+    streamed = client.completions.create(model="tiny-llama", prompt=body["prompt"], max_tokens=4, stream=True,
+                                         extra_body=split)  # fmt: skip
+    text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+    unary = client.completions.create(model="tiny-llama", prompt=body["prompt"], max_tokens=4, extra_body=split)
+    assert text == unary.choices[0].text and text
 
 
 def test_client_gone_before_a_non_streamed_answer_cancels_its_job(stack: Stack, long_text: str) -> None:

@@ -242,3 +242,31 @@ def test_the_requests_waiting_and_queued_for_a_waiting_thread_are_gauged() -> No
 
     anyio.run(main)
     assert seen == [(1.0, 2.0), (0.0, 0.0)]
+
+
+@pytest.mark.parametrize("keepalive_s", [0.25, 0.0])
+def test_a_stream_with_nothing_to_send_gets_keep_alive_comments(keepalive_s: float) -> None:
+    """The first token comes at 1.1 s (a job queued, a long prefill): every 0.25 s without a chunk, an SSE
+    comment goes out, and none once chunks flow; `sse_keepalive_s` 0 sends none."""
+    sent: list[bytes] = []
+
+    def body() -> Generator[str, None, None]:
+        time.sleep(1.1)
+        yield "data: one\n\n"
+        yield "data: [DONE]\n\n"
+
+    response = ClosingStreamingResponse(body(), gone=lambda: None, unstarted=lambda: None, keepalive_s=keepalive_s)
+
+    async def receive() -> dict[str, Any]:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+
+    anyio.run(response, SCOPE, receive, send)
+    comments, data = sent[:-3], sent[-3:]  # the last: the response's end
+    assert data == [b"data: one\n\n", b"data: [DONE]\n\n", b""], sent
+    assert set(comments) <= {b": keep-alive\n\n"}, sent
+    assert (3 <= len(comments) <= 5) if keepalive_s else not comments, sent  # 4 on an idle machine
