@@ -242,7 +242,7 @@ class DecodeAgent(CancelService, decode_pb2_grpc.DecodeRegionServicer):
         self, firsts: list[Chosen] | None, rests: list[Iterator[Chosen]], params: SamplingParams,
         canceled: threading.Event, deadline: float, started: float, path: str, cached_tokens: int = 0,
     ) -> Generator[decode_pb2.TokenEvent, None, None]:  # fmt: skip
-        stream = TokenStream(self.backend.facts.eos_token_ids, self.backend.decode_text, path)
+        stream = TokenStream(self.backend.facts, self.backend.decode_text, path)
         yield from stream.events(firsts, rests, params, canceled, deadline, started, cached_tokens)
         if stream.rate is not None:
             self._rate.add(stream.rate)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 from prfaas.decode_region import metrics
 from prfaas.decode_region.backend import close_tokens
+from prfaas.engine.base import ModelFacts
 from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.stops import TextStops
 from prfaas.protos.prfaas.v1 import decode_pb2
@@ -21,8 +22,8 @@ class TokenStream:
     labels the token counter ("split" or "local"). After `events` ended, `rate` is the
     decode tokens/s past each choice's first token (None when no such token was made)."""
 
-    def __init__(self, eos_token_ids: frozenset[int], decode_text: Callable[[list[int]], str], path: str) -> None:
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, facts: ModelFacts, decode_text: Callable[[list[int]], str], path: str) -> None:
+        self.eos_token_ids, self.eos_token_id = facts.eos_token_ids, facts.eos_token_id
         self.decode_text = decode_text
         self.path = path
         self.rate: float | None = None
@@ -30,10 +31,12 @@ class TokenStream:
     def finish(self, chosen: Chosen, index: int, stops: TextStops | None, params: SamplingParams) -> tuple[str, str]:
         """(finish reason, stop reason) after a choice's token `index`, in vLLM's order (v1 `check_stop`, then its
         detokenizer): end of sequence, stop token id, length, and a stop string the token completed, which wins
-        over length; ("", "") to go on. So a last allowed token that ends the sequence is a stop, not length."""
+        over length; ("", "") to go on. So a last allowed token that ends the sequence is a stop, not length. An
+        end-of-sequence id of the generation config other than the tokenizer's is a stop token id to vLLM
+        (`update_from_generation_config`): its id is the stop reason."""
         token = chosen.token
         if token in self.eos_token_ids and not params.ignore_eos:
-            return "eos", ""
+            return ("eos", "") if token == self.eos_token_id else ("stop_token", str(token))
         if token in params.stop_token_ids:
             return "stop_token", str(token)
         finish = "length" if index == params.max_new_tokens - 1 else ""

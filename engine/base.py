@@ -63,7 +63,8 @@ class ModelFacts:
     num_kv_heads: int
     head_dim: int
     max_context: int
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # every id that ends a generation (`end_of_sequence_ids`)
+    eos_token_id: int | None = None  # the tokenizer's own, which vLLM names no stop reason for (the others: their id)
 
     @staticmethod
     def read(model: str | Path, dtype: str) -> ModelFacts:
@@ -86,6 +87,7 @@ class ModelFacts:
             head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
             max_context=int(config.max_position_embeddings),
             eos_token_ids=end_of_sequence_ids(generation.eos_token_id, tokenizer.eos_token_id),
+            eos_token_id=tokenizer.eos_token_id,
         )
 
     @property

@@ -86,7 +86,7 @@ class HFEngine:
         self.facts = ModelFacts(
             fingerprint=self._fingerprint, dtype=dtype, vocab_size=self.vocab_size, num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, max_context=self._max_context,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=self.eos_token_ids, eos_token_id=self.tokenizer.eos_token_id,
         )  # fmt: skip
         # the query energy the kv codecs shape key scales by (`prfaas model calibrate`); None: not calibrated
         self.query_energy = load_query_energy(self._fingerprint, self.num_layers, self.num_kv_heads, self.head_dim)

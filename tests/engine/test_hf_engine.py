@@ -88,7 +88,9 @@ def test_the_tokenizers_eos_ends_generation_as_in_vllm(tiny_engine: HFEngine, tm
         (variant / name).write_text(json.dumps(config | {"eos_token_id": 0}))
     engine = HFEngine(variant)
     assert engine.tokenizer.eos_token_id == 2
-    assert engine.eos_token_ids == ModelFacts.read(variant, "float32").eos_token_ids == {0, 2}
+    facts = ModelFacts.read(variant, "float32")
+    assert engine.eos_token_ids == facts.eos_token_ids == {0, 2}
+    assert engine.facts.eos_token_id == facts.eos_token_id == 2  # the tokenizer's: no stop reason (0's is "0")
     ids = engine.encode("prefill decode", chat=True)
     assert engine.generate(ids, SamplingParams(max_new_tokens=5, logit_bias=((2, 100.0),))) == [2]
 

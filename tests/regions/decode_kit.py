@@ -17,7 +17,7 @@ from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2
 from prfaas.region.errors import DeadlineExceeded
 
-FACTS = ModelFacts("f" * 64, "float32", 1000, 2, 2, 4, 4096, frozenset({2}))
+FACTS = ModelFacts("f" * 64, "float32", 1000, 2, 2, 4, 4096, frozenset({2}), eos_token_id=2)
 
 
 class Aborted(Exception):

@@ -8,11 +8,14 @@ from __future__ import annotations
 import pytest
 
 from prfaas.decode_region.tokens import TokenStream
+from prfaas.engine.base import ModelFacts
 from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.stops import TextStops
 
 EOS = 2
-TEXT = {5: "a", 6: "b", 7: "!", EOS: ""}
+EOT = 3  # an end of sequence of the generation config's besides the tokenizer's (Llama 3's <|eot_id|>)
+TEXT = {5: "a", 6: "b", 7: "!", EOS: "", EOT: ""}
+FACTS = ModelFacts("f" * 64, "float32", 1000, 2, 2, 4, 4096, frozenset({EOS, EOT}), eos_token_id=EOS)
 
 
 def _decode(ids: list[int]) -> str:
@@ -29,16 +32,20 @@ def _decode(ids: list[int]) -> str:
         (7, 0, SamplingParams(max_new_tokens=2, stop_token_ids=(7,)), ("stop_token", "7")),
         (5, 1, SamplingParams(max_new_tokens=2, stop_token_ids=(7,)), ("length", "")),
         (6, 0, SamplingParams(max_new_tokens=3), ("", "")),
+        # vLLM: the generation config's other end-of-sequence ids are stop token ids, named as the stop reason
+        (EOT, 0, SamplingParams(max_new_tokens=3), ("stop_token", "3")),
+        (EOT, 2, SamplingParams(max_new_tokens=3), ("stop_token", "3")),
+        (EOT, 1, SamplingParams(max_new_tokens=3, ignore_eos=True), ("", "")),  # ignored as the tokenizer's is
     ],
 )
 def test_the_end_of_a_choice_in_vllms_order(token: int, index: int, params: SamplingParams,
                                             expected: tuple[str, str]) -> None:  # fmt: skip
-    stream = TokenStream(frozenset({EOS}), _decode, "split")
+    stream = TokenStream(FACTS, _decode, "split")
     assert stream.finish(Chosen(token), index, None, params) == expected
 
 
 def test_a_stop_string_the_last_allowed_token_completes_is_a_stop() -> None:
-    stream = TokenStream(frozenset({EOS}), _decode, "split")
+    stream = TokenStream(FACTS, _decode, "split")
     params = SamplingParams(max_new_tokens=2, stop=("b",))
     stops = TextStops(_decode, params.stop)
     assert stream.finish(Chosen(5), 0, stops, params) == ("", "")
