@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prfaas.control_plane.jobs.errors import JobNotFound
@@ -163,13 +163,16 @@ STALL_GAP_S = 1.0  # a gap between two tokens of a stream over this is its regio
 @dataclass(frozen=True)
 class StreamTiming:
     """One decode stream's timing, on its region's clock: its token 0 (wall time here, elapsed s there), its
-    latest token (elapsed s), and the time its gaps between tokens ran over `STALL_GAP_S` (not billed)."""
+    latest token (elapsed s), and its stalls (not billed): each gap between tokens over `STALL_GAP_S`, less
+    one of the stream's steps (the mean of its other gaps: the step that made the token after the stall)."""
 
     attempt: int
     first_at: float
     first_s: float
     last_s: float
     stall_s: float
+    steps: int = 0  # the gaps that were not stalls ...
+    stepped_s: float = 0.0  # ... and their sum
 
     def served(self) -> dict[str, float]:
         """The DONE record's fields: billing/usage.py bills `gen_last_s - gen_first_s - gen_stall_s`."""
@@ -215,11 +218,17 @@ class Outputs:
     def timed(self, attempt: int, first: tuple[float, float], elapsed_s: float) -> StreamTiming:
         """A token came at `elapsed_s` on the stream of `attempt` whose token 0 came at `first` (wall time, elapsed
         s): that stream's timing so far (`timing`), a gap over `STALL_GAP_S` since its previous token counted a
-        stall of its region (the excess: the region stopped, the job used no GPU time)."""
+        stall of its region, less one step (the region stopped: the job used no GPU time but that step's)."""
         t = self.timing
-        same = t is not None and (t.attempt, t.first_at, t.first_s) == (attempt, *first)
-        stall = t.stall_s + max(0.0, elapsed_s - t.last_s - STALL_GAP_S) if same and t is not None else 0.0
-        self.timing = StreamTiming(attempt, first[0], first[1], elapsed_s, stall)
+        if t is None or (t.attempt, t.first_at, t.first_s) != (attempt, *first):
+            self.timing = StreamTiming(attempt, first[0], first[1], elapsed_s, 0.0)
+            return self.timing
+        gap = max(0.0, elapsed_s - t.last_s)
+        if gap > STALL_GAP_S:
+            step = t.stepped_s / t.steps if t.steps else 0.0
+            self.timing = replace(t, last_s=elapsed_s, stall_s=t.stall_s + gap - min(gap, step))
+        else:
+            self.timing = replace(t, last_s=elapsed_s, steps=t.steps + 1, stepped_s=t.stepped_s + gap)
         return self.timing
 
     def cut(self) -> dict[str, Any]:

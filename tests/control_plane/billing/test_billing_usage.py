@@ -89,13 +89,16 @@ def test_served_timing_without_a_first_token() -> None:
 
 
 def test_a_stream_s_gaps_over_the_stall_gap_are_its_region_stalling() -> None:
-    """Tokens at 0.1, 0.2, 5.2 (a 5 s stop), 5.3 s: 4 s of stall (the gap less STALL_GAP_S); a new stream (the
-    next attempt) starts from none."""
+    """Tokens at 0.1, 0.2, 0.4, 5.4 (a 5 s stop), 5.5 s: 4.85 s of stall (the gap less one of the stream's steps,
+    their mean: 0.15 s; before, less STALL_GAP_S, so each stall billed a second); a stall before any step is one
+    whole; a new stream (the next attempt) starts from none."""
     output = Outputs(())
-    for elapsed in (0.1, 0.2, 5.2, 5.3):
+    for elapsed in (0.1, 0.2, 0.4, 5.4, 5.5):
         timing = output.timed(1, (T, 0.1), elapsed)
-    assert (timing.first_s, timing.last_s, timing.stall_s) == (0.1, 5.3, pytest.approx(5.0 - STALL_GAP_S))
+    assert (timing.first_s, timing.last_s, timing.stall_s) == (0.1, 5.5, pytest.approx(5.0 - 0.15))
+    assert STALL_GAP_S < 5.0
     assert output.timed(2, (T + 9, 0.3), 0.4).stall_s == 0.0
+    assert output.timed(2, (T + 9, 0.3), 2.4).stall_s == pytest.approx(2.0)  # no step yet: all of it
 
 
 def test_a_stall_is_not_billed_but_stays_in_the_tpot() -> None:
