@@ -56,8 +56,7 @@ from prfaas.control_plane.api.sse import (
 )
 from prfaas.control_plane.api.unary import AnswerResponse
 from prfaas.control_plane.jobs.celery_app import enqueue
-from prfaas.control_plane.jobs.errors import AdmissionRefused, JobNotFound
-from prfaas.control_plane.jobs.generation import JobEnded
+from prfaas.control_plane.jobs.errors import AdmissionRefused, JobEnded, JobNotFound
 from prfaas.control_plane.jobs.objectives import LOSSLESS, job_fields
 from prfaas.control_plane.jobs.prefix import prefix_fields
 from prfaas.control_plane.jobs.store import Admission, HandedOff
@@ -331,14 +330,17 @@ def _respond(g: Generation, body: Body, jobs: list[PromptJob], kind: str) -> Ans
 
 
 def _unstarted(g: Generation, jobs: list[PromptJob]) -> None:
-    """The client of a `stream=true` response left before its first chunk was asked for: its jobs end, and a
-    batch's streams, which nothing will read, are closed (a single job's is `Follower.disconnected`'s)."""
+    """The client of a `stream=true` response left before its first chunk was asked for: its jobs end, and the
+    streams nothing will read are closed: a batch's, and an attached request's (it stops counting as a reader of
+    its job); a single job's own is `Follower.disconnected`'s."""
     try:
         client_gone(g.follower, jobs)
     finally:
-        for job in jobs if len(jobs) > 1 else ():
-            if isinstance(job.stream, tracing.Spanned):
-                job.stream.close()
+        for job in jobs:
+            if len(jobs) > 1 or not job.leader:
+                close = getattr(job.stream, "close", None)
+                if close is not None:
+                    close()
 
 
 def _answer(g: Generation, jobs: list[PromptJob], kind: str) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from prfaas.control_plane.api import threads
 from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.errors import JOB_ENDED, STORE_UNAVAILABLE, ApiError, sse_error
 from prfaas.control_plane.api.streams import merged
-from prfaas.control_plane.jobs.generation import Follower, JobEnded
+from prfaas.control_plane.jobs.errors import JobEnded
+from prfaas.control_plane.jobs.generation import Follower
 from prfaas.control_plane.jobs.store import CLIENT_LEFT
 from prfaas.control_plane.jobs.tokenlog import Token
 from prfaas.control_plane.services import Services

@@ -1,7 +1,7 @@
 """prfaas.control_plane.jobs: a job's life, from admission to its last token.
 
 states.py      JobState and the table of legal moves (the state machine, written once)
-errors.py      the job store's typed errors
+errors.py      typed errors: the job store's, and JobEnded (a job that ended without its tokens)
 scripts.py     the store's Lua: the transition script generated from states.py, admission
 notifier.py    pub/sub wake-ups for waiters on a job
 store.py       JobStore: create (admission), transition, hand-offs between dispatch and the API
@@ -16,5 +16,6 @@ sweeper.py     takes back overrun leases, dead workers' attempts, dead API proce
 generation.py  Follower: the API side (stream the tokens, record DONE, decode failover, cancel)
 decode_calls.py  the API's calls to the regions: keepalive channels, Generate / Decode, Cancel in both
 tokenlog.py    a job's streamed tokens, for the requests that attach (Idempotency-Key)
+attached.py    an attached request's read of that log, counted as a reader from its admission
 celery_app.py  the Celery application and `enqueue` (the worker process: control_plane/worker.py)
 """

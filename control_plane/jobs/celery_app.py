@@ -99,7 +99,8 @@ class Adoptions:
         import threading
 
         from prfaas.control_plane.billing.meter import open_meter
-        from prfaas.control_plane.jobs.generation import Follower, JobEnded
+        from prfaas.control_plane.jobs.errors import JobEnded
+        from prfaas.control_plane.jobs.generation import Follower
 
         if self._follower is None:
             self._follower = Follower(self.s, self.app, open_meter(self.s), self.owner)

@@ -36,3 +36,15 @@ class AdmissionRefused(JobStoreError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+STORE_LOST = "job store unreachable mid-job: its result is unknown; retry (with an Idempotency-Key the retry is safe)"
+RECORD_LOST = "job store unreachable mid-job: it came back without the job's record; retry"
+
+
+class JobEnded(Exception):
+    """The job ended without its tokens: `state` FAILED, CANCELED, or TIMEOUT (our deadline)."""
+
+    def __init__(self, state: str, reason: str) -> None:
+        super().__init__(reason)
+        self.state = state

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -28,16 +27,24 @@ import redis
 
 from prfaas.control_plane.billing.meter import Meter
 from prfaas.control_plane.billing.usage import served_timing
+from prfaas.control_plane.jobs.attached import AttachedReader
 from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.celery_app import enqueue
 from prfaas.control_plane.jobs.decode_calls import PREFILL_LOST, cancel_in_regions, region_channels, start_decode
-from prfaas.control_plane.jobs.errors import IllegalTransition, JobNotFound, StaleAttempt
+from prfaas.control_plane.jobs.errors import (
+    RECORD_LOST,
+    STORE_LOST,
+    IllegalTransition,
+    JobEnded,
+    JobNotFound,
+    StaleAttempt,
+)
 from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
 from prfaas.control_plane.jobs.records import job_sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
 from prfaas.control_plane.jobs.store import CLIENT_LEFT
-from prfaas.control_plane.jobs.tokenlog import Outputs, Token, TokenLog, recorded_tokens
+from prfaas.control_plane.jobs.tokenlog import Outputs, Token, TokenLog
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2_grpc
 from prfaas.region.requests import logprobs_from_proto
@@ -47,16 +54,6 @@ from prfaas.transport.identity import server_name
 log = logging.getLogger(__name__)
 CONFLICT_RETRIES = 3  # calls again when the decode region still runs the job for a caller that is gone
 CONFLICT_PAUSE_S = 0.5
-STORE_LOST = "job store unreachable mid-job: its result is unknown; retry (with an Idempotency-Key the retry is safe)"
-RECORD_LOST = "job store unreachable mid-job: it came back without the job's record; retry"
-
-
-class JobEnded(Exception):
-    """The job ended without its tokens: `state` FAILED, CANCELED, or TIMEOUT (our deadline)."""
-
-    def __init__(self, state: str, reason: str) -> None:
-        super().__init__(reason)
-        self.state = state
 
 
 class Follower:
@@ -226,47 +223,10 @@ class Follower:
             finally:
                 tracing.end(call)  # once: a second end is a no-op
 
-    def attached(self, job_id: str) -> Iterator[Token]:
-        """The tokens of a job another request follows (an Idempotency-Key retry while it runs),
-        from its token log: the same tokens, without a decode of its own, billed once."""
-        try:
-            yield from self._attached(job_id)
-        except (redis.RedisError, JobNotFound):  # the job is another request's: that one ends it
-            raise JobEnded("FAILED", STORE_LOST) from None
-
-    def _attached(self, job_id: str) -> Iterator[Token]:
-        deadline = time.monotonic() + self.s.settings.job.timeout_s
-        renew_s = self.s.settings.beat_s
-        reader, renewed = f"{self.owner or 'reader'}:{uuid.uuid4().hex[:12]}", float("-inf")
-        try:
-            seen, output = 0, Outputs(())
-            n = job_sampling(self.s.jobs.get(job_id)).n
-            while True:
-                if time.monotonic() - renewed >= renew_s:  # attached, and counted while it reads (jobs/tokenlog.py)
-                    self.log.attach(job_id, reader)
-                    renewed = time.monotonic()
-                found = self.log.wait_tokens(job_id, seen, max(0.0, min(renew_s, deadline - time.monotonic())))
-                for token in found:
-                    seen += 1
-                    if not output.add(token):
-                        continue  # logged twice (an adopting follower and the one it replaced): sent once
-                    yield token
-                    if output.done(n):
-                        return
-                if found:
-                    continue
-                job = self.s.jobs.get(job_id)
-                if job["state"] in (JobState.FAILED, JobState.CANCELED):
-                    raise JobEnded(job["state"], job.get("error") or job["state"].lower())
-                if job["state"] == JobState.DONE:  # its log is gone (expired): its record has the tokens
-                    for token in recorded_tokens(job):
-                        if output.add(token):
-                            yield token
-                    return
-                if time.monotonic() >= deadline:
-                    raise JobEnded("TIMEOUT", f"no result within {self.s.settings.job.timeout_s:g} s")
-        finally:
-            self.log.detach(job_id, reader)
+    def attached(self, job_id: str) -> AttachedReader:
+        """The tokens of a job another request follows (an Idempotency-Key retry while it runs), from its token
+        log: the same tokens, without a decode of its own, billed once. Counted as a reader from now on."""
+        return AttachedReader(self.s.jobs, self.log, self.s.settings, job_id, self.owner)
 
     def disconnected(self, job_id: str, stream: Iterator[Token]) -> None:
         """The client of the job's own stream (`tokens`) went away mid-stream: the job is

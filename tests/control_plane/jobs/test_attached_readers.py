@@ -56,6 +56,24 @@ def test_an_attached_reader_gets_a_token_logged_twice_once(services: Services) -
     assert tokens == list(enumerate(TOKENS))
 
 
+def test_a_request_attached_but_not_yet_read_holds_the_job(services: Services) -> None:
+    """An Idempotency-Key retry attached to the job (admitted, its response not yet read) when the job's own
+    client leaves: the job runs on for it (before, the reader counted from its first read only, and the job was
+    canceled under the retry, which then got `job_canceled`). A retry that leaves before reading stops counting
+    at once, and the job's own client leaving then cancels it."""
+    job_id = _running(services)
+    log = TokenLog(services.jobs)
+    retry = Follower(services, None, owner="api:retry").attached(job_id)
+    own = Follower(services, None, owner="api:own")
+    assert log.readers(job_id) == 1 and not own.left(job_id)
+    assert next(retry).token == TOKENS[0] and services.jobs.get(job_id)["state"] == JobState.LOCAL
+    retry.close()
+    gone = Follower(services, None, owner="api:gone").attached(job_id)
+    gone.close()  # its client left before its first chunk
+    assert log.readers(job_id) == 0 and own.left(job_id)
+    assert services.jobs.get(job_id)["state"] == JobState.CANCELED
+
+
 def test_a_reader_whose_process_died_no_longer_holds_the_job(services: Services) -> None:
     """The attached request's API process dies (its reader never ends), then the job's own client leaves: the job
     is canceled once that reader stopped counting (before, the readers counter kept its +1 for good, and the job

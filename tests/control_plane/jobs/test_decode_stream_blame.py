@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prfaas.control_plane.jobs.celery_app import make_celery
 from prfaas.control_plane.jobs.decode_calls import KEEPALIVE_S
-from prfaas.control_plane.jobs.generation import Follower, JobEnded
+from prfaas.control_plane.jobs.errors import JobEnded
+from prfaas.control_plane.jobs.generation import Follower
 from prfaas.control_plane.jobs.states import JobState
 from prfaas.control_plane.services import Services
 from prfaas.control_plane.tenants import Quota
