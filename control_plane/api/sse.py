@@ -173,14 +173,15 @@ def sse(
     stream: Iterator[tuple[int, Token]] = (
         ((0, token) for token in jobs[0].stream) if len(jobs) == 1 else merged([job.stream for job in jobs])
     )
+    role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    roles_due = chat  # a chunk per choice with its role, sent with the first token as vLLM sends them (so a
+    # client's time to first chunk is its time to first token, not to its admission)
     try:
-        if chat:  # each choice's role first, as vLLM sends it
-            roles = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield chunk(
-                [{"index": c.index} | roles for job in jobs for c in job.choices],
-                usage(jobs[0].prompt_tokens, 0) if continuous else None,
-            )  # fmt: skip
         for index, token in stream:
+            if roles_due:
+                roles_due = False
+                for c in jobs[0].choices:  # a chat is one prompt
+                    yield chunk([{"index": c.index} | role], usage(jobs[0].prompt_tokens, 0) if continuous else None)
             choice = jobs[index].add(token)
             piece = choice.chunk()
             if piece is not None:

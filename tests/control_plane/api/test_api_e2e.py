@@ -332,6 +332,22 @@ def test_every_choice_of_an_echo_with_logprobs_carries_the_prompts_logprobs(
         assert prompt[0][0] is None and all(v is not None for v in prompt[0][1:])
 
 
+def test_a_streamed_chat_sends_a_role_chunk_per_choice(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
+) -> None:
+    """As vLLM: a streamed chat with n=2 opens with one chunk per choice, each with that choice's role (before,
+    one chunk held both, and a client reading `choices[0]` lost the second's), then each choice's content."""
+    s, _ = stack
+    chunks = list(_client(s, tenant[1]).chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=2, temperature=0.8,
+        seed=3, stream=True,
+    ))  # fmt: skip
+    opening = [[(c.index, c.delta.role, c.delta.content) for c in chunk.choices] for chunk in chunks[:2]]
+    assert opening == [[(0, "assistant", "")], [(1, "assistant", "")]], opening
+    assert all(len(chunk.choices) == 1 and chunk.choices[0].delta.role is None for chunk in chunks[2:])
+    assert {chunk.choices[0].index for chunk in chunks[2:]} == {0, 1}
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt(
     stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
 ) -> None:

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -144,19 +145,29 @@ def test_client_disconnect_mid_stream_cancels_the_job_in_both_regions(stack: Sta
     assert metric(decode.metrics, "prfaas_decode_tokens_total") == tokens  # decoding stopped
 
 
-def test_a_stream_waiting_for_its_first_token_gets_keep_alives_the_client_skips(stack: Stack, key: str) -> None:
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_stream_waiting_for_its_first_token_gets_keep_alives_the_client_skips(
+    stack: Stack, key: str, endpoint: str
+) -> None:
     """A split job's prefill takes ~2 s here: the stream sends `: keep-alive` comments (`sse_keepalive_s`) until
-    its first token, so a proxy's idle timeout does not cut it; the official client reads the same text as a
-    stream=false request."""
-    body = {"model": "tiny-llama", "prompt": "The keep-alive test", "max_tokens": 4, "prfaas": {"placement": "split"}}
+    its first token, so a proxy's idle timeout does not cut it; a chat's role chunk comes with its first token, as
+    vLLM sends it (before, at once: a client's time to first chunk was not its time to first token). The official
+    client reads the same text as a stream=false request."""
+    body: dict[str, Any] = {"model": "tiny-llama", "max_tokens": 4, "prfaas": {"placement": "split"}}
+    if endpoint == "completions":
+        body["prompt"] = "The keep-alive test"
+    else:
+        body["messages"] = [{"role": "user", "content": "The keep-alive test"}]
     lines: list[str] = []
-    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body | {"stream": True},
+    with httpx.stream("POST", f"{stack.url}/v1/{endpoint}", json=body | {"stream": True},
                       headers={"Authorization": f"Bearer {key}"}, timeout=30) as reply:  # fmt: skip
         assert reply.status_code == 200
         lines = [line for line in reply.iter_lines() if line]
     first = next(i for i, line in enumerate(lines) if line.startswith("data:"))
     assert first >= 2 and set(lines[:first]) == {": keep-alive"}, lines[: first + 1]
     assert ": keep-alive" not in lines[first:] and lines[-1] == "data: [DONE]", lines
+    if endpoint != "completions":
+        return
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
     split = {"prfaas": {"placement": "split"}}
     streamed = client.completions.create(model="tiny-llama", prompt=body["prompt"], max_tokens=4, stream=True,
