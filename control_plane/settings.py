@@ -121,7 +121,12 @@ class DefaultSection(_Section):
     rps: float = Field(default=50.0, gt=0, description="tenant default: requests per second")
     concurrency: int = Field(default=16, ge=1, description="tenant default: concurrent jobs")
     budget_usd: float = Field(default=100.0, ge=0, description="tenant default: monthly $ budget")
-    max_tokens: int = Field(default=16, ge=1, description="for requests without one (OpenAI's completions default)")
+    max_tokens: int = Field(
+        default=16,
+        ge=1,
+        description="for completions without one (OpenAI's and vLLM's default; a chat without one "
+        "gets what the context leaves, up to max_new_tokens_limit, as vLLM)",
+    )
     temperature: float = Field(
         default=0.0, ge=0.0, le=2.0, description="for requests without one: 0 (greedy, reproducible); vLLM uses 1"
     )

@@ -14,6 +14,7 @@ builds it (api/choices.py). A list of prompts is a job per prompt. Error bodies:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -124,6 +125,11 @@ def _param(kind: str) -> str:
     return "messages" if kind == "chat.completion" else "prompt"
 
 
+def _too_long(tokens: int, context: int, kind: str) -> ApiError:
+    return PROMPT_TOO_LONG.error(f"prompt too long for the model: {tokens} tokens, and its context is {context} "
+                                 "(a prompt must leave room for one token)", param=_param(kind))  # fmt: skip
+
+
 def _body_hash(g: Generation, body: Body, kind: str) -> str:
     """SHA-256 of the request as the API reads it (route, placement header, the body's fields in schema
     order with defaults filled in): what an Idempotency-Key is bound to."""
@@ -143,15 +149,20 @@ def _run(
     response: `n` choices per prompt, `index` = prompt x n + choice (OpenAI's numbering). A batch's
     prompts run side by side; one refused at admission ends the others (a batch is one request)."""
     s, tenant = g.services, g.tenant
-    max_new = max_tokens or s.settings.default.max_tokens
-    if max_new > s.settings.max_new_tokens_limit:  # the operator's cap (a prompt that leaves no room: below)
-        limit = s.settings.max_new_tokens_limit
-        raise INVALID_REQUEST.error(f"invalid request: max_tokens: {max_new} is more than this deployment allows "
-                                    f"({limit}, max_new_tokens_limit)", param="max_tokens")  # fmt: skip
+    limit, context = s.settings.max_new_tokens_limit, s.model.max_context
+    # none asked: a completion's default (OpenAI's and vLLM's 16), a chat's what the context leaves (vLLM's)
+    max_new = max_tokens or (limit if kind == "chat.completion" else s.settings.default.max_tokens)
+    field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+    if max_new > context:  # vLLM's check; one the prompt leaves no room for is shortened (`_create`)
+        raise INVALID_REQUEST.error(f"invalid request: {field}: {max_new} is more than the model's context "
+                                    f"({context} tokens)", param=field)  # fmt: skip
+    if max_new > limit:  # the operator's cap
+        raise INVALID_REQUEST.error(f"invalid request: {field}: {max_new} is more than this deployment allows "
+                                    f"({limit}, max_new_tokens_limit)", param=field)  # fmt: skip
     params = sampling_spec(body, max_new, len(s.model.tokenizer), s.settings.default.temperature)
     for prompt, _ in runs:
-        if isinstance(prompt, list) and len(prompt) + max_new > s.model.max_context:
-            raise PROMPT_TOO_LONG.error(param=_param(kind))
+        if isinstance(prompt, list) and len(prompt) >= context:
+            raise _too_long(len(prompt), context, kind)
     placement = g.placement or (body.prfaas.placement if body.prfaas else "auto")
     if placement != "auto" and not tenant.allow_placement:
         raise PLACEMENT_NOT_ALLOWED.error(param="prfaas.placement")
@@ -273,11 +284,16 @@ def _create(
     """Check the tokenized prompt, place the job, reserve its predicted $ and write it: (job id, its
     hand-off when placed locally at admission, its record; None when another request's job answers)."""
     s, tenant = g.services, g.tenant
-    max_new = params.max_new_tokens
     if not ids:
         raise PROMPT_EMPTY.error(param=_param(kind))
-    if len(ids) + max_new > s.model.max_context:
-        raise PROMPT_TOO_LONG.error(param=_param(kind))
+    if len(ids) >= s.model.max_context:
+        raise _too_long(len(ids), s.model.max_context, kind)
+    max_new = min(params.max_new_tokens, s.model.max_context - len(ids))  # what the context leaves, as vLLM
+    if max_new < params.max_new_tokens:
+        if params.min_tokens > max_new:
+            message = f"invalid request: min_tokens: {params.min_tokens} is more than the context leaves ({max_new})"
+            raise INVALID_REQUEST.error(message, param="min_tokens")
+        params = dataclasses.replace(params, max_new_tokens=max_new)
     fields: dict[str, Any] = {
         "model": s.model.name, "kind": kind, "token_ids": ids, "prompt_tokens": len(ids), "max_new_tokens": max_new,
         "temperature": params.temperature, "placement_asked": placement, "sampling": params.to_dict(),

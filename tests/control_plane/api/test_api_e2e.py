@@ -332,6 +332,27 @@ def test_every_choice_of_an_echo_with_logprobs_carries_the_prompts_logprobs(
         assert prompt[0][0] is None and all(v is not None for v in prompt[0][1:])
 
 
+def test_max_tokens_past_what_the_context_leaves_is_shortened_as_vllm_does(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
+) -> None:
+    """tiny-llama's context is 4096: a 4093-token prompt asked for 10 tokens gets 3 (`length`), and a chat
+    without `max_tokens` gets what the context leaves, as vLLM (`get_max_tokens`). Before, the first was 400
+    `context_length_exceeded` and a chat without `max_tokens` stopped at 16 tokens."""
+    s, _ = stack
+    client = _client(s, tenant[1])
+    ignore = {"ignore_eos": True}
+    reply = client.completions.create(model="tiny-llama", prompt=[5] * 4093, max_tokens=10, extra_body=ignore)
+    assert (reply.usage.completion_tokens, reply.choices[0].finish_reason) == (3, "length"), reply  # type: ignore[union-attr]
+    auth = {"Authorization": f"Bearer {tenant[1]}"}
+    messages = [{"role": "user", "content": "hi " * 2030}]  # 2 tokens each
+    counted = httpx.post(f"{s.url}/tokenize", json={"model": "tiny-llama", "messages": messages}, headers=auth,
+                         timeout=30).json()["count"]  # fmt: skip
+    assert 4050 < counted < 4096 - 16, counted  # room for fewer tokens than the old default of 16
+    chat = client.chat.completions.create(model="tiny-llama", messages=messages, extra_body=ignore)  # type: ignore[arg-type]
+    assert chat.usage is not None and chat.usage.completion_tokens == 4096 - counted, chat.usage
+    assert chat.choices[0].finish_reason == "length"
+
+
 def test_a_streamed_chat_sends_a_role_chunk_per_choice(
     stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
 ) -> None:

@@ -110,6 +110,22 @@ def test_out_of_range_sampling_gets_400_naming_it(
     assert (info.value.code, info.value.param) == (code, param), info.value.message
 
 
+def test_max_completion_tokens_is_named_as_asked_and_the_operators_cap_said(tmp_path: Any) -> None:
+    """A chat's `max_completion_tokens` over the context is named as such (before: `max_tokens`); the operator's
+    cap (`max_new_tokens_limit`, here under the context) says so."""
+    for s in api_stack(tmp_path, PRFAAS_MAX_NEW_TOKENS_LIMIT="100"):
+        auth = {"Authorization": f"Bearer {s.tenant('capped')[1]}"}
+        cases = (
+            ("max_completion_tokens", 5000, "is more than the model's context (4096 tokens)"),
+            ("max_tokens", 101, "is more than this deployment allows (100, max_new_tokens_limit)"),
+        )
+        for field, asked, message in cases:
+            body = {"model": MODEL, "messages": CHAT, field: asked}
+            error = httpx.post(f"{s.url}/v1/chat/completions", json=body, headers=auth, timeout=10).json()["error"]
+            assert (error["param"], error["code"]) == (field, "invalid_request"), error
+            assert error["message"] == f"invalid request: {field}: {asked} {message}", error
+
+
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
@@ -118,8 +134,8 @@ def test_out_of_range_sampling_gets_400_naming_it(
         ({"prompt": [f"p{i}" for i in range(65)]}, "prompt", "List should have at most 64 items"),
         ({"prompt": [1, -2]}, "prompt.1", "greater than or equal to 0"),
         ({"prompt": ["a", 5]}, "prompt", "Input should be a valid string"),  # not "prompt.0: a valid integer"
-        # the operator's cap on max_tokens, not the context (before: `prompt too long for the model`)
-        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens", "max_tokens: 5000 is more than this deployment allows"),
+        # more than the model's context, whatever the prompt (before: `prompt too long for the model`), as vLLM
+        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens", "max_tokens: 5000 is more than the model's context (4096"),
         # greedy by default here (OpenAI's default samples): the refusal says what to set
         ({"prompt": "hi", "n": 2}, "n", "this deployment's default temperature is 0: set temperature for n > 1"),
     ],
