@@ -142,6 +142,11 @@ class Follower:
             if info is None:
                 info = jobs.wait_ready(job_id, after, max(0.0, deadline - time.monotonic()))
                 job = None
+                if info is not None and self.owner and self.leases.follower_of(job_id) != self.owner:
+                    # another process follows the job now (this one paused past `dead_after_s`, and a worker adopted
+                    # it): its tokens come from that one's log, not from a decode call of this one's beside it
+                    yield from self._adopted_elsewhere(job_id, output)
+                    return True
             if info is None:
                 job = jobs.get(job_id)
                 if job["state"] in (JobState.FAILED, JobState.CANCELED):
@@ -223,6 +228,21 @@ class Follower:
             finally:
                 tracing.end(call)  # once: a second end is a no-op
 
+    def _adopted_elsewhere(self, job_id: str, output: Outputs) -> Iterator[Token]:
+        """The tokens of a job this process followed and another adopted, those not sent yet, from its log."""
+        log.warning("job %s is followed by %s now: its tokens are read from its log", job_id,
+                    self.leases.follower_of(job_id))  # fmt: skip
+        n = job_sampling(self.s.jobs.get(job_id)).n
+        reader = self.attached(job_id)
+        try:
+            for token in reader:
+                if output.add(token):
+                    yield token
+                    if output.done(n):
+                        return
+        finally:
+            reader.close()
+
     def attached(self, job_id: str) -> AttachedReader:
         """The tokens of a job another request follows (an Idempotency-Key retry while it runs), from its token
         log: the same tokens, without a decode of its own, billed once. Counted as a reader from now on."""
@@ -298,6 +318,8 @@ class Follower:
             return
         if exc.code() == grpc.StatusCode.UNAVAILABLE and where:
             self.s.regions.suspect(where)
+        if exc.code() == grpc.StatusCode.CANCELLED:  # someone canceled the call there (a sweeper, a newer call):
+            where = ""  # no fault of the instance, which the next attempt may use
         reship: dict[str, str] | str = ""
         if mode == "split" and job.get("prefill_instance"):  # its KV is still leased there a while
             reship = {"region": job["prefill_region"], "instance": job["prefill_instance"]}

@@ -236,6 +236,11 @@ class Leases:
         """Drop `job_id` from the followed jobs if `owner` follows it; True when this call did."""
         return bool(self._unfollow(keys=[self.settings.key("following")], args=[job_id, owner]))
 
+    def follower_of(self, job_id: str) -> str | None:
+        """The process following `job_id` now; None when none does."""
+        owner = self.redis.hget(self.settings.key("following"), job_id)
+        return None if owner is None else _text(owner)
+
     def refollow(self, job_id: str, owner: str) -> bool:
         """Give the follow of `job_id` back to `owner` (a sweeper that took it could not act on it), unless
         someone follows it now; True when given back."""

@@ -74,6 +74,32 @@ def test_a_request_attached_but_not_yet_read_holds_the_job(services: Services) -
     assert services.jobs.get(job_id)["state"] == JobState.CANCELED
 
 
+def test_a_process_that_resumes_after_its_job_was_adopted_reads_the_adopters_log(services: Services) -> None:
+    """An API process paused past `dead_after_s` (its job adopted by a worker, attempt 2 handed off) resumes:
+    it sends its client the tokens the adopter logs, those it had not sent, and calls no decode region of its
+    own (before, it called the decode region for attempt 2 beside the adopter, the region canceled one of the
+    two calls, and that CANCELLED excluded the only decode instance: the job failed)."""
+    job_id = _running(services)
+    paused = Follower(services, None, owner="api:paused")
+    paused.leases.follow(job_id, "api:paused")
+    sent = [Token(0, TOKENS[0], False, "")]  # what its client got before the pause
+    services.jobs.transition(job_id, JobState.QUEUED, 2, note="adopted")
+    stream = paused.tokens(job_id, after_attempt=1, already=sent, followed=True)
+    got: list[int] = []
+    thread = threading.Thread(target=lambda: got.extend(t.token for t in stream), daemon=True)
+    thread.start()
+    paused.leases.follow(job_id, "worker:adopter")  # the sweeper's adoption
+    services.jobs.post_ready(job_id, 2, {"mode": "local", "decode_grpc": "127.0.0.1:1", "decode_region": "nowhere"})
+    log = TokenLog(services.jobs)
+    wait_until(lambda: log.readers(job_id) == 1, 5)  # reading the log, not calling 127.0.0.1:1
+    services.jobs.transition(job_id, JobState.LOCAL, 2)
+    log.log_token(job_id, Token(1, TOKENS[1], False, ""))
+    services.jobs.transition(job_id, JobState.DONE, 2, log_token=Token(2, TOKENS[2], True, "length").entry())
+    thread.join(10)
+    assert got == TOKENS[1:] and services.jobs.get(job_id)["state"] == JobState.DONE
+    assert log.readers(job_id) == 0
+
+
 def test_a_reader_whose_process_died_no_longer_holds_the_job(services: Services) -> None:
     """The attached request's API process dies (its reader never ends), then the job's own client leaves: the job
     is canceled once that reader stopped counting (before, the readers counter kept its +1 for good, and the job

@@ -152,6 +152,17 @@ def test_a_decode_instance_that_went_away_is_still_left_out_and_the_kv_reshipped
     assert suspected == ["d/i0"]
 
 
+def test_a_decode_call_canceled_there_leaves_no_instance_out(services: Services) -> None:
+    """A decode stream that ends CANCELLED was canceled in its region by the control plane (a sweeper, a newer
+    call for the job): no fault of the instance, which the next attempt may use. Before, it was left out, and
+    with one decode instance the job failed with `no decode region`."""
+    servicer = Decode((grpc.StatusCode.CANCELLED, "canceled: superseded by a newer call"))
+    tokens, queued, suspected = _followed_against(services, servicer)
+    assert tokens == TOKENS
+    assert json.loads(queued.get("excluded") or "[]") == [], queued
+    assert json.loads(queued["reship_from"]) == {"region": "p", "instance": "i0"} and suspected == []
+
+
 def test_a_hung_decode_ends_the_job_at_its_deadline_without_waiting_for_the_regions_cancel(
     services: Services,
 ) -> None:
