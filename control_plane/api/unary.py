@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from prfaas.control_plane.api import threads
+from prfaas.control_plane.api.errors import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -53,5 +54,7 @@ class AnswerResponse(Response):
             log.info("client went away before its answer was ready: %s", error or "answer dropped")
             return
         if error is not None:
+            if isinstance(error, ApiError):  # a job that failed: its id, to look its timeline up
+                error.headers = {**(error.headers or {}), **self.answer_headers}
             raise error
         await JSONResponse(content, headers=self.answer_headers)(scope, receive, send)

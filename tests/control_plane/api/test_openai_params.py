@@ -230,3 +230,14 @@ def test_stream_options_need_a_stream_unless_empty_as_vllm() -> None:
     CompletionCreate(model="m", prompt="x", stream=True, stream_options={"include_usage": True})  # type: ignore[arg-type]
     with pytest.raises(ValidationError, match="Stream options can only be defined when `stream=True`"):
         CompletionCreate(model="m", prompt="x", stream_options={"include_usage": False})  # type: ignore[arg-type]
+
+
+def test_a_failed_answer_names_its_job(stack: Stack, key: str) -> None:
+    """A `stream=false` request whose job fails (here: no region, and a 3 s job deadline) carries the job's id in
+    `X-Prfaas-Job-Id`, as a stream does, so its timeline can be looked up (before, the error had no header)."""
+    auth = {"Authorization": f"Bearer {key}"}
+    reply = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                       headers=auth, timeout=30)  # fmt: skip
+    assert reply.status_code >= 500 and reply.json()["error"]["code"], reply.text
+    job = httpx.get(f"{stack.url}/v1/jobs/{reply.headers['X-Prfaas-Job-Id']}", headers=auth, timeout=5).json()
+    assert job["state"] in ("FAILED", "CANCELED"), job
