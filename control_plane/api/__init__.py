@@ -1,6 +1,7 @@
 """prfaas.control_plane.api: the HTTP API, one APIRouter per resource (the app: control_plane/app.py).
 
 completions.py  /v1/completions, /v1/chat/completions (SSE with stream=true), /v1/models
+attach.py       a retry with an Idempotency-Key attached to its key's job
 jobs.py         /v1/jobs: the caller's jobs (state, timeline, placement, cost), cancel
 usage.py        /v1/usage (the caller's) and /admin/usage (every tenant's), from the ledger
 tenants.py      /admin/tenants: tenants and their API keys

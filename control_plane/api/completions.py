@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -28,13 +27,13 @@ import redis
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
+from prfaas.control_plane.api.attach import attach, attached_anyway
 from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.deps import Generation, GenerationDep, ServicesDep, TenantDep
 from prfaas.control_plane.api.errors import (
     ADMISSION_REFUSALS,
     BATCH_TOO_LARGE,
     INVALID_REQUEST,
-    JOB_NOT_FOUND,
     PLACEMENT_NOT_ALLOWED,
     PROMPT_EMPTY,
     PROMPT_TOO_LONG,
@@ -56,8 +55,9 @@ from prfaas.control_plane.api.sse import (
     sse,
 )
 from prfaas.control_plane.api.unary import AnswerResponse
+from prfaas.control_plane.jobs.attached import AttachedReader
 from prfaas.control_plane.jobs.celery_app import enqueue
-from prfaas.control_plane.jobs.errors import AdmissionRefused, JobEnded, JobNotFound
+from prfaas.control_plane.jobs.errors import AdmissionRefused, JobEnded
 from prfaas.control_plane.jobs.objectives import LOSSLESS, job_fields
 from prfaas.control_plane.jobs.prefix import prefix_fields
 from prfaas.control_plane.jobs.store import Admission, HandedOff
@@ -151,13 +151,13 @@ def _run(
     s, tenant = g.services, g.tenant
     limit, context = s.settings.max_new_tokens_limit, s.model.max_context
     # none asked: a completion's default (OpenAI's and vLLM's 16), a chat's what the context leaves (vLLM's)
-    max_new = max_tokens or (limit if kind == "chat.completion" else s.settings.default.max_tokens)
+    max_new = max_tokens or (min(limit, context) if kind == "chat.completion" else s.settings.default.max_tokens)
     field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-    if max_new > context:  # vLLM's check; one the prompt leaves no room for is shortened (`_create`)
-        raise INVALID_REQUEST.error(f"invalid request: {field}: {max_new} is more than the model's context "
+    if max_tokens and max_tokens > context:  # vLLM's check; past what the prompt leaves: shortened (`_create`)
+        raise INVALID_REQUEST.error(f"invalid request: {field}: {max_tokens} is more than the model's context "
                                     f"({context} tokens)", param=field)  # fmt: skip
-    if max_new > limit:  # the operator's cap
-        raise INVALID_REQUEST.error(f"invalid request: {field}: {max_new} is more than this deployment allows "
+    if max_tokens and max_tokens > limit:  # the operator's cap
+        raise INVALID_REQUEST.error(f"invalid request: {field}: {max_tokens} is more than this deployment allows "
                                     f"({limit}, max_new_tokens_limit)", param=field)  # fmt: skip
     params = sampling_spec(body, max_new, len(s.model.tokenizer), s.settings.default.temperature)
     for prompt, _ in runs:
@@ -193,6 +193,8 @@ def _run(
                     g.follower.cancel(job.job_id, refused)
             if isinstance(job.stream, tracing.Spanned):  # never read: its job's span ends here
                 job.stream.close(refused)
+            elif isinstance(job.stream, AttachedReader):  # attached: no longer counted as the job's reader
+                job.stream.close()
         raise
     return _respond(g, body, jobs, kind)
 
@@ -231,7 +233,15 @@ def _admitted(
     tracing.span_at("api.admission", span, admitting, time.time_ns(),
                     {tracing.JOB_ID: admission.job_id, "prfaas.replay": admission.existing})  # fmt: skip
     if admission.existing:
-        return _attach(g, admission.job_id, choices)
+        attached = attach(g, admission.job_id, choices)
+        if attached is not None:
+            return attached
+        try:  # its job was canceled as its client left, before this request counted as its reader: a fresh one
+            admission = s.jobs.admit(tenant.id, tenant.quota, idempotency_key=key, body_hash=body_hash)
+        except AdmissionRefused as exc:
+            raise _refused(g, exc) from None
+        if admission.existing:  # a concurrent retry's fresh job
+            return attached_anyway(g, admission.job_id, choices)
     try:  # from here on, a refusal gives the admission's slot and rate count back
         ids = prompt if isinstance(prompt, list) else g.metrics.tokenize(prompt)
         job_id, handed_off, record = _create(g, body, admission, ids, params, placement, kind, span)
@@ -242,7 +252,7 @@ def _admitted(
         s.jobs.release(admission)
         raise
     if record is None:  # a concurrent request with the same Idempotency-Key and body created the job
-        return _attach(g, job_id, choices)
+        return attached_anyway(g, job_id, choices)
     failed = ""
     try:  # from here on, a request that fails ends its job: nothing else would (this process follows it)
         g.metrics.admission_s.labels(kind).observe(time.perf_counter() - received)
@@ -263,18 +273,6 @@ def _admitted(
         g.follower.abandon(job_id, failed or f"its request failed before its tokens were read ({type(exc).__name__})")
         raise
     return PromptJob(job_id, tokens, len(ids), choices, leader=True)
-
-
-def _attach(g: Generation, job_id: str, choices: list[Choice]) -> PromptJob:
-    """The job an earlier request with the same Idempotency-Key (and body) started: its tokens, from its log
-    or its record (jobs/tokenlog.py), never a second run."""
-    try:
-        job = g.services.jobs.get(job_id)
-    except JobNotFound:
-        raise JOB_NOT_FOUND.error() from None
-    for choice in choices:
-        choice.prompt_ids = json.loads(job.get("token_ids") or "[]")
-    return PromptJob(job_id, g.follower.attached(job_id), int(job.get("prompt_tokens", 0) or 0), choices, leader=False)
 
 
 def _create(

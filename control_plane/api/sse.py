@@ -69,6 +69,11 @@ class _ClientGone(Exception):
     """`send` failed: the client is gone."""
 
 
+class _SourceFailed(Exception):
+    """The generator raised (its error is raised after the response's task group): the response is not ended
+    as if complete, so its client sees a broken stream, not a short one."""
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """Streams `content`'s chunks, each `next()` on a waiting thread (api/threads.py), while the client is
     listened to. A client that goes away calls `gone` at once (on a thread of its own): the request's jobs end,
@@ -115,6 +120,8 @@ class ClosingStreamingResponse(StreamingResponse):
                         try:
                             chunk = await behind.receive()
                         except anyio.EndOfStream:
+                            if error is not None:
+                                raise _SourceFailed from None
                             return
                     yield chunk
 
@@ -138,7 +145,7 @@ class ClosingStreamingResponse(StreamingResponse):
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(listen)
-                with contextlib.suppress(_ClientGone):
+                with contextlib.suppress(_ClientGone, _SourceFailed):
                     await self.stream_response(sending)
                 group.cancel_scope.cancel()
             if error is not None:
@@ -206,6 +213,10 @@ def sse(
             client_gone(follower, jobs)
         if close is not None:
             close()
+        if len(jobs) == 1 and not jobs[0].leader:  # an attached request's reader stops counting now, not at GC
+            close = getattr(jobs[0].stream, "close", None)
+            if close is not None:
+                close()
 
 
 def client_gone(follower: Follower, jobs: list[PromptJob], *, reading: bool = False) -> None:

@@ -182,7 +182,9 @@ class Follower:
                                 tenant = job["tenant"]
                                 jobs.transition(job_id, JobState.DECODING, attempt, note="first token", tenant=tenant)
                         # the stream's timing (a stall of its region not counted): what DONE or a cut is billed
-                        timing = output.timed(attempt, first, event.elapsed_s) if first is not None else None
+                        timing = (
+                            output.timed(attempt, first, event.elapsed_s, event.choice) if first is not None else None
+                        )
                         token = Token(
                             event.index, event.token, event.last, event.finish_reason, event.stop_reason,
                             logprobs_from_proto(event.logprobs) if event.HasField("logprobs") else None, event.choice,

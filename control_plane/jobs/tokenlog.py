@@ -157,22 +157,26 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-STALL_GAP_S = 1.0  # a gap between two tokens of a stream over this is its region stalling (a decode step: ms)
+STALL_GAP_S = 1.0  # a gap between two tokens of a stream over this is its region stalling (a decode step: ms) ...
+STALL_STEPS = 10  # ... when it is also over this many of the stream's steps (a slow region's steps are not stalls)
 
 
 @dataclass(frozen=True)
 class StreamTiming:
     """One decode stream's timing, on its region's clock: its token 0 (wall time here, elapsed s there), its
-    latest token (elapsed s), and its stalls (not billed): each gap between tokens over `STALL_GAP_S`, less
-    one of the stream's steps (the mean of its other gaps: the step that made the token after the stall)."""
+    latest token (elapsed s), and its stalls (not billed). A stall: a gap between two tokens of a choice over
+    `STALL_GAP_S` and over `STALL_STEPS` of the stream's steps (the mean of the choices' other gaps; a gap before
+    any step is a step); what is not billed of it is the stream's time since its previous token of any choice,
+    less one step (the step that made the token after the stall)."""
 
     attempt: int
     first_at: float
     first_s: float
     last_s: float
     stall_s: float
-    steps: int = 0  # the gaps that were not stalls ...
+    steps: int = 0  # the choices' gaps that were not stalls ...
     stepped_s: float = 0.0  # ... and their sum
+    lasts: tuple[tuple[int, float], ...] = ()  # each choice's latest token (elapsed s)
 
     def served(self) -> dict[str, float]:
         """The DONE record's fields: billing/usage.py bills `gen_last_s - gen_first_s - gen_stall_s`."""
@@ -215,21 +219,27 @@ class Outputs:
     def done(self, n: int) -> bool:
         return len(self.ended) >= n
 
-    def timed(self, attempt: int, first: tuple[float, float], elapsed_s: float) -> StreamTiming:
+    def timed(self, attempt: int, first: tuple[float, float], elapsed_s: float, choice: int = 0) -> StreamTiming:
         """A token came at `elapsed_s` on the stream of `attempt` whose token 0 came at `first` (wall time, elapsed
-        s): that stream's timing so far (`timing`), a gap over `STALL_GAP_S` since its previous token counted a
-        stall of its region, less one step (the region stopped: the job used no GPU time but that step's)."""
+        s): that stream's timing so far (`timing`), a stall of its region counted (`StreamTiming`: the region
+        stopped, the job used no GPU time but one step's)."""
         t = self.timing
         if t is None or (t.attempt, t.first_at, t.first_s) != (attempt, *first):
-            self.timing = StreamTiming(attempt, first[0], first[1], elapsed_s, 0.0)
+            self.timing = StreamTiming(attempt, first[0], first[1], elapsed_s, 0.0, lasts=((choice, elapsed_s),))
             return self.timing
-        gap = max(0.0, elapsed_s - t.last_s)
-        if gap > STALL_GAP_S:
-            step = t.stepped_s / t.steps if t.steps else 0.0
-            self.timing = replace(t, last_s=elapsed_s, stall_s=t.stall_s + gap - min(gap, step))
-        else:
-            self.timing = replace(t, last_s=elapsed_s, steps=t.steps + 1, stepped_s=t.stepped_s + gap)
-        return self.timing
+        lasts, stream_last = dict(t.lasts), t.last_s
+        previous = lasts.get(choice)
+        lasts[choice] = elapsed_s
+        t = replace(t, last_s=max(t.last_s, elapsed_s), lasts=tuple(sorted(lasts.items())))
+        if previous is not None:
+            gap = max(0.0, elapsed_s - previous)
+            step = t.stepped_s / t.steps if t.steps else gap
+            if gap > max(STALL_GAP_S, STALL_STEPS * step):  # of the stream's time, only what this token waited
+                t = replace(t, stall_s=t.stall_s + max(0.0, elapsed_s - stream_last - step))
+            else:
+                t = replace(t, steps=t.steps + 1, stepped_s=t.stepped_s + gap)
+        self.timing = t
+        return t
 
     def cut(self) -> dict[str, Any]:
         """The record of an output cut short (the job ended before DONE: billing/usage.py bills it when its client

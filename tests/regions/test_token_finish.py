@@ -13,7 +13,7 @@ from prfaas.engine.sampling import Chosen, SamplingParams
 from prfaas.engine.stops import TextStops
 
 EOS = 2
-EOT = 3  # an end of sequence of the generation config's besides the tokenizer's (Llama 3's <|eot_id|>)
+EOT = 3  # an end of sequence of the generation config's besides the tokenizer's
 TEXT = {5: "a", 6: "b", 7: "!", EOS: "", EOT: ""}
 FACTS = ModelFacts("f" * 64, "float32", 1000, 2, 2, 4, 4096, frozenset({EOS, EOT}), eos_token_id=EOS)
 

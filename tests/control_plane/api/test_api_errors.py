@@ -61,7 +61,9 @@ def test_client_errors_have_openai_shape(stack: Stack) -> None:
         (lambda: c.chat.completions.create(model=m, messages=[{"role": "robot", "content": "hi"}]),  # type: ignore[misc, list-item]
          openai.BadRequestError, (400, "invalid_request_error", "invalid_request", "messages.0.role", None)),
         (lambda: c.completions.create(model=m, prompt="hi " * 5000), openai.BadRequestError,
-         (400, "invalid_request_error", "context_length_exceeded", "prompt", "prompt too long for the model")),
+         (400, "invalid_request_error", "context_length_exceeded", "prompt",
+          "prompt too long for the model: 10000 tokens, and its context is 4096 (a prompt must leave room for one "
+          "token)")),
         (lambda: client(stack, "pfk-unknown").models.list(), openai.AuthenticationError,
          (401, "authentication_error", "invalid_api_key", None, "invalid API key")),
         (lambda: c.completions.create(model=m, prompt="hi", extra_body={"prfaas": {"placement": "split"}}),

@@ -232,6 +232,18 @@ def test_stream_options_need_a_stream_unless_empty_as_vllm() -> None:
         CompletionCreate(model="m", prompt="x", stream_options={"include_usage": False})  # type: ignore[arg-type]
 
 
+def test_a_chat_without_max_tokens_is_not_refused_where_the_cap_passes_the_context(tmp_path: Any) -> None:
+    """`max_new_tokens_limit` 5000 over tiny-llama's 4096 context: a chat without `max_tokens` is admitted (its
+    default is what the context leaves), not refused for a `max_tokens` it never sent."""
+    for s in api_stack(tmp_path, PRFAAS_MAX_NEW_TOKENS_LIMIT="5000", PRFAAS_JOB_TIMEOUT_S="1"):
+        auth = {"Authorization": f"Bearer {s.tenant('uncapped')[1]}"}
+        reply = httpx.post(f"{s.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT}, headers=auth,
+                           timeout=30)  # fmt: skip
+        assert reply.status_code != 400, reply.text  # no region here: the job times out after 1 s
+        job = httpx.get(f"{s.url}/v1/jobs/{reply.headers['X-Prfaas-Job-Id']}", headers=auth, timeout=5).json()
+        assert job["state"] in ("FAILED", "CANCELED"), job  # admitted, run, timed out
+
+
 def test_a_failed_answer_names_its_job(stack: Stack, key: str) -> None:
     """A `stream=false` request whose job fails (here: no region, and a 3 s job deadline) carries the job's id in
     `X-Prfaas-Job-Id`, as a stream does, so its timeline can be looked up (before, the error had no header)."""

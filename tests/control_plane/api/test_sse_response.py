@@ -177,16 +177,19 @@ def test_an_error_of_the_stream_itself_is_raised_as_it_is() -> None:
         raise TimeoutError("region did not answer")
 
     response = ClosingStreamingResponse(body(), gone=lambda: None, unstarted=lambda: None)
+    sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
         await anyio.sleep_forever()
         raise AssertionError("unreachable")
 
     async def send(message: dict[str, Any]) -> None:
-        pass
+        sent.append(message)
 
     with pytest.raises(TimeoutError, match="region did not answer"):
         anyio.run(response, SCOPE, receive, send)
+    # the response is not ended as if complete (its client sees a broken stream, not a short one)
+    assert [m.get("more_body") for m in sent if m["type"] == "http.response.body"] == [True], sent
 
 
 def test_a_client_that_leaves_after_the_last_chunk_ended_nothing() -> None:

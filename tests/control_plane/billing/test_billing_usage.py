@@ -98,7 +98,18 @@ def test_a_stream_s_gaps_over_the_stall_gap_are_its_region_stalling() -> None:
     assert (timing.first_s, timing.last_s, timing.stall_s) == (0.1, 5.5, pytest.approx(5.0 - 0.15))
     assert STALL_GAP_S < 5.0
     assert output.timed(2, (T + 9, 0.3), 0.4).stall_s == 0.0
-    assert output.timed(2, (T + 9, 0.3), 2.4).stall_s == pytest.approx(2.0)  # no step yet: all of it
+    assert output.timed(2, (T + 9, 0.3), 2.4).stall_s == 0.0  # no step yet: a step
+
+
+@pytest.mark.parametrize("choices", [1, 2])
+def test_a_slow_regions_steps_are_not_stalls(choices: int) -> None:
+    """A region whose decode steps take 1.5 s (a big model on a CPU, a large batch), its n choices' tokens of a
+    step coming together: every step is billed (a rule of gaps over 1 s alone billed none of them)."""
+    output = Outputs(())
+    for step in range(6):
+        for choice in range(choices):
+            timing = output.timed(1, (T, 0.0), step * 1.5 + choice * 0.001, choice)
+    assert timing.stall_s == 0.0 and timing.last_s == pytest.approx(7.5 + (choices - 1) * 0.001)
 
 
 def test_a_stall_is_not_billed_but_stays_in_the_tpot() -> None:
@@ -175,3 +186,14 @@ def test_a_cut_job_is_billed_no_decode_after_its_cancel() -> None:
     tl = _tl(("PREFILLING", 1, 0, ""), ("TRANSFERRING", 1, 0.7, ""), ("DECODING", 1, 1.0, ""),
              ("CANCELED", 1, 1.1, "canceled by the tenant"))  # fmt: skip
     assert job_usage(job, tl).decode_gpu_s == pytest.approx(0.1)
+
+
+def test_a_stall_of_a_two_choice_stream_is_counted_once() -> None:
+    """Two choices, 10 ms steps, then the region stops 5 s: the stall is the stream's 5 s less one step, counted
+    once (each choice's gap spans it, the second choice's token came 1 ms after the first's)."""
+    output = Outputs(())
+    events = [(s * 0.01 + c * 0.001, c) for s in range(4) for c in (0, 1)]
+    events += [(5.04 + c * 0.001, c) for c in (0, 1)] + [(5.05 + c * 0.001, c) for c in (0, 1)]
+    for elapsed, choice in events:
+        timing = output.timed(1, (T, 0.0), elapsed, choice)
+    assert timing.stall_s == pytest.approx(5.04 - 0.031 - 0.01, abs=1e-6)
