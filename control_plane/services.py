@@ -86,8 +86,17 @@ class ServedModel:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The messages through the model's chat template. As vLLM renders them: a template that knows no
+        `developer` role gets those messages as `system`, and the system messages then merged into one, first."""
+        template = str(self.tokenizer.chat_template or "")
+        if any(m["role"] == "developer" for m in messages) and not (
+            '"developer"' in template or "'developer'" in template
+        ):
+            system = [m["content"] for m in messages if m["role"] in ("system", "developer") and m["content"]]
+            rest = [m for m in messages if m["role"] not in ("system", "developer")]
+            messages = [{"role": "system", "content": "\n\n".join(system)}, *rest]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def decode(self, token_ids: list[int]) -> str:

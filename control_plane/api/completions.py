@@ -106,7 +106,7 @@ def create_completion(body: CompletionCreate, g: GenerationDep) -> AnswerRespons
 @router.post("/chat/completions", response_model=None)
 def create_chat_completion(body: ChatCompletionCreate, g: GenerationDep) -> AnswerResponse | StreamingResponse:
     model = _served_model(g.services, body.model)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.for_template() for m in body.messages]
     runs: list[tuple[Prompt, str]] = [(lambda: model.encode_chat(messages), "")]
     return _run(g, body, runs, body.max_completion_tokens or body.max_tokens, "chat.completion")
 

@@ -61,9 +61,8 @@ def tokenize(body: TokenizeCompletion | TokenizeChat, _tenant: TenantDep, s: Ser
     _model(s, body.model)
     tokenizer = s.model.tokenizer
     if isinstance(body, TokenizeChat):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
-        tokens = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        messages = [m.for_template() for m in body.messages]
+        tokens = s.model.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
     else:
         tokens = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
     strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None

@@ -4,7 +4,7 @@ the table."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -113,20 +113,38 @@ class CompletionCreate(_Generation):
 
 
 class ContentPart(BaseModel):
+    """A text part; `input_text` / `output_text` (the Responses API's names) are text too, as vLLM reads them."""
+
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
+    type: Literal["text", "input_text", "output_text"]
     text: str = Field(max_length=4_000_000)
+    cache_control: dict[str, Any] | None = None  # a caching hint some clients add to parts: no effect here
 
 
 class ChatMessage(BaseModel):
+    """A message; an assistant message as the SDK returns it (`choices[0].message`, sent back as it is) is taken:
+    its `refusal`, `annotations` and empty or null `tool_calls`, `function_call` and `audio` change nothing, and
+    null content is empty, as vLLM reads them."""
+
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, Field(max_length=4_000_000)] | Annotated[list[ContentPart], Field(max_length=100)]
+    content: Annotated[str, Field(max_length=4_000_000)] | Annotated[list[ContentPart], Field(max_length=100)] | None
     name: str | None = Field(default=None, max_length=256)
+    refusal: str | None = Field(default=None, max_length=4_000_000)
+    annotations: list[Any] | None = Field(default=None, max_length=100)
+    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None  # tools are not supported: none made
+    function_call: None = None
+    audio: None = None
 
     def text(self) -> str:
         """The content as the chat template reads it (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template is given it: role, text and, when set, name (as vLLM passes it)."""
+        return {"role": self.role, "content": self.text()} | ({"name": self.name} if self.name else {})
 
 
 class ChatCompletionCreate(_Generation):

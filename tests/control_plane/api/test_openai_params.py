@@ -253,3 +253,50 @@ def test_a_failed_answer_names_its_job(stack: Stack, key: str) -> None:
     assert reply.status_code >= 500 and reply.json()["error"]["code"], reply.text
     job = httpx.get(f"{stack.url}/v1/jobs/{reply.headers['X-Prfaas-Job-Id']}", headers=auth, timeout=5).json()
     assert job["state"] in ("FAILED", "CANCELED"), job
+
+
+def _tokenized(stack: Stack, key: str, messages: list[dict[str, Any]]) -> httpx.Response:
+    return httpx.post(f"{stack.url}/tokenize", json={"model": MODEL, "messages": messages},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=10)  # fmt: skip
+
+
+def test_developer_messages_are_system_ones_for_a_template_without_that_role(stack: Stack, key: str) -> None:
+    """As vLLM renders them (renderers/hf.py): tiny-llama's template knows no `developer` role, so those messages
+    are `system` ones, merged with the others into one, first (before, `<|im_start|>developer` went to a model
+    that never saw it, behind the default system prompt of templates that add one)."""
+    user = {"role": "user", "content": "hi"}
+    pairs = [
+        ([{"role": "developer", "content": "Be brief"}, user], [{"role": "system", "content": "Be brief"}, user]),
+        ([{"role": "system", "content": "A"}, {"role": "developer", "content": "B"}, user],
+         [{"role": "system", "content": "A\n\nB"}, user]),
+        ([user, {"role": "developer", "content": "B"}], [{"role": "system", "content": "B"}, user]),
+    ]  # fmt: skip
+    for asked, rendered in pairs:
+        assert _tokenized(stack, key, asked).json()["tokens"] == _tokenized(stack, key, rendered).json()["tokens"]
+
+
+def test_an_assistant_message_as_the_sdk_returns_it_is_taken(stack: Stack, key: str) -> None:
+    """`choices[0].message.model_dump()` sent back in the next turn (its null refusal, tool_calls, function_call,
+    audio, annotations), null content, an empty tool_calls list, Responses-style text parts and a part's
+    cache_control: taken as vLLM takes them (before, each was 400); a tool call made is still refused."""
+    user = {"role": "user", "content": "hi"}
+    plain = [user, {"role": "assistant", "content": "yo"}, user]
+    dumped = {"role": "assistant", "content": "yo", "refusal": None, "tool_calls": None, "function_call": None,
+              "audio": None, "annotations": None}  # fmt: skip
+    expected = _tokenized(stack, key, plain).json()["tokens"]
+    hinted = {"type": "text", "text": "yo", "cache_control": {"type": "ephemeral"}}
+    for assistant in (dumped, dumped | {"tool_calls": [], "annotations": []},
+                      {"role": "assistant", "content": [{"type": "output_text", "text": "yo"}]},
+                      {"role": "assistant", "content": [hinted]}):  # fmt: skip
+        reply = _tokenized(stack, key, [user, assistant, user])
+        assert reply.status_code == 200 and reply.json()["tokens"] == expected, (assistant, reply.text)
+    empty = _tokenized(stack, key, [user, {"role": "assistant", "content": None}, user])
+    assert (
+        empty.json()["tokens"]
+        == _tokenized(stack, key, [user, {"role": "assistant", "content": ""}, user]).json()["tokens"]
+    )
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    refused = httpx.post(f"{stack.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=10,
+                         json={"model": MODEL, "messages": [user, {"role": "assistant", "content": None,
+                                                                   "tool_calls": call}]})  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages.1.tool_calls", refused.text
