@@ -138,7 +138,7 @@ class Services:
         served = ServedModel(settings.model, settings.model_fingerprint)
         return cls(
             settings, client, JobStore(client, settings), TenantStore(client, settings, database),
-            RegionRegistry(client, settings, served=lambda: served.fingerprint), served, schedulers,
+            RegionRegistry(client, settings, served=lambda: served.fingerprint, database=database), served, schedulers,
             [c.model_dump(exclude_none=True) for c in policy.transfer.codecs],
         )  # fmt: skip
 

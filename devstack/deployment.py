@@ -314,7 +314,7 @@ class Deployment:
         reply = httpx.request(method, self.state.url + path, json=body, headers=headers, timeout=10)
         if reply.status_code >= 400:
             raise UpError(f"{method} {path}: HTTP {reply.status_code} {reply.text}")
-        return reply.json()
+        return None if reply.status_code == 204 else reply.json()
 
     def _healthy(self) -> set[str]:
         """`region/instance` of every healthy instance."""
@@ -322,6 +322,10 @@ class Deployment:
         return {f"{r['name']}/{i['instance']}" for r in regions for i in r["instances"] if i["healthy"]}
 
     def _configure(self) -> None:
+        wanted = {(link.src, link.dst) for link in self.topology.links}
+        for kept in self._admin("GET", "/admin/links"):  # the deployment's database keeps links across runs
+            if (kept["src"], kept["dst"]) not in wanted:
+                self._admin("DELETE", f"/admin/links/{kept['src']}/{kept['dst']}")
         for link in self.topology.links:
             self._admin("PUT", "/admin/links", {
                 "src": link.src, "dst": link.dst, "rtt_ms": link.rtt_ms, "bandwidth_gbps": link.rate_mbit / 1000,

@@ -2,6 +2,7 @@
 
 records.py    InstanceRecord, RegionRecord: a region as the sum of its instances; `pick`
 registry.py   RegionRegistry: registrations, heartbeats, drains and links in Redis; `snapshot()`
+link_rows.py  the operator-set links in the database, written back into a Redis that lost them
 snapshots.py  the scheduler's ClusterSnapshot from the records and links (prices from billing's PriceBook)
 server.py     the Registry gRPC service regions call (Register, Heartbeat, WebRTC signalling)
 signaling.py  SignalRelay: WebRTC offers and answers through Redis

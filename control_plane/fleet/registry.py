@@ -32,8 +32,10 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
+from sqlalchemy.engine import Engine
 
 from prfaas.control_plane.billing.prices import price_book
+from prfaas.control_plane.fleet.link_rows import LinkBook
 from prfaas.control_plane.fleet.links import LinkEstimate, effective, merged, stored_estimate
 from prfaas.control_plane.fleet.records import DEFAULT_INSTANCE, InstanceRecord, RegionNotFound, RegionRecord
 from prfaas.control_plane.fleet.snapshots import snapshot_of
@@ -58,10 +60,12 @@ SHORT_DIGEST = re.compile(r"[0-9a-f]{16}")  # a published prefix block (engine/b
 
 class RegionRegistry:
     def __init__(
-        self, client: redis.Redis, settings: Settings, served: Callable[[], str | None] = lambda: None
-    ) -> None:
+        self, client: redis.Redis, settings: Settings, served: Callable[[], str | None] = lambda: None,
+        database: Engine | None = None,
+    ) -> None:  # fmt: skip
         """`served`: the served model's fingerprint (None: not known here); a region serving another is refused
-        (it would answer local jobs with another model's tokens). Asked at the first registration."""
+        (it would answer local jobs with another model's tokens). Asked at the first registration. `database`:
+        where the operator-set links are kept (fleet/link_rows.py; None: in Redis alone)."""
         # redis-py types every reply as `Awaitable | Any` (one stub for sync and async clients)
         self.redis: Any = client
         self.settings = settings
@@ -70,6 +74,7 @@ class RegionRegistry:
             client, settings.key("prices"), settings.prices.path
         )  # live/table prices override registered ones
         self._parsed_blocks: dict[tuple[str, ...], frozenset[str]] = {}
+        self.link_book = LinkBook(client, settings.key("links"), database)
 
     def _key(self, name: str, instance: str) -> str:
         return self.settings.key("instance", f"{name}/{instance}")
@@ -319,21 +324,21 @@ class RegionRegistry:
         return self.get(name)
 
     def set_link(self, link: Link) -> None:
-        self.redis.hset(self.settings.key("links"), f"{link.src}>{link.dst}", link.model_dump_json())
+        self.link_book.set(link)
 
     def delete_link(self, src: str, dst: str) -> bool:
-        return bool(self.redis.hdel(self.settings.key("links"), f"{src}>{dst}"))
+        return self.link_book.delete(src, dst)
 
     def configured_links(self) -> list[Link]:
         """The links operators configured; one stored that does not validate (written before a bound was added,
         by a newer version or by hand) is logged and left out: it would fail every snapshot, every placement."""
         links = []
-        for field, raw in self.redis.hgetall(self.settings.key("links")).items():
+        for field, raw in self.link_book.stored().items():
             try:
                 links.append(Link.model_validate_json(raw))
             except ValidationError as exc:  # not JSON, too
-                log.warning("configured link %s left out: %s: %s", field.decode(errors="replace"),
-                            *validation_message(exc))  # fmt: skip
+                name = field.decode(errors="replace") if isinstance(field, bytes) else field
+                log.warning("configured link %s left out: %s: %s", name, *validation_message(exc))
         return sorted(links, key=lambda x: (x.src, x.dst))
 
     def links(self) -> list[Link]:

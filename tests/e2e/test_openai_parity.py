@@ -95,6 +95,38 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
             "max_tokens": 24,
         },
     ),
+    # a developer message, to a template without that role: a system one, merged with the others (vLLM's renderer)
+    "chat_developer": (
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "You are a terse assistant."},
+                {"role": "developer", "content": "Answer in French."},
+                {"role": "user", "content": "Name three colours."},
+            ],
+            "max_tokens": 24,
+        },
+    ),
+    # the assistant turn sent back as the SDK returned it (null refusal, tool_calls, ...): taken, as vLLM takes it
+    "chat_sdk_assistant": (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "Say hello."},
+                {
+                    "role": "assistant",
+                    "content": "Hello!",
+                    "refusal": None,
+                    "tool_calls": None,
+                    "function_call": None,
+                    "audio": None,
+                    "annotations": None,
+                },
+                {"role": "user", "content": "Now say goodbye."},
+            ],
+            "max_tokens": 12,
+        },
+    ),
     "chat_stop": (
         "chat",
         {"messages": [{"role": "user", "content": "Count from 1 to 10."}], "max_tokens": 32, "stop": ["5"]},

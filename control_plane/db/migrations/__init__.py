@@ -18,9 +18,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def target_metadata() -> MetaData:
-    """Every table the migrations make: the ledger's and the tenants' (each module registers its own)."""
+    """Every table the migrations make: the ledger's, the tenants' and the links' (each module registers its own)."""
     from prfaas.control_plane.billing import models as _ledger  # noqa: F401
     from prfaas.control_plane.db.base import Base
+    from prfaas.control_plane.fleet import link_rows as _links  # noqa: F401
     from prfaas.control_plane.tenants import models as _tenants  # noqa: F401
 
     return Base.metadata

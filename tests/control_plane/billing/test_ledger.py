@@ -52,12 +52,12 @@ def test_migration_empty_to_head_and_idempotent(db: tuple[str, str | None]) -> N
         assert current(eng) is None
         assert not sa.inspect(eng).has_table("ledger_usage")
         upgrade(url, engine=eng)
-        assert current(eng) == "0005_ledger_codec"
+        assert current(eng) == "0006_links"
         assert {"ledger_usage", "ledger_wasted", "alembic_version"} <= set(sa.inspect(eng).get_table_names())
         upgrade(url, engine=eng)  # at head already: a no-op
-        assert current(eng) == "0005_ledger_codec"
+        assert current(eng) == "0006_links"
         Ledger(url, schema=schema).close()  # startup upgrade on a migrated database
-        assert current(eng) == "0005_ledger_codec"
+        assert current(eng) == "0006_links"
     finally:
         eng.dispose()
 

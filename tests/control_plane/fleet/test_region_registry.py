@@ -595,3 +595,30 @@ def test_put_link_refuses_a_wrong_way_link_between_registered_regions_and_delete
     assert (gone.value.status_code, gone.value.detail) == (404, "link not found")
     with pytest.raises(ValidationError):  # a region's name only: "a/b" made a link DELETE could not name
         LinkPublic(src="a/b", dst="dec", rtt_ms=10, bandwidth_gbps=1)
+
+
+def test_links_come_back_from_the_database_when_redis_lost_them() -> None:
+    """The operator's links are kept in the database too (fleet/link_rows.py): a Redis restarted empty gets them
+    back at the next read (before, they were gone until someone PUT them again, and every split asked ran local
+    with '0 split candidates'); a deleted link stays deleted."""
+    from prfaas.control_plane.db.engine import make_engine
+    from prfaas.control_plane.db.migrations import upgrade
+
+    for settings in settings_fixture():
+        client = redis.Redis.from_url(settings.redis_url)
+        database = make_engine(settings.ledger.url)
+        upgrade(settings.ledger.url, engine=database)
+        try:
+            reg = RegionRegistry(client, settings, database=database)
+            kept, dropped = (LinkPublic(src="pre", dst=d, rtt_ms=10, bandwidth_gbps=1) for d in ("dec", "dec-2"))
+            for link in (kept, dropped):
+                put_link(link, SimpleNamespace(regions=reg))  # type: ignore[arg-type]
+            delete_link("pre", "dec-2", SimpleNamespace(regions=reg))  # type: ignore[arg-type]
+            client.delete(settings.key("links"))  # Redis restarted empty
+            again = RegionRegistry(client, settings, database=database)  # another process, say
+            assert [(x.src, x.dst) for x in again.configured_links()] == [("pre", "dec")]
+            assert client.hkeys(settings.key("links")) == [b"pre>dec"]  # written back for every reader
+            assert [(x.src, x.dst) for x in reg.configured_links()] == [("pre", "dec")]
+        finally:
+            database.dispose()
+            client.close()
