@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import jinja2
 import redis
 from sqlalchemy.engine import Engine
 
@@ -86,9 +87,13 @@ class ServedModel:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:  # fmt: skip
         """The messages through the model's chat template. As vLLM renders them: a template that knows no
-        `developer` role gets those messages as `system`, and the system messages then merged into one, first."""
+        `developer` role gets those messages as `system`, and the system messages then merged into one, first.
+        ChatTemplateError when the template refuses them (its own check, or a continued message it hides)."""
         template = str(self.tokenizer.chat_template or "")
         if any(m["role"] == "developer" for m in messages) and not (
             '"developer"' in template or "'developer'" in template
@@ -96,7 +101,13 @@ class ServedModel:
             system = [m["content"] for m in messages if m["role"] in ("system", "developer") and m["content"]]
             rest = [m for m in messages if m["role"] not in ("system", "developer")]
             messages = [{"role": "system", "content": "\n\n".join(system)}, *rest]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tokenize=True, **(template_kwargs or {}),
+            )  # fmt: skip
+        except (ValueError, jinja2.TemplateError) as exc:
+            raise ChatTemplateError(str(exc)[:500]) from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -109,6 +120,10 @@ class ServedModel:
     def token_text(self, token_id: int) -> str:
         """One token decoded alone, special tokens shown (how vLLM names a token in logprobs)."""
         return str(self.tokenizer.decode([token_id]))
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template refused the messages (say, a role it does not know): the request's fault."""
 
 
 @dataclass

@@ -61,7 +61,7 @@ from prfaas.control_plane.jobs.errors import AdmissionRefused, JobEnded
 from prfaas.control_plane.jobs.objectives import LOSSLESS, job_fields
 from prfaas.control_plane.jobs.prefix import prefix_fields
 from prfaas.control_plane.jobs.store import Admission, HandedOff
-from prfaas.control_plane.services import ServedModel, Services
+from prfaas.control_plane.services import ChatTemplateError, ServedModel, Services
 from prfaas.control_plane.tenants import Objectives
 from prfaas.engine.sampling import SamplingParams
 from prfaas.telemetry import tracing
@@ -107,7 +107,15 @@ def create_completion(body: CompletionCreate, g: GenerationDep) -> AnswerRespons
 def create_chat_completion(body: ChatCompletionCreate, g: GenerationDep) -> AnswerResponse | StreamingResponse:
     model = _served_model(g.services, body.model)
     messages = [m.for_template() for m in body.messages]
-    runs: list[tuple[Prompt, str]] = [(lambda: model.encode_chat(messages), "")]
+
+    def encoded() -> list[int]:
+        try:
+            return model.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
+                                     body.chat_template_kwargs)  # fmt: skip
+        except ChatTemplateError as exc:
+            raise INVALID_REQUEST.error(f"invalid request: messages: {exc}", param="messages") from None
+
+    runs: list[tuple[Prompt, str]] = [(encoded, "")]
     return _run(g, body, runs, body.max_completion_tokens or body.max_tokens, "chat.completion")
 
 

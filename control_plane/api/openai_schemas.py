@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # auto: the scheduler decides; local / split: forced (tenants allowed to); auto-prefix-blind and
@@ -46,9 +46,11 @@ MetadataValue = Annotated[str, Field(max_length=512)]
 REFUSED_COMPLETION = ("best_of", "suffix")
 REFUSED_CHAT = (
     "audio", "function_call", "functions", "modalities", "moderation", "prediction", "prompt_cache_options",
-    "prompt_cache_retention", "reasoning_effort", "response_format", "tool_choice", "tools", "verbosity",
-    "web_search_options",
+    "prompt_cache_retention", "reasoning_effort", "tools", "verbosity", "web_search_options",
 )  # fmt: skip
+# names chat_template_kwargs may not set: the rendering's own arguments
+TEMPLATE_OWN = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                          "return_dict", "tools", "documents", "chat_template"})  # fmt: skip
 
 
 class _Generation(BaseModel):
@@ -121,6 +123,11 @@ class ContentPart(BaseModel):
     cache_control: dict[str, Any] | None = None  # a caching hint some clients add to parts: no effect here
 
 
+class ResponseFormatText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
 class ChatMessage(BaseModel):
     """A message; an assistant message as the SDK returns it (`choices[0].message`, sent back as it is) is taken:
     its `refusal`, `annotations` and empty or null `tool_calls`, `function_call` and `audio` change nothing, and
@@ -168,8 +175,26 @@ class ChatCompletionCreate(_Generation):
     prompt_cache_options: None = None
     prompt_cache_retention: None = None
     reasoning_effort: None = None
-    response_format: None = None
-    tool_choice: None = None
+    response_format: ResponseFormatText | None = None  # plain text, the default: other formats are not supported
+    tool_choice: Literal["none"] | None = None  # no tools here: "none" is what runs
     tools: None = None
+    # vLLM's chat template controls
+    add_generation_prompt: bool = True  # the assistant turn's opening after the messages
+    continue_final_message: bool = False  # the last (assistant) message continued, not closed: a prefill
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32)  # e.g. enable_thinking
+
+    @model_validator(mode="after")
+    def _template_controls(self) -> ChatCompletionCreate:
+        if self.add_generation_prompt and self.continue_final_message:  # vLLM's refusal
+            raise PydanticCustomError(
+                "template", "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise PydanticCustomError("template", "continue_final_message needs an assistant message last")
+        own = sorted(TEMPLATE_OWN & set(self.chat_template_kwargs or {}))
+        if own:
+            raise PydanticCustomError("template", "chat_template_kwargs may not set {own}", {"own": ", ".join(own)})
+        return self
+
     verbosity: None = None
     web_search_options: None = None

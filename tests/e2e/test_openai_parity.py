@@ -127,6 +127,18 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
             "max_tokens": 12,
         },
     ),
+    # vLLM's assistant prefill: the last message continued, no turn opened after it
+    "chat_continue": (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "Name three colours."},
+                {"role": "assistant", "content": "The three colours are"},
+            ],
+            "max_tokens": 8,
+            "extra_body": {"continue_final_message": True, "add_generation_prompt": False},
+        },
+    ),
     "chat_stop": (
         "chat",
         {"messages": [{"role": "user", "content": "Count from 1 to 10."}], "max_tokens": 32, "stop": ["5"]},

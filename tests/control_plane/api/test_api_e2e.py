@@ -8,6 +8,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -390,3 +391,36 @@ def test_echo_with_max_tokens_0_scores_the_prompt(
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "Once upon a time"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=0)
+
+
+def test_chat_template_controls_as_vllm_takes_them(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
+) -> None:
+    """vLLM's chat fields: `continue_final_message` continues the last assistant message (a prefill: the prompt
+    ends in its text, not in a closed turn), `add_generation_prompt: false` leaves the assistant turn unopened,
+    and the defaults of OpenAI's `response_format` (text) and `tool_choice` ("none") change nothing (before, each
+    was 400 unsupported_parameter)."""
+    s, _ = stack
+    auth = {"Authorization": f"Bearer {tenant[1]}"}
+    user, prefill = {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}
+
+    def ask(fields: dict[str, Any]) -> dict[str, Any]:
+        body = {"model": "tiny-llama", "max_tokens": 3, "temperature": 0.0} | fields
+        reply = httpx.post(f"{s.url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return dict(reply.json())
+
+    plain = ask({"messages": [user]})
+    defaults = ask({"messages": [user], "response_format": {"type": "text"}, "tool_choice": "none",
+                    "chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert defaults["choices"][0]["message"] == plain["choices"][0]["message"]
+    continued = ask({"messages": [user, prefill], "continue_final_message": True, "add_generation_prompt": False})
+    closed = ask({"messages": [user, prefill]})
+    counted = {
+        name: httpx.post(f"{s.url}/tokenize", headers=auth, timeout=10, json={"model": "tiny-llama",
+                         "messages": [user, prefill], "add_generation_prompt": agp}).json()["count"]
+        for name, agp in (("closed", True), ("unopened", False))
+    }  # fmt: skip
+    assert closed["usage"]["prompt_tokens"] == counted["closed"]
+    # continued: no <|im_end|> and newline after the prefill, no assistant turn opened
+    assert continued["usage"]["prompt_tokens"] < counted["unopened"] < counted["closed"]

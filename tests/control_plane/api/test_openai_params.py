@@ -300,3 +300,28 @@ def test_an_assistant_message_as_the_sdk_returns_it_is_taken(stack: Stack, key: 
                          json={"model": MODEL, "messages": [user, {"role": "assistant", "content": None,
                                                                    "tool_calls": call}]})  # fmt: skip
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages.1.tool_calls", refused.text
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format.type", "Input should be 'text'"),
+        ({"tool_choice": "auto"}, "tool_choice", "Input should be 'none'"),
+        (
+            {"continue_final_message": True},
+            None,
+            "Cannot set both `continue_final_message` and `add_generation_prompt`",
+        ),
+        ({"continue_final_message": True, "add_generation_prompt": False}, None, "needs an assistant message last"),
+        ({"chat_template_kwargs": {"tokenize": False}}, None, "chat_template_kwargs may not set tokenize"),
+    ],
+)
+def test_chat_template_controls_refused_as_vllm_refuses_them(
+    stack: Stack, key: str, fields: dict[str, Any], param: str | None, message: str
+) -> None:
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2} | fields
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                       timeout=10)  # fmt: skip
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"], error["param"]) == (400, "invalid_request", param), error
+    assert message in error["message"], error
