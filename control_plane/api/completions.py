@@ -248,6 +248,7 @@ def _admitted(
             admission = s.jobs.admit(tenant.id, tenant.quota, idempotency_key=key, body_hash=body_hash)
         except AdmissionRefused as exc:
             raise _refused(g, exc) from None
+        span.set_attribute(tracing.JOB_ID, admission.job_id)
         if admission.existing:  # a concurrent retry's fresh job
             return attached_anyway(g, admission.job_id, choices)
     try:  # from here on, a refusal gives the admission's slot and rate count back
