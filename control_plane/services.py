@@ -106,7 +106,7 @@ class ServedModel:
                 messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 tokenize=True, **(template_kwargs or {}),
             )  # fmt: skip
-        except (ValueError, jinja2.TemplateError) as exc:
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise ChatTemplateError(str(exc)[:500]) from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 

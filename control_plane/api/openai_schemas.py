@@ -48,9 +48,12 @@ REFUSED_CHAT = (
     "audio", "function_call", "functions", "modalities", "moderation", "prediction", "prompt_cache_options",
     "prompt_cache_retention", "reasoning_effort", "tools", "verbosity", "web_search_options",
 )  # fmt: skip
-# names chat_template_kwargs may not set: the rendering's own arguments
-TEMPLATE_OWN = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-                          "return_dict", "tools", "documents", "chat_template"})  # fmt: skip
+# names chat_template_kwargs may not set: the rendering's own arguments (transformers' apply_chat_template's)
+TEMPLATE_OWN = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
 
 class _Generation(BaseModel):
@@ -182,6 +185,8 @@ class ChatCompletionCreate(_Generation):
     add_generation_prompt: bool = True  # the assistant turn's opening after the messages
     continue_final_message: bool = False  # the last (assistant) message continued, not closed: a prefill
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32)  # e.g. enable_thinking
+    verbosity: None = None
+    web_search_options: None = None
 
     @model_validator(mode="after")
     def _template_controls(self) -> ChatCompletionCreate:
@@ -195,6 +200,3 @@ class ChatCompletionCreate(_Generation):
         if own:
             raise PydanticCustomError("template", "chat_template_kwargs may not set {own}", {"own": ", ".join(own)})
         return self
-
-    verbosity: None = None
-    web_search_options: None = None

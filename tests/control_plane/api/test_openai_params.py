@@ -314,6 +314,7 @@ def test_an_assistant_message_as_the_sdk_returns_it_is_taken(stack: Stack, key: 
         ),
         ({"continue_final_message": True, "add_generation_prompt": False}, None, "needs an assistant message last"),
         ({"chat_template_kwargs": {"tokenize": False}}, None, "chat_template_kwargs may not set tokenize"),
+        ({"chat_template_kwargs": {"return_tensors": "pt"}}, None, "chat_template_kwargs may not set return_tensors"),
     ],
 )
 def test_chat_template_controls_refused_as_vllm_refuses_them(
