@@ -39,10 +39,10 @@ class AttachedReader(Iterator[Token]):
             raise JobEnded("FAILED", STORE_LOST) from None
 
     def close(self) -> None:
-        if not self._started:  # its generator never ran: no `finally` of its own to detach it
-            with contextlib.suppress(redis.RedisError):  # then it stops counting after `reader_s`
+        with contextlib.suppress(redis.RedisError):  # Redis away: it stops counting after `reader_s`
+            if not self._started:  # its generator never ran: no `finally` of its own to detach it
                 self.log.detach(self.job_id, self.reader)
-        self._tokens.close()
+            self._tokens.close()  # its `finally` detaches it
 
     def _read(self, renewed: float) -> Generator[Token, None, None]:
         job_id, renew_s = self.job_id, self.settings.beat_s
