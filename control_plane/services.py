@@ -95,9 +95,8 @@ class ServedModel:
         `developer` role gets those messages as `system`, and the system messages then merged into one, first.
         ChatTemplateError when the template refuses them (its own check, or a continued message it hides)."""
         template = str(self.tokenizer.chat_template or "")
-        if any(m["role"] == "developer" for m in messages) and not (
-            '"developer"' in template or "'developer'" in template
-        ):
+        knows_developer = '"developer"' in template or "'developer'" in template  # vLLM's test
+        if not knows_developer and any(m["role"] == "developer" for m in messages):
             system = [m["content"] for m in messages if m["role"] in ("system", "developer") and m["content"]]
             rest = [m for m in messages if m["role"] not in ("system", "developer")]
             messages = [{"role": "system", "content": "\n\n".join(system)}, *rest]
