@@ -23,8 +23,9 @@ from prfaas.control_plane import dashboard
 from prfaas.control_plane.api import completions, errors, extras, jobs, prices, regions, tenants, usage
 from prfaas.control_plane.api.body_limit import BodyLimit
 from prfaas.control_plane.api.deps import ScraperDep
-from prfaas.control_plane.api.errors import STORE_UNAVAILABLE
+from prfaas.control_plane.api.errors import SHUTTING_DOWN, STORE_UNAVAILABLE
 from prfaas.control_plane.api.metrics import ApiMetrics
+from prfaas.control_plane.api.shutdown import Drain
 from prfaas.control_plane.billing.meter import open_meter
 from prfaas.control_plane.fleet.server import serve_registry
 from prfaas.control_plane.jobs.celery_app import make_celery
@@ -61,13 +62,16 @@ def create_app(settings: Settings) -> FastAPI:
         except redis.RedisError as exc:  # each key is cached at its first request instead
             log.warning("tenant cache not warmed (%s)", exc)
         beats = Heartbeats(services.redis, settings, "api").start()  # its jobs are swept if it stops beating
-        app.state.follower = Follower(services, celery, meter, beats.me)
+        app.state.follower = follower = Follower(services, celery, meter, beats.me)
+        app.state.drain = drain = Drain(follower, settings.shutdown_timeout_s)  # on SIGTERM (api/shutdown.py)
+        drain.install_signals()
         server = None
         if settings.registry_listen:
             server, address = serve_registry(services.regions, settings.registry_listen, settings.tls)
             app.state.registry_address = address
             log.info("region registry on %s", address)
         yield
+        drain.stop()  # the server no longer serves: a job still streamed here ends (its client has gone)
         if server is not None:
             server.stop(1)
         beats.stop()
@@ -102,6 +106,8 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/readyz", tags=["ops"])
     def readyz(request: Request) -> dict[str, str]:
         services: Services = request.app.state.services
+        if request.app.state.drain.draining:  # a load balancer sends no more requests here
+            raise SHUTTING_DOWN.error()
         try:
             services.redis.ping()
         except redis.RedisError:

@@ -209,6 +209,14 @@ class Settings(BaseSettings):
         description="a stream with nothing to send this long gets an SSE comment (': keep-alive'), so a proxy's "
         "idle timeout does not cut a job waiting for a busy fleet; 0: never",
     )
+    shutdown_timeout_s: float = Field(
+        default=20.0,
+        ge=0,
+        le=3600,
+        description="on SIGTERM (or SIGINT) the API drains, as vLLM's --shutdown-timeout: readiness and new "
+        "generation requests get 503 server_shutting_down, requests in flight go on this long, then their jobs "
+        "are canceled and each client gets that 503 as its stream's last event (api/shutdown.py); 0: at once",
+    )
     snapshot_ttl_s: float = Field(default=0.25, ge=0, description="how stale the API's view of the fleet may be")
     ttft_slo_ms: float = Field(default=600_000.0, gt=0, description="SLO given to the scheduler")
     tpot_slo_ms: float = Field(default=60_000.0, gt=0)

@@ -115,6 +115,7 @@ class Deployment:
             api_base="", api_key="", admin_key=self.admin_key, dashboard_url="", url="", tenant_id="",
             topology=topology_path, redis_url="", key_prefix=f"prfaas-up-{topology.name}", registry="",
             log_dir=str(self.run_dir), emulate_wan=emulate_wan, supervisor_pid=os.getpid(),
+            api_drain_s=topology.control_plane.shutdown_timeout_s,
         )  # fmt: skip
         self.state.record(os.getpid())
         self.procs: dict[str, subprocess.Popen[Any]] = {}
@@ -232,6 +233,7 @@ class Deployment:
             env |= self.pki.control_plane_env()
         else:  # --insecure: plaintext off loopback too, as its regions' `insecure: true`
             env["PRFAAS_REGISTRY_INSECURE"] = "1"
+        env["PRFAAS_SHUTDOWN_TIMEOUT_S"] = str(self.topology.control_plane.shutdown_timeout_s)  # its drain
         if self.topology.control_plane.ttft_slo_ms is not None:
             env["PRFAAS_TTFT_SLO_MS"] = str(self.topology.control_plane.ttft_slo_ms)
         return env

@@ -56,6 +56,7 @@ class UpState:
     private_redis: bool = False
     regions: dict[str, str] = field(default_factory=dict)  # region name -> gRPC endpoint
     started: dict[str, int] = field(default_factory=dict)  # pid -> its start time (start_ticks): still ours?
+    api_drain_s: Annotated[float, Field(ge=0, le=3600)] = 20.0  # the API's shutdown_timeout_s: `down` waits it
 
     def record(self, pid: int) -> None:
         ticks = start_ticks(pid)
@@ -111,17 +112,20 @@ def write_state(home: Path, state: UpState) -> None:
 
 
 def stop_state(state: UpState, say: Callable[[str], None]) -> None:
-    """Stop what `state` names: regions, then workers and the API, then Redis; namespaces last."""
-    rank = {"api": 2, "redis": 3}
+    """Stop what `state` names: the API first (it drains: its streams end whole, or with an error event when its
+    `shutdown_timeout_s` is up, while the workers, link emulators and regions their jobs need still run), then
+    workers and link emulators, then regions, then Redis; namespaces last."""
+    rank = {"api": 0, "redis": 3}
     phases: dict[int, list[str]] = {}
     for name in state.groups:
-        phases.setdefault(0 if name.startswith("region-") else rank.get(name, 1), []).append(name)
+        phases.setdefault(2 if name.startswith("region-") else rank.get(name, 1), []).append(name)
     for _, names in sorted(phases.items()):  # one phase's groups stop side by side
         for name in (n for n in names if str(state.groups[n]) not in state.started and group_alive(state.groups[n])):
             say(f"skipped {name} (process group {state.groups[name]}): no start time recorded, it may not be ours")
         live = [n for n in names if state.ours(state.groups[n]) and group_alive(state.groups[n])]
         with ThreadPoolExecutor(max(1, len(live))) as pool:
-            timeouts = [15.0 if n.startswith("worker") else 8.0 for n in live]
+            deadline = {"api": state.api_drain_s + 10.0}  # its drain, then its own end
+            timeouts = [deadline.get(n, 15.0 if n.startswith("worker") else 8.0) for n in live]
             list(pool.map(stop_group, [state.groups[n] for n in live], timeouts))
         for name in live:
             say(f"stopped {name}")
@@ -153,10 +157,12 @@ def keep_previous(run_dir: Path) -> None:
 
 
 def down(home: Path, say: Callable[[str], None], timeout_s: float = 60.0) -> bool:
-    """Stop the deployment `home/up.json` names; False when there is none."""
+    """Stop the deployment `home/up.json` names; False when there is none. A foreground `prfaas up` is given
+    `timeout_s`, or its API's drain and the phases after it, whichever is longer."""
     state = read_state(home)
     if state is None:
         return False
+    timeout_s = max(timeout_s, state.api_drain_s + 45.0)
     pid = state.supervisor_pid
     if pid and pid != os.getpid() and str(pid) not in state.started and pid_alive(pid):
         say(f"skipped prfaas up (pid {pid}): no start time recorded, it may not be ours")

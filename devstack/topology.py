@@ -37,6 +37,9 @@ class ControlPlaneSpec(_Strict):
     workers: int = Field(default=1, ge=1, le=16, description="Celery worker processes")
     worker_concurrency: int = Field(default=4, ge=1, le=256, description="threads per Celery worker")
     ttft_slo_ms: float | None = Field(default=None, gt=0, description="SLO handed to the scheduler")
+    shutdown_timeout_s: float = Field(
+        default=20.0, ge=0, le=600, description="the API's drain on `prfaas down`: its streams go on this long"
+    )
 
     @field_validator("host")
     @classmethod

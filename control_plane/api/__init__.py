@@ -10,6 +10,7 @@ prices.py       /admin/prices: every price with its source and age, refresh
 deps.py         the named dependencies (ServicesDep, TenantDep, AdminDep, MeterDep, GenerationDep)
 openai_schemas.py  the generation requests: OpenAI's fields, vLLM's extras, `prfaas`
 schemas.py      the other request and response models, a family per resource
+shutdown.py     Drain: the API's drain on SIGTERM (503 server_shutting_down, then its jobs canceled)
 threads.py      the threads of the waits on jobs' tokens and of the cancels of clients gone
 errors.py       OpenAI's error object on every /v1 4xx/5xx: the catalogue and the handlers
 body_limit.py   BodyLimit: 413 past Settings.max_body_bytes, before the body is read or parsed

@@ -13,7 +13,13 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from prfaas.control_plane.api.errors import ADMIN_REQUIRED, INVALID_API_KEY, MISSING_API_KEY, TENANT_SUSPENDED
+from prfaas.control_plane.api.errors import (
+    ADMIN_REQUIRED,
+    INVALID_API_KEY,
+    MISSING_API_KEY,
+    SHUTTING_DOWN,
+    TENANT_SUSPENDED,
+)
 from prfaas.control_plane.api.metrics import ApiMetrics
 from prfaas.control_plane.api.openai_schemas import Placement
 from prfaas.control_plane.billing.meter import Meter
@@ -104,6 +110,8 @@ async def generation(
     idempotency_key: str | None = Header(default=None, max_length=256),
     x_prfaas_placement: Placement | None = Header(default=None),
 ) -> Generation:
+    if request.app.state.drain.draining:  # this process shuts down (api/shutdown.py): another one answers
+        raise SHUTTING_DOWN.error()
     metrics: ApiMetrics = request.app.state.api_metrics
     return Generation(tenant, s, f, metrics, idempotency_key, x_prfaas_placement)
 

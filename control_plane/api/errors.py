@@ -131,6 +131,9 @@ STORE_UNAVAILABLE = problem(  # Redis unreachable: the client retries after a mo
 DATABASE_UNAVAILABLE = problem(  # the tenants' and ledger's database unreachable
     503, "database_unavailable", "database unavailable", Retry_After="2"
 )
+SHUTTING_DOWN = problem(  # this API process drains (api/shutdown.py): another one answers the retry
+    503, "server_shutting_down", "server shutting down", Retry_After="1"
+)
 JOB_TIMEOUT = problem(504, "job_timeout", "job timeout")
 
 ADMISSION_REFUSALS = {

@@ -23,10 +23,11 @@ from starlette.types import Message, Receive, Scope, Send
 from prfaas.control_plane.api import threads
 from prfaas.control_plane.api.choices import Choice, usage
 from prfaas.control_plane.api.errors import JOB_ENDED, STORE_UNAVAILABLE, ApiError, sse_error
+from prfaas.control_plane.api.errors import SHUTTING_DOWN as SHUTTING_DOWN_ERROR
 from prfaas.control_plane.api.streams import merged
 from prfaas.control_plane.jobs.errors import JobEnded
 from prfaas.control_plane.jobs.generation import Follower
-from prfaas.control_plane.jobs.store import CLIENT_LEFT
+from prfaas.control_plane.jobs.store import CLIENT_LEFT, SHUTTING_DOWN
 from prfaas.control_plane.jobs.tokenlog import Token
 from prfaas.control_plane.services import Services
 
@@ -60,8 +61,11 @@ def completion_tokens(jobs: list[PromptJob]) -> int:
 
 
 def ended_error(exc: JobEnded) -> ApiError:
-    """`job canceled: <reason>` (a canceled job's error reads `canceled: <reason>`: said once)."""
+    """`job canceled: <reason>` (a canceled job's error reads `canceled: <reason>`: said once); a job canceled
+    as its API process shut down is that process's 503 (api/shutdown.py), which a client retries."""
     state = exc.state.lower()
+    if exc.state == "CANCELED" and str(exc) == f"canceled: {SHUTTING_DOWN}":
+        return SHUTTING_DOWN_ERROR.error()
     return JOB_ENDED[exc.state].error(f"job {state}: {str(exc).removeprefix(state + ': ')}")
 
 

@@ -6,6 +6,7 @@ under it (`Follower.left` sees the reader). Closed before it was read, it stops 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Generator, Iterator
@@ -15,7 +16,7 @@ import redis
 from prfaas.control_plane.jobs.errors import STORE_LOST, JobEnded, JobNotFound
 from prfaas.control_plane.jobs.records import job_sampling
 from prfaas.control_plane.jobs.states import JobState
-from prfaas.control_plane.jobs.store import JobStore
+from prfaas.control_plane.jobs.store import SHUTTING_DOWN, JobStore
 from prfaas.control_plane.jobs.tokenlog import Outputs, Token, TokenLog, recorded_tokens
 from prfaas.control_plane.settings import Settings
 
@@ -24,8 +25,10 @@ class AttachedReader(Iterator[Token]):
     """The job's tokens for one attached request; counted among the job's readers from construction (renewed
     every `beat_s` while read) until its end or `close`. A store error while reading ends it as JobEnded."""
 
-    def __init__(self, jobs: JobStore, log: TokenLog, settings: Settings, job_id: str, owner: str) -> None:
+    def __init__(self, jobs: JobStore, log: TokenLog, settings: Settings, job_id: str, owner: str,
+                 ending: threading.Event | None = None) -> None:  # fmt: skip
         self.jobs, self.log, self.settings, self.job_id = jobs, log, settings, job_id
+        self.ending = ending or threading.Event()  # its process shuts down: it ends (as canceled) at its next look
         self.reader = f"{owner or 'reader'}:{uuid.uuid4().hex[:12]}"
         log.attach(job_id, self.reader)
         self._tokens = self._read(time.monotonic())
@@ -54,6 +57,8 @@ class AttachedReader(Iterator[Token]):
                 if time.monotonic() - renewed >= renew_s:  # counted while it reads (jobs/tokenlog.py)
                     self.log.attach(job_id, self.reader)
                     renewed = time.monotonic()
+                if self.ending.is_set():
+                    raise JobEnded("CANCELED", f"canceled: {SHUTTING_DOWN}")
                 found = self.log.wait_tokens(job_id, seen, max(0.0, min(renew_s, deadline - time.monotonic())))
                 for token in found:
                     seen += 1

@@ -43,7 +43,7 @@ from prfaas.control_plane.jobs.leases import Leases
 from prfaas.control_plane.jobs.placement import AdmissionPlacer
 from prfaas.control_plane.jobs.records import job_sampling
 from prfaas.control_plane.jobs.states import TERMINAL, JobState
-from prfaas.control_plane.jobs.store import CLIENT_LEFT
+from prfaas.control_plane.jobs.store import CLIENT_LEFT, SHUTTING_DOWN
 from prfaas.control_plane.jobs.tokenlog import Outputs, Token, TokenLog
 from prfaas.control_plane.services import Services
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2_grpc
@@ -73,6 +73,7 @@ class Follower:
         self.placer = AdmissionPlacer(services, services.settings.snapshot_ttl_s)
         self.meter = meter  # bills each job once it is DONE (off this thread)
         self._streamed: dict[str, Outputs] = {}  # the jobs this process streams now: what a cancel here records
+        self.ending = threading.Event()  # this process shuts down (`end_all`): no job streams or is read here now
 
     def tokens(
         self, job_id: str, job: dict[str, str] | None = None, ready: dict[str, Any] | None = None, *,
@@ -90,6 +91,8 @@ class Follower:
                 self.leases.follow(job_id, self.owner)
             unfollowed = False
             outputs = self._streamed[job_id] = Outputs(already or ())
+            if self.ending.is_set():  # admitted as this process shut down, after `end_all`: it ends too
+                self.cancel(job_id, SHUTTING_DOWN, wait=False)
             try:
                 unfollowed = yield from self._tokens(job_id, job, ready, after_attempt, outputs, parent)
             except BaseException:  # its client gone (GeneratorExit), the job canceled, failed or timed out
@@ -248,7 +251,7 @@ class Follower:
     def attached(self, job_id: str) -> AttachedReader:
         """The tokens of a job another request follows (an Idempotency-Key retry while it runs), from its token
         log: the same tokens, without a decode of its own, billed once. Counted as a reader from now on."""
-        return AttachedReader(self.s.jobs, self.log, self.s.settings, job_id, self.owner)
+        return AttachedReader(self.s.jobs, self.log, self.s.settings, job_id, self.owner, self.ending)
 
     def disconnected(self, job_id: str, stream: Iterator[Token]) -> None:
         """The client of the job's own stream (`tokens`) went away mid-stream: the job is
@@ -333,7 +336,7 @@ class Follower:
         tokens its follower got are billed (billing/usage.py), as vLLM-backed APIs bill an aborted request's
         output so far; recorded with the move where this process streams the job, else by its follower when its
         stream ends (`_cut`)."""
-        marked: dict[str, Any] = {}
+        marked: dict[str, Any] = {"client_left": 1} if reason == SHUTTING_DOWN else {}  # its retry: a fresh job
         if by_client:  # streamed here: what it got as of now, with the move (a token that comes later is not billed)
             streamed = self._streamed.get(job_id)
             cut = streamed.cut() if streamed is not None else {}
@@ -350,6 +353,17 @@ class Follower:
             self.meter.job_done(job_id)
         cancel_in_regions(self.channels, job_id, self.s.jobs.get(job_id), reason, wait)
         return True
+
+    def streaming(self) -> int:
+        """How many jobs this process streams now."""
+        return len(self._streamed)
+
+    def end_all(self, reason: str = SHUTTING_DOWN) -> int:
+        """This process shuts down (api/shutdown.py): every job it streams now is canceled (its regions told,
+        not waited for), each of its clients gets the cancel as its stream's end, and the requests attached here
+        to another process's job end at their next look (`ending`). -> how many jobs were canceled."""
+        self.ending.set()
+        return sum(self.cancel(job_id, reason, wait=False) for job_id in list(self._streamed))
 
     def _cut(self, job_id: str, output: Outputs) -> None:
         """The job's stream ended before DONE with tokens read: what it got, for the bill of a job its client

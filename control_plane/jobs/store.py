@@ -42,6 +42,9 @@ from prfaas.control_plane.tenants import Quota
 # The cancel reason of a job whose client went away: the job is marked `client_left`, and a request sent again
 # with its Idempotency-Key gets a fresh job (`JobStore.admit`), as a retry after a dropped connection expects.
 CLIENT_LEFT = "client disconnected"
+# The cancel reason of a job whose API process shut down before it ended (api/shutdown.py): marked `client_left`
+# too, since its client was let go and its retry, at another API process, is the one the key is for.
+SHUTTING_DOWN = "server shutting down"
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,8 @@ class JobStore:
     ) -> Admission:
         """Let a request in before its prompt is tokenized: an Idempotency-Key seen before names its job
         (`existing`; with another `body_hash`: refused, `idempotency`), unless that job was canceled because its
-        client left (CLIENT_LEFT: the retry the key is for, which gets a fresh job); else the budget must have
+        client left or its API process shut down (CLIENT_LEFT, SHUTTING_DOWN: the retry the key is for, which
+        gets a fresh job); else the budget must have
         headroom (spend + reserved < budget), the tenant be under its concurrency cap (active jobs and admissions
         in progress) and its rate. Raises AdmissionRefused (`idempotency`, `budget`, `concurrency`, `rate`)."""
         admission = self._admitted(tenant, quota, job_id, idempotency_key, body_hash)
@@ -132,7 +136,8 @@ class JobStore:
         return admission
 
     def _left(self, job_id: str) -> bool:
-        """The job was canceled because its client went away (`Follower.cancel` with CLIENT_LEFT)."""
+        """The job was canceled because its client went away or was let go (`Follower.cancel` with CLIENT_LEFT or
+        SHUTTING_DOWN)."""
         state, left = self.redis.hmget(self._job(job_id), ["state", "client_left"])
         return _text(state) == JobState.CANCELED.value and _text(left) == "1"
 
