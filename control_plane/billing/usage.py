@@ -76,10 +76,34 @@ def _attempt_regions(job: dict[str, str], timeline: list[dict[str, Any]], attemp
     return prefill or decode, decode
 
 
+def _reshipped(timeline: list[dict[str, Any]]) -> tuple[set[int], dict[int, int]]:
+    """(the attempts that reshipped a lease's KV rather than prefill, each of them -> the attempt whose prefill
+    computed that KV: the last one before it that prefilled)."""
+    prefills = sorted((int(e.get("attempt", 0)), str(e.get("note", ""))) for e in timeline
+                      if e["state"] == "PREFILLING")  # fmt: skip
+    reships = {a for a, note in prefills if note.startswith("reship from ")}
+    origin: dict[int, int] = {}
+    computed = 0
+    for a, _ in prefills:
+        if a in reships:
+            if computed:
+                origin[a] = computed
+        else:
+            computed = a
+    return reships, origin
+
+
 def wasted_work(job: dict[str, str], timeline: list[dict[str, Any]], attempts: range) -> list[Work]:
-    """The GPU time each attempt in `attempts` held a region, from the timeline."""
+    """The GPU time each attempt in `attempts` held a region, from the timeline: wall time, so a region that
+    hung holding the attempt counts until the attempt was taken back (the GPU was the job's, doing nothing
+    else). A reship's "prefill" is no prefill (the KV was computed before: its shipping is not GPU work), and
+    the prefill whose KV the answering attempt reshipped is not wasted (the tenant's bill has it, as
+    `prefill_gpu_s`; before, it was counted in both)."""
     out: list[Work] = []
     entries = sorted(timeline, key=lambda e: float(e["at"]))
+    reships, origin = _reshipped(timeline)
+    final = max((int(e.get("attempt", 0)) for e in timeline), default=0)
+    answered = origin.get(final) if final not in attempts else None  # the answer's prefill, reshipped
     for a in attempts:
         mine = [e for e in entries if e.get("attempt") == a]
         later = [e for e in entries if int(e.get("attempt", 0)) > a or e["state"] in ("FAILED", "CANCELED")]
@@ -87,6 +111,8 @@ def wasted_work(job: dict[str, str], timeline: list[dict[str, Any]], attempts: r
         for i, e in enumerate(mine):
             phase = {"PREFILLING": "prefill", "TRANSFERRING": "decode", "DECODING": "decode", "LOCAL": "local"}
             if e["state"] not in phase:
+                continue
+            if e["state"] == "PREFILLING" and (a in reships or a == answered):
                 continue
             start = float(e["at"])
             ends = [float(x["at"]) for x in mine[i + 1 :] + later if float(x["at"]) >= start]

@@ -75,6 +75,31 @@ def test_wasted_work_from_the_timeline(
     assert {(w.attempt, w.phase, w.region): w.gpu_s for w in work} == pytest.approx(expected)
 
 
+# attempt 1 prefilled in p (0.8 s) and lost its decode instance 1 s into decoding; attempt 2 reshipped the leased
+# KV from p (0.3 s of shipping) to another decode instance, which answered
+RESHIPPED_TL = _tl(("PREFILLING", 1, 0, "prefill in p"), ("TRANSFERRING", 1, 0.8, ""), ("DECODING", 1, 1.0, ""),
+                   ("QUEUED", 2, 2.0, "decode lost"), ("PREFILLING", 2, 2.1, "reship from p/0"),
+                   ("TRANSFERRING", 2, 2.4, "reshipped"), ("DECODING", 2, 2.6, ""), ("DONE", 2, 3.0, "length"))  # fmt: skip
+
+
+def test_a_prefill_the_answer_reshipped_is_billed_not_wasted() -> None:
+    """The tenant's bill has attempt 1's prefill (`prefill_gpu_s`, kept by the reship); the waste is attempt 1's
+    decode alone. Before, the prefill was in both, and the reship's shipping counted as a second prefill."""
+    job = SPLIT | {"attempt": "2", "regions_a2": "p>d"}
+    assert job_usage(job, RESHIPPED_TL).prefill_gpu_s == 0.8
+    waste = wasted_work(job, RESHIPPED_TL, range(1, 2))
+    assert [(w.attempt, w.phase, w.gpu_s) for w in waste] == [(1, "decode", pytest.approx(1.2))]
+
+
+def test_a_reshipped_job_that_failed_wastes_its_prefill_once() -> None:
+    """No attempt answered: attempt 1's prefill is the platform's cost, once; attempt 2's reship is no prefill."""
+    tl = RESHIPPED_TL[:-1] + _tl(("FAILED", 2, 3.0, "decode lost again"))
+    waste = wasted_work(SPLIT | {"attempt": "2", "regions_a2": "p>d"}, tl, range(1, 3))
+    assert {(w.attempt, w.phase): w.gpu_s for w in waste} == pytest.approx(
+        {(1, "prefill"): 0.8, (1, "decode"): 1.2, (2, "decode"): 0.6}
+    )
+
+
 def test_attempt_regions_fall_back_to_timeline_notes() -> None:
     job = {k: v for k, v in SPLIT.items() if k != "regions_a1"}
     tl = _tl(("PREFILLING", 1, 0, "prefill in far-p"), ("QUEUED", 2, 1.0, "lost"))
