@@ -50,7 +50,7 @@ class Choice:
         self.finish: str | None = None
         self.stop_reason: str | int | None = None
         self._shown = -1  # characters of the visible text already streamed; -1: nothing yet (not even the echo)
-        self._lp_shown = 0  # tokens whose logprobs were streamed
+        self._lp_shown = 0  # tokens streamed (a chunk each, with their logprobs when asked)
         self._offset = 0  # text_offset of the next token (completions): the echoed prompt's tokens come first
         self.prompt_ids: list[int] = []  # echo with logprobs: the prompt's tokens (set once tokenized)
         self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # ... and their logprobs (from token 0)
@@ -87,14 +87,17 @@ class Choice:
 
     def chunk(self) -> dict[str, Any] | None:
         """The next streamed chunk's choice: new visible text and logprobs since the last one,
-        and the finish on the last; None when there is nothing new to send."""
+        and the finish on the last; a chunk for each new token even when its text is held back (an incomplete
+        character, a stop string's possible start: text ""), as vLLM streams them; None when there is nothing
+        new to send."""
         visible = "" if self.echo_only else self.stops.visible(self.finish is not None)
         start = max(self._shown, 0)
         piece = (self.echo if self._shown < 0 else "") + visible[start:]
         self._shown = max(len(visible), start)
         logprobs = self._logprobs(self._lp_shown, len(self.tokens)) if self.k is not None else None
+        new_tokens = len(self.tokens) > self._lp_shown and not self.echo_only
         self._lp_shown = len(self.tokens)
-        if not piece and self.finish is None and logprobs is None:
+        if not piece and self.finish is None and logprobs is None and not new_tokens:
             return None
         return self._shape(piece, logprobs, self.finish, whole=False)
 

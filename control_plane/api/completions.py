@@ -123,8 +123,9 @@ def _encoder(model: ServedModel, text: str) -> Callable[[], list[int]]:
     return lambda: model.encode(text)
 
 
-def _served_model(s: Services, model: str) -> ServedModel:
-    if model != s.model.name:
+def _served_model(s: Services, model: str | None) -> ServedModel:
+    """The model asked for; none asked (omitted, null, ""): the served one, as vLLM answers it."""
+    if model and model != s.model.name:
         raise model_not_found(model, s.model.name)
     return s.model
 

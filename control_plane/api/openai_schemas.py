@@ -33,12 +33,13 @@ class PrfaasOptions(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk too (with include_usage)
+    include_usage: bool | None = False  # null: not asked, as vLLM reads it
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk too (with include_usage)
 
 
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
 Stop = Annotated[str, Field(min_length=1, max_length=256)]
+MAX_STOP_STRINGS = 4  # OpenAI's "up to 4 sequences", vLLM's VLLM_MAX_STOP_STRINGS default
 MetadataKey = Annotated[str, Field(max_length=64)]  # OpenAI's limits: 16 pairs, keys of 64, values of 512 characters
 MetadataValue = Annotated[str, Field(max_length=512)]
 # Parameters of OpenAI's schemas that prfaas does not implement: refused with 400 `unsupported_parameter`
@@ -63,7 +64,7 @@ class _Generation(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=256)
+    model: str | None = Field(default=None, max_length=256, description="omitted, null or empty: the served model")
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -73,7 +74,7 @@ class _Generation(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0, allow_inf_nan=False)
     min_tokens: int | None = Field(default=None, ge=0)
-    stop: Stop | Annotated[list[Stop], Field(max_length=16)] | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
     ignore_eos: bool | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # vLLM's range; -1 is no seed

@@ -1,6 +1,6 @@
 """A prompt's job as the completion routes hold it (`PromptJob`), and the `stream=true` response: server-sent
-events, one chunk per piece of text as vLLM sends them, the usage chunk when asked, `[DONE]`; a job that ends
-without its tokens ends the stream with an error event (api/errors.py)."""
+events, one chunk per token as vLLM sends them (text "" while it is held back), the usage chunk when asked,
+`[DONE]`; a job that ends without its tokens ends the stream with an error event (api/errors.py)."""
 
 from __future__ import annotations
 

@@ -149,7 +149,9 @@ MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 STREAMED = ("stop_string", "stop_mid_token", "min_tokens", "echo", "echo_only", "chat_system", "chat_stop")
-CONTINUOUS = ("stop_string", "chat_system")  # streamed with vLLM's continuous_usage_stats: usage on every chunk
+# streamed with vLLM's continuous_usage_stats: usage on every chunk, a chunk per token (stop_mid_token's 3-character
+# stop string holds text back: a chunk with text "" then, as vLLM sends it)
+CONTINUOUS = ("stop_string", "stop_mid_token", "chat_system")
 # requests vLLM refuses (400): prfaas must refuse them too
 REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
     "stream_options_unstreamed": (
@@ -163,6 +165,7 @@ REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 2},
     ),
     "max_tokens_0": ("completions", {"prompt": FRANCE, "max_tokens": 0}),  # without echo
+    "stop_five": ("completions", {"prompt": FRANCE, "max_tokens": 2, "stop": ["a", "b", "c", "d", "e"]}),  # max 4
     "chat_max_tokens_0": ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}),
 }
 

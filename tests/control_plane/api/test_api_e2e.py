@@ -424,3 +424,40 @@ def test_chat_template_controls_as_vllm_takes_them(
     assert closed["usage"]["prompt_tokens"] == counted["closed"]
     # continued: no <|im_end|> and newline after the prefill, no assistant turn opened
     assert continued["usage"]["prompt_tokens"] < counted["unopened"] < counted["closed"]
+
+
+def test_a_stream_sends_a_chunk_per_token_even_when_its_text_is_held_back(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str]
+) -> None:
+    """As vLLM streams: one chunk per token, with text "" while a stop string's possible start is held back (here
+    7 characters of an 8-character stop string that never comes), so a client counting chunks (`vllm bench`'s
+    inter-token latency) counts tokens. Before, a token with no new text sent no chunk: 12 tokens came in fewer."""
+    s, _ = stack
+    fields = {"model": "tiny-llama", "prompt": "once upon a time", "max_tokens": 12, "stop": ["zzzzzzzz"],
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    client = _client(s, tenant[1])
+    whole = client.completions.create(**fields)  # type: ignore[call-overload]
+    chunks = [c for c in client.completions.create(**fields, stream=True) if c.choices]  # type: ignore[call-overload]
+    assert len(chunks) == whole.usage.completion_tokens == 12, [c.choices[0].text for c in chunks]
+    assert any(c.choices[0].text == "" for c in chunks[:-1])  # held back, sent as an empty chunk
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+@pytest.mark.parametrize("model", [None, "", "omitted"])
+def test_a_request_without_a_model_gets_the_served_one_and_null_usage_options_are_taken(
+    stack: tuple[Stack, list[RegionProcess]], tenant: tuple[str, str], model: str | None
+) -> None:
+    """As vLLM: `model` omitted, null or "" is the served model (before: 400), and `stream_options` fields may
+    be null (before: 400); a model named and not served is still 404."""
+    s, _ = stack
+    body: dict[str, Any] = {"prompt": "hi", "max_tokens": 2, "stream": True,
+                            "stream_options": {"include_usage": None, "continuous_usage_stats": None}}  # fmt: skip
+    if model != "omitted":
+        body["model"] = model
+    auth = {"Authorization": f"Bearer {tenant[1]}"}
+    reply = httpx.post(s.url + "/v1/completions", json=body, headers=auth, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert '"model": "tiny-llama"' in reply.text and reply.text.rstrip().endswith("data: [DONE]")
+    assert '"usage"' not in reply.text  # include_usage null: not asked
+    other = httpx.post(s.url + "/v1/completions", json=body | {"model": "gpt-4"}, headers=auth, timeout=60)
+    assert (other.status_code, other.json()["error"]["code"]) == (404, "model_not_found")

@@ -77,9 +77,11 @@ def test_wasted_work_from_the_timeline(
 
 # attempt 1 prefilled in p (0.8 s) and lost its decode instance 1 s into decoding; attempt 2 reshipped the leased
 # KV from p (0.3 s of shipping) to another decode instance, which answered
-RESHIPPED_TL = _tl(("PREFILLING", 1, 0, "prefill in p"), ("TRANSFERRING", 1, 0.8, ""), ("DECODING", 1, 1.0, ""),
-                   ("QUEUED", 2, 2.0, "decode lost"), ("PREFILLING", 2, 2.1, "reship from p/0"),
-                   ("TRANSFERRING", 2, 2.4, "reshipped"), ("DECODING", 2, 2.6, ""), ("DONE", 2, 3.0, "length"))  # fmt: skip
+RESHIPPED_TL = _tl(
+    ("PREFILLING", 1, 0, "prefill in p"), ("TRANSFERRING", 1, 0.8, ""), ("DECODING", 1, 1.0, ""),
+    ("QUEUED", 2, 2.0, "decode lost"), ("PREFILLING", 2, 2.1, "reship from p/0"),
+    ("TRANSFERRING", 2, 2.4, "reshipped"), ("DECODING", 2, 2.6, ""), ("DONE", 2, 3.0, "length"),
+)  # fmt: skip
 
 
 def test_a_prefill_the_answer_reshipped_is_billed_not_wasted() -> None:
