@@ -22,6 +22,7 @@ from prfaas.control_plane.jobs.generation import Follower
 
 log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+POLL_S = 0.1  # how soon the drain's thread sees the signal
 
 
 class Drain:
@@ -30,28 +31,30 @@ class Drain:
     def __init__(self, follower: Follower, timeout_s: float) -> None:
         self.follower = follower
         self.timeout_s = timeout_s
-        self._begun = threading.Event()
+        self.began_at: float | None = None  # set by the signal handler: a plain attribute, no lock to take there
         self._stopped = threading.Event()
-        self.began_at: float | None = None
         self._thread = threading.Thread(target=self._run, name="prfaas-drain", daemon=True)
         self._thread.start()
 
     @property
     def draining(self) -> bool:
-        return self._begun.is_set()
+        return self.began_at is not None
 
     def begin(self) -> None:
-        """Safe in a signal handler: it sets an event; the drain's thread does the rest."""
-        if not self._begun.is_set():
+        """Safe in a signal handler (it takes no lock: an Event's would deadlock with the main thread inside its
+        own `set`); the drain's thread sees it within POLL_S and does the rest."""
+        if self.began_at is None:
             self.began_at = time.monotonic()
-            self._begun.set()
 
     def stop(self) -> None:
         """The server stopped serving: jobs still streamed here end now (none, after a drain that emptied)."""
         self._stopped.set()
-        self._begun.set()
         self._thread.join(5.0)
-        ended = self.follower.end_all()
+        try:
+            ended = self.follower.end_all()
+        except Exception:  # the lifespan's end goes on (the registry, the beats, the meter)
+            log.exception("shutdown: ending the jobs still streamed here failed")
+            return
         if ended:
             log.warning("shutdown: %d jobs still streamed here canceled", ended)
 
@@ -76,12 +79,16 @@ class Drain:
         return handle
 
     def _run(self) -> None:
-        self._begun.wait()
-        if self._stopped.is_set():
-            return
+        while self.began_at is None:
+            if self._stopped.wait(POLL_S):
+                return
         log.warning("draining: %d jobs streamed here, new requests refused; those still running in %g s are "
                     "canceled", self.follower.streaming(), self.timeout_s)  # fmt: skip
         if self._stopped.wait(self.timeout_s):
             return
-        ended = self.follower.end_all()
+        try:
+            ended = self.follower.end_all()
+        except Exception:  # the lifespan's end tries again
+            log.exception("drain over after %g s: ending the jobs still streamed here failed", self.timeout_s)
+            return
         log.warning("drain over after %g s: %d jobs still streamed here canceled", self.timeout_s, ended)

@@ -73,6 +73,7 @@ class Follower:
         self.placer = AdmissionPlacer(services, services.settings.snapshot_ttl_s)
         self.meter = meter  # bills each job once it is DONE (off this thread)
         self._streamed: dict[str, Outputs] = {}  # the jobs this process streams now: what a cancel here records
+        self._calls: dict[str, Any] = {}  # their decode calls in flight (gRPC streams), which `end_all` cancels
         self.ending = threading.Event()  # this process shuts down (`end_all`): no job streams or is read here now
 
     def tokens(
@@ -91,9 +92,10 @@ class Follower:
                 self.leases.follow(job_id, self.owner)
             unfollowed = False
             outputs = self._streamed[job_id] = Outputs(already or ())
-            if self.ending.is_set():  # admitted as this process shut down, after `end_all`: it ends too
-                self.cancel(job_id, SHUTTING_DOWN, wait=False)
             try:
+                if self.ending.is_set():  # admitted as this process shut down, after `end_all`: it ends too, now
+                    self.cancel(job_id, SHUTTING_DOWN, wait=False)  # (a decode call would race the regions' Cancel)
+                    raise JobEnded("CANCELED", f"canceled: {SHUTTING_DOWN}")
                 unfollowed = yield from self._tokens(job_id, job, ready, after_attempt, outputs, parent)
             except BaseException:  # its client gone (GeneratorExit), the job canceled, failed or timed out
                 self._cut(job_id, outputs)
@@ -171,7 +173,8 @@ class Follower:
                             "prfaas.decode_region": handed.get("decode_region", "")},
             )  # fmt: skip
             try:
-                stream = start_decode(stub, job_id, job, handed, attempt, remaining, tracing.metadata(call))
+                stream = self._calls[job_id] = start_decode(stub, job_id, job, handed, attempt, remaining,
+                                                             tracing.metadata(call))  # fmt: skip
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 served: dict[str, int] = {}  # a local run's prefix cache hit, recorded with DONE
                 n = job_sampling(job).n  # choices: DONE once each ended
@@ -231,6 +234,7 @@ class Follower:
                 tracing.interrupted(call, exc)
                 raise
             finally:
+                self._calls.pop(job_id, None)
                 tracing.end(call)  # once: a second end is a no-op
 
     def _adopted_elsewhere(self, job_id: str, output: Outputs) -> Iterator[Token]:
@@ -336,6 +340,8 @@ class Follower:
         tokens its follower got are billed (billing/usage.py), as vLLM-backed APIs bill an aborted request's
         output so far; recorded with the move where this process streams the job, else by its follower when its
         stream ends (`_cut`)."""
+        if self.ending.is_set() and not by_client:  # this process shuts down: a batch's other prompts, a deadline
+            reason = SHUTTING_DOWN
         marked: dict[str, Any] = {"client_left": 1} if reason == SHUTTING_DOWN else {}  # its retry: a fresh job
         if by_client:  # streamed here: what it got as of now, with the move (a token that comes later is not billed)
             streamed = self._streamed.get(job_id)
@@ -362,8 +368,17 @@ class Follower:
         """This process shuts down (api/shutdown.py): every job it streams now is canceled (its regions told,
         not waited for), each of its clients gets the cancel as its stream's end, and the requests attached here
         to another process's job end at their next look (`ending`). -> how many jobs were canceled."""
-        self.ending.set()
-        return sum(self.cancel(job_id, reason, wait=False) for job_id in list(self._streamed))
+        self.ending.set()  # from now on every cancel here is SHUTTING_DOWN's (a batch's other prompts too)
+        ended = 0
+        for job_id in list(self._streamed):
+            try:
+                ended += self.cancel(job_id, reason, wait=False)
+            except redis.RedisError as exc:  # its stream ends with the outage (`abandon`): the others still end
+                log.warning("job %s not canceled at shutdown: %s", job_id, exc)
+            call = self._calls.get(job_id)
+            if call is not None:  # its region may have taken the Cancel before the call: this call ends now
+                call.cancel()
+        return ended
 
     def _cut(self, job_id: str, output: Outputs) -> None:
         """The job's stream ended before DONE with tokens read: what it got, for the bill of a job its client

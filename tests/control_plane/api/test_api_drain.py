@@ -93,17 +93,23 @@ def test_a_stream_past_the_drain_ends_with_an_error_event_and_its_key_gets_a_fre
     assert api is not None
     _, key = stack.tenant("drained-cut", allow_placement=True)
     headers = {"Authorization": f"Bearer {key}"}
+    _, other = stack.tenant("drained-unary", allow_placement=True)  # its jobs listed apart from the stream's
     unary: list[httpx.Response] = []
 
     def answer() -> None:
-        unary.append(httpx.post(stack.url + "/v1/completions", json=_body(200, False), headers=headers, timeout=60))
+        unary.append(httpx.post(stack.url + "/v1/completions", json=_body(200, False),
+                                headers={"Authorization": f"Bearer {other}"}, timeout=60))  # fmt: skip
 
     unary_thread = threading.Thread(target=answer, daemon=True)
     signalled: list[float] = []
 
+    def admitted() -> bool:
+        jobs = httpx.get(stack.url + "/v1/jobs", headers={"Authorization": f"Bearer {other}"}, timeout=10).json()
+        return len(jobs["data"]) == 1
+
     def stop() -> None:
         unary_thread.start()
-        time.sleep(0.5)  # the unary request's job is admitted by now (it waits or decodes)
+        wait_until(admitted, 30, 0.05)  # in flight at the signal (not refused at the door)
         api.send_signal(signal.SIGTERM)
         signalled.append(time.monotonic())
 
@@ -148,7 +154,7 @@ def test_a_request_still_arriving_at_sigterm_is_refused_with_503(stack: Stack) -
         head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
         conn.sendall(head.encode() + body[:10])
-        time.sleep(0.3)
+        time.sleep(1.0)  # its headers read (uvicorn took the connection before it closed its listener)
         api.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         conn.sendall(body[10:])
