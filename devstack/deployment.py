@@ -385,6 +385,9 @@ class Deployment:
         """Names of processes that exited on their own."""
         return [name for name, proc in self.procs.items() if proc.poll() is not None]
 
+    def exit_status(self, name: str) -> int | None:
+        return self.procs[name].returncode
+
     def stop(self) -> None:
         with self.lock:  # no region starting now records its group after this (it is stopped at once instead)
             self.stopping = True

@@ -109,6 +109,11 @@ class Topology(_Strict):
     tenant: TenantSpec = Field(default_factory=TenantSpec)
     regions: list[RegionSpec] = Field(min_length=1)
     links: list[LinkSpec] = Field(default_factory=list)
+    restarts: int = Field(
+        default=5, ge=0, le=100,
+        description="a process that crashes is started again by a foreground `prfaas up`, at most this many times "
+        "in 10 minutes (devstack/supervise.py); 0: never",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -15,6 +15,7 @@ from prfaas.devstack.deployment import Deployment
 from prfaas.devstack.preflight import preflight
 from prfaas.devstack.processes import group_alive, pid_alive
 from prfaas.devstack.state import UpError, UpState, read_state, state_path, stop_state, write_state
+from prfaas.devstack.supervise import Supervisor
 from prfaas.devstack.topology import Topology
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -81,11 +82,9 @@ def run_up(
             on_ready(state)
             return state
         on_ready(state)
-        reported: set[str] = set()
+        supervisor = Supervisor(deployment, topology.restarts, tell)  # a crashed process is started again
         while True:
-            for name in set(deployment.dead()) - reported:
-                tell(f"warning: {name} exited (log {deployment.run_dir / name}.log)")
-                reported.add(name)
+            supervisor.step()
             time.sleep(0.5)
     except KeyboardInterrupt:
         tell("stopping")

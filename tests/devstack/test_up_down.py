@@ -268,6 +268,21 @@ def test_ctrl_c_stops_everything_also_with_an_emulated_wan(home: Path) -> None:
         reply = client.completions.create(model="tiny-llama", prompt=list(range(100, 400)), max_tokens=3,
                                           extra_body={"prfaas": {"placement": "split"}})  # fmt: skip
         assert reply.usage is not None and reply.usage.completion_tokens == 3  # KV crossed the (emulated) link
+        # the only Celery worker killed: `up` starts it again (devstack/supervise.py), and split jobs, which a
+        # worker dispatches, run again; `down` stops the new one too (its pid is in up.json at once)
+        groups: dict[str, int] = state["groups"]  # type: ignore[assignment]
+        os.killpg(groups["worker-1"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = json.loads((home / "up.json").read_text())
+            restarted = state["groups"]["worker-1"]  # type: ignore[index]
+            if restarted != groups["worker-1"] and pid_alive(int(restarted)):
+                break
+            time.sleep(0.2)
+        assert restarted != groups["worker-1"], "worker-1 was not started again"
+        again = client.completions.create(model="tiny-llama", prompt=list(range(100, 400)), max_tokens=3,
+                                          extra_body={"prfaas": {"placement": "split"}})  # fmt: skip
+        assert again.usage is not None and again.usage.completion_tokens == 3
     finally:
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends; the children have sessions of their own
         try:
@@ -277,6 +292,8 @@ def test_ctrl_c_stops_everything_also_with_an_emulated_wan(home: Path) -> None:
             raise
     assert proc.returncode == 0, output
     assert "stopping" in output and "stopped region-dec" in output
+    assert "warning: worker-1 exited (status -9); starting it again in 1 s" in output
+    assert "worker-1 started again" in output
     if not wan:
         assert "--emulate-wan and --hosts need root" in output
     _assert_all_gone(state, home)
