@@ -65,6 +65,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.follower = follower = Follower(services, celery, meter, beats.me)
         app.state.drain = drain = Drain(follower, settings.shutdown_timeout_s)  # on SIGTERM (api/shutdown.py)
         drain.install_signals()
+        api_metrics.watch_drain(follower.streaming, lambda: drain.draining)  # prfaas_api_jobs_streaming, _draining
         server = None
         if settings.registry_listen:
             server, address = serve_registry(services.regions, settings.registry_listen, settings.tls)

@@ -1,8 +1,9 @@
 """`ApiMetrics`: the API process's own Prometheus metrics (`GET /metrics`, with the metering metrics):
 responses by route and status, admission time (request received -> job written), the time spent
 tokenizing prompts (its `_count` is how many prompts were tokenized: a request refused at admission
-adds none), admission refusals by reason, and the requests waiting on their jobs' tokens (api/threads.py:
-those holding a waiting thread, and those queued for one once all `max_waiting_requests` are taken)."""
+adds none), admission refusals by reason, the requests waiting on their jobs' tokens (api/threads.py:
+those holding a waiting thread, and those queued for one once all `max_waiting_requests` are taken), the jobs
+streamed now, and whether the process drains (api/shutdown.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,18 @@ class ApiMetrics:
             "prfaas_api_waiting_queued", "requests queued for a waiting thread (all max_waiting_requests taken)",
             registry=registry,
         )  # fmt: skip
+
+        self.streaming = Gauge(
+            "prfaas_api_jobs_streaming", "jobs this process streams to their clients now", registry=registry
+        )
+        self.draining = Gauge(
+            "prfaas_api_draining", "1 from SIGTERM on: this process drains (api/shutdown.py)", registry=registry
+        )
+
+    def watch_drain(self, streaming: Callable[[], int], draining: Callable[[], bool]) -> None:
+        """Read the follower's streamed jobs and the drain's state at each scrape."""
+        self.streaming.set_function(lambda: float(streaming()))
+        self.draining.set_function(lambda: float(draining()))
 
     def watch_waiting(self, limiter: Any) -> None:
         """Read the waiting threads' limiter (an anyio CapacityLimiter) at each scrape: reading its counts from the

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from cp_kit import stack_services, two_region_stack
 
-from prfaas.devstack.stack import Stack, wait_until
+from prfaas.devstack.stack import ADMIN, Stack, wait_until
 
 pytestmark = pytest.mark.e2e
 TOKEN_DELAY_S = 0.1
@@ -72,6 +72,8 @@ def test_a_stream_in_flight_at_sigterm_ends_whole_within_the_drain(stack: Stack)
     signalled: list[float] = []
 
     def stop() -> None:
+        metrics = httpx.get(stack.url + "/metrics", headers=ADMIN, timeout=10).text
+        assert "prfaas_api_jobs_streaming 1.0" in metrics and "prfaas_api_draining 0.0" in metrics
         api.send_signal(signal.SIGTERM)
         signalled.append(time.monotonic())
 
