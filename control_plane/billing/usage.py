@@ -78,18 +78,23 @@ def _attempt_regions(job: dict[str, str], timeline: list[dict[str, Any]], attemp
 
 def _reshipped(timeline: list[dict[str, Any]]) -> tuple[set[int], dict[int, int]]:
     """(the attempts that reshipped a lease's KV rather than prefill, each of them -> the attempt whose prefill
-    computed that KV: the last one before it that prefilled)."""
+    computed that KV: the last one before it that prefilled on the instance it reshipped from, "reship from
+    REGION/INSTANCE" matching "prefill in REGION/INSTANCE" (a note of a region alone matches its region). A
+    fresh prefill elsewhere between the two (the lease's instance looked dead to dispatch, then that prefill
+    failed) is not the reshipped one."""
     prefills = sorted((int(e.get("attempt", 0)), str(e.get("note", ""))) for e in timeline
                       if e["state"] == "PREFILLING")  # fmt: skip
     reships = {a for a, note in prefills if note.startswith("reship from ")}
     origin: dict[int, int] = {}
-    computed = 0
-    for a, _ in prefills:
-        if a in reships:
-            if computed:
-                origin[a] = computed
-        else:
-            computed = a
+    for b, note in prefills:
+        if b not in reships:
+            continue
+        source = note.removeprefix("reship from ").strip()
+        for a, earlier in reversed([p for p in prefills if p[0] < b and p[0] not in reships]):
+            where = earlier.removeprefix("prefill in ").split(":")[0].strip()
+            if where == source or ("/" not in where and where == source.split("/")[0]):
+                origin[b] = a
+                break
     return reships, origin
 
 

@@ -261,7 +261,7 @@ class Dispatcher:
         )
         stage = "reship" if reship else "prefill"
         try:
-            note = f"reship from {prefill.key}" if reship else f"prefill in {decision.prefill_region}"
+            note = f"reship from {prefill.key}" if reship else f"prefill in {prefill.key}"  # region/instance
             jobs.transition(job_id, JobState.PREFILLING, attempt, note=note, reserve_s=reserve_s)
         except (StaleAttempt, IllegalTransition, JobNotFound):
             self._release(decode_stub, job_id, attempt)

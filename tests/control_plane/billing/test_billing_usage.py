@@ -93,6 +93,24 @@ def test_a_prefill_the_answer_reshipped_is_billed_not_wasted() -> None:
     assert [(w.attempt, w.phase, w.gpu_s) for w in waste] == [(1, "decode", pytest.approx(1.2))]
 
 
+def test_a_reship_is_credited_to_the_prefill_on_the_instance_it_reshipped_from() -> None:
+    """Attempt 1 prefilled on p/0 and lost its decode; attempt 2 prefilled afresh on q/0 (dispatch saw p/0's lease
+    as dead a moment) and q died; attempt 3 reshipped p/0's KV after all and answered. The bill has attempt 1's
+    prefill (its `prefill_gpu_s`): attempt 2's prefill in q is the waste, not attempt 1's (the last prefill before
+    the reship, which the first version credited)."""
+    tl = _tl(
+        ("PREFILLING", 1, 0, "prefill in p/0"), ("TRANSFERRING", 1, 1.0, ""), ("DECODING", 1, 1.2, ""),
+        ("QUEUED", 2, 2.0, "decode lost"), ("PREFILLING", 2, 2.1, "prefill in q/0"),
+        ("QUEUED", 3, 4.1, "prefill in q/0: UNAVAILABLE"), ("PREFILLING", 3, 4.2, "reship from p/0"),
+        ("TRANSFERRING", 3, 4.4, "reshipped"), ("DECODING", 3, 4.6, ""), ("DONE", 3, 5.0, "length"),
+    )  # fmt: skip
+    job = SPLIT | {"attempt": "3", "regions_a1": "p>d", "regions_a2": "q>d", "regions_a3": "p>d"}
+    waste = wasted_work(job, tl, range(1, 3))
+    assert {(w.attempt, w.phase, w.region): w.gpu_s for w in waste} == pytest.approx(
+        {(1, "decode", "d"): 1.0, (2, "prefill", "q"): 2.0}
+    )
+
+
 def test_a_reshipped_job_that_failed_wastes_its_prefill_once() -> None:
     """No attempt answered: attempt 1's prefill is the platform's cost, once; attempt 2's reship is no prefill."""
     tl = RESHIPPED_TL[:-1] + _tl(("FAILED", 2, 3.0, "decode lost again"))
