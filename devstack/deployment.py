@@ -354,15 +354,21 @@ class Deployment:
 
     def restart(self, name: str) -> None:
         """Start process `name` again as it was started (the API on its port, a region instance
-        with its config), as a supervisor would; returns once it serves."""
+        with its config), as a supervisor would; returns once it serves. UpError once `stop` began
+        (nothing is started then: what `stop` stops is what is recorded before it)."""
         if name.startswith("region-"):
             region, k = next((r, k) for r, count in self.instances.items() for k in range(count)
                              if self._process(r, k) == name)  # fmt: skip
-            self._start_region(region, k)
+            self._start_region(region, k)  # a region spawned once `stop` began is stopped at once
             return
-        self._popen(name, *self._argv[name])
+        with self.lock:  # recorded before `stop` reads the groups, or not started at all
+            if self.stopping:
+                raise UpError(f"{name} not started again: the deployment is stopping")
+            self._popen(name, *self._argv[name])
         if name == "api":
             wait_until(lambda: self._alive("api") and http_ok(self.state.url + "/readyz"), 60, 0.1)
+        if name == "redis":  # a private one, started empty: what the jobs in flight held is gone
+            wait_until(lambda: _redis_answers(self.state.redis_url), 20, 0.05)
 
     def cut_link(self, src: str, dst: str, cut: bool) -> bool:
         """Cut (drop every packet both ways) or restore the emulated link `src -> dst`; False

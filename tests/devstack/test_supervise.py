@@ -61,12 +61,30 @@ def test_a_killed_process_is_started_again_and_one_that_keeps_crashing_is_left_d
         supervisor.step(now=100.5)
         assert deployment.started == []  # not before its wait
         supervisor.step(now=101.0)
+        supervisor.wait(5)  # on a thread of its own
         assert deployment.started == ["worker-1"] and said[-1] == "worker-1 started again"
         assert deployment.dead() == []  # the new one runs
         deployment.kill("worker-1")  # a second crash within the window: past limit 1
         supervisor.step(now=102.0)
         supervisor.step(now=200.0)
+        supervisor.wait(5)
         assert deployment.started == ["worker-1"] and "is left down" in said[-1], said
         assert deployment.procs["api"].poll() is None  # the others untouched
+    finally:
+        deployment.close()
+
+
+def test_a_process_stopped_on_purpose_is_left_down(tmp_path: Path) -> None:
+    """As systemd's Restart=on-failure: SIGTERM (an operator's stop, a region's drain) is no crash."""
+    said: list[str] = []
+    deployment = Sleepers(tmp_path, ["region-a"])
+    supervisor = Supervisor(deployment, limit=5, tell=said.append)
+    try:
+        deployment.procs["region-a"].send_signal(signal.SIGTERM)
+        deployment.procs["region-a"].wait(5)
+        for now in (100.0, 110.0):
+            supervisor.step(now=now)
+        supervisor.wait(5)
+        assert deployment.started == [] and len(said) == 1 and "status -15" in said[0] and "left down" in said[0]
     finally:
         deployment.close()
