@@ -52,7 +52,8 @@ def version() -> dict[str, str]:
 
 
 def _model(s: Services, name: str | None) -> None:
-    if name is not None and name != s.model.name:
+    """None or "": the served model, as vLLM (and the generation routes) take it."""
+    if name and name != s.model.name:
         raise model_not_found(name, s.model.name)
 
 

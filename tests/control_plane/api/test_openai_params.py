@@ -219,6 +219,8 @@ def test_vllm_server_extras(stack: Stack, key: str) -> None:
     assert text["prompt"] == "hello world"
     chat = httpx.post(stack.url + "/tokenize", json={"messages": CHAT}, headers=auth, timeout=5).json()
     assert chat["count"] > tokens["count"] - 2  # the chat template's tokens around the message
+    unnamed = httpx.post(stack.url + "/tokenize", json={"model": "", "prompt": "hello world"}, headers=auth, timeout=5)
+    assert unnamed.json()["tokens"] == tokens["tokens"]  # "": the served model, as the generation routes take it
     denied = httpx.post(stack.url + "/tokenize", json={"prompt": "hi"}, timeout=5)
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "missing_api_key"
     bad = httpx.post(stack.url + "/detokenize", json={"tokens": [10**9]}, headers=auth, timeout=5)
