@@ -49,10 +49,15 @@ locals {
       # and the dashboard's cookies are Secure (uvicorn trusts only 127.0.0.1 by default)
       command = ["uvicorn", "--factory", "prfaas.control_plane.app:app_from_env", "--host", "0.0.0.0",
       "--port", "8000", "--proxy-headers", "--forwarded-allow-ips", "*"]
-      environment = concat(local.env, [{ name = "PRFAAS_REGISTRY_LISTEN", value = "0.0.0.0:${var.registry_port}" }])
-      secrets     = concat(local.secrets_every_process, local.secrets_tls) # the registry's mutual TLS; it dials regions
+      environment = concat(local.env, [
+        { name = "PRFAAS_REGISTRY_LISTEN", value = "0.0.0.0:${var.registry_port}" },
+        { name = "PRFAAS_SHUTDOWN_TIMEOUT_S", value = tostring(var.api_shutdown_timeout_s) },
+      ])
+      secrets = concat(local.secrets_every_process, local.secrets_tls) # the registry's mutual TLS; it dials regions
       container = {
         portMappings = [{ containerPort = 8000, protocol = "tcp" }, { containerPort = var.registry_port, protocol = "tcp" }]
+        # SIGTERM (after the ALB's deregistration delay), then the API's drain, then SIGKILL: never mid-drain
+        stopTimeout = var.api_shutdown_timeout_s + 10
       }
       load_balancers = [
         { target_group_arn = aws_lb_target_group.api.arn, port = 8000 },

@@ -98,6 +98,16 @@ variable "api_count" {
   default     = 2
 }
 
+variable "api_shutdown_timeout_s" {
+  description = "the API's drain on SIGTERM (PRFAAS_SHUTDOWN_TIMEOUT_S): streams in flight go on this long, then end with a server_shutting_down error; ECS's stopTimeout is 10 s more (Fargate allows 120 s)"
+  type        = number
+  default     = 20
+  validation {
+    condition     = var.api_shutdown_timeout_s >= 0 && var.api_shutdown_timeout_s <= 110
+    error_message = "api_shutdown_timeout_s must be in [0, 110]: ECS stops a Fargate task at most 120 s after SIGTERM."
+  }
+}
+
 variable "api_cpu" {
   description = "API task CPU units"
   type        = number
