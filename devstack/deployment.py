@@ -112,10 +112,9 @@ class Deployment:
         self.network: Network = WanMesh(topology, self.run_dir, self.instances) if emulate_wan else LoopbackNetwork()
         self.pki: DeploymentPki | None = None
         self.state = UpState(
-            api_base="", api_key="", admin_key=self.admin_key, dashboard_url="", url="", tenant_id="",
-            topology=topology_path, redis_url="", key_prefix=f"prfaas-up-{topology.name}", registry="",
-            log_dir=str(self.run_dir), emulate_wan=emulate_wan, supervisor_pid=os.getpid(),
-            api_drain_s=topology.control_plane.shutdown_timeout_s,
+            api_base="", api_key="", admin_key=self.admin_key, dashboard_url="", url="", tenant_id="", registry="",
+            topology=topology_path, redis_url="", key_prefix=f"prfaas-up-{topology.name}", log_dir=str(self.run_dir),
+            emulate_wan=emulate_wan, supervisor_pid=os.getpid(), api_drain_s=topology.control_plane.shutdown_timeout_s,
         )  # fmt: skip
         self.state.record(os.getpid())
         self.procs: dict[str, subprocess.Popen[Any]] = {}
@@ -353,9 +352,8 @@ class Deployment:
         proc.wait(10)
 
     def restart(self, name: str) -> None:
-        """Start process `name` again as it was started (the API on its port, a region instance
-        with its config), as a supervisor would; returns once it serves. UpError once `stop` began
-        (nothing is started then: what `stop` stops is what is recorded before it)."""
+        """Start process `name` again as it was started (the API on its port, a region instance with its config),
+        as a supervisor would; returns once it serves. UpError once `stop` began (then nothing starts)."""
         if name.startswith("region-"):
             region, k = next((r, k) for r, count in self.instances.items() for k in range(count)
                              if self._process(r, k) == name)  # fmt: skip
@@ -365,10 +363,10 @@ class Deployment:
             if self.stopping:
                 raise UpError(f"{name} not started again: the deployment is stopping")
             self._popen(name, *self._argv[name])
-        if name == "api":
-            wait_until(lambda: self._alive("api") and http_ok(self.state.url + "/readyz"), 60, 0.1)
-        if name == "redis":  # a private one, started empty: what the jobs in flight held is gone
-            wait_until(lambda: _redis_answers(self.state.redis_url), 20, 0.05)
+        serves = {"api": lambda: self._alive("api") and http_ok(self.state.url + "/readyz"),
+                  "redis": lambda: _redis_answers(self.state.redis_url)}  # a private Redis: back empty  # fmt: skip
+        if name in serves:
+            wait_until(serves[name], 60, 0.1)
 
     def cut_link(self, src: str, dst: str, cut: bool) -> bool:
         """Cut (drop every packet both ways) or restore the emulated link `src -> dst`; False

@@ -10,9 +10,11 @@ instance is not, and the KV it holds is no use (it may hang, not be gone)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -21,6 +23,7 @@ from prfaas.control_plane.jobs.prefix import cache_salt
 from prfaas.control_plane.jobs.records import sampling
 from prfaas.protos.prfaas.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from prfaas.region.channels import ChannelCache, TlsFiles, keepalive_options
+from prfaas.telemetry import tracing
 from prfaas.transport.identity import server_name
 
 log = logging.getLogger(__name__)
@@ -100,3 +103,21 @@ def cancel_in_regions(channels: ChannelCache, job_id: str, job: dict[str, str], 
 
 def _ids(job: dict[str, str], field: str = "token_ids") -> list[int]:
     return list(json.loads(job.get(field) or "[]"))
+
+
+@contextlib.contextmanager
+def released(stream: Any) -> Iterator[threading.Event]:
+    """Ends a decode stream however its reading ends: set the event once the job is DONE; else (an error, the
+    client gone and the generator closed) the call is cancelled now, so the region stops generating at once
+    rather than when the garbage collector reaches the call."""
+    finished = threading.Event()
+    try:
+        yield finished
+    finally:
+        if not finished.is_set():
+            stream.cancel()
+
+
+def trace_parent(span: tracing.Span | None, job: dict[str, str]) -> Any:
+    """The context a decode call's span is started in: the job's span in this process, else its record's trace."""
+    return tracing.set_span_in_context(span) if span is not None else tracing.from_traceparent(job.get("trace"))

@@ -30,7 +30,14 @@ from prfaas.control_plane.billing.usage import served_timing
 from prfaas.control_plane.jobs.attached import AttachedReader
 from prfaas.control_plane.jobs.attempts import Attempts
 from prfaas.control_plane.jobs.celery_app import enqueue
-from prfaas.control_plane.jobs.decode_calls import PREFILL_LOST, cancel_in_regions, region_channels, start_decode
+from prfaas.control_plane.jobs.decode_calls import (
+    PREFILL_LOST,
+    cancel_in_regions,
+    region_channels,
+    released,
+    start_decode,
+    trace_parent,
+)
 from prfaas.control_plane.jobs.errors import (
     RECORD_LOST,
     STORE_LOST,
@@ -168,7 +175,7 @@ class Follower:
             stub = self._decode_stub(handed["decode_grpc"], handed.get("decode_region", ""))
             remaining = max(1.0, deadline - time.monotonic())
             call = tracing.tracer.start_span(
-                "api.decode", context=_trace_parent(parent, job), kind=tracing.SpanKind.CLIENT,
+                "api.decode", context=trace_parent(parent, job), kind=tracing.SpanKind.CLIENT,
                 attributes={tracing.JOB_ID: job_id, "prfaas.attempt": attempt, "prfaas.placement": handed["mode"],
                             "prfaas.decode_region": handed.get("decode_region", "")},
             )  # fmt: skip
@@ -178,7 +185,7 @@ class Follower:
                 first: tuple[float, float] | None = None  # token 0: (wall time, stream elapsed s)
                 served: dict[str, int] = {}  # a local run's prefix cache hit, recorded with DONE
                 n = job_sampling(job).n  # choices: DONE once each ended
-                with _released(stream) as finished:
+                with released(stream) as finished:
                     for event in stream:
                         if event.index == 0 and event.choice == 0:
                             first = (time.time(), event.elapsed_s)
@@ -365,18 +372,15 @@ class Follower:
         return len(self._streamed)
 
     def end_all(self, reason: str = SHUTTING_DOWN) -> int:
-        """This process shuts down (api/shutdown.py): every job it streams now is canceled (its regions told,
-        not waited for), each of its clients gets the cancel as its stream's end, and the requests attached here
-        to another process's job end at their next look (`ending`). -> how many jobs were canceled."""
+        """This process shuts down (api/shutdown.py): each job it streams is canceled (its regions told, not waited
+        for; its decode call, which may have outrun that Cancel, cancelled), its client gets the cancel as its
+        stream's end, and requests attached here to another process's job end at their next look (`ending`)."""
         self.ending.set()  # from now on every cancel here is SHUTTING_DOWN's (a batch's other prompts too)
         ended = 0
         for job_id in list(self._streamed):
-            try:
+            with contextlib.suppress(redis.RedisError):  # that stream ends with the outage (`abandon`)
                 ended += self.cancel(job_id, reason, wait=False)
-            except redis.RedisError as exc:  # its stream ends with the outage (`abandon`): the others still end
-                log.warning("job %s not canceled at shutdown: %s", job_id, exc)
-            call = self._calls.get(job_id)
-            if call is not None:  # its region may have taken the Cancel before the call: this call ends now
+            if (call := self._calls.get(job_id)) is not None:
                 call.cancel()
         return ended
 
@@ -392,21 +396,3 @@ class Follower:
             # refused once the sweep took the job for platform waste (billing/reconcile.py, `cut_closed`)
             if self.s.jobs.update(job_id, output.timing.attempt, unless="cut_closed", **cut) and self.meter is not None:
                 self.meter.job_done(job_id)
-
-
-@contextlib.contextmanager
-def _released(stream: Any) -> Iterator[threading.Event]:
-    """Ends a decode stream however its reading ends: set the event once the job is DONE; else (an error, the
-    client gone and the generator closed) the call is cancelled now, so the region stops generating at once
-    rather than when the garbage collector reaches the call."""
-    finished = threading.Event()
-    try:
-        yield finished
-    finally:
-        if not finished.is_set():
-            stream.cancel()
-
-
-def _trace_parent(span: tracing.Span | None, job: dict[str, str]) -> Any:
-    """The context a decode call's span is started in: the job's span in this process, else its record's trace."""
-    return tracing.set_span_in_context(span) if span is not None else tracing.from_traceparent(job.get("trace"))

@@ -1,6 +1,8 @@
 """schemathesis against the app's OpenAPI schema (in-process, real Redis), authenticated as
 a tenant for /v1 and as the admin for /admin: no 5xx on any generated request. The two
-generation routes are left out here (they wait for regions; tests/control_plane/api/test_api_e2e.py)."""
+generation routes are fuzzed too, but this app has no region: a request they admit (`model` may be
+omitted now, as vLLM takes it) waits its job's 1 s deadline and ends 504 `job_timeout`, the one 5xx
+expected there (served answers: tests/control_plane/api/test_api_e2e.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def app() -> Iterator[tuple[FastAPI, str]]:
 
 @pytest.fixture(scope="module")
 def api_schema(app: tuple[FastAPI, str]) -> Any:
-    return schemathesis.openapi.from_asgi("/openapi.json", app[0]).exclude(path_regex="completions$")
+    return schemathesis.openapi.from_asgi("/openapi.json", app[0])
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
@@ -44,4 +46,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 def test_no_server_errors(case: Any, app: tuple[FastAPI, str]) -> None:
     token = ADMIN_KEY if case.path.startswith("/admin") else app[1]
     response = case.call(headers={"Authorization": f"Bearer {token}"})
+    if case.path.endswith("completions") and response.status_code == 504:  # admitted; no region to run it
+        assert response.json()["error"]["code"] == "job_timeout", response.text[:200]
+        return
     assert response.status_code < 500, (case.method, case.path, response.status_code, response.text[:200])
