@@ -1,7 +1,7 @@
 """schemathesis against the app's OpenAPI schema (in-process, real Redis), authenticated as
 a tenant for /v1 and as the admin for /admin: no 5xx on any generated request. The two
 generation routes are fuzzed too, but this app has no region: a request they admit (`model` may be
-omitted now, as vLLM takes it) waits its job's 1 s deadline and ends 504 `job_timeout`, the one 5xx
+omitted now, as vLLM takes it) waits its job's 0.2 s deadline and ends 504 `job_timeout`, the one 5xx
 expected there (served answers: tests/control_plane/api/test_api_e2e.py)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prfaas.control_plane.app import create_app
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[tuple[FastAPI, str]]:
-    for s in settings_fixture(job={"timeout_s": 1}):
+    for s in settings_fixture(job={"timeout_s": 0.2}):
         application = create_app(s)
         with TestClient(application) as client:
             tenant = client.post(
